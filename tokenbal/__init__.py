@@ -1,0 +1,36 @@
+"""tokenbal: token-balanced sampling for multimodal LLM training.
+
+Everything here knows about *samples*: how many tokens each one costs (``tokenbal.estimate``),
+the on-disk token index (``tokenbal.index``), how to split work evenly (``tokenbal.partition``,
+``tokenbal.plan``) and the DataLoader facade (``tokenbal.sampler``). Heavy submodules load on
+first use so that ``import tokenbal`` stays cheap in every DataLoader worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "TokenIndex": "tokenbal.index",
+    "TokenBalancedBatchSampler": "tokenbal.sampler",
+    "get_estimator": "tokenbal.estimate",
+    "load_estimator": "tokenbal.estimate",
+    "partition": "tokenbal.partition",
+}
+
+if TYPE_CHECKING:
+    from tokenbal.estimate import get_estimator, load_estimator
+    from tokenbal.index import TokenIndex
+    from tokenbal.partition import partition
+    from tokenbal.sampler import TokenBalancedBatchSampler
+
+__all__ = [*_LAZY, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenbal' has no attribute {name!r}")
