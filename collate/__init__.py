@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from collate.packing import PackedBatch, PackedCollator
     from collate.prefetch import DevicePrefetcher
 
-__all__ = list(_LAZY)
+__all__ = ["DevicePrefetcher", "PackedBatch", "PackedCollator", "apply_mrope", "varlen_attention"]
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from tokenbal.partition import partition
     from tokenbal.sampler import TokenBalancedBatchSampler
 
-__all__ = [*_LAZY, "__version__"]
+__all__ = ["TokenBalancedBatchSampler", "TokenIndex", "__version__", "get_estimator", "load_estimator",
+           "partition"]
 
 
 def __getattr__(name: str) -> Any:

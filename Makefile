@@ -1,0 +1,42 @@
+# Two set-up commands for a fresh machine with only python3:
+#   make demo   -- create .venv, install tokenbal, run `tokenbal demo`
+#   make test   -- create .venv, install tokenbal[test], run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch is installed first, pinned to the CPU build, so nothing pulls a multi-GB CUDA wheel.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test test-slow lint venv clean
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(PY) -m pip install -q -e ".[hf]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.torch pyproject.toml
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed $(VENV)/.installed-test
+	$(VENV)/bin/tokenbal demo
+
+test: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check tokenbal collate tests scripts
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m slow
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check tokenbal collate tests scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

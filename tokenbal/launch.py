@@ -1,0 +1,93 @@
+"""Run a function on several local ranks, each in its own process, and fail fast.
+
+This is for single-machine jobs that spawn their own ranks (``tokenbal demo``, the tests);
+multi-node training uses torchrun. :func:`run_ranks` picks a free loopback port, spawns
+``world_size`` processes, sets a timeout on every collective, and raises in the parent if any
+rank fails or the whole run exceeds ``timeout`` seconds, so a bug fails fast instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
+            collective_timeout: float, backend: str, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(threads)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        try:
+            result = {"ok": True, "value": fn(rank, world_size, *args)}
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
+              collective_timeout: float = 60.0, backend: str = "gloo", threads: int = 1) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    ``fn`` must be importable (module level) and its return value picklable. Each rank runs
+    ``threads`` intra-op threads, so ranks do not fight over the cores.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world_size, port, fn, args, out_dir, collective_timeout,
+                                   backend, threads))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+            p.join()
+        if alive:
+            raise TimeoutError(f"distributed run did not finish within {timeout:.0f}s "
+                               f"({len(alive)} of {world_size} ranks still running)")
+        results, failures = [], []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                failures.append(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                continue
+            with open(path, "rb") as f:
+                res = pickle.load(f)
+            if res["ok"]:
+                results.append(res["value"])
+            else:
+                failures.append(f"rank {r} failed:\n{res['error']}")
+        if failures:
+            # Every failing rank is shown: the first one to raise is often not rank 0.
+            raise RuntimeError("\n".join(failures))
+        return results
