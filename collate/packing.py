@@ -1,0 +1,406 @@
+"""PackedCollator: many samples -> one unpadded row with ``cu_seqlens`` and per-sample position ids.
+
+All the work happens on the host with numpy. Everything an attention kernel needs as a *host*
+value (``max_seqlen``, ``cu_seqlens_list`` for ``npu_fusion_attention``'s ``actual_seq_qlen``,
+``seq_lens``, ``num_loss_tokens``) is a python int/list, computed here once, so nothing on the
+device ever has to be read back (each ``.item()`` / ``.tolist()`` in a forward is a host sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from collate.positions import as_grid, mrope_positions
+
+__all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+# Model types whose get_rope_index is the chunked Qwen2-VL M-RoPE implemented in collate.positions.
+_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Qwen3-VL splits videos into per-frame grids separated by timestamp text; not implemented here.
+_UNSUPPORTED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v")
+
+
+@dataclasses.dataclass(eq=False)
+class PackedBatch:
+    """One packed row. Reads like a read-only mapping too: ``b["input_ids"]``, ``b.keys()``, ``**b``.
+
+    Tensors (torch, on the host until moved; pinned when the collator pins):
+      input_ids (1, T) int64; labels (1, T) int64; position_ids (3, 1, T) M-RoPE or (1, T) 1-D;
+      text_position_ids (1, T) per-sample ``arange``; cu_seqlens (n+1,) int32;
+      pixel_values / image_grid_thw / pixel_values_videos / video_grid_thw / second_per_grid_ts
+      (concatenated over samples, None when absent); vision_cu_seqlens (frames+1,) int32 or None:
+      cumulative patch counts, one ``h*w`` entry per frame (``t`` per grid), all image frames then
+      all video frames, with a leading 0 (what Qwen2-VL's vision tower builds from the grids).
+    Host values (never on the device):
+      cu_seqlens_list (cumulative ends, no leading 0: npu_fusion_attention's actual_seq_qlen),
+      max_seqlen, seq_lens, num_loss_tokens (labels != -100 after HF's one-token shift),
+      vision_max_seqlen (largest frame, 0 without vision).
+    labels carry -100 at every sample's first token (and wherever the sample had -100), so no token
+    is trained to predict across a sample boundary.
+    The 4-row ``(4, 1, T)`` form transformers 5.x Qwen2-VL accepts (row 0 = text positions, used
+    for its packed mask) is the property ``position_ids_4row``.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    text_position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_list: list[int]
+    max_seqlen: int
+    seq_lens: list[int]
+    num_loss_tokens: int
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+    vision_cu_seqlens: torch.Tensor | None = None
+    vision_max_seqlen: int = 0
+
+    # -- mapping view ---------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._field_names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._field_names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._field_names())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return [(k, getattr(self, k)) for k in self.keys()]
+
+    def values(self) -> list[Any]:
+        return [getattr(self, k) for k in self.keys()]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in self else default
+
+    @classmethod
+    def _field_names(cls) -> frozenset[str]:
+        return _FIELD_NAMES
+
+    # -- derived views ----------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def position_ids_4row(self) -> torch.Tensor:
+        """``(4, 1, T)``: text positions stacked over the T/H/W rows (1-D mode repeats them)."""
+        pos = self.position_ids
+        rows = pos if pos.dim() == 3 else pos[None].expand(3, -1, -1)
+        return torch.cat([self.text_position_ids[None], rows], dim=0)
+
+    # -- moving ------------------------------------------------------------------------------------
+    def map_tensors(self, fn: Any) -> PackedBatch:
+        """A copy with ``fn`` applied to every tensor field; host fields are shared, not copied."""
+        changes = {k: fn(v) for k, v in self.items() if isinstance(v, torch.Tensor)}
+        return dataclasses.replace(self, **changes)
+
+    def pin_memory(self) -> PackedBatch:
+        # DataLoader(pin_memory=True) calls this in the main process (it checks for the method).
+        return self.map_tensors(lambda t: t if t.is_pinned() else t.pin_memory())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PackedBatch))
+
+
+def accelerator_available() -> bool:
+    """True when torch sees an accelerator (CUDA, NPU, XPU, ...), without initialising one needlessly."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def _should_pin(pin_memory: bool | None) -> bool:
+    if pin_memory is not None:
+        return pin_memory
+    # Inside a DataLoader worker, pinned memory would be copied into shared memory (losing the pin)
+    # and touching the accelerator runtime in a forked worker can fail; DataLoader(pin_memory=True)
+    # pins in the main process through PackedBatch.pin_memory instead.
+    if get_worker_info() is not None:
+        return False
+    return accelerator_available()
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedCollator:
+    """Collate samples into one :class:`PackedBatch` (public contract: DESIGN.md, "Public contract").
+
+    ``rope="mrope"``: Qwen2-VL / Qwen2.5-VL chunked M-RoPE, per-sample ids from
+    :func:`collate.positions.mrope_positions` (needs ``image_token_id``). ``rope="1d"``: plain
+    per-sample ``arange``; vision tensors are still concatenated and passed through, and the
+    placeholder count is checked only if ``image_token_id`` is set and a grid is given.
+    ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
+    DataLoader worker).
+
+    Sample keys read: ``input_ids``, ``labels``, ``pixel_values``, ``image_grid_thw``,
+    ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``attention_mask`` (must
+    be all ones: padding has to be stripped before packing). Other keys are ignored.
+    """
+
+    rope: Literal["mrope", "1d"] = "mrope"
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    spatial_merge_size: int = 2
+    tokens_per_second: float | None = None
+    pin_memory: bool | None = None
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self) -> None:
+        if self.rope not in ("mrope", "1d"):
+            raise ValueError(f"rope must be 'mrope' or '1d', got {self.rope!r}")
+        if self.rope == "mrope" and self.image_token_id is None:
+            raise ValueError("rope='mrope' needs image_token_id")
+        if self.spatial_merge_size < 1:
+            raise ValueError(f"spatial_merge_size must be >= 1, got {self.spatial_merge_size}")
+
+    @classmethod
+    def from_config(cls, hf_config: Any, **overrides: Any) -> PackedCollator:
+        """Build from a transformers config: Qwen2-VL / Qwen2.5-VL -> M-RoPE, anything else -> 1-D."""
+        model_type = getattr(hf_config, "model_type", "")
+        vision = getattr(hf_config, "vision_config", None)
+        if model_type in _UNSUPPORTED_MROPE:
+            raise ValueError(
+                f"model_type {model_type!r} uses a different M-RoPE layout (per-frame video grids); "
+                "PackedCollator supports qwen2_vl and qwen2_5_vl, or pass rope='1d' explicitly"
+            )
+        if model_type in _MROPE_MODEL_TYPES and vision is not None:
+            kwargs: dict[str, Any] = dict(
+                rope="mrope",
+                image_token_id=int(hf_config.image_token_id),
+                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)),
+                vision_start_token_id=_opt_int(getattr(hf_config, "vision_start_token_id", None)),
+                spatial_merge_size=int(getattr(vision, "spatial_merge_size", 2)),
+                # Only Qwen2.5-VL scales video time; Qwen2-VL's vision config has no such field.
+                tokens_per_second=getattr(vision, "tokens_per_second", None)
+                if model_type == "qwen2_5_vl"
+                else None,
+            )
+        else:
+            kwargs = dict(rope="1d")
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------------------------------------
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> PackedBatch:
+        if len(samples) == 0:
+            raise ValueError("PackedCollator got an empty list of samples")
+        ids_list, labels_list, pos_list = [], [], []
+        vision: dict[str, list[Any]] = {k: [] for k in _VISION_KEYS}
+        seconds: list[np.ndarray] = []
+        any_seconds = False
+        for i, sample in enumerate(samples):
+            ids = _int_1d(sample, i, "input_ids")
+            if ids.shape[0] == 0:
+                raise ValueError(f"sample {i}: field 'input_ids' is empty")
+            labels = _int_1d(sample, i, "labels") if sample.get("labels") is not None else ids
+            if labels.shape[0] != ids.shape[0]:
+                raise ValueError(
+                    f"sample {i}: field 'labels' has length {labels.shape[0]}, input_ids has {ids.shape[0]}"
+                )
+            mask = sample.get("attention_mask")
+            if mask is not None and not bool((_np(mask) != 0).all()):
+                raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
+
+            img_pv, img_grid = _vision_pair(sample, i, "pixel_values", "image_grid_thw")
+            vid_pv, vid_grid = _vision_pair(sample, i, "pixel_values_videos", "video_grid_thw")
+            sec = sample.get("second_per_grid_ts")
+            n_vid = 0 if vid_grid is None else vid_grid.shape[0]
+            if sec is not None:
+                any_seconds = True
+                sec_arr = _np(sec).astype(np.float64).reshape(-1)
+                if sec_arr.shape[0] != n_vid:
+                    raise ValueError(
+                        f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
+                        f"{n_vid} videos"
+                    )
+                seconds.append(sec_arr)
+            else:
+                sec_arr = None
+                seconds.append(np.ones(n_vid, dtype=np.float64))
+
+            if self.rope == "mrope":
+                try:
+                    pos = mrope_positions(
+                        ids,
+                        img_grid,
+                        vid_grid,
+                        image_token_id=self.image_token_id,  # type: ignore[arg-type]
+                        video_token_id=self.video_token_id,
+                        vision_start_token_id=self.vision_start_token_id,
+                        spatial_merge_size=self.spatial_merge_size,
+                        second_per_grid_ts=sec_arr,
+                        tokens_per_second=self.tokens_per_second,
+                    )
+                except ValueError as e:
+                    raise ValueError(f"sample {i}: {e}") from None
+                pos_list.append(pos)
+            else:
+                self._check_1d_counts(ids, img_grid, i)
+            ids_list.append(ids)
+            labels_list.append(labels)
+            for key, val in zip(_VISION_KEYS, (img_pv, img_grid, vid_pv, vid_grid), strict=True):
+                if val is not None:
+                    vision[key].append((i, val))
+
+        seq_lens = [int(x.shape[0]) for x in ids_list]
+        cu = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+        np.cumsum(seq_lens, out=cu[1:])
+        total = int(cu[-1])
+        if total > np.iinfo(np.int32).max:
+            raise ValueError(f"packed length {total} does not fit cu_seqlens int32")
+
+        input_ids = np.concatenate(ids_list)
+        labels = np.concatenate(labels_list)  # concatenate copies, so the sample's labels are untouched
+        # No token may learn to predict the first token of the next sample: HF shifts labels left
+        # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
+        labels[cu[:-1]] = self.ignore_index
+        num_loss_tokens = int((labels[1:] != self.ignore_index).sum())
+        text_pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_lens)
+
+        if self.rope == "mrope":
+            position_ids = torch.from_numpy(np.concatenate(pos_list, axis=1)[:, None, :])
+        else:
+            position_ids = torch.from_numpy(text_pos[None, :].copy())
+
+        out_vision = {k: _cat(k, v) for k, v in vision.items()}
+        grids = [g for g in (out_vision["image_grid_thw"], out_vision["video_grid_thw"]) if g is not None]
+        vision_cu, vision_max = None, 0
+        if grids:
+            g = torch.cat(grids).numpy()
+            frame_sizes = np.repeat(g[:, 1] * g[:, 2], g[:, 0])
+            vcu = np.zeros(frame_sizes.shape[0] + 1, dtype=np.int64)
+            np.cumsum(frame_sizes, out=vcu[1:])
+            vision_cu = torch.from_numpy(vcu.astype(np.int32))
+            vision_max = int(frame_sizes.max()) if frame_sizes.size else 0
+        sec_t = None
+        if any_seconds:
+            sec_t = torch.from_numpy(np.concatenate(seconds).astype(np.float32))
+
+        batch = PackedBatch(
+            input_ids=torch.from_numpy(input_ids[None, :]),
+            labels=torch.from_numpy(labels[None, :]),
+            position_ids=position_ids,
+            text_position_ids=torch.from_numpy(text_pos[None, :]),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+            cu_seqlens_list=[int(x) for x in cu[1:]],
+            max_seqlen=max(seq_lens),
+            seq_lens=seq_lens,
+            num_loss_tokens=num_loss_tokens,
+            second_per_grid_ts=sec_t,
+            vision_cu_seqlens=vision_cu,
+            vision_max_seqlen=vision_max,
+            **out_vision,
+        )
+        return batch.pin_memory() if _should_pin(self.pin_memory) else batch
+
+    def _check_1d_counts(self, ids: np.ndarray, grid: np.ndarray | None, i: int) -> None:
+        if self.image_token_id is None or grid is None:
+            return
+        m = self.spatial_merge_size
+        expected = int((grid.prod(axis=1) // (m * m)).sum())
+        found = int((ids == self.image_token_id).sum())
+        if found != expected:
+            raise ValueError(
+                f"sample {i}: {found} image placeholder tokens in input_ids but image_grid_thw "
+                f"{grid.tolist()} needs {expected}"
+            )
+
+
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def _opt_int(x: Any) -> int | None:
+    return None if x is None else int(x)
+
+
+def _np(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            # Reading it back would be a silent device sync inside the data pipeline.
+            raise ValueError(f"samples must hold host data, got a tensor on {x.device}")
+        return x.detach().numpy()
+    return np.asarray(x)
+
+
+def _int_1d(sample: dict[str, Any], i: int, field: str) -> np.ndarray:
+    if field not in sample or sample[field] is None:
+        raise ValueError(f"sample {i}: field {field!r} is missing")
+    try:
+        arr = _np(sample[field])
+    except ValueError as e:
+        raise ValueError(f"sample {i}: field {field!r}: {e}") from None
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"sample {i}: field {field!r} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim == 2 and arr.shape[0] == 1:  # processor output with return_tensors: (1, L)
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"sample {i}: field {field!r} must be 1-D, got shape {tuple(arr.shape)}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _vision_pair(
+    sample: dict[str, Any], i: int, pv_key: str, grid_key: str
+) -> tuple[torch.Tensor | None, np.ndarray | None]:
+    pv, grid = sample.get(pv_key), sample.get(grid_key)
+    if pv is None and grid is None:
+        return None, None
+    if pv is None:
+        raise ValueError(f"sample {i}: field {grid_key!r} given without {pv_key!r}")
+    if grid is None:
+        raise ValueError(f"sample {i}: field {pv_key!r} given without {grid_key!r}")
+    try:
+        grid_arr = as_grid(grid, grid_key)
+    except ValueError as e:
+        raise ValueError(f"sample {i}: field {grid_key!r}: {e}") from None
+    pv_t = pv if isinstance(pv, torch.Tensor) else torch.from_numpy(np.asarray(pv))
+    if pv_t.device.type != "cpu":
+        raise ValueError(f"sample {i}: field {pv_key!r} is on {pv_t.device}; samples must hold host data")
+    if not pv_t.is_floating_point():
+        raise ValueError(f"sample {i}: field {pv_key!r} must be floating point, got {pv_t.dtype}")
+    patches = int(grid_arr.prod(axis=1).sum())
+    if pv_t.dim() != 2 or pv_t.shape[0] != patches:
+        raise ValueError(
+            f"sample {i}: field {pv_key!r} has shape {tuple(pv_t.shape)} but {grid_key} "
+            f"{grid_arr.tolist()} needs ({patches}, C*T*P*P) patches"
+        )
+    return pv_t, grid_arr
+
+
+def _cat(key: str, items: list[tuple[int, Any]]) -> torch.Tensor | None:
+    if not items:
+        return None
+    if key.endswith("grid_thw"):
+        return torch.from_numpy(np.concatenate([g for _, g in items]))
+    first_i, first = items[0]
+    for i, t in items[1:]:
+        if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
+            raise ValueError(
+                f"sample {i}: field {key!r} is {t.dtype} {tuple(t.shape)}, sample {first_i} has "
+                f"{first.dtype} {tuple(first.shape)}; all samples must agree"
+            )
+    return torch.cat([t for _, t in items]) if len(items) > 1 else first

@@ -1,0 +1,196 @@
+"""DevicePrefetcher: copy batches to the accelerator on a side stream, ``depth`` batches ahead.
+
+Per batch: on a side stream, every tensor is copied with ``non_blocking=True`` (truly async when
+the host tensor is pinned, which PackedCollator does on accelerator machines), then an event is
+recorded on the side stream. When the consumer asks for the batch, its current stream waits on
+that event (a device-side wait, no host sync) and ``record_stream`` tells the caching allocator the
+copies are used on the consumer stream, so their memory is not recycled while the step runs.
+Host values (python ints, lists) pass through untouched and nothing is ever read back from the
+device: no ``.item()``, ``.tolist()``, ``.cpu()``.
+
+The handful of device calls go through :class:`StreamOps`, so tests can drive the exact same
+scheduling on CPU with a recording implementation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["DevicePrefetcher", "StreamOps", "iter_tensors", "map_tensors", "resolve_device"]
+
+
+class StreamOps:
+    """Stream/event calls for one device, through its torch module (``torch.cuda``, ``torch.npu``,
+    ``torch.xpu``: they share this API)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.module = getattr(torch, device.type)
+
+    def new_stream(self) -> Any:
+        return self.module.Stream(device=self.device)
+
+    def use_stream(self, stream: Any) -> Any:
+        """Context manager making ``stream`` current."""
+        return self.module.stream(stream)
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+    def record_event(self, stream: Any) -> Any:
+        event = self.module.Event()
+        event.record(stream)
+        return event
+
+    def consumer_stream(self) -> Any:
+        return self.module.current_stream(self.device)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """``None`` -> the current accelerator (CUDA, NPU, XPU, ...) or CPU; ``"cuda"`` -> ``cuda:<current>``."""
+    if device is None:
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and acc.is_available():
+            device = acc.current_accelerator()
+        elif torch.cuda.is_available():
+            device = torch.device("cuda")
+        else:
+            return torch.device("cpu")
+    device = torch.device(device)
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and device.index is None and hasattr(module, "current_device"):
+        device = torch.device(device.type, module.current_device())
+    return device
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in dataclasses (e.g. PackedBatch), dicts, lists, tuples and
+    namedtuples; everything else (ints, lists of ints, strings) is returned as the same object."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        if not any(_has_tensor(v) for v in obj):
+            return obj  # host lists (seq_lens, cu_seqlens_list) stay the very same object
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return isinstance(obj, dict) or dataclasses.is_dataclass(obj)
+
+
+class DevicePrefetcher:
+    """Iterate ``iterable`` and yield its batches already on ``device``.
+
+    ``depth`` is how many batches have their copy issued before one is handed over: when batch ``i``
+    is yielded, batches ``i+1 .. i+depth-1`` are already in flight (``depth=2`` is double
+    buffering; ``depth=1`` still copies on the side stream but does not overlap). On CPU (or
+    ``device="cpu"``) this is a plain passthrough. Re-iterable when ``iterable`` is (e.g. a
+    DataLoader, once per epoch). ``ops`` replaces the device backend (tests pass a recording one).
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        device: torch.device | str | int | None = None,
+        depth: int = 2,
+        *,
+        ops: StreamOps | None = None,
+    ) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.iterable = iterable
+        self.depth = depth
+        self.ops: StreamOps | None = ops
+        if ops is not None:
+            self.device = ops.device
+        else:
+            self.device = resolve_device(device)
+            module = getattr(torch, self.device.type, None)
+            if self.device.type != "cpu" and all(
+                hasattr(module, name) for name in ("Stream", "Event", "stream", "current_stream")
+            ):
+                self.ops = StreamOps(self.device)
+
+    @property
+    def uses_side_stream(self) -> bool:
+        return self.ops is not None
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.ops is not None:
+            yield from self._prefetch(iter(self.iterable), self.ops)
+        elif self.device.type == "cpu":
+            yield from self.iterable
+        else:
+            # A backend without a stream API (e.g. MPS): plain copies, still correct.
+            for batch in self.iterable:
+                yield map_tensors(batch, lambda t: t.to(self.device))
+
+    def _prefetch(self, source: Iterator[Any], ops: StreamOps) -> Iterator[Any]:
+        # Copies allocate on the side stream; record_stream (below) keeps the caching allocator from
+        # handing those blocks back to the side stream before the consumer's work on them is done.
+        side = ops.new_stream()
+        in_flight: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(in_flight) < self.depth:
+                try:
+                    host = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                with ops.use_stream(side):
+                    moved = map_tensors(host, ops.copy)
+                    event = ops.record_event(side)
+                # Holding the host batch until hand-over keeps its pinned buffers alive for the copy
+                # even with allocators that do not track host-side stream use.
+                in_flight.append((host, moved, event))
+            if not in_flight:
+                return
+            host, moved, event = in_flight.popleft()
+            consumer = ops.consumer_stream()
+            ops.wait_event(consumer, event)
+            for tensor in iter_tensors(moved):
+                ops.record_stream(tensor, consumer)
+            del host
+            yield moved
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside ``obj`` (same containers as :func:`map_tensors`)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
