@@ -1,0 +1,226 @@
+"""build_index / TokenIndex / verify_index / index_stats / the CLI, on real tar shards."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.corpus import WORDS, Sample, image_bytes, make_corpus, write_shard
+from tokenbal.cli import main
+from tokenbal.estimate import get_estimator, get_text_counter
+from tokenbal.index import TokenIndex, build_index, index_stats, verify_index
+
+
+def expected_tokens(sample: Sample, est, counter) -> tuple[int, int]:
+    vision = sum(est.image_tokens(w, h) + est.wrapper_tokens for w, h in sample.image_sizes)
+    return vision, counter.count(sample.expected_text)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="module")
+def built(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("idx") / "index"
+    report = build_index([os.path.join(corpus.root, "data-*.tar")], out, progress=False)
+    return report, TokenIndex.open(out)
+
+
+def test_exact_tokens_for_good_samples(corpus, built):
+    report, idx = built
+    est, counter = get_estimator("qwen2-vl"), get_text_counter(None)
+    assert list(idx.keys) == [s.key for s in corpus.good]
+    assert isinstance(idx.lengths, np.memmap) and idx.lengths.dtype == np.int64
+    for i, s in enumerate(corpus.good):
+        vision, text = expected_tokens(s, est, counter)
+        got = (idx.vision_tokens[i], idx.text_tokens[i], idx.lengths[i])
+        assert got == (vision, text, vision + text), s.key
+        assert idx.image_sizes(i) == s.image_sizes
+        assert idx.shard(i) == s.shard
+    # Every kind of sample is present: multi-image, text-only, image-only, chats.
+    n_img = [len(s.images) for s in corpus.good]
+    assert min(n_img) == 0 and max(n_img) >= 2 and any(not s.expected_text for s in corpus.good)
+    assert report.num_samples == len(corpus.good) == len(idx)
+    assert report.total_tokens == int(idx.lengths.sum())
+    assert report.num_images == sum(n_img)
+
+
+def test_members_point_at_the_bytes(corpus, built):
+    _, idx = built
+    for i, s in enumerate(corpus.good):
+        members = idx.members(i)
+        assert [m.name for m in members] == [f"{s.key}.{ext}" for ext, _ in s.members()]
+        with open(s.shard, "rb") as f:
+            for m, (_, data) in zip(members, s.members(), strict=True):
+                assert m.shard == s.shard and m.size == len(data)
+                f.seek(m.offset)
+                assert f.read(m.size) == data
+
+
+def test_bad_samples_and_shards_are_listed(corpus, built):
+    report, idx = built
+    by_key = {e["key"]: e for e in idx.errors}
+    for s in corpus.bad:
+        assert s.key not in set(idx.keys)
+        assert by_key[s.key]["shard"] == s.shard
+        assert s.bad_reason in by_key[s.key]["reason"]
+    shard_errors = [e for e in idx.errors if e["key"] is None]
+    assert [e["shard"] for e in shard_errors] == list(corpus.bad_shards)
+    assert "truncated" in shard_errors[0]["reason"]
+    statuses = {s["path"]: s["status"] for s in idx.manifest["shards"]}
+    assert statuses == {p: corpus.bad_shards.get(p, "ok") for p in corpus.shards}
+    assert report.num_errors == len(idx.errors) == len(corpus.bad) + len(corpus.bad_shards)
+    assert report.num_bad_shards == len(corpus.bad_shards)
+    summary = report.summary()
+    assert f"indexed {len(corpus.good)} samples" in summary
+    assert f"{report.num_errors} errors ({len(corpus.bad)} bad samples, 1 bad shards)" in summary
+
+
+def test_manifest_and_stats(corpus, built):
+    _, idx = built
+    m = idx.manifest
+    assert m["estimator"]["name"] == "qwen2-vl" and m["estimator"]["wrapper_tokens"] == 2
+    assert m["estimator"]["config"]["max_pixels"] == get_estimator("qwen2-vl").config["max_pixels"]
+    assert m["text_counter"]["name"] == get_text_counter(None).name
+    for entry in m["shards"]:
+        assert entry["fingerprint"].startswith("blake2b:") and entry["size"] == os.path.getsize(entry["path"])
+    text = index_stats(idx.path)
+    assert f"samples: {len(idx)}" in text and "1 truncated" in text
+    assert f"{int(np.percentile(idx.lengths, 50, method='nearest')):>10}" in text.splitlines()[-3]
+
+
+def test_workers_and_tokenizer_give_the_same_index(tmp_path, corpus):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", *sorted(set(WORDS))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_path = str(tmp_path / "tokenizer.json")
+    tok.save(tok_path)
+    counter = get_text_counter(tok_path)
+
+    one = TokenIndex.open(build_index(corpus.shards, tmp_path / "w1", tokenizer=tok_path, progress=False).out)
+    two = TokenIndex.open(build_index(corpus.shards, tmp_path / "w2", tokenizer=tok_path, workers=2,
+                                      progress=False).out)
+    for i, s in enumerate(corpus.good):
+        assert one.text_tokens[i] == counter.count(s.expected_text)
+    assert one.manifest["text_counter"]["name"] == counter.name
+    for name in ("lengths", "vision_tokens", "text_tokens", "shard_ids"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(two, name))
+    assert list(one.keys) == list(two.keys) and one.errors == two.errors
+    assert [one.members(i) for i in range(len(one))] == [two.members(i) for i in range(len(two))]
+
+
+def test_cli_end_to_end_and_verify(tmp_path, capsys):
+    corpus = make_corpus(tmp_path / "data", n_shards=2, samples_per_shard=4, bad=False)
+    out = str(tmp_path / "idx")
+    pattern = str(tmp_path / "data" / "data-{000..001}.tar")
+    assert main(["index", "build", pattern, "--out", out, "--model", "qwen2-vl",
+                 "--estimator-option", "max_pixels=200704", "-q"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"indexed {len(corpus.good)} samples") and "0 errors" in line
+    idx = TokenIndex.open(out)
+    est = get_estimator("qwen2-vl", max_pixels=200704)
+    assert idx.manifest["estimator"]["overrides"] == {"max_pixels": 200704}
+    for i, s in enumerate(corpus.good):
+        assert idx.vision_tokens[i] == expected_tokens(s, est, get_text_counter(None))[0]
+
+    assert main(["index", "stats", out]) == 0
+    assert f"samples: {len(corpus.good)}" in capsys.readouterr().out
+    assert main(["index", "verify", out]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert verify_index(out) == []
+
+    # Rewrite shard 0 with different samples of the same byte size: size alone would not notice.
+    first = corpus.shards[0]
+    size = os.path.getsize(first)
+    write_shard(first, [Sample(s.key, images=s.images, caption=(s.caption or "").upper(), seed=s.seed + 1,
+                               conversations=s.conversations, messages=s.messages)
+                        for s in corpus.good if s.shard == first])
+    assert os.path.getsize(first) == size
+    os.remove(corpus.shards[1])
+    problems = verify_index(out)
+    assert problems == [f"shard changed: {first} (same size {size} bytes, different content)",
+                        f"shard missing: {corpus.shards[1]}"]
+    assert main(["index", "verify", out]) == 1
+    printed = capsys.readouterr().out
+    assert first in printed and corpus.shards[1] in printed and "2 problem(s)" in printed
+
+
+def test_webdataset_tarwriter_shard(tmp_path):
+    import webdataset as wds  # imports torch: only this test pays for it
+
+    path = str(tmp_path / "wds-000.tar")
+    with wds.TarWriter(path) as sink:
+        for i in range(3):
+            # Sample 2's JPEG has a 200 KB ICC profile: its size needs the full-member fallback.
+            jpg = image_bytes("jpg", 100 + i, 50, icc_size=200_000 if i == 2 else 0)
+            sink.write({"__key__": f"sample{i:04d}", "jpg": jpg,
+                        "1.png": image_bytes("png", 10, 10 + i), "txt": f"caption {i}"})
+    idx = TokenIndex.open(build_index([path], tmp_path / "idx", progress=False).out)
+    assert list(idx.keys) == ["sample0000", "sample0001", "sample0002"]
+    # TarWriter writes members in sorted extension order: 1.png, jpg, txt.
+    assert [m.name for m in idx.members(1)] == ["sample0001.1.png", "sample0001.jpg", "sample0001.txt"]
+    assert idx.image_sizes(1) == [(10, 11), (101, 50)]
+    assert idx.image_sizes(2) == [(10, 12), (102, 50)]
+    assert idx.errors == [] and idx.manifest["shards"][0]["n_full_reads"] == 1
+
+
+def test_rebuild_replaces_atomically(tmp_path, corpus):
+    out = tmp_path / "idx"
+    build_index(corpus.shards, out, progress=False)
+    report = build_index(corpus.shards[1:2], out, progress=False)
+    expected = sum(s.shard == corpus.shards[1] for s in corpus.good)
+    assert len(TokenIndex.open(out)) == report.num_samples == expected
+    assert sorted(os.listdir(tmp_path)) == ["idx"]      # no temporary folders left behind
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not a tokenbal index"):
+        build_index(corpus.shards, tmp_path / "notes", progress=False)
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_all_bad_index_and_open_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"")
+    report = build_index([str(bad)], tmp_path / "idx", progress=True)
+    assert "indexing: 100%" in capsys.readouterr().err        # the tqdm bar, over shards
+    assert (report.num_samples, report.num_errors) == (0, 1)
+    idx = TokenIndex.open(tmp_path / "idx")
+    assert len(idx) == 0 and list(idx.keys) == [] and idx.errors[0]["shard"] == str(bad)
+    assert "no samples indexed" in index_stats(tmp_path / "idx")
+    assert main(["index", "build", str(bad), "--out", str(tmp_path / "idx2"), "-q"]) == 1
+    with pytest.raises(FileNotFoundError, match="not a tokenbal index"):
+        TokenIndex.open(tmp_path)
+    with pytest.raises(IndexError):
+        idx.members(0)
+
+
+def test_argument_errors(tmp_path, capsys, corpus):
+    with pytest.raises(FileNotFoundError, match="nope-003.tar"):
+        build_index([str(tmp_path / "nope-{000..003}.tar")], tmp_path / "idx", progress=False)
+    assert main(["index", "build", str(tmp_path / "nope.tar"), "--out", str(tmp_path / "i"), "-q"]) == 2
+    assert "nope.tar" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="estimator 'qwen2-vl'"):
+        build_index(corpus.shards, tmp_path / "idx", estimator_overrides={"no_such_option": 1},
+                    progress=False)
+    with pytest.raises(ValueError, match="image-root"):
+        build_index(corpus.shards, tmp_path / "idx", image_root=str(tmp_path), progress=False)
+    assert not (tmp_path / "idx").exists()
+
+
+def test_index_access_api(built):
+    _, idx = built
+    n = len(idx)
+    assert idx.keys[-1] == idx.keys[n - 1] and idx.keys[1:3] == [idx.keys[1], idx.keys[2]]
+    assert idx.members(-1) == idx.members(n - 1)
+    with pytest.raises(IndexError):
+        idx.image_sizes(n)
+    assert idx.shard_paths == [s["path"] for s in idx.manifest["shards"]]
+    errors_file = os.path.join(idx.path, "errors.jsonl")
+    assert [json.loads(line) for line in open(errors_file)] == idx.errors

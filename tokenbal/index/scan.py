@@ -1,0 +1,278 @@
+"""Scan one webdataset tar shard: member byte ranges, samples, image sizes and text, and errors.
+
+Samples follow the webdataset key convention: a member's *key* is its name up to the first dot of
+the basename, directories kept (``a/b/0001.0.jpg`` -> key ``a/b/0001``, extension ``0.jpg``); all
+members of one key must be adjacent in the tar. A member is an image when the last dot-component
+of its extension (lower case) is an image type, so ``k.jpg``, ``k.0.jpg``, ``k.1.png`` and
+``k.left.webp`` are all images of sample ``k``, kept in tar member order.
+
+Shard damage policy: CPython's ``tarfile`` treats a damaged header after the first member as the end
+of the archive *silently*, so after the scan everything from the end of the last member to EOF must
+be zeros and at least 1024 bytes (the two end-of-archive blocks). A shard that fails that check, or
+that ``tarfile`` cannot read to the end, is indexed *not at all*: its status is ``corrupt`` or
+``truncated`` and one shard-level error is recorded. Salvaging the members before the damage would
+risk indexing a sample that lost some of its members with it, and is one ``tar`` repair away anyway.
+
+Sample errors (each one recorded with shard, key and reason, never a crash): an image member that is
+empty or not a readable image, a text member that is not UTF-8 / valid JSON or has a malformed
+schema, a JSON with no known text field, video members (not supported yet), a sample with neither
+images nor text, non-adjacent members of a key, a duplicated member name, a non-regular member; and
+per member: a name with no extension or not valid UTF-8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+from dataclasses import dataclass, field
+
+from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
+from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, text_pieces
+
+VIDEO_EXTS = frozenset({"mp4", "avi", "mkv", "webm", "mov", "m4v", "flv", "mpeg", "mpg"})
+FINGERPRINT_SPAN = 1 << 20
+_EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+@dataclass
+class ScannedSample:
+    key: str
+    members: list[tuple[str, int, int]]      # (extension as stored, payload offset, payload size)
+    image_sizes: list[tuple[int, int]]       # (width, height) per image member, in member order
+    text: str
+
+
+@dataclass
+class ShardScan:
+    path: str
+    size: int = 0
+    mtime_ns: int = 0
+    fingerprint: str | None = None
+    status: str = "ok"                       # ok | empty | corrupt | truncated | missing | unreadable
+    reason: str | None = None
+    n_members: int = 0
+    end_of_members: int = 0
+    n_full_reads: int = 0                    # images whose header did not fit in the read prefix
+    samples: list[ScannedSample] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(key, extension) of a member name by the webdataset convention; ``None`` without a dot."""
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot <= slash + 1:      # no dot, or a dot-file like "dir/.hidden": no key
+        return None
+    return name[:dot], name[dot + 1:]
+
+
+def member_kind(ext: str) -> str:
+    """``image`` | ``text`` | ``video`` | ``other`` for a member extension."""
+    last = ext.rsplit(".", 1)[-1].lower()
+    if last in IMAGE_EXTS:
+        return "image"
+    if last in TEXT_EXTS:
+        return "text"
+    if last in VIDEO_EXTS:
+        return "video"
+    return "other"
+
+
+def shard_fingerprint(path: str, size: int | None = None) -> str:
+    """Hash of the file size and its first and last MiB.
+
+    Size alone is not enough: tar pads to 10 KiB records, so a rewritten shard often keeps its size.
+    A change confined to the middle of a shard larger than 2 MiB is not detected (the cost of
+    hashing whole multi-GB shards at every verify is not worth it for the common failure: a shard
+    regenerated with different samples changes its first or last MiB).
+    """
+    if size is None:
+        size = os.path.getsize(path)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{size}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(min(size, FINGERPRINT_SPAN)))
+        if size > FINGERPRINT_SPAN:
+            f.seek(max(FINGERPRINT_SPAN, size - FINGERPRINT_SPAN))
+            h.update(f.read(FINGERPRINT_SPAN))
+    return "blake2b:" + h.hexdigest()
+
+
+def scan_shard(path: str, prefix: int = PREFIX_BYTES) -> ShardScan:
+    """Scan the shard at ``path`` (see the module docstring for the rules). Never raises for bad
+    data or a missing/unreadable file: those end up in ``.status``/``.reason`` and ``.errors``."""
+    scan = ShardScan(path=path)
+    try:
+        st = os.stat(path)
+        scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
+        scan.fingerprint = shard_fingerprint(path, st.st_size)
+        members = _list_members(path, scan)
+        if scan.status == "ok":
+            _check_tail(path, scan)
+        if scan.status == "ok":
+            _read_samples(path, members, scan, prefix)
+    except FileNotFoundError as e:
+        _shard_error(scan, "missing", f"shard not found: {e}")
+    except OSError as e:
+        _shard_error(scan, "unreadable", f"cannot read shard: {e}")
+    if scan.status != "ok":
+        scan.samples = []
+        scan.errors = [e for e in scan.errors if e["key"] is None]   # the shard error says it all
+    return scan
+
+
+def _shard_error(scan: ShardScan, status: str, reason: str) -> None:
+    scan.status, scan.reason = status, reason
+    scan.errors.append({"shard": scan.path, "key": None, "reason": reason})
+
+
+def _list_members(path: str, scan: ShardScan) -> list[tarfile.TarInfo]:
+    if scan.size == 0:
+        _shard_error(scan, "empty", "shard is an empty (0-byte) file")
+        return []
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    for sig, name in _COMPRESSED_MAGIC.items():
+        if magic.startswith(sig):
+            _shard_error(scan, "corrupt", f"shard is {name}-compressed; only uncompressed tar shards can be "
+                                          "indexed for random access (decompress it first)")
+            return []
+    members: list[tarfile.TarInfo] = []
+    try:
+        with tarfile.open(path, "r:") as tf:
+            try:
+                for ti in tf:
+                    members.append(ti)
+            finally:
+                scan.end_of_members = tf.offset
+    except tarfile.TarError as e:
+        where = f"after member #{len(members)} ({members[-1].name!r})" if members else "at the first header"
+        status = "truncated" if "unexpected end of data" in str(e) else "corrupt"
+        _shard_error(scan, status, f"shard is {status}: tarfile cannot read it {where}: {e}")
+        return []
+    scan.n_members = len(members)
+    if not members:
+        _shard_error(scan, "empty", "shard is a valid tar with no members")
+    return members
+
+
+def _check_tail(path: str, scan: ShardScan) -> None:
+    end, size = scan.end_of_members, scan.size
+    with open(path, "rb") as f:
+        f.seek(end)
+        pos = end
+        while True:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            if chunk.count(0) != len(chunk):
+                first = pos + next(i for i, b in enumerate(chunk) if b)
+                _shard_error(scan, "corrupt",
+                             f"shard is corrupt or truncated: tarfile stopped at byte {end} after "
+                             f"{scan.n_members} members, but byte {first} of {size} is not zero "
+                             "(a damaged member header; the members after it are unreadable)")
+                return
+            pos += len(chunk)
+    if size - end < _EOF_BLOCKS:
+        _shard_error(scan, "truncated",
+                     f"shard is truncated: only {size - end} bytes after the last member at byte {end}, "
+                     f"the end-of-archive marker needs {_EOF_BLOCKS} zero bytes")
+
+
+def _read_samples(path: str, members: list[tarfile.TarInfo], scan: ShardScan, prefix: int) -> None:
+    runs = _group(members, scan)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for key, run in runs:
+            sample = _read_sample(fd, key, run, scan, prefix)
+            if sample is not None:
+                scan.samples.append(sample)
+    finally:
+        os.close(fd)
+
+
+def _group(members: list[tarfile.TarInfo], scan: ShardScan) -> list[tuple[str, list[tarfile.TarInfo]]]:
+    """Runs of adjacent members with the same key; bad members and keys go to ``scan.errors``."""
+    runs: list[tuple[str, list[tarfile.TarInfo]]] = []
+    for ti in members:
+        if ti.isdir():
+            continue
+        name = ti.name
+        if "/" not in name and name.startswith("__") and name.endswith("__"):
+            continue   # webdataset's convention for shard-level metadata members
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:   # tarfile keeps undecodable bytes as surrogates
+            shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            scan.errors.append({"shard": scan.path, "key": shown,
+                                "reason": f"member name {shown!r} is not valid UTF-8"})
+            continue
+        split = split_name(name)
+        if split is None:
+            scan.errors.append({"shard": scan.path, "key": name,
+                                "reason": f"member {name!r} has no extension, so it belongs to no sample"})
+            continue
+        key = split[0]
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(ti)
+        else:
+            runs.append((key, [ti]))
+    count: dict[str, int] = {}
+    for key, _ in runs:
+        count[key] = count.get(key, 0) + 1
+    good, reported = [], set()
+    for key, run in runs:
+        if count[key] == 1:
+            good.append((key, run))
+        elif key not in reported:
+            reported.add(key)
+            names = [ti.name for k, r in runs if k == key for ti in r]
+            scan.errors.append({"shard": scan.path, "key": key, "reason": (
+                f"sample {key!r}: its members are not adjacent in the shard ({count[key]} separate runs: "
+                f"{', '.join(map(repr, names))}); the key is duplicated or the shard is not grouped")})
+    return good
+
+
+def _read_sample(fd: int, key: str, run: list[tarfile.TarInfo], scan: ShardScan,
+                 prefix: int) -> ScannedSample | None:
+    def fail(reason: str) -> None:
+        scan.errors.append({"shard": scan.path, "key": key, "reason": f"sample {key!r}: {reason}"})
+
+    seen: set[str] = set()
+    members, sizes, pieces = [], [], []
+    has_text_member = False
+    for ti in run:
+        ext = ti.name[len(key) + 1:]
+        if not ti.isfile():
+            return fail(f"member {ti.name!r} is not a regular file (tar type {ti.type!r})")
+        # webdataset lower-cases extensions, so k.JPG and k.jpg would collide when loading.
+        if ext.lower() in seen:
+            return fail(f"member {ti.name!r} appears twice")
+        seen.add(ext.lower())
+        members.append((ext, ti.offset_data, ti.size))
+        kind = member_kind(ext)
+        try:
+            if kind == "image":
+                wh, full = read_image_size(fd, ti.offset_data, ti.size, prefix)
+                sizes.append(wh)
+                scan.n_full_reads += full
+            elif kind == "text":
+                has_text_member = True
+                got = text_pieces(ext.lower(), pread_exact(fd, ti.size, ti.offset_data))
+                if got is not None:
+                    pieces.extend(got)
+            elif kind == "video":
+                return fail(f"member {ti.name!r} is a video; video samples are not supported yet")
+        except ImageSizeError as e:
+            return fail(f"member {ti.name!r} is not a readable image: {e}")
+        except SampleTextError as e:
+            return fail(f"member {ti.name!r}: {e}")
+        except OSError as e:
+            return fail(f"cannot read member {ti.name!r}: {e}")
+    if has_text_member and not pieces:   # only JSON members, none with a known text field
+        return fail("no text found: its JSON has none of conversations / messages / text / caption")
+    if not sizes and not has_text_member:
+        return fail(f"has neither images nor text (members: {', '.join(repr(ti.name) for ti in run)})")
+    return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces))

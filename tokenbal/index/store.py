@@ -1,0 +1,254 @@
+"""The on-disk token index: its layout, ``TokenIndex`` (read side), ``verify_index``, ``index_stats``.
+
+One folder, written atomically by ``build_index`` (built in a temporary sibling folder, then renamed):
+
+* ``manifest.json`` — format version, estimator name + config, text counter name, counts, the list of
+  member extensions, and one entry per shard: path (absolute), size, mtime_ns, fingerprint (see
+  ``scan.shard_fingerprint``), status (ok | empty | corrupt | truncated | missing | unreadable),
+  reason, n_members, n_samples, n_errors.
+* Per sample (N rows), memory-mapped ``.npy``: ``lengths`` (int64, vision + text tokens),
+  ``vision_tokens``, ``text_tokens`` (int64), ``shard_id`` (int32, row of the manifest shard list),
+  ``key_offsets`` (int64, N+1: byte ranges of the keys in ``keys.bin``, UTF-8),
+  ``member_start`` / ``image_start`` (int64, N+1: each sample's rows in the member / image tables).
+* Member table (one row per tar member of an indexed sample, in tar order): ``member_ext`` (int32,
+  index into the manifest's ``extensions``; the member name is ``key + "." + ext``),
+  ``member_offset`` (int64, payload offset in the shard), ``member_size`` (int64).
+* Image table: ``image_size`` (int32, shape (M, 2): width, height as stored, EXIF ignored).
+* ``errors.jsonl`` — one JSON object per sample or shard that was not indexed: shard, key (null for
+  a shard-level error), reason.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from tokenbal.index.scan import shard_fingerprint
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ERRORS = "errors.jsonl"
+KEYS_BLOB = "keys.bin"
+# name -> (dtype, trailing shape); all live in "<name>.npy".
+COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
+    "lengths": (np.int64, ()),
+    "vision_tokens": (np.int64, ()),
+    "text_tokens": (np.int64, ()),
+    "shard_id": (np.int32, ()),
+    "key_offsets": (np.int64, ()),
+    "member_start": (np.int64, ()),
+    "member_ext": (np.int32, ()),
+    "member_offset": (np.int64, ()),
+    "member_size": (np.int64, ()),
+    "image_start": (np.int64, ()),
+    "image_size": (np.int32, (2,)),
+}
+INDEX_FILES = (MANIFEST, ERRORS, KEYS_BLOB, *(f"{c}.npy" for c in COLUMNS))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tar member of a sample: full member name, absolute shard path, payload byte range."""
+    name: str
+    shard: str
+    offset: int
+    size: int
+
+
+class KeyList(Sequence):
+    """Sample keys, decoded on access from the memory-mapped ``keys.bin`` (no N Python strings)."""
+
+    def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
+        self._blob, self._off = blob, offsets
+
+    def __len__(self) -> int:
+        return len(self._off) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = _check_row(i, len(self))
+        return self._blob[self._off[i]:self._off[i + 1]].tobytes().decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return f"KeyList({len(self)} keys)"
+
+
+class TokenIndex:
+    """Read side of an index folder; arrays are memory-mapped, so opening costs milliseconds.
+
+    ``lengths`` / ``vision_tokens`` / ``text_tokens`` / ``shard_ids`` hold one value per indexed
+    sample, ``keys`` the sample keys, ``errors`` every sample or shard that was not indexed.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self.manifest: dict = read_manifest(self.path)
+        cols = {}
+        for name, (dtype, tail) in COLUMNS.items():
+            file = os.path.join(self.path, f"{name}.npy")
+            arr = np.load(file, mmap_mode="r")
+            if arr.dtype != dtype or arr.shape[1:] != tail:
+                raise ValueError(f"index file {file} has dtype {arr.dtype} shape {arr.shape}, "
+                                 f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")
+            cols[name] = arr
+        n = int(self.manifest["num_samples"])
+        for name, want in (("lengths", n), ("vision_tokens", n), ("text_tokens", n), ("shard_id", n),
+                           ("key_offsets", n + 1), ("member_start", n + 1), ("image_start", n + 1),
+                           ("member_ext", int(cols["member_start"][-1])),
+                           ("member_offset", int(cols["member_start"][-1])),
+                           ("member_size", int(cols["member_start"][-1])),
+                           ("image_size", int(cols["image_start"][-1]))):
+            if len(cols[name]) != want:
+                raise ValueError(f"index {self.path} is inconsistent: {name}.npy has {len(cols[name])} "
+                                 f"rows, expected {want} (rebuild it)")
+        self._cols = cols
+        self.lengths: np.ndarray = cols["lengths"]
+        self.vision_tokens: np.ndarray = cols["vision_tokens"]
+        self.text_tokens: np.ndarray = cols["text_tokens"]
+        self.shard_ids: np.ndarray = cols["shard_id"]
+        blob_file = os.path.join(self.path, KEYS_BLOB)
+        blob = (np.memmap(blob_file, dtype=np.uint8, mode="r") if os.path.getsize(blob_file)
+                else np.zeros(0, np.uint8))   # mmap refuses empty files
+        self.keys = KeyList(blob, cols["key_offsets"])
+        self.shard_paths: list[str] = [s["path"] for s in self.manifest["shards"]]
+        self._exts: list[str] = list(self.manifest["extensions"])
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> TokenIndex:
+        return cls(os.fspath(path))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __repr__(self) -> str:
+        return (f"TokenIndex({self.path!r}, {len(self)} samples, {len(self.shard_paths)} shards, "
+                f"{self.manifest['num_errors']} errors)")
+
+    @cached_property
+    def errors(self) -> list[dict]:
+        with open(os.path.join(self.path, ERRORS), encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def shard(self, i: int) -> str:
+        """Absolute path of the shard holding sample ``i``."""
+        return self.shard_paths[int(self.shard_ids[_check_row(i, len(self))])]
+
+    def members(self, i: int) -> list[Member]:
+        """Every tar member of sample ``i`` (images, text and others), in tar order."""
+        i = _check_row(i, len(self))
+        c = self._cols
+        a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
+        key, shard = self.keys[i], self.shard_paths[int(self.shard_ids[i])]
+        cols = (c["member_ext"][a:b], c["member_offset"][a:b], c["member_size"][a:b])
+        return [Member(f"{key}.{self._exts[e]}", shard, int(o), int(s))
+                for e, o, s in zip(*cols, strict=True)]
+
+    def image_sizes(self, i: int) -> list[tuple[int, int]]:
+        """(width, height) of each image of sample ``i``, in member order."""
+        i = _check_row(i, len(self))
+        a, b = int(self._cols["image_start"][i]), int(self._cols["image_start"][i + 1])
+        return [(int(w), int(h)) for w, h in self._cols["image_size"][a:b]]
+
+
+def _check_row(i: int, n: int) -> int:
+    i = operator.index(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample {i} out of range for an index of {n} samples")
+    return i
+
+
+def read_manifest(path: str) -> dict:
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"index folder not found: {path}")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path} is not a tokenbal index (no {MANIFEST})")
+    with open(file, encoding="utf-8") as f:
+        manifest = json.load(f)
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"index {path} has format_version {version!r}; this tokenbal reads "
+                         f"{FORMAT_VERSION} (rebuild the index)")
+    return manifest
+
+
+def verify_index(path: str | os.PathLike) -> list[str]:
+    """Problems that make the index at ``path`` stale, one line each, naming the file; [] if none.
+
+    Every shard is re-fingerprinted (size + first/last MiB): a missing shard, a size change or a
+    same-size content change is reported. A changed mtime alone is not (copies change it).
+    """
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    problems = [f"index file missing: {os.path.join(path, f)}"
+                for f in INDEX_FILES if not os.path.isfile(os.path.join(path, f))]
+    for entry in manifest["shards"]:
+        shard = entry["path"]
+        try:
+            size = os.stat(shard).st_size
+        except FileNotFoundError:
+            problems.append(f"shard missing: {shard}")
+            continue
+        except OSError as e:
+            problems.append(f"shard unreadable: {shard}: {e}")
+            continue
+        if entry.get("fingerprint") is None:
+            continue   # it could not be read at build time; it was recorded as an error then
+        if size != entry["size"]:
+            problems.append(f"shard changed: {shard} (size {entry['size']} -> {size} bytes)")
+            continue
+        try:
+            fp = shard_fingerprint(shard, size)
+        except OSError as e:
+            problems.append(f"shard unreadable: {shard}: {e}")
+            continue
+        if fp != entry["fingerprint"]:
+            problems.append(f"shard changed: {shard} (same size {size} bytes, different content)")
+    return problems
+
+
+def index_stats(path: str | os.PathLike) -> str:
+    """Human-readable summary of an index: counts, shard statuses, token percentiles."""
+    idx = TokenIndex.open(path)
+    m = idx.manifest
+    statuses: dict[str, int] = {}
+    for s in m["shards"]:
+        statuses[s["status"]] = statuses.get(s["status"], 0) + 1
+    n_err = len(idx.errors)
+    n_shard_err = sum(1 for e in idx.errors if e.get("key") is None)
+    shard_status = ", ".join(f"{v} {k}" for k, v in sorted(statuses.items()))
+    lines = [
+        f"index {idx.path}",
+        f"  samples: {len(idx)}   shards: {len(idx.shard_paths)} ({shard_status})   "
+        f"errors: {n_err} ({n_err - n_shard_err} bad samples, {n_shard_err} bad shards)",
+        f"  estimator: {m['estimator']['name']}   text counter: {m['text_counter']['name']}",
+    ]
+    n_img = np.diff(np.asarray(idx._cols["image_start"]))
+    lines.append(f"  images: {int(n_img.sum())}   members: {m['num_members']}   "
+                 f"samples with 0 / 1 / 2+ images: {int((n_img == 0).sum())} / "
+                 f"{int((n_img == 1).sum())} / {int((n_img >= 2).sum())}")
+    if len(idx) == 0:
+        lines.append("  no samples indexed")
+        return "\n".join(lines)
+    lines.append(f"  total tokens: {int(np.asarray(idx.lengths).sum()):,}")
+    qs = (0, 50, 90, 99, 100)
+    heads = ("min", "p50", "p90", "p99", "max", "mean")
+    lines.append(f"  {'tokens':<8}" + "".join(f"{h:>10}" for h in heads))
+    for label, arr in (("length", idx.lengths), ("vision", idx.vision_tokens), ("text", idx.text_tokens)):
+        a = np.asarray(arr)
+        vals = [int(v) for v in np.percentile(a, qs, method="nearest")]
+        lines.append(f"  {label:<8}" + "".join(f"{v:>10}" for v in vals) + f"{a.mean():>10.1f}")
+    return "\n".join(lines)

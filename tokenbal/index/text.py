@@ -1,0 +1,112 @@
+"""The text of a sample, as the index counts it.
+
+Rules (one place, so that the builder and the tests agree):
+
+* Text members are those whose extension's last dot-component is ``txt`` or ``json``.
+* A ``.txt`` member is UTF-8 text, counted as is.
+* A ``.json`` member is an object; its text is, first match wins:
+  ``conversations`` (LLaVA: ``[{"from", "value"}]``) -> the ``value`` strings;
+  ``messages`` (OpenAI style: ``[{"role", "content"}]``, content a string or a list of parts) ->
+  the strings and the ``text`` of ``{"type": "text"}`` parts (image/video parts carry no text);
+  ``text`` or ``caption`` (a string; null counts as absent) -> that string.
+  A JSON with none of these (e.g. img2dataset metadata) contributes no text; if no member of the
+  sample gives any text this way, the sample is an error (an unknown schema must not silently
+  count as 0 text tokens). A sample with images and no text member at all is fine (0 text tokens).
+* The sample's text is the pieces of all its text members in member order, joined with "\\n", with
+  the ``<image>`` / ``<video>`` placeholders removed: the vision token count already covers them.
+* Chat-template tokens (role headers, turn separators, system prompt) are not counted yet.
+"""
+
+from __future__ import annotations
+
+import json
+
+TEXT_EXTS = frozenset({"txt", "json"})
+PLACEHOLDERS = ("<image>", "<video>")
+
+
+class SampleTextError(ValueError):
+    """A text member cannot be read; the message says why."""
+
+
+def text_pieces(ext: str, data: bytes) -> list[str] | None:
+    """Text pieces of one text member (``ext`` lower case). ``None`` for a JSON with no known
+    text field; raises ``SampleTextError`` for bytes that are not UTF-8 or not valid JSON."""
+    try:
+        s = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SampleTextError(f"not valid UTF-8 ({e})") from None
+    if ext.rsplit(".", 1)[-1] == "txt":
+        return [s]
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        raise SampleTextError(f"not valid JSON ({e})") from None
+    return json_text(obj)
+
+
+def json_text(obj: object) -> list[str] | None:
+    """Text pieces of a parsed JSON sample description (see the module rules); ``None`` if none."""
+    if not isinstance(obj, dict):
+        return None
+    if "conversations" in obj:
+        turns = _as_list(obj["conversations"], "conversations")
+        return [_field(t, "value", f"conversations[{i}]") for i, t in enumerate(turns)]
+    if "messages" in obj:
+        turns = _as_list(obj["messages"], "messages")
+        pieces: list[str] = []
+        for i, t in enumerate(turns):
+            where = f"messages[{i}]"
+            if not isinstance(t, dict):
+                raise SampleTextError(f"{where} is {type(t).__name__}, not an object")
+            content = t.get("content")
+            if isinstance(content, str):
+                pieces.append(content)
+            elif isinstance(content, list):
+                pieces.extend(_content_parts(content, where))
+            elif content is not None:   # an assistant tool-call turn may have content null
+                raise SampleTextError(f"{where}.content is {type(content).__name__}, "
+                                      "not a string or a list of parts")
+        return pieces
+    for field in ("text", "caption"):
+        # null means "no caption" (img2dataset writes that next to a .txt); skip it, don't fail.
+        if obj.get(field) is not None:
+            return [_field(obj, field, "")]
+    return None
+
+
+def join_text(pieces: list[str]) -> str:
+    """The sample text from its pieces: joined with newlines, image/video placeholders removed."""
+    text = "\n".join(pieces)
+    for p in PLACEHOLDERS:
+        text = text.replace(p, "")
+    return text
+
+
+def _content_parts(parts: list, where: str) -> list[str]:
+    out = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            out.append(part)
+        elif isinstance(part, dict):
+            if part.get("type", "text") == "text" and "text" in part:
+                out.append(_field(part, "text", f"{where}.content[{j}]"))
+        else:
+            raise SampleTextError(f"{where}.content[{j}] is {type(part).__name__}, not a part object")
+    return out
+
+
+def _as_list(value: object, name: str) -> list:
+    if not isinstance(value, list):
+        raise SampleTextError(f"'{name}' is {type(value).__name__}, not a list")
+    return value
+
+
+def _field(obj: object, name: str, where: str) -> str:
+    if not isinstance(obj, dict):
+        raise SampleTextError(f"{where} is {type(obj).__name__}, not an object")
+    value = obj.get(name)
+    if not isinstance(value, str):
+        label = f"{where}.{name}" if where else f"'{name}'"
+        raise SampleTextError(f"{label} is {type(value).__name__}, not a string")
+    return value
