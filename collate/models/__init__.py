@@ -1,0 +1,43 @@
+"""Patches that let real transformers model classes consume packed batches.
+
+``enable_packed(model)`` picks the patch from ``model.config.model_type``; each family lives in its
+own file. After it, ``model(**packed_batch)`` runs M-RoPE via ``collate.ops.apply_mrope`` and
+attention via ``collate.ops.varlen_attention``; calls without packing fields are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from collate.models import qwen2_vl
+
+# model_type -> (enable, disable). Qwen2.5-VL's text stack is Qwen2-VL's (same attention/rotary code).
+_PATCHES: dict[str, Any] = {
+    "qwen2_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
+    "qwen2_5_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
+}
+
+
+def _patch_for(model: nn.Module) -> Any:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _PATCHES:
+        raise TypeError(
+            f"enable_packed: no packed patch for model_type={model_type!r} ({type(model).__name__}); "
+            f"supported: {sorted(_PATCHES)}"
+        )
+    return _PATCHES[model_type]
+
+
+def enable_packed(model: nn.Module) -> nn.Module:
+    """Patch this model instance so that ``model(**packed_batch)`` works; returns the model."""
+    return _patch_for(model)[0](model)
+
+
+def disable_packed(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_packed` on this instance; returns the model."""
+    return _patch_for(model)[1](model)
+
+
+__all__ = ["enable_packed", "disable_packed"]

@@ -1,0 +1,276 @@
+"""Packed-batch forward for transformers 5.2x Qwen2-VL and Qwen2.5-VL.
+
+``enable_packed(model)`` patches one model instance (nothing global, nothing on the class):
+
+1. ``model.forward`` is wrapped. A call carrying packing fields (``cu_seqlens`` / ``cu_seqlens_list``)
+   has them popped into one :class:`PackedAttentionInfo` that travels to every text attention layer as
+   the single extra kwarg ``tokenbal_packed``. transformers forwards ``**kwargs`` to the vision tower
+   as well, where a plain ``cu_seqlens`` / ``max_seqlen`` / ``position_ids`` kwarg would be *popped and
+   used* for the image attention (``vision_utils.get_vision_cu_seqlens``); one opaque object under a
+   name nothing in transformers reads cannot leak like that. Then the original forward runs with
+   ``position_ids`` = the packed 3-row M-RoPE ids (so HF never calls ``get_rope_index``) and
+   ``attention_mask`` = a prepared mask mapping of ``None`` (so no T x T mask is ever built).
+2. Each text ``self_attn.forward`` is replaced. With ``tokenbal_packed`` present it projects q/k/v
+   as ``(T, H, D)``, applies :func:`collate.ops.apply_mrope` from the per-token positions (HF's
+   cos/sin are not used) and :func:`collate.ops.varlen_attention` over the batch's segments; without
+   it, it runs the original HF forward, so unpacked calls and ``generate`` behave exactly as before.
+
+The vision tower is untouched: it already attends per image from ``image_grid_thw``.
+``disable_packed(model)`` restores everything. Nothing in the packed path reads a device tensor
+back to the host: boundaries come from the host list, ``max_seqlen`` is a python int.
+
+The one waste left: HF's text model still builds its ``(1, T, D)`` cos/sin table once per forward
+from ``position_ids`` (not per layer); the patched attention ignores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from collate.ops import apply_mrope, varlen_attention
+from collate.ops.attention import segment_ends
+
+PACKED_KWARG = "tokenbal_packed"
+
+# Batch keys the wrapper takes out of a packed call (never passed into transformers). ``position_ids``
+# is also taken, and handed back to HF as the packed 3-row ids. ``second_per_grid_ts`` only feeds
+# HF's own position computation (Qwen2.5-VL), which the precomputed positions replace. The vision
+# tower keeps computing its own per-image segments from the grids, so ``vision_*`` are unused.
+CONSUMED_KEYS = (
+    "cu_seqlens",
+    "cu_seqlens_list",
+    "max_seqlen",
+    "seq_lens",
+    "text_position_ids",
+    "vision_cu_seqlens",
+    "vision_max_seqlen",
+    "num_loss_tokens",
+    "second_per_grid_ts",
+)
+
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+_PREV_FORWARD = "_tokenbal_prev_forward"
+_ENABLED = "_tokenbal_packed_enabled"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedAttentionInfo:
+    """Everything the patched attention layers need for one packed forward.
+
+    It doubles as the ``batch`` argument of :func:`varlen_attention` (read by attribute name).
+    """
+
+    positions: torch.Tensor  # (3, 1, T) / (3, T) M-RoPE ids, or (1, T) 1-D ids
+    cu_seqlens: torch.Tensor | None  # (n+1,) int32, on the device (flash-attn path)
+    cu_seqlens_list: list[int] | None  # host segment ends, no leading 0 (CPU / NPU paths)
+    max_seqlen: int | None  # host int
+    inv_freq: torch.Tensor  # (R/2,) the text rotary module's buffer
+    mrope_section: tuple[int, int, int]
+    interleaved: bool
+    attention_scaling: float
+
+
+def _text_model(model: nn.Module) -> nn.Module:
+    for attr_path in (("model", "language_model"), ("language_model",)):
+        mod: Any = model
+        for attr in attr_path:
+            mod = getattr(mod, attr, None)
+        if mod is not None and hasattr(mod, "rotary_emb") and hasattr(mod, "layers"):
+            return mod
+    raise TypeError(
+        f"{type(model).__name__}: expected a Qwen2-VL / Qwen2.5-VL model with .model.language_model "
+        "(ForConditionalGeneration) or .language_model (base model)"
+    )
+
+
+def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TypeError(f"enable_packed supports {SUPPORTED_MODEL_TYPES}, got model_type={model_type!r}")
+    rope = text_model.rotary_emb
+    if getattr(rope, "rope_type", "default") in ("dynamic", "longrope"):
+        # These rescale inv_freq from the sequence length seen by HF's rotary forward; the packed
+        # path applies inv_freq itself, so it would silently diverge.
+        raise NotImplementedError(f"rope_type={rope.rope_type!r} is not supported by the packed path")
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"layer {attn.layer_idx} uses sliding-window attention; varlen_attention has no window yet"
+            )
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
+            if not hasattr(attn, name):
+                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+
+
+def _install(module: nn.Module, fn: Any) -> None:
+    # Per-instance bound method: deepcopy rebinds it to the copy, and the class stays untouched.
+    setattr(module, _PREV_FORWARD, module.__dict__.get("forward"))
+    module.forward = types.MethodType(fn, module)
+
+
+def _uninstall(module: nn.Module) -> None:
+    if "forward" in module.__dict__:
+        del module.forward
+    prev = module.__dict__.pop(_PREV_FORWARD, None)
+    if prev is not None:
+        module.forward = prev
+
+
+def _call_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    prev = module.__dict__.get(_PREV_FORWARD)
+    if prev is not None:
+        return prev(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _packed_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: Any = None,
+    position_ids: torch.Tensor | None = None,
+    cache: Any = None,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    info: PackedAttentionInfo | None = kwargs.pop(PACKED_KWARG, None)
+    if info is None:
+        return _call_original(
+            self,
+            hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+    if cache is not None:
+        raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
+    bsz, num_tokens, _ = hidden_states.shape
+    if bsz != 1:
+        raise ValueError(f"packed hidden states must have batch size 1, got {bsz}")
+    q = self.q_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+    k = self.k_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+    v = self.v_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+    q, k = apply_mrope(
+        q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
+    )
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        info,
+        causal=True,
+        scale=self.scaling,
+        dropout_p=self.attention_dropout if self.training else 0.0,
+    )
+    out = self.o_proj(out.reshape(1, num_tokens, -1))
+    return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
+
+
+def _is_packed_call(kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("cu_seqlens") is not None or kwargs.get("cu_seqlens_list") is not None
+
+
+def _take_packed_info(model: nn.Module, kwargs: dict[str, Any]) -> PackedAttentionInfo:
+    """Pop the packing fields out of ``kwargs`` (in place) and validate them on the host."""
+    fields = {name: kwargs.pop(name, None) for name in CONSUMED_KEYS}
+    position_ids = kwargs.pop("position_ids", None)
+
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError("packed batch needs input_ids (1, T) or inputs_embeds (1, T, H)")
+    if tokens.shape[0] != 1:
+        raise ValueError(f"packed batch must have batch size 1 (samples in one row), got {tokens.shape[0]}")
+    num_tokens = tokens.shape[1]
+
+    if kwargs.pop("attention_mask", None) is not None:
+        raise ValueError("packed batch must not carry attention_mask: segments come from cu_seqlens")
+    if kwargs.get("use_cache"):
+        raise ValueError("packed forward does not fill a KV cache; pass use_cache=False")
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"packed forward cannot continue from a cache ({name}=...)")
+    kwargs["use_cache"] = False
+
+    ends: Sequence[int] | None = fields["cu_seqlens_list"]
+    if ends is None and fields["seq_lens"] is not None:
+        ends = segment_ends(fields["seq_lens"])
+    if ends is not None:
+        ends = [int(e) for e in ends]
+        if not ends or ends[-1] != num_tokens:
+            covered = ends[-1] if ends else 0
+            raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}")
+    max_seqlen = fields["max_seqlen"]
+    if isinstance(max_seqlen, torch.Tensor):
+        raise ValueError("max_seqlen must be a python int (a tensor would force a host sync in every layer)")
+    if max_seqlen is None and ends is not None:
+        max_seqlen = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    cu_seqlens = fields["cu_seqlens"]
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int32)
+
+    if position_ids is None:
+        has_vision = kwargs.get("pixel_values") is not None or kwargs.get("pixel_values_videos") is not None
+        if has_vision or fields["text_position_ids"] is None:
+            raise ValueError("packed batch needs position_ids (3, 1, T): per-sample M-RoPE ids, concatenated")
+        position_ids = fields["text_position_ids"]
+    if position_ids.shape[-1] != num_tokens:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not cover the {num_tokens} tokens")
+    kwargs["position_ids"] = position_ids
+
+    rope = _text_model(model).rotary_emb
+    return PackedAttentionInfo(
+        positions=position_ids,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_list=ends,
+        max_seqlen=None if max_seqlen is None else int(max_seqlen),
+        inv_freq=rope.inv_freq,
+        mrope_section=tuple(int(s) for s in rope.mrope_section),
+        interleaved=False,  # Qwen2-VL / Qwen2.5-VL use the chunked layout
+        attention_scaling=float(rope.attention_scaling),
+    )
+
+
+def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not _is_packed_call(kwargs):
+        return _call_original(self, *args, **kwargs)
+    info = _take_packed_info(self, kwargs)
+    text_model = _text_model(self)
+    # A prepared mask mapping: HF skips mask creation (no T x T mask) and hands each layer None.
+    kwargs["attention_mask"] = {layer_type: None for layer_type in set(text_model.config.layer_types)}
+    kwargs[PACKED_KWARG] = info
+    return _call_original(self, *args, **kwargs)
+
+
+def enable_packed(model: nn.Module) -> nn.Module:
+    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance."""
+    if getattr(model, _ENABLED, False):
+        return model
+    text_model = _text_model(model)
+    _check_supported(model, text_model)
+    for layer in text_model.layers:
+        _install(layer.self_attn, _packed_attention_forward)
+    _install(model, _packed_model_forward)
+    setattr(model, _ENABLED, True)
+    return model
+
+
+def disable_packed(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_packed` on this instance."""
+    if not getattr(model, _ENABLED, False):
+        return model
+    for layer in _text_model(model).layers:
+        _uninstall(layer.self_attn)
+    _uninstall(model)
+    delattr(model, _ENABLED)
+    return model
