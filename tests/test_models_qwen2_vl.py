@@ -235,10 +235,12 @@ def test_packed_path_uses_ops_and_batch_positions(models, monkeypatch):
 def test_text_only_packed_forward_has_no_host_sync(models, monkeypatch):
     """No tensor is read back to the host in a text-only packed forward: no ``aten::_local_scalar_dense``
     (``.item()``, ``bool(t)``, ``int(t)``) and no ``.tolist()`` / ``.cpu()`` / ``.numpy()`` call.
-    (With images, HF's vision tower reads ``image_grid_thw`` on the host; that part is unchanged.)"""
+    (With images, HF's vision tower reads ``image_grid_thw`` on the host; that part is unchanged,
+    and so does the idle vision pass that FSDP needs, hence ``idle_vision=False`` here.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    ref, packed = models
+    ref, _ = models
+    packed = enable_packed(copy.deepcopy(ref), idle_vision=False)
     samples = [s for s in make_samples() if "pixel_values" not in s]
     batch = manual_packed_batch(ref, samples)
     seen: list[str] = []
@@ -390,3 +392,43 @@ def test_fsdp2_two_ranks_packed_grads_match():
 
     errs = run_ranks(_fsdp2_packed_rank, 2, timeout=180)
     assert max(errs) < 1e-5
+
+
+def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
+    """Rank 1 gets only text-only samples while the vision blocks are FSDP units of their own.
+
+    Without the idle vision pass rank 1 would skip the blocks' all-gathers and the ranks would
+    pair the wrong collectives (a hang or garbage); with it, gradients equal the reference.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = Qwen2VLForConditionalGeneration(tiny_config()).eval()
+    packed = enable_packed(copy.deepcopy(ref))
+    for block in packed.model.visual.blocks:
+        fully_shard(block)
+    for layer in packed.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard(packed)
+    samples = make_samples()
+    shares = [[samples[1], samples[2]], [samples[0], samples[3]]]  # rank 1: text only
+    packed(**manual_packed_batch(ref, shares[rank])).loss.backward()
+    want = sum(reference_loss(ref, share) for share in shares) / world_size
+    want.backward()
+    got = {n: p.grad.full_tensor() for n, p in packed.named_parameters() if p.grad is not None}
+    _assert_grads_close(got, _grads(ref))
+    return max(((got[n] - g).abs().max() / g.abs().max()).item() for n, g in _grads(ref).items())
+
+
+def test_fsdp2_rank_without_images_still_runs_the_sharded_vision_tower():
+    from tests.dist_utils import run_ranks
+
+    errs = run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)
+    assert max(errs) < 1e-5
+
+
+def test_idle_vision_pass_leaves_a_text_only_loss_unchanged(models):
+    ref, packed = models
+    samples = [make_samples()[0], make_samples()[3]]
+    batch = manual_packed_batch(ref, samples)
+    torch.testing.assert_close(packed(**batch).loss, reference_loss(ref, samples), rtol=1e-5, atol=0)

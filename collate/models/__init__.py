@@ -30,9 +30,12 @@ def _patch_for(model: nn.Module) -> Any:
     return _PATCHES[model_type]
 
 
-def enable_packed(model: nn.Module) -> nn.Module:
-    """Patch this model instance so that ``model(**packed_batch)`` works; returns the model."""
-    return _patch_for(model)[0](model)
+def enable_packed(model: nn.Module, **options: Any) -> nn.Module:
+    """Patch this model instance so that ``model(**packed_batch)`` works; returns the model.
+
+    ``options`` go to the family's patch (e.g. ``idle_vision=False`` for Qwen2-VL).
+    """
+    return _patch_for(model)[0](model, **options)
 
 
 def disable_packed(model: nn.Module) -> nn.Module:

@@ -15,7 +15,12 @@
    cos/sin are not used) and :func:`collate.ops.varlen_attention` over the batch's segments; without
    it, it runs the original HF forward, so unpacked calls and ``generate`` behave exactly as before.
 
-The vision tower is untouched: it already attends per image from ``image_grid_thw``.
+The vision tower is untouched: it already attends per image from ``image_grid_thw``. A packed call
+without any image or video still runs it, on one zero-valued dummy image whose output is added to
+the embeddings times zero: under FSDP2 every rank must issue the vision blocks' all-gathers and
+reduce-scatters in the same order, and a rank that skipped the tower would hang the others (or
+pair its collectives with the wrong ones). ``enable_packed(model, idle_vision=False)`` turns it off
+for single-device training.
 ``disable_packed(model)`` restores everything. Nothing in the packed path reads a device tensor
 back to the host: boundaries come from the host list, ``max_seqlen`` is a python int.
 
@@ -58,6 +63,7 @@ SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 _PREV_FORWARD = "_tokenbal_prev_forward"
 _ENABLED = "_tokenbal_packed_enabled"
+_IDLE_VISION = "_tokenbal_idle_vision"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +247,34 @@ def _take_packed_info(model: nn.Module, kwargs: dict[str, Any]) -> PackedAttenti
     )
 
 
+def _run_idle_vision_tower(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Run the vision tower on a dummy image and fold its output into the embeddings times zero.
+
+    Called at the point where transformers would run the tower (right after the token embedding),
+    so the order of FSDP collectives is the same on ranks with and without images.
+    """
+    base = model.model
+    visual = base.visual
+    input_ids = kwargs.pop("input_ids", None)
+    embeds = kwargs.pop("inputs_embeds", None)
+    if embeds is None:
+        embeds = base.get_input_embeddings()(input_ids)
+    merge = visual.spatial_merge_size
+    patch = visual.patch_embed
+    patch_dim = patch.in_channels * patch.temporal_patch_size * patch.patch_size**2
+    grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+    pixels = torch.zeros(merge * merge, patch_dim, dtype=visual.dtype, device=embeds.device)
+    features = visual(pixels, grid_thw=grid).pooler_output
+    kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+
+
 def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not _is_packed_call(kwargs):
         return _call_original(self, *args, **kwargs)
     info = _take_packed_info(self, kwargs)
+    no_vision = kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None
+    if no_vision and getattr(self, _IDLE_VISION, False):
+        _run_idle_vision_tower(self, kwargs)
     text_model = _text_model(self)
     # A prepared mask mapping: HF skips mask creation (no T x T mask) and hands each layer None.
     kwargs["attention_mask"] = {layer_type: None for layer_type in set(text_model.config.layer_types)}
@@ -252,8 +282,12 @@ def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _call_original(self, *args, **kwargs)
 
 
-def enable_packed(model: nn.Module) -> nn.Module:
-    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance."""
+def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:
+    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance.
+
+    ``idle_vision``: run the vision tower on a zero-weighted dummy image when a packed batch has no
+    image or video, so every FSDP rank issues the same collectives (see the module docstring).
+    """
     if getattr(model, _ENABLED, False):
         return model
     text_model = _text_model(model)
@@ -262,6 +296,7 @@ def enable_packed(model: nn.Module) -> nn.Module:
         _install(layer.self_attn, _packed_attention_forward)
     _install(model, _packed_model_forward)
     setattr(model, _ENABLED, True)
+    setattr(model, _IDLE_VISION, idle_vision and hasattr(getattr(model, "model", None), "visual"))
     return model
 
 
@@ -273,4 +308,5 @@ def disable_packed(model: nn.Module) -> nn.Module:
         _uninstall(layer.self_attn)
     _uninstall(model)
     delattr(model, _ENABLED)
+    delattr(model, _IDLE_VISION)
     return model
