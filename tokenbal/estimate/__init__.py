@@ -1,18 +1,22 @@
 """Token-count estimators: vision placeholders per model family and text token counters.
 
-``get_estimator(name, **overrides)`` / ``load_estimator(model_dir)`` give a vision estimator;
-``get_text_counter(tokenizer_path_or_None)`` gives a text counter.
+``get_estimator(name, **overrides)`` / ``load_estimator(model_dir)`` give a vision estimator
+(names: ``estimator_names()``: qwen2-vl, qwen2.5-vl, qwen3-vl, internvl, tiles, llava-next,
+llava-onevision); ``image_tokens_checked(est, widths, heights)`` counts a batch without letting one
+bad image fail it; ``get_text_counter(tokenizer_path_or_None)`` gives a text counter.
 """
 
 from __future__ import annotations
 
 from tokenbal.estimate.text import HeuristicTextCounter, TextTokenCounter, get_text_counter
-from tokenbal.estimate.vision import get_estimator, load_estimator
+from tokenbal.estimate.vision import estimator_names, get_estimator, image_tokens_checked, load_estimator
 
 __all__ = [
     "HeuristicTextCounter",
     "TextTokenCounter",
+    "estimator_names",
     "get_estimator",
     "get_text_counter",
+    "image_tokens_checked",
     "load_estimator",
 ]

@@ -37,8 +37,11 @@ class HeuristicTextCounter:
     """
 
     def __init__(self, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN) -> None:
-        if not (isinstance(bytes_per_token, (int, float)) and math.isfinite(bytes_per_token)
-                and bytes_per_token > 0):
+        if not (
+            isinstance(bytes_per_token, (int, float))
+            and math.isfinite(bytes_per_token)
+            and bytes_per_token > 0
+        ):
             raise ValueError(f"bytes_per_token must be a finite number > 0, got {bytes_per_token!r}")
         self.bytes_per_token = float(bytes_per_token)
         self.name = f"heuristic:bytes_per_token={self.bytes_per_token:g}"
@@ -48,8 +51,11 @@ class HeuristicTextCounter:
         return math.ceil(n / self.bytes_per_token)
 
     def count_batch(self, texts: Sequence[str]) -> np.ndarray:
-        nbytes = np.fromiter((len(_as_text(t, i).encode("utf-8")) for i, t in enumerate(texts)),
-                             dtype=np.int64, count=len(texts))
+        nbytes = np.fromiter(
+            (len(_as_text(t, i).encode("utf-8")) for i, t in enumerate(texts)),
+            dtype=np.int64,
+            count=len(texts),
+        )
         return np.ceil(nbytes / self.bytes_per_token).astype(np.int64)
 
     def __repr__(self) -> str:

@@ -1,11 +1,265 @@
-"""Vision estimators (work in progress: Qwen family first)."""
+"""Registry of vision estimators: ``get_estimator(name, **overrides)`` and ``load_estimator(dir)``.
+
+Every estimator has ``.name``, ``.config`` (JSON-serialisable, written into the index manifest),
+``.image_tokens(width, height)``, ``.image_tokens_batch(widths, heights)``, ``.wrapper_tokens``;
+models with video support also have ``.video_tokens(num_frames, width, height, fps)``.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-def get_estimator(name: str, **overrides):
-    raise NotImplementedError(f"vision estimator {name!r}: not implemented yet")
+import numpy as np
+
+from tokenbal.estimate.llava import LlavaNextEstimator, LlavaOneVisionEstimator
+from tokenbal.estimate.qwen import QWEN_FAMILIES, make_qwen
+from tokenbal.estimate.tiles import make_tiles
+
+# accepted spellings (ours and transformers' / the original repos' ``model_type``) -> name
+_ALIASES = {
+    "qwen2-vl": "qwen2-vl",
+    "qwen2_vl": "qwen2-vl",
+    "qwen2.5-vl": "qwen2.5-vl",
+    "qwen2_5_vl": "qwen2.5-vl",
+    "qwen2.5_vl": "qwen2.5-vl",
+    "qwen3-vl": "qwen3-vl",
+    "qwen3_vl": "qwen3-vl",
+    "qwen3_vl_moe": "qwen3-vl",
+    "internvl": "internvl",
+    "internvl_chat": "internvl",
+    "llava-next": "llava-next",
+    "llava_next": "llava-next",
+    "llava-onevision": "llava-onevision",
+    "llava_onevision": "llava-onevision",
+    "tiles": "tiles",
+}
+
+_FACTORIES: dict[str, Callable[..., Any]] = {
+    **{name: (lambda n: lambda **kw: make_qwen(n, **kw))(name) for name in QWEN_FAMILIES},
+    "internvl": lambda **kw: make_tiles("internvl", **kw),
+    "tiles": lambda **kw: make_tiles("tiles", **kw),
+    "llava-next": lambda **kw: LlavaNextEstimator().replace(**kw),
+    "llava-onevision": lambda **kw: LlavaOneVisionEstimator().replace(**kw),
+}
 
 
-def load_estimator(model_dir):
-    raise NotImplementedError("load_estimator: not implemented yet")
+def estimator_names() -> list[str]:
+    return sorted(_FACTORIES)
+
+
+def get_estimator(name: str, **overrides: Any) -> Any:
+    """The estimator for model family ``name`` with official-checkpoint defaults and ``overrides``.
+
+    Names: "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl", "tiles", "llava-next",
+    "llava-onevision" (transformers ``model_type`` spellings such as "qwen2_5_vl" are accepted
+    too). Unknown names raise ``ValueError`` listing the known ones; unknown overrides raise
+    ``TypeError`` listing the accepted settings.
+    """
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in _FACTORIES:
+        raise ValueError(f"unknown estimator {name!r}; known: {estimator_names()}")
+    return _FACTORIES[key](**overrides)
+
+
+# --------------------------------------------------------------------------------------------------
+# load_estimator: read a local checkpoint folder the way transformers' Auto* classes would
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {str(path)!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(path)!r} does not hold a JSON object")
+    return data
+
+
+def _processor_dicts(model_dir: Path) -> tuple[dict | None, dict | None]:
+    """(image processor dict, video processor dict) with transformers 5.x's lookup order:
+    ``processor_config.json``'s nested entry, else ``preprocessor_config.json`` for images and
+    ``video_preprocessor_config.json`` then ``preprocessor_config.json`` for videos."""
+    nested = _read_json(model_dir / "processor_config.json") or {}
+    pre = _read_json(model_dir / "preprocessor_config.json")
+    image = nested.get("image_processor") or pre
+    video = nested.get("video_processor") or _read_json(model_dir / "video_preprocessor_config.json") or pre
+    return image, video
+
+
+# transformers 5.24 class defaults, used for keys a checkpoint's file leaves out (that is what
+# AutoProcessor would use), as opposed to get_estimator's hub defaults.
+_QWEN_IMAGE_CLASS = {
+    "shortest_edge": 56 * 56,
+    "longest_edge": 28 * 28 * 1280,
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+}
+_QWEN2_VIDEO_CLASS = {
+    "shortest_edge": 128 * 28 * 28,
+    "longest_edge": 768 * 28 * 28,
+    "patch_size": 14,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "max_video_tokens": 128000,
+}
+_QWEN3_VIDEO_CLASS = {
+    "shortest_edge": 128 * 32 * 32,
+    "longest_edge": 768 * 32 * 32,
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "max_video_tokens": 768,
+}
+
+
+def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool) -> tuple[int, int]:
+    size = dict(d.get("size") or {})
+    lo = size.get("shortest_edge", size.get("min_pixels"))
+    hi = size.get("longest_edge", size.get("max_pixels"))
+    if legacy_keys:  # Qwen2VL{Image,Video}Processor.__init__: top-level min/max_pixels win over size
+        lo = d.get("min_pixels") if d.get("min_pixels") is not None else lo
+        hi = d.get("max_pixels") if d.get("max_pixels") is not None else hi
+    lo = class_defaults["shortest_edge"] if lo is None else lo
+    hi = class_defaults["longest_edge"] if hi is None else hi
+    return int(lo), int(hi)
+
+
+def _qwen_settings(family: str, image: dict | None, video: dict | None) -> dict:
+    out: dict[str, Any] = {}
+    img = image or {}
+    out["min_pixels"], out["max_pixels"] = _qwen_size(img, _QWEN_IMAGE_CLASS, legacy_keys=True)
+    for k in ("patch_size", "merge_size", "temporal_patch_size"):
+        out[k] = int(img.get(k, _QWEN_IMAGE_CLASS[k]))
+    vid = video or {}
+    qwen3 = family == "qwen3-vl"
+    vdef = _QWEN3_VIDEO_CLASS if qwen3 else _QWEN2_VIDEO_CLASS
+    out["video_min_pixels"], out["video_max_pixels"] = _qwen_size(vid, vdef, legacy_keys=not qwen3)
+    out["max_video_tokens"] = int(vid.get("max_video_tokens", vdef["max_video_tokens"]))
+    for src, dst in (
+        ("fps", "video_fps"),
+        ("min_frames", "video_min_frames"),
+        ("max_frames", "video_max_frames"),
+    ):
+        if vid.get(src) is not None:
+            out[dst] = vid[src]
+    if vid.get("cap_pixels_per_frame") is not None:
+        out["cap_pixels_per_frame"] = bool(vid["cap_pixels_per_frame"])
+    # The video processor's geometry must match the image one for the model to work; if a file
+    # disagrees we cannot represent it with one set of fields, so say so rather than guess.
+    for k in ("patch_size", "merge_size", "temporal_patch_size"):
+        v = int(vid.get(k, vdef[k]))
+        if video is not None and v != out[k]:
+            raise ValueError(f"{family}: video processor {k}={v} differs from image processor {k}={out[k]}")
+    return out
+
+
+def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
+    """The estimator for a local checkpoint folder (``config.json`` + processor configs).
+
+    The family comes from ``config.json``'s ``model_type``; settings from the processor configs,
+    read in transformers' order (see ``_processor_dicts``); keys a file leaves out take
+    transformers' class defaults, exactly as ``AutoProcessor.from_pretrained`` would. ``overrides``
+    are applied last.
+    """
+    d = Path(model_dir)
+    cfg = _read_json(d / "config.json")
+    if cfg is None:
+        raise FileNotFoundError(f"{str(d)!r} has no config.json")
+    model_type = str(cfg.get("model_type", ""))
+    family = _ALIASES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"{str(d / 'config.json')!r}: model_type {model_type!r} has no estimator; "
+            f"known: {sorted(set(_ALIASES))}"
+        )
+    image, video = _processor_dicts(d)
+    if family == "internvl" and model_type == "internvl_chat":  # original (remote-code) checkpoint
+        settings = _internvl_chat_settings(cfg)
+    elif image is None:
+        raise FileNotFoundError(f"{str(d)!r} has neither preprocessor_config.json nor processor_config.json")
+    elif family in QWEN_FAMILIES:
+        settings = _qwen_settings(family, image, video)
+    elif family == "internvl":
+        settings = _internvl_hf_settings(image, _read_json(d / "processor_config.json") or {})
+    else:
+        settings = _llava_settings(family, cfg, image)
+    return get_estimator(family, **{**settings, **overrides})
+
+
+def _internvl_chat_settings(cfg: dict) -> dict:
+    # OpenGVLab/InternVL* config.json: force_image_size, max/min_dynamic_patch, use_thumbnail,
+    # downsample_ratio and the ViT patch size give the tile geometry directly.
+    vision = cfg.get("vision_config") or {}
+    tile = int(cfg.get("force_image_size") or vision.get("image_size", 448))
+    patch = int(vision.get("patch_size", 14))
+    ratio = float(cfg.get("downsample_ratio", 0.5))
+    return {
+        "tile_size": tile,
+        "tokens_per_tile": int((tile // patch) ** 2 * ratio**2),
+        "max_tiles": int(cfg.get("max_dynamic_patch", 12)),
+        "min_tiles": int(cfg.get("min_dynamic_patch", 1)),
+        "use_thumbnail": bool(cfg.get("use_thumbnail", True)),
+    }
+
+
+def _internvl_hf_settings(image: dict, processor: dict) -> dict:
+    # transformers InternVL: GotOcr2ImageProcessor (crop_to_patches forced on by the processor,
+    # thumbnail always added) + InternVLProcessor.image_seq_length
+    size = image.get("size") or {}
+    tile = int(size.get("height", 384))  # GotOcr2 class default 384
+    if int(size.get("width", tile)) != tile:
+        raise ValueError(f"internvl: non-square tiles {size} are not supported")
+    return {
+        "tile_size": tile,
+        "max_tiles": int(image.get("max_patches", 12)),
+        "min_tiles": int(image.get("min_patches", 1)),
+        "tokens_per_tile": int(processor.get("image_seq_length", 256)),
+        "use_thumbnail": True,
+    }
+
+
+def _llava_settings(family: str, cfg: dict, image: dict) -> dict:
+    # LLaVA-NeXT configs give the crop as crop_size; OneVision's give it as size {height, width}
+    crop = image.get("crop_size") or image.get("size") or {}
+    default_crop = 336 if family == "llava-next" else 384
+    out: dict[str, Any] = {"crop_size": int(crop.get("height", crop.get("shortest_edge", default_crop)))}
+    if image.get("image_grid_pinpoints"):
+        out["pinpoints"] = [tuple(int(x) for x in p) for p in image["image_grid_pinpoints"]]
+    patch = (cfg.get("vision_config") or {}).get("patch_size")
+    if patch:
+        out["patch_size"] = int(patch)
+    strategy = cfg.get("vision_feature_select_strategy", "default" if family == "llava-next" else "full")
+    if (family == "llava-next") != (strategy == "default"):
+        raise ValueError(f"{family}: vision_feature_select_strategy={strategy!r} is not modelled")
+    return out
+
+
+def image_tokens_checked(est: Any, widths: Any, heights: Any) -> tuple[np.ndarray, dict[int, str]]:
+    """``est.image_tokens_batch`` that does not fail the whole batch for one bad image.
+
+    Returns ``(tokens, errors)``: ``tokens`` is int64 with ``-1`` where the image cannot be counted,
+    and ``errors`` maps those indices to the estimator's message (e.g. a 0 side, or an aspect ratio
+    the model's processor rejects). The vectorised path runs when the batch is clean; otherwise the
+    elements are counted one by one, so the cost of a bad element is one scalar pass over its batch.
+    """
+    try:
+        return np.asarray(est.image_tokens_batch(widths, heights), dtype=np.int64), {}
+    except ValueError:
+        pass
+    ws, hs = list(np.asarray(widths, dtype=object)), list(np.asarray(heights, dtype=object))
+    if len(ws) != len(hs):
+        raise ValueError(f"widths and heights differ in length: {len(ws)} vs {len(hs)}")
+    out = np.full(len(ws), -1, dtype=np.int64)
+    errors: dict[int, str] = {}
+    for i, (w, h) in enumerate(zip(ws, hs, strict=True)):
+        try:
+            out[i] = est.image_tokens(w, h)
+        except ValueError as e:
+            errors[i] = str(e)
+    return out, errors

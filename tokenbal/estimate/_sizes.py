@@ -1,0 +1,66 @@
+"""Validation of image/video sizes shared by every estimator.
+
+Estimators are fed sizes read from annotations and image headers, so bad values are common
+(0, negative, NaN, strings, a float like 640.5). Each one is rejected with a message that names the
+value, which dimension it was, and (for batches) the element index, so the index builder can report
+the sample instead of indexing a wrong token count.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+def as_dim(value: object, what: str) -> int:
+    """``value`` as a positive Python int; integral floats (``640.0``) are accepted."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a positive integer, got {value!r} ({type(value).__name__})")
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+    else:
+        f = float(value)
+        if not math.isfinite(f) or f != math.floor(f):
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+        v = int(f)
+    if v <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return v
+
+
+def as_dims(values: object, what: str) -> np.ndarray:
+    """A 1-D int64 array of positive integers; the first bad element is named by index."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype.kind in "iu":
+        out = arr.astype(np.int64)
+        bad = np.flatnonzero(out <= 0)
+    elif arr.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)) | (arr <= 0))
+        out = None
+    else:
+        # bool, object (None / str mixed in), strings: check element by element for a precise message
+        for i, v in enumerate(arr.tolist()):
+            as_dim(v, f"{what}[{i}]")
+        out = np.asarray([int(v) for v in arr.tolist()], dtype=np.int64)
+        bad = np.zeros(0, dtype=np.int64)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{what}[{i}] must be a positive integer, got {arr[i].item()!r}")
+    if out is None:
+        if arr.size and float(np.max(arr)) >= 2.0**53:
+            raise ValueError(f"{what} has a value too large to be an image side: {float(np.max(arr))!r}")
+        out = arr.astype(np.int64)
+    return out
+
+
+def pair_dims(widths: object, heights: object) -> tuple[np.ndarray, np.ndarray]:
+    w = as_dims(widths, "widths")
+    h = as_dims(heights, "heights")
+    if w.shape != h.shape:
+        raise ValueError(f"widths and heights differ in length: {w.shape[0]} vs {h.shape[0]}")
+    return w, h

@@ -1,0 +1,255 @@
+"""LLaVA-NeXT (v1.6, "anyres") and LLaVA-OneVision ("anyres_max_9") image token counts.
+
+An image picks the best "pinpoint" resolution (max effective pixels, then min waste), is cut into
+base-size crops, and the model keeps the crop features minus the letterbox padding ("unpad"), plus
+one ``image_newline`` per feature row, plus the base view. OneVision additionally downsamples the
+unpadded grid when it exceeds 9 base views (ratio > 1.1).
+
+Port of transformers 5.24 ``LlavaNextProcessor._get_number_of_features`` /
+``LlavaOnevisionProcessor._get_number_of_features`` and ``image_processing_utils.select_best_resolution``,
+including ``int(round(x, 7))`` in the unpad step (the original LLaVA code uses ``int(x)``; they
+differ on rare sizes such as 1408x792, research note §7.8). No wrapper tokens: the prompt holds
+only ``<image>`` repeated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from tokenbal.estimate._sizes import as_dim, pair_dims
+
+LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # (h, w), v1.6
+ONEVISION_PINPOINTS = tuple((384 * i, 384 * j) for i in range(1, 7) for j in range(1, 7))
+
+
+def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    best, best_eff, best_waste = None, 0, float("inf")
+    for ph, pw in pinpoints:
+        scale = min(pw / width, ph / height)
+        eff = min(int(width * scale) * int(height * scale), width * height)
+        waste = pw * ph - eff
+        if eff > best_eff or (eff == best_eff and waste < best_waste):
+            best, best_eff, best_waste = (ph, pw), eff, waste
+    return best
+
+
+def _select_best_np(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
+    bh = np.zeros(h.shape, dtype=np.int64)
+    bw = np.zeros(h.shape, dtype=np.int64)
+    best_eff = np.zeros(h.shape, dtype=np.int64)
+    best_waste = np.full(h.shape, np.inf)
+    area = w * h
+    for ph, pw in pinpoints:
+        scale = np.minimum(pw / w, ph / h)
+        # int() truncates; products are positive so astype's truncation is the same
+        eff = np.minimum((w * scale).astype(np.int64) * (h * scale).astype(np.int64), area)
+        waste = pw * ph - eff
+        take = (eff > best_eff) | ((eff == best_eff) & (waste < best_waste))
+        bh[take], bw[take] = ph, pw
+        best_eff[take], best_waste[take] = eff[take], waste[take]
+    return bh, bw
+
+
+def unpadded_grid(height: int, width: int, cur_h: int, cur_w: int) -> tuple[int, int]:
+    """Feature rows/cols left after removing the letterbox padding (transformers' rounding)."""
+    if width / height > cur_w / cur_h:
+        new_h = int(round(height * (cur_w / width), 7))
+        cur_h -= 2 * ((cur_h - new_h) // 2)
+    else:
+        new_w = int(round(width * (cur_h / height), 7))
+        cur_w -= 2 * ((cur_w - new_w) // 2)
+    return cur_h, cur_w
+
+
+def _unpadded_np(h, w, cur_h, cur_w):
+    wide = w / h > cur_w / cur_h
+    # int(round(x, 7)): numpy's round(x, 7) is not Python's correctly-rounded decimal round, but the
+    # two can only disagree on whether x lands on an integer, so we use numpy where x is clearly away
+    # from one and the exact scalar port (few elements) where it is within 1e-6 of one.
+    x = np.where(wide, h * (cur_w / w), w * (cur_h / h))
+    n = np.floor(x).astype(np.int64)
+    near = np.flatnonzero(np.abs(x - np.round(x)) < 1e-6)
+    for i in near:
+        n[i] = int(round(float(x[i]), 7))
+    new_h = np.where(wide, cur_h - 2 * ((cur_h - n) // 2), cur_h)
+    new_w = np.where(wide, cur_w, cur_w - 2 * ((cur_w - n) // 2))
+    return new_h, new_w
+
+
+@dataclass(frozen=True)
+class LlavaNextEstimator:
+    """LLaVA-NeXT v1.6 (CLIP ViT-L/14-336). Defaults = llava-hf ``llava-v1.6-*-hf`` configs:
+    crop 336, patch 14, the five v1.6 pinpoints, ``vision_feature_select_strategy="default"``
+    (CLS dropped: 576 base tokens). ``image_tokens`` = ``576 + rows*cols + rows``."""
+
+    family: str = "llava-next"
+    crop_size: int = 336
+    patch_size: int = 14
+    pinpoints: tuple = LLAVA_NEXT_PINPOINTS
+    wrapper_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        if self.crop_size % self.patch_size:
+            raise ValueError(
+                f"{self.family}: crop_size {self.crop_size} is not a multiple of patch {self.patch_size}"
+            )
+
+    @property
+    def name(self) -> str:
+        return self.family
+
+    @property
+    def config(self) -> dict:
+        d = asdict(self)
+        d["pinpoints"] = [list(p) for p in self.pinpoints]
+        return {"estimator": self.family, **d}
+
+    @property
+    def grid_side(self) -> int:
+        return self.crop_size // self.patch_size
+
+    def image_tokens(self, width: int, height: int) -> int:
+        w, h = as_dim(width, "width"), as_dim(height, "height")
+        g = self.grid_side
+        bh, bw = select_best_resolution(h, w, self.pinpoints)
+        rows, cols = unpadded_grid(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
+        return g * g + rows * cols + rows
+
+    def image_tokens_batch(self, widths, heights) -> np.ndarray:
+        w, h = pair_dims(widths, heights)
+        g = self.grid_side
+        bh, bw = _select_best_np(h, w, self.pinpoints)
+        rows, cols = _unpadded_np(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
+        return (g * g + rows * cols + rows).astype(np.int64)
+
+    def replace(self, **overrides) -> LlavaNextEstimator:
+        return _replace(self, overrides)
+
+
+@dataclass(frozen=True)
+class LlavaOneVisionEstimator:
+    """LLaVA-OneVision (SigLIP-so400m/14 @ 384, 27x27 = 729 tokens per view, no CLS).
+    Defaults = llava-hf ``llava-onevision-qwen2-*-ov-hf``: the 36 pinpoints (384*i, 384*j),
+    ``vision_aspect_ratio="anyres_max_9"``. When a sample holds more than one image, transformers
+    5.x gives each only the base view + newline (730): pass ``images_in_sample``.
+    Videos: 196 pooled tokens per frame + 1 newline (frames as sampled by the caller)."""
+
+    family: str = "llava-onevision"
+    crop_size: int = 384
+    patch_size: int = 14
+    pinpoints: tuple = ONEVISION_PINPOINTS
+    max_num_views: int = 9
+    wrapper_tokens: int = 0
+    video_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_common(self)
+        _check_video_frames(self)
+
+    @property
+    def name(self) -> str:
+        return self.family
+
+    @property
+    def config(self) -> dict:
+        d = asdict(self)
+        d["pinpoints"] = [list(p) for p in self.pinpoints]
+        return {"estimator": self.family, **d}
+
+    @property
+    def grid_side(self) -> int:
+        return self.crop_size // self.patch_size  # 27 (int(sqrt(729)))
+
+    def _single(self, rows: int, cols: int) -> tuple[int, int]:
+        g = self.grid_side
+        feats, newlines = rows * cols, rows
+        ratio = math.sqrt(rows * cols / (self.max_num_views * g * g))
+        if ratio > 1.1:  # the model bilinearly downsamples the unpadded grid
+            feats = int(rows // ratio) * int(cols // ratio)
+            newlines = int(rows // ratio)
+        return feats, newlines
+
+    def image_tokens(self, width: int, height: int, images_in_sample: int = 1) -> int:
+        w, h = as_dim(width, "width"), as_dim(height, "height")
+        g = self.grid_side
+        if as_dim(images_in_sample, "images_in_sample") > 1:
+            return g * g + 1
+        bh, bw = select_best_resolution(h, w, self.pinpoints)
+        rows, cols = unpadded_grid(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
+        feats, newlines = self._single(rows, cols)
+        return g * g + feats + newlines
+
+    def image_tokens_batch(self, widths, heights, images_in_sample: int = 1) -> np.ndarray:
+        w, h = pair_dims(widths, heights)
+        g = self.grid_side
+        if as_dim(images_in_sample, "images_in_sample") > 1:
+            return np.full(w.shape, g * g + 1, dtype=np.int64)
+        bh, bw = _select_best_np(h, w, self.pinpoints)
+        rows, cols = _unpadded_np(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
+        ratio = np.sqrt(rows * cols / (self.max_num_views * g * g))
+        big = ratio > 1.1
+        # np.floor_divide on floats follows Python's float // (same divmod algorithm)
+        r_small = np.floor_divide(rows, np.where(big, ratio, 1.0)).astype(np.int64)
+        c_small = np.floor_divide(cols, np.where(big, ratio, 1.0)).astype(np.int64)
+        feats = np.where(big, r_small * c_small, rows * cols)
+        newlines = np.where(big, r_small, rows)
+        return (g * g + feats + newlines).astype(np.int64)
+
+    def video_tokens(self, num_frames: int, width: int, height: int, fps: float | None = None) -> int:
+        """``<video>`` tokens: frames are resized to 384^2 and pooled 27 -> 14 per side, plus one
+        newline per video, so only the frame count matters: ``video_frames`` if set (a fixed
+        number of uniformly sampled frames), else all ``num_frames`` (the caller sampled them).
+        ``fps`` is not used."""
+        n = _frames_used(self, num_frames)
+        as_dim(width, "width")
+        as_dim(height, "height")
+        pooled = math.ceil(self.grid_side / 2)
+        return n * pooled * pooled + 1
+
+    def replace(self, **overrides) -> LlavaOneVisionEstimator:
+        return _replace(self, overrides)
+
+
+def _check_video_frames(est) -> None:
+    v = est.video_frames
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+        raise ValueError(f"{est.family}: video_frames must be None or a positive int, got {v!r}")
+
+
+def _frames_used(est, num_frames: int) -> int:
+    n = as_dim(num_frames, "num_frames")
+    return n if est.video_frames is None else est.video_frames
+
+
+def _check_common(est) -> None:
+    for f in fields(est):
+        v = getattr(est, f.name)
+        if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{est.family}: {f.name} must be a non-negative int, got {v!r}")
+    if est.crop_size <= 0 or est.patch_size <= 0:
+        raise ValueError(f"{est.family}: crop_size and patch_size must be > 0")
+    pp = est.pinpoints
+    if not pp or not all(len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p) for p in pp):
+        raise ValueError(
+            f"{est.family}: pinpoints must be a non-empty list of (height, width) ints, got {pp!r}"
+        )
+    bad = [p for p in pp if p[0] % est.crop_size or p[1] % est.crop_size]
+    if bad:
+        raise ValueError(f"{est.family}: pinpoints {bad} are not multiples of crop_size {est.crop_size}")
+
+
+def _replace(est, overrides: dict):
+    known = {f.name for f in fields(est)} - {"family"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"{est.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
+    if "pinpoints" in overrides:
+        overrides = {
+            **overrides,
+            "pinpoints": tuple(tuple(int(x) for x in p) for p in overrides["pinpoints"]),
+        }
+    return type(est)(**{**asdict(est), **overrides})

@@ -1,0 +1,192 @@
+"""Dynamic tiling (InternVL 1.5 / 2 / 2.5 / 3 and any model that tiles the same way).
+
+The image is resized to the tile grid (columns x rows, ``min_tiles <= c*r <= max_tiles``) whose
+aspect ratio is closest to the image's, cut into ``tile_size`` tiles, and, when there is more than
+one tile, a thumbnail of the whole image is added. Every tile costs ``tokens_per_tile`` tokens
+(InternVL: (448/14)^2 * 0.5^2 = 256 after pixel shuffle) between ``<img>`` and ``</img>``.
+
+Port of transformers 5.24 ``GotOcr2ImageProcessor.get_number_of_image_patches`` /
+``get_optimal_tiled_canvas`` (what ``InternVLProcessor`` uses, with ``crop_to_patches=True``),
+including its tie rule (equal aspect-ratio distance: prefer the later, larger grid while the image
+area exceeds half the grid's pixel area) and its candidate order (sorted by tile count, stable).
+The research note found the official InternVL ``dynamic_preprocess`` order gives the same result
+on a dense 333k-size scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+
+import numpy as np
+
+from tokenbal.estimate._sizes import as_dim, pair_dims
+
+
+@lru_cache(maxsize=32)
+def tile_grids(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
+    """Candidate (columns, rows) grids in transformers' order."""
+    grids = [
+        (c, r)
+        for c in range(1, max_tiles + 1)
+        for r in range(1, max_tiles + 1)
+        if min_tiles <= c * r <= max_tiles
+    ]
+    return tuple(sorted(grids, key=lambda g: g[0] * g[1]))
+
+
+def best_grid(width: int, height: int, tile_size: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) chosen for a ``width`` x ``height`` image."""
+    aspect = width / height
+    area = width * height
+    best, best_diff = (1, 1), float("inf")
+    for c, r in tile_grids(min_tiles, max_tiles):
+        diff = abs(aspect - c / r)
+        if diff < best_diff:
+            best, best_diff = (c, r), diff
+        elif diff == best_diff and area > 0.5 * tile_size * tile_size * c * r:
+            best = (c, r)
+    return best
+
+
+def best_grid_np(w: np.ndarray, h: np.ndarray, tile_size: int, min_tiles: int, max_tiles: int):
+    """Vectorised :func:`best_grid` (same float64 operations, same sweep order)."""
+    aspect = w / h
+    area = w * h
+    cols = np.ones(w.shape, dtype=np.int64)
+    rows = np.ones(w.shape, dtype=np.int64)
+    best_diff = np.full(w.shape, np.inf)
+    for c, r in tile_grids(min_tiles, max_tiles):
+        diff = np.abs(aspect - c / r)
+        better = diff < best_diff
+        tie = (diff == best_diff) & (area > 0.5 * tile_size * tile_size * c * r)
+        take = better | tie
+        cols[take], rows[take] = c, r
+        best_diff[better] = diff[better]
+    return cols, rows
+
+
+@dataclass(frozen=True)
+class TilesEstimator:
+    """Tile-count estimator; :func:`make_tiles` gives InternVL's defaults.
+
+    Fields: ``tile_size`` (px), ``tokens_per_tile``, ``min_tiles``/``max_tiles`` (InternVL's
+    ``min_dynamic_patch``/``max_dynamic_patch``, transformers' ``min_patches``/``max_patches``),
+    ``use_thumbnail`` (transformers always adds it; the original InternVL code makes it a
+    setting), ``wrapper_tokens`` (``<img>``/``</img>`` = 2), ``family`` (the name reported).
+    """
+
+    family: str = "tiles"
+    tile_size: int = 448
+    tokens_per_tile: int = 256
+    min_tiles: int = 1
+    max_tiles: int = 12
+    use_thumbnail: bool = True
+    wrapper_tokens: int = 2
+    video_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        v = self.video_frames
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{self.family}: video_frames must be None or a positive int, got {v!r}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{self.family}: {f.name} must be a non-negative int, got {v!r}")
+        if self.tile_size <= 0 or self.tokens_per_tile <= 0 or self.min_tiles <= 0:
+            raise ValueError(f"{self.family}: tile_size, tokens_per_tile and min_tiles must be > 0")
+        if self.min_tiles > self.max_tiles:
+            raise ValueError(f"{self.family}: min_tiles={self.min_tiles} > max_tiles={self.max_tiles}")
+        if not isinstance(self.use_thumbnail, bool):
+            raise ValueError(f"{self.family}: use_thumbnail must be a bool, got {self.use_thumbnail!r}")
+
+    @property
+    def name(self) -> str:
+        return self.family
+
+    @property
+    def config(self) -> dict:
+        return {"estimator": self.family, **asdict(self)}
+
+    def tile_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(columns, rows) of the tile grid (before the thumbnail)."""
+        w, h = as_dim(width, "width"), as_dim(height, "height")
+        if self.max_tiles <= 1:  # transformers skips cropping entirely when max_patches == 1
+            return 1, 1
+        return best_grid(w, h, self.tile_size, self.min_tiles, self.max_tiles)
+
+    def num_tiles(self, width: int, height: int) -> int:
+        """Tiles fed to the vision encoder, thumbnail included (transformers' ``num_patches``)."""
+        c, r = self.tile_grid(width, height)
+        n = c * r
+        return n + 1 if (self.use_thumbnail and n > 1) else n
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """``<IMG_CONTEXT>`` tokens for one image (wrappers not included)."""
+        return self.tokens_per_tile * self.num_tiles(width, height)
+
+    def image_tokens_batch(self, widths, heights) -> np.ndarray:
+        """Vectorised :meth:`image_tokens`; identical values, int64."""
+        w, h = pair_dims(widths, heights)
+        if self.max_tiles <= 1:
+            n = np.ones(w.shape, dtype=np.int64)
+        else:
+            c, r = best_grid_np(w, h, self.tile_size, self.min_tiles, self.max_tiles)
+            n = c * r
+            if self.use_thumbnail:
+                n = n + (n > 1)
+        return self.tokens_per_tile * n
+
+    def video_tokens(self, num_frames: int, width: int, height: int, fps: float | None = None) -> int:
+        """InternVL video: one tile per frame (``max_num=1``, no thumbnail), ``tokens_per_tile``
+        each. Frames used: ``video_frames`` if set (the official ``num_segments``, e.g. 8 or 32),
+        else all ``num_frames`` (the caller sampled them). ``fps`` is not used. Each frame also
+        gets ``<img>``/``</img>`` (:meth:`video_wrapper_tokens`) and a ``FrameN: `` text label
+        (tokenizer-dependent, not counted)."""
+        as_dim(width, "width")
+        as_dim(height, "height")
+        return self.tokens_per_tile * self._frames_used(num_frames)
+
+    def video_wrapper_tokens(self, num_frames: int, fps: float | None = None) -> int:
+        return self.wrapper_tokens * self._frames_used(num_frames)
+
+    def _frames_used(self, num_frames: int) -> int:
+        n = as_dim(num_frames, "num_frames")
+        return n if self.video_frames is None else self.video_frames
+
+    def replace(self, **overrides) -> TilesEstimator:
+        return _replace(self, overrides)
+
+
+def _replace(est: TilesEstimator, overrides: dict) -> TilesEstimator:
+    known = {f.name for f in fields(est)}
+    # InternVL / transformers spellings of the same settings
+    alias = {
+        "max_num": "max_tiles",
+        "min_num": "min_tiles",
+        "max_patches": "max_tiles",
+        "min_patches": "min_tiles",
+        "max_dynamic_patch": "max_tiles",
+        "min_dynamic_patch": "min_tiles",
+        "image_size": "tile_size",
+        "num_image_token": "tokens_per_tile",
+        "image_seq_length": "tokens_per_tile",
+        "num_segments": "video_frames",
+    }
+    mapped: dict = {}
+    for k, v in overrides.items():
+        key = alias.get(k, k)
+        if key not in known or key == "family":
+            raise TypeError(
+                f"{est.family}: unknown setting {k!r}; known: {sorted((known - {'family'}) | set(alias))}"
+            )
+        mapped[key] = v
+    return TilesEstimator(**{**asdict(est), **mapped})
+
+
+def make_tiles(family: str = "tiles", **overrides) -> TilesEstimator:
+    """InternVL 2.5 / 3 defaults (``force_image_size`` 448, ``max_dynamic_patch`` 12,
+    ``use_thumbnail`` True, 256 tokens per tile, ``<img>``/``</img>``), then ``overrides``
+    (``max_num=6`` etc. are accepted as aliases)."""
+    base = TilesEstimator(family=family)
+    return _replace(base, overrides) if overrides else base
