@@ -224,3 +224,16 @@ def test_index_access_api(built):
     assert idx.shard_paths == [s["path"] for s in idx.manifest["shards"]]
     errors_file = os.path.join(idx.path, "errors.jsonl")
     assert [json.loads(line) for line in open(errors_file)] == idx.errors
+
+
+def test_image_the_processor_would_reject_is_an_error_of_its_sample_only(tmp_path):
+    # 600x2 is beyond Qwen's 200:1 aspect-ratio rule: transformers' processor raises on it.
+    samples = [Sample("ok0", images=[("png", 64, 48)], caption="fine"),
+               Sample("thin", images=[("png", 32, 32), ("png", 600, 2)], caption="too thin"),
+               Sample("ok1", caption="text only")]
+    shard = write_shard(tmp_path / "s.tar", samples)
+    report = build_index([shard], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(report.out)
+    assert list(idx.keys) == ["ok0", "ok1"] and report.num_errors == 1
+    (err,) = idx.errors
+    assert err["key"] == "thin" and "image 1 (600x2)" in err["reason"] and "200" in err["reason"]

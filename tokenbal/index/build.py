@@ -143,14 +143,33 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter) -> ShardR
 
 
 def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -> ShardResult:
+    from tokenbal.estimate import image_tokens_checked
+
     samples = scan.samples
+    errors = list(scan.errors)
+    wh = np.array([wh for s in samples for wh in s.image_sizes], dtype=np.int64).reshape(-1, 2)
+    per_image = np.zeros(len(wh), np.int64)
+    if len(wh):
+        # One image the model's processor would reject (a zero side, an extreme aspect ratio) makes
+        # its sample an error; it must not fail the shard's other samples.
+        per_image, bad = image_tokens_checked(est, wh[:, 0], wh[:, 1])
+        if bad:
+            owner = np.repeat(np.arange(len(samples)), [len(s.image_sizes) for s in samples])
+            bad_samples: dict[int, str] = {}
+            for j, message in sorted(bad.items()):
+                bad_samples.setdefault(int(owner[j]), f"image {int(j - np.searchsorted(owner, owner[j]))} "
+                                                      f"({wh[j, 0]}x{wh[j, 1]}): {message}")
+            for i, message in bad_samples.items():
+                errors.append({"shard": scan.path, "key": samples[i].key,
+                               "reason": f"sample {samples[i].key!r}: {message}"})
+            keep_image = ~np.isin(owner, list(bad_samples))
+            samples = [s for i, s in enumerate(samples) if i not in bad_samples]
+            wh, per_image = wh[keep_image], np.asarray(per_image)[keep_image]
     n = len(samples)
     image_counts = np.fromiter((len(s.image_sizes) for s in samples), np.int64, count=n)
-    wh = np.array([wh for s in samples for wh in s.image_sizes], dtype=np.int64).reshape(-1, 2)
     vision = np.zeros(n, np.int64)
     if len(wh):
-        per_image = np.asarray(est.image_tokens_batch(wh[:, 0], wh[:, 1]), dtype=np.int64)
-        per_image = per_image + int(est.wrapper_tokens)
+        per_image = np.asarray(per_image, dtype=np.int64) + int(est.wrapper_tokens)
         np.add.at(vision, np.repeat(np.arange(n), image_counts), per_image)
     text = np.zeros(n, np.int64)
     nonempty = [i for i, s in enumerate(samples) if s.text]
@@ -158,7 +177,7 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         text[nonempty] = np.asarray(counter.count_batch([samples[i].text for i in nonempty]), np.int64)
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
-             "n_members": scan.n_members, "n_samples": n, "n_errors": len(scan.errors),
+             "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
              "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads}
     return ShardResult(
         entry=entry, keys=[s.key for s in samples],
@@ -166,7 +185,7 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         member_exts=[m[0] for s in samples for m in s.members],
         member_offsets=np.array([m[1] for s in samples for m in s.members], np.int64),
         member_sizes=np.array([m[2] for s in samples for m in s.members], np.int64),
-        image_counts=image_counts, image_wh=wh, vision=vision, text=text, errors=scan.errors)
+        image_counts=image_counts, image_wh=wh, vision=vision, text=text, errors=errors)
 
 
 # --- parallel scan ------------------------------------------------------------------------------
