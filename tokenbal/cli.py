@@ -40,7 +40,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # `collate` layer; it is the one place the CLI reaches it, lazily.
     from collate.demo import run_demo
 
-    return run_demo(workdir=args.workdir, steps=args.steps, ranks=args.ranks, seed=args.seed)
+    return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed)
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "TokenBalancedBatchSampler at 8 ranks, train a tiny random Qwen2-VL with FSDP2 "
                     "on 2 CPU ranks with each sampler, and check the packed loss against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
-    demo.add_argument("--steps", type=int, default=4, help="training steps per sampler")
+    demo.add_argument("--train-samples", type=int, default=64,
+                      help="samples in the training epoch run with each sampler (default 64)")
     demo.add_argument("--ranks", type=int, default=2, help="CPU ranks for the FSDP2 part")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
