@@ -1,0 +1,70 @@
+"""The demo's data path, end to end: synthetic shards -> index -> dataset with transformers'
+real image processor and a real tokenizer. The index's predicted length of every sample must be
+the number of tokens the training pipeline actually produces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from collate.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, IndexedSamples, prepare_data, summarise_training
+from tokenbal.index import build_index
+from tokenbal.synthetic import make_samples
+
+
+def test_synthetic_samples_are_deterministic_and_mixed():
+    a, b = make_samples(200, seed=3), make_samples(200, seed=3)
+    assert a == b and make_samples(200, seed=4) != a
+    kinds = {s.kind for s in a}
+    assert {"photo", "document", "screenshot", "icon", "multi_image", "text_short", "text_long"} <= kinds
+    assert all(len(s.images) >= 2 for s in a if s.kind == "multi_image")
+    assert all(not s.images for s in a if s.kind.startswith("text"))
+
+
+@pytest.fixture(scope="module")
+def demo_data(tmp_path_factory):
+    paths = prepare_data(str(tmp_path_factory.mktemp("demo")), num_samples=40, seed=1)
+    build_index(list(paths.shards), paths.index, model="qwen2-vl", tokenizer=paths.tokenizer,
+                estimator_overrides=dict(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS),
+                progress=False)
+    return paths
+
+
+def test_index_lengths_equal_what_the_processor_and_tokenizer_produce(demo_data):
+    ds = IndexedSamples(demo_data.index, demo_data.tokenizer)
+    assert len(ds) == 40
+    for i in range(len(ds)):  # __getitem__ itself raises on any mismatch; check explicitly too
+        sample = ds[i]
+        assert len(sample["input_ids"]) == int(ds.index.lengths[i])
+        n_images = len(ds.index.image_sizes(i))
+        assert (sample["image_grid_thw"].shape[0] if n_images else 0) == n_images
+
+
+def test_stale_index_is_an_error_naming_the_sample(demo_data, tmp_path):
+    # An index built with another pixel budget no longer matches what the processor produces.
+    out = tmp_path / "other"
+    build_index(list(demo_data.shards), out, model="qwen2-vl", tokenizer=demo_data.tokenizer, progress=False)
+    ds = IndexedSamples(str(out), demo_data.tokenizer)
+    big = next(i for i in range(len(ds)) if ds.index.vision_tokens[i] > 1400)
+    with pytest.raises(ValueError, match=f"sample {big} .* tokens but the index says"):
+        ds[big]
+
+
+def test_summarise_training_takes_the_slowest_rank_per_step():
+    rec = lambda step, t, c, n: dict(step=step, step_time=t, compute=c, tokens=n)  # noqa: E731
+    summary = summarise_training([[rec(0, 1.0, 1.0, 100), rec(1, 2.0, 1.0, 50)],
+                                  [rec(0, 1.0, 0.5, 50), rec(1, 2.0, 2.0, 150)]])
+    assert summary["epoch"] == 3.0 and summary["steps"] == 2
+    np.testing.assert_allclose(summary["wait"], [1 - 2.0 / 3.0, 1 - 2.5 / 3.0])
+    np.testing.assert_allclose(summary["token_ratio"], np.mean([100 / 75, 150 / 100]))
+
+
+@pytest.mark.slow
+def test_demo_runs_end_to_end(capsys):
+    from collate.demo import run_demo
+
+    assert run_demo(num_samples=64, train_samples=16) == 0
+    out = capsys.readouterr().out
+    assert "TokenBalancedBatchSampler" in out and "-> OK" in out
