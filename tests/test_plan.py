@@ -1,0 +1,234 @@
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from tokenbal.plan import EpochPlan, plan_epoch, step_balance
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+def make_lengths(kind: str, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        return rng.integers(1, 4000, n)
+    if kind == "lognormal":
+        return np.exp(rng.normal(6.5, 1.0, n)).astype(np.int64)
+    if kind == "zeros":
+        return rng.integers(0, 2, n) * rng.integers(0, 50, n)
+    if kind == "giant":  # one sample bigger than all the others together
+        x = rng.integers(10, 500, n)
+        if n:
+            x[rng.integers(n)] = 10_000_000
+        return x
+    if kind == "mixture":  # text + images + a few long videos
+        x = np.exp(rng.normal(6.5, 1.0, n)).astype(np.int64) + 16
+        v = rng.random(n) < 0.01
+        x[v] = rng.integers(10_000, 20_000, v.sum())
+        return x
+    raise AssertionError(kind)
+
+
+KINDS = st.sampled_from(["uniform", "lognormal", "zeros", "giant", "mixture"])
+
+
+def check_structure(plan: EpochPlan, R: int) -> np.ndarray:
+    assert plan.num_replicas == R
+    assert len(plan.offsets) == plan.num_steps * R + 1 and plan.offsets[0] == 0
+    assert (np.diff(plan.offsets) >= 0).all() and plan.offsets[-1] == len(plan.indices)
+    for s in range(plan.num_steps):
+        for r in range(R):
+            sl = plan.slot(s, r)
+            assert (np.diff(sl) > 0).all(), "each rank's list is in ascending index order"
+    # every rank sees the same number of steps
+    assert {len(plan.rank_steps(r)) for r in range(R)} == {plan.num_steps}
+    return plan.counts()
+
+
+@FAST
+@given(kind=KINDS, n=st.integers(0, 400), R=st.integers(1, 9), per_rank=st.floats(1, 6),
+       seed=st.integers(0, 2**31), epoch=st.integers(0, 3), window=st.sampled_from([None, 1, 3]))
+def test_global_batch_contract(kind, n, R, per_rank, seed, epoch, window):
+    N = max(R, int(R * per_rank))
+    lengths = make_lengths(kind, n, seed)
+    plan = plan_epoch(lengths, R, global_batch_size=N, seed=seed, epoch=epoch, window=window)
+    counts = check_structure(plan, R)
+    # each sample exactly once
+    assert np.array_equal(np.sort(plan.indices), np.arange(n))
+    assert len(plan.dropped) == 0
+    per_step = counts.sum(1)
+    if n:
+        # exactly N per step except the last, which has the tail t (< N), or N + t when t < R
+        assert (per_step[:-1] == N).all()
+        assert 1 <= per_step[-1] < N + R
+        assert plan.num_steps == max(1, -(-n // N) - (0 < n % N < R and n > N))
+    else:
+        assert plan.num_steps == 0
+    # no empty rank-step as soon as there are at least as many samples as ranks
+    if n >= R:
+        assert (counts >= 1).all()
+    elif n:
+        assert plan.num_steps == 1 and plan.num_empty == R - n
+    # a pure function of its inputs
+    again = plan_epoch(lengths.copy(), R, global_batch_size=N, seed=seed, epoch=epoch, window=window)
+    assert np.array_equal(plan.indices, again.indices) and np.array_equal(plan.offsets, again.offsets)
+
+
+@FAST
+@given(kind=KINDS, n=st.integers(0, 300), R=st.integers(1, 8), per_rank=st.integers(1, 5),
+       seed=st.integers(0, 2**31))
+def test_drop_last_gives_full_steps_and_documents_the_tail(kind, n, R, per_rank, seed):
+    N = R * per_rank + seed % 3
+    lengths = make_lengths(kind, n, seed)
+    plan = plan_epoch(lengths, R, global_batch_size=N, seed=seed, drop_last=True)
+    counts = check_structure(plan, R)
+    assert plan.num_steps == n // N
+    assert (counts.sum(1) == N).all() and (counts >= 1).all()
+    assert len(plan.dropped) == n % N
+    assert np.array_equal(np.sort(np.concatenate([plan.indices, plan.dropped])), np.arange(n))
+    # the dropped tail is the end of this epoch's permutation, the same with drop_last=False
+    full = plan_epoch(lengths, R, global_batch_size=N, seed=seed, drop_last=False)
+    assert len(np.intersect1d(full.indices, plan.dropped)) == len(plan.dropped)
+
+
+@FAST
+@given(kind=KINDS, n=st.integers(0, 400), R=st.integers(1, 8), seed=st.integers(0, 2**31),
+       budget_factor=st.floats(1.0, 6.0))
+def test_token_budget_contract(kind, n, R, seed, budget_factor):
+    lengths = make_lengths(kind, n, seed)
+    B = max(1, int(max(int(lengths.max(initial=0)), 1) * budget_factor))
+    plan = plan_epoch(lengths, R, max_tokens_per_rank=B, seed=seed)
+    counts = check_structure(plan, R)
+    assert np.array_equal(np.sort(plan.indices), np.arange(n))
+    assert (plan.step_rank_tokens(lengths) <= B).all(), "the budget is never exceeded"
+    assert (counts.sum(1) >= 1).all(), "no step is empty on every rank"
+
+
+@FAST
+@given(n=st.integers(1, 600), R=st.integers(1, 8), seed=st.integers(0, 2**31))
+def test_token_budget_fills_every_rank_when_samples_are_small(n, R, seed):
+    lengths = np.random.default_rng(seed).integers(0, 1000, n)
+    assume(n >= 4 * R)
+    plan = plan_epoch(lengths, R, max_tokens_per_rank=4000, seed=seed)
+    assert plan.num_empty == 0
+    assert (plan.step_rank_tokens(lengths) <= 4000).all()
+
+
+def test_over_budget_samples_are_listed():
+    lengths = np.array([10, 5000, 20, 7000, 30])
+    with pytest.raises(ValueError, match=r"2 sample\(s\) exceed max_tokens_per_rank=4096.*1 \(5000 tokens\), "
+                                         r"3 \(7000 tokens\)"):
+        plan_epoch(lengths, 2, max_tokens_per_rank=4096)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(global_batch_size=3), "smaller than num_replicas=4"),
+    (dict(), "exactly one of"),
+    (dict(global_batch_size=8, max_tokens_per_rank=100), "exactly one of"),
+    (dict(global_batch_size=0), "global_batch_size must be a positive integer"),
+    (dict(global_batch_size=8, window=0), "window must be a positive integer"),
+    (dict(global_batch_size=8, seed=-1), "seed must be an integer >= 0"),
+])
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_epoch(np.arange(1, 50), 4, **kwargs)
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (np.array([1, -3]), ValueError, "sample 1 is -3"),
+    (np.array([1.0, 2.5]), TypeError, "whole numbers"),
+    (np.ones((2, 2), int), ValueError, "1-D"),
+])
+def test_bad_lengths(bad, err, match):
+    with pytest.raises(err, match=match):
+        plan_epoch(bad, 2, global_batch_size=2)
+
+
+def test_duck_typed_index_and_integral_floats():
+    class Index:
+        lengths = np.arange(1, 101, dtype=np.int32)
+
+    a = plan_epoch(Index(), 4, global_batch_size=8)
+    b = plan_epoch(np.arange(1, 101).astype(np.float64), 4, global_batch_size=8)
+    assert np.array_equal(a.indices, b.indices) and np.array_equal(a.offsets, b.offsets)
+
+
+def test_seed_and_epoch_change_the_plan_and_unshuffled_ignores_them():
+    lengths = make_lengths("lognormal", 500, 0)
+    p = [plan_epoch(lengths, 4, global_batch_size=16, seed=s, epoch=e) for s, e in [(0, 0), (0, 1), (1, 0)]]
+    assert not np.array_equal(p[0].indices, p[1].indices)
+    assert not np.array_equal(p[0].indices, p[2].indices)
+    u = [plan_epoch(lengths, 4, global_batch_size=16, seed=s, epoch=e, shuffle=False)
+         for s, e in [(0, 0), (3, 2)]]
+    assert np.array_equal(u[0].indices, u[1].indices) and np.array_equal(u[0].offsets, u[1].offsets)
+    # unshuffled: windows read the dataset forward (window w holds samples [w*W*N, (w+1)*W*N))
+    W, N = 16, 16
+    steps = [np.concatenate([u[0].slot(s, r) for r in range(4)]) for s in range(u[0].num_steps)]
+    for s, idx in enumerate(steps):
+        assert idx.min() >= (s // W) * W * N and idx.max() < (s // W + 1) * W * N
+
+
+def mixture_lengths(n=24_000, seed=0):
+    return make_lengths("mixture", n, seed)
+
+
+def count_sharding_balance(lengths, R, N, seed=0):
+    perm = np.random.default_rng(seed).permutation(len(lengths))
+    S = len(lengths) // N
+    return step_balance(lengths[perm[:S * N]].reshape(S, R, N // R).sum(2))
+
+
+@pytest.mark.parametrize("R, N", [(8, 64), (16, 64), (8, 16)])
+def test_balance_on_heavy_tailed_mixture_beats_count_sharding(R, N):
+    lengths = mixture_lengths()
+    ours = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1).step_rank_tokens(lengths))
+    per_step = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1, window=1)
+                            .step_rank_tokens(lengths))
+    count = count_sharding_balance(lengths, R, N)
+    assert ours.mean() <= 1.1 and np.quantile(ours, 0.95) <= 1.25
+    assert count.mean() >= 1.5
+    assert ours.mean() - 1 < (per_step.mean() - 1) / 4, "windows must beat per-step balancing clearly"
+
+
+def test_balance_keeps_the_peak_rank_load_of_per_step_balancing():
+    # Grouping big samples must not stack several videos on one rank: the heaviest rank-step
+    # stays at the per-step planner's level (a single sample, or close to it).
+    lengths = mixture_lengths()
+    ours = plan_epoch(lengths, 8, global_batch_size=64).step_rank_tokens(lengths)
+    per_step = plan_epoch(lengths, 8, global_batch_size=64, window=1).step_rank_tokens(lengths)
+    assert ours.max() <= 1.1 * max(per_step.max(), lengths.max())
+
+
+def test_step_order_inside_a_window_is_not_a_length_curriculum():
+    lengths = mixture_lengths()
+    tokens = plan_epoch(lengths, 8, global_batch_size=64, window=16).step_rank_tokens(lengths).sum(1)
+    windows = tokens[: len(tokens) // 16 * 16].reshape(-1, 16)
+    heaviest_first = (windows.argmax(1) == 0).mean()
+    assert heaviest_first < 0.3
+    corr = np.mean([np.corrcoef(np.arange(16), w)[0, 1] for w in windows])
+    assert abs(corr) < 0.2
+
+
+def test_token_budget_balance_and_utilisation():
+    lengths = np.minimum(mixture_lengths(), 16_000)
+    plan = plan_epoch(lengths, 8, max_tokens_per_rank=32_768)
+    t = plan.step_rank_tokens(lengths)
+    assert t.max() <= 32_768 and plan.num_empty == 0
+    assert step_balance(t).mean() < 1.01
+    assert t.sum() / (t.size * 32_768) > 0.9, "steps are filled close to the budget"
+
+
+def test_fewer_samples_than_ranks():
+    plan = plan_epoch(np.array([5, 9, 1]), 8, global_batch_size=8)
+    assert plan.num_steps == 1 and plan.num_empty == 5
+    assert sorted(len(s[0]) for s in (plan.rank_steps(r) for r in range(8))) == [0] * 5 + [1] * 3
+    assert plan_epoch(np.array([5, 9, 1]), 8, global_batch_size=8, drop_last=True).num_steps == 0
+    tok = plan_epoch(np.array([5, 9, 1]), 8, max_tokens_per_rank=10)
+    assert tok.num_steps == 1 and tok.num_empty == 5
+
+
+def test_small_tail_is_merged_into_the_previous_step():
+    plan = plan_epoch(np.arange(1, 67), 4, global_batch_size=32)      # 66 = 2 * 32 + 2, 2 < 4 ranks
+    assert plan.counts().sum(1).tolist() == [32, 34]
+    plan = plan_epoch(np.arange(1, 70), 4, global_batch_size=32)      # 69 = 2 * 32 + 5
+    assert plan.counts().sum(1).tolist() == [32, 32, 5]

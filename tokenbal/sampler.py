@@ -1,0 +1,159 @@
+"""``TokenBalancedBatchSampler``: the torch ``Sampler`` facade over :func:`tokenbal.plan.plan_epoch`.
+
+Every rank builds the same sampler from the same lengths; each plans the whole epoch locally (no
+communication) and yields only its own slice::
+
+    sampler = TokenBalancedBatchSampler(index, global_batch_size=256)   # rank/world from torch.distributed
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
+    for epoch in range(start_epoch, num_epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader: ...
+        # checkpoint: sampler.state_dict() -> {seed, epoch, cursor, fingerprint, ...}
+
+Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
+step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
+``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
+ahead of the training loop (``prefetch_factor × num_workers``), so save the count of steps the
+loop actually finished: ``sd = sampler.state_dict(); sd["cursor"] = steps_done_this_epoch``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from tokenbal.plan import PLAN_VERSION, EpochPlan, check_lengths, check_settings, plan_epoch
+
+__all__ = ["TokenBalancedBatchSampler"]
+
+_STATE_VERSION = 1
+
+
+class TokenBalancedBatchSampler(Sampler[list[int]]):
+    """Yields, per optimizer step, this rank's list of dataset indices.
+
+    ``lengths_or_index``: 1-D non-negative integer token counts, or any object with a
+    ``.lengths`` attribute (e.g. :class:`tokenbal.TokenIndex`). ``num_replicas`` / ``rank``
+    default to ``torch.distributed``'s world size / rank. Exactly one of ``global_batch_size``
+    (samples per step over all ranks, >= num_replicas) and ``max_tokens_per_rank``.
+
+    Every rank yields ``len(self)`` steps; each sample is used once per epoch (see
+    :mod:`tokenbal.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
+    only when there are fewer samples than ranks (or the token budget forces it); the collate
+    function must then produce a dummy batch so the rank still joins the collectives.
+    """
+
+    def __init__(self, lengths_or_index: Any, num_replicas: int | None = None, rank: int | None = None,
+                 global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 window: int | None = None) -> None:
+        self.lengths = check_lengths(lengths_or_index)
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
+        _, self.global_batch_size, self.max_tokens_per_rank, self.window = check_settings(
+            self.lengths, self.num_replicas, global_batch_size, max_tokens_per_rank, window)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.cursor = 0
+        self._finished_here = False
+        self._plans: dict[tuple[int, int], EpochPlan] = {}
+        self._lengths_digest: str | None = None
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """The whole epoch's plan (all ranks), cached for the current (seed, epoch)."""
+        key = (self.seed, self.epoch if epoch is None else int(epoch))
+        if key not in self._plans:
+            if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan_epoch(
+                self.lengths, self.num_replicas, global_batch_size=self.global_batch_size,
+                max_tokens_per_rank=self.max_tokens_per_rank, seed=key[0], epoch=key[1],
+                shuffle=self.shuffle, drop_last=self.drop_last, window=self.window)
+        return self._plans[key]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate. A new epoch starts at step 0; re-selecting the current one
+        keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.cursor = 0
+            self._finished_here = False
+
+    def __len__(self) -> int:
+        """Steps in the current epoch (all of them, also after a mid-epoch resume)."""
+        return self.plan().num_steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self.plan()
+        if self.cursor >= plan.num_steps and self._finished_here:
+            # An epoch this sampler finished, iterated again without set_epoch: replay it, like
+            # DistributedSampler. (After load_state_dict at the end of an epoch nothing is left.)
+            self.cursor = 0
+        self._finished_here = False
+        while self.cursor < plan.num_steps:
+            batch = plan.slot(self.cursor, self.rank).tolist()
+            self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
+            yield batch
+        self._finished_here = True
+
+    # -- checkpointing --------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the plan depends on besides (seed, epoch); a resume must match all of it."""
+        if self._lengths_digest is None:
+            self._lengths_digest = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()[:16]
+        return {"plan_version": PLAN_VERSION, "num_samples": int(len(self.lengths)),
+                "lengths_sha256": self._lengths_digest, "num_replicas": self.num_replicas,
+                "global_batch_size": self.global_batch_size,
+                "max_tokens_per_rank": self.max_tokens_per_rank, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "window": self.window}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
+                "cursor": self.cursor, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore seed, epoch and cursor. Raises ``ValueError`` naming every setting that differs
+        from the checkpoint (world size, lengths, batch size, ...), since any of them changes the plan."""
+        missing = [k for k in ("seed", "epoch", "cursor", "fingerprint") if k not in state]
+        if missing:
+            raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
+        saved, mine = state["fingerprint"], self.fingerprint()
+        diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
+                 for k in mine if saved.get(k, "<missing>") != mine[k]]
+        if diffs:
+            raise ValueError("cannot resume: the checkpoint was made with a different plan setup "
+                             "(the remaining steps would not match):\n  " + "\n  ".join(diffs))
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        cursor = int(state["cursor"])
+        steps = self.plan().num_steps
+        if not 0 <= cursor <= steps:
+            raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} steps")
+        self.cursor = cursor
+        self._finished_here = False
+
+
+def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("num_replicas and rank must be given when torch.distributed is not "
+                             "initialised")
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
+    return int(num_replicas), int(rank)
