@@ -159,7 +159,7 @@ def build_model(config, seed: int):
     return Qwen2VLForConditionalGeneration(config).float()
 
 
-def _special_ids(tokenizer_path: str) -> tuple[int, dict[str, int]]:
+def special_token_ids(tokenizer_path: str) -> tuple[int, dict[str, int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
@@ -205,82 +205,58 @@ def imbalance_row(step_tokens: np.ndarray) -> tuple[float, float, float]:
 # FSDP2 training on local ranks
 
 
-def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str, train_samples: int,
-                global_batch_size: int, seed: int) -> list[dict]:
-    """One rank: an epoch over the first ``train_samples`` samples with FSDP2; per-step timings."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_batch_size: int, seed: int,
+                collator, num_workers: int = 0):
+    """A DataLoader over ``dataset`` with tokenbal's balanced batches or DistributedSampler's."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from collate import PackedCollator
-    from collate.loss import global_token_mean
-    from collate.models import enable_packed
     from tokenbal.sampler import TokenBalancedBatchSampler
 
-    # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    vocab, special = _special_ids(paths.tokenizer)
-    config = tiny_qwen2_vl_config(vocab, special)
-    dataset = IndexedSamples(paths.index, paths.tokenizer, limit=train_samples)
-    collator = PackedCollator.from_config(config)
     if sampler_kind == "tokenbal":
         lengths = np.asarray(dataset.index.lengths[: len(dataset)])
         batch_sampler = TokenBalancedBatchSampler(lengths, num_replicas=world_size, rank=rank,
                                                   global_batch_size=global_batch_size, seed=seed)
-        loader = DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator)
-    else:
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
+    if sampler_kind == "distributed":
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
-        loader = DataLoader(dataset, batch_size=global_batch_size // world_size, sampler=sampler,
-                            collate_fn=collator)
+        return DataLoader(dataset, batch_size=global_batch_size // world_size, sampler=sampler,
+                          collate_fn=collator, num_workers=num_workers)
+    raise ValueError(f"sampler must be 'tokenbal' or 'distributed', got {sampler_kind!r}")
 
-    # `solo` is an unsharded replica used only to time this rank's own compute on its batch,
-    # without any collective: wait = (FSDP step time) - (own compute).
+
+def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str, train_samples: int,
+                global_batch_size: int, seed: int) -> list:
+    """One rank: an epoch over the first ``train_samples`` samples with FSDP2; per-step records."""
+    import torch.distributed as dist
+
+    from collate import PackedCollator
+    from collate.models import enable_packed
+    from collate.train import StepRecord, shard_qwen2_vl, solo_compute_time, train_step
+
+    # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    vocab, special = special_token_ids(paths.tokenizer)
+    config = tiny_qwen2_vl_config(vocab, special)
+    dataset = IndexedSamples(paths.index, paths.tokenizer, limit=train_samples)
+    loader = make_loader(dataset, sampler_kind, rank, world_size, global_batch_size, seed,
+                         PackedCollator.from_config(config))
     solo = enable_packed(build_model(config, seed))
-    model = enable_packed(build_model(config, seed))
-    for block in model.model.visual.blocks:
-        fully_shard(block)
-    for layer in model.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    model = shard_qwen2_vl(enable_packed(build_model(config, seed)))
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def train_step(batch) -> float:
-        out = model(**batch)
-        global_token_mean(out.loss * batch.num_loss_tokens, batch.num_loss_tokens).backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        return float(out.loss.detach())
 
     records = []
     for step, batch in enumerate(loader):
         if step == 0:  # warm-up (allocator, lazy init) on the first batch, not timed
-            solo(**batch).loss.backward()
-            solo.zero_grad(set_to_none=True)
-            train_step(batch)
-        t0 = time.perf_counter()
-        solo(**batch).loss.backward()
-        compute = time.perf_counter() - t0
-        solo.zero_grad(set_to_none=True)
-
+            solo_compute_time(solo, batch)
+            train_step(model, optim, batch)
+        compute = solo_compute_time(solo, batch)
         dist.barrier()
         t0 = time.perf_counter()
-        loss = train_step(batch)
-        records.append(dict(step=step, rank=rank, tokens=int(batch.input_ids.shape[1]), compute=compute,
-                            step_time=time.perf_counter() - t0, loss=loss))
+        loss = train_step(model, optim, batch)
+        records.append(StepRecord(step=step, rank=rank, samples=len(batch.seq_lens),
+                                  tokens=int(batch.input_ids.shape[1]), compute_s=compute,
+                                  step_s=time.perf_counter() - t0, loss=float(loss)))
     return records
-
-
-def summarise_training(per_rank_records: list[list[dict]]) -> dict:
-    """Epoch time, per-step straggler overhead and each rank's wait, from every rank's records."""
-    steps = np.array([[r["step_time"] for r in recs] for recs in per_rank_records])  # (ranks, steps)
-    compute = np.array([[r["compute"] for r in recs] for recs in per_rank_records])
-    tokens = np.array([[r["tokens"] for r in recs] for recs in per_rank_records])
-    step_time = steps.max(0)  # a step ends when its slowest rank ends
-    return dict(epoch=float(step_time.sum()), steps=len(step_time),
-                straggler=float(np.median(step_time / compute.mean(0))),
-                token_ratio=float(np.mean(tokens.max(0) / tokens.mean(0))),
-                compute=compute.sum(1).tolist(),
-                wait=(1.0 - compute.sum(1) / step_time.sum()).clip(0).tolist())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +268,7 @@ def packed_loss_check(paths: DemoPaths, seed: int, num_samples: int = 6) -> tupl
     from collate import PackedCollator
     from collate.models import enable_packed
 
-    vocab, special = _special_ids(paths.tokenizer)
+    vocab, special = special_token_ids(paths.tokenizer)
     config = tiny_qwen2_vl_config(vocab, special)
     dataset = IndexedSamples(paths.index, paths.tokenizer)
     reference = build_model(config, seed).eval()
@@ -326,6 +302,7 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2, seed: int = 0,
              num_samples: int = 256, global_batch_size: int = 8) -> int:
+    from collate.train import summarise
     from tokenbal.index import TokenIndex, build_index
     from tokenbal.launch import run_ranks
 
@@ -357,22 +334,22 @@ def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2
         print(f"[4/5] FSDP2 training of a tiny random Qwen2-VL on {ranks} CPU ranks (gloo): one epoch "
               f"over the same {train_samples} samples with each sampler, {global_batch_size} per step")
         summaries = {}
-        for kind in ("DistributedSampler", "tokenbal"):
-            records = run_ranks(_train_rank, ranks, paths, kind, train_samples, global_batch_size, seed,
-                                timeout=600)
-            summaries[kind] = summarise_training(records)
+        for kind in ("distributed", "tokenbal"):
+            per_rank = run_ranks(_train_rank, ranks, paths, kind, train_samples, global_batch_size, seed,
+                                 timeout=600)
+            summaries[kind] = summarise([r for records in per_rank for r in records])
         rows = []
         for kind, s in summaries.items():
-            rows.append([kind, f"{s['epoch']:.2f} s", str(s["steps"]), f"{s['straggler']:.2f}",
-                         f"{s['token_ratio']:.2f}", " / ".join(f"{c:.2f}" for c in s["compute"]),
-                         " / ".join(f"{w:.0%}" for w in s["wait"])])
-        _print_table(["sampler", "epoch time", "steps", "step / mean compute", "tokens max/mean",
+            rows.append([kind, f"{s['epoch_s']:.2f} s", str(s["steps"]), f"{s['step_over_ideal']:.2f}",
+                         f"{s['token_max_over_mean']:.2f}", " / ".join(f"{c:.2f}" for c in s["compute_s"]),
+                         " / ".join(f"{w:.0%}" for w in s["wait_fraction"])])
+        _print_table(["sampler", "epoch time", "steps", "epoch / ideal", "tokens max/mean",
                       "compute per rank (s)", "wait per rank"], rows)
-        speedup = summaries["DistributedSampler"]["epoch"] / summaries["tokenbal"]["epoch"]
+        speedup = summaries["distributed"]["epoch_s"] / summaries["tokenbal"]["epoch_s"]
         print(f"  same samples, same model: tokenbal's epoch is {speedup:.2f}x as fast as "
               "DistributedSampler's")
-        print("  (compute = this rank's forward+backward timed alone on an unsharded replica; "
-              "wait = share of the epoch it spent waiting for other ranks)")
+        print("  (compute = this rank's forward+backward timed alone on an unsharded replica; ideal = each "
+              "step's total compute spread evenly; wait = share of the epoch spent waiting for other ranks)")
 
         print("[5/5] packed loss check")
         packed, unpacked = packed_loss_check(paths, seed)

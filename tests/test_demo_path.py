@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from collate.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, IndexedSamples, prepare_data, summarise_training
+from collate.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, IndexedSamples, prepare_data
 from tokenbal.index import build_index
 from tokenbal.synthetic import make_samples
 
@@ -52,13 +52,18 @@ def test_stale_index_is_an_error_naming_the_sample(demo_data, tmp_path):
         ds[big]
 
 
-def test_summarise_training_takes_the_slowest_rank_per_step():
-    rec = lambda step, t, c, n: dict(step=step, step_time=t, compute=c, tokens=n)  # noqa: E731
-    summary = summarise_training([[rec(0, 1.0, 1.0, 100), rec(1, 2.0, 1.0, 50)],
-                                  [rec(0, 1.0, 0.5, 50), rec(1, 2.0, 2.0, 150)]])
-    assert summary["epoch"] == 3.0 and summary["steps"] == 2
-    np.testing.assert_allclose(summary["wait"], [1 - 2.0 / 3.0, 1 - 2.5 / 3.0])
-    np.testing.assert_allclose(summary["token_ratio"], np.mean([100 / 75, 150 / 100]))
+def test_summarise_takes_the_slowest_rank_per_step():
+    from collate.train import StepRecord, summarise
+
+    def rec(rank, step, t, c, n):
+        return StepRecord(step=step, rank=rank, samples=1, tokens=n, compute_s=c, step_s=t, loss=0.0)
+
+    summary = summarise([rec(0, 0, 1.0, 1.0, 100), rec(0, 1, 2.0, 1.0, 50),
+                         rec(1, 0, 0.9, 0.5, 50), rec(1, 1, 2.0, 2.0, 150)])
+    assert summary["epoch_s"] == 3.0 and summary["steps"] == 2
+    np.testing.assert_allclose(summary["ideal_s"], 0.75 + 1.5)
+    np.testing.assert_allclose(summary["wait_fraction"], [1 - 2.0 / 3.0, 1 - 2.5 / 3.0])
+    np.testing.assert_allclose(summary["token_max_over_mean"], np.mean([100 / 75, 150 / 100]))
 
 
 @pytest.mark.slow

@@ -225,10 +225,17 @@ def test_packed_path_uses_ops_and_batch_positions(models, monkeypatch):
     monkeypatch.setattr(packed.model, "get_rope_index", no_rope_index)
     with torch.no_grad():
         loss = packed(**batch).loss
-        # Consumed keys never reach transformers: a nonsense vision_cu_seqlens changes nothing.
-        loss2 = packed(**{**batch, "vision_cu_seqlens": torch.tensor([0, 1], dtype=torch.int32)}).loss
+        # The collator's per-frame vision boundaries are handed to the tower instead of being
+        # recomputed there: the right ones give the same loss.
+        grid = batch["image_grid_thw"]
+        frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        vision_cu = torch.nn.functional.pad(frames.cumsum(0, dtype=torch.int32), (1, 0))
+        loss2 = packed(**{**batch, "vision_cu_seqlens": vision_cu}).loss
+        # ... and they are really used: one segment across all images changes the result.
+        merged = torch.tensor([0, int(vision_cu[-1])], dtype=torch.int32)
+        assert not torch.equal(packed(**{**batch, "vision_cu_seqlens": merged}).loss, loss)
     n_layers = len(packed.model.language_model.layers)
-    assert calls == {"rope": 2 * n_layers, "attn": 2 * n_layers}
+    assert calls == {"rope": 3 * n_layers, "attn": 3 * n_layers}
     assert torch.equal(loss, loss2)
 
 

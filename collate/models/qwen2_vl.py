@@ -15,12 +15,12 @@
    cos/sin are not used) and :func:`collate.ops.varlen_attention` over the batch's segments; without
    it, it runs the original HF forward, so unpacked calls and ``generate`` behave exactly as before.
 
-The vision tower is untouched: it already attends per image from ``image_grid_thw``. A packed call
-without any image or video still runs it, on one zero-valued dummy image whose output is added to
-the embeddings times zero: under FSDP2 every rank must issue the vision blocks' all-gathers and
-reduce-scatters in the same order, and a rank that skipped the tower would hang the others (or
-pair its collectives with the wrong ones). ``enable_packed(model, idle_vision=False)`` turns it off
-for single-device training.
+The vision tower runs once per packed forward, on all images and videos of the batch together
+(transformers calls it once per modality, and only when present). Under FSDP2 every rank must
+issue the vision blocks' all-gathers and reduce-scatters the same number of times, so a batch with
+no image or video runs one zero-valued dummy image whose output enters the embeddings times zero
+(``enable_packed(model, idle_vision=False)`` turns that off for single-device training). For
+Qwen2-VL the tower takes the collator's ``vision_cu_seqlens`` instead of computing them.
 ``disable_packed(model)`` restores everything. Nothing in the packed path reads a device tensor
 back to the host: boundaries come from the host list, ``max_seqlen`` is a python int.
 
@@ -247,34 +247,78 @@ def _take_packed_info(model: nn.Module, kwargs: dict[str, Any]) -> PackedAttenti
     )
 
 
-def _run_idle_vision_tower(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Run the vision tower on a dummy image and fold its output into the embeddings times zero.
+def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqlens: Any,
+                       vision_max_seqlen: Any, idle_vision: bool) -> None:
+    """Embed tokens and run the vision tower exactly once; put ``inputs_embeds`` into ``kwargs``.
 
-    Called at the point where transformers would run the tower (right after the token embedding),
-    so the order of FSDP collectives is the same on ranks with and without images.
+    transformers calls the tower once for images and once more for videos, only when each is
+    present. Under FSDP2 that makes the number of vision-block collectives depend on the rank's
+    data, and ranks with different mixes pair the wrong all-gathers (a hang or a crash). Here every
+    packed forward makes one call on images and videos together (each grid entry is attended to
+    on its own, so this is the same math), and a batch with neither runs one zero-valued dummy
+    image whose output enters the embeddings times zero (``idle_vision``).
     """
     base = model.model
     visual = base.visual
+    config = model.config
     input_ids = kwargs.pop("input_ids", None)
     embeds = kwargs.pop("inputs_embeds", None)
     if embeds is None:
         embeds = base.get_input_embeddings()(input_ids)
+    pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
+    pixel_values_videos = kwargs.pop("pixel_values_videos", None)
+    video_grid = kwargs.pop("video_grid_thw", None)
+    kwargs["inputs_embeds"] = embeds
+    parts = [(pix, grid, token) for pix, grid, token in (
+        (pixel_values, image_grid, config.image_token_id),
+        (pixel_values_videos, video_grid, config.video_token_id)) if pix is not None]
     merge = visual.spatial_merge_size
-    patch = visual.patch_embed
-    patch_dim = patch.in_channels * patch.temporal_patch_size * patch.patch_size**2
-    grid = torch.tensor([[1, merge, merge]], device=embeds.device)
-    pixels = torch.zeros(merge * merge, patch_dim, dtype=visual.dtype, device=embeds.device)
-    features = visual(pixels, grid_thw=grid).pooler_output
-    kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+    if not parts:
+        if not idle_vision:
+            return
+        patch = visual.patch_embed
+        patch_dim = patch.in_channels * patch.temporal_patch_size * patch.patch_size**2
+        grid = torch.tensor([[1, merge, merge]], device=embeds.device)
+        pixels = torch.zeros(merge * merge, patch_dim, dtype=visual.dtype, device=embeds.device)
+        features = visual(pixels, grid_thw=grid).pooler_output
+        kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
+        return
+    if input_ids is None:
+        raise ValueError("packed batches with images or videos need input_ids to place the vision features")
+    for _, grid, _ in parts:
+        if grid is None:
+            raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
+    pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
+    grids = torch.cat([grid for _, grid, _ in parts])
+    tower_kwargs = {}
+    if vision_cu_seqlens is not None and model.config.model_type == "qwen2_vl":
+        # The collator's per-frame boundaries (images first, then videos: the order used here)
+        # spare the tower its own host-side computation. Qwen2.5-VL's windowed tower builds its
+        # own window boundaries, so it keeps computing both.
+        tower_kwargs["cu_seqlens"] = vision_cu_seqlens
+        if vision_max_seqlen is not None:
+            tower_kwargs["max_seqlen"] = int(vision_max_seqlen)
+    features = visual(pixels, grid_thw=grids, **tower_kwargs).pooler_output.to(embeds.dtype)
+    # Split images from videos by token count; the grids are host tensors until the prefetcher
+    # moves them, and the tower itself reads them on the host the same way.
+    start = 0
+    for _, grid, token in parts:
+        count = int(grid.prod(-1).sum()) // merge**2
+        mask = (input_ids == token).unsqueeze(-1)
+        embeds = embeds.masked_scatter(mask.expand_as(embeds), features[start:start + count])
+        start += count
+    kwargs["inputs_embeds"] = embeds
 
 
 def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not _is_packed_call(kwargs):
         return _call_original(self, *args, **kwargs)
+    vision_cu_seqlens = kwargs.get("vision_cu_seqlens")
+    vision_max_seqlen = kwargs.get("vision_max_seqlen")
     info = _take_packed_info(self, kwargs)
-    no_vision = kwargs.get("pixel_values") is None and kwargs.get("pixel_values_videos") is None
-    if no_vision and getattr(self, _IDLE_VISION, False):
-        _run_idle_vision_tower(self, kwargs)
+    if hasattr(getattr(self, "model", None), "visual"):
+        idle_vision = getattr(self, _IDLE_VISION, False)
+        _vision_embeddings(self, kwargs, vision_cu_seqlens, vision_max_seqlen, idle_vision)
     text_model = _text_model(self)
     # A prepared mask mapping: HF skips mask creation (no T x T mask) and hands each layer None.
     kwargs["attention_mask"] = {layer_type: None for layer_type in set(text_model.config.layer_types)}
