@@ -11,7 +11,7 @@ import pytest
 from tests.corpus import WORDS, Sample, image_bytes, make_corpus, write_shard
 from tokenbal.cli import main
 from tokenbal.estimate import get_estimator, get_text_counter
-from tokenbal.index import TokenIndex, build_index, index_stats, verify_index
+from tokenbal.index import Member, TokenIndex, build_index, index_stats, verify_index
 
 
 def expected_tokens(sample: Sample, est, counter) -> tuple[int, int]:
@@ -169,6 +169,9 @@ def test_webdataset_tarwriter_shard(tmp_path):
     assert idx.image_sizes(1) == [(10, 11), (101, 50)]
     assert idx.image_sizes(2) == [(10, 12), (102, 50)]
     assert idx.errors == [] and idx.manifest["shards"][0]["n_full_reads"] == 1
+    from tests.test_index_fastpaths import tarfile_listing, walk_listing
+
+    assert walk_listing(path) == tarfile_listing(path)      # the fast walk took this shard
 
 
 def test_rebuild_replaces_atomically(tmp_path, corpus):
@@ -209,7 +212,7 @@ def test_argument_errors(tmp_path, capsys, corpus):
     with pytest.raises(ValueError, match="estimator 'qwen2-vl'"):
         build_index(corpus.shards, tmp_path / "idx", estimator_overrides={"no_such_option": 1},
                     progress=False)
-    with pytest.raises(ValueError, match="image-root"):
+    with pytest.raises(ValueError, match="image-root applies to JSON/JSONL"):
         build_index(corpus.shards, tmp_path / "idx", image_root=str(tmp_path), progress=False)
     assert not (tmp_path / "idx").exists()
 
@@ -237,3 +240,204 @@ def test_image_the_processor_would_reject_is_an_error_of_its_sample_only(tmp_pat
     assert list(idx.keys) == ["ok0", "ok1"] and report.num_errors == 1
     (err,) = idx.errors
     assert err["key"] == "thin" and "image 1 (600x2)" in err["reason"] and "200" in err["reason"]
+
+
+# --- incremental builds -----------------------------------------------------------------------------
+
+def index_rows(idx: TokenIndex) -> list[tuple]:
+    """Everything the index says about each sample, for comparing two indexes."""
+    return [(idx.keys[i], idx.shard(i), int(idx.vision_tokens[i]), int(idx.text_tokens[i]),
+             idx.image_sizes(i), idx.members(i)) for i in range(len(idx))]
+
+
+def test_rerun_reuses_unchanged_shards_and_appends_new_ones(tmp_path):
+    corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=4, seed=5)
+    out = tmp_path / "idx"
+    first = build_index(corpus.shards, out, progress=False)
+    before = TokenIndex.open(out)
+    rows0, errors0 = index_rows(before), before.errors
+
+    again = build_index(corpus.shards, out, progress=False)
+    assert again.num_reused == len(corpus.shards)
+    assert "4 unchanged shards reused, 0 scanned" in again.summary()
+    idx = TokenIndex.open(out)
+    assert index_rows(idx) == rows0 and idx.errors == errors0 and again.num_errors == first.num_errors
+    for name in ("lengths", "vision_tokens", "text_tokens"):
+        np.testing.assert_array_equal(getattr(idx, name), getattr(before, name))
+
+    # A new shard that sorts first in the glob is still appended: old rows keep their numbers.
+    new = make_corpus(tmp_path / "more", n_shards=1, samples_per_shard=3, seed=9, bad=False)
+    first_new = os.path.join(tmp_path / "data", "a-new.tar")
+    os.rename(new.shards[0], first_new)
+    for s in new.good:
+        s.shard = first_new
+    report = build_index([os.path.join(tmp_path / "data", "*.tar")], out, progress=False)
+    assert report.num_reused == len(corpus.shards)
+    idx = TokenIndex.open(out)
+    assert index_rows(idx)[:len(rows0)] == rows0
+    est, counter = get_estimator("qwen2-vl"), get_text_counter(None)
+    for i, s in enumerate(new.good, start=len(rows0)):
+        assert (idx.keys[i], idx.shard(i)) == (s.key, first_new)
+        assert (idx.vision_tokens[i], idx.text_tokens[i]) == expected_tokens(s, est, counter)
+
+    # Same as a fresh build over the same shards in the same order.
+    fresh = TokenIndex.open(build_index(idx.shard_paths, tmp_path / "fresh", progress=False).out)
+    assert index_rows(fresh) == index_rows(idx) and fresh.errors == idx.errors
+
+
+def test_rerun_rescans_changed_shards_drops_unlisted_and_respects_rules(tmp_path, capsys):
+    corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=4, seed=6, bad=False)
+    out = tmp_path / "idx"
+    build_index(corpus.shards, out, progress=False)
+    # Shard 1 rewritten with the same size and new captions: rescanned in place.
+    mid = corpus.shards[1]
+    size = os.path.getsize(mid)
+    changed = [Sample(s.key, images=s.images, caption=(s.caption or "x").upper(), seed=s.seed,
+                      conversations=s.conversations, messages=s.messages)
+               for s in corpus.good if s.shard == mid]
+    write_shard(mid, changed)
+    assert os.path.getsize(mid) == size
+    report = build_index(corpus.shards[:2], out, progress=False)      # shard 2 no longer listed
+    assert (report.num_reused, report.num_shards) == (1, 2)
+    idx = TokenIndex.open(out)
+    assert idx.shard_paths == corpus.shards[:2]
+    counter = get_text_counter(None)
+    rows = [i for i in range(len(idx)) if idx.shard(i) == mid]
+    assert [idx.keys[i] for i in rows] == [s.key for s in changed]
+    assert [int(idx.text_tokens[i]) for i in rows] == [counter.count(s.expected_text) for s in changed]
+    assert verify_index(out) == []
+    # Other rules (a different pixel budget) or --rebuild: everything is rescanned.
+    other = build_index(corpus.shards[:2], out, estimator_overrides={"max_pixels": 200704}, progress=False)
+    assert other.num_reused == 0
+    capsys.readouterr()
+    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q"]) == 0
+    assert "1 unchanged shards reused, 1 scanned" not in capsys.readouterr().out   # rules changed above
+    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q"]) == 0
+    assert "2 unchanged shards reused, 0 scanned" in capsys.readouterr().out
+    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "--rebuild", "-q"]) == 0
+    assert "reused" not in capsys.readouterr().out
+
+
+# --- large index, plot, rules ------------------------------------------------------------------------
+
+def test_open_is_lazy_and_memory_mapped_on_a_large_index(tmp_path):
+    from tokenbal.index.build import ShardResult, write_index
+
+    rows, chunk = 1_000_000, 250_000
+    rng = np.random.default_rng(0)
+    vision, text = rng.integers(0, 16384, rows), rng.integers(1, 4096, rows)
+
+    def results():
+        for start in range(0, rows, chunk):
+            sl = slice(start, start + chunk)
+            ones = np.ones(chunk, np.int64)
+            yield ShardResult(
+                entry={"path": f"/x/shard-{start // chunk}.tar", "size": 0, "mtime_ns": 0,
+                       "fingerprint": None, "status": "ok", "reason": None, "n_members": chunk,
+                       "n_samples": chunk, "n_errors": 0},
+                keys=[f"k{i}" for i in range(start, start + chunk)], member_counts=ones,
+                member_exts=["jpg"] * chunk,
+                member_offsets=np.arange(start, start + chunk) * 1024, member_sizes=ones * 1000,
+                image_counts=ones, image_wh=np.full((chunk, 2), 448), vision=vision[sl], text=text[sl],
+                errors=[])
+
+    meta = {"estimator": {"name": "synthetic", "config": {}, "wrapper_tokens": 2},
+            "text_counter": {"name": "synthetic"}}
+    write_index(tmp_path / "big", results(), meta)
+    idx = TokenIndex.open(tmp_path / "big")
+    for name in ("lengths", "vision_tokens", "text_tokens", "shard_ids"):
+        assert isinstance(getattr(idx, name), np.memmap), name
+    # Keys and errors are not read by open(), only when first used.
+    assert "keys" not in idx.__dict__ and "errors" not in idx.__dict__
+    assert len(idx) == rows and int(idx.lengths.sum()) == int((vision + text).sum())
+    np.testing.assert_array_equal(idx.lengths[-5:], (vision + text)[-5:])
+    mid = rows // 2 + 7
+    assert idx.keys[mid] == f"k{mid}" and idx.shard(mid) == "/x/shard-2.tar"
+    assert idx.members(mid) == [Member(f"k{mid}.jpg", "/x/shard-2.tar", mid * 1024, 1000)]
+    assert idx.image_sizes(mid) == [(448, 448)] and idx.errors == []
+
+
+def test_stats_plot_is_a_histogram_of_the_index(tmp_path, corpus, built, capsys):
+    from PIL import Image
+
+    from tokenbal.index.plot import TEXT_RGB, VISION_RGB
+
+    _, idx = built
+    png = tmp_path / "hist.png"
+    assert main(["index", "stats", idx.path, "--plot", str(png)]) == 0
+    assert f"histogram written to {png}" in capsys.readouterr().out
+    from tokenbal.index.plot import token_histogram
+
+    hist = token_histogram(idx.vision_tokens, idx.text_tokens)
+    # Reference: each sample's bin is 0 for 0 tokens, else the bit length of its count.
+    for col, counts in ((idx.vision_tokens, hist.vision), (idx.text_tokens, hist.text)):
+        want = np.zeros(len(hist.labels), np.int64)
+        for v in col:
+            want[int(v).bit_length()] += 1
+        np.testing.assert_array_equal(counts, want)
+    assert hist.vision[0] == sum(1 for s in corpus.good if not s.images)
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size == (960, 540)
+        colors = {c for _, c in im.convert("RGB").getcolors(1 << 20)}
+    assert VISION_RGB in colors and TEXT_RGB in colors
+
+
+def test_open_checks_the_token_rules(tmp_path, corpus):
+    out = build_index(corpus.shards[:1], tmp_path / "idx", estimator_overrides={"max_pixels": 200704},
+                      progress=False).out
+    TokenIndex.open(out, expect_estimator=get_estimator("qwen2-vl", max_pixels=200704),
+                    expect_text_counter=get_text_counter(None))
+    with pytest.raises(ValueError, match=r"max_pixels: index 200704, expected 12845056.*rebuild"):
+        TokenIndex.open(out, expect_model="qwen2-vl")
+    with pytest.raises(ValueError, match="estimator: index 'qwen2-vl', expected 'internvl'"):
+        TokenIndex.open(out, expect_model="internvl")
+    with pytest.raises(ValueError, match="text counter: index 'heuristic"):
+        TokenIndex.open(out, expect_text_counter="tokenizer:other")
+
+
+def test_interrupted_build_resumes_from_its_finished_shards(tmp_path, monkeypatch):
+    import tokenbal.index.build as build_mod
+
+    corpus = make_corpus(tmp_path / "data", n_shards=4, samples_per_shard=3, seed=8, bad=False)
+    out = tmp_path / "idx"
+    real, calls = build_mod.index_shard, []
+
+    def interrupted(path, *args):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt   # Ctrl-C while the third shard is scanned
+        return real(path, *args)
+
+    monkeypatch.setattr(build_mod, "index_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(corpus.shards, out, progress=False)
+    assert not out.exists()
+    partial = TokenIndex.open(tmp_path / ".idx.partial")
+    assert partial.shard_paths == corpus.shards[:2] and partial.manifest["partial"] is True
+    assert list(partial.keys) == [s.key for s in corpus.good if s.shard in corpus.shards[:2]]
+
+    calls.clear()
+    monkeypatch.setattr(build_mod, "index_shard", lambda path, *a: calls.append(path) or real(path, *a))
+    report = build_index(corpus.shards, out, progress=False)
+    assert calls == corpus.shards[2:] and report.num_reused == 2      # only the unfinished shards
+    assert sorted(os.listdir(tmp_path)) == ["data", "idx"]            # the partial index is gone
+    fresh = TokenIndex.open(build_index(corpus.shards, tmp_path / "fresh", progress=False).out)
+    assert index_rows(TokenIndex.open(out)) == index_rows(fresh)
+
+
+def test_writer_rollback_drops_a_half_written_shard(tmp_path, corpus):
+    from tokenbal.estimate import get_estimator as ge
+    from tokenbal.index.build import _IndexWriter, index_shard
+
+    est, counter = ge("qwen2-vl"), get_text_counter(None)
+    good, second = (index_shard(p, est, counter) for p in corpus.shards[:2])
+    writer = _IndexWriter(str(tmp_path))
+    writer.add(good)
+    second.member_sizes = "not numbers"           # fails after some columns were already appended
+    with pytest.raises(ValueError):
+        writer.add(second)
+    writer.rollback()
+    writer.finish({"estimator": {}, "text_counter": {}})
+    idx = TokenIndex(str(tmp_path))
+    assert list(idx.keys) == good.keys and idx.shard_paths == [corpus.shards[0]]
+    assert [e["shard"] for e in idx.errors] == [corpus.shards[0]] * len(good.errors)

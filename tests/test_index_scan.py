@@ -62,9 +62,8 @@ def test_expand_sources(tmp_path):
         expand_sources([str(tmp_path / "nope-*.tar")])
     with pytest.raises(ValueError, match="is a directory"):
         expand_sources([str(tmp_path)])
-    (tmp_path / "ann.jsonl").write_text("{}\n")
-    with pytest.raises(ValueError, match="not supported yet"):
-        expand_sources([str(tmp_path / "ann.jsonl")])
+    (tmp_path / "ann.jsonl").write_text("{}\n")     # annotation files are sources too
+    assert expand_sources([str(tmp_path / "ann.jsonl")]) == [str(tmp_path / "ann.jsonl")]
 
 
 @pytest.mark.parametrize("name, want", [

@@ -1,30 +1,41 @@
-"""The on-disk token index: build it offline from webdataset shards, open it (memory-mapped) on
-every rank, verify it against the shards.
+"""The on-disk token index: build it offline from webdataset shards and JSON/JSONL annotation files,
+open it (memory-mapped) on every rank, verify it against the shards.
 
 ``build_index(sources, out, model=...)`` scans tar shards (headers only: member offsets, image sizes,
-text) and writes one folder; ``TokenIndex.open(out)`` reads it; ``verify_index(out)`` names stale or
-missing shards; ``index_stats(out)`` summarises it. Layout: ``tokenbal.index.store``; sample and
-damage rules: ``tokenbal.index.scan``; text rules: ``tokenbal.index.text``.
+text) and annotation files, and writes one folder, reusing the unchanged shards of an earlier build;
+``TokenIndex.open(out, expect_model=...)`` reads it (and checks its token rules);
+``verify_index(out)`` names stale or missing shards; ``index_stats(out, plot=...)`` summarises it.
+Layout: ``tokenbal.index.store``; sample and damage rules: ``tokenbal.index.scan`` (tar listing fast
+path: ``tokenbal.index.tarwalk``); annotations: ``tokenbal.index.annotations``; text rules:
+``tokenbal.index.text``; histogram: ``tokenbal.index.plot``.
 """
 
 from __future__ import annotations
 
-from tokenbal.index.build import BuildReport, build_index, index_shard
+from tokenbal.index.annotations import scan_annotations
+from tokenbal.index.build import BuildReport, ShardResult, build_index, index_shard, write_index
+from tokenbal.index.plot import plot_token_histogram, token_histogram
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint, split_name
 from tokenbal.index.sources import expand_sources
-from tokenbal.index.store import Member, TokenIndex, index_stats, verify_index
+from tokenbal.index.store import Member, TokenIndex, check_index_rules, index_stats, verify_index
 
 __all__ = [
     "BuildReport",
     "Member",
+    "ShardResult",
     "ShardScan",
     "TokenIndex",
     "build_index",
+    "check_index_rules",
     "expand_sources",
     "index_shard",
     "index_stats",
+    "plot_token_histogram",
+    "scan_annotations",
     "scan_shard",
     "shard_fingerprint",
     "split_name",
+    "token_histogram",
     "verify_index",
+    "write_index",
 ]

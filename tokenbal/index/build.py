@@ -1,4 +1,5 @@
-"""``build_index``: scan shards (in parallel), count tokens, write the index folder atomically."""
+"""``build_index``: scan shards (in parallel), count tokens, write the index folder atomically;
+reuse the unchanged shards of an earlier build of the same folder."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from tokenbal.index.scan import ShardScan, scan_shard
+from tokenbal.index.annotations import is_annotation_file, scan_annotations
+from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
-from tokenbal.index.store import COLUMNS, ERRORS, FORMAT_VERSION, KEYS_BLOB, MANIFEST
+from tokenbal.index.store import COLUMNS, ERRORS, FORMAT_VERSION, KEYS_BLOB, MANIFEST, PATHS_BLOB, TokenIndex
 
 
 class VisionEstimator(Protocol):
@@ -46,6 +48,7 @@ class BuildReport:
     num_images: int
     total_tokens: int
     seconds: float
+    num_reused: int = 0        # shards taken unchanged from the index already at ``out``
 
     def summary(self) -> str:
         good = self.num_shards - self.num_bad_shards
@@ -56,6 +59,9 @@ class BuildReport:
             n_shard = self.num_bad_shards
             line += (f" ({self.num_errors - n_shard} bad samples, {n_shard} bad shards), "
                      f"listed in {os.path.join(self.out, ERRORS)}")
+        if self.num_reused:
+            line += (f"; {self.num_reused} unchanged shards reused, "
+                     f"{self.num_shards - self.num_reused} scanned")
         return line
 
 
@@ -73,30 +79,46 @@ class ShardResult:
     vision: np.ndarray
     text: np.ndarray
     errors: list[dict]
+    member_paths: list[str] | None = None   # annotation sources: "name\0path" per member ("" for tar)
 
 
 def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str = "qwen2-vl",
                 workers: int = 1, tokenizer: str | None = None, image_root: str | None = None,
-                estimator_overrides: dict | None = None, progress: bool = True) -> BuildReport:
-    """Index the webdataset tar shards named by ``sources`` into the folder ``out``.
+                estimator_overrides: dict | None = None, progress: bool = True,
+                incremental: bool = True) -> BuildReport:
+    """Index the webdataset tar shards and JSON/JSONL annotation files named by ``sources`` into ``out``.
 
     ``sources``: paths, globs, brace patterns (``data-{000..099}.tar``); a missing one raises
-    ``FileNotFoundError``. ``model`` / ``estimator_overrides`` pick the vision estimator
-    (``tokenbal.estimate.get_estimator``); ``tokenizer`` a ``tokenizer.json`` (or its folder) for exact
-    text counts, else the heuristic counter. ``workers`` > 1 scans shards in that many processes.
-    An existing index at ``out`` is replaced; any other non-empty folder there is refused.
+    ``FileNotFoundError``. ``.json`` / ``.jsonl`` files are annotation files whose image paths are
+    relative to ``image_root`` (``tokenbal.index.annotations``). ``model`` / ``estimator_overrides``
+    pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
+    ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
+    ``workers`` > 1 scans shards in that many processes.
+
+    Re-running over an existing index (``incremental=True``): when it was built with the same token
+    rules, every listed shard whose size and fingerprint are unchanged is copied from it without a
+    rescan, in its old position; changed shards are rescanned in place; shards new to the index are
+    appended after the old ones (so the rows of unchanged samples keep their numbers); shards no
+    longer listed are dropped. Different rules, or ``incremental=False``, rescan everything. The
+    new index replaces the old one atomically; any other non-empty folder at ``out`` is refused.
+    Resume: when a build is interrupted (Ctrl-C, a crash in a worker, a full disk), the shards it
+    finished are kept as an index in ``.<out>.partial`` next to ``out``; the next build of ``out``
+    (same rules) copies them from there instead of rescanning, then deletes it.
     Bad samples and shards never stop the build: they are listed in ``errors.jsonl`` and counted in
     the returned report.
     """
     from tokenbal.estimate import get_estimator, get_text_counter
 
     t0 = time.perf_counter()
-    if image_root is not None:
-        raise ValueError("--image-root applies to JSON/JSONL annotation sources, which are not supported "
-                         "yet; tar shards carry their images")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     paths = expand_sources(sources)
+    if image_root is not None:
+        if not any(is_annotation_file(p) for p in paths):
+            raise ValueError("--image-root applies to JSON/JSONL annotation sources, and none was given; "
+                             "tar shards carry their images")
+        if not os.path.isdir(image_root):
+            raise FileNotFoundError(f"--image-root {image_root} is not a folder")
     overrides = dict(estimator_overrides or {})
     # Built here as well as in the workers: a bad model name or option fails before any scanning.
     try:
@@ -106,40 +128,161 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     counter = get_text_counter(tokenizer)
     out = os.path.abspath(os.fspath(out))
     _check_out(out)
+    meta = {
+        "estimator": {"name": est.name, "model": model, "overrides": overrides,
+                      "config": est.config, "wrapper_tokens": int(est.wrapper_tokens)},
+        "text_counter": {"name": counter.name, "tokenizer": tokenizer},
+        "image_sizes": "from headers, as stored: EXIF orientation ignored",
+        "image_root": os.path.abspath(image_root) if image_root is not None else None,
+        "sources": list(sources) if not isinstance(sources, str) else [sources],
+    }
+    # An interrupted build's finished shards first, then the last complete index.
+    olds = [] if not incremental else [
+        idx for idx in (_reusable_index(partial_path(out), meta), _reusable_index(out, meta)) if idx]
+    jobs = _plan_jobs(paths, olds)
+    scan_paths = [p for p, src in jobs if src is None]
+    scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root)
 
+    def results() -> Iterator[ShardResult]:
+        for p, src in jobs:
+            yield next(scanned) if src is None else _result_from_index(src, p)
+
+    # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
+    with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
+        totals = write_index(out, stream, meta)
+    return BuildReport(out=out, num_shards=len(jobs), num_bad_shards=totals.num_bad_shards,
+                       num_samples=totals.num_samples, num_errors=totals.num_errors,
+                       num_images=totals.num_images, total_tokens=totals.total_tokens,
+                       seconds=time.perf_counter() - t0, num_reused=len(jobs) - len(scan_paths))
+
+
+def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: dict) -> _IndexWriter:
+    """Write ``results`` (in order) as the index folder ``out``, atomically; ``meta`` goes into the
+    manifest (estimator, text_counter, ...). Returns the writer, whose counters give the totals.
+
+    This is the write half of ``build_index``; it also lets tests and benchmarks make a large index
+    from synthetic columns without scanning shards.
+    """
+    out = os.path.abspath(os.fspath(out))
+    _check_out(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     writer = None
+    partial = partial_path(out)
     try:
         writer = _IndexWriter(tmp)
-        results = _shard_results(paths, workers, est, counter, model, overrides, tokenizer)
-        # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
-        with contextlib.closing(_progress(results, len(paths), progress)) as stream:
-            for result in stream:
-                writer.add(result)
-        writer.finish({
-            "estimator": {"name": est.name, "model": model, "overrides": overrides,
-                          "config": est.config, "wrapper_tokens": int(est.wrapper_tokens)},
-            "text_counter": {"name": counter.name, "tokenizer": tokenizer},
-            "image_sizes": "from headers, as stored: EXIF orientation ignored",
-            "sources": list(sources) if not isinstance(sources, str) else [sources],
-        })
+        for result in results:
+            writer.add(result)
+        writer.finish(meta)
         _replace_dir(tmp, out)
     except BaseException:
         if writer is not None:
-            writer.close()
+            _save_partial(writer, meta, partial)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildReport(out=out, num_shards=len(paths), num_bad_shards=writer.num_bad_shards,
-                       num_samples=writer.num_samples, num_errors=writer.num_errors,
-                       num_images=writer.num_images, total_tokens=writer.total_tokens,
-                       seconds=time.perf_counter() - t0)
+    shutil.rmtree(partial, ignore_errors=True)   # its shards are all in ``out`` now
+    return writer
 
 
-def index_shard(path: str, est: VisionEstimator, counter: TextCounter) -> ShardResult:
-    """Scan one shard and count its tokens with ``est`` (vision) and ``counter`` (text)."""
-    return _count_tokens(scan_shard(path), est, counter)
+def partial_path(out: str) -> str:
+    """Where an interrupted build of ``out`` keeps the shards it finished (a complete index of them)."""
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial")
+
+
+def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
+    """After an interruption or error: keep the finished shards as an index at ``partial``, which the
+    next build of the same folder reuses (resume). Best effort: a failure here never hides the
+    original error."""
+    try:
+        writer.rollback()
+        if not writer.shards:
+            writer.close()
+            return
+        writer.finish({**meta, "partial": True})
+        _replace_dir(writer.folder, partial)
+    except Exception:
+        writer.close()
+
+
+def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
+                image_root: str | None = None) -> ShardResult:
+    """Scan one shard (or annotation file) and count its tokens with ``est`` and ``counter``."""
+    scan = scan_annotations(path, image_root) if is_annotation_file(path) else scan_shard(path)
+    return _count_tokens(scan, est, counter)
+
+
+# --- incremental builds ---------------------------------------------------------------------------
+
+def _rules(meta: dict) -> tuple:
+    e = meta["estimator"]
+    return (e["name"], json.dumps(e["config"], sort_keys=True, default=_jsonable), int(e["wrapper_tokens"]),
+            meta["text_counter"]["name"], meta.get("image_root"))
+
+
+def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
+    """The index at ``out`` if it exists and was built with the same token rules, else ``None``."""
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        return None
+    try:
+        old = TokenIndex.open(out)
+        same = _rules(old.manifest) == _rules(json.loads(json.dumps(meta, default=_jsonable)))
+    except (ValueError, KeyError, OSError):   # another format version, a damaged index: rebuild
+        return None
+    return old if same else None
+
+
+def _plan_jobs(paths: list[str], olds: list[TokenIndex]) -> list[tuple[str, TokenIndex | None]]:
+    """(path, index to copy it from, or None to scan it) per shard, in index order: the old indexes'
+    shards first, in their order, then the new ones in source order."""
+    wanted = set(paths)
+    jobs: list[tuple[str, TokenIndex | None]] = []
+    for old in olds:
+        for entry in old.manifest["shards"]:
+            p = entry["path"]
+            if p not in wanted:
+                continue
+            wanted.discard(p)
+            jobs.append((p, old if _unchanged(entry) else None))
+    jobs.extend((p, None) for p in paths if p in wanted)
+    return jobs
+
+
+def _unchanged(entry: dict) -> bool:
+    if entry.get("fingerprint") is None:
+        return False     # missing / unreadable at the last build: look again
+    try:
+        size = os.stat(entry["path"]).st_size
+        return size == entry["size"] and shard_fingerprint(entry["path"], size) == entry["fingerprint"]
+    except OSError:
+        return False
+
+
+def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
+    """The rows of shard ``path`` in ``idx``, as the ShardResult a rescan would give."""
+    cache = idx.__dict__.setdefault("_reuse_cache", {})
+    if not cache:   # built once per index: a lookup per shard must not scan all shards / all errors
+        cache["sid"] = {p: i for i, p in enumerate(idx.shard_paths)}
+        cache["errors"] = {}
+        for e in idx.errors:
+            cache["errors"].setdefault(e["shard"], []).append(e)
+    sid = cache["sid"][path]
+    entry = {k: v for k, v in idx.manifest["shards"][sid].items() if k != "id"}
+    c = idx._cols
+    a, b = (int(x) for x in np.searchsorted(idx.shard_ids, [sid, sid + 1]))   # rows are grouped by shard
+    ms, ims = np.asarray(c["member_start"][a:b + 1]), np.asarray(c["image_start"][a:b + 1])
+    m0, m1 = int(ms[0]), int(ms[-1])
+    exts = idx._exts
+    poff = np.asarray(c["member_path_offsets"][m0:m1 + 1])
+    paths = [idx._member_paths[j] if poff[j - m0 + 1] > poff[j - m0] else "" for j in range(m0, m1)]
+    return ShardResult(
+        entry=entry, keys=idx.keys[a:b], member_counts=np.diff(ms), member_exts=[
+            exts[e] for e in c["member_ext"][m0:m1]],
+        member_offsets=np.array(c["member_offset"][m0:m1]), member_sizes=np.array(c["member_size"][m0:m1]),
+        image_counts=np.diff(ims), image_wh=np.array(c["image_size"][int(ims[0]):int(ims[-1])]),
+        vision=np.array(idx.vision_tokens[a:b]), text=np.array(idx.text_tokens[a:b]),
+        errors=list(cache["errors"].get(path, [])),
+        member_paths=paths if any(paths) else None)
 
 
 def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -> ShardResult:
@@ -179,8 +322,11 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
              "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads}
+    paths = None
+    if any(s.paths for s in samples):
+        paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
     return ShardResult(
-        entry=entry, keys=[s.key for s in samples],
+        entry=entry, keys=[s.key for s in samples], member_paths=paths,
         member_counts=np.fromiter((len(s.members) for s in samples), np.int64, count=n),
         member_exts=[m[0] for s in samples for m in s.members],
         member_offsets=np.array([m[1] for s in samples for m in s.members], np.int64),
@@ -193,27 +339,29 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
 _WORKER: dict = {}
 
 
-def _init_worker(model: str, overrides: dict, tokenizer: str | None) -> None:
+def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None) -> None:
     from tokenbal.estimate import get_estimator, get_text_counter
 
     _WORKER["est"] = get_estimator(model, **overrides)
     _WORKER["counter"] = get_text_counter(tokenizer)
+    _WORKER["image_root"] = image_root
 
 
 def _worker_index_shard(path: str) -> ShardResult:
-    return index_shard(path, _WORKER["est"], _WORKER["counter"])
+    return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"])
 
 
 def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter: TextCounter,
-                   model: str, overrides: dict, tokenizer: str | None) -> Iterator[ShardResult]:
-    if workers == 1 or len(paths) == 1:
+                   model: str, overrides: dict, tokenizer: str | None,
+                   image_root: str | None) -> Iterator[ShardResult]:
+    if workers == 1 or len(paths) <= 1:
         for p in paths:
-            yield index_shard(p, est, counter)
+            yield index_shard(p, est, counter, image_root)
         return
     # spawn, not fork: the parent may hold tokenizer / torch threads that a fork would copy mid-state.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(min(workers, len(paths)), initializer=_init_worker,
-                  initargs=(model, overrides, tokenizer)) as pool:
+                  initargs=(model, overrides, tokenizer, image_root)) as pool:
         # imap keeps shard order, so the index is identical whatever the number of workers.
         yield from pool.imap(_worker_index_shard, paths, chunksize=1)
 
@@ -244,6 +392,7 @@ class _Column:
         self.path = os.path.join(folder, f"{name}.npy")
         self.raw_path = self.path + ".raw"
         self.dtype, self.tail, self.rows = np.dtype(dtype), tail, 0
+        self.row_bytes = self.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
         self.f = open(self.raw_path, "wb")
 
     def append(self, values) -> None:
@@ -266,14 +415,44 @@ class _IndexWriter:
         self.folder = folder
         self.cols = {name: _Column(folder, name, dt, tail) for name, (dt, tail) in COLUMNS.items()}
         self.keys_f = open(os.path.join(folder, KEYS_BLOB), "wb")
-        self.errors_f = open(os.path.join(folder, ERRORS), "w", encoding="utf-8")
+        self.paths_f = open(os.path.join(folder, PATHS_BLOB), "wb")
+        self.path_bytes = 0
+        self.errors_f = open(os.path.join(folder, ERRORS), "wb")
         self.shards: list[dict] = []
         self.ext_ids: dict[str, int] = {}
         self.key_bytes = self.num_members = self.num_images = 0
         self.num_samples = self.num_errors = self.num_bad_shards = self.total_tokens = 0
         # CSR tables start with a 0 so that sample i spans [start[i], start[i + 1]).
-        for name in ("key_offsets", "member_start", "image_start"):
+        for name in ("key_offsets", "member_start", "image_start", "member_path_offsets"):
             self.cols[name].append([0])
+        self._checkpoint = self._state()
+
+    _COUNTERS = ("key_bytes", "path_bytes", "num_members", "num_images", "num_samples", "num_errors",
+                 "num_bad_shards", "total_tokens")
+
+    def _state(self) -> dict:
+        return {"counters": {k: getattr(self, k) for k in self._COUNTERS}, "n_shards": len(self.shards),
+                "rows": {name: col.rows for name, col in self.cols.items()},
+                "errors_bytes": self.errors_f.tell()}
+
+    def rollback(self) -> None:
+        """Undo a partly written ``add`` (interrupted mid-way): back to the last complete shard."""
+        ck = self._checkpoint
+        for k, v in ck["counters"].items():
+            setattr(self, k, v)
+        del self.shards[ck["n_shards"]:]
+        for name, col in self.cols.items():
+            col.rows = ck["rows"][name]
+            col.f.flush()
+            col.f.truncate(col.rows * col.row_bytes)
+            col.f.seek(0, os.SEEK_END)
+        for f, n in ((self.keys_f, self.key_bytes), (self.paths_f, self.path_bytes)):
+            f.flush()
+            f.truncate(n)
+            f.seek(0, os.SEEK_END)
+        self.errors_f.flush()
+        self.errors_f.truncate(ck["errors_bytes"])
+        self.errors_f.seek(0, os.SEEK_END)
 
     def add(self, r: ShardResult) -> None:
         shard_id = len(self.shards)
@@ -293,26 +472,36 @@ class _IndexWriter:
         c["member_ext"].append([self.ext_ids.setdefault(e, len(self.ext_ids)) for e in r.member_exts])
         c["member_offset"].append(r.member_offsets)
         c["member_size"].append(r.member_sizes)
+        if r.member_paths is None:   # tar members: empty ranges
+            c["member_path_offsets"].append(np.full(len(r.member_exts), self.path_bytes, np.int64))
+        else:
+            blobs = [p.encode("utf-8", "surrogateescape") for p in r.member_paths]
+            self.paths_f.write(b"".join(blobs))
+            c["member_path_offsets"].append(self.path_bytes + np.cumsum([len(p) for p in blobs],
+                                                                         dtype=np.int64))
+            self.path_bytes += sum(len(p) for p in blobs)
         c["image_start"].append(self.num_images + np.cumsum(r.image_counts, dtype=np.int64))
         c["image_size"].append(r.image_wh)
         for e in r.errors:
-            self.errors_f.write(json.dumps(e, ensure_ascii=False) + "\n")
+            self.errors_f.write((json.dumps(e, ensure_ascii=False) + "\n").encode("utf-8"))
         self.num_samples += n
         self.num_members += len(r.member_exts)
         self.num_images += len(r.image_wh)
         self.num_errors += len(r.errors)
         self.num_bad_shards += r.entry["status"] != "ok"
         self.total_tokens += int(lengths.sum())
+        self._checkpoint = self._state()     # this shard is complete
 
     def close(self) -> None:
         """Close the open files (after an error; ``finish`` closes them on success)."""
-        for f in (*(c.f for c in self.cols.values()), self.keys_f, self.errors_f):
+        for f in (*(c.f for c in self.cols.values()), self.keys_f, self.paths_f, self.errors_f):
             f.close()
 
     def finish(self, meta: dict) -> None:
         for col in self.cols.values():
             col.finish()
         self.keys_f.close()
+        self.paths_f.close()
         self.errors_f.close()
         from tokenbal import __version__
 

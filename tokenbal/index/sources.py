@@ -14,7 +14,6 @@ import re
 from collections.abc import Sequence
 
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
-_ANNOTATION_SUFFIXES = (".json", ".jsonl")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -76,8 +75,8 @@ def expand_sources(sources: Sequence[str]) -> list[str]:
     """Absolute shard paths for ``sources``, in the order given (globs sorted), without duplicates.
 
     Raises ``FileNotFoundError`` naming every literal path that does not exist and every glob that
-    matches nothing, and ``ValueError`` for a directory or an annotation file (JSON/JSONL sources
-    are not supported yet), so a typo never turns into a silently smaller dataset.
+    matches nothing, and ``ValueError`` for a directory, so a typo never turns into a silently
+    smaller dataset. ``.json`` / ``.jsonl`` paths are annotation files (``tokenbal.index.annotations``).
     """
     if isinstance(sources, str):
         sources = [sources]
@@ -103,9 +102,6 @@ def expand_sources(sources: Sequence[str]) -> list[str]:
         ap = os.path.abspath(p)
         if os.path.isdir(ap):
             raise ValueError(f"source {p!r} is a directory; pass its shards, e.g. {p.rstrip('/')}/*.tar")
-        if ap.lower().endswith(_ANNOTATION_SUFFIXES):
-            raise ValueError(f"source {p!r}: JSON/JSONL annotation sources are not supported yet; "
-                             "pass webdataset .tar shards")
         # Overlapping patterns (data-*.tar data-000.tar) must not index a shard twice.
         key = os.path.realpath(ap)
         if key not in seen:

@@ -13,6 +13,11 @@ One folder, written atomically by ``build_index`` (built in a temporary sibling 
 * Member table (one row per tar member of an indexed sample, in tar order): ``member_ext`` (int32,
   index into the manifest's ``extensions``; the member name is ``key + "." + ext``),
   ``member_offset`` (int64, payload offset in the shard), ``member_size`` (int64).
+* ``member_path_offsets`` (int64, one more row than the member table): byte ranges in
+  ``member_paths.bin`` (UTF-8). Empty for a tar member; for a sample from a JSON/JSONL annotation
+  file it is the image path as written in the record, a NUL, and the file's absolute path; that
+  member's offset is 0 and its size the file size (``members(i)`` then names the file itself as
+  the member's ``shard``).
 * Image table: ``image_size`` (int32, shape (M, 2): width, height as stored, EXIF ignored).
 * ``errors.jsonl`` — one JSON object per sample or shard that was not indexed: shard, key (null for
   a shard-level error), reason.
@@ -31,10 +36,11 @@ import numpy as np
 
 from tokenbal.index.scan import shard_fingerprint
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: member_path_offsets / member_paths.bin (annotation sources)
 MANIFEST = "manifest.json"
 ERRORS = "errors.jsonl"
 KEYS_BLOB = "keys.bin"
+PATHS_BLOB = "member_paths.bin"
 # name -> (dtype, trailing shape); all live in "<name>.npy".
 COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
     "lengths": (np.int64, ()),
@@ -46,10 +52,11 @@ COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
     "member_ext": (np.int32, ()),
     "member_offset": (np.int64, ()),
     "member_size": (np.int64, ()),
+    "member_path_offsets": (np.int64, ()),
     "image_start": (np.int64, ()),
     "image_size": (np.int32, (2,)),
 }
-INDEX_FILES = (MANIFEST, ERRORS, KEYS_BLOB, *(f"{c}.npy" for c in COLUMNS))
+INDEX_FILES = (MANIFEST, ERRORS, KEYS_BLOB, PATHS_BLOB, *(f"{c}.npy" for c in COLUMNS))
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class Member:
 
 
 class KeyList(Sequence):
-    """Sample keys, decoded on access from the memory-mapped ``keys.bin`` (no N Python strings)."""
+    """Strings decoded on access from a memory-mapped blob (no N Python strings): the sample keys."""
 
     def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
         self._blob, self._off = blob, offsets
@@ -88,7 +95,9 @@ class TokenIndex:
     """Read side of an index folder; arrays are memory-mapped, so opening costs milliseconds.
 
     ``lengths`` / ``vision_tokens`` / ``text_tokens`` / ``shard_ids`` hold one value per indexed
-    sample, ``keys`` the sample keys, ``errors`` every sample or shard that was not indexed.
+    sample (``np.memmap``: nothing is read until used), ``keys`` the sample keys (decoded on access),
+    ``errors`` every sample or shard that was not indexed (read on first access). Opening reads the
+    manifest and the ``.npy`` headers only, so it takes the same few milliseconds at 10M samples.
     """
 
     def __init__(self, path: str) -> None:
@@ -103,11 +112,11 @@ class TokenIndex:
                                  f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")
             cols[name] = arr
         n = int(self.manifest["num_samples"])
+        n_members = int(cols["member_start"][-1])
         for name, want in (("lengths", n), ("vision_tokens", n), ("text_tokens", n), ("shard_id", n),
                            ("key_offsets", n + 1), ("member_start", n + 1), ("image_start", n + 1),
-                           ("member_ext", int(cols["member_start"][-1])),
-                           ("member_offset", int(cols["member_start"][-1])),
-                           ("member_size", int(cols["member_start"][-1])),
+                           ("member_ext", n_members), ("member_offset", n_members),
+                           ("member_size", n_members), ("member_path_offsets", n_members + 1),
                            ("image_size", int(cols["image_start"][-1]))):
             if len(cols[name]) != want:
                 raise ValueError(f"index {self.path} is inconsistent: {name}.npy has {len(cols[name])} "
@@ -117,16 +126,20 @@ class TokenIndex:
         self.vision_tokens: np.ndarray = cols["vision_tokens"]
         self.text_tokens: np.ndarray = cols["text_tokens"]
         self.shard_ids: np.ndarray = cols["shard_id"]
-        blob_file = os.path.join(self.path, KEYS_BLOB)
-        blob = (np.memmap(blob_file, dtype=np.uint8, mode="r") if os.path.getsize(blob_file)
-                else np.zeros(0, np.uint8))   # mmap refuses empty files
-        self.keys = KeyList(blob, cols["key_offsets"])
         self.shard_paths: list[str] = [s["path"] for s in self.manifest["shards"]]
         self._exts: list[str] = list(self.manifest["extensions"])
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> TokenIndex:
-        return cls(os.fspath(path))
+    def open(cls, path: str | os.PathLike, *, expect_model: str | None = None,
+             expect_estimator=None, expect_text_counter=None) -> TokenIndex:
+        """Open the index at ``path``; with an ``expect_*`` argument, also check that it was built
+        with the same token rules (``check_index_rules``), so a stale index is an error, not silently
+        wrong lengths."""
+        idx = cls(os.fspath(path))
+        if expect_model is not None or expect_estimator is not None or expect_text_counter is not None:
+            check_index_rules(idx.manifest, model=expect_model, estimator=expect_estimator,
+                              text_counter=expect_text_counter, where=idx.path)
+        return idx
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -136,29 +149,94 @@ class TokenIndex:
                 f"{self.manifest['num_errors']} errors)")
 
     @cached_property
+    def keys(self) -> KeyList:
+        return KeyList(_blob(os.path.join(self.path, KEYS_BLOB)), self._cols["key_offsets"])
+
+    @cached_property
+    def _member_paths(self) -> KeyList:
+        return KeyList(_blob(os.path.join(self.path, PATHS_BLOB)), self._cols["member_path_offsets"])
+
+    @cached_property
     def errors(self) -> list[dict]:
         with open(os.path.join(self.path, ERRORS), encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 
     def shard(self, i: int) -> str:
-        """Absolute path of the shard holding sample ``i``."""
+        """Absolute path of the shard (or annotation file) holding sample ``i``."""
         return self.shard_paths[int(self.shard_ids[_check_row(i, len(self))])]
 
     def members(self, i: int) -> list[Member]:
-        """Every tar member of sample ``i`` (images, text and others), in tar order."""
+        """Every member of sample ``i`` (images, text and others), in tar order.
+
+        For a tar shard: the tar members (``shard`` = the tar, payload ``offset`` and ``size``). For
+        a JSON/JSONL annotation record: its image files (``name`` = the path as written in the
+        record, ``shard`` = the absolute file path, ``offset`` 0, ``size`` = the file size); the
+        record's text lives in the annotation file (``shard(i)``), not in a member.
+        """
         i = _check_row(i, len(self))
         c = self._cols
         a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
         key, shard = self.keys[i], self.shard_paths[int(self.shard_ids[i])]
-        cols = (c["member_ext"][a:b], c["member_offset"][a:b], c["member_size"][a:b])
-        return [Member(f"{key}.{self._exts[e]}", shard, int(o), int(s))
-                for e, o, s in zip(*cols, strict=True)]
+        poff = c["member_path_offsets"]
+        out = []
+        for j, e, o, s in zip(range(a, b), c["member_ext"][a:b], c["member_offset"][a:b],
+                              c["member_size"][a:b], strict=True):
+            if poff[j + 1] > poff[j]:
+                name, _, file = self._member_paths[j].partition("\0")
+                out.append(Member(name, file, int(o), int(s)))
+            else:
+                out.append(Member(f"{key}.{self._exts[e]}", shard, int(o), int(s)))
+        return out
 
     def image_sizes(self, i: int) -> list[tuple[int, int]]:
         """(width, height) of each image of sample ``i``, in member order."""
         i = _check_row(i, len(self))
         a, b = int(self._cols["image_start"][i]), int(self._cols["image_start"][i + 1])
         return [(int(w), int(h)) for w, h in self._cols["image_size"][a:b]]
+
+
+def _blob(file: str) -> np.ndarray:
+    # np.memmap refuses empty files.
+    return np.memmap(file, dtype=np.uint8, mode="r") if os.path.getsize(file) else np.zeros(0, np.uint8)
+
+
+def _normal(obj):
+    """JSON round trip: the manifest's view of a config (tuples -> lists, numpy scalars -> ints)."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))
+
+
+def check_index_rules(manifest: dict, *, model: str | None = None, estimator=None, text_counter=None,
+                      where: str = "index") -> None:
+    """Raise ``ValueError`` unless the index was built with the caller's token rules.
+
+    ``model``: an estimator name (``get_estimator(model)`` with its current defaults);
+    ``estimator``: an estimator object (its ``name`` and ``config`` are compared);
+    ``text_counter``: a text counter object or its ``name`` string (e.g. ``"heuristic:..."`` or the
+    tokenizer id). Every difference is named, e.g. ``max_pixels: index 12845056, expected 1003520``.
+    """
+    problems = []
+    built = manifest.get("estimator", {})
+    if model is not None and estimator is None:
+        from tokenbal.estimate import get_estimator
+
+        estimator = get_estimator(model)
+    if estimator is not None:
+        if built.get("name") != estimator.name:
+            problems.append(f"estimator: index {built.get('name')!r}, expected {estimator.name!r}")
+        else:
+            have, want = built.get("config", {}), _normal(estimator.config)
+            for k in sorted(set(have) | set(want)):
+                if have.get(k, "<absent>") != want.get(k, "<absent>"):
+                    problems.append(f"{k}: index {have.get(k, '<absent>')!r}, expected "
+                                    f"{want.get(k, '<absent>')!r}")
+    if text_counter is not None:
+        want = text_counter if isinstance(text_counter, str) else text_counter.name
+        have = manifest.get("text_counter", {}).get("name")
+        if have != want:
+            problems.append(f"text counter: index {have!r}, expected {want!r}")
+    if problems:
+        raise ValueError(f"{where} was built with other token rules ({'; '.join(problems)}); rebuild it "
+                         "with `tokenbal index build` and the same model / options / tokenizer")
 
 
 def _check_row(i: int, n: int) -> int:
@@ -220,9 +298,14 @@ def verify_index(path: str | os.PathLike) -> list[str]:
     return problems
 
 
-def index_stats(path: str | os.PathLike) -> str:
-    """Human-readable summary of an index: counts, shard statuses, token percentiles."""
+def index_stats(path: str | os.PathLike, plot: str | os.PathLike | None = None) -> str:
+    """Human-readable summary of an index: counts, shard statuses, token percentiles. With ``plot``,
+    also write a PNG histogram of vision and text tokens per sample there (``tokenbal.index.plot``)."""
     idx = TokenIndex.open(path)
+    if plot is not None:
+        from tokenbal.index.plot import plot_token_histogram
+
+        plot_token_histogram(idx.vision_tokens, idx.text_tokens, plot, title=f"tokens per sample, {idx.path}")
     m = idx.manifest
     statuses: dict[str, int] = {}
     for s in m["shards"]:

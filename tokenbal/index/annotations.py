@@ -1,0 +1,165 @@
+"""Scan one JSON / JSONL annotation file (the LLaVA / Qwen-VL fine-tuning format) like a shard.
+
+A ``.jsonl`` file holds one record per line (blank lines are skipped); a ``.json`` file holds one
+list of records. A record is an object with:
+
+* images: ``images`` (a list of paths) or ``image`` (a path or a list of paths); without either,
+  the ``{"type": "image", "image": PATH}`` parts of ``messages`` contents (Qwen-VL style). Paths are
+  relative to ``image_root`` (default: the annotation file's folder); an absolute path is used as is.
+* text: the rules of ``tokenbal.index.text.json_text`` (``conversations``, ``messages``, ``text`` /
+  ``caption``), ``<image>`` placeholders removed. A record with images and no text field has 0 text
+  tokens; a record with neither is an error.
+
+Every image size comes from the file's header (``read_image_size``), exactly as for tar members.
+A sample's key is ``<file name>:<line>`` (JSONL, 1-based line) or ``<file name>[<index>]`` (JSON).
+Its members are its image files: offset 0, size the file size, the path kept in the index.
+
+Errors, one per record, naming the file and line (or index): invalid JSON on that line, a record
+that is not an object, a malformed image field, a missing or unreadable image file (with its full
+path), an image whose header cannot be read, a ``video`` / ``videos`` field (not supported yet),
+text fields of the wrong type. A ``.json`` file that is not a list of records, or not JSON at all,
+is one file-level error (status ``corrupt``), like a damaged shard.
+
+The fingerprint (``verify``) covers the annotation file only, not the image files it names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
+from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
+from tokenbal.index.text import SampleTextError, join_text, json_text
+
+ANNOTATION_SUFFIXES = (".json", ".jsonl")
+
+
+def is_annotation_file(path: str) -> bool:
+    return path.lower().endswith(ANNOTATION_SUFFIXES)
+
+
+def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES) -> ShardScan:
+    """Scan the annotation file at ``path``; never raises for bad data (see the module docstring)."""
+    scan = ShardScan(path=path)
+    root = os.path.abspath(image_root) if image_root is not None else os.path.dirname(os.path.abspath(path))
+    base = os.path.basename(path)
+    try:
+        st = os.stat(path)
+        scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
+        scan.fingerprint = shard_fingerprint(path, st.st_size)
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        return _file_error(scan, "missing", f"annotation file not found: {e}")
+    except OSError as e:
+        return _file_error(scan, "unreadable", f"cannot read annotation file: {e}")
+    if path.lower().endswith(".jsonl"):
+        records = _jsonl_records(raw, path, base, scan)
+    else:
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return _file_error(scan, "corrupt", f"annotation file {path} is not valid JSON: {e}")
+        if not isinstance(data, list):
+            return _file_error(scan, "corrupt", f"annotation file {path} holds a {type(data).__name__}, "
+                                                "expected a list of records")
+        records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
+    for key, where, rec in records:
+        scan.n_members += 1
+        sample = _record(rec, key, where, root, scan, prefix)
+        if sample is not None:
+            scan.samples.append(sample)
+    if scan.n_members == 0:
+        _file_error(scan, "empty", f"annotation file {path} holds no records")
+    return scan
+
+
+def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:
+    scan.status, scan.reason = status, reason
+    scan.samples = []
+    scan.errors = [{"shard": scan.path, "key": None, "reason": reason}]
+    return scan
+
+
+def _jsonl_records(raw: bytes, path: str, base: str, scan: ShardScan):
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        key, where = f"{base}:{lineno}", f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            scan.n_members += 1
+            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: not valid JSON ({e})"})
+            continue
+        yield key, where, rec
+
+
+def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
+            prefix: int) -> ScannedSample | None:
+    def fail(reason: str) -> None:
+        scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
+
+    if not isinstance(rec, dict):
+        return fail(f"record is {type(rec).__name__}, not an object")
+    for field in ("video", "videos"):
+        if rec.get(field):
+            return fail(f"has a '{field}' field; video samples are not supported yet")
+    try:
+        images = _image_paths(rec)
+        pieces = json_text(rec)
+    except SampleTextError as e:
+        return fail(str(e))
+    if pieces is None and not images:
+        return fail("has neither images nor text (none of image / images / conversations / messages / "
+                    "text / caption)")
+    members, paths, sizes = [], [], []
+    for j, rel in enumerate(images):
+        full = os.path.normpath(os.path.join(root, rel))
+        try:
+            fd = os.open(full, os.O_RDONLY)
+        except FileNotFoundError:
+            return fail(f"image {j} {rel!r} not found at {full}")
+        except OSError as e:
+            return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
+        try:
+            size = os.fstat(fd).st_size
+            wh, full_read = read_image_size(fd, 0, size, prefix)
+        except ImageSizeError as e:
+            return fail(f"image {j} {rel!r} at {full} is not a readable image: {e}")
+        except OSError as e:
+            return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
+        finally:
+            os.close(fd)
+        scan.n_full_reads += full_read
+        name = os.path.basename(rel)
+        ext = name.rsplit(".", 1)[-1].lower() if "." in name else ""
+        members.append((ext, 0, size))
+        paths.append(f"{rel}\0{full}")
+        sizes.append(wh)
+    return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
+                         paths=paths)
+
+
+def _image_paths(rec: dict) -> list[str]:
+    if "images" in rec and rec["images"] is not None:
+        value, field = rec["images"], "images"
+    elif "image" in rec and rec["image"] is not None:
+        value, field = rec["image"], "image"
+    else:
+        # Qwen-VL chat records name their images inside the message contents.
+        out = []
+        for i, msg in enumerate(rec.get("messages") or []):
+            content = msg.get("content") if isinstance(msg, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else []):
+                if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
+                    if not isinstance(part["image"], str):
+                        raise SampleTextError(f"messages[{i}].content[{j}].image is "
+                                              f"{type(part['image']).__name__}, not a path string")
+                    out.append(part["image"])
+        return out
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
+        raise SampleTextError(f"'{field}' must be a path or a list of paths, got {json.dumps(value)[:80]}")
+    return items
