@@ -16,16 +16,19 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from collate.positions import as_grid, mrope_positions
+from collate.positions import as_grid, packed_mrope_positions
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
 
 IGNORE_INDEX = -100
 
-# Model types whose get_rope_index is the chunked Qwen2-VL M-RoPE implemented in collate.positions.
+# Model types whose get_rope_index collate.positions reproduces. Qwen2.5-VL adds tokens_per_second;
+# Qwen3-VL (and its MoE / Qwen3.5 siblings, whose get_rope_index is the same code in transformers
+# 5.24) splits every video into per-frame t=1 grids separated by timestamp text.
 _MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# Qwen3-VL splits videos into per-frame grids separated by timestamp text; not implemented here.
-_UNSUPPORTED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v")
+_SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# Same placeholder tokens but a different position layout (GLM-4V counts video frames otherwise).
+_UNSUPPORTED_MROPE = ("glm4v", "glm4v_moe")
 
 
 @dataclasses.dataclass(eq=False)
@@ -149,8 +152,11 @@ def _should_pin(pin_memory: bool | None) -> bool:
 class PackedCollator:
     """Collate samples into one :class:`PackedBatch` (public contract: DESIGN.md, "Public contract").
 
-    ``rope="mrope"``: Qwen2-VL / Qwen2.5-VL chunked M-RoPE, per-sample ids from
-    :func:`collate.positions.mrope_positions` (needs ``image_token_id``). ``rope="1d"``: plain
+    ``rope="mrope"``: Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE ids, per sample as
+    :func:`collate.positions.mrope_positions` defines them, computed for the whole packed row at once
+    by :func:`collate.positions.packed_mrope_positions` (needs ``image_token_id``);
+    ``tokens_per_second`` is Qwen2.5-VL's video time scale, ``split_video_frames`` Qwen3-VL's
+    per-frame video grids. ``rope="1d"``: plain
     per-sample ``arange``; vision tensors are still concatenated and passed through, and the
     placeholder count is checked only if ``image_token_id`` is set and a grid is given.
     ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
@@ -167,6 +173,7 @@ class PackedCollator:
     vision_start_token_id: int | None = None
     spatial_merge_size: int = 2
     tokens_per_second: float | None = None
+    split_video_frames: bool = False
     pin_memory: bool | None = None
     ignore_index: int = IGNORE_INDEX
 
@@ -180,25 +187,31 @@ class PackedCollator:
 
     @classmethod
     def from_config(cls, hf_config: Any, **overrides: Any) -> PackedCollator:
-        """Build from a transformers config: Qwen2-VL / Qwen2.5-VL -> M-RoPE, anything else -> 1-D."""
+        """Build from a transformers config: Qwen2-VL / Qwen2.5-VL / Qwen3-VL -> M-RoPE, else 1-D.
+
+        LLaVA / InternVL language models use plain 1-D RoPE, so anything without a Qwen-VL
+        ``model_type`` gets ``rope="1d"``. ``overrides`` replace any field (e.g. ``pin_memory``).
+        """
         model_type = getattr(hf_config, "model_type", "")
         vision = getattr(hf_config, "vision_config", None)
         if model_type in _UNSUPPORTED_MROPE:
             raise ValueError(
-                f"model_type {model_type!r} uses a different M-RoPE layout (per-frame video grids); "
-                "PackedCollator supports qwen2_vl and qwen2_5_vl, or pass rope='1d' explicitly"
+                f"model_type {model_type!r} uses a different M-RoPE position layout; PackedCollator "
+                f"supports {_MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES}, or pass rope='1d' explicitly"
             )
-        if model_type in _MROPE_MODEL_TYPES and vision is not None:
+        if model_type in _MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES and vision is not None:
             kwargs: dict[str, Any] = dict(
                 rope="mrope",
                 image_token_id=int(hf_config.image_token_id),
                 video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)),
                 vision_start_token_id=_opt_int(getattr(hf_config, "vision_start_token_id", None)),
                 spatial_merge_size=int(getattr(vision, "spatial_merge_size", 2)),
-                # Only Qwen2.5-VL scales video time; Qwen2-VL's vision config has no such field.
+                # Only Qwen2.5-VL scales video time; Qwen2-VL's vision config has no such field and
+                # Qwen3-VL ignores it (timestamps are text).
                 tokens_per_second=getattr(vision, "tokens_per_second", None)
                 if model_type == "qwen2_5_vl"
                 else None,
+                split_video_frames=model_type in _SPLIT_FRAME_MODEL_TYPES,
             )
         else:
             kwargs = dict(rope="1d")
@@ -209,66 +222,65 @@ class PackedCollator:
     def __call__(self, samples: Sequence[dict[str, Any]]) -> PackedBatch:
         if len(samples) == 0:
             raise ValueError("PackedCollator got an empty list of samples")
-        ids_list, labels_list, pos_list = [], [], []
+        n = len(samples)
+        ids_list, labels_list = [], []
         vision: dict[str, list[Any]] = {k: [] for k in _VISION_KEYS}
+        img_per = np.zeros(n, dtype=np.int64)
+        vid_per = np.zeros(n, dtype=np.int64)
         seconds: list[np.ndarray] = []
         any_seconds = False
+        # Per sample only validation and gathering; all arithmetic runs once on the packed row below.
         for i, sample in enumerate(samples):
             ids = _int_1d(sample, i, "input_ids")
             if ids.shape[0] == 0:
                 raise ValueError(f"sample {i}: field 'input_ids' is empty")
-            labels = _int_1d(sample, i, "labels") if sample.get("labels") is not None else ids
-            if labels.shape[0] != ids.shape[0]:
-                raise ValueError(
-                    f"sample {i}: field 'labels' has length {labels.shape[0]}, input_ids has {ids.shape[0]}"
-                )
+            if sample.get("labels") is not None:
+                labels = _int_1d(sample, i, "labels")
+                if labels.shape[0] != ids.shape[0]:
+                    raise ValueError(
+                        f"sample {i}: field 'labels' has length {labels.shape[0]}, "
+                        f"input_ids has {ids.shape[0]}"
+                    )
+            else:
+                labels = ids
             mask = sample.get("attention_mask")
             if mask is not None and not bool((_np(mask) != 0).all()):
                 raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
 
             img_pv, img_grid = _vision_pair(sample, i, "pixel_values", "image_grid_thw")
             vid_pv, vid_grid = _vision_pair(sample, i, "pixel_values_videos", "video_grid_thw")
-            sec = sample.get("second_per_grid_ts")
             n_vid = 0 if vid_grid is None else vid_grid.shape[0]
+            sec = sample.get("second_per_grid_ts")
             if sec is not None:
                 any_seconds = True
-                sec_arr = _np(sec).astype(np.float64).reshape(-1)
+                sec_arr = _np(sec).reshape(-1)
+                if sec_arr.dtype.kind not in "iuf":
+                    raise ValueError(
+                        f"sample {i}: field 'second_per_grid_ts' must be numeric, got dtype {sec_arr.dtype}"
+                    )
                 if sec_arr.shape[0] != n_vid:
                     raise ValueError(
                         f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
                         f"{n_vid} videos"
                     )
-                seconds.append(sec_arr)
-            else:
-                sec_arr = None
-                seconds.append(np.ones(n_vid, dtype=np.float64))
-
-            if self.rope == "mrope":
-                try:
-                    pos = mrope_positions(
-                        ids,
-                        img_grid,
-                        vid_grid,
-                        image_token_id=self.image_token_id,  # type: ignore[arg-type]
-                        video_token_id=self.video_token_id,
-                        vision_start_token_id=self.vision_start_token_id,
-                        spatial_merge_size=self.spatial_merge_size,
-                        second_per_grid_ts=sec_arr,
-                        tokens_per_second=self.tokens_per_second,
-                    )
-                except ValueError as e:
-                    raise ValueError(f"sample {i}: {e}") from None
-                pos_list.append(pos)
-            else:
+                seconds.append(sec_arr.astype(np.float32))
+            elif n_vid:
+                seconds.append(np.ones(n_vid, dtype=np.float32))  # transformers' default: 1 s per grid
+            if self.rope == "1d":
                 self._check_1d_counts(ids, img_grid, i)
             ids_list.append(ids)
             labels_list.append(labels)
-            for key, val in zip(_VISION_KEYS, (img_pv, img_grid, vid_pv, vid_grid), strict=True):
-                if val is not None:
-                    vision[key].append((i, val))
+            if img_grid is not None:
+                img_per[i] = img_grid.shape[0]
+                vision["pixel_values"].append((i, img_pv))
+                vision["image_grid_thw"].append((i, img_grid))
+            if vid_grid is not None:
+                vid_per[i] = n_vid
+                vision["pixel_values_videos"].append((i, vid_pv))
+                vision["video_grid_thw"].append((i, vid_grid))
 
-        seq_lens = [int(x.shape[0]) for x in ids_list]
-        cu = np.zeros(len(seq_lens) + 1, dtype=np.int64)
+        seq_lens = [x.shape[0] for x in ids_list]
+        cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(seq_lens, out=cu[1:])
         total = int(cu[-1])
         if total > np.iinfo(np.int32).max:
@@ -279,27 +291,41 @@ class PackedCollator:
         # No token may learn to predict the first token of the next sample: HF shifts labels left
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
-        num_loss_tokens = int((labels[1:] != self.ignore_index).sum())
+        num_loss_tokens = int(np.count_nonzero(labels[1:] != self.ignore_index))
         text_pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_lens)
 
+        img_grids = _cat_grids(vision["image_grid_thw"])
+        vid_grids = _cat_grids(vision["video_grid_thw"])
+        sec_all = np.concatenate(seconds) if seconds else None
         if self.rope == "mrope":
-            position_ids = torch.from_numpy(np.concatenate(pos_list, axis=1)[:, None, :])
+            pos = packed_mrope_positions(
+                input_ids,
+                cu,
+                img_grids,
+                vid_grids,
+                images_per_sample=img_per,
+                videos_per_sample=vid_per,
+                image_token_id=self.image_token_id,  # type: ignore[arg-type]
+                video_token_id=self.video_token_id,
+                vision_start_token_id=self.vision_start_token_id,
+                spatial_merge_size=self.spatial_merge_size,
+                second_per_grid_ts=sec_all,
+                tokens_per_second=self.tokens_per_second,
+                split_video_frames=self.split_video_frames,
+            )
+            position_ids = torch.from_numpy(pos[:, None, :])
         else:
             position_ids = torch.from_numpy(text_pos[None, :].copy())
 
-        out_vision = {k: _cat(k, v) for k, v in vision.items()}
-        grids = [g for g in (out_vision["image_grid_thw"], out_vision["video_grid_thw"]) if g is not None]
         vision_cu, vision_max = None, 0
+        grids = [g for g in (img_grids, vid_grids) if g is not None]
         if grids:
-            g = torch.cat(grids).numpy()
+            g = np.concatenate(grids) if len(grids) > 1 else grids[0]
             frame_sizes = np.repeat(g[:, 1] * g[:, 2], g[:, 0])
-            vcu = np.zeros(frame_sizes.shape[0] + 1, dtype=np.int64)
+            vcu = np.zeros(frame_sizes.shape[0] + 1, dtype=np.int32)
             np.cumsum(frame_sizes, out=vcu[1:])
-            vision_cu = torch.from_numpy(vcu.astype(np.int32))
+            vision_cu = torch.from_numpy(vcu)
             vision_max = int(frame_sizes.max()) if frame_sizes.size else 0
-        sec_t = None
-        if any_seconds:
-            sec_t = torch.from_numpy(np.concatenate(seconds).astype(np.float32))
 
         batch = PackedBatch(
             input_ids=torch.from_numpy(input_ids[None, :]),
@@ -307,14 +333,17 @@ class PackedCollator:
             position_ids=position_ids,
             text_position_ids=torch.from_numpy(text_pos[None, :]),
             cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            cu_seqlens_list=[int(x) for x in cu[1:]],
+            cu_seqlens_list=cu[1:].tolist(),
             max_seqlen=max(seq_lens),
             seq_lens=seq_lens,
             num_loss_tokens=num_loss_tokens,
-            second_per_grid_ts=sec_t,
+            pixel_values=_cat_pixels("pixel_values", vision["pixel_values"]),
+            image_grid_thw=None if img_grids is None else torch.from_numpy(img_grids),
+            pixel_values_videos=_cat_pixels("pixel_values_videos", vision["pixel_values_videos"]),
+            video_grid_thw=None if vid_grids is None else torch.from_numpy(vid_grids),
+            second_per_grid_ts=torch.from_numpy(sec_all) if any_seconds else None,
             vision_cu_seqlens=vision_cu,
             vision_max_seqlen=vision_max,
-            **out_vision,
         )
         return batch.pin_memory() if _should_pin(self.pin_memory) else batch
 
@@ -374,7 +403,13 @@ def _vision_pair(
     if grid is None:
         raise ValueError(f"sample {i}: field {pv_key!r} given without {grid_key!r}")
     try:
-        grid_arr = as_grid(grid, grid_key)
+        grid_arr = _np(grid)
+        if grid_arr.dtype.kind not in "iu" or grid_arr.ndim != 2 or grid_arr.shape[1] != 3:
+            grid_arr = as_grid(grid_arr, grid_key)  # the general path words the error (or accepts (3,))
+        rows = grid_arr.tolist()  # a few rows: python ints beat numpy reductions on tiny arrays
+        if not rows or min(min(r) for r in rows) <= 0:
+            grid_arr = as_grid(grid_arr, grid_key)
+            rows = grid_arr.tolist()
     except ValueError as e:
         raise ValueError(f"sample {i}: field {grid_key!r}: {e}") from None
     pv_t = pv if isinstance(pv, torch.Tensor) else torch.from_numpy(np.asarray(pv))
@@ -382,7 +417,7 @@ def _vision_pair(
         raise ValueError(f"sample {i}: field {pv_key!r} is on {pv_t.device}; samples must hold host data")
     if not pv_t.is_floating_point():
         raise ValueError(f"sample {i}: field {pv_key!r} must be floating point, got {pv_t.dtype}")
-    patches = int(grid_arr.prod(axis=1).sum())
+    patches = sum(t * h * w for t, h, w in rows)
     if pv_t.dim() != 2 or pv_t.shape[0] != patches:
         raise ValueError(
             f"sample {i}: field {pv_key!r} has shape {tuple(pv_t.shape)} but {grid_key} "
@@ -391,11 +426,16 @@ def _vision_pair(
     return pv_t, grid_arr
 
 
-def _cat(key: str, items: list[tuple[int, Any]]) -> torch.Tensor | None:
+def _cat_grids(items: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
     if not items:
         return None
-    if key.endswith("grid_thw"):
-        return torch.from_numpy(np.concatenate([g for _, g in items]))
+    # A fresh array even for one sample: the batch must not alias (and later mutate) sample data.
+    return np.concatenate([g for _, g in items]).astype(np.int64, copy=False)
+
+
+def _cat_pixels(key: str, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:
+    if not items:
+        return None
     first_i, first = items[0]
     for i, t in items[1:]:
         if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:

@@ -1,8 +1,17 @@
-"""Position ids for one sample: plain 1-D and Qwen2-VL / Qwen2.5-VL chunked M-RoPE.
+"""Position ids: plain 1-D and Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE.
 
-Everything here is numpy on the host. A packed batch is built by computing positions per sample
-and concatenating them (``get_rope_index`` treats a row as one sequence, so it cannot be run on
-an already packed row; see LlamaFactory#7754, NeMo-Automodel#2172).
+Everything here is numpy on the host. A packed row's positions are the per-sample positions
+concatenated (``get_rope_index`` treats a row as one sequence, so it cannot be run on an already
+packed row; see LlamaFactory#7754, NeMo-Automodel#2172). :func:`mrope_positions` does one sample
+block by block and is the readable reference with detailed errors; :func:`packed_mrope_positions`
+computes a whole packed row with a fixed number of numpy calls (no per-sample or per-block python
+loop) and falls back to the per-sample function only to word an error.
+
+Which M-RoPE "variant" a model uses only changes two inputs here:
+Qwen2-VL: defaults. Qwen2.5-VL: ``tokens_per_second`` (video time steps are
+``tokens_per_second * second_per_grid_ts``). Qwen3-VL: ``split_video_frames=True`` (each video
+frame is its own ``t=1`` grid between timestamp text, as its ``get_rope_index`` does); the
+interleaved frequency layout is the RoPE op's business (``apply_mrope(..., interleaved=True)``).
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["mrope_positions", "text_positions", "as_grid"]
+__all__ = ["mrope_positions", "packed_mrope_positions", "text_positions", "as_grid", "split_frames"]
 
 
 def text_positions(length: int) -> np.ndarray:
@@ -50,15 +59,29 @@ def _to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _vision_block(grid: np.ndarray, merge: int, start: int, interval: float | None) -> tuple[np.ndarray, int]:
+def split_frames(video_grid_thw: np.ndarray) -> np.ndarray:
+    """Qwen3-VL layout: every ``(t, h, w)`` video grid becomes ``t`` grids ``(1, h, w)``."""
+    grid = np.repeat(video_grid_thw, video_grid_thw[:, 0], axis=0)
+    grid[:, 0] = 1
+    return grid
+
+
+def _intervals(seconds: np.ndarray, tokens_per_second: float) -> np.ndarray:
+    # transformers computes ``tokens_per_second * second_per_grid_ts[i]`` with the float32 tensor the
+    # processor returns, then ``arange(t) * interval`` in float32 and truncates. Doing the same float32
+    # steps keeps the truncation identical (a float64 product differs in ~5% of random cases).
+    return np.float32(tokens_per_second) * seconds.astype(np.float32)
+
+
+def _vision_block(
+    grid: np.ndarray, merge: int, start: int, interval: np.float32 | None
+) -> tuple[np.ndarray, int]:
     """Positions (3, t*h*w/merge^2) of one image/video starting at ``start``, and the block's max offset."""
     gt, gh, gw = int(grid[0]), int(grid[1]) // merge, int(grid[2]) // merge
     if interval is None:
         t_off = np.arange(gt, dtype=np.int64)
     else:
-        # transformers computes (arange(gt) * interval).long() in float32 (an int64 tensor times a python
-        # float gives float32); doing the same keeps the truncation identical for fractional intervals.
-        t_off = (np.arange(gt, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+        t_off = (np.arange(gt, dtype=np.float32) * interval).astype(np.int64)
     hw = gh * gw
     pos = np.empty((3, gt * hw), dtype=np.int64)
     pos[0] = np.repeat(t_off, hw)
@@ -67,6 +90,17 @@ def _vision_block(grid: np.ndarray, merge: int, start: int, interval: float | No
     max_off = max(int(t_off[-1]), gh - 1, gw - 1)
     pos += start
     return pos, max_off
+
+
+def _seconds(second_per_grid_ts: Any, n_videos: int) -> np.ndarray:
+    if second_per_grid_ts is None:
+        return np.ones(n_videos, dtype=np.float32)  # transformers' default: 1 s per grid
+    seconds = _to_numpy(second_per_grid_ts).reshape(-1)
+    if seconds.dtype.kind not in "iuf":
+        raise ValueError(f"second_per_grid_ts must be numeric, got dtype {seconds.dtype}")
+    if seconds.shape[0] != n_videos:
+        raise ValueError(f"second_per_grid_ts has {seconds.shape[0]} entries for {n_videos} videos")
+    return seconds.astype(np.float32)
 
 
 def mrope_positions(
@@ -80,8 +114,9 @@ def mrope_positions(
     spatial_merge_size: int,
     second_per_grid_ts: Sequence[float] | Any | None = None,
     tokens_per_second: float | None = None,
+    split_video_frames: bool = False,
 ) -> np.ndarray:
-    """Chunked M-RoPE position ids ``(3, L)`` int64 for ONE unpadded sample (Qwen2-VL / Qwen2.5-VL).
+    """M-RoPE position ids ``(3, L)`` int64 for ONE unpadded sample (Qwen2-VL / 2.5-VL / 3-VL).
 
     Text tokens get ``t = h = w = current + arange(n)``. An image or video whose grid is ``(t, h, w)``
     patches covers ``t*h*w / merge**2`` consecutive placeholder tokens and gets
@@ -89,8 +124,13 @@ def mrope_positions(
     ``W = start + arange(w/merge)`` (meshgrid, ``ij`` order), where ``start`` is the position the next
     text token would have had. ``interval`` is 1 for images and for Qwen2-VL videos
     (``tokens_per_second=None``); for Qwen2.5-VL videos it is ``tokens_per_second *
-    second_per_grid_ts[i]`` (default 1 s per grid, as transformers does), kept as a float (the
+    second_per_grid_ts[i]`` (default 1 s per grid, as transformers does), kept as a float32 (the
     transformers 5.x behaviour, not 4.x's integer truncation, cf. transformers#48669).
+
+    ``split_video_frames=True`` is Qwen3-VL: each video grid ``(t, h, w)`` is first split into ``t``
+    grids ``(1, h, w)``, one per frame, each its own block (the processor puts a timestamp and
+    ``<vision_start>`` before every frame); ``tokens_per_second`` and ``second_per_grid_ts`` are
+    then unused, exactly like transformers' ``Qwen3VLModel.get_rope_index``.
 
     Where text resumes after a vision block:
 
@@ -101,7 +141,8 @@ def mrope_positions(
       which includes the video's temporal extent). transformers 5.24 instead resumes at
       ``start + max(h, w) / merge``, which makes text after a long video reuse the positions of the
       video's later frames. We keep the original rule because that is what the released checkpoints
-      were trained with. ``tests/test_positions.py`` pins this with golden values.
+      were trained with. ``tests/test_positions.py`` pins this with golden values. With
+      ``split_video_frames`` every frame has ``t == 1`` and both rules agree (equal to transformers).
 
     Vision blocks are found in token order: each maximal run of image (video) tokens is consumed by
     the next image (video) grids in order, so adjacent images without separators are handled.
@@ -120,6 +161,10 @@ def mrope_positions(
         "image": as_grid(image_grid_thw, "image_grid_thw"),
         "video": as_grid(video_grid_thw, "video_grid_thw"),
     }
+    n_videos = grids["video"].shape[0]
+    seconds = _seconds(second_per_grid_ts, n_videos)
+    if split_video_frames:
+        grids["video"] = split_frames(grids["video"])
     is_img = ids == image_token_id
     is_vid = ids == video_token_id if video_token_id is not None else np.zeros(length, dtype=bool)
     for kind, mask in (("image", is_img), ("video", is_vid)):
@@ -133,13 +178,9 @@ def mrope_positions(
                 f"{found} {kind} placeholder tokens in input_ids but {kind}_grid_thw "
                 f"{grid.tolist()} needs {expected} (sum(t*h*w) / {merge}**2)"
             )
-    n_videos = grids["video"].shape[0]
-    if second_per_grid_ts is None:
-        seconds = np.ones(n_videos, dtype=np.float64)
-    else:
-        seconds = _to_numpy(second_per_grid_ts).astype(np.float64).reshape(-1)
-        if seconds.shape[0] != n_videos:
-            raise ValueError(f"second_per_grid_ts has {seconds.shape[0]} entries for {n_videos} videos")
+    intervals = None
+    if tokens_per_second is not None and not split_video_frames:
+        intervals = _intervals(seconds, tokens_per_second)
 
     # Text positions are ``index + shift`` where the shift is constant between vision blocks; start
     # from shift 0 everywhere and fix up one block at a time (a handful of blocks per sample).
@@ -168,9 +209,7 @@ def mrope_positions(
                 f"{vision_start_token_id}"
             )
         start = begin + shift
-        interval = None
-        if kind == "video" and tokens_per_second is not None:
-            interval = float(tokens_per_second) * float(seconds[gi])
+        interval = intervals[gi] if kind == "video" and intervals is not None else None
         block, max_off = _vision_block(grid, merge, start, interval)
         pos[:, begin:end] = block
         if kind == "image":
@@ -182,3 +221,173 @@ def mrope_positions(
         shift = new_shift
         k += n
     return pos
+
+
+def packed_mrope_positions(
+    input_ids: np.ndarray,
+    cu_seqlens: np.ndarray,
+    image_grid_thw: np.ndarray | None,
+    video_grid_thw: np.ndarray | None,
+    *,
+    images_per_sample: np.ndarray,
+    videos_per_sample: np.ndarray,
+    image_token_id: int,
+    video_token_id: int | None,
+    vision_start_token_id: int | None,
+    spatial_merge_size: int,
+    second_per_grid_ts: np.ndarray | None = None,
+    tokens_per_second: float | None = None,
+    split_video_frames: bool = False,
+) -> np.ndarray:
+    """Positions ``(3, T)`` of a packed row: equal to :func:`mrope_positions` per sample, concatenated.
+
+    ``input_ids`` (T,) is the packed row, ``cu_seqlens`` (n+1,) its sample boundaries,
+    ``image_grid_thw`` / ``video_grid_thw`` all samples' grids in sample order (``(k, 3)`` int64 or
+    None), ``images_per_sample`` / ``videos_per_sample`` (n,) how many grid rows each sample owns,
+    ``second_per_grid_ts`` one entry per video row (None: 1 s each). Same rules as
+    :func:`mrope_positions`; a bad sample raises ``ValueError("sample i: ...")`` with its message.
+
+    How it works without a python loop over blocks: image (video) tokens of the row, in order, are
+    consumed by the image (video) grid rows in order, so block ``b`` starts at the
+    ``cumsum(tokens)[b-1]``-th placeholder. Text positions are ``local index + shift``, where the
+    shift grows by ``advance_b - tokens_b`` after each block and restarts at every sample: a cumsum
+    of per-block deltas placed at the block ends, minus its value at the sample's first token.
+    """
+    ids = input_ids
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    total = ids.shape[0]
+    merge = int(spatial_merge_size)
+    starts = cu[:-1]
+    lens = np.diff(cu)
+    img = np.zeros((0, 3), np.int64) if image_grid_thw is None else image_grid_thw
+    vid = np.zeros((0, 3), np.int64) if video_grid_thw is None else video_grid_thw
+    img_per = np.asarray(images_per_sample, dtype=np.int64)
+    vid_per = np.asarray(videos_per_sample, dtype=np.int64)
+    ref_kwargs = dict(
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id,
+        spatial_merge_size=merge,
+        tokens_per_second=tokens_per_second,
+        split_video_frames=split_video_frames,
+    )
+    vid_in, vid_per_in = vid, vid_per  # as given, for the per-sample error path
+
+    def fail() -> None:
+        _raise_first_error(ids, cu, img, img_per, vid_in, vid_per_in, second_per_grid_ts, ref_kwargs)
+
+    if second_per_grid_ts is not None and np.shape(second_per_grid_ts)[0] != vid.shape[0]:
+        raise ValueError(
+            f"second_per_grid_ts has {np.shape(second_per_grid_ts)[0]} entries for {vid.shape[0]} videos"
+        )
+    if (img <= 0).any() or (vid <= 0).any():
+        fail()
+    intervals = None
+    if tokens_per_second is not None and not split_video_frames and vid.shape[0]:
+        seconds = np.ones(vid.shape[0], np.float32) if second_per_grid_ts is None else second_per_grid_ts
+        intervals = _intervals(np.asarray(seconds), tokens_per_second)
+    if split_video_frames and vid.shape[0]:
+        owner = np.repeat(np.arange(lens.shape[0]), vid_per)
+        vid_per = np.bincount(owner, weights=vid[:, 0], minlength=lens.shape[0]).astype(np.int64)
+        vid = split_frames(vid)
+
+    blocks = []  # per kind: first token index, token count, grid, is-video
+    kinds = ((img, img_per, image_token_id, False), (vid, vid_per, video_token_id, True))
+    for grid, per, tok, video in kinds:
+        if grid.shape[0] == 0:
+            if tok is not None and (ids == tok).any():
+                fail()
+            continue
+        if ((grid[:, 1:] % merge) != 0).any():
+            fail()
+        n_tok = grid.prod(axis=1) // (merge * merge)
+        where = np.flatnonzero(ids == tok)
+        # Per sample: placeholders found == placeholders the sample's grids need.
+        found = np.diff(np.searchsorted(where, cu))
+        need = np.concatenate(([0], np.cumsum(n_tok)))
+        grid_cu = np.concatenate(([0], np.cumsum(per)))
+        if grid_cu[-1] != grid.shape[0] or not np.array_equal(found, need[grid_cu[1:]] - need[grid_cu[:-1]]):
+            fail()
+        first = where[need[:-1]]
+        if not np.array_equal(where[need[1:] - 1] - first + 1, n_tok):  # each block one contiguous run
+            fail()
+        blocks.append((first, n_tok, grid, video))
+    pos = np.empty((3, total), dtype=np.int64)
+    local = np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
+    if not blocks:
+        pos[:] = local
+        return pos
+
+    begin = np.concatenate([b[0] for b in blocks])
+    n_tok = np.concatenate([b[1] for b in blocks])
+    grid = np.concatenate([b[2] for b in blocks])
+    is_video = np.concatenate([np.full(b[0].shape[0], b[3]) for b in blocks])
+    if vision_start_token_id is not None:
+        prev_ok = (local[begin] > 0) & (ids[np.maximum(begin - 1, 0)] == vision_start_token_id)
+        if not prev_ok.all():
+            fail()
+    gt, gh, gw = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
+    t_last = gt - 1
+    if intervals is not None:
+        vid_rows = np.flatnonzero(is_video)
+        t_last = t_last.copy()
+        t_last[vid_rows] = ((gt[vid_rows] - 1).astype(np.float32) * intervals).astype(np.int64)
+    # Image: transformers 5.24's start + max(h, w)/merge. Video: original "max so far + 1".
+    advance = np.where(is_video, np.maximum(t_last, np.maximum(gh, gw) - 1) + 1, np.maximum(gh, gw))
+    delta = np.zeros(total + 1, dtype=np.int64)
+    delta[begin + n_tok] = advance - n_tok  # block ends are distinct: blocks are disjoint and non-empty
+    shift = np.cumsum(delta[:total])
+    shift -= np.repeat(shift[starts], lens)
+    text = local + shift
+    pos[:] = text
+
+    # Vision tokens: index j inside its block -> (t, h, w) offsets, added to the block's start.
+    block_of = np.repeat(np.arange(begin.shape[0]), n_tok)
+    block_first = np.concatenate(([0], np.cumsum(n_tok)[:-1]))
+    j = np.arange(block_of.shape[0], dtype=np.int64) - block_first[block_of]
+    hw = (gh * gw)[block_of]
+    w_b = gw[block_of]
+    t_idx = j // hw
+    rem = j - t_idx * hw
+    h_idx = rem // w_b
+    w_idx = rem - h_idx * w_b
+    if intervals is not None:
+        iv = np.zeros(begin.shape[0], np.float32)
+        iv[is_video] = intervals
+        tok_iv = iv[block_of]
+        scaled = is_video[block_of]
+        t_idx[scaled] = (t_idx[scaled].astype(np.float32) * tok_iv[scaled]).astype(np.int64)
+    where = begin[block_of] + j
+    start = text[begin][block_of]
+    pos[0, where] = start + t_idx
+    pos[1, where] = start + h_idx
+    pos[2, where] = start + w_idx
+    return pos
+
+
+def _raise_first_error(
+    ids: np.ndarray,
+    cu: np.ndarray,
+    img: np.ndarray,
+    img_per: np.ndarray,
+    vid: np.ndarray,
+    vid_per: np.ndarray,
+    seconds: np.ndarray | None,
+    kwargs: dict[str, Any],
+) -> None:
+    """Re-run the per-sample reference to word the error of the first bad sample."""
+    img_cu = np.concatenate(([0], np.cumsum(img_per)))
+    vid_cu = np.concatenate(([0], np.cumsum(vid_per)))
+    for i in range(cu.shape[0] - 1):
+        v = slice(vid_cu[i], vid_cu[i + 1])
+        try:
+            mrope_positions(
+                ids[cu[i] : cu[i + 1]],
+                img[img_cu[i] : img_cu[i + 1]],
+                vid[v],
+                second_per_grid_ts=None if seconds is None else seconds[v],
+                **kwargs,
+            )
+        except ValueError as e:
+            raise ValueError(f"sample {i}: {e}") from None
+    raise ValueError("packed M-RoPE positions: grids and placeholder tokens do not line up")

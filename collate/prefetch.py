@@ -58,19 +58,31 @@ class StreamOps:
 
 
 def resolve_device(device: torch.device | str | int | None) -> torch.device:
-    """``None`` -> the current accelerator (CUDA, NPU, XPU, ...) or CPU; ``"cuda"`` -> ``cuda:<current>``."""
+    """``None`` -> the current accelerator (CUDA, NPU, XPU, ... via ``torch.accelerator``) or CPU;
+    a device without an index (``"cuda"``, ``"npu"``) -> that type with the current device index.
+
+    An ``int`` is an index on the current accelerator, as in ``torch.device(int)``.
+    """
+    acc = getattr(torch, "accelerator", None)
+    acc_type = None
+    if acc is not None and acc.is_available():
+        acc_type = acc.current_accelerator().type
     if device is None:
-        acc = getattr(torch, "accelerator", None)
-        if acc is not None and acc.is_available():
-            device = acc.current_accelerator()
-        elif torch.cuda.is_available():
-            device = torch.device("cuda")
-        else:
-            return torch.device("cpu")
+        if acc_type is None:
+            return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        device = acc_type
+    elif isinstance(device, int):
+        if acc_type is None:
+            raise ValueError(f"device={device} names an accelerator index, but no accelerator is available")
+        device = torch.device(acc_type, device)
     device = torch.device(device)
-    module = getattr(torch, device.type, None)
-    if device.type != "cpu" and device.index is None and hasattr(module, "current_device"):
-        device = torch.device(device.type, module.current_device())
+    if device.type != "cpu" and device.index is None:
+        if device.type == acc_type:
+            device = torch.device(device.type, acc.current_device_index())  # type: ignore[union-attr]
+        else:
+            module = getattr(torch, device.type, None)
+            if hasattr(module, "current_device"):
+                device = torch.device(device.type, module.current_device())
     return device
 
 

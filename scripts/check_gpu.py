@@ -1,29 +1,57 @@
-"""Check PackedCollator + DevicePrefetcher on a real CUDA device without host syncs.
+"""One-shot CUDA check of the packed data path: collate -> prefetch -> packed Qwen2-VL forward/backward.
 
-Builds a few real PackedBatches (M-RoPE mode, images and videos), runs DevicePrefetcher over them
-under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call raises) while a matmul
-keeps the consumer stream busy, then compares every field with the host batch.
-Exits 0 with "no CUDA, skipped" on machines without CUDA.
+Run on any CUDA machine from a checkout (no install needed, no downloads; tiny random models):
 
-    python scripts/check_gpu.py
+    python scripts/check_gpu.py            # exit 0: all checks passed; 1: a check failed
+    python scripts/check_gpu.py --strict   # also exit 1 if code under collate/ synchronises
+
+1. prefetcher: real PackedBatches (M-RoPE, images and videos, pinned by the collator) go through
+   ``DevicePrefetcher`` under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call
+   raises) while matmuls keep the consumer stream busy; every field must equal the host batch.
+2. packed model, fp32 and bf16: a tiny random ``Qwen2VLForConditionalGeneration`` with
+   ``collate.models.enable_packed``; two packed batches (one with images, one text-only, which runs
+   the idle vision pass) from ``PackedCollator`` through ``DevicePrefetcher``, forward + backward
+   under ``set_sync_debug_mode("warn")``. Every synchronising call is recorded with its python stack
+   and reported by the line that issued it (collate/, transformers, or this script), so the summary
+   says which ops sync instead of crashing at the first. Syncs inside ``loss.backward()`` surface
+   (torch re-raises autograd-thread warnings in the caller) at this script's backward line, phase
+   "backward". The loss must equal the token-weighted
+   mean of per-sample unpacked HF losses (transformers computing its own positions). One warm-up
+   pass runs first so one-time initialisation (cuBLAS handles, Triton compiles) is not counted.
+
+Exits 0 with "no CUDA, skipped" on machines without CUDA. The model check also runs on CPU
+(without sync recording) from tests/test_prefetch.py, so its logic is tested everywhere.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+import contextlib
+import copy
+import dataclasses
 import pathlib
 import sys
+import traceback
+import warnings
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 # Run from a plain checkout too (no install): the repo root holds the `collate` package.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from collate import DevicePrefetcher, PackedBatch, PackedCollator  # noqa: E402
+from collate.prefetch import iter_tensors  # noqa: E402
 
-IMG, VID, VS, VE = 60, 61, 62, 63
+IMG, VID, VS, VE = 120, 121, 122, 123
+VOCAB = 128
+PATCH_DIM = 3 * 2 * 14 * 14
 
 
+# -- 1. prefetcher under "error" ------------------------------------------------------------------
 def make_batches(n: int, seed: int = 0) -> list[PackedBatch]:
     rng = np.random.default_rng(seed)
     coll = PackedCollator(
@@ -33,33 +61,31 @@ def make_batches(n: int, seed: int = 0) -> list[PackedBatch]:
     for _ in range(n):
         samples = []
         for _ in range(4):
-            ids = list(rng.integers(0, 50, size=int(rng.integers(5, 200))))
+            ids = list(rng.integers(0, 100, size=int(rng.integers(5, 200))))
             s: dict = {}
             if rng.random() < 0.7:
                 g = np.array([[1, 2 * int(rng.integers(1, 20)), 2 * int(rng.integers(1, 20))]])
                 ids += [VS] + [IMG] * int(g.prod() // 4) + [VE]
                 s["image_grid_thw"] = g
-                s["pixel_values"] = rng.standard_normal((int(g.prod()), 1176)).astype(np.float32)
+                s["pixel_values"] = rng.standard_normal((int(g.prod()), PATCH_DIM)).astype(np.float32)
             if rng.random() < 0.3:
                 g = np.array([[3, 8, 8]])
                 ids += [VS] + [VID] * int(g.prod() // 4) + [VE]
                 s["video_grid_thw"] = g
-                s["pixel_values_videos"] = rng.standard_normal((int(g.prod()), 1176)).astype(np.float32)
+                s["pixel_values_videos"] = rng.standard_normal((int(g.prod()), PATCH_DIM)).astype(np.float32)
                 s["second_per_grid_ts"] = [1.0]
-            ids += list(rng.integers(0, 50, size=int(rng.integers(1, 50))))
+            ids += list(rng.integers(0, 100, size=int(rng.integers(1, 50))))
             s["input_ids"] = np.asarray(ids, dtype=np.int64)
             samples.append(s)
         out.append(coll(samples))
     return out
 
 
-def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA, skipped")
-        return 0
-    device = torch.device("cuda", torch.cuda.current_device())
+def check_prefetcher(device: torch.device) -> list[str]:
+    """Problems found (empty: passed)."""
     host = make_batches(6)
-    assert all(b.input_ids.is_pinned() for b in host), "collator should pin on a CUDA machine"
+    if not all(t.is_pinned() for b in host for t in iter_tensors(b)):
+        return ["collator did not pin its tensors on a CUDA machine"]
     busy = torch.randn(2048, 2048, device=device)
     busy = torch.tanh(busy @ busy * 1e-3)  # create the cuBLAS handle before sync checking starts
     torch.cuda.synchronize()
@@ -76,26 +102,320 @@ def main() -> int:
             # Use the tensors on the consumer stream, like a model would.
             sums.append(batch.input_ids.sum() + batch.position_ids.sum() + batch.cu_seqlens.sum())
             received.append(batch)
+    except RuntimeError as e:
+        torch.cuda.set_sync_debug_mode(prev)
+        return [f"prefetcher synchronised: {e} at\n{traceback.format_exc(limit=-4)}"]
     finally:
         torch.cuda.set_sync_debug_mode(prev)
     torch.cuda.synchronize()
 
-    assert len(received) == len(host)
-    for i, (h, d) in enumerate(zip(host, received, strict=True)):
+    problems = []
+    if len(received) != len(host):
+        problems.append(f"got {len(received)} batches, sent {len(host)}")
+    for i, (h, d) in enumerate(zip(host, received, strict=False)):
         for name, hv in h.items():
             dv = d[name]
             if isinstance(hv, torch.Tensor):
-                assert dv.device == device, (i, name, dv.device)
-                assert torch.equal(dv.cpu(), hv), (i, name)
-            else:
-                assert dv is hv, (i, name)
+                if dv.device != device or not torch.equal(dv.cpu(), hv):
+                    problems.append(f"batch {i} field {name}: device copy differs (on {dv.device})")
+            elif dv is not hv:
+                problems.append(f"batch {i} host field {name} was replaced")
         expect = h.input_ids.sum() + h.position_ids.sum() + h.cu_seqlens.sum()
-        assert int(sums[i]) == int(expect), (i, int(sums[i]), int(expect))
-    print(
-        f"ok: {len(host)} PackedBatches prefetched to {device} with no host sync; "
-        "every field equals the host batch"
+        if int(sums[i]) != int(expect):
+            problems.append(f"batch {i}: consumer-stream sum {int(sums[i])} != {int(expect)} (race?)")
+    return problems
+
+
+# -- 2. packed model under "warn", syncs recorded -------------------------------------------------
+@dataclasses.dataclass
+class SyncEvent:
+    owner: str  # "collate" | "transformers" | "script" | "torch" | "other"
+    where: str  # innermost non-torch frame: path:line in function
+    code: str  # its source line
+    phase: str
+
+
+class SyncRecorder:
+    """Records every "synchronizing CUDA operation" warning with the python line that caused it."""
+
+    def __init__(self) -> None:
+        self.events: list[SyncEvent] = []
+        self.phase = ""
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[SyncRecorder]:
+        """CUDA sync debug mode "warn" + :meth:`capture`."""
+        prev_mode = torch.cuda.get_sync_debug_mode()
+        with self.capture():
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield self
+            finally:
+                torch.cuda.set_sync_debug_mode(prev_mode)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[SyncRecorder]:
+        """Route warnings to :meth:`_on_warning`; "always", so a sync in a loop is counted every time."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = self._on_warning  # type: ignore[assignment]  (restored on exit)
+            yield self
+
+    def _on_warning(self, message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        if "synchroniz" not in str(message):
+            return
+        # The warning is raised synchronously inside the op, so the python stack is the caller's.
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+        origin = next((f for f in reversed(frames) if not _is_torch(f.filename)), frames[-1])
+        self.events.append(
+            SyncEvent(
+                owner=_owner(origin.filename),
+                where=f"{_short(origin.filename)}:{origin.lineno} in {origin.name}",
+                code=(origin.line or "").strip(),
+                phase=self.phase,
+            )
+        )
+
+
+def _is_torch(path: str) -> bool:
+    p = pathlib.Path(path).as_posix()
+    return "/torch/" in p and not p.startswith(REPO.as_posix())
+
+
+def _owner(path: str) -> str:
+    p = pathlib.Path(path).resolve().as_posix()
+    if p.startswith((REPO / "collate").as_posix()):
+        return "collate"
+    if "/transformers/" in p:
+        return "transformers"
+    if p == pathlib.Path(__file__).resolve().as_posix():
+        return "script"
+    return "torch" if "/torch/" in p else "other"
+
+
+def _short(path: str) -> str:
+    p = pathlib.Path(path).as_posix()
+    for marker in ("/collate/", "/transformers/", "/torch/", "/scripts/"):
+        if marker in p:
+            return marker.strip("/") + "/" + p.split(marker, 1)[1]
+    return p
+
+
+def tiny_qwen2vl_config():
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            bos_token_id=None,
+            eos_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2
+        ),
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VS,
+        vision_end_token_id=VE,
+        attn_implementation="sdpa",
     )
-    return 0
+
+
+def model_samples(seed: int = 1) -> list[list[dict]]:
+    """Two packed batches of host samples: text + one or two images each; then text only."""
+    g = torch.Generator().manual_seed(seed)
+
+    def sample(spec: list) -> dict:
+        ids: list[int] = []
+        grids, pixels = [], []
+        for kind, arg in spec:
+            if kind == "text":
+                ids += torch.randint(0, 100, (arg,), generator=g).tolist()
+            else:
+                t, h, w = arg
+                ids += [VS] + [IMG] * (t * h * w // 4) + [VE]
+                grids.append(list(arg))
+                pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=g))
+        s: dict = {"input_ids": torch.tensor(ids)}
+        labels = s["input_ids"].clone()
+        labels[s["input_ids"] == IMG] = -100
+        s["labels"] = labels
+        if grids:
+            s["pixel_values"] = torch.cat(pixels)
+            s["image_grid_thw"] = torch.tensor(grids)
+        return s
+
+    with_images = [
+        sample([("text", 9)]),
+        sample([("text", 3), ("image", (1, 4, 6)), ("text", 5)]),
+        sample([("text", 2), ("image", (1, 6, 4)), ("text", 4), ("image", (1, 2, 2)), ("text", 3)]),
+    ]
+    text_only = [sample([("text", 13)]), sample([("text", 21)])]
+    return [with_images, text_only]
+
+
+def reference_loss(model, samples: list[dict], device: torch.device) -> torch.Tensor:
+    """Token-weighted mean of per-sample unpacked HF losses (transformers computes the positions)."""
+    total, count = 0.0, 0
+    for s in samples:
+        ids = s["input_ids"][None].to(device)
+        kw = {"input_ids": ids, "labels": s["labels"][None].to(device)}
+        if "pixel_values" in s:
+            kw.update(
+                pixel_values=s["pixel_values"].to(device),
+                image_grid_thw=s["image_grid_thw"].to(device),
+                mm_token_type_ids=(ids == IMG).int(),
+            )
+        n = int((s["labels"][1:] != -100).sum())
+        total = total + model(**kw).loss.float() * n
+        count += n
+    return total / count
+
+
+def check_packed_model(
+    device: torch.device, dtype: torch.dtype, recorder: SyncRecorder | None = None
+) -> dict:
+    """Collate -> prefetch -> packed forward/backward. Returns a result dict (``problems`` empty: ok)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from collate.models import enable_packed
+
+    torch.manual_seed(0)
+    ref = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).to(device=device, dtype=dtype).eval()
+    model = enable_packed(copy.deepcopy(ref))
+    coll = PackedCollator.from_config(model.config)
+    groups = model_samples()
+    host = [coll(samples) for samples in groups]
+
+    def run(tag: str) -> list[torch.Tensor]:
+        losses = []
+        model.zero_grad(set_to_none=True)
+        for k, batch in enumerate(DevicePrefetcher(host, device=device, depth=2)):
+            if recorder is not None:
+                recorder.phase = f"{tag} batch {k} forward"
+            loss = model(**batch).loss
+            if recorder is not None:
+                recorder.phase = f"{tag} batch {k} backward"
+            loss.backward()
+            losses.append(loss.detach())
+        return losses
+
+    if device.type == "cuda":
+        run("warm-up")
+        torch.cuda.synchronize()
+    ctx = recorder.record() if recorder is not None else contextlib.nullcontext()
+    with ctx:
+        losses = run("steady")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    problems = []
+    got = [float(x) for x in losses]
+    with torch.no_grad():
+        want = [float(reference_loss(ref, samples, device)) for samples in groups]
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        if not (np.isfinite(a) and abs(a - b) <= tol * abs(b)):
+            problems.append(f"batch {k}: packed loss {a:.6f} vs per-sample HF {b:.6f} (rtol {tol})")
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    if not all(gr is not None and bool(torch.isfinite(gr).all()) for gr in grads):
+        problems.append("some parameter has no or a non-finite gradient")
+    if host[0].pixel_values is None or host[1].pixel_values is not None:
+        problems.append("test setup: expected one batch with images and one without")
+    return {"dtype": str(dtype).replace("torch.", ""), "losses": got, "reference": want, "problems": problems}
+
+
+def summarise(events: list[SyncEvent]) -> tuple[str, int]:
+    """Printable table of sync sites and the number of them inside collate/."""
+    if not events:
+        return "    no synchronising call recorded", 0
+    sites: collections.Counter = collections.Counter((e.owner, e.where, e.code) for e in events)
+    phases: dict = collections.defaultdict(set)
+    for e in events:
+        phases[(e.owner, e.where, e.code)].add(e.phase.split(" ", 1)[1])
+    lines = []
+    for (owner, where, code), n in sorted(sites.items(), key=lambda kv: (kv[0][0] != "collate", -kv[1])):
+        when = ", ".join(sorted(phases[(owner, where, code)]))
+        lines.append(f"    {n:3d}x [{owner}] {where}\n          {code}   ({when})")
+    ours = sum(n for (owner, _, _), n in sites.items() if owner == "collate")
+    return "\n".join(lines), ours
+
+
+def _backend_name(module: object, selector: str, device: torch.device, dtype: torch.dtype) -> str:
+    # Private dispatch helpers of collate.ops; only for the report, so never fail on them.
+    try:
+        chosen = getattr(module, selector)(device, dtype)
+    except Exception as e:
+        return f"? ({type(e).__name__})"
+    return chosen if isinstance(chosen, str) else getattr(chosen, "__name__", repr(chosen))
+
+
+def report_packed_model(device: torch.device, dtype: torch.dtype, strict: bool) -> bool:
+    """Run :func:`check_packed_model` with sync recording and print its report; True if it failed."""
+    import transformers
+
+    import collate.ops.attention
+    import collate.ops.rope
+
+    rec = SyncRecorder()
+    try:
+        res = check_packed_model(device, dtype, rec)
+    except Exception:  # report and let the caller go on with the next dtype
+        print(f"\n[2] packed Qwen2-VL {dtype}: CRASH\n{traceback.format_exc()}")
+        return True
+    table, ours = summarise(rec.events)
+    status = "FAIL" if res["problems"] else "ok"
+    print(
+        f"\n[2] collate -> prefetch -> packed Qwen2-VL fwd/bwd, {res['dtype']} "
+        f"(transformers {transformers.__version__}, attention "
+        f"{_backend_name(collate.ops.attention, '_select', device, dtype)}, rope "
+        f"{_backend_name(collate.ops.rope, '_select_backend', device, dtype)}): {status}"
+    )
+    got = ", ".join(f"{x:.5f}" for x in res["losses"])
+    want = ", ".join(f"{x:.5f}" for x in res["reference"])
+    print(f"    packed losses [{got}] vs per-sample HF [{want}]")
+    for p in res["problems"]:
+        print(f"    {p}")
+    print(f"    synchronising calls in the steady pass: {len(rec.events)} ({ours} inside collate/)")
+    print(table)
+    return bool(res["problems"]) or (strict and ours > 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="CUDA check: collate -> prefetch -> packed model, host syncs")
+    ap.add_argument("--strict", action="store_true", help="exit 1 if code under collate/ synchronises")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA, skipped")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 loss comparison at 1e-4
+    torch.backends.cudnn.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}")
+
+    problems = check_prefetcher(device)
+    print(f"\n[1] DevicePrefetcher, 6 PackedBatches, sync debug mode 'error': {'FAIL' if problems else 'ok'}")
+    for p in problems:
+        print(f"    {p}")
+    failed = bool(problems)
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("\n[2] packed model: transformers not installed, skipped")
+    else:
+        for dtype in (torch.float32, torch.bfloat16):
+            failed |= report_packed_model(device, dtype, args.strict)
+
+    print("\nsummary:", "FAILED" if failed else "all checks passed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -266,11 +266,164 @@ def test_from_config_qwen25_and_unsupported():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2_5_VLConfig(vision_config=dict(tokens_per_second=4, spatial_merge_size=2))
     coll = PackedCollator.from_config(cfg)
-    assert coll.rope == "mrope" and coll.tokens_per_second == 4
+    assert coll.rope == "mrope" and coll.tokens_per_second == 4 and not coll.split_video_frames
     assert coll.image_token_id == cfg.image_token_id and coll.video_token_id == cfg.video_token_id
     assert PackedCollator.from_config(cfg, pin_memory=False).pin_memory is False
-    with pytest.raises(ValueError, match="qwen3_vl"):
-        PackedCollator.from_config(transformers.Qwen3VLConfig())
+    q3 = PackedCollator.from_config(transformers.Qwen3VLConfig())
+    assert q3.rope == "mrope" and q3.split_video_frames and q3.tokens_per_second is None
+    assert q3.image_token_id == transformers.Qwen3VLConfig().image_token_id
+    with pytest.raises(ValueError, match="glm4v"):
+        PackedCollator.from_config(transformers.Glm4vConfig())
+
+
+@pytest.mark.parametrize("name", ["Qwen3VLMoeConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"])
+def test_from_config_qwen3_family(name):
+    """Their get_rope_index is Qwen3-VL's code verbatim in transformers 5.24 (checked by diff)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, name)()
+    coll = PackedCollator.from_config(cfg)
+    assert coll.rope == "mrope" and coll.split_video_frames and coll.tokens_per_second is None
+    assert (coll.image_token_id, coll.video_token_id) == (cfg.image_token_id, cfg.video_token_id)
+    assert coll.vision_start_token_id == cfg.vision_start_token_id
+
+
+def _tiny_text(**extra) -> dict:
+    return dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]},
+        **extra,
+    )
+
+
+def _hf_packed(model, samples, seconds_key=False) -> torch.Tensor:
+    ref = []
+    for s in samples:
+        ids = torch.as_tensor(s["input_ids"])[None]
+        kw = {}
+        if seconds_key and "second_per_grid_ts" in s:
+            kw["second_per_grid_ts"] = torch.as_tensor(s["second_per_grid_ts"], dtype=torch.float32)
+        pos, _ = model.get_rope_index(
+            ids,
+            mm_token_type_ids=(ids == IMG).int() + 2 * (ids == VID).int(),
+            image_grid_thw=torch.as_tensor(s["image_grid_thw"]) if "image_grid_thw" in s else None,
+            video_grid_thw=torch.as_tensor(s["video_grid_thw"]) if "video_grid_thw" in s else None,
+            **kw,
+        )
+        ref.append(pos)
+    return torch.cat(ref, dim=2)
+
+
+def make_qwen3_sample(rng: np.random.Generator, n_images: int, n_videos: int) -> dict:
+    """Qwen3-VL prompt: each video frame is ``<timestamp> <vs> frame <ve>``; one grid row per video."""
+    ids = list(rng.integers(0, 50, size=int(rng.integers(1, 6))))
+    images, videos = [], []
+    kinds = ["image"] * n_images + ["video"] * n_videos
+    rng.shuffle(kinds)
+    for kind in kinds:
+        h, w = (MERGE * int(x) for x in rng.integers(1, 5, size=2))
+        if kind == "image":
+            images.append([1, h, w])
+            ids += [VS] + [IMG] * (h * w // MERGE**2) + [VE]
+        else:
+            t = int(rng.integers(1, 5))
+            videos.append([t, h, w])
+            for _ in range(t):
+                ids += list(rng.integers(0, 50, size=3)) + [VS] + [VID] * (h * w // MERGE**2) + [VE]
+        ids += list(rng.integers(0, 50, size=int(rng.integers(0, 5))))
+    sample: dict = {"input_ids": np.asarray(ids, dtype=np.int64)}
+    if images:
+        g = np.asarray(images)
+        sample["image_grid_thw"] = g
+        sample["pixel_values"] = rng.standard_normal((int(g.prod(1).sum()), FEAT)).astype(np.float32)
+    if videos:
+        g = np.asarray(videos)
+        sample["video_grid_thw"] = g
+        sample["pixel_values_videos"] = torch.randn(int(g.prod(1).sum()), FEAT)
+    return sample
+
+
+def test_qwen3vl_packed_positions_equal_hf_per_sample():
+    """from_config(Qwen3VLConfig) + collate == transformers' Qwen3VLModel.get_rope_index per sample,
+    concatenated, with images and multi-frame videos (every token, text after videos included)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    cfg = transformers.Qwen3VLConfig(
+        text_config=_tiny_text(head_dim=8),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=16,
+            spatial_merge_size=MERGE,
+            deepstack_visual_indexes=[0],
+            num_position_embeddings=16,
+        ),
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VS,
+        vision_end_token_id=VE,
+    )
+    model = Qwen3VLModel(cfg)
+    coll = PackedCollator.from_config(cfg, pin_memory=False)
+    rng = np.random.default_rng(8)
+    samples = [make_qwen3_sample(rng, int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(8)]
+    assert sum("video_grid_thw" in s for s in samples) >= 3
+    b = coll(samples)
+    assert torch.equal(b.position_ids, _hf_packed(model, samples))
+    # The vision tower still sees the original (t, h, w) grids: one cu_seqlens entry per frame.
+    assert torch.equal(b.video_grid_thw, torch.cat([torch.as_tensor(s["video_grid_thw"]) for s in samples
+                                                    if "video_grid_thw" in s]))  # fmt: skip
+
+
+def test_qwen25vl_packed_video_blocks_equal_hf():
+    """from_config(Qwen2.5-VL) with per-sample second_per_grid_ts: samples with at most one video
+    equal transformers exactly up to the video's end; the video block itself is always identical."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=_tiny_text(),
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=16,
+            num_heads=2,
+            spatial_merge_size=MERGE,
+            tokens_per_second=2,
+        ),  # fmt: skip
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VS,
+        vision_end_token_id=VE,
+    )
+    model = Qwen2_5_VLModel(cfg)
+    coll = PackedCollator.from_config(cfg, pin_memory=False)
+    assert coll.tokens_per_second == 2
+    rng = np.random.default_rng(9)
+    samples = []
+    for _ in range(8):
+        s = make_sample(rng, int(rng.integers(0, 3)), 1)
+        s["second_per_grid_ts"] = [float(2.0 / rng.uniform(0.5, 8.0))]  # temporal_patch_size / fps
+        samples.append(s)
+    b = coll(samples)
+    ref = _hf_packed(model, samples, seconds_key=True)
+    ids = b.input_ids[0]
+    starts = [0, *b.cu_seqlens_list[:-1]]
+    for a, e in zip(starts, b.cu_seqlens_list, strict=True):
+        vid = torch.nonzero(ids[a:e] == VID).flatten() + a
+        end = int(vid[-1]) + 1
+        assert torch.equal(b.position_ids[:, :, a:end], ref[:, :, a:end])
+    assert b.second_per_grid_ts.dtype == torch.float32
 
 
 def test_not_pinned_on_cpu(samples):

@@ -1,4 +1,4 @@
-"""collate.positions against transformers 5.x ``get_rope_index`` on tiny real Qwen2-VL / Qwen2.5-VL models."""
+"""collate.positions against transformers 5.x ``get_rope_index`` on tiny real Qwen2/2.5/3-VL models."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from collate.positions import mrope_positions, text_positions
+from collate.positions import mrope_positions, packed_mrope_positions, text_positions
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen2_5_VLConfig, Qwen2VLConfig  # noqa: E402
+from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig  # noqa: E402
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  # noqa: E402
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel  # noqa: E402
 
 IMG, VID, VS, VE = 60, 61, 62, 63
 MERGE = 2
@@ -39,6 +40,10 @@ def qwen2vl() -> Qwen2VLModel:
 
 @pytest.fixture(scope="module")
 def qwen25vl() -> Qwen2_5_VLModel:
+    return _qwen25(TPS)
+
+
+def _qwen25(tps: float) -> Qwen2_5_VLModel:
     vision = dict(
         depth=1,
         hidden_size=16,
@@ -46,9 +51,29 @@ def qwen25vl() -> Qwen2_5_VLModel:
         out_hidden_size=16,
         num_heads=2,
         spatial_merge_size=MERGE,
-        tokens_per_second=TPS,
+        tokens_per_second=tps,
     )
     return Qwen2_5_VLModel(Qwen2_5_VLConfig(text_config=_TEXT, vision_config=vision, **_IDS))
+
+
+@pytest.fixture(scope="module")
+def qwen3vl() -> Qwen3VLModel:
+    text = {
+        **_TEXT,
+        "head_dim": 8,
+        "rope_parameters": {**_TEXT["rope_parameters"], "mrope_section": [2, 1, 1]},
+    }
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=16,
+        spatial_merge_size=MERGE,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision, **_IDS))
 
 
 def random_sample(rng: np.random.Generator, max_images: int = 4, max_videos: int = 0):
@@ -232,3 +257,197 @@ def test_accepts_torch_and_lists():
     a = ours(ids, [[1, 4, 4]], None)
     b = ours(torch.tensor(ids), torch.tensor([[1, 4, 4]]), None)
     np.testing.assert_array_equal(a, b)
+
+
+def random_qwen3_sample(rng: np.random.Generator, max_images: int = 3, max_videos: int = 2):
+    """Qwen3-VL prompt layout: a video of t temporal grids is t frames, each written as
+    ``<timestamp text> <vs> frame placeholders <ve>``; the grid stays one ``(t, h, w)`` row."""
+    n_img, n_vid = int(rng.integers(0, max_images + 1)), int(rng.integers(0, max_videos + 1))
+    kinds = ["image"] * n_img + ["video"] * n_vid
+    rng.shuffle(kinds)
+    ids: list[int] = list(rng.integers(0, 50, size=int(rng.integers(0, 6))))
+    images, videos = [], []
+    for kind in kinds:
+        h, w = (MERGE * int(x) for x in rng.integers(1, 6, size=2))
+        if kind == "image":
+            images.append([1, h, w])
+            ids += [VS] + [IMG] * (h * w // MERGE**2) + [VE]
+        else:
+            t = int(rng.integers(1, 6))
+            videos.append([t, h, w])
+            for _ in range(t):
+                ids += list(rng.integers(0, 50, size=int(rng.integers(1, 5))))  # "<0.5 seconds>"
+                ids += [VS] + [VID] * (h * w // MERGE**2) + [VE]
+        ids += list(rng.integers(0, 50, size=int(rng.integers(0, 8))))
+    if not ids:
+        ids = [1]
+    return (
+        np.asarray(ids, dtype=np.int64),
+        np.asarray(images, dtype=np.int64).reshape(-1, 3),
+        np.asarray(videos, dtype=np.int64).reshape(-1, 3),
+    )
+
+
+def test_qwen3vl_images_and_videos_equal_hf(qwen3vl):
+    """Qwen3-VL: per-frame t=1 video grids; every token (also text after videos) equals transformers."""
+    rng = np.random.default_rng(7)
+    n_videos = 0
+    for _ in range(40):
+        ids, images, videos = random_qwen3_sample(rng)
+        got = mrope_positions(
+            ids,
+            images,
+            videos,
+            image_token_id=IMG,
+            video_token_id=VID,
+            vision_start_token_id=VS,
+            spatial_merge_size=MERGE,
+            split_video_frames=True,
+        )
+        np.testing.assert_array_equal(got, hf_positions(qwen3vl, ids, images, videos))
+        n_videos += len(videos)
+    assert n_videos >= 20
+
+
+def test_qwen3vl_unsplit_frames_fail_clearly():
+    # Qwen2-style video (one block for all frames) given to the Qwen3 rule: the frame run is too long.
+    ids = np.array([VS] + [VID] * 8 + [VE], dtype=np.int64)
+    with pytest.raises(ValueError, match="does not follow vision_start|run is shorter"):
+        mrope_positions(
+            ids,
+            None,
+            [[2, 4, 4]],
+            image_token_id=IMG,
+            video_token_id=VID,
+            vision_start_token_id=VS,
+            spatial_merge_size=MERGE,
+            split_video_frames=True,
+        )
+
+
+@pytest.mark.parametrize("tps", [2, 3])
+def test_qwen25_fractional_seconds_equal_hf_video_block(tps):
+    """Qwen2.5-VL video blocks with real-world second_per_grid_ts (temporal_patch_size / fps, float32
+    as the processor returns it): every video block's T/H/W layout equals transformers, and the whole
+    prefix up to the end of the first video is identical (text after a video: documented rule).
+    tokens_per_second=3 (not a power of two) checks the scaling is not hard-wired to the default."""
+    qwen25vl = _qwen25(tps)
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(60):
+        ids, images, videos = random_sample(rng, max_images=2, max_videos=2)
+        if not len(videos):
+            continue
+        fps = rng.uniform(0.3, 30.0, size=len(videos))
+        seconds = torch.tensor(2.0 / fps, dtype=torch.float32)
+        got = ours(ids, images, videos, seconds=seconds, tps=tps)
+        ref = hf_positions(qwen25vl, ids, images, videos, seconds=seconds)
+        vid_idx = np.flatnonzero(ids == VID)
+        first_end = vid_idx[0] + int(videos[0].prod()) // MERGE**2
+        np.testing.assert_array_equal(got[:, :first_end], ref[:, :first_end])
+        offset = 0
+        for g in videos:  # each video block, relative to its own first token
+            n = int(g.prod()) // MERGE**2
+            blk = vid_idx[offset : offset + n]
+            np.testing.assert_array_equal(got[:, blk] - got[:, blk[:1]], ref[:, blk] - ref[:, blk[:1]])
+            offset += n
+        checked += 1
+    assert checked >= 20
+
+
+def _packed_case(rng, n, variant):
+    samples = []
+    for _ in range(n):
+        if variant == "qwen3":
+            samples.append(random_qwen3_sample(rng))
+        else:
+            samples.append(random_sample(rng, max_images=3, max_videos=2))
+    ids = np.concatenate([s[0] for s in samples])
+    cu = np.concatenate(([0], np.cumsum([len(s[0]) for s in samples])))
+    img = np.concatenate([s[1] for s in samples])
+    vid = np.concatenate([s[2] for s in samples])
+    per_img = np.array([len(s[1]) for s in samples])
+    per_vid = np.array([len(s[2]) for s in samples])
+    seconds = rng.uniform(0.1, 3.0, size=len(vid)).astype(np.float32) if variant == "qwen25" else None
+    return samples, ids, cu, img, vid, per_img, per_vid, seconds
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen25", "qwen3"])
+def test_packed_equals_per_sample(variant):
+    """The vectorised packed path is the per-sample reference, concatenated, for all three variants."""
+    rng = np.random.default_rng({"qwen2": 0, "qwen25": 1, "qwen3": 2}[variant])
+    kw = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, spatial_merge_size=MERGE)
+    kw["tokens_per_second"] = TPS if variant == "qwen25" else None
+    kw["split_video_frames"] = variant == "qwen3"
+    for n in (1, 2, 7, 16):
+        for _ in range(5):
+            samples, ids, cu, img, vid, per_img, per_vid, seconds = _packed_case(rng, n, variant)
+            got = packed_mrope_positions(
+                ids, cu, img, vid, images_per_sample=per_img, videos_per_sample=per_vid,
+                second_per_grid_ts=seconds, **kw,
+            )  # fmt: skip
+            ref, v0 = [], 0
+            for s in samples:
+                sec = None if seconds is None else seconds[v0 : v0 + len(s[2])]
+                ref.append(mrope_positions(s[0], s[1], s[2], second_per_grid_ts=sec, **kw))
+                v0 += len(s[2])
+            np.testing.assert_array_equal(got, np.concatenate(ref, axis=1))
+
+
+def test_packed_error_names_sample():
+    rng = np.random.default_rng(4)
+    samples, ids, cu, img, vid, per_img, per_vid, _ = _packed_case(rng, 5, "qwen2")
+    kw = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, spatial_merge_size=MERGE)
+    # Sample 3's first token becomes an image placeholder: one more than its grids need.
+    bad = ids.copy()
+    bad[cu[3]] = IMG
+    with pytest.raises(ValueError, match=r"^sample 3: "):
+        packed_mrope_positions(bad, cu, img, vid, images_per_sample=per_img, videos_per_sample=per_vid, **kw)
+
+
+def test_packed_equals_per_sample_adjacent_blocks():
+    """No separators: blocks back to back, at a sample's first token, and images next to videos."""
+    rng = np.random.default_rng(5)
+    kw = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=None, spatial_merge_size=MERGE)
+    for _ in range(30):
+        samples = []
+        for _ in range(int(rng.integers(1, 6))):
+            ids, images, videos = [], [], []
+            for _ in range(int(rng.integers(0, 4))):
+                kind = "image" if rng.random() < 0.6 else "video"
+                t = 1 if kind == "image" else int(rng.integers(1, 4))
+                h, w = (MERGE * int(x) for x in rng.integers(1, 4, size=2))
+                (images if kind == "image" else videos).append([t, h, w])
+                ids += [IMG if kind == "image" else VID] * (t * h * w // MERGE**2)
+                ids += [5] * int(rng.integers(0, 2))  # often no text at all between blocks
+            samples.append(
+                (np.asarray(ids or [5], np.int64), np.reshape(images, (-1, 3)), np.reshape(videos, (-1, 3)))
+            )
+        ids = np.concatenate([s[0] for s in samples])
+        cu = np.concatenate(([0], np.cumsum([len(s[0]) for s in samples])))
+        got = packed_mrope_positions(
+            ids,
+            cu,
+            np.concatenate([s[1] for s in samples]).astype(np.int64),
+            np.concatenate([s[2] for s in samples]).astype(np.int64),
+            images_per_sample=np.array([len(s[1]) for s in samples]),
+            videos_per_sample=np.array([len(s[2]) for s in samples]),
+            **kw,
+        )
+        ref = [mrope_positions(s[0], s[1], s[2], **kw) for s in samples]
+        np.testing.assert_array_equal(got, np.concatenate(ref, axis=1))
+
+
+def test_packed_rejects_bad_grids_and_seconds():
+    ids = np.array([VS, IMG, VE, 5], dtype=np.int64)
+    kw = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, spatial_merge_size=MERGE)
+    cu, one, zero = np.array([0, 4]), np.array([1]), np.array([0])
+    with pytest.raises(ValueError, match=r"^sample 0: .*must be positive"):
+        packed_mrope_positions(
+            ids, cu, np.array([[0, 2, 2]]), None, images_per_sample=one, videos_per_sample=zero, **kw
+        )
+    with pytest.raises(ValueError, match="second_per_grid_ts has 2 entries for 0 videos"):
+        packed_mrope_positions(
+            ids, cu, np.array([[1, 2, 2]]), None, images_per_sample=one, videos_per_sample=zero,
+            second_per_grid_ts=np.ones(2), **kw,
+        )  # fmt: skip

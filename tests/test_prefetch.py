@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import pathlib
+import sys
 from collections import namedtuple
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from collate import DevicePrefetcher, PackedCollator
-from collate.prefetch import StreamOps, iter_tensors, map_tensors
+from collate.prefetch import StreamOps, iter_tensors, map_tensors, resolve_device
 
 
 class FakeStream:
@@ -227,6 +228,41 @@ def test_cpu_passthrough():
         assert not pf.uses_side_stream and [b["n"] for b in pf] == [0, 1, 2]
 
 
+class FakeAccelerator:
+    """Stands in for ``torch.accelerator`` on a machine whose current accelerator is xpu:3."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def current_accelerator() -> torch.device:
+        return torch.device("xpu")
+
+    @staticmethod
+    def current_device_index() -> int:
+        return 3
+
+
+def test_device_comes_from_torch_accelerator(monkeypatch):
+    monkeypatch.setattr(torch, "accelerator", FakeAccelerator)
+    assert resolve_device(None) == torch.device("xpu", 3)
+    assert resolve_device("xpu") == torch.device("xpu", 3)
+    assert resolve_device(1) == torch.device("xpu", 1)
+    assert resolve_device("xpu:0") == torch.device("xpu", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+    pf = DevicePrefetcher([], depth=2)  # nothing is touched on the device until iteration
+    assert pf.device == torch.device("xpu", 3) and pf.uses_side_stream
+    assert pf.ops.module is torch.xpu
+
+
+def test_int_device_without_accelerator():
+    if torch.accelerator.is_available():
+        pytest.skip("accelerator present")
+    with pytest.raises(ValueError, match="no accelerator"):
+        resolve_device(0)
+
+
 def test_bad_depth():
     with pytest.raises(ValueError, match="depth"):
         DevicePrefetcher([], depth=0)
@@ -235,8 +271,48 @@ def test_bad_depth():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_check_gpu_script():
+    assert _load_check_gpu().main([]) == 0
+
+
+def _load_check_gpu():
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_gpu.py"
     spec = importlib.util.spec_from_file_location("check_gpu", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
     spec.loader.exec_module(mod)
-    assert mod.main() == 0
+    return mod
+
+
+@pytest.mark.slow  # a tiny Qwen2-VL forward/backward x2 plus references: ~3 s, ~10 s with cold imports
+def test_check_gpu_model_path_on_cpu(monkeypatch, capsys):
+    """The script's collate -> prefetch -> packed fwd/bwd check and its report, run on CPU (sync
+    recording reduced to warning capture): the packed loss equals the per-sample HF reference, so a
+    CUDA run tests only CUDA behaviour."""
+    pytest.importorskip("transformers")
+    mod = _load_check_gpu()
+    monkeypatch.setattr(mod.SyncRecorder, "record", mod.SyncRecorder.capture)
+    assert mod.report_packed_model(torch.device("cpu"), torch.float32, strict=True) is False
+    out = capsys.readouterr().out
+    assert "float32" in out and ": ok" in out and "synchronising calls in the steady pass: 0" in out
+    if not torch.cuda.is_available():
+        assert mod.main([]) == 0 and capsys.readouterr().out.strip() == "no CUDA, skipped"
+
+
+def test_check_gpu_sync_attribution():
+    """A sync warning raised from collate/ code is attributed to that line; one from here to the script."""
+    import warnings
+
+    mod = _load_check_gpu()
+    rec = mod.SyncRecorder()
+    with rec.capture():
+        rec.phase = "steady batch 0 forward"
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
+    assert len(rec.events) == 1
+    ev = rec.events[0]
+    assert "test_prefetch.py" in ev.where and ev.owner == "other"  # not collate/, transformers, the script
+    assert "synchronizing" in ev.code and ev.phase == "steady batch 0 forward"
+    collate_ev = mod.SyncEvent(owner="collate", where="collate/x.py:1 in f", code="t.item()", phase="s b fwd")
+    table, ours = mod.summarise([collate_ev, *rec.events])
+    assert ours == 1 and table.splitlines()[0].strip().startswith("1x [collate]")
+    assert mod.summarise([]) == ("    no synchronising call recorded", 0)
