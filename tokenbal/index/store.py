@@ -121,7 +121,9 @@ class TokenIndex:
             if len(cols[name]) != want:
                 raise ValueError(f"index {self.path} is inconsistent: {name}.npy has {len(cols[name])} "
                                  f"rows, expected {want} (rebuild it)")
-        self._cols = cols
+        # Public columns stay np.memmap; lookups go through plain ndarray views of the same pages,
+        # because indexing an np.memmap element by element costs ~10x more (subclass overhead).
+        self._cols = {name: np.asarray(arr) for name, arr in cols.items()}
         self.lengths: np.ndarray = cols["lengths"]
         self.vision_tokens: np.ndarray = cols["vision_tokens"]
         self.text_tokens: np.ndarray = cols["text_tokens"]
@@ -150,11 +152,12 @@ class TokenIndex:
 
     @cached_property
     def keys(self) -> KeyList:
-        return KeyList(_blob(os.path.join(self.path, KEYS_BLOB)), self._cols["key_offsets"])
+        return KeyList(np.asarray(_blob(os.path.join(self.path, KEYS_BLOB))), self._cols["key_offsets"])
 
     @cached_property
     def _member_paths(self) -> KeyList:
-        return KeyList(_blob(os.path.join(self.path, PATHS_BLOB)), self._cols["member_path_offsets"])
+        blob = np.asarray(_blob(os.path.join(self.path, PATHS_BLOB)))
+        return KeyList(blob, self._cols["member_path_offsets"])
 
     @cached_property
     def errors(self) -> list[dict]:
@@ -163,7 +166,7 @@ class TokenIndex:
 
     def shard(self, i: int) -> str:
         """Absolute path of the shard (or annotation file) holding sample ``i``."""
-        return self.shard_paths[int(self.shard_ids[_check_row(i, len(self))])]
+        return self.shard_paths[int(self._cols["shard_id"][_check_row(i, len(self))])]
 
     def members(self, i: int) -> list[Member]:
         """Every member of sample ``i`` (images, text and others), in tar order.
@@ -176,16 +179,16 @@ class TokenIndex:
         i = _check_row(i, len(self))
         c = self._cols
         a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
-        key, shard = self.keys[i], self.shard_paths[int(self.shard_ids[i])]
-        poff = c["member_path_offsets"]
+        key, shard = self.keys[i], self.shard_paths[int(c["shard_id"][i])]
+        poff = c["member_path_offsets"][a:b + 1].tolist()
         out = []
-        for j, e, o, s in zip(range(a, b), c["member_ext"][a:b], c["member_offset"][a:b],
-                              c["member_size"][a:b], strict=True):
+        for j, (e, o, size) in enumerate(zip(c["member_ext"][a:b].tolist(), c["member_offset"][a:b].tolist(),
+                                             c["member_size"][a:b].tolist(), strict=True)):
             if poff[j + 1] > poff[j]:
-                name, _, file = self._member_paths[j].partition("\0")
-                out.append(Member(name, file, int(o), int(s)))
+                name, _, file = self._member_paths[a + j].partition("\0")
+                out.append(Member(name, file, o, size))
             else:
-                out.append(Member(f"{key}.{self._exts[e]}", shard, int(o), int(s)))
+                out.append(Member(f"{key}.{self._exts[e]}", shard, o, size))
         return out
 
     def image_sizes(self, i: int) -> list[tuple[int, int]]:
