@@ -66,21 +66,22 @@ def prepare_data(root: str, num_samples: int, seed: int) -> DemoPaths:
 
 
 class IndexedSamples(torch.utils.data.Dataset):
-    """Map-style dataset over an index: reads each member by byte offset, decodes, tokenizes.
+    """Map-style dataset over an index: verified reads by byte offset, decode, tokenize.
 
     Produces what a Qwen2-VL training set produces per sample: ``input_ids`` with
     ``<|vision_start|><|image_pad|>*n<|vision_end|>`` per image followed by the text,
     ``labels`` (vision tokens masked), ``pixel_values`` and ``image_grid_thw`` from transformers'
-    own image processor.
+    own image processor. Raises if a sample's token count differs from the index's.
     """
 
     def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None):
         from tokenizers import Tokenizer
         from transformers import Qwen2VLImageProcessorPil
 
-        from tokenbal.index import TokenIndex
+        from tokenbal.wds import IndexedShardDataset
 
-        self.index = TokenIndex.open(index_dir)
+        self.reader = IndexedShardDataset(index_dir, decode=None)
+        self.index = self.reader.index
         self.size = len(self.index) if limit is None else min(limit, len(self.index))
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.processor = Qwen2VLImageProcessorPil(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS)
@@ -91,22 +92,15 @@ class IndexedSamples(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def _read(self, member) -> bytes:
-        with open(member.shard, "rb") as f:
-            return os.pread(f.fileno(), member.size, member.offset)
-
     def __getitem__(self, i: int) -> dict:
         import io
 
         from PIL import Image
 
-        text, images = "", []
-        for m in self.index.members(i):
-            ext = m.name.rsplit("/", 1)[-1].split(".", 1)[-1].lower()
-            if ext == "txt":
-                text = self._read(m).decode("utf-8")
-            elif ext.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp"):
-                images.append(Image.open(io.BytesIO(self._read(m))).convert("RGB"))
+        raw = self.reader.read_raw(i)
+        text = raw["txt"].decode("utf-8") if "txt" in raw else ""
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for ext, data in raw.items()
+                  if not ext.startswith("__") and ext.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp")]
         ids: list[int] = []
         labels: list[int] = []
         sample: dict = {}
