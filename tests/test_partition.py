@@ -121,3 +121,91 @@ def test_fill_windows_capacity_failure_is_reported_per_window():
     step, rank, failed = fill_windows(costs, np.array([[4], [4]]), 2, capacity=10)
     assert failed.tolist() == [True, False]
     assert (step[1] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Karmarkar–Karp, CP-SAT, equal counts, refinement
+
+
+def _optimal(costs, k, equal_counts=False):
+    best = float("inf")
+    n = len(costs)
+    for assign in itertools.product(range(k), repeat=n):
+        counts = np.bincount(assign, minlength=k)
+        if n >= k and counts.min() == 0:
+            continue
+        if equal_counts and counts.max() - counts.min() > 1:
+            continue
+        best = min(best, max(np.bincount(assign, weights=costs, minlength=k)))
+    return best
+
+
+def _check_valid(costs, bins, k, equal_counts=False, capacity=None):
+    assert bins.dtype == np.int64 and bins.shape == (len(costs),)
+    assert ((bins >= 0) & (bins < k)).all()
+    counts = np.bincount(bins, minlength=k)
+    if len(costs) >= k:
+        assert counts.min() >= 1, "every bin gets an item when there are enough items"
+    if equal_counts and len(costs):
+        assert counts.max() - counts.min() <= 1
+    if capacity is not None:
+        assert bin_loads(costs, bins, k).max() <= capacity
+
+
+@FAST
+@given(st.lists(st.integers(0, 10_000), max_size=50), st.integers(1, 8), st.booleans(),
+       st.sampled_from(["lpt", "kk"]), st.booleans())
+def test_kk_lpt_equal_counts_and_refine_are_valid_and_deterministic(costs, k, equal, method, refine):
+    bins = partition(costs, k, method=method, equal_counts=equal, refine=refine)
+    _check_valid(costs, bins, k, equal)
+    assert np.array_equal(bins, partition(list(costs), k, method=method, equal_counts=equal, refine=refine))
+    if refine:
+        plain = partition(costs, k, method=method, equal_counts=equal)
+        assert bin_loads(costs, bins, k).max() <= bin_loads(costs, plain, k).max()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=7), st.integers(1, 3))
+def test_kk_within_four_thirds_of_the_optimum(costs, k):
+    # Michiels et al. (2003): k-way largest differencing is within 4/3 - 1/(3k) of optimal.
+    loads = bin_loads(costs, partition(costs, k, method="kk"), k)
+    assert loads.max() <= (4 / 3 - 1 / (3 * k)) * _optimal(costs, k) + 1e-9
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=7), st.integers(1, 3), st.booleans())
+def test_cpsat_matches_brute_force_on_small_inputs(costs, k, equal):
+    bins = partition(costs, k, method="cpsat", equal_counts=equal)
+    _check_valid(costs, bins, k, equal)
+    assert bin_loads(costs, bins, k).max() == _optimal(costs, k, equal)
+
+
+def test_cpsat_is_deterministic_and_honours_capacity():
+    c = np.random.default_rng(1).integers(1, 500, 24)
+    a = partition(c, 4, method="cpsat", capacity=int(c.sum() / 4) + 40, time_limit=0.5)
+    b = partition(c, 4, method="cpsat", capacity=int(c.sum() / 4) + 40, time_limit=0.5)
+    assert np.array_equal(a, b)
+    _check_valid(c, a, 4, capacity=int(c.sum() / 4) + 40)
+    with pytest.raises(ValueError, match="small problems"):
+        partition(np.ones(1000), 300, method="cpsat")
+
+
+def test_refine_fixes_a_bad_start_and_keeps_counts_with_equal_counts():
+    from tokenbal.partition import refine_partition
+
+    c = np.array([9, 8, 7, 1, 1, 1])
+    bad = np.array([0, 0, 0, 1, 1, 1])
+    out = refine_partition(c, bad, 2)
+    assert bin_loads(c, out, 2).max() == _optimal(c, 2) == 15     # {8, 7} vs {9, 1, 1, 1}
+    eq = refine_partition(c, bad, 2, equal_counts=True)
+    assert np.bincount(eq, minlength=2).tolist() == [3, 3]
+    assert bin_loads(c, eq, 2).max() < 24
+
+
+def test_kk_beats_lpt_on_its_textbook_case_and_capacity_falls_back():
+    c = [8, 7, 6, 5, 4]                  # 2-way: LPT 17/13, KK 16/14, optimum 15/15
+    assert bin_loads(c, partition(c, 2, method="kk"), 2).max() == 16
+    assert bin_loads(c, partition(c, 2, method="lpt"), 2).max() == 17
+    # KK ignores capacity; partition falls back to a capacity-aware packing instead of breaking it
+    bins = partition(c, 2, method="kk", capacity=17)
+    _check_valid(c, bins, 2, capacity=17)

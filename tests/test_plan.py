@@ -1,8 +1,11 @@
+import csv
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tokenbal.cli import main
 from tokenbal.plan import EpochPlan, plan_epoch, step_balance
 
 FAST = settings(max_examples=40, deadline=None)
@@ -158,7 +161,7 @@ def test_seed_and_epoch_change_the_plan_and_unshuffled_ignores_them():
     p = [plan_epoch(lengths, 4, global_batch_size=16, seed=s, epoch=e) for s, e in [(0, 0), (0, 1), (1, 0)]]
     assert not np.array_equal(p[0].indices, p[1].indices)
     assert not np.array_equal(p[0].indices, p[2].indices)
-    u = [plan_epoch(lengths, 4, global_batch_size=16, seed=s, epoch=e, shuffle=False)
+    u = [plan_epoch(lengths, 4, global_batch_size=16, seed=s, epoch=e, shuffle=False, window=16)
          for s, e in [(0, 0), (3, 2)]]
     assert np.array_equal(u[0].indices, u[1].indices) and np.array_equal(u[0].offsets, u[1].offsets)
     # unshuffled: windows read the dataset forward (window w holds samples [w*W*N, (w+1)*W*N))
@@ -168,7 +171,7 @@ def test_seed_and_epoch_change_the_plan_and_unshuffled_ignores_them():
         assert idx.min() >= (s // W) * W * N and idx.max() < (s // W + 1) * W * N
 
 
-def mixture_lengths(n=24_000, seed=0):
+def mixture_lengths(n=8_000, seed=0):
     return make_lengths("mixture", n, seed)
 
 
@@ -232,3 +235,118 @@ def test_small_tail_is_merged_into_the_previous_step():
     assert plan.counts().sum(1).tolist() == [32, 34]
     plan = plan_epoch(np.arange(1, 70), 4, global_batch_size=32)      # 69 = 2 * 32 + 5
     assert plan.counts().sum(1).tolist() == [32, 32, 5]
+
+
+# ---------------------------------------------------------------------------------------------
+# grad_accum and the oversize policy
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=KINDS, n=st.integers(0, 300), R=st.integers(1, 5), k=st.integers(1, 4), extra=st.integers(0, 9),
+       seed=st.integers(0, 2**31))
+def test_grad_accum_gives_every_rank_k_micro_batches(kind, n, R, k, extra, seed):
+    N = R * k + extra
+    lengths = make_lengths(kind, n, seed)
+    plan = plan_epoch(lengths, R, global_batch_size=N, seed=seed, grad_accum=k)
+    mc = plan.micro_counts()
+    assert mc.shape == (plan.num_steps, R, k)
+    assert np.array_equal(np.sort(plan.indices), np.arange(n))
+    if n >= R * k:
+        assert (mc >= 1).all(), "no empty micro-batch once there are R·k samples"
+    for s in range(plan.num_steps):
+        for r in range(R):
+            assert np.array_equal(plan.slot(s, r), np.concatenate([plan.micro(s, r, j) for j in range(k)]))
+    again = plan_epoch(lengths, R, global_batch_size=N, seed=seed, grad_accum=k)
+    assert np.array_equal(plan.indices, again.indices) and np.array_equal(plan.offsets, again.offsets)
+
+
+def test_grad_accum_balances_micro_batches_across_ranks_and_within_a_step():
+    lengths = mixture_lengths()
+    plan = plan_epoch(lengths, 8, global_batch_size=128, grad_accum=4)
+    mt = plan.micro_tokens(lengths).reshape(plan.num_steps, -1).astype(float)
+    # all 32 micro-batches of a step (8 ranks × 4) are level, so each micro-batch's collectives
+    # wait for no straggler and every rank's step is level too
+    assert (mt.max(1) / mt.mean(1)).mean() < 1.02
+    with pytest.raises(ValueError, match="num_replicas × grad_accum = 32"):
+        plan_epoch(lengths, 8, global_batch_size=16, grad_accum=4)
+
+
+def test_token_budget_with_grad_accum_is_per_micro_batch():
+    lengths = mixture_lengths(3000)
+    plan = plan_epoch(lengths, 4, max_tokens_per_rank=40_000, grad_accum=2)
+    assert plan.micro_tokens(lengths).max() <= 40_000
+    assert np.array_equal(np.sort(plan.indices), np.arange(len(lengths)))
+
+
+def test_oversize_policies():
+    lengths = mixture_lengths(2000)
+    B = 15_000
+    over = np.flatnonzero(lengths > B)
+    assert over.size >= 3
+    with pytest.raises(ValueError, match=f"{over.size} sample\\(s\\) exceed max_tokens_per_rank=15000"):
+        plan_epoch(lengths, 4, max_tokens_per_rank=B)
+    skip = plan_epoch(lengths, 4, max_tokens_per_rank=B, oversize="skip", seed=1)
+    assert np.array_equal(skip.skipped, over)
+    assert np.array_equal(np.sort(skip.indices), np.setdiff1d(np.arange(len(lengths)), over))
+    assert skip.step_rank_tokens(lengths).max() <= B
+    alone = plan_epoch(lengths, 4, max_tokens_per_rank=B, oversize="alone", seed=1)
+    assert np.array_equal(np.sort(alone.indices), np.arange(len(lengths)))
+    assert len(alone.skipped) == 0
+    t = alone.step_rank_tokens(lengths)
+    for s in range(alone.num_steps):
+        for r in range(4):
+            sl = alone.slot(s, r)
+            if np.isin(sl, over).any():
+                assert len(sl) == 1, "an oversize sample is alone in its rank-step"
+            else:
+                assert t[s, r] <= B
+    assert alone.num_steps == skip.num_steps + -(-over.size // 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# `tokenbal plan simulate` on a real index built from real tar shards
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory):
+    from tokenbal.index import build_index
+    from tokenbal.synthetic import make_samples, write_shards
+
+    root = tmp_path_factory.mktemp("simulate")
+    # text and tiny icons keep the shards cheap to write; lengths still vary ~100x
+    samples = [s for s in make_samples(300, seed=4) if s.kind in ("text_short", "text_long", "icon")]
+    shards = write_shards(samples, str(root / "shards"), samples_per_shard=128)
+    return str(build_index(shards, root / "idx", progress=False).out)
+
+
+def test_simulate_prints_every_method_and_writes_the_per_step_ratios(index_dir, tmp_path, capsys):
+    out = tmp_path / "steps.csv"
+    rc = main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+               "--grad-accum", "2", "--plot", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for name in ("DistributedSampler", "per-step LPT", "per-step KK (equal counts, verl)", "tokenbal",
+                 "tokenbal micro-batches", "plan time"):
+        assert name in text
+    # rows: name (34 columns), then mean, p95, max, steps
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method")) + 1
+    rows = {line[:34].strip(): [float(x) for x in line[34:].split()] for line in lines[start:]
+            if not line.startswith(("tokenbal plan time", "wrote "))}
+    tokenbal_mean = rows["tokenbal"][0]
+    assert 1.0 <= tokenbal_mean < rows["DistributedSampler"][0]
+    assert rows["tokenbal micro-batches"][0] >= 1.0
+    with open(out) as f:
+        table = list(csv.DictReader(f))
+    assert len(table) > 1 and all(float(r["tokenbal"]) >= 1.0 for r in table if r["tokenbal"])
+    col = [float(r["tokenbal"]) for r in table if r["tokenbal"]]
+    assert np.isclose(np.mean(col), tokenbal_mean, atol=1e-3)
+
+
+def test_simulate_flops_and_errors(index_dir, capsys):
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "2", "--global-batch-size", "4",
+                 "--cost", "flops"]) == 0
+    assert "cost flops" in capsys.readouterr().out
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "8",
+                 "--global-batch-size", "4"]) == 2
+    assert "smaller than num_replicas=8" in capsys.readouterr().err

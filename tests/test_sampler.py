@@ -165,3 +165,53 @@ def test_plan_is_cached_per_epoch():
     assert s.plan() is p0
     s.set_epoch(1)
     assert s.plan() is not p0 and s.plan(epoch=0) is p0
+
+
+def test_grad_accum_yields_k_micro_batches_per_step_and_resumes_mid_step():
+    lengths = lengths_for()
+    R, k = 4, 3
+    samplers = [TokenBalancedBatchSampler(lengths, R, r, global_batch_size=48, grad_accum=k, seed=2)
+                for r in range(R)]
+    plan = samplers[0].plan()
+    runs = [list(s) for s in samplers]
+    assert {len(x) for x in runs} == {plan.num_steps * k} == {len(samplers[0])}
+    for r, batches in enumerate(runs):
+        for i, b in enumerate(batches):
+            assert b == plan.micro(i // k, r, i % k).tolist() and len(b) >= 1
+    assert sorted(i for x in runs for b in x for i in b) == list(range(len(lengths)))
+    # a checkpoint between two micro-batches of one step resumes at the next micro-batch
+    s = TokenBalancedBatchSampler(lengths, R, 1, global_batch_size=48, grad_accum=k, seed=2)
+    it = iter(s)
+    head = [next(it) for _ in range(k + 1)]
+    fresh = TokenBalancedBatchSampler(lengths, R, 1, global_batch_size=48, grad_accum=k, seed=2)
+    fresh.load_state_dict(s.state_dict())
+    assert head + list(fresh) == runs[1]
+    with pytest.raises(ValueError, match="grad_accum"):
+        TokenBalancedBatchSampler(lengths, R, 1, global_batch_size=48, grad_accum=1).load_state_dict(
+            s.state_dict())
+
+
+def test_stateful_dataloader_resumes_exactly():
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = lengths_for()
+    data = list(range(len(lengths)))
+
+    def loader():
+        sampler = TokenBalancedBatchSampler(lengths, 2, 1, global_batch_size=8, seed=3)
+        return sdl.StatefulDataLoader(data, batch_sampler=sampler, collate_fn=list)
+
+    full = list(loader())
+    dl = loader()
+    it = iter(dl)
+    head = [next(it) for _ in range(5)]
+    state = dl.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full
+    assert full == [b for b in TokenBalancedBatchSampler(lengths, 2, 1, global_batch_size=8, seed=3)]
+
+
+def test_verify_needs_a_process_group():
+    s = TokenBalancedBatchSampler(lengths_for(), 2, 0, global_batch_size=8, verify=True)
+    with pytest.raises(RuntimeError, match="process group"):
+        next(iter(s))

@@ -1,6 +1,7 @@
 """The sampler on real gloo ranks: each process plans on its own, none talks to the others."""
 
 import numpy as np
+import pytest
 import torch.distributed as dist
 
 from tests.dist_utils import run_ranks
@@ -56,6 +57,48 @@ def test_two_gloo_ranks_global_batch():
     assert all(all(len(step) >= 1 for steps in res["epochs"][0] for step in steps) for res in results)
 
 
-def test_two_gloo_ranks_token_budget():
-    results = run_ranks(_gather_epochs, 2, 301, {"max_tokens_per_rank": 20_000}, timeout=120)
+def _budget_then_verify(rank, world_size, n, kwargs):
+    # One spawn for two checks (process start-up dominates these tests): the token-budget epoch,
+    # then verify=True with deliberately different lengths on rank 1.
+    out = _gather_epochs(rank, world_size, n, kwargs)
+    out["verify"] = _verify_with(rank, world_size, 1)
+    return out
+
+
+def test_two_gloo_ranks_token_budget_and_verify_mismatch():
+    results = run_ranks(_budget_then_verify, 2, 301, {"max_tokens_per_rank": 20_000}, timeout=120)
     _check(results, 301, 2)
+    for res in results:
+        err = res["verify"].get("error", "")
+        assert err, "both ranks raise instead of one hanging in a collective"
+        assert "rank 1 differs from rank 0 in: lengths_sha256" in err
+
+
+def _verify_with(rank, world_size, tamper_rank):
+    lengths = _lengths(200)
+    if rank == tamper_rank:
+        lengths = lengths.copy()
+        lengths[7] += 1          # e.g. a stale index on one node
+    sampler = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=1, verify=True)
+    try:
+        steps = list(sampler)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    sampler.set_epoch(1)
+    steps1 = list(sampler)
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (steps, steps1))
+    return {"steps": gathered, "hash": sampler.plan_hash()}
+
+
+@pytest.mark.slow   # four processes importing torch: ~30 s on a shared 2-core machine
+def test_four_processes_build_their_own_samplers_and_agree():
+    results = run_ranks(_verify_with, 4, -1, timeout=180)
+    assert all("error" not in res for res in results)
+    assert len({res["hash"] for res in results}) == 1
+    for epoch in (0, 1):
+        views = [[g[epoch] for g in res["steps"]] for res in results]
+        assert all(v == views[0] for v in views)
+        per_rank = views[0]
+        assert len({len(s) for s in per_rank}) == 1
+        assert sorted(i for steps in per_rank for step in steps for i in step) == list(range(200))

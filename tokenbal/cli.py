@@ -13,7 +13,8 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
     overrides = dict(_parse_override(o) for o in args.estimator_option)
     report = build_index(args.sources, args.out, model=args.model, workers=args.workers,
                          tokenizer=args.tokenizer, image_root=args.image_root,
-                         estimator_overrides=overrides, progress=not args.quiet)
+                         estimator_overrides=overrides, progress=not args.quiet,
+                         incremental=not args.rebuild)
     print(report.summary())
     return 0 if report.num_samples > 0 or report.num_errors == 0 else 1
 
@@ -21,7 +22,9 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
 def _cmd_index_stats(args: argparse.Namespace) -> int:
     from tokenbal.index import index_stats
 
-    print(index_stats(args.dir))
+    print(index_stats(args.dir, plot=args.plot))
+    if args.plot:
+        print(f"  histogram written to {args.plot}")
     return 0
 
 
@@ -33,6 +36,63 @@ def _cmd_index_verify(args: argparse.Namespace) -> int:
         print(p)
     print("index is up to date" if not problems else f"{len(problems)} problem(s) found")
     return 1 if problems else 0
+
+
+def _cmd_plan_simulate(args: argparse.Namespace) -> int:
+    from tokenbal.index import TokenIndex
+    from tokenbal.plan import simulate
+
+    index = TokenIndex.open(args.index)
+    cost = None if args.cost == "tokens" else args.cost
+    config = None
+    if args.cost == "flops" and args.model_config:
+        import json
+
+        with open(args.model_config) as f:
+            config = json.load(f)
+    if config is not None:
+        from tokenbal.cost import FlopsModel
+
+        cost = FlopsModel.from_config(config)
+    sim = simulate(index, args.world_size, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
+                   seed=args.seed, baseline_steps=args.baseline_steps)
+    print(sim.table())
+    if args.plot:
+        _write_plot(sim, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _write_plot(sim, path: str) -> None:
+    if path.endswith(".csv"):
+        import csv
+
+        names = list(sim.ratios)
+        rows = max(len(r) for r in sim.ratios.values())
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", *names])
+            for i in range(rows):
+                w.writerow([i, *(f"{sim.ratios[n][i]:.6f}" if i < len(sim.ratios[n]) else "" for n in names)])
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot PNG needs matplotlib (pip install matplotlib); "
+                         "or give a .csv path for the per-step ratios") from e
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, r in sim.ratios.items():
+        ax.plot(r, label=name, linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean rank cost")
+    ax.set_title(f"{sim.world_size} ranks, global batch {sim.global_batch_size}")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -85,16 +145,40 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder that image paths in JSON/JSONL annotations are relative to")
     build.add_argument("--estimator-option", action="append", default=[], metavar="KEY=VALUE",
                        help="override an estimator setting, e.g. max_pixels=1003520 (repeatable)")
+    build.add_argument("--rebuild", action="store_true",
+                       help="rescan every shard; by default an existing index at --out built with the "
+                            "same rules keeps its unchanged shards and new shards are appended")
     build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=_cmd_index_build)
 
     stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
     stats.add_argument("dir", help="index folder")
+    stats.add_argument("--plot", default=None, metavar="PNG",
+                       help="also write a histogram of vision / text tokens per sample to this PNG")
     stats.set_defaults(func=_cmd_index_stats)
 
     verify = isub.add_parser("verify", help="check an index against its shards (exit 1 if stale)")
     verify.add_argument("dir", help="index folder")
     verify.set_defaults(func=_cmd_index_verify)
+
+    plan = sub.add_parser("plan", help="simulate the balance of an epoch plan")
+    psub = plan.add_subparsers(dest="plan_command", required=True)
+    sim = psub.add_parser(
+        "simulate", help="per-step rank balance: DistributedSampler, per-step LPT/KK and tokenbal",
+        description="Plan one epoch from an index and print, per method, the mean / p95 / max over "
+                    "steps of max/mean rank cost (1.000 = perfect), and how long tokenbal took to plan.")
+    sim.add_argument("--index", required=True, help="index folder (tokenbal index build)")
+    sim.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
+    sim.add_argument("--global-batch-size", type=int, required=True, help="samples per step, all ranks")
+    sim.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    sim.add_argument("--cost", choices=["tokens", "flops"], default="tokens", help="what to balance")
+    sim.add_argument("--model-config", default=None,
+                     help="config.json of the model for --cost flops (default: Qwen2-VL-7B dimensions)")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--baseline-steps", type=int, default=500,
+                     help="steps simulated for the per-step LPT/KK baselines (default 500)")
+    sim.add_argument("--plot", default=None, help="write per-step ratios: a .png (needs matplotlib) or .csv")
+    sim.set_defaults(func=_cmd_plan_simulate)
 
     demo = sub.add_parser(
         "demo", help="run the whole path on synthetic data, on CPU",

@@ -3,8 +3,9 @@
 Two entry points, both pure numpy and deterministic:
 
 * :func:`partition` — one problem: ``costs`` into ``num_bins`` bins. ``method`` picks the
-  algorithm from :data:`METHODS` (today only ``"lpt"``; Karmarkar–Karp and CP-SAT register
-  there when they land, and ``"auto"`` keeps meaning "the best default").
+  algorithm from :data:`METHODS`: ``"lpt"`` (the ``"auto"`` default: fast, and within 4/3 of
+  optimal), ``"kk"`` (Karmarkar–Karp; what verl uses per step) and ``"cpsat"`` (exact-ish, small
+  problems); :func:`refine_partition` is a swap-based polish for any of them.
 * :func:`fill_windows` — many independent problems at once, each a *window* of consecutive
   training steps × ranks with a per-step item count (or a per-rank token capacity). This is the
   engine of :mod:`tokenbal.plan`; it is vectorised across windows so an epoch of a million
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["METHODS", "partition", "bin_loads", "fill_windows"]
+__all__ = ["METHODS", "partition", "refine_partition", "bin_loads", "fill_windows"]
 
 # method name -> implementation(costs, num_bins, capacity) -> bins. A new solver registers here.
 METHODS: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {}
@@ -26,12 +27,20 @@ _AUTO = "lpt"
 
 
 def partition(costs: Sequence[float] | np.ndarray, num_bins: int, method: str = "auto",
-              capacity: float | None = None) -> np.ndarray:
+              capacity: float | None = None, *, equal_counts: bool = False, refine: bool = False,
+              time_limit: float = 2.0) -> np.ndarray:
     """Assign every item to one of ``num_bins`` bins so that the bins' cost sums are close.
 
     Returns an int64 array of bin ids, one per item. Deterministic: equal costs are taken in
     index order and equally loaded bins are chosen by fewest items, then lowest id. When
     ``len(costs) >= num_bins`` every bin gets at least one item.
+
+    ``method``: ``"lpt"`` (= ``"auto"``; heap, O(n log k)), ``"kk"`` (Karmarkar–Karp largest
+    differencing, k-way) or ``"cpsat"`` (OR-tools CP-SAT minimising the largest bin, hinted with
+    the LPT result; one worker and a *deterministic* time limit of ``time_limit`` units, so the
+    answer does not depend on machine speed; small problems only).
+    ``equal_counts``: bin item counts differ by at most one. ``refine``: then improve the result
+    by moving / swapping items out of the fullest bin while that lowers it (never makes it worse).
 
     ``capacity`` is a hard maximum per bin sum. An item that alone exceeds it, or a set of items
     the heuristic cannot place within it, raises ``ValueError`` naming the item.
@@ -53,7 +62,19 @@ def partition(costs: Sequence[float] | np.ndarray, num_bins: int, method: str = 
                              + (f"; {over.size - 1} more items do too" if over.size > 1 else ""))
     if c.size == 0:
         return np.zeros(0, np.int64)
-    return METHODS[name](c, int(num_bins), capacity)
+    k = int(num_bins)
+    if name == "cpsat":
+        bins = _cpsat(c, k, capacity, equal_counts, float(time_limit))
+    elif equal_counts:
+        bins = _EQUAL[name](c, k, capacity)
+    else:
+        bins = METHODS[name](c, k, capacity)
+    if capacity is not None and bin_loads(c, bins, k).max() > capacity:
+        # KK balances but knows no capacity: fall back to the capacity-aware packing.
+        bins = _capacity_fallback(c, k, capacity, equal_counts)
+    if refine:
+        bins = refine_partition(c, bins, k, capacity=capacity, equal_counts=equal_counts)
+    return bins
 
 
 def bin_loads(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_bins: int) -> np.ndarray:
@@ -131,6 +152,232 @@ def _best_fit_decreasing(c: np.ndarray, k: int, capacity: float, stuck_item: int
 METHODS["lpt"] = _lpt
 
 
+def _lpt_equal(c: np.ndarray, k: int, capacity: float | None) -> np.ndarray:
+    """LPT with a cardinality cap: counts differ by at most one (ceil(n/k) items per bin at most,
+    and exactly ``n mod k`` bins may take the extra one)."""
+    n = c.size
+    lo, extra = divmod(n, k)
+    bins = np.empty(n, np.int64)
+    loads = np.zeros(k, np.float64)
+    counts = np.zeros(k, np.int64)
+    big_left = extra                       # bins that may still grow to lo + 1
+    values = c.tolist()
+    for i in _descending(c).tolist():
+        limit = np.where(counts < lo, True, (counts == lo) & (big_left > 0))
+        ok = limit if capacity is None else limit & (loads + values[i] <= capacity)
+        cand = np.flatnonzero(ok)
+        if cand.size == 0:
+            raise ValueError(f"cannot place item {i} (cost {values[i]:g}) with equal counts within "
+                             f"capacity {capacity:g}")
+        b = int(cand[np.lexsort((cand, counts[cand], loads[cand]))[0]])
+        if counts[b] == lo:
+            big_left -= 1
+        bins[i] = b
+        loads[b] += values[i]
+        counts[b] += 1
+    return bins
+
+
+def _kk(c: np.ndarray, k: int, capacity: float | None, equal_counts: bool = False) -> np.ndarray:
+    """Karmarkar–Karp largest differencing, k-way (as in verl's ``karmarkar_karp``).
+
+    Each state is k partial bins (sums sorted descending, with their items); the two states with
+    the largest spread are merged pairing the first's largest bin with the second's smallest.
+    ``equal_counts``: initial states are k consecutive items of the sorted list, one per bin
+    (padded with zero-cost dummies), so every bin gets one item of every group.
+    """
+    n = c.size
+    order = _descending(c).tolist()
+    values = c.astype(np.float64)
+    heap: list[tuple[float, int, np.ndarray, list[list[int]]]] = []
+    tick = 0
+    if equal_counts:
+        pad = (-n) % k
+        seq = order + [-1] * pad
+        for g in range(0, len(seq), k):
+            members = seq[g:g + k]
+            sums = np.array([values[i] if i >= 0 else 0.0 for i in members])
+            sets = [[i] if i >= 0 else [] for i in members]
+            heapq.heappush(heap, (-(sums[0] - sums[-1]), tick, sums, sets))
+            tick += 1
+    else:
+        for i in order:
+            sums = np.zeros(k)
+            sums[0] = values[i]
+            heapq.heappush(heap, (-values[i], tick, sums, [[i]] + [[] for _ in range(k - 1)]))
+            tick += 1
+    while len(heap) > 1:
+        _, _, sa, a = heapq.heappop(heap)
+        _, _, sb, b = heapq.heappop(heap)
+        sums = sa + sb[::-1]
+        sets = [a[j] + b[k - 1 - j] for j in range(k)]
+        o = np.argsort(-sums, kind="stable")
+        sums = sums[o]
+        sets = [sets[j] for j in o.tolist()]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tick, sums, sets))
+        tick += 1
+    bins = np.empty(n, np.int64)
+    for b, members in enumerate(heap[0][3]):
+        bins[members] = b
+    return _fill_empty_bins(c, bins, k) if not equal_counts else bins
+
+
+def _fill_empty_bins(c: np.ndarray, bins: np.ndarray, k: int) -> np.ndarray:
+    """Move the smallest movable item into each empty bin (never breaks a capacity)."""
+    counts = np.bincount(bins, minlength=k)
+    for b in np.flatnonzero(counts == 0).tolist():
+        donors = np.flatnonzero(counts > 1)
+        if donors.size == 0:
+            break
+        members = np.flatnonzero(np.isin(bins, donors))
+        i = int(members[np.lexsort((members, c[members]))[0]])
+        counts[bins[i]] -= 1
+        bins[i] = b
+        counts[b] += 1
+    return bins
+
+
+def _capacity_fallback(c: np.ndarray, k: int, capacity: float, equal_counts: bool) -> np.ndarray:
+    if equal_counts:
+        return _lpt_equal(c, k, capacity)
+    return _lpt(c, k, capacity)
+
+
+METHODS["kk"] = _kk
+_EQUAL: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {
+    "lpt": _lpt_equal, "kk": lambda c, k, cap: _kk(c, k, cap, equal_counts=True)}
+
+
+def refine_partition(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_bins: int, *,
+                     capacity: float | None = None, equal_counts: bool = False,
+                     max_rounds: int | None = None, max_partners: int | None = None) -> np.ndarray:
+    """Swap-based local search: lower the fullest bin by moving one of its items to another bin
+    or swapping one of its items with a smaller one, as long as that strictly lowers the pair's
+    maximum. Keeps item counts with ``equal_counts`` (swaps only), never empties a bin, never
+    exceeds ``capacity``, and never raises the largest bin. Deterministic. ``max_partners``: only
+    try the that many least loaded bins each round (for many bins)."""
+    c = np.asarray(costs, np.float64)
+    bins = np.asarray(bins, np.int64).copy()
+    k = int(num_bins)
+    loads = np.bincount(bins, weights=c, minlength=k)
+    counts = np.bincount(bins, minlength=k)
+    cap = np.inf if capacity is None else float(capacity)
+    rounds = 0
+    limit = max_rounds if max_rounds is not None else 4 * c.size + k
+    while rounds < limit:
+        rounds += 1
+        hi = int(np.argmax(loads))
+        mine = np.flatnonzero(bins == hi)
+        best: tuple[float, int, int, int] | None = None      # (new pair max, item out, bin, item in)
+        partners = np.argsort(loads, kind="stable")
+        if max_partners is not None:
+            partners = partners[:max_partners]
+        for b in partners.tolist():
+            if b == hi:
+                continue
+            gap = loads[hi] - loads[b]
+            if gap <= 0:
+                break
+            if not equal_counts and counts[hi] > 1:
+                # move: item x from hi to b; new pair max = max(L_hi - x, L_b + x)
+                x = c[mine]
+                ok = (x < gap) & (loads[b] + x <= cap)
+                if ok.any():
+                    pm = np.maximum(loads[hi] - x, loads[b] + x)
+                    pm[~ok] = np.inf
+                    j = int(np.argmin(pm))
+                    if best is None or pm[j] < best[0]:
+                        best = (float(pm[j]), int(mine[j]), b, -1)
+            theirs = np.flatnonzero(bins == b)
+            if theirs.size:
+                d = c[mine][:, None] - c[theirs][None, :]          # what hi gives away net
+                ok = (d > 0) & (d < gap) & (loads[b] + d <= cap)
+                if ok.any():
+                    pm = np.maximum(loads[hi] - d, loads[b] + d)
+                    pm[~ok] = np.inf
+                    j = int(np.argmin(pm))
+                    u, v = divmod(j, theirs.size)
+                    if best is None or pm[u, v] < best[0]:
+                        best = (float(pm[u, v]), int(mine[u]), b, int(theirs[v]))
+        if best is None or best[0] >= loads[hi]:
+            break
+        _, i, b, j = best
+        bins[i] = b
+        loads[hi] -= c[i]
+        loads[b] += c[i]
+        counts[hi] -= 1
+        counts[b] += 1
+        if j >= 0:
+            bins[j] = hi
+            loads[b] -= c[j]
+            loads[hi] += c[j]
+            counts[b] -= 1
+            counts[hi] += 1
+    return bins
+
+
+def _cpsat(c: np.ndarray, k: int, capacity: float | None, equal_counts: bool, time_limit: float
+           ) -> np.ndarray:
+    """Minimise the largest bin with CP-SAT, starting from the LPT (or refined) result."""
+    from ortools.sat.python import cp_model
+
+    n = c.size
+    if n * k > 200_000:
+        raise ValueError(f"method='cpsat' is for small problems ({n} items x {k} bins is too many); "
+                         "use 'lpt' or 'kk'")
+    # CP-SAT needs integers: scale so the largest cost is ~1e9 (ties and order are kept).
+    scale = 1.0 if c.dtype.kind in "iu" and c.max(initial=0) <= 10**12 else 1e9 / max(float(c.max()), 1e-300)
+    w = np.round(c * scale).astype(np.int64)
+    cap = None if capacity is None else int(np.floor(capacity * scale + 1e-9))
+    hint = None
+    try:
+        hint = (_lpt_equal if equal_counts else _lpt)(c, k, capacity)
+        hint = refine_partition(c, hint, k, capacity=capacity, equal_counts=equal_counts)
+    except ValueError:
+        hint = None
+    m = cp_model.CpModel()
+    x = [[m.new_bool_var(f"x{i}_{b}") for b in range(k)] for i in range(n)]
+    total = int(w.sum())
+    top = total if cap is None else min(total, cap)
+    z = m.new_int_var(0, top, "max_load")
+    lo, extra = divmod(n, k)
+    for i in range(n):
+        m.add_exactly_one(x[i])
+    for b in range(k):
+        load = sum(int(w[i]) * x[i][b] for i in range(n))
+        m.add(load <= z)
+        cnt = sum(x[i][b] for i in range(n))
+        if equal_counts:
+            m.add(cnt >= lo)
+            m.add(cnt <= lo + (1 if extra else 0))
+        elif n >= k:
+            m.add(cnt >= 1)
+    if hint is not None:
+        for i in range(n):
+            for b in range(k):
+                m.add_hint(x[i][b], int(hint[i]) == b)
+    m.minimize(z)
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = float(time_limit)
+    solver.parameters.random_seed = 0
+    status = solver.solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if hint is not None:
+            return hint
+        raise ValueError(f"cpsat found no packing within capacity {capacity!r} in the time limit "
+                         f"({solver.status_name(status)})")
+    bins = np.empty(n, np.int64)
+    for i in range(n):
+        bins[i] = next(b for b in range(k) if solver.boolean_value(x[i][b]))
+    if hint is not None and bin_loads(c, hint, k).max() < bin_loads(c, bins, k).max():
+        return hint
+    return bins
+
+
+METHODS["cpsat"] = lambda c, k, cap: _cpsat(c, k, cap, False, 2.0)
+
+
 # --------------------------------------------------------------------------------------------
 # Batched level-fill over windows of steps (the planner's engine)
 # --------------------------------------------------------------------------------------------
@@ -164,48 +411,63 @@ def fill_windows(costs: np.ndarray, caps: np.ndarray, num_ranks: int, *,
     G, M = costs.shape
     W = caps.shape[1]
     R = int(num_ranks)
-    loads = np.zeros((G, W, R), np.int64)
+    # Flat views: step (g, w) is row g*W + w, bin (g, w, r) is g*W*R + w*R + r. 1-D takes and puts
+    # cost a fraction of 2-D fancy indexing, and this loop runs once per item of a window.
+    loads = np.zeros((G * W, R), np.int64)
     minload = np.zeros((G, W), np.int64)      # least loaded bin of each step (== largest gap)
-    minbin = np.zeros((G, W), np.int64)
+    minbin = np.zeros(G * W, np.int64)
     smax = np.zeros((G, W), np.int64)         # fullest bin of each step
     scnt = np.zeros((G, W), np.int64)
     caps = caps.astype(np.int64)
+    ml_flat, sm_flat, sc_flat = minload.reshape(-1), smax.reshape(-1), scnt.reshape(-1)
     rows = np.arange(G)
+    base = rows * W
     step_out = np.full((G, M), -1, np.int64)
     rank_out = np.full((G, M), -1, np.int64)
     failed = np.zeros(G, bool)
+    any_failed = False
     if force_nonempty:
         empty_bins = (caps > 0).sum(1) * R
         left = (costs > 0).sum(1)
+    big = np.int64(_BIG)
     for j in range(M):
         x = costs[:, j]
-        valid = (x > 0) & ~failed
+        valid = x > 0
+        if any_failed:
+            valid &= ~failed
         if not valid.any():
             break
         open_ = scnt < caps
         gap = smax - minload
         xcol = x[:, None]
-        lpt_ok = open_ if capacity is None else open_ & (minload + xcol <= capacity)
-        key = np.where(open_ & (gap >= xcol), -gap, np.where(lpt_ok, minload, _BIG))
+        lpt_key = np.where(open_ if capacity is None else open_ & (minload + xcol <= capacity), minload, big)
+        key = np.where(open_ & (gap >= xcol), -gap, lpt_key)
         if force_nonempty:
             forced = left <= empty_bins
             if forced.any():
-                key[forced] = np.where(open_[forced] & (minload[forced] == 0), 0, _BIG)
+                key[forced] = np.where(open_[forced] & (minload[forced] == 0), 0, big)
         s = key.argmin(1)
-        fits = key[rows, s] < _BIG
-        failed |= valid & ~fits
+        flat = base + s
+        fits = key.reshape(-1)[flat] < big
         place = valid & fits
-        r = minbin[rows, s]
+        newly = valid & ~fits
+        if newly.any():
+            failed |= newly
+            any_failed = True
+        r = minbin[flat]
         step_out[:, j] = np.where(place, s, -1)
         rank_out[:, j] = np.where(place, r, -1)
+        lf = loads.reshape(-1)
+        cell = flat * R + r
+        new_load = lf[cell] + np.where(place, x, 0)
+        lf[cell] = new_load
+        sm_flat[flat] = np.maximum(sm_flat[flat], new_load)
+        sc_flat[flat] += place
         if force_nonempty:
-            empty_bins -= place & (loads[rows, s, r] == 0)
+            empty_bins -= place & (new_load == x)
             left -= valid
-        loads[rows, s, r] += np.where(place, x, 0)
-        smax[rows, s] = np.maximum(smax[rows, s], loads[rows, s, r])
-        scnt[rows, s] += place
-        seg = loads[rows, s]                                  # (G, R): the chosen steps' bins
+        seg = loads[flat]                                     # (G, R): the chosen steps' bins
         mb = seg.argmin(1)
-        minbin[rows, s] = mb
-        minload[rows, s] = seg[rows, mb]
+        minbin[flat] = mb
+        ml_flat[flat] = seg[rows, mb]
     return step_out, rank_out, failed

@@ -35,6 +35,14 @@ Guarantees (tested in tests/test_plan.py)
 * ``max_tokens_per_rank``: no rank-step ever exceeds the budget. A rank-step is empty only when
   the budget forces it: the window's samples are too few for its ``steps × R`` rank slots (e.g.
   samples close to the budget size, or fewer samples than ranks). ``plan.num_empty`` counts them.
+  Samples over the budget follow ``oversize``: ``"error"`` (default, lists them), ``"skip"``
+  (left out, ``plan.skipped``) or ``"alone"`` (each alone in a rank-step of extra steps).
+* ``grad_accum=k``: every rank has exactly k micro-batches in every step. The step is planned
+  over R·k virtual ranks, so micro-batch j of every rank is balanced against the others (each
+  micro-batch runs its own FSDP collectives) and the budget of ``max_tokens_per_rank`` holds per
+  micro-batch. With ``global_batch_size >= R·k`` no micro-batch is empty.
+* ``cost=``: the planner balances any integer cost per sample (:mod:`tokenbal.cost`), e.g. FLOPs
+  as token-equivalents; the guarantees above hold for it unchanged.
 """
 
 from __future__ import annotations
@@ -46,37 +54,46 @@ import numpy as np
 
 from tokenbal.partition import fill_windows
 
-__all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "check_lengths", "check_settings",
-           "PLAN_VERSION"]
+__all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_lower_bound", "check_lengths",
+           "check_settings", "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary",
+           "simulate", "Simulation", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 _TOKEN_FILL = 0.97   # token mode: fraction of the budget a window aims to use
 
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Steps × ranks lists of dataset indices, stored flat.
+    """Steps × ranks × micro-batches lists of dataset indices, stored flat.
 
-    Slot ``s * num_replicas + r`` (step s, rank r) is ``indices[offsets[slot]:offsets[slot + 1]]``,
-    in ascending dataset index order.
+    Micro-batch ``j`` of (step s, rank r) is ``indices[offsets[m]:offsets[m + 1]]`` with
+    ``m = (s * num_replicas + r) * grad_accum + j``, in ascending dataset index order. With
+    ``grad_accum == 1`` a micro-batch is the rank-step.
     """
 
     num_replicas: int
     indices: np.ndarray                 # int64, every planned sample once
-    offsets: np.ndarray                 # int64, num_steps * num_replicas + 1
+    offsets: np.ndarray                 # int64, num_steps * num_replicas * grad_accum + 1
     dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # drop_last tail
+    grad_accum: int = 1
+    skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # oversize="skip"
 
     @property
     def num_steps(self) -> int:
-        return (len(self.offsets) - 1) // self.num_replicas
+        return (len(self.offsets) - 1) // (self.num_replicas * self.grad_accum)
 
     @property
     def num_samples(self) -> int:
         return len(self.indices)
 
     def slot(self, step: int, rank: int) -> np.ndarray:
-        i = step * self.num_replicas + rank
+        """All of (step, rank)'s samples (its micro-batches one after the other)."""
+        i = (step * self.num_replicas + rank) * self.grad_accum
+        return self.indices[self.offsets[i]:self.offsets[i + self.grad_accum]]
+
+    def micro(self, step: int, rank: int, j: int) -> np.ndarray:
+        i = (step * self.num_replicas + rank) * self.grad_accum + j
         return self.indices[self.offsets[i]:self.offsets[i + 1]]
 
     def rank_steps(self, rank: int, start: int = 0) -> list[list[int]]:
@@ -85,20 +102,38 @@ class EpochPlan:
             raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank}")
         return [self.slot(s, rank).tolist() for s in range(start, self.num_steps)]
 
+    def micro_counts(self) -> np.ndarray:
+        """(num_steps, num_replicas, grad_accum) number of samples per micro-batch."""
+        return np.diff(self.offsets).reshape(self.num_steps, self.num_replicas, self.grad_accum)
+
     def counts(self) -> np.ndarray:
         """(num_steps, num_replicas) number of samples per rank-step."""
-        return np.diff(self.offsets).reshape(self.num_steps, self.num_replicas)
+        return self.micro_counts().sum(2)
 
     @property
     def num_empty(self) -> int:
-        return int((self.counts() == 0).sum())
+        """Empty micro-batches (rank-steps when ``grad_accum == 1``)."""
+        return int((self.micro_counts() == 0).sum())
 
-    def step_rank_tokens(self, lengths: np.ndarray) -> np.ndarray:
-        """(num_steps, num_replicas) int64 tokens per rank-step for the given per-sample lengths."""
+    def step_max_item(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps,) largest single sample of each step (for :func:`step_lower_bound`)."""
+        lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
+        per_step = self.num_replicas * self.grad_accum
+        step_of = np.repeat(np.arange(len(self.offsets) - 1) // per_step, np.diff(self.offsets))
+        out = np.zeros(self.num_steps, np.int64)
+        np.maximum.at(out, step_of, lens[self.indices])
+        return out
+
+    def micro_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps, num_replicas, grad_accum) int64 tokens per micro-batch."""
         lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
         csum = np.concatenate([[0], np.cumsum(lens[self.indices])])
         return (csum[self.offsets[1:]] - csum[self.offsets[:-1]]).reshape(
-            self.num_steps, self.num_replicas)
+            self.num_steps, self.num_replicas, self.grad_accum)
+
+    def step_rank_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps, num_replicas) int64 tokens per rank-step for the given per-sample lengths."""
+        return self.micro_tokens(lengths).sum(2)
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -108,13 +143,129 @@ def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
     return np.divide(t.max(1), mean, out=np.ones(len(t)), where=mean > 0)
 
 
+def step_lower_bound(step_rank_tokens: np.ndarray, step_max_item: np.ndarray) -> np.ndarray:
+    """Per-step ideal max/mean: max(mean, largest sample) / mean. No split of that step's samples
+    over the ranks can do better, so ``step_balance / step_lower_bound`` is the planner's own slack."""
+    t = np.asarray(step_rank_tokens, np.float64)
+    mean = t.mean(1)
+    ideal = np.maximum(mean, np.asarray(step_max_item, np.float64))
+    return np.divide(ideal, mean, out=np.ones(len(t)), where=mean > 0)
+
+
+def count_sharded_step_tokens(lengths: np.ndarray, num_replicas: int, global_batch_size: int,
+                              seed: int = 0) -> np.ndarray:
+    """(steps, ranks) tokens of ``DistributedSampler``-style sharding: a seeded permutation, rank r
+    takes every R-th sample, then ``global_batch_size // R`` consecutive samples per step (the
+    baseline tokenbal replaces; same structure as torch's, numpy permutation)."""
+    lens = check_lengths(lengths)
+    R = int(num_replicas)
+    per_rank = max(1, int(global_batch_size) // R)
+    perm = np.random.default_rng(seed).permutation(len(lens))
+    rows = len(perm) // R
+    steps = rows // per_rank
+    t = lens[perm[:steps * per_rank * R]].reshape(steps, per_rank, R)
+    return t.sum(1)
+
+
+def per_step_partition_tokens(lengths: np.ndarray, num_replicas: int, global_batch_size: int,
+                              method: str = "kk", seed: int = 0, max_steps: int | None = None,
+                              equal_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per-step rebalancing (what verl does with Karmarkar–Karp each step): a seeded permutation cut
+    into steps of N samples, each step partitioned over the ranks on its own.
+
+    Returns ``((steps, ranks) tokens, (steps,) largest sample per step)``."""
+    from tokenbal.partition import partition
+
+    lens = check_lengths(lengths)
+    R, N = int(num_replicas), int(global_batch_size)
+    perm = np.random.default_rng(seed).permutation(len(lens))
+    S = len(perm) // N if max_steps is None else min(len(perm) // N, int(max_steps))
+    out = np.zeros((S, R), np.int64)
+    big = np.zeros(S, np.int64)
+    for s in range(S):
+        c = lens[perm[s * N:(s + 1) * N]]
+        out[s] = np.bincount(partition(c, R, method=method, equal_counts=equal_counts), weights=c,
+                             minlength=R).astype(np.int64)
+        big[s] = c.max(initial=0)
+    return out, big
+
+
+def balance_summary(ratios: np.ndarray) -> dict[str, float]:
+    """mean / p95 / max of per-step max/mean ratios."""
+    r = np.asarray(ratios, np.float64)
+    if not r.size:
+        return {"mean": 1.0, "p95": 1.0, "max": 1.0}
+    return {"mean": float(r.mean()), "p95": float(np.percentile(r, 95)), "max": float(r.max())}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What ``tokenbal plan simulate`` prints: per-step max/mean of rank costs per method."""
+
+    num_samples: int
+    world_size: int
+    global_batch_size: int
+    grad_accum: int
+    cost: str
+    plan_seconds: float
+    ratios: dict[str, np.ndarray]          # method -> per-step max/mean
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {name: balance_summary(r) for name, r in self.ratios.items()}
+
+    def table(self) -> str:
+        lines = [f"{self.num_samples} samples, {self.world_size} ranks, global batch {self.global_batch_size}"
+                 f", grad_accum {self.grad_accum}, cost {self.cost}; per-step max/mean over ranks "
+                 "(1.000 = perfect)",
+                 f"{'method':<34}{'mean':>8}{'p95':>8}{'max':>8}{'steps':>8}"]
+        for name, r in self.ratios.items():
+            s = balance_summary(r)
+            lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+        lines.append(f"tokenbal plan time: {self.plan_seconds:.3f} s")
+        return "\n".join(lines)
+
+
+def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_accum: int = 1,
+             cost: object = None, seed: int = 0, baseline_steps: int | None = 500) -> Simulation:
+    """Compare DistributedSampler-style sharding, per-step LPT and KK (verl) and tokenbal's plan on
+    the same samples. Balance is measured on the cost being balanced (tokens by default).
+    ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick."""
+    import time
+
+    if cost is not None:
+        from tokenbal.cost import resolve_costs
+
+        c = resolve_costs(lengths, cost)
+    else:
+        c = check_lengths(lengths)
+    R, N, k = int(world_size), int(global_batch_size), _positive_int("grad_accum", grad_accum)
+    ratios: dict[str, np.ndarray] = {}
+    ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
+    for method, equal in (("lpt", False), ("kk", True)):
+        t, _ = per_step_partition_tokens(c, R, N, method=method, seed=seed, max_steps=baseline_steps,
+                                         equal_counts=equal)
+        ratios[f"per-step {method.upper()}" + (" (equal counts, verl)" if equal else "")] = step_balance(t)
+    t0 = time.perf_counter()
+    plan = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k)
+    dt = time.perf_counter() - t0
+    ratios["tokenbal"] = step_balance(plan.step_rank_tokens(c))
+    if k > 1:
+        ratios["tokenbal micro-batches"] = step_balance(plan.micro_tokens(c).reshape(plan.num_steps, -1))
+    name = cost if isinstance(cost, str) else ("tokens" if cost is None else type(cost).__name__)
+    return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
+                      plan_seconds=dt, ratios=ratios)
+
+
 def default_window(num_replicas: int, global_batch_size: int | None = None, *,
                    max_tokens_per_rank: int | None = None, mean_length: float = 1.0) -> int:
     """Steps per balancing window when the caller does not choose.
 
-    ``global_batch_size`` mode: at least 16 steps, and enough for ~64 samples per rank in a
-    window — with few samples per rank per step (N close to R) the fill needs more steps to pair
-    big samples with small ones. Capped at 256 steps (planning time grows with window × ranks).
+    ``global_batch_size`` mode: at least 16 steps, enough for ~128 samples per rank and ~16k
+    samples in a window. Measured (scripts/bench_balance.py, docs/bench/balance.md): with 2
+    samples per rank per step, balance improves with the window because the fill can build the
+    steps that hold giant samples out of other big samples from more steps (64 ranks, N=128:
+    window 32 -> mean max/mean 1.016, 128 -> 1.004; 512 ranks, N=1024: window 33 -> 1.015,
+    64 -> 1.010, 128 -> 1.006, at ~4, ~5 and ~10 s CPU for 1M samples). Capped at 256 steps.
 
     ``max_tokens_per_rank`` mode: balance is easy (a step may hold any number of samples); the
     window only sets how finely the step count can follow the tokens (one step in ``window``),
@@ -127,30 +278,60 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
         return int(min(16, max(1, round(4096 / per_step))))
     if global_batch_size is None:
         raise ValueError("give global_batch_size or max_tokens_per_rank")
-    return int(min(256, max(16, math.ceil(64 * R / global_batch_size))))
+    N = int(global_batch_size)
+    return int(min(256, max(16, math.ceil(128 * R / N), math.ceil(16384 / N))))
 
 
 def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int | None = None,
                max_tokens_per_rank: int | None = None, seed: int = 0, epoch: int = 0,
-               shuffle: bool = True, drop_last: bool = False, window: int | None = None) -> EpochPlan:
+               shuffle: bool = True, drop_last: bool = False, window: int | None = None,
+               grad_accum: int = 1, cost: object = None, oversize: str = "error") -> EpochPlan:
     """Plan one epoch for ``num_replicas`` ranks. See the module docstring for the guarantees.
 
     ``lengths``: per-sample non-negative integer costs (tokens), or an object with ``.lengths``.
-    Exactly one of ``global_batch_size`` (samples per step, all ranks together, >= num_replicas)
-    and ``max_tokens_per_rank`` (token budget per rank per step) must be given. ``window``: steps
-    balanced together (default :func:`default_window`); 1 means per-step balancing only.
+    Exactly one of ``global_batch_size`` (samples per step, all ranks together, >= num_replicas
+    × grad_accum) and ``max_tokens_per_rank`` (budget per rank per step, per micro-batch when
+    ``grad_accum > 1``) must be given. ``window``: steps balanced together (default
+    :func:`default_window`); 1 means per-step balancing only.
+
+    ``cost``: what to balance (:func:`tokenbal.cost.resolve_costs`: ``"tokens"``, ``"flops"``, a
+    FlopsModel, an array or a callable); the budget of ``max_tokens_per_rank`` is then in those
+    (token-equivalent) units. ``grad_accum=k``: every rank gets exactly k micro-batches per step,
+    and micro-batch j is balanced across ranks and against the other micro-batches (the step is
+    planned over R·k virtual ranks). ``oversize`` (token mode, samples over the budget):
+    ``"error"`` lists them, ``"skip"`` leaves them out (``plan.skipped``), ``"alone"`` gives each
+    its own micro-batch in extra steps (one per rank, at random places in the epoch; the last
+    such step may leave ranks empty).
     """
-    lens = check_lengths(lengths)
-    R, N, B, window = check_settings(lens, num_replicas, global_batch_size, max_tokens_per_rank, window)
+    if cost is not None:
+        from tokenbal.cost import resolve_costs
+
+        lens = resolve_costs(lengths, cost)
+    else:
+        lens = check_lengths(lengths)
+    k = _positive_int("grad_accum", grad_accum)
+    if oversize not in ("error", "skip", "alone"):
+        raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
+    R, N, B, window = check_settings(lens, num_replicas, global_batch_size, max_tokens_per_rank, window,
+                                     grad_accum=k, oversize=oversize)
     rng = np.random.default_rng([_nonneg_int("seed", seed), _nonneg_int("epoch", epoch)])
     n = len(lens)
     perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+    big = np.zeros(0, np.int64)
+    if B is not None and oversize != "error":
+        over = lens[perm] > B
+        big, perm = perm[over], perm[~over]
+    R_user, R = R, R * k      # plan k micro-batches per rank as R·k virtual ranks
 
     if N is not None:
         caps, kept = _count_steps(n, N, R, drop_last)
         dropped = np.sort(perm[kept:])
         perm = perm[:kept]
         W = min(window or default_window(R, N), max(1, len(caps)))
+        if window is None and len(caps):
+            # Equal windows of >= W steps: a short last window (few steps to spread its giants
+            # over) was the worst-balanced part of an epoch.
+            W = -(-len(caps) // max(1, len(caps) // W))
         step_win = np.arange(len(caps)) // W
         G = int(step_win[-1]) + 1 if len(caps) else 0
         cap2d = np.zeros((G, W), np.int64)
@@ -194,16 +375,34 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank = rank_map[step, rank_w]
 
     slot = step * R + rank
+    if B is not None and oversize == "alone" and big.size:
+        slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
+                                            rng, shuffle)
     order = _argsort_keys(slot, perm)
     offsets = np.zeros(S * R + 1, np.int64)
     np.cumsum(np.bincount(slot, minlength=S * R), out=offsets[1:])
-    return EpochPlan(num_replicas=R, indices=perm[order].astype(np.int64), offsets=offsets,
-                     dropped=dropped.astype(np.int64))
+    skipped = np.sort(big) if oversize == "skip" else np.zeros(0, np.int64)
+    return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
+                     dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
+
+
+def _insert_alone_steps(slot: np.ndarray, perm: np.ndarray, S: int, R: int, big: np.ndarray,
+                        rng: np.random.Generator, shuffle: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """Extra steps holding the oversize samples, one per (virtual) rank, mixed into the epoch."""
+    E = -(-len(big) // R)
+    pos = np.sort(rng.choice(S + E, E, replace=False)) if shuffle else np.arange(S, S + E)
+    is_extra = np.zeros(S + E, bool)
+    is_extra[pos] = True
+    new_of_old = np.flatnonzero(~is_extra)          # old step s -> new step
+    old_step, r = np.divmod(slot, R)
+    j = np.arange(len(big))
+    slot = np.concatenate([new_of_old[old_step] * R + r, pos[j // R] * R + j % R])
+    return slot, np.concatenate([perm, big]), S + E
 
 
 def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size: object,
-                   max_tokens_per_rank: object, window: object = None
-                   ) -> tuple[int, int | None, int | None, int | None]:
+                   max_tokens_per_rank: object, window: object = None, *, grad_accum: int = 1,
+                   oversize: str = "error") -> tuple[int, int | None, int | None, int | None]:
     """Validate planning settings against (checked) lengths without planning.
 
     Returns ``(num_replicas, global_batch_size, max_tokens_per_rank, window)`` as ints/None.
@@ -215,19 +414,21 @@ def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size:
     W = None if window is None else _positive_int("window", window)
     if global_batch_size is not None:
         N = _positive_int("global_batch_size", global_batch_size)
-        if N < R:
+        if N < R * grad_accum:
+            what = f"num_replicas={R}" if grad_accum == 1 else f"num_replicas × grad_accum = {R * grad_accum}"
             raise ValueError(
-                f"global_batch_size={N} is smaller than num_replicas={R}: every step would leave "
-                f"{R - N} ranks without a sample. Use global_batch_size >= num_replicas (or "
-                f"max_tokens_per_rank).")
+                f"global_batch_size={N} is smaller than {what}: every step would leave "
+                f"{R * grad_accum - N} {'ranks' if grad_accum == 1 else 'micro-batches'} without a "
+                f"sample. Use global_batch_size >= {R * grad_accum} (or max_tokens_per_rank).")
         return R, N, None, W
     B = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
     over = np.flatnonzero(lengths > B)
-    if over.size:
+    if over.size and oversize == "error":
         shown = ", ".join(f"{i} ({lengths[i]} tokens)" for i in over[:10].tolist())
         more = f" and {over.size - 10} more" if over.size > 10 else ""
         raise ValueError(f"{over.size} sample(s) exceed max_tokens_per_rank={B} on their own: "
-                         f"{shown}{more}. Raise the budget or filter these samples out.")
+                         f"{shown}{more}. Raise the budget, filter them out, or pass "
+                         "oversize='skip' / 'alone'.")
     return R, None, B, W
 
 

@@ -10,6 +10,13 @@ communication) and yields only its own slice::
         for batch in loader: ...
         # checkpoint: sampler.state_dict() -> {seed, epoch, cursor, fingerprint, ...}
 
+Options: ``cost=`` (what to balance, :mod:`tokenbal.cost`), ``grad_accum=k`` (each step is k
+batches — micro-batches — on every rank, all balanced; ``len`` and ``cursor`` count batches),
+``oversize=`` (token-budget mode: ``"error"``, ``"skip"``, ``"alone"``), ``verify=True`` (the
+first iteration of each epoch all-gathers a hash of the plan and its inputs and raises on every
+rank if they differ — one small collective per epoch instead of a silent mismatch or a hang).
+Works as ``DataLoader(batch_sampler=...)`` and with torchdata's ``StatefulDataLoader``.
+
 Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
@@ -20,6 +27,7 @@ loop actually finished: ``sd = sampler.state_dict(); sd["cursor"] = steps_done_t
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,12 +58,31 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __init__(self, lengths_or_index: Any, num_replicas: int | None = None, rank: int | None = None,
                  global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 window: int | None = None) -> None:
+                 window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
+                 oversize: str = "error", verify: bool = False) -> None:
+        # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         self.lengths = check_lengths(lengths_or_index)
+        if cost is None or (isinstance(cost, str) and cost == "tokens"):
+            self.costs = self.lengths
+            self.cost_name = "tokens"
+        else:
+            from tokenbal.cost import resolve_costs
+
+            self.costs = resolve_costs(lengths_or_index, cost)
+            self.cost_name = cost if isinstance(cost, str) else type(cost).__name__
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1:
+            raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+        self.grad_accum = int(grad_accum)
+        if oversize not in ("error", "skip", "alone"):
+            raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
+        self.oversize = oversize
+        self.verify = bool(verify)
+        self._verified: set[tuple[int, int]] = set()
         # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
         _, self.global_batch_size, self.max_tokens_per_rank, self.window = check_settings(
-            self.lengths, self.num_replicas, global_batch_size, max_tokens_per_rank, window)
+            self.costs, self.num_replicas, global_batch_size, max_tokens_per_rank, window,
+            grad_accum=self.grad_accum, oversize=oversize)
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
@@ -74,10 +101,51 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = plan_epoch(
-                self.lengths, self.num_replicas, global_batch_size=self.global_batch_size,
+                self.costs, self.num_replicas, global_batch_size=self.global_batch_size,
                 max_tokens_per_rank=self.max_tokens_per_rank, seed=key[0], epoch=key[1],
-                shuffle=self.shuffle, drop_last=self.drop_last, window=self.window)
+                shuffle=self.shuffle, drop_last=self.drop_last, window=self.window,
+                grad_accum=self.grad_accum, oversize=self.oversize)
         return self._plans[key]
+
+    def plan_hash(self, epoch: int | None = None) -> str:
+        """sha256 of the epoch's whole plan (all ranks) and of the inputs it came from (the
+        fingerprint: lengths that differ by one token can give the same plan this epoch but not
+        the next). Equal on every rank iff the ranks agree."""
+        plan = self.plan(epoch)
+        h = hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode())
+        for a in (plan.indices, plan.offsets, plan.dropped, plan.skipped):
+            h.update(np.ascontiguousarray(a, "<i8").tobytes())
+        h.update(f"{plan.num_replicas}/{plan.grad_accum}".encode())
+        return h.hexdigest()
+
+    def _verify_plan(self) -> None:
+        """All-gather the plan hash (once per epoch) and raise on every rank if any differs."""
+        key = (self.seed, self.epoch)
+        if not self.verify or key in self._verified:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("verify=True needs an initialised torch.distributed process group")
+        mine = {"hash": self.plan_hash(), "rank": self.rank, "fingerprint": self.fingerprint(),
+                "seed": self.seed, "epoch": self.epoch}
+        views: list[Any] = [None] * dist.get_world_size()
+        # Every rank reaches this collective at the same point (first iteration of each epoch),
+        # and every rank raises after it, so a mismatch is an error everywhere, never a hang.
+        dist.all_gather_object(views, mine)
+        if len({v["hash"] for v in views}) > 1:
+            ref = views[0]
+            lines = []
+            for v in views[1:]:
+                if v["hash"] == ref["hash"]:
+                    continue
+                diff = [k for k in ("seed", "epoch") if v[k] != ref[k]]
+                diff += [k for k in ref["fingerprint"] if v["fingerprint"].get(k) != ref["fingerprint"][k]]
+                lines.append(f"rank {v['rank']} differs from rank {ref['rank']}"
+                             + (f" in: {', '.join(diff)}" if diff else " (same settings: a planner bug)"))
+            raise RuntimeError("TokenBalancedBatchSampler plans disagree across ranks (each rank must build "
+                               "the sampler from the same lengths and settings):\n  " + "\n  ".join(lines))
+        self._verified.add(key)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate. A new epoch starts at step 0; re-selecting the current one
@@ -89,18 +157,23 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self._finished_here = False
 
     def __len__(self) -> int:
-        """Steps in the current epoch (all of them, also after a mid-epoch resume)."""
-        return self.plan().num_steps
+        """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
+        return self.plan().num_steps * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
         plan = self.plan()
-        if self.cursor >= plan.num_steps and self._finished_here:
+        self._verify_plan()
+        total = plan.num_steps * self.grad_accum
+        if self.cursor >= total and self._finished_here:
             # An epoch this sampler finished, iterated again without set_epoch: replay it, like
             # DistributedSampler. (After load_state_dict at the end of an epoch nothing is left.)
             self.cursor = 0
         self._finished_here = False
-        while self.cursor < plan.num_steps:
-            batch = plan.slot(self.cursor, self.rank).tolist()
+        k = self.grad_accum
+        while self.cursor < total:
+            # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
+            step, j = divmod(self.cursor, k)
+            batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             yield batch
         self._finished_here = True
@@ -110,12 +183,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def fingerprint(self) -> dict[str, Any]:
         """What the plan depends on besides (seed, epoch); a resume must match all of it."""
         if self._lengths_digest is None:
-            self._lengths_digest = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()[:16]
+            self._lengths_digest = hashlib.sha256(self.costs.astype("<i8").tobytes()).hexdigest()[:16]
         return {"plan_version": PLAN_VERSION, "num_samples": int(len(self.lengths)),
                 "lengths_sha256": self._lengths_digest, "num_replicas": self.num_replicas,
                 "global_batch_size": self.global_batch_size,
                 "max_tokens_per_rank": self.max_tokens_per_rank, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "window": self.window}
+                "drop_last": self.drop_last, "window": self.window, "grad_accum": self.grad_accum,
+                "oversize": self.oversize, "cost": self.cost_name}
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
@@ -136,9 +210,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         cursor = int(state["cursor"])
-        steps = self.plan().num_steps
+        steps = self.plan().num_steps * self.grad_accum
         if not 0 <= cursor <= steps:
-            raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} steps")
+            raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} batches")
         self.cursor = cursor
         self._finished_here = False
 

@@ -1,0 +1,177 @@
+"""Per-step rank balance of tokenbal's epoch planner vs DistributedSampler and per-step KK / LPT.
+
+Data: a heavy-tailed multimodal mixture with :data:`tokenbal.synthetic.MIXTURE`'s proportions
+(photos, documents, screenshots, icons, multi-image posts, short and long text) plus 2% long
+videos, each sample's vision tokens computed with ``get_estimator("qwen2-vl")`` from its image /
+video size (vectorised: the same formulas as the demo corpus, without rendering images).
+
+    python scripts/bench_balance.py            # all points + planning time of 1M samples, 512 ranks
+    python scripts/bench_balance.py --quick    # fewer steps per point
+
+Every number is measured in this process; nothing is asserted. The metric is, per step,
+max over ranks / mean over ranks of the step's tokens (1.00 = perfect). ``vs LB`` divides the
+max by the step's lower bound max(mean, largest sample in the step), which no assignment of
+that step's samples can beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+
+from tokenbal.estimate import get_estimator
+from tokenbal.plan import balance_summary, count_sharded_step_tokens, per_step_partition_tokens, plan_epoch
+from tokenbal.synthetic import MIXTURE
+
+VIDEO_FRACTION = 0.02
+_TOKENS_PER_WORD = 1.3
+_TEMPLATE_TOKENS = 24          # chat template around every sample
+
+
+def mixture_lengths(n: int, seed: int = 0, model: str = "qwen2-vl") -> np.ndarray:
+    """Total tokens per sample for ``n`` samples of the demo mixture plus long videos (vectorised)."""
+    est = get_estimator(model)
+    rng = np.random.default_rng(seed)
+    kinds = [k for k, _ in MIXTURE] + ["video"]
+    w = np.array([p for _, p in MIXTURE]) * (1 - VIDEO_FRACTION)
+    w = np.append(w / w.sum() * (1 - VIDEO_FRACTION), VIDEO_FRACTION)
+    kind = rng.choice(len(kinds), size=n, p=w / w.sum())
+    words = np.zeros(n, np.int64)
+    vision = np.zeros(n, np.int64)
+    wrap = est.wrapper_tokens
+
+    def image(mask: np.ndarray, bw: int, bh: int, spread: float,
+              swap: np.ndarray | None = None) -> np.ndarray:
+        m = int(mask.sum())
+        ww = np.maximum(8, np.round(bw * rng.uniform(1 - spread, 1 + spread, m))).astype(np.int64)
+        hh = np.maximum(8, np.round(bh * rng.uniform(1 - spread, 1 + spread, m))).astype(np.int64)
+        if swap is not None:
+            ww, hh = np.where(swap, hh, ww), np.where(swap, ww, hh)
+        return est.image_tokens_batch(ww, hh) + wrap
+
+    k = {name: kind == i for i, name in enumerate(kinds)}
+    m = k["photo"]
+    vision[m] = image(m, 640, 480, 0.2, rng.random(int(m.sum())) >= 0.7)
+    words[m] = rng.integers(8, 40, int(m.sum()))
+    m = k["document"]
+    vision[m] = image(m, 1700, 2300, 0.05)
+    words[m] = rng.integers(20, 120, int(m.sum()))
+    m = k["screenshot"]
+    vision[m] = image(m, 1920, 1080, 0.0)
+    words[m] = rng.integers(10, 60, int(m.sum()))
+    m = k["icon"]
+    side = rng.choice([16, 24, 32, 48, 64], int(m.sum()))
+    vision[m] = est.image_tokens_batch(side, side) + wrap
+    words[m] = rng.integers(3, 12, int(m.sum()))
+    m = k["multi_image"]
+    idx = np.flatnonzero(m)
+    nimg = rng.integers(2, 5, idx.size)
+    owner = np.repeat(idx, nimg)
+    per = image(np.ones(owner.size, bool), 640, 480, 0.25)
+    np.add.at(vision, owner, per)
+    words[m] = rng.integers(10, 50, idx.size)
+    m = k["text_short"]
+    words[m] = rng.integers(5, 60, int(m.sum()))
+    m = k["text_long"]
+    words[m] = rng.integers(20, 80, int(m.sum())) * rng.integers(10, 30, int(m.sum()))
+    m = k["video"]
+    # 8..64 s at 2 fps, 640x360: ~1.2k..19k tokens
+    frames = rng.integers(16, 129, int(m.sum()))
+    table = {f: est.video_tokens(f, 640, 360, 2.0) + wrap for f in np.unique(frames).tolist()}
+    vision[m] = np.array([table[f] for f in frames.tolist()], np.int64)
+    words[m] = rng.integers(10, 60, int(m.sum()))
+    return vision + np.round(words * _TOKENS_PER_WORD).astype(np.int64) + _TEMPLATE_TOKENS
+
+
+POINTS = ((8, 16), (8, 64), (64, 128), (512, 1024))
+
+
+def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
+    s = balance_summary(ratios)
+    out = f"  {name:<26} mean {s['mean']:6.3f}   p95 {s['p95']:6.3f}   max {s['max']:6.3f}"
+    if lb is not None:
+        v = balance_summary(ratios / lb)
+        out += f"   | vs LB: mean {v['mean']:6.3f}  p95 {v['p95']:6.3f}  max {v['max']:6.3f}"
+    return out
+
+
+def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
+                windows: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+    from tokenbal.plan import step_balance, step_lower_bound
+
+    n = N * steps
+    lens = mixture_lengths(n, seed)
+    print(f"(R, N) = ({R}, {N}): {n} samples, {steps} steps, mean {lens.mean():.0f} tokens/sample, "
+          f"{N / R:.0f} samples per rank per step")
+    res = {}
+    ds = count_sharded_step_tokens(lens, R, N, seed)
+    res["DistributedSampler"] = balance_summary(step_balance(ds))
+    print(_row("DistributedSampler-style", step_balance(ds)))
+    for method in ("lpt", "kk"):
+        t, big = per_step_partition_tokens(lens, R, N, method=method, seed=seed, max_steps=baseline_steps,
+                                           equal_counts=(method == "kk"))
+        name = f"per-step {method.upper()}" + (" (equal, verl)" if method == "kk" else "")
+        r = step_balance(t)
+        res[name] = balance_summary(r)
+        print(_row(name, r, step_lower_bound(t, big)))
+    t0 = time.perf_counter()
+    plan = plan_epoch(lens, R, global_batch_size=N, seed=seed)
+    dt = time.perf_counter() - t0
+    t = plan.step_rank_tokens(lens)
+    r = step_balance(t)
+    lb = step_lower_bound(t, plan.step_max_item(lens))
+    res["tokenbal"] = balance_summary(r)
+    res["tokenbal vs LB"] = balance_summary(r / lb)
+    print(_row("tokenbal plan_epoch", r, lb) + f"   ({dt:.2f} s)")
+    for W in windows:
+        t0 = time.perf_counter()
+        plan = plan_epoch(lens, R, global_batch_size=N, seed=seed, window=W)
+        dt = time.perf_counter() - t0
+        t = plan.step_rank_tokens(lens)
+        r = step_balance(t)
+        res[f"tokenbal window={W}"] = balance_summary(r)
+        print(_row(f"tokenbal window={W}", r, step_lower_bound(t, plan.step_max_item(lens)))
+              + f"   ({dt:.2f} s)")
+    return res
+
+
+def bench_plan_time(n: int, R: int, N: int, repeats: int, seed: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds per plan. On a shared machine the CPU time (one thread) is the
+    better measure of what one free core would take."""
+    lens = mixture_lengths(n, seed)
+    wall, cpu = [], []
+    for e in range(repeats):
+        c0, t0 = time.process_time(), time.perf_counter()
+        plan_epoch(lens, R, global_batch_size=N, seed=seed, epoch=e)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return wall, cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=400, help="steps per (R, N) point for tokenbal")
+    ap.add_argument("--baseline-steps", type=int, default=200, help="steps for the per-step baselines")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="100 steps per point, 3 timing repeats")
+    ap.add_argument("--plan-samples", type=int, default=1_000_000)
+    ap.add_argument("--large-windows", default="64,128",
+                    help="extra windows (steps) tried at (512, 1024): balance vs planning time")
+    args = ap.parse_args()
+    steps = 100 if args.quick else args.steps
+    print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}; "
+          "per-step max/mean of rank tokens (1.000 = perfect); 'vs LB' = max / max(mean, largest sample)")
+    extra = tuple(int(w) for w in args.large_windows.split(",") if w)
+    for R, N in POINTS:
+        bench_point(R, N, steps, min(steps, args.baseline_steps), args.seed, extra if R == 512 else ())
+    wall, cpu = bench_plan_time(args.plan_samples, 512, 1024, 3 if args.quick else 5, args.seed)
+    print(f"plan_epoch of {args.plan_samples} samples, 512 ranks, N=1024 ({len(wall)} runs): "
+          f"CPU median {np.median(cpu):.2f} s (min {min(cpu):.2f}, max {max(cpu):.2f}); "
+          f"wall median {np.median(wall):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
