@@ -200,16 +200,23 @@ def imbalance_row(step_tokens: np.ndarray) -> tuple[float, float, float]:
 
 
 def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_batch_size: int, seed: int,
-                collator, num_workers: int = 0):
-    """A DataLoader over ``dataset`` with tokenbal's balanced batches or DistributedSampler's."""
+                collator, num_workers: int = 0, cost=None):
+    """A DataLoader over ``dataset`` with tokenbal's balanced batches or DistributedSampler's.
+
+    ``cost``: what tokenbal balances (see ``tokenbal.cost``): None for tokens, or a FlopsModel.
+    """
+    from types import SimpleNamespace
+
     from torch.utils.data import DataLoader, DistributedSampler
 
     from tokenbal.sampler import TokenBalancedBatchSampler
 
     if sampler_kind == "tokenbal":
-        lengths = np.asarray(dataset.index.lengths[: len(dataset)])
-        batch_sampler = TokenBalancedBatchSampler(lengths, num_replicas=world_size, rank=rank,
-                                                  global_batch_size=global_batch_size, seed=seed)
+        n = len(dataset)
+        samples = SimpleNamespace(lengths=np.asarray(dataset.index.lengths[:n]),
+                                  vision_tokens=np.asarray(dataset.index.vision_tokens[:n]))
+        batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size, rank=rank,
+                                                  global_batch_size=global_batch_size, seed=seed, cost=cost)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
     if sampler_kind == "distributed":
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)

@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", help="transformers Qwen2-VL config.json (random init); default: tiny")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step, all ranks together")
+    p.add_argument("--cost", choices=["tokens", "flops"], default="tokens",
+                   help="what tokenbal balances: token counts, or FLOPs from the model config "
+                        "(LLM linear + attention + vision tower)")
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N samples")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
@@ -112,8 +115,13 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     from collate.train import StepRecord, _synchronize, shard_qwen2_vl, solo_compute_time, train_step
 
     dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples)
+    cost = None
+    if args.cost == "flops":
+        from tokenbal.cost import FlopsModel
+
+        cost = FlopsModel.from_config(config)
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
-                         PackedCollator.from_config(config), num_workers=args.num_workers)
+                         PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
