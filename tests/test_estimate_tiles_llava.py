@@ -360,3 +360,22 @@ def test_video_tokens_equal_processor_placeholders(ov_proc):
     text = p.replace_video_token(video, video_idx=0)
     assert text.count("<C>") == est.video_tokens(1000, 640, 480, 30.0) == 8 * 256
     assert text.count("<img>") + text.count("</img>") == est.video_wrapper_tokens(1000)
+
+
+@pytest.mark.parametrize(
+    ("min_tiles", "max_tiles", "tile"), [(1, 12, 448), (1, 6, 448), (2, 9, 384), (1, 36, 448)]
+)
+def test_vectorised_grid_choice_equals_the_sweep_dense(min_tiles, max_tiles, tile):
+    # best_grid_np jumps to the nearest ratio value instead of sweeping; the scalar best_grid is the
+    # sweep itself (checked against transformers above). A dense box holds every kind of exact tie
+    # (equal distances to two ratio values, e.g. aspect 1.25 between 1 and 3/2 when 5/4 is not a
+    # candidate) plus big images.
+    from tokenbal.estimate.tiles import best_grid, best_grid_np
+
+    hs, ws = np.meshgrid(np.arange(1, 161), np.arange(1, 161), indexing="ij")
+    rng = np.random.default_rng(7)
+    w = np.concatenate([ws.ravel(), rng.integers(1, 20000, 5000), ws.ravel() * 37])
+    h = np.concatenate([hs.ravel(), rng.integers(1, 20000, 5000), hs.ravel() * 29])
+    c, r = best_grid_np(w, h, tile, min_tiles, max_tiles)
+    want = [best_grid(int(a), int(b), tile, min_tiles, max_tiles) for a, b in zip(w, h, strict=True)]
+    assert list(zip(c.tolist(), r.tolist(), strict=True)) == want

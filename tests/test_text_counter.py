@@ -124,3 +124,104 @@ def test_non_str_names_index(trained):
             c.count_batch(["ok", None])
         with pytest.raises(TypeError, match="must be str, got bytes"):
             c.count(b"abc")
+
+
+# ---------------------------------------------------------------------------------------------
+# chat templates: count_chat equals transformers' apply_chat_template on the same files
+
+# A ChatML template (the layout Qwen uses) with a default system prompt, written for this test.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+BOS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+)
+ADDED_EOS = {"__type": "AddedToken", "content": "</s>"}  # the dict form real tokenizer_config.json files use
+CHATS = [
+    [{"role": "user", "content": "Describe the picture."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "The quick brown fox?"},
+        {"role": "assistant", "content": "It jumps over the lazy dog."},
+    ],
+    [{"role": "user", "content": "多模态 émigré 🙂"}, {"role": "assistant", "content": ""}],
+]
+
+
+def _chat_dir(tmp_path, trained, config: dict, jinja: str | None = None):
+    import json
+
+    from tokenizers import AddedToken
+
+    tok, _ = trained
+    d = tmp_path / "chat"
+    d.mkdir()
+    t = tokenizers.Tokenizer.from_str(tok.to_str())
+    t.post_processor = None
+    t.add_special_tokens([AddedToken(s, special=True) for s in ("<|im_start|>", "<|im_end|>")])
+    t.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **config})
+    )
+    if jinja is not None:
+        (d / "chat_template.jinja").write_text(jinja)
+    return d
+
+
+@pytest.mark.parametrize(
+    ("config", "jinja"),
+    [
+        ({"chat_template": CHATML, "eos_token": "<|im_end|>"}, None),
+        ({"chat_template": BOS_TEMPLATE, "bos_token": "<s>", "eos_token": ADDED_EOS}, None),
+        ({"chat_template": [{"name": "default", "template": CHATML}], "eos_token": "<|im_end|>"}, None),
+        ({"chat_template": "unused {{ nothing }}", "bos_token": "<s>", "eos_token": "</s>"}, BOS_TEMPLATE),
+    ],
+)
+def test_count_chat_equals_apply_chat_template(tmp_path, trained, config, jinja):
+    from transformers import AutoTokenizer
+
+    d = _chat_dir(tmp_path, trained, config, jinja)
+    hf = AutoTokenizer.from_pretrained(str(d))
+    c = TextTokenCounter.from_pretrained(d)
+    for chat in CHATS:
+        for gen in (False, True):
+            want = len(
+                hf.apply_chat_template(chat, tokenize=True, return_dict=False, add_generation_prompt=gen)
+            )
+            assert c.count_chat(chat, add_generation_prompt=gen) == want, (chat, gen)
+
+
+def test_chat_overhead_per_turn(tmp_path, trained):
+    d = _chat_dir(tmp_path, trained, {"chat_template": CHATML})
+    c = TextTokenCounter.from_pretrained(d)
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+
+    def n(s: str) -> int:
+        return len(tok.encode(s, add_special_tokens=False).ids)
+
+    one = [{"role": "user", "content": "The quick brown fox?"}]
+    two = one + [{"role": "assistant", "content": "It jumps over the lazy dog."}]
+    system = n("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    user_turn = n("<|im_start|>user\n") + n("<|im_end|>\n")
+    assistant_turn = n("<|im_start|>assistant\n") + n("<|im_end|>\n")
+    assert c.chat_overhead(one) == system + user_turn
+    assert c.chat_overhead(two) - c.chat_overhead(one) == assistant_turn
+    assert c.count_chat(two) == c.chat_overhead(two) + c.count_batch([m["content"] for m in two]).sum()
+
+
+def test_count_chat_errors(tmp_path, trained):
+    _, plain = trained
+    c = TextTokenCounter.from_pretrained(plain)
+    assert c.chat_template is None
+    with pytest.raises(ValueError, match="no chat template"):
+        c.count_chat(CHATS[0])
+    assert c.count_chat(CHATS[0], template=CHATML) > c.count("Describe the picture.")
+    d = _chat_dir(tmp_path, trained, {"chat_template": CHATML})
+    c = TextTokenCounter.from_pretrained(d)
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with str 'role' and str 'content'"):
+        c.count_chat([{"role": "user", "content": "hi"}, {"role": "user", "content": None}])
+    with pytest.raises(ValueError, match="non-empty list"):
+        c.chat_overhead([])

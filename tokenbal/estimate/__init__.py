@@ -2,7 +2,8 @@
 
 ``get_estimator(name, **overrides)`` / ``load_estimator(model_dir)`` give a vision estimator
 (names: ``estimator_names()``: qwen2-vl, qwen2.5-vl, qwen3-vl, internvl, tiles, llava-next,
-llava-onevision); ``image_tokens_checked(est, widths, heights)`` counts a batch without letting one
+llava-onevision, idefics3, smolvlm, glm-4.1v, phi-4-multimodal);
+``image_tokens_checked(est, widths, heights)`` counts a batch without letting one
 bad image fail it; ``get_text_counter(tokenizer_path_or_None)`` gives a text counter.
 """
 

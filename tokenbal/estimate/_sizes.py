@@ -36,8 +36,11 @@ def as_dims(values: object, what: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{what} must be a 1-D sequence, got shape {arr.shape}")
     if arr.dtype.kind in "iu":
-        out = arr.astype(np.int64)
-        bad = np.flatnonzero(out <= 0)
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 2**63:
+            raise ValueError(f"{what} has a value too large to be an image side: {int(arr.max())!r}")
+        out = arr.astype(np.int64, copy=False)  # no copy for int64 input: we never write into it
+        nonpos = out <= 0
+        bad = np.flatnonzero(nonpos) if nonpos.any() else np.zeros(0, dtype=np.int64)
     elif arr.dtype.kind == "f":
         with np.errstate(invalid="ignore"):
             bad = np.flatnonzero(~np.isfinite(arr) | (arr != np.floor(arr)) | (arr <= 0))

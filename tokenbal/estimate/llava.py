@@ -37,20 +37,22 @@ def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int
 
 
 def _select_best_np(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
-    bh = np.zeros(h.shape, dtype=np.int64)
-    bw = np.zeros(h.shape, dtype=np.int64)
+    best = np.zeros(h.shape, dtype=np.int64)  # index into pinpoints
     best_eff = np.zeros(h.shape, dtype=np.int64)
     best_waste = np.full(h.shape, np.inf)
     area = w * h
-    for ph, pw in pinpoints:
+    for k, (ph, pw) in enumerate(pinpoints):
         scale = np.minimum(pw / w, ph / h)
         # int() truncates; products are positive so astype's truncation is the same
         eff = np.minimum((w * scale).astype(np.int64) * (h * scale).astype(np.int64), area)
         waste = pw * ph - eff
         take = (eff > best_eff) | ((eff == best_eff) & (waste < best_waste))
-        bh[take], bw[take] = ph, pw
-        best_eff[take], best_waste[take] = eff[take], waste[take]
-    return bh, bw
+        # copyto(where=) instead of boolean-mask assignment: same result, several times cheaper
+        np.copyto(best, k, where=take)
+        np.copyto(best_eff, eff, where=take)
+        np.copyto(best_waste, waste, where=take)
+    table = np.asarray(pinpoints, dtype=np.int64)
+    return table[best, 0], table[best, 1]
 
 
 def unpadded_grid(height: int, width: int, cur_h: int, cur_w: int) -> tuple[int, int]:

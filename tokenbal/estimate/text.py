@@ -25,15 +25,15 @@ class HeuristicTextCounter:
     character, and byte-level BPE vocabularies of Qwen/Llama give roughly one token per 1-2 CJK
     characters) without any per-script tables.
 
-    Calibration of the default ``bytes_per_token=4.0`` (one-off measurement, not re-run by tests):
-    4 bytes/token is the usual rule of thumb for English with large byte-level BPE vocabularies
-    (GPT-2 / Qwen2 / Llama-3 class). Those tokenizers cannot be downloaded here, so we trained
-    byte-level BPE tokenizers with the ``tokenizers`` library on 9.8 MB of English technical prose
-    available offline (Vim's ``doc/*.txt``) and encoded held-out English legal prose (the GPL-3,
-    Apache-2.0, GFDL-1.3 and Artistic licence texts, 76 kB): 3.46 bytes/token at an 8k vocabulary,
-    4.04 at 32k, 4.21 at 64k. Bigger vocabularies trained on more data compress English further, so
-    4.0 errs towards over-counting for English. It is not exact for code, CJK or numbers-heavy text;
-    pass the real tokenizer (``TextTokenCounter``) whenever exact lengths matter.
+    Calibration of the default ``bytes_per_token=4.0``: 4 bytes/token is the usual rule of thumb for
+    English with large byte-level BPE vocabularies (GPT-2 / Qwen2 / Llama-3 class). Those tokenizers
+    cannot be downloaded here, so ``scripts/bench_estimate.py`` trains byte-level BPE tokenizers with
+    the ``tokenizers`` library on local text (Vim's docs + half of the Python stdlib, 11.8 MB) and
+    measures held-out samples (docs/bench/estimate.md): English legal prose has 4.26 bytes/token at a
+    32k vocabulary (heuristic total +6.9 %, per-sample p5..p95 -22 %..+31 %) and 4.47 at 64k (+12 %);
+    Python code 3.97-4.06 (total -0.6 %..+1.6 %, per-sample -33 %..+20 %). It is not calibrated for
+    CJK or numbers-heavy text; pass the real tokenizer (``TextTokenCounter``) whenever exact lengths
+    matter.
     """
 
     def __init__(self, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN) -> None:
@@ -70,10 +70,21 @@ class TextTokenCounter:
     ``"tokenizer.json:sha256=<first 16 hex>"`` so an index records exactly which vocabulary it used.
     """
 
-    def __init__(self, tokenizer, name: str, add_special_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        name: str,
+        add_special_tokens: bool = False,
+        chat_template: str | dict[str, str] | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
         self._tok = tokenizer
         self.name = name
         self.add_special_tokens = bool(add_special_tokens)
+        # str, or {name: template} as in tokenizer_config.json's list form ("default" is used)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # bos_token etc., visible to the template
+        self._hf = None  # transformers tokenizer over the same vocabulary, built on first chat use
 
     @classmethod
     def from_pretrained(cls, path: str | Path, add_special_tokens: bool = False) -> TextTokenCounter:
@@ -91,7 +102,14 @@ class TextTokenCounter:
         except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
             raise ValueError(f"cannot load tokenizer from {str(file)!r}: {e}") from e
         digest = hashlib.sha256(data).hexdigest()[:16]
-        return cls(tok, f"tokenizer.json:sha256={digest}", add_special_tokens=add_special_tokens)
+        template, special = _read_chat_config(file.parent)
+        return cls(
+            tok,
+            f"tokenizer.json:sha256={digest}",
+            add_special_tokens=add_special_tokens,
+            chat_template=template,
+            special_tokens=special,
+        )
 
     def count(self, text: str) -> int:
         enc = self._tok.encode(_as_text(text, None), add_special_tokens=self.add_special_tokens)
@@ -104,8 +122,102 @@ class TextTokenCounter:
         encs = self._tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)
         return np.fromiter((len(e.ids) for e in encs), dtype=np.int64, count=len(encs))
 
+    # ---- chat templates ---------------------------------------------------------------------
+    def _hf_tokenizer(self):
+        if self._hf is None:
+            from tokenizers import Tokenizer
+            from transformers import PreTrainedTokenizerFast  # only needed for chat templates
+
+            # a copy: transformers may register special tokens on the object it wraps, which must
+            # not change what count() returns
+            self._hf = PreTrainedTokenizerFast(
+                tokenizer_object=Tokenizer.from_str(self._tok.to_str()),
+                chat_template=self.chat_template,
+                **self.special_tokens,
+            )
+        return self._hf
+
+    def count_chat(
+        self,
+        messages: Sequence[dict],
+        *,
+        template: str | None = None,
+        add_generation_prompt: bool = False,
+        **template_kwargs,
+    ) -> int:
+        """Tokens of a whole conversation rendered with its chat template.
+
+        Exactly ``len(tokenizer.apply_chat_template(messages, tokenize=True))`` of transformers
+        with this vocabulary, the checkpoint's ``chat_template`` (``tokenizer_config.json`` or
+        ``chat_template.jinja`` beside ``tokenizer.json``; ``template`` overrides it) and its
+        special tokens (``bos_token`` etc.) available to the template. ``template_kwargs`` go to the
+        template (e.g. ``enable_thinking=False``). Needs ``transformers`` (and ``jinja2``).
+        """
+        if template is None and self.chat_template is None:
+            raise ValueError(
+                f"{self.name}: no chat template (none in tokenizer_config.json / chat_template.jinja); "
+                "pass template=..."
+            )
+        _check_messages(messages)
+        ids = self._hf_tokenizer().apply_chat_template(
+            list(messages),
+            chat_template=template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **template_kwargs,
+        )
+        return len(ids)
+
+    def chat_overhead(self, messages: Sequence[dict], **kwargs) -> int:
+        """Tokens the chat template adds: :meth:`count_chat` minus the sum of each message's
+        ``content`` counted on its own (:meth:`count`). For ChatML templates this is the per-turn
+        ``<|im_start|>role\n`` ... ``<|im_end|>\n`` plus any default system prompt. Only string
+        contents are supported (multimodal content lists need the processor's template)."""
+        _check_messages(messages)
+        return self.count_chat(messages, **kwargs) - sum(self.count(m["content"]) for m in messages)
+
     def __repr__(self) -> str:
         return f"TextTokenCounter(name={self.name!r})"
+
+
+def _check_messages(messages: Sequence[dict]) -> None:
+    if isinstance(messages, (str, bytes)) or not len(messages):
+        raise ValueError(f"messages must be a non-empty list of role/content dicts, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        ok = isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        if not ok:
+            raise ValueError(f"messages[{i}] must be a dict with str 'role' and str 'content', got {m!r:.80}")
+
+
+def _read_chat_config(folder: Path) -> tuple[str | dict[str, str] | None, dict[str, str]]:
+    """(chat template, special tokens) from a checkpoint folder, the way transformers reads them:
+    ``chat_template.jinja`` wins over ``tokenizer_config.json``'s ``chat_template`` (a string, or a
+    list of ``{"name", "template"}``); special tokens are the ``*_token`` entries (strings, or
+    ``{"content": ...}`` AddedToken dicts)."""
+    import json
+
+    cfg: dict = {}
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"cannot read {str(path)!r}: {e}") from e
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = {t["name"]: t["template"] for t in template}
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    special = {}
+    for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+        v = cfg.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            special[key] = v
+    return template, special
 
 
 TextCounter = HeuristicTextCounter | TextTokenCounter

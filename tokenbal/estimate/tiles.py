@@ -49,21 +49,72 @@ def best_grid(width: int, height: int, tile_size: int, min_tiles: int, max_tiles
     return best
 
 
-def best_grid_np(w: np.ndarray, h: np.ndarray, tile_size: int, min_tiles: int, max_tiles: int):
-    """Vectorised :func:`best_grid` (same float64 operations, same sweep order)."""
+@lru_cache(maxsize=32)
+def _ratio_table(grids: tuple[tuple[int, int], ...]):
+    """Candidates grouped by their aspect ratio value ``c / r`` (as the float the sweep computes).
+
+    Returns ``(q, cols, rows, prods)``: ``q`` the sorted distinct ratio values; row ``j`` of the
+    (n, L) tables lists the grids with ratio ``q[j]`` in sweep order (increasing tile count),
+    padded with the last entry and an infinite tile count.
+    """
+    groups: dict[float, list[tuple[int, int]]] = {}
+    for c, r in grids:  # sweep order
+        groups.setdefault(c / r, []).append((c, r))
+    q = np.array(sorted(groups))
+    width = max(len(v) for v in groups.values())
+    cols = np.zeros((len(q), width), dtype=np.int64)
+    rows = np.zeros((len(q), width), dtype=np.int64)
+    prods = np.full((len(q), width), np.inf)
+    for j, value in enumerate(q.tolist()):
+        members = groups[value]
+        padded = members + [members[-1]] * (width - len(members))
+        cols[j], rows[j] = [c for c, _ in padded], [r for _, r in padded]
+        prods[j, : len(members)] = [c * r for c, r in members]
+    return q, cols, rows, prods
+
+
+def sweep_np(w: np.ndarray, h: np.ndarray, tile_size: int, grids: tuple[tuple[int, int], ...], scalar):
+    """The result of transformers' closest-aspect-ratio sweep over ``grids`` for every element,
+    without sweeping.
+
+    The sweep keeps the first grid with the smallest ``|aspect - c/r|`` and then moves to each
+    later grid with *exactly* the same distance while ``area > 0.5 * tile^2 * c * r``. Only the one
+    or two ratio values next to ``aspect`` can hold the smallest distance (distinct ratios differ
+    by far more than float rounding), and grids sharing a ratio value come in increasing tile
+    count, so the condition holds for a prefix of them: the answer is the ``m``-th grid of the
+    nearest ratio value, ``m`` = how many of its later grids pass the area test. Elements exactly
+    midway between two ratio values (equal float distances) are left to ``scalar(w, h)``, the
+    sweep itself.
+    """
+    q, cols, rows, prods = _ratio_table(grids)
     aspect = w / h
     area = w * h
-    cols = np.ones(w.shape, dtype=np.int64)
-    rows = np.ones(w.shape, dtype=np.int64)
-    best_diff = np.full(w.shape, np.inf)
-    for c, r in tile_grids(min_tiles, max_tiles):
-        diff = np.abs(aspect - c / r)
-        better = diff < best_diff
-        tie = (diff == best_diff) & (area > 0.5 * tile_size * tile_size * c * r)
-        take = better | tie
-        cols[take], rows[take] = c, r
-        best_diff[better] = diff[better]
-    return cols, rows
+    j = np.searchsorted(q, aspect)
+    left = np.clip(j - 1, 0, len(q) - 1)
+    right = np.clip(j, 0, len(q) - 1)
+    d_left = np.abs(aspect - q[left])
+    d_right = np.abs(aspect - q[right])
+    pick = np.where(d_right < d_left, right, left)
+    m = np.zeros(w.shape, dtype=np.int64)
+    half_tile2 = 0.5 * tile_size * tile_size
+    for k in range(1, prods.shape[1]):
+        m += area > half_tile2 * prods[pick, k]
+    c, r = cols[pick, m], rows[pick, m]
+    tie = np.flatnonzero((d_left == d_right) & (left != right))
+    for i in tie:
+        c[i], r[i] = scalar(int(w[i]), int(h[i]))
+    return c, r
+
+
+def best_grid_np(w: np.ndarray, h: np.ndarray, tile_size: int, min_tiles: int, max_tiles: int):
+    """Vectorised :func:`best_grid` (see :func:`sweep_np`); identical results."""
+    return sweep_np(
+        w,
+        h,
+        tile_size,
+        tile_grids(min_tiles, max_tiles),
+        lambda a, b: best_grid(a, b, tile_size, min_tiles, max_tiles),
+    )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from tokenbal.estimate.glm import make_glm4v
+from tokenbal.estimate.idefics import make_idefics3
 from tokenbal.estimate.llava import LlavaNextEstimator, LlavaOneVisionEstimator
+from tokenbal.estimate.phi4 import make_phi4
 from tokenbal.estimate.qwen import QWEN_FAMILIES, make_qwen
 from tokenbal.estimate.tiles import make_tiles
 
@@ -35,6 +38,15 @@ _ALIASES = {
     "llava-onevision": "llava-onevision",
     "llava_onevision": "llava-onevision",
     "tiles": "tiles",
+    "idefics3": "idefics3",
+    "smolvlm": "smolvlm",
+    "glm-4.1v": "glm-4.1v",
+    "glm4v": "glm-4.1v",
+    "glm4.1v": "glm-4.1v",
+    "glm4v_moe": "glm-4.1v",  # GLM-4.5V: same image processor class
+    "phi-4-multimodal": "phi-4-multimodal",
+    "phi4_multimodal": "phi-4-multimodal",
+    "phi4-multimodal": "phi-4-multimodal",
 }
 
 _FACTORIES: dict[str, Callable[..., Any]] = {
@@ -43,6 +55,10 @@ _FACTORIES: dict[str, Callable[..., Any]] = {
     "tiles": lambda **kw: make_tiles("tiles", **kw),
     "llava-next": lambda **kw: LlavaNextEstimator().replace(**kw),
     "llava-onevision": lambda **kw: LlavaOneVisionEstimator().replace(**kw),
+    "idefics3": lambda **kw: make_idefics3("idefics3", **kw),
+    "smolvlm": lambda **kw: make_idefics3("smolvlm", **kw),
+    "glm-4.1v": make_glm4v,
+    "phi-4-multimodal": make_phi4,
 }
 
 
@@ -54,8 +70,9 @@ def get_estimator(name: str, **overrides: Any) -> Any:
     """The estimator for model family ``name`` with official-checkpoint defaults and ``overrides``.
 
     Names: "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl", "tiles", "llava-next",
-    "llava-onevision" (transformers ``model_type`` spellings such as "qwen2_5_vl" are accepted
-    too). Unknown names raise ``ValueError`` listing the known ones; unknown overrides raise
+    "llava-onevision", "idefics3", "smolvlm", "glm-4.1v", "phi-4-multimodal" (transformers
+    ``model_type`` spellings such as "qwen2_5_vl" are accepted too). Unknown names raise
+    ``ValueError`` listing the known ones; unknown overrides raise
     ``TypeError`` listing the accepted settings.
     """
     key = _ALIASES.get(str(name).lower(), str(name).lower())
@@ -187,6 +204,12 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
         settings = _qwen_settings(family, image, video)
     elif family == "internvl":
         settings = _internvl_hf_settings(image, _read_json(d / "processor_config.json") or {})
+    elif family in ("idefics3", "smolvlm"):
+        settings = _idefics3_settings(image, _read_json(d / "processor_config.json") or {})
+    elif family == "glm-4.1v":
+        settings = _glm4v_settings(image)
+    elif family == "phi-4-multimodal":
+        settings = {"dynamic_hd": int(image.get("dynamic_hd", 36))}
     else:
         settings = _llava_settings(family, cfg, image)
     return get_estimator(family, **{**settings, **overrides})
@@ -221,6 +244,28 @@ def _internvl_hf_settings(image: dict, processor: dict) -> dict:
         "min_tiles": int(image.get("min_patches", 1)),
         "tokens_per_tile": int(processor.get("image_seq_length", 256)),
         "use_thumbnail": True,
+    }
+
+
+def _idefics3_settings(image: dict, processor: dict) -> dict:
+    # transformers class defaults for missing keys: size 1456, tile 364 (both Idefics3 and SmolVLM
+    # image processors), processor image_seq_len 169
+    return {
+        "longest_edge": int((image.get("size") or {}).get("longest_edge", 4 * 364)),
+        "tile_size": int((image.get("max_image_size") or {}).get("longest_edge", 364)),
+        "do_image_splitting": bool(image.get("do_image_splitting", True)),
+        "image_seq_len": int(processor.get("image_seq_len", 169)),
+    }
+
+
+def _glm4v_settings(image: dict) -> dict:
+    size = image.get("size") or {}
+    return {  # Glm4vImageProcessor class defaults for missing keys
+        "min_pixels": int(size.get("shortest_edge", 112 * 112)),
+        "max_pixels": int(size.get("longest_edge", 28 * 28 * 15000)),
+        "patch_size": int(image.get("patch_size", 14)),
+        "merge_size": int(image.get("merge_size", 2)),
+        "temporal_patch_size": int(image.get("temporal_patch_size", 2)),
     }
 
 

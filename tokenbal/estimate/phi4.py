@@ -1,0 +1,156 @@
+"""Phi-4-multimodal images: 448-px crops (up to ``dynamic_hd``) plus a global view.
+
+Port of transformers 5.24 ``Phi4MultimodalImageProcessor`` (torchvision backend only; there is no
+PIL class). The image is fitted into a ``gw x gh`` grid of 448 crops: ``ceil(W/448) x ceil(H/448)``
+when that is at most ``dynamic_hd`` crops, else the InternVL-style closest aspect ratio among all
+grids of at most ``dynamic_hd`` crops. It is resized to fill the grid's width or height and padded;
+a 32x32-per-crop attention mask zeroes the padded patch columns/rows, and the count is
+
+    256 + 1 + ceil(R/2) * ceil(C/2) + ceil(R/2) + 16
+
+(global 16x16 view, separator, the valid 2x2-merged HD patches, one newline per merged HD row,
+16 global newlines) with R, C the valid mask rows/columns. All of them are ``<|image|>`` tokens in
+the prompt (``Phi4MultimodalProcessor.replace_image_token``), so there are no wrapper tokens.
+The processor raises when the resized short side is below 10 px; so do we.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+
+import numpy as np
+
+from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate.tiles import sweep_np
+
+CROP = 448  # transformers hardcodes the 256 + 16 global-view tokens for this crop / patch size
+PATCH = 14
+MASK = CROP // PATCH  # 32 mask cells per crop side
+MIN_SIDE = 10  # "the aspect ratio is very extreme"
+
+
+@lru_cache(maxsize=8)
+def phi4_grids(max_num: int, min_num: int = 1) -> tuple[tuple[int, int], ...]:
+    """Candidate (columns, rows) in the processor's order: a *set* sorted by crop count (stable),
+    so equal-count grids keep Python's set iteration order, which is deterministic for int tuples."""
+    ratios = {
+        (i, j)
+        for n in range(min_num, max_num + 1)
+        for i in range(1, n + 1)
+        for j in range(1, n + 1)
+        if min_num <= i * j <= max_num
+    }
+    return tuple(sorted(ratios, key=lambda x: x[0] * x[1]))
+
+
+def _closest(width: int, height: int, max_num: int) -> tuple[int, int]:
+    aspect = width / height
+    area = width * height
+    best, best_diff = (1, 1), float("inf")
+    for c, r in phi4_grids(max_num):
+        diff = abs(aspect - c / r)
+        if diff < best_diff:
+            best, best_diff = (c, r), diff
+        elif diff == best_diff and area > 0.5 * CROP * CROP * c * r:
+            best = (c, r)
+    return best
+
+
+def _closest_np(w: np.ndarray, h: np.ndarray, max_num: int) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorised :func:`_closest` (the same sweep result, see ``tiles.sweep_np``)."""
+    return sweep_np(w, h, CROP, phi4_grids(max_num), lambda a, b: _closest(a, b, max_num))
+
+
+def _extreme(width: int, height: int, new_w: int, new_h: int) -> ValueError:
+    return ValueError(
+        f"image {width}x{height} (width x height) is resized to {new_w}x{new_h} for its crop grid; "
+        f"Phi-4-multimodal's processor rejects a side below {MIN_SIDE} px (aspect ratio too extreme)"
+    )
+
+
+@dataclass(frozen=True)
+class Phi4MultimodalEstimator:
+    """Phi-4-multimodal ``<|image|>`` counts. Field: ``dynamic_hd`` (max crops, hub 36)."""
+
+    family: str = "phi-4-multimodal"
+    dynamic_hd: int = 36
+
+    def __post_init__(self) -> None:
+        v = self.dynamic_hd
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{self.family}: dynamic_hd must be a positive int, got {v!r}")
+
+    @property
+    def name(self) -> str:
+        return self.family
+
+    @property
+    def config(self) -> dict:
+        return {"estimator": self.family, **asdict(self)}
+
+    @property
+    def wrapper_tokens(self) -> int:
+        """0: separators and newlines are part of the ``<|image|>`` run (:meth:`image_tokens`)."""
+        return 0
+
+    def crop_grid(self, width: int, height: int) -> tuple[int, int]:
+        """(columns, rows) of 448-px crops."""
+        w, h = as_dim(width, "width"), as_dim(height, "height")
+        wc, hc = math.ceil(w / float(CROP)), math.ceil(h / float(CROP))
+        if wc * hc > self.dynamic_hd:
+            return _closest(w, h, self.dynamic_hd)
+        return wc, hc
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """``<|image|>`` tokens for one image (everything the image costs)."""
+        w, h = as_dim(width, "width"), as_dim(height, "height")
+        gw, gh = self.crop_grid(w, h)
+        tw, th = CROP * gw, CROP * gh
+        if tw / w < th / h:
+            new_w, new_h = tw, int(h * (tw / w))
+            pad_w, pad_h = 0, th - new_h
+        else:
+            new_w, new_h = int(w * (th / h)), th
+            pad_w, pad_h = tw - new_w, 0
+        if min(new_h, th) < MIN_SIDE or min(new_w, tw) < MIN_SIDE:
+            raise _extreme(w, h, new_w, new_h)
+        rows = MASK * gh - (math.floor(pad_h / PATCH) if pad_h >= PATCH else 0)
+        cols = MASK * gw - (math.floor(pad_w / PATCH) if pad_w >= PATCH else 0)
+        hr, hc = -(-rows // 2), -(-cols // 2)
+        return 256 + 1 + hr * hc + hr + 16
+
+    def image_tokens_batch(self, widths, heights) -> np.ndarray:
+        """Vectorised :meth:`image_tokens`; identical values, int64."""
+        w, h = pair_dims(widths, heights)
+        gw = np.ceil(w / float(CROP)).astype(np.int64)
+        gh = np.ceil(h / float(CROP)).astype(np.int64)
+        over = gw * gh > self.dynamic_hd
+        if over.any():  # more than dynamic_hd crops: closest aspect ratio among the allowed grids
+            gw[over], gh[over] = _closest_np(w[over], h[over], self.dynamic_hd)
+        tw, th = CROP * gw, CROP * gh
+        fit_w = tw / w < th / h
+        new_h = np.where(fit_w, (h * (tw / w)).astype(np.int64), th)
+        new_w = np.where(fit_w, tw, (w * (th / h)).astype(np.int64))
+        bad = np.flatnonzero((np.minimum(new_h, th) < MIN_SIDE) | (np.minimum(new_w, tw) < MIN_SIDE))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"element {i}: {_extreme(int(w[i]), int(h[i]), int(new_w[i]), int(new_h[i]))}")
+        pad_w, pad_h = tw - new_w, th - new_h
+        rows = MASK * gh - np.where(pad_h >= PATCH, pad_h // PATCH, 0)
+        cols = MASK * gw - np.where(pad_w >= PATCH, pad_w // PATCH, 0)
+        hr, hc = -(-rows // 2), -(-cols // 2)
+        return 256 + 1 + hr * hc + hr + 16
+
+    def replace(self, **overrides) -> Phi4MultimodalEstimator:
+        known = {f.name for f in fields(self)} - {"family"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"{self.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return Phi4MultimodalEstimator(**{**asdict(self), **overrides})
+
+
+def make_phi4(**overrides) -> Phi4MultimodalEstimator:
+    """microsoft/Phi-4-multimodal-instruct: ``dynamic_hd=36`` (also transformers' class default)."""
+    return Phi4MultimodalEstimator().replace(**overrides)
