@@ -441,3 +441,17 @@ def test_writer_rollback_drops_a_half_written_shard(tmp_path, corpus):
     idx = TokenIndex(str(tmp_path))
     assert list(idx.keys) == good.keys and idx.shard_paths == [corpus.shards[0]]
     assert [e["shard"] for e in idx.errors] == [corpus.shards[0]] * len(good.errors)
+
+
+def test_idefics3_tile_markers_are_counted_per_image(tmp_path):
+    from tokenbal.estimate import get_estimator
+
+    # Split images carry row and tile markers, so a constant per-image wrapper would be wrong.
+    samples = [Sample("big", images=[("png", 1456, 1000)], caption="x"),
+               Sample("small", images=[("png", 64, 64)], caption="x")]
+    shard = write_shard(tmp_path / "s.tar", samples)
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", model="idefics3", progress=False).out)
+    est = get_estimator("idefics3")
+    for i, (w, h) in enumerate([(1456, 1000), (64, 64)]):
+        assert idx.vision_tokens[i] == est.image_tokens(w, h) + est.image_wrapper_tokens(w, h)
+    assert est.image_wrapper_tokens(1456, 1000) != est.wrapper_tokens

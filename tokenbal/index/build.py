@@ -285,6 +285,15 @@ def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
         member_paths=paths if any(paths) else None)
 
 
+def _wrapper_tokens(est: VisionEstimator, wh: np.ndarray) -> np.ndarray | int:
+    """Special tokens around each image: a constant for most families, but Idefics3 / SmolVLM add
+    row and tile markers that depend on how the image is split."""
+    per_size = getattr(est, "image_wrapper_tokens_batch", None)
+    if per_size is not None:
+        return np.asarray(per_size(wh[:, 0], wh[:, 1]), dtype=np.int64)
+    return int(est.wrapper_tokens)
+
+
 def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -> ShardResult:
     from tokenbal.estimate import image_tokens_checked
 
@@ -312,7 +321,7 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     image_counts = np.fromiter((len(s.image_sizes) for s in samples), np.int64, count=n)
     vision = np.zeros(n, np.int64)
     if len(wh):
-        per_image = np.asarray(per_image, dtype=np.int64) + int(est.wrapper_tokens)
+        per_image = np.asarray(per_image, dtype=np.int64) + _wrapper_tokens(est, wh)
         np.add.at(vision, np.repeat(np.arange(n), image_counts), per_image)
     text = np.zeros(n, np.int64)
     nonempty = [i for i, s in enumerate(samples) if s.text]
