@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import pytest
@@ -135,8 +136,9 @@ def test_bad_inputs_raise(monkeypatch):
     with pytest.raises(ValueError, match="multiple"):
         varlen_attention(q[:, :3].contiguous(), k, v, _batch([8]))
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "npu")
-    with pytest.raises(NotImplementedError, match="NPU"):
-        varlen_attention(q, k, v, _batch([8]))
+    if importlib.util.find_spec("torch_npu") is None:
+        with pytest.raises(ImportError, match="torch_npu"):
+            varlen_attention(q, k, v, _batch([8]))
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "bogus")
     with pytest.raises(ValueError, match="TOKENBAL_ATTN_IMPL"):
         varlen_attention(q, k, v, _batch([8]))

@@ -6,7 +6,7 @@ Thin dispatch over backends, each in its own file and imported lazily:
   path, and the fallback anywhere.
 - ``flash_attn`` (attention_flash.py): ``flash_attn_varlen_func`` on CUDA, device ``cu_seqlens``.
 - ``torch_varlen`` (attention_flash.py): torch's ``varlen_attn`` on CUDA when flash-attn is absent.
-- ``npu`` (attention_npu.py): not implemented yet; raises.
+- ``npu`` (attention_npu.py): ``torch_npu.npu_fusion_attention`` in the TND layout, host ends list.
 
 ``auto`` (default) picks flash_attn > torch_varlen > sdpa on CUDA (fp16/bf16; fp32 -> sdpa), npu on
 NPU, sdpa elsewhere.
