@@ -7,6 +7,10 @@ video size (vectorised: the same formulas as the demo corpus, without rendering 
 
     python scripts/bench_balance.py            # all points + planning time of 1M samples, 512 ranks
     python scripts/bench_balance.py --quick    # fewer steps per point
+    python scripts/bench_balance.py --plan-only --compare-exact   # planning time only, batched vs exact
+
+``--compare-exact`` also runs the planner with the exact one-item-at-a-time window fill (what
+``plan_epoch`` did before PLAN_VERSION 3) at every point and in the timing, in the same run.
 
 Every number is measured in this process; nothing is asserted. The metric is, per step,
 max over ranks / mean over ranks of the step's tokens (1.00 = perfect). ``vs LB`` divides the
@@ -17,11 +21,14 @@ that step's samples can beat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
+import tokenbal.plan
 from tokenbal.estimate import get_estimator
 from tokenbal.plan import balance_summary, count_sharded_step_tokens, per_step_partition_tokens, plan_epoch
 from tokenbal.synthetic import MIXTURE
@@ -89,9 +96,20 @@ def mixture_lengths(n: int, seed: int = 0, model: str = "qwen2-vl") -> np.ndarra
 POINTS = ((8, 16), (8, 64), (64, 128), (512, 1024))
 
 
+@contextlib.contextmanager
+def exact_fill() -> Iterator[None]:
+    """Plan with the exact one-item-at-a-time window fill (the baseline of the batched fill)."""
+    saved = tokenbal.plan._BATCH_PER_RANK
+    tokenbal.plan._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
+    try:
+        yield
+    finally:
+        tokenbal.plan._BATCH_PER_RANK = saved
+
+
 def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
     s = balance_summary(ratios)
-    out = f"  {name:<26} mean {s['mean']:6.3f}   p95 {s['p95']:6.3f}   max {s['max']:6.3f}"
+    out = f"  {name:<26} mean {s['mean']:6.4f}   p95 {s['p95']:6.4f}   max {s['max']:6.3f}"
     if lb is not None:
         v = balance_summary(ratios / lb)
         out += f"   | vs LB: mean {v['mean']:6.3f}  p95 {v['p95']:6.3f}  max {v['max']:6.3f}"
@@ -99,7 +117,7 @@ def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
 
 
 def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
-                windows: tuple[int, ...] = ()) -> dict[str, dict[str, float]]:
+                windows: tuple[int, ...] = (), compare_exact: bool = False) -> dict[str, dict[str, float]]:
     from tokenbal.plan import step_balance, step_lower_bound
 
     n = N * steps
@@ -126,6 +144,16 @@ def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
     res["tokenbal"] = balance_summary(r)
     res["tokenbal vs LB"] = balance_summary(r / lb)
     print(_row("tokenbal plan_epoch", r, lb) + f"   ({dt:.2f} s)")
+    if compare_exact:
+        with exact_fill():
+            t0 = time.perf_counter()
+            plan = plan_epoch(lens, R, global_batch_size=N, seed=seed)
+            dt = time.perf_counter() - t0
+        t = plan.step_rank_tokens(lens)
+        r = step_balance(t)
+        res["tokenbal exact fill"] = balance_summary(r)
+        print(_row("tokenbal exact fill", r, step_lower_bound(t, plan.step_max_item(lens)))
+              + f"   ({dt:.2f} s)")
     for W in windows:
         t0 = time.perf_counter()
         plan = plan_epoch(lens, R, global_batch_size=N, seed=seed, window=W)
@@ -160,17 +188,33 @@ def main() -> None:
     ap.add_argument("--plan-samples", type=int, default=1_000_000)
     ap.add_argument("--large-windows", default="64,128",
                     help="extra windows (steps) tried at (512, 1024): balance vs planning time")
+    ap.add_argument("--plan-only", action="store_true", help="only the planning time of --plan-samples")
+    ap.add_argument("--compare-exact", action="store_true",
+                    help="also plan with the exact one-item-at-a-time fill (the pre-batching planner)")
+    ap.add_argument("--repeats", type=int, default=None, help="timing runs (default 5, 3 with --quick)")
     args = ap.parse_args()
     steps = 100 if args.quick else args.steps
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}; "
           "per-step max/mean of rank tokens (1.000 = perfect); 'vs LB' = max / max(mean, largest sample)")
     extra = tuple(int(w) for w in args.large_windows.split(",") if w)
-    for R, N in POINTS:
-        bench_point(R, N, steps, min(steps, args.baseline_steps), args.seed, extra if R == 512 else ())
-    wall, cpu = bench_plan_time(args.plan_samples, 512, 1024, 3 if args.quick else 5, args.seed)
-    print(f"plan_epoch of {args.plan_samples} samples, 512 ranks, N=1024 ({len(wall)} runs): "
-          f"CPU median {np.median(cpu):.2f} s (min {min(cpu):.2f}, max {max(cpu):.2f}); "
-          f"wall median {np.median(wall):.2f} s")
+    if not args.plan_only:
+        for R, N in POINTS:
+            bench_point(R, N, steps, min(steps, args.baseline_steps), args.seed, extra if R == 512 else (),
+                        args.compare_exact)
+    repeats = args.repeats or (3 if args.quick else 5)
+    runs = [("batched fill", contextlib.nullcontext)]
+    if args.compare_exact:
+        runs.append(("exact fill", exact_fill))
+    cpu_median = {}
+    for name, ctx in runs:
+        with ctx():
+            wall, cpu = bench_plan_time(args.plan_samples, 512, 1024, repeats, args.seed)
+        cpu_median[name] = float(np.median(cpu))
+        print(f"plan_epoch of {args.plan_samples} samples, 512 ranks, N=1024, {name} ({len(wall)} runs): "
+              f"CPU median {np.median(cpu):.2f} s (min {min(cpu):.2f}, max {max(cpu):.2f}); "
+              f"wall median {np.median(wall):.2f} s")
+    if args.compare_exact:
+        print(f"exact / batched CPU median: {cpu_median['exact fill'] / cpu_median['batched fill']:.1f}x")
 
 
 if __name__ == "__main__":

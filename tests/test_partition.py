@@ -96,7 +96,8 @@ def test_empty_input():
     assert partition([], 4).shape == (0,)
 
 
-def test_fill_windows_respects_caps_and_fills_every_bin():
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_fill_windows_respects_caps_and_fills_every_bin(batch):
     rng = np.random.default_rng(0)
     G, W, R = 3, 4, 5
     caps = np.array([[7, 7, 7, 7], [6, 9, 5, 0], [5, 5, 5, 5]])
@@ -105,7 +106,7 @@ def test_fill_windows_respects_caps_and_fills_every_bin():
     for g in range(G):
         m = int(caps[g].sum())
         costs[g, :m] = np.sort(rng.integers(1, 10_000, m))[::-1]
-    step, rank, failed = fill_windows(costs, caps, R)
+    step, rank, failed = fill_windows(costs, caps, R, batch=batch)
     assert not failed.any()
     for g in range(G):
         real = costs[g] > 0
@@ -114,6 +115,81 @@ def test_fill_windows_respects_caps_and_fills_every_bin():
         for w in range(W):
             if caps[g, w]:
                 assert len(np.unique(rank[g][real & (step[g] == w)])) == R
+
+
+def _exact_fill_reference(costs, caps, R):
+    """The documented one-item-at-a-time rule (deficit fill, else LPT), written plainly."""
+    G, M = costs.shape
+    W = caps.shape[1]
+    step, rank = np.full((G, M), -1), np.full((G, M), -1)
+    for g in range(G):
+        loads = np.zeros((W, R), np.int64)
+        cnt = np.zeros(W, np.int64)
+        for j in range(M):
+            x = int(costs[g, j])
+            if x <= 0:
+                break
+            open_ = cnt < caps[g]
+            gap = np.where(open_, loads.max(1) - loads.min(1), -1)
+            if gap.max() >= x:
+                w = int(np.argmax(gap))
+            else:
+                w = int(np.argmin(np.where(open_, loads.min(1), np.iinfo(np.int64).max)))
+            r = int(np.argmin(loads[w]))
+            loads[w, r] += x
+            cnt[w] += 1
+            step[g, j], rank[g, j] = w, r
+    return step, rank
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.integers(1, 20), st.integers(0, 2**32 - 1))
+def test_fill_windows_batches_are_valid_and_batch_one_is_the_exact_rule(G, W, R, batch, seed):
+    rng = np.random.default_rng(seed)
+    caps = rng.integers(0, 3 * R + 1, (G, W))
+    caps[:, 0] = np.maximum(caps[:, 0], R)
+    M = int(caps.sum(1).max())
+    costs = np.zeros((G, M), np.int64)
+    for g in range(G):
+        m = int(caps[g].sum())
+        costs[g, :m] = np.sort(rng.integers(1, 60, m))[::-1]
+    exact = fill_windows(costs, caps, R)
+    assert all(np.array_equal(a, b) for a, b in zip(exact[:2], _exact_fill_reference(costs, caps, R),
+                                                      strict=True))
+    step, rank, failed = fill_windows(costs, caps, R, batch=batch)
+    again = fill_windows(costs, caps, R, batch=batch)
+    assert np.array_equal(step, again[0]) and np.array_equal(rank, again[1])
+    assert not failed.any()
+    if batch == 1:
+        assert np.array_equal(step, exact[0]) and np.array_equal(rank, exact[1])
+    for g in range(G):
+        real = costs[g] > 0
+        assert ((step[g] >= 0) == real).all() and (rank[g][real] < R).all()
+        assert np.bincount(step[g][real], minlength=W).tolist() == caps[g].tolist()
+        for w in range(W):
+            if caps[g, w] >= R:       # no empty bin in a step that has an item for every rank
+                assert len(np.unique(rank[g][real & (step[g] == w)])) == R
+
+
+def test_fill_windows_batched_handles_costs_near_the_int64_limit():
+    # The batched key multiplies loads by the window's bin count; huge costs must still give a
+    # valid packing (the key then drops low bits) and the same answer as the scaled-down costs.
+    rng = np.random.default_rng(3)
+    caps = np.array([[6, 6, 6]])
+    small = np.sort(rng.integers(1, 1000, 18))[::-1][None, :].astype(np.int64) * 4
+    huge = small << 48
+    assert (4 * int(huge.sum()) + 5) * 9 >= 2**62
+    step, rank, failed = fill_windows(huge, caps, 3, batch=4)
+    ref = fill_windows(small, caps, 3, batch=4)
+    assert not failed.any() and np.array_equal(step, ref[0]) and np.array_equal(rank, ref[1])
+    assert np.bincount(step[0], minlength=3).tolist() == [6, 6, 6]
+
+
+def test_fill_windows_batched_reports_windows_whose_caps_are_too_small():
+    costs = np.array([[5, 4, 3, 2, 1], [5, 4, 3, 0, 0]], np.int64)
+    step, rank, failed = fill_windows(costs, np.array([[2, 1], [2, 1]]), 2, batch=4)
+    assert failed.tolist() == [True, False]
+    assert (step[0] >= 0).sum() == 3 and (step[1][:3] >= 0).all()
 
 
 def test_fill_windows_capacity_failure_is_reported_per_window():

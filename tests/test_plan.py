@@ -193,6 +193,20 @@ def test_balance_on_heavy_tailed_mixture_beats_count_sharding(R, N):
     assert ours.mean() - 1 < (per_step.mean() - 1) / 4, "windows must beat per-step balancing clearly"
 
 
+@pytest.mark.parametrize("R, N", [(64, 128), (32, 256)])
+def test_batched_fill_balances_about_as_well_as_the_exact_fill(R, N, monkeypatch):
+    # The batched window fill (many items per round) must stay close to the exact one-at-a-time
+    # rule it approximates: within 25% of its imbalance (+0.001), mean and p95.
+    import tokenbal.plan as plan_mod
+
+    lengths = mixture_lengths()
+    batched = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1).step_rank_tokens(lengths))
+    monkeypatch.setattr(plan_mod, "_BATCH_PER_RANK", 0)      # batch 0: the exact loop
+    exact = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1).step_rank_tokens(lengths))
+    for stat in (np.mean, lambda r: np.quantile(r, 0.95)):
+        assert stat(batched) - 1 <= 1.25 * (stat(exact) - 1) + 0.001
+
+
 def test_balance_keeps_the_peak_rank_load_of_per_step_balancing():
     # Grouping big samples must not stack several videos on one rank: the heaviest rank-step
     # stays at the per-step planner's level (a single sample, or close to it).
