@@ -364,3 +364,17 @@ def test_simulate_flops_and_errors(index_dir, capsys):
     assert main(["plan", "simulate", "--index", index_dir, "--world-size", "8",
                  "--global-batch-size", "4"]) == 2
     assert "smaller than num_replicas=8" in capsys.readouterr().err
+
+
+def test_simulate_png_chart_has_one_line_per_method(index_dir, tmp_path, capsys):
+    from PIL import Image
+
+    from tokenbal.plot import COLORS
+
+    out = tmp_path / "ratios.png"
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+                 "--plot", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    with Image.open(out) as im:
+        colors = {c for _, c in im.convert("RGB").getcolors(1 << 20)}
+    assert set(COLORS[:4]) <= colors  # DistributedSampler, per-step LPT, per-step KK, tokenbal

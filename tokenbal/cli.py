@@ -75,24 +75,10 @@ def _write_plot(sim, path: str) -> None:
             for i in range(rows):
                 w.writerow([i, *(f"{sim.ratios[n][i]:.6f}" if i < len(sim.ratios[n]) else "" for n in names)])
         return
-    try:
-        import matplotlib
+    from tokenbal.plot import plot_step_ratios
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ValueError("--plot PNG needs matplotlib (pip install matplotlib); "
-                         "or give a .csv path for the per-step ratios") from e
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name, r in sim.ratios.items():
-        ax.plot(r, label=name, linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("max / mean rank cost")
-    ax.set_title(f"{sim.world_size} ranks, global batch {sim.global_batch_size}")
-    ax.legend()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    plot_step_ratios(sim.ratios, path, title=f"{sim.world_size} ranks, global batch {sim.global_batch_size}: "
+                                             "per-step max / mean rank cost")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -177,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--baseline-steps", type=int, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
-    sim.add_argument("--plot", default=None, help="write per-step ratios: a .png (needs matplotlib) or .csv")
+    sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
     sim.set_defaults(func=_cmd_plan_simulate)
 
     demo = sub.add_parser(
