@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from collate.ops.rope_reference import mrope_angles, normalize_positions
+from collate.ops.rope_reference import check_rope_args, mrope_angles, normalize_positions
 
 # Elements per block of fp32 scratch for half-precision inputs (two such blocks live at once: 16 MiB).
 # Bigger blocks mean fewer, larger ops (much faster on a busy CPU); this bounds the temporaries.
@@ -104,19 +104,6 @@ def apply_mrope_cpu(
     inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same arguments and results as :func:`collate.ops.rope.apply_mrope`; any device, any float dtype."""
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q and k must be (T, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share T and D")
-    section = tuple(int(s) for s in mrope_section)
-    if len(section) != 3:
-        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    half = inv_freq.numel()
-    if sum(section) != half:
-        raise ValueError(
-            f"sum(mrope_section)={sum(section)} must equal len(inv_freq)={half} (= rotary_dim / 2)"
-        )
-    if 2 * half > q.shape[-1]:
-        raise ValueError(f"rotary dim {2 * half} exceeds head dim {q.shape[-1]}")
+    section = check_rope_args(q, k, inv_freq, mrope_section)
     pos = normalize_positions(position_ids, q.shape[0])
     return _MRopeCPU.apply(q, k, pos, inv_freq, section, bool(interleaved), float(attention_scaling), inplace)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from collate.ops.rope_reference import mrope_angles, normalize_positions
+from collate.ops.rope_reference import check_rope_args, mrope_angles, normalize_positions
 
 MROPE_MAX_POS_ENV = "TOKENBAL_NPU_MROPE_MAX_POS"
 # Sections listed in the npu_mrope docs (op-plugin @517f2e7d); others take the training path.
@@ -119,21 +119,8 @@ def apply_mrope_npu(
     inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch_npu M-RoPE; same arguments and results as :func:`collate.ops.rope.apply_mrope`."""
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q and k must be (T, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share T and D")
-    section = tuple(int(s) for s in mrope_section)
-    if len(section) != 3:
-        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    half = inv_freq.numel()
-    rotary = 2 * half
-    if sum(section) != half:
-        raise ValueError(
-            f"sum(mrope_section)={sum(section)} must equal len(inv_freq)={half} (= rotary_dim / 2)"
-        )
-    if rotary > q.shape[-1]:
-        raise ValueError(f"rotary dim {rotary} exceeds head dim {q.shape[-1]}")
+    section = check_rope_args(q, k, inv_freq, mrope_section)
+    rotary = 2 * inv_freq.numel()
     npu = _torch_npu()
     num_tokens, hq, d = q.shape
     hk = k.shape[1]

@@ -104,6 +104,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return torch.cat(parts, dim=-1).to(x.dtype)
 
 
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
+                    mrope_section: Sequence[int]) -> tuple[int, int, int]:
+    """The argument rules every backend shares; returns the section as a tuple of ints."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be (T, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share T and D")
+    section = tuple(int(s) for s in mrope_section)
+    if len(section) != 3:
+        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
+    half = inv_freq.numel()
+    if sum(section) != half:
+        raise ValueError(
+            f"sum(mrope_section)={sum(section)} must equal len(inv_freq)={half} (= rotary_dim / 2)"
+        )
+    if 2 * half > q.shape[-1]:
+        raise ValueError(f"rotary dim {2 * half} exceeds head dim {q.shape[-1]}")
+    return section  # type: ignore[return-value]
+
+
 def apply_mrope_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,20 +134,8 @@ def apply_mrope_reference(
     attention_scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate packed ``q (T, Hq, D)`` and ``k (T, Hk, D)``; returns new tensors of the input dtypes."""
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q and k must be (T, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share T and D")
-    if len(mrope_section) != 3:
-        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    half = inv_freq.numel()
-    rotary_dim = 2 * half
-    if sum(mrope_section) != half:
-        raise ValueError(
-            f"sum(mrope_section)={sum(mrope_section)} must equal len(inv_freq)={half} (= rotary_dim / 2)"
-        )
-    if rotary_dim > q.shape[-1]:
-        raise ValueError(f"rotary dim {rotary_dim} exceeds head dim {q.shape[-1]}")
+    check_rope_args(q, k, inv_freq, mrope_section)
+    rotary_dim = 2 * inv_freq.numel()
     angles = mrope_angles(position_ids, inv_freq, mrope_section, interleaved, q.shape[0])
     cos = angles.cos()
     sin = angles.sin()

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from collate.ops.rope_reference import normalize_positions
+from collate.ops.rope_reference import check_rope_args, normalize_positions
 
 _IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -250,24 +250,11 @@ def apply_mrope_triton(
 
     ``inplace=True`` writes the result into ``q`` and ``k`` (and returns them).
     """
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q and k must be (T, H, D); got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must share T and D")
+    section = check_rope_args(q, k, inv_freq, mrope_section)
     if q.dtype not in _IO_DTYPES or k.dtype not in _IO_DTYPES:
         raise TypeError(f"triton M-RoPE takes fp32/bf16/fp16 q and k, got {q.dtype} and {k.dtype}")
     if q.device != k.device:
         raise ValueError(f"q on {q.device} but k on {k.device}")
-    section = tuple(int(s) for s in mrope_section)
-    if len(section) != 3:
-        raise ValueError(f"mrope_section must have 3 entries (t, h, w), got {list(mrope_section)}")
-    half = inv_freq.numel()
-    if sum(section) != half:
-        raise ValueError(
-            f"sum(mrope_section)={sum(section)} must equal len(inv_freq)={half} (= rotary_dim / 2)"
-        )
-    if 2 * half > q.shape[-1]:
-        raise ValueError(f"rotary dim {2 * half} exceeds head dim {q.shape[-1]}")
     pos = normalize_positions(position_ids, q.shape[0])
     if pos.device != q.device:
         raise ValueError(f"position_ids on {pos.device} but q on {q.device}")
