@@ -215,6 +215,9 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
         n = len(dataset)
         samples = SimpleNamespace(lengths=np.asarray(dataset.index.lengths[:n]),
                                   vision_tokens=np.asarray(dataset.index.vision_tokens[:n]))
+        if cost is not None:
+            offsets, tokens = dataset.index.image_tokens_table
+            samples.image_tokens_table = (offsets[: n + 1], tokens[: offsets[n]])
         batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size, rank=rank,
                                                   global_batch_size=global_batch_size, seed=seed, cost=cost)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)

@@ -98,3 +98,35 @@ def test_planner_and_sampler_balance_the_chosen_cost():
     t = TokenBalancedBatchSampler(lens, num_replicas=4, rank=0, global_batch_size=64)
     with pytest.raises(ValueError, match="cost"):
         s.load_state_dict(t.state_dict())
+
+
+def test_vision_attention_is_per_image_when_the_image_table_is_given():
+    model = FlopsModel(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                       vision_hidden_size=32, vision_layers=2, vision_intermediate_size=64)
+    lengths = np.array([2 * 100 + 10, 100 + 5, 100 + 5])          # two images in sample 0
+    offsets, tokens = np.array([0, 2, 3, 4]), np.array([100, 100, 100, 100])
+    per_image = model.flops(lengths, image_tokens=(offsets, tokens))
+    one_block = model.flops(lengths, vision_tokens=np.array([200, 100, 100]))
+    # Sample 0's images attend separately: cheaper than one 200-token block, and its ViT term is
+    # exactly twice that of a one-image sample.
+    assert per_image[0] < one_block[0]
+    np.testing.assert_allclose(per_image[1:], one_block[1:])
+    llm = model.flops(lengths)
+    np.testing.assert_allclose(per_image[0] - llm[0], 2 * (per_image[1] - llm[1]))
+
+
+def test_index_image_table_uses_the_index_estimator(tmp_path):
+    from tests.corpus import Sample, write_shard
+    from tokenbal.estimate import get_estimator
+    from tokenbal.index import TokenIndex, build_index
+
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("a", images=[("png", 640, 480), ("png", 64, 900)], caption="two"),
+        Sample("b", caption="none"), Sample("c", images=[("jpg", 1920, 1080)], caption="one")])
+    out = build_index([shard], tmp_path / "idx", estimator_overrides={"max_pixels": 1003520}, progress=False)
+    offsets, tokens = TokenIndex.open(out.out).image_tokens_table
+    est = get_estimator("qwen2-vl", max_pixels=1003520)
+    assert offsets.tolist() == [0, 2, 2, 3]
+    assert tokens.tolist() == [est.image_tokens(w, h) for w, h in [(640, 480), (64, 900), (1920, 1080)]]
+    costs = resolve_costs(TokenIndex.open(out.out), FlopsModel.qwen2_vl_7b())
+    assert costs.shape == (3,) and costs[2] > costs[0] > costs[1]

@@ -96,20 +96,36 @@ class FlopsModel:
         kv_dim = self.num_kv_heads * (h // self.num_heads)
         return 2.0 * (2 * h * (h + kv_dim) + 3 * h * i) * self.num_layers
 
-    def flops(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None) -> np.ndarray:
-        """Forward FLOPs per sample (float64); training is ~3x this."""
+    def flops(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
+              image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """Forward FLOPs per sample (float64); training is ~3x this.
+
+        ``image_tokens``: optional ``(offsets, tokens)``, each image's placeholder tokens with sample
+        ``i`` owning ``tokens[offsets[i]:offsets[i + 1]]`` (``TokenIndex.image_tokens_table``). The
+        vision tower attends within each image, so with it the ViT term is summed per image; without
+        it a sample's patches count as one attention block (an upper bound for multi-image samples).
+        """
         s = np.asarray(lengths, np.float64)
         out = s * self.token_flops() + 2.0 * self.hidden_size * s * s * self.num_layers
-        if vision_tokens is not None and self.vision_layers > 0:
-            p = np.asarray(vision_tokens, np.float64) * self.merge_size ** 2
-            hv, iv = self.vision_hidden_size, self.vision_intermediate_size
-            w = p if self.vision_window is None else np.minimum(p, self.vision_window)
-            out = out + self.vision_layers * (2.0 * (4 * hv * hv + 2 * hv * iv) * p + 4.0 * hv * p * w)
+        if self.vision_layers > 0 and image_tokens is not None:
+            offsets, tokens = (np.asarray(a) for a in image_tokens)
+            per_image = self._vit_flops(tokens.astype(np.float64) * self.merge_size ** 2)
+            owner = np.repeat(np.arange(len(s)), np.diff(offsets[: len(s) + 1]))
+            out = out + np.bincount(owner, weights=per_image[: len(owner)], minlength=len(s))
+        elif self.vision_layers > 0 and vision_tokens is not None:
+            out = out + self._vit_flops(np.asarray(vision_tokens, np.float64) * self.merge_size ** 2)
         return out
 
-    def token_equivalents(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None) -> np.ndarray:
+    def _vit_flops(self, patches: np.ndarray) -> np.ndarray:
+        hv, iv = self.vision_hidden_size, self.vision_intermediate_size
+        w = patches if self.vision_window is None else np.minimum(patches, self.vision_window)
+        return self.vision_layers * (2.0 * (4 * hv * hv + 2 * hv * iv) * patches + 4.0 * hv * patches * w)
+
+    def token_equivalents(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
+                          image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """int64 cost per sample: FLOPs / one token's linear FLOPs, rounded up (>= tokens)."""
-        return np.ceil(self.flops(lengths, vision_tokens) / self.token_flops() - 1e-9).astype(np.int64)
+        flops = self.flops(lengths, vision_tokens, image_tokens)
+        return np.ceil(flops / self.token_flops() - 1e-9).astype(np.int64)
 
 
 CostSpec = str | FlopsModel | np.ndarray | Callable[[np.ndarray], Any] | None
@@ -119,7 +135,8 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
     """Per-sample int64 costs for the planner.
 
     ``lengths_or_index``: token counts, or an object with ``.lengths`` (and optionally
-    ``.vision_tokens``, e.g. :class:`tokenbal.TokenIndex`, which the flops model's ViT term uses).
+    ``.vision_tokens`` / ``.image_tokens_table``, e.g. :class:`tokenbal.TokenIndex`, which the flops
+    model's ViT term uses).
     ``cost``: ``None``/``"tokens"``, ``"flops"`` (from ``config``, a transformers config; Qwen2-VL-7B
     when None), a :class:`FlopsModel`, an array, or a callable of the lengths.
     """
@@ -135,7 +152,8 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
         cost = FlopsModel.qwen2_vl_7b() if config is None else FlopsModel.from_config(config)
     if isinstance(cost, FlopsModel):
         vis = getattr(lengths_or_index, "vision_tokens", None)
-        return cost.token_equivalents(lens, None if vis is None else np.asarray(vis))
+        images = getattr(lengths_or_index, "image_tokens_table", None)
+        return cost.token_equivalents(lens, None if vis is None else np.asarray(vis), images)
     values = cost(lens) if callable(cost) else cost
     arr = np.asarray(values)
     if arr.shape != lens.shape:

@@ -191,6 +191,19 @@ class TokenIndex:
                 out.append(Member(f"{key}.{self._exts[e]}", shard, o, size))
         return out
 
+    @cached_property
+    def image_tokens_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(offsets, tokens)``: every image's placeholder tokens (without wrapper tokens), recomputed
+        from the stored sizes with the estimator the index was built with; sample ``i``'s images are
+        ``tokens[offsets[i]:offsets[i + 1]]``. Cost models use it (the vision tower attends per image)."""
+        from tokenbal.estimate import get_estimator
+
+        built = self.manifest["estimator"]
+        est = get_estimator(built["model"], **built.get("overrides", {}))
+        wh = self._cols["image_size"]
+        tokens = est.image_tokens_batch(wh[:, 0], wh[:, 1]) if len(wh) else np.zeros(0, np.int64)
+        return self._cols["image_start"], np.asarray(tokens, np.int64)
+
     def image_sizes(self, i: int) -> list[tuple[int, int]]:
         """(width, height) of each image of sample ``i``, in member order."""
         i = _check_row(i, len(self))
