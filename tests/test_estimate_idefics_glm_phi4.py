@@ -28,6 +28,7 @@ import types
 import numpy as np
 import pytest
 
+from tests.sizes import size_grid
 from tokenbal.estimate import get_estimator, image_tokens_checked, load_estimator
 
 transformers = pytest.importorskip("transformers")
@@ -43,8 +44,6 @@ from transformers import (  # noqa: E402
 from transformers.image_utils import SizeDict  # noqa: E402
 from transformers.models.glm4v import image_processing_pil_glm4v as hf_glm  # noqa: E402
 
-SIDES = [64, 100, 128, 200, 256, 300, 336, 400, 448, 512, 640, 720, 768, 800, 1000, 1024, 1080, 1280]
-SIDES += [1440, 1920, 2048, 2560, 3000, 3840, 4096]
 EDGE = [  # tiny, thin, exact tile multiples of 364 / 512 / 448, odd halves, > 4096, extreme ratios
     (1, 1),
     (10, 10),
@@ -75,13 +74,9 @@ EDGE = [  # tiny, thin, exact tile multiples of 364 / 512 / 448, odd halves, > 4
 ]
 
 
-def size_grid(seed: int = 0) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    grid = [(w, h) for w in SIDES for h in SIDES]
-    return grid + [(rng.randint(64, 4096), rng.randint(64, 4096)) for _ in range(150)] + EDGE
 
 
-GRID = size_grid()
+GRID = size_grid(EDGE)
 assert len(GRID) >= 700
 WS = [w for w, _ in GRID]
 HS = [h for _, h in GRID]
@@ -401,7 +396,8 @@ def _oracle_or_error(oracle, w, h, **kw):
         return -1
 
 
-PHI4_FAST = size_grid(1)[::12] + EDGE  # 92 sizes (each real call copies up to 80 MB); full grid: slow test
+# 92 sizes (each real call copies up to 80 MB); the full grid runs in the slow test
+PHI4_FAST = size_grid(EDGE, seed=1)[::12] + EDGE
 
 
 def _check_phi4(oracle, sizes, **kw):

@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
+from tests.sizes import size_grid
 from tokenbal.estimate import get_estimator, load_estimator
 from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_3d, smart_resize_np
 
@@ -47,33 +48,6 @@ HUB_QWEN3 = dict(
 )
 CARD = dict(min_pixels=256 * 28 * 28, max_pixels=1280 * 28 * 28)  # model-card recommendation
 
-SIDES = [
-    64,
-    100,
-    128,
-    200,
-    256,
-    300,
-    336,
-    400,
-    448,
-    512,
-    640,
-    720,
-    768,
-    800,
-    1000,
-    1024,
-    1080,
-    1280,
-    1440,
-    1920,
-    2048,
-    2560,
-    3000,
-    3840,
-    4096,
-]
 EDGE = [  # (width, height): tiny, thin, half-to-even roundings, exact multiples, the 200:1 limit
     (1, 1),
     (10, 10),
@@ -106,14 +80,9 @@ EDGE = [  # (width, height): tiny, thin, half-to-even roundings, exact multiples
 ]
 
 
-def size_grid(seed: int = 0) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    grid = [(w, h) for w in SIDES for h in SIDES]
-    grid += [(rng.randint(64, 4096), rng.randint(64, 4096)) for _ in range(150)]
-    return grid + EDGE
 
 
-GRID = size_grid()
+GRID = size_grid(EDGE)
 assert len(GRID) >= 700
 
 

@@ -13,11 +13,10 @@ Oracles (transformers 5.24, PIL backends, no torchvision):
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
+from tests.sizes import size_grid
 from tokenbal.estimate import get_estimator, load_estimator
 
 transformers = pytest.importorskip("transformers")
@@ -31,33 +30,6 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
 )
 
-SIDES = [
-    64,
-    100,
-    128,
-    200,
-    256,
-    300,
-    336,
-    400,
-    448,
-    512,
-    640,
-    720,
-    768,
-    800,
-    1000,
-    1024,
-    1080,
-    1280,
-    1440,
-    1920,
-    2048,
-    2560,
-    3000,
-    3840,
-    4096,
-]
 EDGE = [
     (1, 1),
     (10, 10),
@@ -82,13 +54,9 @@ EDGE = [
 ]
 
 
-def size_grid(seed: int = 0) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    grid = [(w, h) for w in SIDES for h in SIDES]
-    return grid + [(rng.randint(64, 4096), rng.randint(64, 4096)) for _ in range(150)] + EDGE
 
 
-GRID = size_grid()
+GRID = size_grid(EDGE)
 WS = [w for w, _ in GRID]
 HS = [h for _, h in GRID]
 
