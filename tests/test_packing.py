@@ -121,17 +121,7 @@ def test_packed_positions_equal_hf_per_sample():
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
     cfg = Qwen2VLConfig(
-        text_config=dict(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=64,
-            bos_token_id=None,
-            eos_token_id=None,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]},
-        ),
+        text_config=_tiny_text(),
         vision_config=dict(depth=1, embed_dim=16, hidden_size=16, num_heads=2, spatial_merge_size=MERGE),
         image_token_id=IMG,
         video_token_id=VID,
