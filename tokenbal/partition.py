@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["METHODS", "partition", "refine_partition", "bin_loads", "fill_windows"]
+__all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "stage_objective", "bin_loads",
+           "fill_windows"]
 
 # method name -> implementation(costs, num_bins, capacity) -> bins. A new solver registers here.
 METHODS: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {}
@@ -314,6 +315,95 @@ def refine_partition(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_
             loads[hi] += c[j]
             counts[b] -= 1
             counts[hi] += 1
+    return bins
+
+
+def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
+    """``Σ_k max_b load[b, k]``: the time of a step whose K stages each end in a barrier."""
+    c = np.asarray(stage_costs, np.int64)
+    loads = np.zeros((int(num_bins), c.shape[1]), np.int64)
+    np.add.at(loads, np.asarray(bins, np.int64), c)
+    return int(loads.max(0).sum()) if num_bins else 0
+
+
+def refine_stages(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
+                  capacity: int | None = None, capacity_costs: np.ndarray | None = None,
+                  equal_counts: bool = False, max_rounds: int | None = None) -> np.ndarray:
+    """Local search for steps made of K synchronised stages (ViT, then LLM, under FSDP).
+
+    ``stage_costs`` is (n, K) int64. A step takes ``Σ_k max_b load[b, k]`` when every stage ends in a
+    collective (each FSDP layer's all-gather waits for the slowest rank), not the largest row sum: a
+    rank heavy in images and one heavy in text, equal in total, each wait for the other once.
+    Every round applies the move or swap that lowers that objective most — an item out of a bin
+    that is some stage's bottleneck, swapped with any item of another bin or moved to it — until
+    none does. Strictly decreasing, so it stops; deterministic (first best in item order).
+
+    Swaps only with ``equal_counts``; a move never empties a bin; with ``capacity`` no bin's sum of
+    ``capacity_costs`` (default: the row sums) goes over it.
+    """
+    c = np.asarray(stage_costs, np.int64)
+    if c.ndim != 2:
+        raise ValueError(f"stage_costs must be (n, K), got shape {c.shape}")
+    bins = np.asarray(bins, np.int64).copy()
+    n, K = c.shape
+    R = int(num_bins)
+    if n < 2 or R < 2:
+        return bins
+    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    cap = None if capacity is None else int(capacity)
+    loads = np.zeros((R, K), np.int64)
+    np.add.at(loads, bins, c)
+    tload = np.bincount(bins, weights=tot, minlength=R).astype(np.int64)
+    counts = np.bincount(bins, minlength=R)
+    # Partners: every item (a swap), then one empty pseudo-item per bin (a move).
+    pc = np.concatenate([c, np.zeros((R, K), np.int64)])
+    pt = np.concatenate([tot, np.zeros(R, np.int64)])
+    is_move = np.r_[np.zeros(n, bool), np.ones(R, bool)]
+    limit = 4 * n + R if max_rounds is None else int(max_rounds)
+    for _ in range(limit):
+        objective = loads.max(0).sum()
+        # Only moving load off a stage's fullest bin can lower that stage's max.
+        sources = np.unique(loads.argmax(0))
+        mine = np.flatnonzero(np.isin(bins, sources))
+        pb = np.concatenate([bins, np.arange(R)])
+        # The largest load of every stage outside bins a and b: the first of the top three that is
+        # neither (bins past R are padding with load 0, which never exceeds a real maximum).
+        top = np.argsort(-loads, axis=0, kind="stable")[:3]
+        topv = np.take_along_axis(loads, top, 0)
+        if R < 3:
+            top = np.vstack([top, np.full((3 - R, K), -1)])
+            topv = np.vstack([topv, np.zeros((3 - R, K), np.int64)])
+        a = bins[mine][:, None, None]
+        b = pb[None, :, None]
+        other = np.where((top[0] != a) & (top[0] != b), topv[0],
+                         np.where((top[1] != a) & (top[1] != b), topv[1], topv[2]))
+        d = pc[None, :, :] - c[mine][:, None, :]            # what bin a gains, bin b loses
+        new_a = loads[bins[mine]][:, None, :] + d
+        new_b = loads[pb][None, :, :] - d
+        value = np.maximum(other, np.maximum(new_a, new_b)).sum(2)
+        ok = pb[None, :] != bins[mine][:, None]
+        if equal_counts:
+            ok &= ~is_move[None, :]
+        else:
+            ok &= ~is_move[None, :] | (counts[bins[mine]] > 1)[:, None]
+        if cap is not None:
+            dt = pt[None, :] - tot[mine][:, None]
+            ok &= (tload[bins[mine]][:, None] + dt <= cap) & (tload[pb][None, :] - dt <= cap)
+        value = np.where(ok, value, np.iinfo(np.int64).max)
+        best = int(np.argmin(value))
+        u, v = divmod(best, value.shape[1])
+        if value[u, v] >= objective:
+            break
+        i, src, dst = int(mine[u]), int(bins[mine[u]]), int(pb[v])
+        moved = [(i, src, dst)] if is_move[v] else [(i, src, dst), (v, dst, src)]
+        for item, frm, to in moved:
+            bins[item] = to
+            loads[frm] -= c[item]
+            loads[to] += c[item]
+            tload[frm] -= tot[item]
+            tload[to] += tot[item]
+            counts[frm] -= 1
+            counts[to] += 1
     return bins
 
 

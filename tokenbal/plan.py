@@ -301,7 +301,8 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
 def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int | None = None,
                max_tokens_per_rank: int | None = None, seed: int = 0, epoch: int = 0,
                shuffle: bool = True, drop_last: bool = False, window: int | None = None,
-               grad_accum: int = 1, cost: object = None, oversize: str = "error") -> EpochPlan:
+               grad_accum: int = 1, cost: object = None, oversize: str = "error",
+               stages: object = None) -> EpochPlan:
     """Plan one epoch for ``num_replicas`` ranks. See the module docstring for the guarantees.
 
     ``lengths``: per-sample non-negative integer costs (tokens), or an object with ``.lengths``.
@@ -318,6 +319,13 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``"error"`` lists them, ``"skip"`` leaves them out (``plan.skipped``), ``"alone"`` gives each
     its own micro-batch in extra steps (one per rank, at random places in the epoch; the last
     such step may leave ranks empty).
+
+    ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
+    FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
+    and language, or an (n, K) array (:func:`tokenbal.cost.resolve_stage_costs`). The steps are
+    planned on ``cost`` as usual, then the samples of every micro-step are moved and swapped
+    between ranks while that lowers ``Σ_stage max_rank`` (:func:`tokenbal.partition.refine_stages`);
+    which samples share a step, the step count and every guarantee above stay the same.
     """
     if cost is not None:
         from tokenbal.cost import resolve_costs
@@ -325,6 +333,12 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         lens = resolve_costs(lengths, cost)
     else:
         lens = check_lengths(lengths)
+    if stages is False:
+        stages = None
+    if stages is not None:
+        from tokenbal.cost import resolve_stage_costs
+
+        stages = resolve_stage_costs(lengths, stages, cost)
     k = _positive_int("grad_accum", grad_accum)
     if oversize not in ("error", "skip", "alone"):
         raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
@@ -390,6 +404,8 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank_map = np.argsort(rng.random((S, R)), axis=1)
         rank = rank_map[step, rank_w]
 
+    if stages is not None:
+        rank = _refine_stages(stages, perm, step, rank, S, R_user, k, lens if B is not None else None, B)
     slot = step * R + rank
     if B is not None and oversize == "alone" and big.size:
         slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
@@ -400,6 +416,27 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     skipped = np.sort(big) if oversize == "skip" else np.zeros(0, np.int64)
     return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
+
+
+def _refine_stages(stages: np.ndarray, perm: np.ndarray, step: np.ndarray, vrank: np.ndarray, S: int, R: int,
+                   k: int, lens: np.ndarray | None, budget: int | None) -> np.ndarray:
+    """Per micro-step (step s, micro-batch j: virtual ranks r·k + j), rebalance the stages with
+    :func:`tokenbal.partition.refine_stages`; returns the new virtual ranks."""
+    from tokenbal.partition import refine_stages
+
+    group = step * k + vrank % k
+    order = np.argsort(group, kind="stable")
+    bounds = np.searchsorted(group[order], np.arange(S * k + 1))
+    out = vrank.copy()
+    c = stages[perm]
+    for g in range(S * k):
+        idx = order[bounds[g]:bounds[g + 1]]
+        if len(idx) < 2:
+            continue
+        bins = refine_stages(c[idx], vrank[idx] // k, R, equal_counts=False,
+                             capacity=budget, capacity_costs=None if lens is None else lens[perm[idx]])
+        out[idx] = bins * k + g % k
+    return out
 
 
 def _insert_alone_steps(slot: np.ndarray, perm: np.ndarray, S: int, R: int, big: np.ndarray,

@@ -10,8 +10,10 @@ communication) and yields only its own slice::
         for batch in loader: ...
         # checkpoint: sampler.state_dict() -> {seed, epoch, cursor, fingerprint, ...}
 
-Options: ``cost=`` (what to balance, :mod:`tokenbal.cost`), ``grad_accum=k`` (each step is k
-batches — micro-batches — on every rank, all balanced; ``len`` and ``cursor`` count batches),
+Options: ``cost=`` (what to balance, :mod:`tokenbal.cost`), ``stages=`` (also balance the vision
+tower and the language model separately, since FSDP synchronises the ranks in each),
+``grad_accum=k`` (each step is k batches — micro-batches — on every rank, all balanced; ``len``
+and ``cursor`` count batches),
 ``oversize=`` (token-budget mode: ``"error"``, ``"skip"``, ``"alone"``), ``verify=True`` (the
 first iteration of each epoch all-gathers a hash of the plan and its inputs and raises on every
 rank if they differ — one small collective per epoch instead of a silent mismatch or a hang).
@@ -39,6 +41,8 @@ from tokenbal.plan import PLAN_VERSION, EpochPlan, check_lengths, check_settings
 __all__ = ["TokenBalancedBatchSampler"]
 
 _STATE_VERSION = 1
+# Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
+_ADDED_LATER = {"stages": 0}
 
 
 class TokenBalancedBatchSampler(Sampler[list[int]]):
@@ -59,7 +63,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
-                 oversize: str = "error", verify: bool = False) -> None:
+                 oversize: str = "error", verify: bool = False, stages: Any = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         self.lengths = check_lengths(lengths_or_index)
         if cost is None or (isinstance(cost, str) and cost == "tokens"):
@@ -70,6 +74,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
             self.costs = resolve_costs(lengths_or_index, cost)
             self.cost_name = cost if isinstance(cost, str) else type(cost).__name__
+        # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
+        self.stages = None
+        if stages is not None and stages is not False:
+            from tokenbal.cost import resolve_stage_costs
+
+            self.stages = resolve_stage_costs(lengths_or_index, stages, cost)
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1:
             raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
@@ -104,7 +114,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 self.costs, self.num_replicas, global_batch_size=self.global_batch_size,
                 max_tokens_per_rank=self.max_tokens_per_rank, seed=key[0], epoch=key[1],
                 shuffle=self.shuffle, drop_last=self.drop_last, window=self.window,
-                grad_accum=self.grad_accum, oversize=self.oversize)
+                grad_accum=self.grad_accum, oversize=self.oversize, stages=self.stages)
         return self._plans[key]
 
     def plan_hash(self, epoch: int | None = None) -> str:
@@ -183,13 +193,17 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def fingerprint(self) -> dict[str, Any]:
         """What the plan depends on besides (seed, epoch); a resume must match all of it."""
         if self._lengths_digest is None:
-            self._lengths_digest = hashlib.sha256(self.costs.astype("<i8").tobytes()).hexdigest()[:16]
+            h = hashlib.sha256(self.costs.astype("<i8").tobytes())
+            if self.stages is not None:
+                h.update(b"stages" + np.ascontiguousarray(self.stages, "<i8").tobytes())
+            self._lengths_digest = h.hexdigest()[:16]
         return {"plan_version": PLAN_VERSION, "num_samples": int(len(self.lengths)),
                 "lengths_sha256": self._lengths_digest, "num_replicas": self.num_replicas,
                 "global_batch_size": self.global_batch_size,
                 "max_tokens_per_rank": self.max_tokens_per_rank, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "window": self.window, "grad_accum": self.grad_accum,
-                "oversize": self.oversize, "cost": self.cost_name}
+                "oversize": self.oversize, "cost": self.cost_name,
+                "stages": 0 if self.stages is None else int(self.stages.shape[1])}
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
@@ -202,6 +216,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if missing:
             raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
         saved, mine = state["fingerprint"], self.fingerprint()
+        saved = {**_ADDED_LATER, **saved}
         diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
                  for k in mine if saved.get(k, "<missing>") != mine[k]]
         if diffs:
