@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -64,14 +64,95 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> tor
 
 def solo_compute_time(replica: nn.Module, batch) -> float:
     """Seconds this micro-batch's forward + backward take on an unsharded ``replica``."""
+    return solo_stage_times(replica, batch)[0]
+
+
+def solo_stage_times(replica: nn.Module, batch) -> tuple[float, float]:
+    """(total, vision tower) seconds of this micro-batch's forward + backward on ``replica``.
+
+    The vision part is timed with hooks: its forward from the tower's pre-hook to its output, its
+    backward from the moment the gradient reaches the tower's output to the end of ``backward()``
+    (the tower is the first module of the forward, so it is the last of the backward). Under FSDP
+    every layer's all-gather synchronises the ranks, so the vision and the language stages each
+    wait for their own slowest rank; these two numbers show that.
+    """
     device = next(replica.parameters()).device
-    _synchronize(device)
-    t0 = time.perf_counter()
-    replica(**batch).loss.backward()
-    _synchronize(device)
-    elapsed = time.perf_counter() - t0
+    visual = getattr(getattr(replica, "model", None), "visual", None)
+    marks: dict[str, float] = {}
+    handles = []
+    if visual is not None:
+        def before(module, args, kwargs):
+            _synchronize(device)
+            marks["vf0"] = time.perf_counter()
+
+        def after(module, args, kwargs, out):
+            _synchronize(device)
+            marks["vf1"] = time.perf_counter()
+            tensor = out.pooler_output if hasattr(out, "pooler_output") else out
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: marks.__setitem__("vb0", _now(device)))
+
+        handles = [visual.register_forward_pre_hook(before, with_kwargs=True),
+                   visual.register_forward_hook(after, with_kwargs=True)]
+    try:
+        _synchronize(device)
+        t0 = time.perf_counter()
+        replica(**batch).loss.backward()
+        _synchronize(device)
+        t1 = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
     replica.zero_grad(set_to_none=True)
-    return elapsed
+    vision = 0.0
+    if "vf1" in marks:
+        vision = marks["vf1"] - marks["vf0"] + (t1 - marks["vb0"] if "vb0" in marks else 0.0)
+    return t1 - t0, vision
+
+
+def calibration_batches(candidates: Sequence[int], num_batches: int, max_samples: int = 4, seed: int = 0
+                        ) -> list[list[int]]:
+    """``num_batches`` micro-batches of 1..``max_samples`` samples drawn from ``candidates``.
+
+    Varying the batch size is what lets :meth:`tokenbal.cost.StageCostModel.fit` tell the
+    per-sample cost from the per-batch constant.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(candidates, np.int64)
+    if not len(pool):
+        raise ValueError("no samples to calibrate on")
+    sizes = rng.integers(1, max_samples + 1, num_batches)
+    return [sorted(rng.choice(pool, min(int(k), len(pool)), replace=False).tolist()) for k in sizes]
+
+
+def profile_stage_costs(replica: nn.Module, collator, dataset, features, batches: Sequence[Sequence[int]],
+                        repeats: int = 3):
+    """Time each micro-batch of ``batches`` on ``replica`` (forward + backward, vision and language
+    apart, median of ``repeats``). Returns ``(batch_features (B, 2, 3), batch_seconds (B, 2))`` for
+    :meth:`tokenbal.cost.StageCostModel.fit`; ``features`` is :func:`tokenbal.cost.stage_features`
+    of the dataset's index."""
+    import numpy as np
+
+    feats = np.zeros((len(batches), 2, 3))
+    secs = np.zeros((len(batches), 2))
+    warm = False
+    for b, idx in enumerate(batches):
+        batch = collator([dataset[i] for i in idx])
+        if not warm:
+            solo_stage_times(replica, batch)
+            warm = True
+        times = np.array([solo_stage_times(replica, batch) for _ in range(repeats)])
+        total, vision = np.median(times, 0)
+        feats[b] = np.asarray(features)[list(idx)].sum(0)
+        secs[b] = vision, total - vision
+    return feats, secs
+
+
+def _now(device: torch.device) -> float:
+    _synchronize(device)
+    return time.perf_counter()
 
 
 def _synchronize(device: torch.device) -> None:
@@ -88,6 +169,27 @@ class StepRecord:
     compute_s: float  # this rank's own compute (solo replica), or NaN when not measured
     step_s: float  # barrier to barrier: the same on every rank up to clock noise
     loss: float
+    vision_s: float = float("nan")  # the vision tower's part of compute_s
+
+
+def median_records(repeats: Sequence[Sequence[StepRecord]]) -> list[StepRecord]:
+    """One record per (step, rank): the median step, compute and vision times over repeated epochs
+    of the same batches (tokens, samples and loss from the first)."""
+    import statistics
+
+    by_key: dict[tuple[int, int], list[StepRecord]] = {}
+    for records in repeats:
+        for r in records:
+            by_key.setdefault((r.step, r.rank), []).append(r)
+    out = []
+    for key in sorted(by_key):
+        rs = by_key[key]
+        if len({(r.tokens, r.samples) for r in rs}) > 1:
+            raise ValueError(f"step {key[0]} rank {key[1]} got different batches in repeated epochs")
+        out.append(replace(rs[0], step_s=statistics.median(r.step_s for r in rs),
+                           compute_s=statistics.median(r.compute_s for r in rs),
+                           vision_s=statistics.median(r.vision_s for r in rs)))
+    return out
 
 
 def summarise(records: Sequence[StepRecord]) -> dict:
@@ -100,12 +202,17 @@ def summarise(records: Sequence[StepRecord]) -> dict:
     step_s = np.array([[grid[q, s].step_s for s in steps] for q in ranks])
     compute = np.array([[grid[q, s].compute_s for s in steps] for q in ranks])
     tokens = np.array([[grid[q, s].tokens for s in steps] for q in ranks])
+    vision = np.array([[grid[q, s].vision_s for s in steps] for q in ranks])
     step_time = step_s.max(0)  # a step ends when its slowest rank ends
     ideal = compute.mean(0)  # perfect balance: the step's total compute spread evenly
+    # Under FSDP the vision tower and the language model each wait for their own slowest rank.
+    stages = vision.max(0) + (compute - vision).max(0)
     return dict(
         steps=len(steps),
         epoch_s=float(step_time.sum()),
         ideal_s=float(ideal.sum()),
+        slowest_s=float(compute.max(0).sum()),
+        stages_s=float(stages.sum()),
         step_over_ideal=float(step_time.sum() / ideal.sum()),
         token_max_over_mean=float(np.mean(tokens.max(0) / np.maximum(tokens.mean(0), 1e-9))),
         compute_s=compute.sum(1).tolist(),

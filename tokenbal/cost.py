@@ -7,7 +7,15 @@
   attend to each other) plus an optional vision-encoder term on the sample's patches. The
   coefficients come from a transformers config (hidden size, layers, heads, MLP width). The
   attention term is why a 16k-token video costs more than eight 2k-token documents.
+* :class:`StageCostModel`: measured seconds, linear in per-sample features (tokens, tokens²,
+  patches, patches² per image, ...) with coefficients fitted to timed micro-batches of the real
+  model on the real hardware (``collate.train.profile_stage_costs``); in microseconds.
 * a user array (one non-negative number per sample) or a callable ``f(lengths) -> array``.
+
+Stages (:func:`resolve_stage_costs`): under FSDP the vision tower and the language model each end
+in collectives, so each waits for its own slowest rank and a step takes ``Σ_stage max_rank``.
+``stages=True`` (sampler / planner) splits a FLOPs or measured cost into those two columns and the
+planner balances both.
 
 The planner works on integers (it compares sums exactly and scales them internally), so every
 model is turned into int64 *token-equivalents*: the cost divided by what one token of the
@@ -24,7 +32,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FlopsModel", "resolve_costs", "to_int_costs", "COST_NAMES"]
+__all__ = ["FlopsModel", "StageCostModel", "stage_features", "resolve_costs", "resolve_stage_costs",
+           "to_int_costs",
+           "COST_NAMES", "STAGE_NAMES", "STAGE_FEATURES"]
 
 COST_NAMES = ("tokens", "flops")
 _FLOAT_RESOLUTION = 1_000_000   # a float cost array is scaled so its maximum is this many units
@@ -105,15 +115,26 @@ class FlopsModel:
         vision tower attends within each image, so with it the ViT term is summed per image; without
         it a sample's patches count as one attention block (an upper bound for multi-image samples).
         """
+        return self.stage_flops(lengths, vision_tokens, image_tokens).sum(1)
+
+    def stage_flops(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
+                    image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """(n, 2) forward FLOPs per sample: column 0 the vision tower, column 1 the language model.
+
+        Under FSDP every layer's all-gather waits for the slowest rank, and the vision tower runs
+        to completion before the first decoder layer, so the two stages are balanced separately
+        (``TokenBalancedBatchSampler(stages=True)``); :meth:`flops` is their sum.
+        """
         s = np.asarray(lengths, np.float64)
-        out = s * self.token_flops() + 2.0 * self.hidden_size * s * s * self.num_layers
+        out = np.zeros((len(s), 2))
+        out[:, 1] = s * self.token_flops() + 2.0 * self.hidden_size * s * s * self.num_layers
         if self.vision_layers > 0 and image_tokens is not None:
             offsets, tokens = (np.asarray(a) for a in image_tokens)
             per_image = self._vit_flops(tokens.astype(np.float64) * self.merge_size ** 2)
             owner = np.repeat(np.arange(len(s)), np.diff(offsets[: len(s) + 1]))
-            out = out + np.bincount(owner, weights=per_image[: len(owner)], minlength=len(s))
+            out[:, 0] = np.bincount(owner, weights=per_image[: len(owner)], minlength=len(s))
         elif self.vision_layers > 0 and vision_tokens is not None:
-            out = out + self._vit_flops(np.asarray(vision_tokens, np.float64) * self.merge_size ** 2)
+            out[:, 0] = self._vit_flops(np.asarray(vision_tokens, np.float64) * self.merge_size ** 2)
         return out
 
     def _vit_flops(self, patches: np.ndarray) -> np.ndarray:
@@ -127,8 +148,128 @@ class FlopsModel:
         flops = self.flops(lengths, vision_tokens, image_tokens)
         return np.ceil(flops / self.token_flops() - 1e-9).astype(np.int64)
 
+    def stage_token_equivalents(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
+                                image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+        """(n, 2) int64: :meth:`stage_flops` in token-equivalents (vision, language), rounded up."""
+        flops = self.stage_flops(lengths, vision_tokens, image_tokens)
+        return np.ceil(flops / self.token_flops() - 1e-9).astype(np.int64)
 
-CostSpec = str | FlopsModel | np.ndarray | Callable[[np.ndarray], Any] | None
+
+STAGE_NAMES = ("vision", "language")
+# Per-sample features of each stage that a measured model is linear in: the language model's work is
+# per sample, per token and per token² (causal attention); the vision tower's per image, per patch
+# and per patch² (each image attends within itself).
+STAGE_FEATURES = (("images", "patches", "patches²"), ("samples", "tokens", "tokens²"))
+
+
+def stage_features(lengths_or_index: Any, merge_size: int = 2) -> np.ndarray:
+    """(n, 2, 3) float64 per-sample features of :data:`STAGE_FEATURES` (vision, then language).
+
+    Images come from ``.image_tokens_table`` when present (patches = placeholder tokens ·
+    merge²), else a sample's ``.vision_tokens`` count as one image; bare lengths have no vision.
+    """
+    from tokenbal.plan import check_lengths
+
+    s = check_lengths(lengths_or_index).astype(np.float64)
+    n = len(s)
+    out = np.zeros((n, 2, 3))
+    out[:, 1] = np.stack([np.ones(n), s, s * s], 1)
+    table = getattr(lengths_or_index, "image_tokens_table", None)
+    vis = getattr(lengths_or_index, "vision_tokens", None)
+    if table is not None:
+        offsets, tokens = (np.asarray(a) for a in table)
+        p = tokens[: offsets[n]].astype(np.float64) * merge_size ** 2
+        owner = np.repeat(np.arange(n), np.diff(offsets[: n + 1]))
+        for j, f in enumerate((np.ones_like(p), p, p * p)):
+            out[:, 0, j] = np.bincount(owner, weights=f, minlength=n)
+    elif vis is not None:
+        p = np.asarray(vis, np.float64) * merge_size ** 2
+        out[:, 0] = np.stack([(p > 0).astype(np.float64), p, p * p], 1)
+    return out
+
+
+@dataclass(frozen=True)
+class StageCostModel:
+    """Measured seconds per sample and stage, linear in :data:`STAGE_FEATURES`.
+
+    FLOPs are a poor clock when kernels differ in efficiency: on the 2-core CPU of
+    docs/BENCHMARKS.md the demo model's language FLOPs took 1.6x the time of its vision FLOPs, and
+    attention (s², per sample) dominated although FLOPs said the projections did. Fit one with
+    :meth:`fit` from timed micro-batches (``collate.train.profile_stage_costs`` does the timing on
+    the real model), then pass it as ``cost=`` and ``stages=True``. Costs are in microseconds.
+    """
+
+    vision: tuple[float, float, float]     # seconds per image, per patch, per patch²
+    language: tuple[float, float, float]   # seconds per sample, per token, per token²
+    merge_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in STAGE_NAMES:
+            coef = getattr(self, name)
+            if len(coef) != 3 or not all(np.isfinite(c) and c >= 0 for c in coef):
+                raise ValueError(f"StageCostModel.{name} needs 3 finite coefficients >= 0, got {coef!r}")
+
+    def stage_seconds(self, lengths_or_index: Any) -> np.ndarray:
+        """(n, 2) predicted seconds per sample: vision, language."""
+        f = stage_features(lengths_or_index, self.merge_size)
+        return np.stack([f[:, 0] @ np.asarray(self.vision), f[:, 1] @ np.asarray(self.language)], 1)
+
+    def stage_micros(self, lengths_or_index: Any) -> np.ndarray:
+        """(n, 2) int64 microseconds, rounded up (work that exists never costs 0)."""
+        return np.ceil(self.stage_seconds(lengths_or_index) * 1e6 - 1e-9).astype(np.int64)
+
+    @classmethod
+    def fit(cls, batch_features: np.ndarray, batch_seconds: np.ndarray, merge_size: int = 2
+            ) -> StageCostModel:
+        """Least squares with non-negative coefficients, per stage, from B timed micro-batches.
+
+        ``batch_features``: (B, 2, 3), each batch's summed :func:`stage_features`;
+        ``batch_seconds``: (B, 2) its measured vision and language seconds. A per-batch constant
+        (launch overheads, the loss) is fitted too and left out of the per-sample costs, since every
+        rank pays it once per micro-batch whatever it holds.
+        """
+        X = np.asarray(batch_features, np.float64)
+        y = np.asarray(batch_seconds, np.float64)
+        if X.ndim != 3 or X.shape[1:] != (2, 3) or y.shape != X.shape[:2]:
+            raise ValueError(f"need batch_features (B, 2, 3) and batch_seconds (B, 2), got {X.shape} and "
+                             f"{y.shape}")
+        if len(X) < 4 or not (np.isfinite(X).all() and np.isfinite(y).all()):
+            raise ValueError("need at least 4 timed batches with finite features and times")
+        coefs = [_nnls(np.column_stack([np.ones(len(X)), X[:, k]]), y[:, k])[1:] for k in range(2)]
+        return cls(vision=tuple(float(c) for c in coefs[0]), language=tuple(float(c) for c in coefs[1]),
+                   merge_size=merge_size)
+
+    def to_dict(self) -> dict:
+        return {"vision": list(self.vision), "language": list(self.language), "merge_size": self.merge_size,
+                "features": {name: list(f) for name, f in zip(STAGE_NAMES, STAGE_FEATURES, strict=True)}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StageCostModel:
+        return cls(vision=tuple(d["vision"]), language=tuple(d["language"]),
+                   merge_size=int(d.get("merge_size", 2)))
+
+
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ||A x - y|| with x >= 0, for a handful of columns: the best of all column subsets whose
+    unconstrained solution is non-negative (the optimum is one of them)."""
+    m = A.shape[1]
+    # Scale columns: tokens² and tokens differ by ~1e4, which lstsq handles, but the residuals compare better.
+    scale = np.maximum(np.abs(A).max(0), 1e-300)
+    As = A / scale
+    best, best_res = np.zeros(m), float(np.sum(y * y))
+    for mask in range(1, 2 ** m):
+        cols = [j for j in range(m) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(As[:, cols], y, rcond=None)
+        if (x < 0).any():
+            continue
+        res = float(np.sum((As[:, cols] @ x - y) ** 2))
+        if res < best_res - 1e-15 * max(best_res, 1.0):
+            best, best_res = np.zeros(m), res
+            best[cols] = x
+    return best / scale
+
+
+CostSpec = str | FlopsModel | StageCostModel | np.ndarray | Callable[[np.ndarray], Any] | None
 
 
 def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any = None) -> np.ndarray:
@@ -154,11 +295,55 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
         vis = getattr(lengths_or_index, "vision_tokens", None)
         images = getattr(lengths_or_index, "image_tokens_table", None)
         return cost.token_equivalents(lens, None if vis is None else np.asarray(vis), images)
+    if isinstance(cost, StageCostModel):
+        return cost.stage_micros(lengths_or_index).sum(1)
     values = cost(lens) if callable(cost) else cost
     arr = np.asarray(values)
     if arr.shape != lens.shape:
         raise ValueError(f"cost gives shape {arr.shape}, expected one value per sample {lens.shape}")
     return to_int_costs(arr)
+
+
+def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = None, *,
+                        config: Any = None) -> np.ndarray:
+    """(n, K) int64 per-sample costs of K stages that run one after the other, each ending in a
+    synchronisation of all ranks (under FSDP: the vision tower, then the language model).
+
+    ``stages``: ``True`` derives them from ``cost`` (``"flops"`` or a :class:`FlopsModel` with a
+    vision tower: columns vision, language, in the same token-equivalents as the scalar cost), or
+    an (n, K) array of non-negative numbers (e.g. a measured time per stage; floats are scaled
+    together so the largest entry is ~1e6).
+    """
+    from tokenbal.plan import check_lengths
+
+    lens = check_lengths(lengths_or_index)
+    if stages is True and isinstance(cost, StageCostModel):
+        return cost.stage_micros(lengths_or_index)
+    if stages is True:
+        model = cost
+        if isinstance(cost, str) and cost == "flops":
+            model = FlopsModel.qwen2_vl_7b() if config is None else FlopsModel.from_config(config)
+        if not isinstance(model, FlopsModel) or model.vision_layers == 0:
+            raise ValueError("stages=True needs cost='flops', a FlopsModel with a vision tower or a "
+                             "StageCostModel (it splits each sample's cost into vision and language); "
+                             "or pass an (n, K) array")
+        vis = getattr(lengths_or_index, "vision_tokens", None)
+        images = getattr(lengths_or_index, "image_tokens_table", None)
+        if vis is None and images is None:
+            raise ValueError("stages=True needs per-sample vision tokens: pass a TokenIndex (or an object "
+                             "with .vision_tokens / .image_tokens_table), not bare lengths")
+        return model.stage_token_equivalents(lens, None if vis is None else np.asarray(vis), images)
+    arr = np.asarray(stages)
+    if arr.ndim != 2 or arr.shape[0] != len(lens) or arr.shape[1] < 1:
+        raise ValueError(f"stages must be True or an (n, K) array with one row per sample (n = {len(lens)}), "
+                         f"got shape {arr.shape}")
+    if arr.dtype.kind in "iuf":
+        bad = np.argwhere(~np.isfinite(arr.astype(np.float64)) | (arr < 0))
+        if len(bad):
+            i, k = (int(v) for v in bad[0])
+            raise ValueError(f"stage costs must be finite and >= 0; sample {i} has {arr[i, k]!r} "
+                             f"in stage {k}")
+    return to_int_costs(arr.reshape(-1)).reshape(arr.shape)
 
 
 def to_int_costs(values: np.ndarray) -> np.ndarray:
