@@ -200,10 +200,11 @@ def imbalance_row(step_tokens: np.ndarray) -> tuple[float, float, float]:
 
 
 def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_batch_size: int, seed: int,
-                collator, num_workers: int = 0, cost=None):
+                collator, num_workers: int = 0, cost=None, stages: bool = False):
     """A DataLoader over ``dataset`` with tokenbal's balanced batches or DistributedSampler's.
 
-    ``cost``: what tokenbal balances (see ``tokenbal.cost``): None for tokens, or a FlopsModel.
+    ``cost``: what tokenbal balances (see ``tokenbal.cost``): None for tokens, or a FlopsModel;
+    ``stages``: also balance its vision and language parts separately (needs a FlopsModel).
     """
     from types import SimpleNamespace
 
@@ -219,7 +220,8 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
             offsets, tokens = dataset.index.image_tokens_table
             samples.image_tokens_table = (offsets[: n + 1], tokens[: offsets[n]])
         batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size, rank=rank,
-                                                  global_batch_size=global_batch_size, seed=seed, cost=cost)
+                                                  global_batch_size=global_batch_size, seed=seed, cost=cost,
+                                                  stages=stages or None)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
     if sampler_kind == "distributed":
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)

@@ -45,11 +45,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", help="transformers Qwen2-VL config.json (random init); default: tiny")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step, all ranks together")
-    p.add_argument("--cost", choices=["tokens", "flops"], default="tokens",
-                   help="what tokenbal balances: token counts, or FLOPs from the model config "
-                        "(LLM linear + attention + vision tower)")
+    p.add_argument("--cost", choices=["tokens", "flops", "fitted"], default="tokens",
+                   help="what tokenbal balances: token counts; FLOPs from the model config (LLM linear + "
+                        "attention + vision tower); or 'fitted': seconds from a StageCostModel fitted to "
+                        "micro-batches timed on this model and machine before training")
+    p.add_argument("--calibration-batches", type=int, default=24,
+                   help="with --cost fitted: micro-batches timed (shared over the ranks), drawn from the "
+                        "samples after --train-samples when there are enough")
+    p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --cost flops: balance the vision tower and the language model separately "
+                        "(each ends in FSDP collectives, so each waits for its own slowest rank); "
+                        "default: on with --cost flops")
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N samples")
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each sampler's epoch this many times (same batches, samplers alternating) and "
+                        "report per-step medians of step and compute times: this machine's noise is "
+                        "the size of the effect measured")
     p.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -107,24 +119,33 @@ def prepare(args, rank: int):
     return index_dir, tokenizer, config
 
 
-def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
-              tokenizer: str, config) -> list:
-    from collate import DevicePrefetcher, PackedCollator
-    from collate.demo import IndexedSamples, build_model, make_loader
-    from collate.models import enable_packed
-    from collate.train import StepRecord, _synchronize, shard_qwen2_vl, solo_compute_time, train_step
-
-    dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples)
-    cost = None
+def make_cost(args, rank: int, world: int, device: torch.device, index_dir: str, tokenizer: str, config):
+    """What tokenbal balances: None (tokens), a FlopsModel, or a StageCostModel fitted here."""
     if args.cost == "flops":
         from tokenbal.cost import FlopsModel
 
-        cost = FlopsModel.from_config(config)
+        return FlopsModel.from_config(config)
+    if args.cost == "fitted":
+        return fit_stage_costs(args, rank, world, device, index_dir, tokenizer, config)
+    return None
+
+
+def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
+              tokenizer: str, config, cost) -> list:
+    from collate import DevicePrefetcher, PackedCollator
+    from collate.demo import IndexedSamples, build_model, make_loader
+    from collate.models import enable_packed
+    from collate.train import StepRecord, _synchronize, shard_qwen2_vl, solo_stage_times, train_step
+
+    dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples)
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
-                         PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost)
+                         PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
+                         stages=cost is not None and args.stages is not False)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # fused AdamW: one kernel per step instead of ~10 ops per (sharded) parameter, which on a small
+    # model cost more than the whole FSDP all-gather (40 vs 3 ms per step on 2 CPU ranks).
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type in ("cpu", "cuda") or None)
 
     records = []
     for step, batch in enumerate(DevicePrefetcher(loader, device=device)):
@@ -132,9 +153,9 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
             break
         if step == 0:  # warm-up on the first batch (allocator, lazy init); not timed
             if solo is not None:
-                solo_compute_time(solo, batch)
+                solo_stage_times(solo, batch)
             train_step(model, optim, batch)
-        compute = float("nan") if solo is None else solo_compute_time(solo, batch)
+        compute, vision = (float("nan"),) * 2 if solo is None else solo_stage_times(solo, batch)
         _synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
@@ -142,17 +163,51 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         _synchronize(device)
         dist.barrier()
         records.append(StepRecord(step=step, rank=rank, samples=len(batch["seq_lens"]),
-                                  tokens=int(batch["input_ids"].shape[1]), compute_s=compute,
+                                  tokens=int(batch["input_ids"].shape[1]), compute_s=compute, vision_s=vision,
                                   step_s=time.perf_counter() - t0, loss=float(loss)))
     return records
+
+
+def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir: str, tokenizer: str,
+                    config):
+    """Every rank times its share of the calibration micro-batches on an unsharded replica (both
+    ranks busy at once, as in training); one all_gather_object gives every rank the same data, so
+    every rank fits the same StageCostModel and plans the same epoch."""
+    from collate import PackedCollator
+    from collate.demo import IndexedSamples, build_model
+    from collate.models import enable_packed
+    from collate.train import calibration_batches, profile_stage_costs
+    from tokenbal.cost import StageCostModel, stage_features
+
+    dataset = IndexedSamples(index_dir, tokenizer)
+    n, train = len(dataset), args.train_samples or len(dataset)
+    held_out = range(train, n) if n - train >= 32 else range(n)
+    mine = calibration_batches(held_out, args.calibration_batches, seed=args.seed)[rank::world]
+    replica = enable_packed(build_model(config, args.seed).to(device))
+    merge = config.vision_config.spatial_merge_size
+    feats, secs = profile_stage_costs(replica, PackedCollator.from_config(config), dataset,
+                                      stage_features(dataset.index, merge), mine)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, (feats, secs))
+    model = StageCostModel.fit(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                               merge_size=merge)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "stage_costs.json"), "w") as f:
+            json.dump(model.to_dict(), f, indent=1)
+        print(f"fitted stage costs from {sum(len(p[0]) for p in parts)} timed micro-batches: "
+              f"{model.to_dict()}")
+    return model
 
 
 def write_csv(path: str, records: list) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["sampler", "step", "rank", "samples", "tokens", "compute_s", "step_s", "wait_s", "loss"])
+        w.writerow(["sampler", "step", "rank", "samples", "tokens", "compute_s", "vision_s", "step_s",
+                    "wait_s", "loss"])
         for kind, r in records:
-            w.writerow([kind, r.step, r.rank, r.samples, r.tokens, f"{r.compute_s:.6f}", f"{r.step_s:.6f}",
+            w.writerow([kind, r.step, r.rank, r.samples, r.tokens, f"{r.compute_s:.6f}", f"{r.vision_s:.6f}",
+                        f"{r.step_s:.6f}",
                         f"{max(0.0, r.step_s - r.compute_s):.6f}", f"{r.loss:.6f}"])
 
 
@@ -186,18 +241,27 @@ def write_timeline(path: str, runs: dict[str, list]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.stages and args.cost == "tokens":
+        raise SystemExit("--stages needs --cost flops or fitted (it splits each sample's cost into vision "
+                         "and language)")
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root returns logits, a view
     torch.set_num_threads(args.threads)
     rank, world, device = init_distributed()
     try:
         index_dir, tokenizer, config = prepare(args, rank)
+        from collate.train import median_records
+
         kinds = ["distributed", "tokenbal"] if args.sampler == "both" else [args.sampler]
-        runs = {}
-        for kind in kinds:
-            mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config)
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, mine)
-            runs[kind] = [r for recs in gathered for r in recs]
+        cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
+        repeats: dict[str, list] = {kind: [] for kind in kinds}
+        # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.
+        for _ in range(args.repeats):
+            for kind in kinds:
+                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost)
+                gathered: list = [None] * world
+                dist.all_gather_object(gathered, mine)
+                repeats[kind].append([r for recs in gathered for r in recs])
+        runs = {kind: median_records(reps) for kind, reps in repeats.items()}
         if rank == 0:
             report(args, runs)
     finally:
@@ -215,6 +279,11 @@ def report(args, runs: dict[str, list]) -> None:
         print(f"{kind:12s} steps {s['steps']:3d}  epoch {s['epoch_s']:7.2f} s  ideal {s['ideal_s']:7.2f} s  "
               f"epoch/ideal {s['step_over_ideal']:.3f}  tokens max/mean {s['token_max_over_mean']:.3f}  "
               f"wait per rank " + " / ".join(f"{w:.0%}" for w in s["wait_fraction"]))
+        if np.isfinite(s["stages_s"]):
+            # epoch/ideal = (slowest rank / ideal) x (stage sync / slowest) x (FSDP overhead + noise)
+            print(f"{'':12s} slowest rank {s['slowest_s'] / s['ideal_s']:.3f}x ideal, vision+language stages "
+                  f"{s['stages_s'] / s['ideal_s']:.3f}x ideal, "
+                  f"step / stages {s['epoch_s'] / s['stages_s']:.3f}")
     if len(runs) == 2:
         ratio = summarise(runs["distributed"])["epoch_s"] / summarise(runs["tokenbal"])["epoch_s"]
         print(f"tokenbal is {ratio:.2f}x as fast as DistributedSampler on the same samples")
