@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenbal.cost import FlopsModel, resolve_costs, resolve_stage_costs
-from tokenbal.partition import partition, refine_stages, stage_objective
+from tokenbal.partition import partition, refine_stages, refine_stages_many, stage_objective
 from tokenbal.plan import plan_epoch
 from tokenbal.sampler import TokenBalancedBatchSampler
 
@@ -174,3 +174,32 @@ def test_a_checkpoint_from_before_stages_still_resumes_a_plain_sampler():
     state = s.state_dict()
     del state["fingerprint"]["stages"]
     s.load_state_dict(state)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 6), st.integers(0, 2**32 - 1))
+def test_many_steps_at_once_equal_one_at_a_time(num_bins, groups, seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 12, groups)
+    M = int(sizes.max())
+    costs = np.zeros((groups, M, 2), np.int64)
+    bins = np.full((groups, M), -1, np.int64)
+    for g, n in enumerate(sizes):
+        costs[g, :n] = _mixture(int(n), seed + g)
+        bins[g, :n] = partition(costs[g, :n].sum(1), num_bins)
+    out = refine_stages_many(costs, bins, num_bins)
+    for g, n in enumerate(sizes):
+        assert np.array_equal(out[g, :n], refine_stages(costs[g, :n], bins[g, :n], num_bins))
+        assert (out[g, n:] == -1).all()
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_step_stage_balance_is_the_stage_objective_over_the_ideal(grad_accum):
+    from tokenbal.plan import plan_stage_costs, step_stage_balance
+
+    c = _mixture(300, 3)
+    plan = plan_epoch(c.sum(1), 4, global_batch_size=32, seed=1, grad_accum=grad_accum)
+    totals = np.array([c[plan.slot(s, r)].sum() for s in range(plan.num_steps) for r in range(4)])
+    ideal = totals.reshape(plan.num_steps, 4).sum(1) / 4
+    got = step_stage_balance(plan_stage_costs(plan, c))
+    np.testing.assert_allclose(got, _step_objectives(plan, c) / ideal)

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "stage_objective", "bin_loads",
-           "fill_windows"]
+__all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
+           "stage_objective", "bin_loads", "fill_windows"]
 
 # method name -> implementation(costs, num_bins, capacity) -> bins. A new solver registers here.
 METHODS: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {}
@@ -318,6 +318,11 @@ def refine_partition(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_
     return bins
 
 
+# refine_stages stops once a step is within this fraction of its lower bound: the last 0.1% is far
+# below the noise of any real step time and costs most of the rounds.
+_STAGE_TOLERANCE = 1e-3
+
+
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
     """``Σ_k max_b load[b, k]``: the time of a step whose K stages each end in a barrier."""
     c = np.asarray(stage_costs, np.int64)
@@ -336,75 +341,142 @@ def refine_stages(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
     rank heavy in images and one heavy in text, equal in total, each wait for the other once.
     Every round applies the move or swap that lowers that objective most — an item out of a bin
     that is some stage's bottleneck, swapped with any item of another bin or moved to it — until
-    none does. Strictly decreasing, so it stops; deterministic (first best in item order).
+    none does or the step is within 0.1% of its lower bound. Strictly decreasing, so it stops;
+    deterministic (first best in item order).
 
     Swaps only with ``equal_counts``; a move never empties a bin; with ``capacity`` no bin's sum of
-    ``capacity_costs`` (default: the row sums) goes over it.
+    ``capacity_costs`` (default: the row sums) goes over it. :func:`refine_stages_many` does many
+    independent steps at once (what the planner uses).
     """
     c = np.asarray(stage_costs, np.int64)
     if c.ndim != 2:
         raise ValueError(f"stage_costs must be (n, K), got shape {c.shape}")
-    bins = np.asarray(bins, np.int64).copy()
-    n, K = c.shape
-    R = int(num_bins)
-    if n < 2 or R < 2:
-        return bins
     tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    out = refine_stages_many(c[None], np.asarray(bins, np.int64)[None], int(num_bins), capacity=capacity,
+                             capacity_costs=tot[None], equal_counts=equal_counts, max_rounds=max_rounds)
+    return out[0]
+
+
+def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
+                       capacity: int | None = None, capacity_costs: np.ndarray | None = None,
+                       equal_counts: bool = False, max_rounds: int | None = None) -> np.ndarray:
+    """:func:`refine_stages` on G independent steps at once: ``stage_costs`` (G, M, K), ``bins``
+    (G, M) with -1 for padding (an absent item). Every round takes each unfinished step's best move
+    in one vectorised pass, so the cost is rounds × passes, not steps × rounds × numpy calls."""
+    c = np.asarray(stage_costs, np.int64)
+    bins = np.asarray(bins, np.int64).copy()
+    G, M, K = c.shape
+    R = int(num_bins)
+    if G == 0 or M < 2 or R < 2:
+        return bins
+    valid = bins >= 0
+    c = np.where(valid[:, :, None], c, 0)
+    tot = c.sum(2) if capacity_costs is None else np.where(valid, np.asarray(capacity_costs, np.int64), 0)
     cap = None if capacity is None else int(capacity)
-    loads = np.zeros((R, K), np.int64)
-    np.add.at(loads, bins, c)
-    tload = np.bincount(bins, weights=tot, minlength=R).astype(np.int64)
-    counts = np.bincount(bins, minlength=R)
+    rows = np.arange(G)[:, None]
+    home_of = np.where(valid, bins, 0)
+    loads = np.zeros((G, R, K), np.int64)
+    np.add.at(loads, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), c[valid])
+    tload = np.zeros((G, R), np.int64)
+    np.add.at(tload, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), tot[valid])
+    counts = np.zeros((G, R), np.int64)
+    np.add.at(counts, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), 1)
     # Partners: every item (a swap), then one empty pseudo-item per bin (a move).
-    pc = np.concatenate([c, np.zeros((R, K), np.int64)])
-    pt = np.concatenate([tot, np.zeros(R, np.int64)])
-    is_move = np.r_[np.zeros(n, bool), np.ones(R, bool)]
-    limit = 4 * n + R if max_rounds is None else int(max_rounds)
+    pc = np.concatenate([c, np.zeros((G, R, K), np.int64)], 1)
+    pt = np.concatenate([tot, np.zeros((G, R), np.int64)], 1)
+    P = M + R
+    is_move = np.r_[np.zeros(M, bool), np.ones(R, bool)]
+    # No assignment beats the stage means or the largest item of a stage; close enough, stop.
+    bound = np.maximum(-(-c.sum(1) // R), c.max(1)).sum(1) * (1 + _STAGE_TOLERANCE)
+    active = np.flatnonzero(loads.max(1).sum(1) > bound)
+    limit = 4 * M + R if max_rounds is None else int(max_rounds)
+    never = np.iinfo(np.int64).max
+    kk = np.arange(K)
     for _ in range(limit):
-        objective = loads.max(0).sum()
-        # Only moving load off a stage's fullest bin can lower that stage's max.
-        sources = np.unique(loads.argmax(0))
-        mine = np.flatnonzero(np.isin(bins, sources))
-        pb = np.concatenate([bins, np.arange(R)])
-        # The largest load of every stage outside bins a and b: the first of the top three that is
-        # neither (bins past R are padding with load 0, which never exceeds a real maximum).
-        top = np.argsort(-loads, axis=0, kind="stable")[:3]
-        topv = np.take_along_axis(loads, top, 0)
-        if R < 3:
-            top = np.vstack([top, np.full((3 - R, K), -1)])
-            topv = np.vstack([topv, np.zeros((3 - R, K), np.int64)])
-        a = bins[mine][:, None, None]
-        b = pb[None, :, None]
-        other = np.where((top[0] != a) & (top[0] != b), topv[0],
-                         np.where((top[1] != a) & (top[1] != b), topv[1], topv[2]))
-        d = pc[None, :, :] - c[mine][:, None, :]            # what bin a gains, bin b loses
-        new_a = loads[bins[mine]][:, None, :] + d
-        new_b = loads[pb][None, :, :] - d
-        value = np.maximum(other, np.maximum(new_a, new_b)).sum(2)
-        ok = pb[None, :] != bins[mine][:, None]
-        if equal_counts:
-            ok &= ~is_move[None, :]
-        else:
-            ok &= ~is_move[None, :] | (counts[bins[mine]] > 1)[:, None]
-        if cap is not None:
-            dt = pt[None, :] - tot[mine][:, None]
-            ok &= (tload[bins[mine]][:, None] + dt <= cap) & (tload[pb][None, :] - dt <= cap)
-        value = np.where(ok, value, np.iinfo(np.int64).max)
-        best = int(np.argmin(value))
-        u, v = divmod(best, value.shape[1])
-        if value[u, v] >= objective:
+        if not active.size:
             break
-        i, src, dst = int(mine[u]), int(bins[mine[u]]), int(pb[v])
-        moved = [(i, src, dst)] if is_move[v] else [(i, src, dst), (v, dst, src)]
-        for item, frm, to in moved:
-            bins[item] = to
-            loads[frm] -= c[item]
-            loads[to] += c[item]
-            tload[frm] -= tot[item]
-            tload[to] += tot[item]
-            counts[frm] -= 1
-            counts[to] += 1
+        still = []
+        # Chunks bound the (steps, items, partners, stages) temporaries to a few MB.
+        per_step = max(1, M * P * K)
+        for lo in range(0, len(active), max(1, 4_000_000 // per_step)):
+            g = active[lo:lo + max(1, 4_000_000 // per_step)]
+            still.append(g[_best_moves(g, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R, P,
+                                       cap, equal_counts, kk, never)])
+        active = np.concatenate(still)
+        if active.size:
+            active = active[loads[active].max(1).sum(1) > bound[active]]
     return bins
+
+
+def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R: int, P: int,
+                cap: int | None, equal_counts: bool, kk: np.ndarray, never: int) -> np.ndarray:
+    """One round of :func:`refine_stages_many` for steps ``g``: apply each step's best improving
+    move or swap in place; returns a bool mask of the steps that improved."""
+    L = loads[g]                                                    # (g, R, K)
+    n_g = len(g)
+    objective = L.max(1).sum(1)
+    # Only moving load off a stage's fullest bin can lower that stage's max.
+    is_source = np.zeros((n_g, R), bool)
+    is_source[np.arange(n_g)[:, None], L.argmax(1)] = True
+    b = bins[g]
+    home_all = np.where(valid[g], b, 0)
+    from_source = valid[g] & np.take_along_axis(is_source, home_all, 1)
+    Q = int(from_source.sum(1).max())
+    if Q == 0:
+        return np.zeros(n_g, bool)
+    sel = np.argsort(~from_source, axis=1, kind="stable")[:, :Q]   # source items first, in item order
+    sel_ok = np.take_along_axis(from_source, sel, 1)
+    home = np.take_along_axis(home_all, sel, 1)                    # (g, Q)
+    ci = np.take_along_axis(c[g], sel[:, :, None], 1)              # (g, Q, K)
+    pb = np.concatenate([home_all, np.broadcast_to(np.arange(R), (n_g, R))], 1)   # (g, P)
+    p_ok = np.concatenate([valid[g], np.ones((n_g, R), bool)], 1)
+    # The largest load of every stage outside bins a and b: the first of the top three that is
+    # neither (padding bins -1 with load 0 never exceed a real maximum).
+    order = np.argsort(-L, axis=1, kind="stable")[:, :3]
+    topv = np.take_along_axis(L, order, 1)
+    if R < 3:
+        order = np.concatenate([order, np.full((n_g, 3 - R, len(kk)), -1)], 1)
+        topv = np.concatenate([topv, np.zeros((n_g, 3 - R, len(kk)), np.int64)], 1)
+    a4 = home[:, :, None, None]
+    b4 = pb[:, None, :, None]
+    t = [order[:, i][:, None, None, :] for i in range(3)]
+    v = [topv[:, i][:, None, None, :] for i in range(3)]
+    other = np.where((t[0] != a4) & (t[0] != b4), v[0], np.where((t[1] != a4) & (t[1] != b4), v[1], v[2]))
+    d = pc[g][:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
+    La = np.take_along_axis(L, home[:, :, None], 1)[:, :, None, :]
+    Lb = np.take_along_axis(L, pb[:, :, None], 1)[:, None, :, :]
+    value = np.maximum(other, np.maximum(La + d, Lb - d)).sum(3)   # (g, Q, P)
+    ok = sel_ok[:, :, None] & p_ok[:, None, :] & (pb[:, None, :] != home[:, :, None])
+    if equal_counts:
+        ok &= ~is_move[None, None, :]
+    else:
+        ok &= ~is_move[None, None, :] | (np.take_along_axis(counts[g], home, 1) > 1)[:, :, None]
+    if cap is not None:
+        dt = pt[g][:, None, :] - np.take_along_axis(tot[g], sel, 1)[:, :, None]
+        ok &= ((np.take_along_axis(tload[g], home, 1)[:, :, None] + dt <= cap)
+               & (np.take_along_axis(tload[g], pb, 1)[:, None, :] - dt <= cap))
+    value = np.where(ok, value, never).reshape(n_g, -1)
+    best = value.argmin(1)
+    better = value[np.arange(n_g), best] < objective
+    gi = g[better]
+    u, w = np.divmod(best[better], P)
+    item = sel[better, u]
+    src = home[better, u]
+    dst = pb[better, w]
+    swap = ~is_move[w]
+    partner = np.where(swap, w, 0)
+    # Steps are distinct, so these scatters never collide.
+    bins[gi, item] = dst
+    bins[gi[swap], partner[swap]] = src[swap]
+    moved_c = c[gi, item] - np.where(swap[:, None], c[gi, partner], 0)
+    moved_t = tot[gi, item] - np.where(swap, tot[gi, partner], 0)
+    loads[gi, src] -= moved_c
+    loads[gi, dst] += moved_c
+    tload[gi, src] -= moved_t
+    tload[gi, dst] += moved_t
+    counts[gi, src] -= np.where(swap, 0, 1)
+    counts[gi, dst] += np.where(swap, 0, 1)
+    return better
 
 
 def _cpsat(c: np.ndarray, k: int, capacity: float | None, equal_counts: bool, time_limit: float

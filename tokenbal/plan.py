@@ -57,7 +57,8 @@ import numpy as np
 
 from tokenbal.partition import fill_windows
 
-__all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_lower_bound", "check_lengths",
+__all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_stage_balance",
+           "plan_stage_costs", "step_lower_bound", "check_lengths",
            "check_settings", "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary",
            "simulate", "Simulation", "PLAN_VERSION"]
 
@@ -157,6 +158,26 @@ def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
     return np.divide(t.max(1), mean, out=np.ones(len(t)), where=mean > 0)
 
 
+def step_stage_balance(step_rank_stage: np.ndarray) -> np.ndarray:
+    """Per-step ``Σ_stage max_rank / (step total / ranks)`` from (steps, ranks, stages) costs: the step
+    time when every stage waits for its slowest rank (FSDP: vision tower, then LLM), over the ideal."""
+    t = np.asarray(step_rank_stage, np.float64)
+    mean = t.sum((1, 2)) / t.shape[1]
+    return np.divide(t.max(1).sum(1), mean, out=np.ones(len(t)), where=mean > 0)
+
+
+def plan_stage_costs(plan: EpochPlan, stage_costs: np.ndarray) -> np.ndarray:
+    """(steps, ranks · grad_accum, stages) cost of every micro-batch, for :func:`step_stage_balance`
+    (micro-batch j of every rank is its own synchronised group, so each is a column)."""
+    c = np.asarray(stage_costs, np.int64)
+    per = [plan.micro_tokens(c[:, k]) for k in range(c.shape[1])]      # (S, R, k) each
+    out = np.stack(per, -1)                                              # (S, R, k, K)
+    if plan.grad_accum == 1:
+        return out[:, :, 0, :]
+    # Σ over micro-steps of Σ_stage max_rank: fold the micro index into the stage axis.
+    return out.reshape(plan.num_steps, plan.num_replicas, -1)
+
+
 def step_lower_bound(step_rank_tokens: np.ndarray, step_max_item: np.ndarray) -> np.ndarray:
     """Per-step ideal max/mean: max(mean, largest sample) / mean. No split of that step's samples
     over the ranks can do better, so ``step_balance / step_lower_bound`` is the planner's own slack."""
@@ -223,6 +244,9 @@ class Simulation:
     cost: str
     plan_seconds: float
     ratios: dict[str, np.ndarray]          # method -> per-step max/mean
+    # method -> per-step Σ_stage max_rank / ideal, when simulated with stages
+    stage_ratios: dict[str, np.ndarray] = field(default_factory=dict)
+    stage_plan_seconds: float = float("nan")
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {name: balance_summary(r) for name, r in self.ratios.items()}
@@ -236,14 +260,24 @@ class Simulation:
             s = balance_summary(r)
             lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
         lines.append(f"tokenbal plan time: {self.plan_seconds:.3f} s")
+        if self.stage_ratios:
+            lines.append("per-step Σ_stage max_rank / ideal (vision tower, then LLM, each waiting for its "
+                         "slowest rank under FSDP)")
+            for name, r in self.stage_ratios.items():
+                s = balance_summary(r)
+                lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+            lines.append(f"tokenbal + stages plan time: {self.stage_plan_seconds:.3f} s")
         return "\n".join(lines)
 
 
 def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_accum: int = 1,
-             cost: object = None, seed: int = 0, baseline_steps: int | None = 500) -> Simulation:
+             cost: object = None, seed: int = 0, baseline_steps: int | None = 500,
+             stages: object = None) -> Simulation:
     """Compare DistributedSampler-style sharding, per-step LPT and KK (verl) and tokenbal's plan on
     the same samples. Balance is measured on the cost being balanced (tokens by default).
-    ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick."""
+    ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick.
+    ``stages`` (as in :func:`plan_epoch`): also report the per-step stage time over its ideal for
+    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``."""
     import time
 
     if cost is not None:
@@ -266,8 +300,21 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     if k > 1:
         ratios["tokenbal micro-batches"] = step_balance(plan.micro_tokens(c).reshape(plan.num_steps, -1))
     name = cost if isinstance(cost, str) else ("tokens" if cost is None else type(cost).__name__)
+    stage_ratios: dict[str, np.ndarray] = {}
+    stage_dt = float("nan")
+    if stages is not None and stages is not False:
+        from tokenbal.cost import resolve_stage_costs
+
+        sc = resolve_stage_costs(lengths, stages, cost)
+        sharded = np.stack([count_sharded_step_tokens(sc[:, j], R, N, seed) for j in range(sc.shape[1])], -1)
+        stage_ratios["DistributedSampler"] = step_stage_balance(sharded)
+        stage_ratios["tokenbal"] = step_stage_balance(plan_stage_costs(plan, sc))
+        t0 = time.perf_counter()
+        staged = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k, stages=sc)
+        stage_dt = time.perf_counter() - t0
+        stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
     return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
-                      plan_seconds=dt, ratios=ratios)
+                      plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt)
 
 
 def default_window(num_replicas: int, global_batch_size: int | None = None, *,
@@ -421,21 +468,28 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, step: np.ndarray, vrank: np.ndarray, S: int, R: int,
                    k: int, lens: np.ndarray | None, budget: int | None) -> np.ndarray:
     """Per micro-step (step s, micro-batch j: virtual ranks r·k + j), rebalance the stages with
-    :func:`tokenbal.partition.refine_stages`; returns the new virtual ranks."""
-    from tokenbal.partition import refine_stages
+    :func:`tokenbal.partition.refine_stages_many`; returns the new virtual ranks."""
+    from tokenbal.partition import refine_stages_many
 
+    if not len(perm):
+        return vrank
     group = step * k + vrank % k
     order = np.argsort(group, kind="stable")
-    bounds = np.searchsorted(group[order], np.arange(S * k + 1))
+    counts = np.bincount(group, minlength=S * k)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    col = np.arange(len(order)) - starts[group[order]]
+    M = int(counts.max())
+    bins = np.full((S * k, M), -1, np.int64)
+    bins[group[order], col] = vrank[order] // k
+    costs = np.zeros((S * k, M, stages.shape[1]), np.int64)
+    costs[group[order], col] = stages[perm[order]]
+    cap_costs = None
+    if lens is not None:
+        cap_costs = np.zeros((S * k, M), np.int64)
+        cap_costs[group[order], col] = lens[perm[order]]
+    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs)
     out = vrank.copy()
-    c = stages[perm]
-    for g in range(S * k):
-        idx = order[bounds[g]:bounds[g + 1]]
-        if len(idx) < 2:
-            continue
-        bins = refine_stages(c[idx], vrank[idx] // k, R, equal_counts=False,
-                             capacity=budget, capacity_costs=None if lens is None else lens[perm[idx]])
-        out[idx] = bins * k + g % k
+    out[order] = new[group[order], col] * k + group[order] % k
     return out
 
 
