@@ -378,3 +378,16 @@ def test_simulate_png_chart_has_one_line_per_method(index_dir, tmp_path, capsys)
     with Image.open(out) as im:
         colors = {c for _, c in im.convert("RGB").getcolors(1 << 20)}
     assert set(COLORS[:4]) <= colors  # DistributedSampler, per-step LPT, per-step KK, tokenbal
+
+
+def test_simulate_stages_reports_the_step_time_of_both_stages(index_dir, capsys):
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+                 "--cost", "flops", "--stages"]) == 0
+    block = capsys.readouterr().out.split("per-step Σ_stage max_rank / ideal")[1]
+    rows = {line[:34].strip(): [float(x) for x in line[34:].split()] for line in block.splitlines()[1:]
+            if line[:34].strip() in ("DistributedSampler", "tokenbal", "tokenbal + stages")}
+    assert len(rows) == 3
+    assert 1.0 <= rows["tokenbal + stages"][0] <= rows["tokenbal"][0] < rows["DistributedSampler"][0]
+    with pytest.raises(SystemExit, match="--cost flops"):
+        main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+              "--stages"])

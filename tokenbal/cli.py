@@ -54,8 +54,11 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         from tokenbal.cost import FlopsModel
 
         cost = FlopsModel.from_config(config)
+    if args.stages and args.cost != "flops":
+        raise SystemExit("--stages needs --cost flops (it splits each sample's FLOPs into vision tower "
+                         "and LLM)")
     sim = simulate(index, args.world_size, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
-                   seed=args.seed, baseline_steps=args.baseline_steps)
+                   seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
     print(sim.table())
     if args.plot:
         _write_plot(sim, args.plot)
@@ -160,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cost", choices=["tokens", "flops"], default="tokens", help="what to balance")
     sim.add_argument("--model-config", default=None,
                      help="config.json of the model for --cost flops (default: Qwen2-VL-7B dimensions)")
+    sim.add_argument("--stages", action="store_true",
+                     help="with --cost flops: also report Σ_stage max_rank / ideal per step (FSDP waits for "
+                          "the slowest rank in the vision tower and again in the LLM), with and without "
+                          "balancing the two stages separately")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--baseline-steps", type=int, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
