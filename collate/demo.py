@@ -237,7 +237,7 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
 
     from collate import PackedCollator
     from collate.models import enable_packed
-    from collate.train import StepRecord, shard_qwen2_vl, solo_compute_time, train_step
+    from collate.train import StepRecord, make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
 
     # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -248,7 +248,7 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
                          PackedCollator.from_config(config))
     solo = enable_packed(build_model(config, seed))
     model = shard_qwen2_vl(enable_packed(build_model(config, seed)))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim = make_optimizer(model, 1e-3)
 
     records = []
     for step, batch in enumerate(loader):

@@ -23,13 +23,13 @@ def _rank(rank: int, world_size: int) -> dict[int, tuple[float, float, float]]:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
-    from collate.train import shard_qwen2_vl
+    from collate.train import make_optimizer, shard_qwen2_vl
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     ids = {"<|image_pad|>": 3, "<|video_pad|>": 4, "<|vision_start|>": 1, "<|vision_end|>": 2}
     config = tiny_qwen2_vl_config(800, ids)
     model = shard_qwen2_vl(enable_packed(build_model(config, 0)))
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optim = make_optimizer(model, 1e-4)
     batch = PackedCollator.from_config(config)([{"input_ids": torch.arange(10, 40)}])
     times = {}
     for step in range(6):

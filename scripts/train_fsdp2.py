@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="what tokenbal balances: token counts; FLOPs from the model config (LLM linear + "
                         "attention + vision tower); or 'fitted': seconds from a StageCostModel fitted to "
                         "micro-batches timed on this model and machine before training")
-    p.add_argument("--calibration-batches", type=int, default=24,
+    p.add_argument("--calibration-batches", type=int, default=48,
                    help="with --cost fitted: micro-batches timed (shared over the ranks), drawn from the "
                         "samples after --train-samples when there are enough")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
@@ -135,7 +135,14 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     from collate import DevicePrefetcher, PackedCollator
     from collate.demo import IndexedSamples, build_model, make_loader
     from collate.models import enable_packed
-    from collate.train import StepRecord, _synchronize, shard_qwen2_vl, solo_stage_times, train_step
+    from collate.train import (
+        StepRecord,
+        _synchronize,
+        make_optimizer,
+        shard_qwen2_vl,
+        solo_stage_times,
+        train_step,
+    )
 
     dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples)
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
@@ -143,9 +150,7 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
                          stages=cost is not None and args.stages is not False)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
-    # fused AdamW: one kernel per step instead of ~10 ops per (sharded) parameter, which on a small
-    # model cost more than the whole FSDP all-gather (40 vs 3 ms per step on 2 CPU ranks).
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type in ("cpu", "cuda") or None)
+    optim = make_optimizer(model, args.lr)
 
     records = []
     for step, batch in enumerate(DevicePrefetcher(loader, device=device)):
@@ -264,6 +269,9 @@ def main(argv=None) -> None:
         runs = {kind: median_records(reps) for kind, reps in repeats.items()}
         if rank == 0:
             report(args, runs)
+        # Nobody tears the process group down while rank 0 still reports (gloo aborts a peer that
+        # leaves mid-way).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
