@@ -40,6 +40,11 @@ _TEMPLATE_TOKENS = 24          # chat template around every sample
 
 def mixture_lengths(n: int, seed: int = 0, model: str = "qwen2-vl") -> np.ndarray:
     """Total tokens per sample for ``n`` samples of the demo mixture plus long videos (vectorised)."""
+    return mixture_tokens(n, seed, model)[1]
+
+
+def mixture_tokens(n: int, seed: int = 0, model: str = "qwen2-vl") -> tuple[np.ndarray, np.ndarray]:
+    """(vision tokens, total tokens) per sample of :func:`mixture_lengths`' mixture."""
     est = get_estimator(model)
     rng = np.random.default_rng(seed)
     kinds = [k for k, _ in MIXTURE] + ["video"]
@@ -90,7 +95,35 @@ def mixture_lengths(n: int, seed: int = 0, model: str = "qwen2-vl") -> np.ndarra
     table = {f: est.video_tokens(f, 640, 360, 2.0) + wrap for f in np.unique(frames).tolist()}
     vision[m] = np.array([table[f] for f in frames.tolist()], np.int64)
     words[m] = rng.integers(10, 60, int(m.sum()))
-    return vision + np.round(words * _TOKENS_PER_WORD).astype(np.int64) + _TEMPLATE_TOKENS
+    return vision, vision + np.round(words * _TOKENS_PER_WORD).astype(np.int64) + _TEMPLATE_TOKENS
+
+
+def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
+    """Qwen2-VL-7B FLOPs split into vision tower and LLM: FSDP waits for the slowest rank in each, so
+    a step takes Σ_stage max_rank. Plans on the summed FLOPs, then with ``stages``."""
+    from types import SimpleNamespace
+
+    from tokenbal.cost import FlopsModel
+    from tokenbal.partition import stage_objective
+
+    vision, total = mixture_tokens(steps * N, seed)
+    samples = SimpleNamespace(lengths=total, vision_tokens=vision)
+    model = FlopsModel.qwen2_vl_7b()
+    parts = model.stage_token_equivalents(total, vision)
+    ratios = {}
+    for name, stages in (("flops", None), ("flops + stages", True)):
+        t0 = time.process_time()
+        plan = plan_epoch(samples, R, global_batch_size=N, seed=seed, cost=model, stages=stages)
+        cpu = time.process_time() - t0
+        r = []
+        for s in range(plan.num_steps):
+            items = [plan.slot(s, q) for q in range(R)]
+            bins = np.concatenate([np.full(len(x), q) for q, x in enumerate(items)]).astype(np.int64)
+            c = parts[np.concatenate(items).astype(np.int64)]
+            r.append(stage_objective(c, bins, R) / (c.sum() / R))
+        ratios[name] = np.array(r)
+        print(f"  ({R:3d}, {N:4d}) {name:16s} Σ_stage max / ideal: mean {np.mean(r):.4f} p95 "
+              f"{np.percentile(r, 95):.4f}; plan CPU {cpu:.2f} s for {steps * N} samples")
 
 
 POINTS = ((8, 16), (8, 64), (64, 128), (512, 1024))
@@ -192,7 +225,14 @@ def main() -> None:
     ap.add_argument("--compare-exact", action="store_true",
                     help="also plan with the exact one-item-at-a-time fill (the pre-batching planner)")
     ap.add_argument("--repeats", type=int, default=None, help="timing runs (default 5, 3 with --quick)")
+    ap.add_argument("--stages", action="store_true",
+                    help="only the vision/LLM stage balance (Qwen2-VL-7B FLOPs) with and without stages=True")
     args = ap.parse_args()
+    if args.stages:
+        print("per-step Σ_stage max_rank / (step FLOPs / ranks), 1.000 = perfect")
+        for R, N in POINTS:
+            bench_stages(R, N, 100 if args.quick else args.steps, args.seed)
+        return
     steps = 100 if args.quick else args.steps
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}; "
           "per-step max/mean of rank tokens (1.000 = perfect); 'vs LB' = max / max(mean, largest sample)")
