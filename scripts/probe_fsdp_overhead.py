@@ -1,14 +1,22 @@
-"""Fixed cost of one FSDP2 step of the demo's tiny Qwen2-VL on 2 local gloo ranks.
+"""What one FSDP2 step of the demo's tiny Qwen2-VL costs on 2 local gloo ranks beyond its compute.
 
-A 30-token text batch makes compute negligible, so what remains is FSDP2's own work (all-gathers,
-reduce-scatters, the sharded optimizer step). Prints forward / backward / optimizer milliseconds per
-rank for steps 2..5 (0 and 1 are warm-up).
+Two probes, both with the *same* micro-batch on every rank (perfect balance, so no straggler):
 
-    python scripts/probe_fsdp_overhead.py
+* ``--batch tiny`` (default): a 30-token text batch makes compute negligible, so what remains is
+  FSDP2's own work (all-gathers, reduce-scatters, the sharded optimizer step). Prints forward /
+  backward / optimizer milliseconds per rank for steps 2..5 (0 and 1 are warm-up).
+* ``--batch heavy``: a document-sized image (5,120 patches) plus 1,500 tokens of text, the demo's
+  heaviest kind of micro-batch. Alternates the unsharded replica's forward + backward (the
+  "compute" of scripts/train_fsdp2.py) with a full FSDP2 step, ``--repeats`` times, and prints the
+  median step / compute: the floor of ``epoch / ideal`` on this machine even with perfect balance.
+
+    python scripts/probe_fsdp_overhead.py [--batch heavy --repeats 9]
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 import warnings
 
@@ -17,21 +25,51 @@ import torch.distributed as dist
 
 from tokenbal.launch import run_ranks
 
+_IDS = {"<|image_pad|>": 3, "<|video_pad|>": 4, "<|vision_start|>": 1, "<|vision_end|>": 2}
 
-def _rank(rank: int, world_size: int) -> dict[int, tuple[float, float, float]]:
+
+def _batch(kind: str, config):
     from collate import PackedCollator
+
+    collate = PackedCollator.from_config(config)
+    if kind == "tiny":
+        return collate([{"input_ids": torch.arange(10, 40)}])
+    g = torch.Generator().manual_seed(0)
+    h, w = 64, 80                                     # patches; 1,280 image tokens after the 2x2 merge
+    image = [_IDS["<|vision_start|>"]] + [_IDS["<|image_pad|>"]] * (h * w // 4) + [_IDS["<|vision_end|>"]]
+    ids = torch.tensor(image + torch.randint(10, 800, (1500,), generator=g).tolist())
+    labels = ids.clone()
+    labels[: len(image)] = -100
+    return collate([{"input_ids": ids, "labels": labels, "image_grid_thw": torch.tensor([[1, h, w]]),
+                     "pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g)}])
+
+
+def _rank(rank: int, world_size: int, kind: str, repeats: int) -> list:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
-    from collate.train import make_optimizer, shard_qwen2_vl
+    from collate.train import make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    ids = {"<|image_pad|>": 3, "<|video_pad|>": 4, "<|vision_start|>": 1, "<|vision_end|>": 2}
-    config = tiny_qwen2_vl_config(800, ids)
+    config = tiny_qwen2_vl_config(800, _IDS)
     model = shard_qwen2_vl(enable_packed(build_model(config, 0)))
     optim = make_optimizer(model, 1e-4)
-    batch = PackedCollator.from_config(config)([{"input_ids": torch.arange(10, 40)}])
-    times = {}
+    batch = _batch(kind, config)
+    if kind == "heavy":
+        solo = enable_packed(build_model(config, 0))
+        solo_compute_time(solo, batch)
+        train_step(model, optim, batch)
+        out = []
+        for _ in range(repeats):
+            dist.barrier()
+            compute = solo_compute_time(solo, batch)
+            dist.barrier()
+            t0 = time.perf_counter()
+            train_step(model, optim, batch)
+            dist.barrier()
+            out.append((time.perf_counter() - t0, compute))
+        return out
+    times = []
     for step in range(6):
         dist.barrier()
         t0 = time.perf_counter()
@@ -43,11 +81,36 @@ def _rank(rank: int, world_size: int) -> dict[int, tuple[float, float, float]]:
         optim.zero_grad()
         t3 = time.perf_counter()
         if step >= 2:
-            times[step] = (t1 - t0, t2 - t1, t3 - t2)
+            times.append((t1 - t0, t2 - t1, t3 - t2))
     return times
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", choices=["tiny", "heavy"], default="tiny")
+    ap.add_argument("--repeats", type=int, default=9, help="heavy: FSDP steps (each after a compute timing)")
+    args = ap.parse_args()
+    results = run_ranks(_rank, 2, args.batch, args.repeats, timeout=900, collective_timeout=600)
+    if args.batch == "tiny":
+        for rank, times in enumerate(results):
+            ms = [tuple(round(x * 1e3, 1) for x in t) for t in times]
+            print(f"rank {rank}: (forward, backward, optimizer) ms per step: {ms}")
+        return
+    steps = [max(r[i][0] for r in results) for i in range(args.repeats)]
+    compute = [max(r[i][1] for r in results) for i in range(args.repeats)]
+    ratios = [s / c for s, c in zip(steps, compute, strict=True)]
+    print(f"identical heavy micro-batch on both ranks, {args.repeats} alternations:")
+    print(f"  compute (slower rank) median {statistics.median(compute):.3f} s, "
+          f"FSDP2 step median {statistics.median(steps):.3f} s")
+    print(f"  step / compute: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    # The same micro-batch on both ranks: any max/mean above 1 is timing noise, which the
+    # slowest-rank factor of scripts/train_fsdp2.py contains too.
+    spread = [max(r[i][1] for r in results) / statistics.mean(r[i][1] for r in results)
+              for i in range(args.repeats)]
+    print(f"  compute max/mean over the ranks (identical work): mean {statistics.mean(spread):.3f}, "
+          f"median {statistics.median(spread):.3f}")
+
+
 if __name__ == "__main__":
-    for rank, times in enumerate(run_ranks(_rank, 2, timeout=300)):
-        ms = [tuple(round(x * 1e3, 1) for x in t) for t in times.values()]
-        print(f"rank {rank}: (forward, backward, optimizer) ms per step: {ms}")
+    main()
