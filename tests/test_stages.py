@@ -92,18 +92,16 @@ def _step_objectives(plan, c: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_plan_with_stages_keeps_the_steps_and_lowers_every_steps_stage_time(grad_accum):
+def test_plan_with_stages_keeps_the_step_sizes_and_lowers_the_stage_time(grad_accum):
     c = _mixture(600, 1)
     plain = plan_epoch(c.sum(1), 4, global_batch_size=32, seed=3, grad_accum=grad_accum)
     staged = plan_epoch(c.sum(1), 4, global_batch_size=32, seed=3, grad_accum=grad_accum, stages=c)
     assert staged.num_steps == plain.num_steps
     assert np.array_equal(np.sort(staged.indices), np.arange(600))
-    for s in range(plain.num_steps):      # the same samples share each step; only ranks change
-        assert np.array_equal(np.sort(np.concatenate([staged.slot(s, r) for r in range(4)])),
-                              np.sort(np.concatenate([plain.slot(s, r) for r in range(4)])))
-    assert (staged.counts() > 0).all()
+    assert np.array_equal(staged.counts().sum(1), plain.counts().sum(1))
+    assert np.array_equal(staged.micro_counts().sum(1), plain.micro_counts().sum(1))
+    assert (staged.micro_counts() > 0).all()
     before, after = _step_objectives(plain, c), _step_objectives(staged, c)
-    assert (after <= before).all()
     assert after.sum() < 0.97 * before.sum()
     again = plan_epoch(c.sum(1), 4, global_batch_size=32, seed=3, grad_accum=grad_accum, stages=c)
     assert np.array_equal(again.indices, staged.indices) and np.array_equal(again.offsets, staged.offsets)
@@ -203,3 +201,46 @@ def test_step_stage_balance_is_the_stage_objective_over_the_ideal(grad_accum):
     ideal = totals.reshape(plan.num_steps, 4).sum(1) / 4
     got = step_stage_balance(plan_stage_costs(plan, c))
     np.testing.assert_allclose(got, _step_objectives(plan, c) / ideal)
+
+
+def test_swaps_across_steps_fix_what_no_split_inside_a_step_can():
+    from tokenbal.partition import swap_stages_across_steps
+
+    # Each step holds one image-heavy and one text-heavy sample, one per rank: inside a step nothing
+    # helps (100 + 100 each), but trading the text of step 0 for the image of step 1 gives 100 + 100.
+    c = np.array([[100, 0], [0, 100], [100, 0], [0, 100]])
+    group, bins = np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+    assert refine_stages(c[:2], bins[:2], 2).tolist() == [0, 1]
+    g, b = swap_stages_across_steps(c, group, bins, np.zeros(4, np.int64), 2)
+    assert sum(stage_objective(c[g == s], b[g == s], 2) for s in (0, 1)) == 200
+    assert sorted(zip(g.tolist(), b.tolist(), strict=True)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 6), st.integers(1, 4), st.integers(0, 2**32 - 1), st.booleans())
+def test_swaps_across_steps_keep_counts_windows_and_capacity(num_bins, steps, per_bin, seed, capped):
+    from tokenbal.partition import swap_stages_across_steps
+
+    rng = np.random.default_rng(seed)
+    n = steps * num_bins * per_bin
+    c = _mixture(n, seed)
+    group = np.repeat(np.arange(steps), num_bins * per_bin)
+    bins = np.tile(np.repeat(np.arange(num_bins), per_bin), steps)
+    window = group // 2                                   # pairs of steps form a window
+    tot = rng.integers(1, 100, n)
+    cap = None
+    if capped:
+        cap = int(max(np.bincount(group * num_bins + bins, weights=tot).max(), tot.max()))
+    g, b = swap_stages_across_steps(c, group, bins, window, num_bins, capacity=cap, capacity_costs=tot)
+    assert np.array_equal(np.bincount(g * num_bins + b, minlength=steps * num_bins),
+                          np.bincount(group * num_bins + bins, minlength=steps * num_bins))
+    assert np.array_equal(g // 2, window)                 # nothing leaves its window
+    if capped:
+        assert np.bincount(g * num_bins + b, weights=tot).max() <= cap
+
+    def total(gg, bb):
+        return sum(stage_objective(c[gg == s], bb[gg == s], num_bins) for s in range(steps))
+
+    assert total(g, b) <= total(group, bins)
+    again = swap_stages_across_steps(c, group, bins, window, num_bins, capacity=cap, capacity_costs=tot)
+    assert np.array_equal(again[0], g) and np.array_equal(again[1], b)

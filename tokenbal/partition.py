@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 __all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
-           "stage_objective", "bin_loads", "fill_windows"]
+           "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows"]
 
 # method name -> implementation(costs, num_bins, capacity) -> bins. A new solver registers here.
 METHODS: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {}
@@ -321,6 +321,8 @@ def refine_partition(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_
 # refine_stages stops once a step is within this fraction of its lower bound: the last 0.1% is far
 # below the noise of any real step time and costs most of the rounds.
 _STAGE_TOLERANCE = 1e-3
+# swap_stages_across_steps: items of the following steps a bottleneck item may be swapped with.
+_SWAP_PARTNERS = 1024
 
 
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
@@ -477,6 +479,126 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     counts[gi, src] -= np.where(swap, 0, 1)
     counts[gi, dst] += np.where(swap, 0, 1)
     return better
+
+
+def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, window: np.ndarray,
+                             num_bins: int, *, capacity: int | None = None,
+                             capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """Swap items between bins of *different* groups (steps) of the same window where that lowers
+    ``Σ_group Σ_stage max_bin load``; returns the items' new ``(group, bins)``.
+
+    :func:`refine_stages_many` can only re-split the samples a step already holds. With a couple
+    of samples per rank those are fixed by the fill, which sorts by the summed cost, and the stages
+    stay unbalanced. Here the step that is furthest above its lower bound gives one of its
+    bottleneck items for an item of another step of its window, whichever swap lowers the two
+    steps' objectives most; a step no swap improves is left alone. One item for one item: every
+    bin keeps its item count, so every count guarantee of the plan holds; with ``capacity`` no
+    bin's sum of ``capacity_costs`` (default: the row sums) goes over it. At most
+    ``rounds_per_group`` swaps per group of a window. Deterministic.
+    """
+    c = np.asarray(stage_costs, np.int64)
+    group = np.asarray(group, np.int64).copy()
+    bins = np.asarray(bins, np.int64).copy()
+    window = np.asarray(window, np.int64)
+    R = int(num_bins)
+    if R < 2 or len(c) < 2:
+        return group, bins
+    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    never = np.iinfo(np.int64).max
+    order = np.argsort(window, kind="stable")
+    bounds = np.searchsorted(window[order], np.arange(int(window.max(initial=-1)) + 2))
+    for w in range(len(bounds) - 1):
+        idx = order[bounds[w]:bounds[w + 1]]
+        if len(idx) < 2:
+            continue
+        g_ids, g_local = np.unique(group[idx], return_inverse=True)
+        if len(g_ids) < 2:
+            continue
+        new_g, new_b = _swap_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
+                                    rounds_per_group * len(g_ids), never)
+        group[idx] = g_ids[new_g]
+        bins[idx] = new_b
+    return group, bins
+
+
+def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
+                 capacity: int | None, max_rounds: int, never: int) -> tuple[np.ndarray, np.ndarray]:
+    n, K = c.shape
+    g, b = g.copy(), b.copy()
+    loads = np.zeros((G, R, K), np.int64)
+    np.add.at(loads, (g, b), c)
+    tload = np.zeros((G, R), np.int64)
+    np.add.at(tload, (g, b), tot)
+    # How far a step is from perfectly balanced stages. Not its own lower bound (largest item per
+    # stage): a step at that bound can still gain by trading the item that sets it.
+    ideal = (-(-loads.sum(1) // R)).sum(1)
+    obj = loads.max(1).sum(1)
+    # The two largest loads of every (step, stage), kept up to date for the steps a swap touches.
+    top = np.argsort(-loads, axis=1, kind="stable")[:, :2]                     # (G, 2, K)
+    topv = np.take_along_axis(loads, top, 1)
+    # Partners come from the next few steps of the window (cyclically), at most _SWAP_PARTNERS
+    # items: enough choice for a step's bottleneck, and a round costs O(partners), not O(window).
+    by_group = np.argsort(g, kind="stable")
+    pos = np.empty(n, np.int64)
+    pos[by_group] = np.arange(n)
+    starts = np.searchsorted(g[by_group], np.arange(G + 1))
+    per_group = max(1, int(np.diff(starts).max(initial=1)))
+    reach = int(min(G - 1, max(1, _SWAP_PARTNERS // per_group)))
+    stuck = np.zeros(G, bool)
+    for _ in range(max_rounds):
+        excess = np.where(stuck, -1, obj - ideal)
+        s = int(np.argmax(excess))
+        if excess[s] <= _STAGE_TOLERANCE * ideal[s]:
+            break
+        L = loads[s]
+        hot = np.zeros(R, bool)
+        hot[L.argmax(0)] = True
+        mine = by_group[starts[s]:starts[s + 1]]
+        mine = mine[hot[b[mine]]]
+        # Steps s+1 .. s+reach, cyclically: one or two runs of by_group (groups are contiguous in it).
+        end = s + 1 + reach
+        theirs = by_group[starts[s + 1]:starts[min(end, G)]]
+        if end > G:
+            theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
+        gj, bj = g[theirs], b[theirs]
+        other_j = np.where(top[gj, 0] != bj[:, None], topv[gj, 0], topv[gj, 1])          # (nj, K)
+        other_i = np.where(top[s, 0][None, :] != b[mine][:, None], topv[s, 0][None, :], topv[s, 1][None, :])
+        d = c[theirs][None, :, :] - c[mine][:, None, :]                       # step s's bin gains d
+        new_s = np.maximum(other_i[:, None, :], L[b[mine]][:, None, :] + d).sum(2)
+        new_j = np.maximum(other_j[None, :, :], loads[gj, bj][None, :, :] - d).sum(2)
+        delta = new_s - obj[s] + new_j - obj[gj][None, :]
+        if capacity is not None:
+            dt = tot[theirs][None, :] - tot[mine][:, None]
+            ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
+            delta = np.where(ok, delta, never)
+        best = int(np.argmin(delta)) if delta.size else 0
+        if not delta.size or delta.flat[best] >= 0:
+            stuck[s] = True
+            continue
+        u, v = divmod(best, delta.shape[1])
+        i, j = int(mine[u]), int(theirs[v])
+        t = int(g[j])
+        for item, frm, to in ((i, (s, b[i]), (t, b[j])), (j, (t, b[j]), (s, b[i]))):
+            loads[frm] -= c[item]
+            loads[to] += c[item]
+            tload[frm] -= tot[item]
+            tload[to] += tot[item]
+        g[i], g[j] = t, s
+        b[i], b[j] = b[j], b[i]
+        # Group sizes do not change, so the two items just trade places in by_group.
+        pi, pj = pos[i], pos[j]
+        by_group[pi], by_group[pj] = j, i
+        pos[i], pos[j] = pj, pi
+        for q in (s, t):
+            order = np.argsort(-loads[q], axis=0, kind="stable")[:2]
+            top[q] = order
+            topv[q] = np.take_along_axis(loads[q], order, 0)
+            obj[q] = loads[q].max(0).sum()
+            ideal[q] = (-(-loads[q].sum(0) // R)).sum()
+        # The other step changed: it may have become improvable again.
+        stuck[t] = False
+    return g, b
 
 
 def _cpsat(c: np.ndarray, k: int, capacity: float | None, equal_counts: bool, time_limit: float

@@ -370,9 +370,11 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.cost.resolve_stage_costs`). The steps are
-    planned on ``cost`` as usual, then the samples of every micro-step are moved and swapped
-    between ranks while that lowers ``Σ_stage max_rank`` (:func:`tokenbal.partition.refine_stages`);
-    which samples share a step, the step count and every guarantee above stay the same.
+    planned on ``cost`` as usual; then samples are swapped one for one between micro-steps of the
+    same window, and moved and swapped between the ranks of each micro-step, while that lowers
+    ``Σ_stage max_rank`` (:func:`tokenbal.partition.swap_stages_across_steps`,
+    :func:`tokenbal.partition.refine_stages_many`). The step count, every step's sample count and
+    every guarantee above stay the same.
     """
     if cost is not None:
         from tokenbal.cost import resolve_costs
@@ -452,7 +454,8 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank = rank_map[step, rank_w]
 
     if stages is not None:
-        rank = _refine_stages(stages, perm, step, rank, S, R_user, k, lens if B is not None else None, B)
+        step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
+                                    lens if B is not None else None, B)
     slot = step * R + rank
     if B is not None and oversize == "alone" and big.size:
         slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
@@ -465,14 +468,22 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
 
 
-def _refine_stages(stages: np.ndarray, perm: np.ndarray, step: np.ndarray, vrank: np.ndarray, S: int, R: int,
-                   k: int, lens: np.ndarray | None, budget: int | None) -> np.ndarray:
-    """Per micro-step (step s, micro-batch j: virtual ranks r·k + j), rebalance the stages with
-    :func:`tokenbal.partition.refine_stages_many`; returns the new virtual ranks."""
-    from tokenbal.partition import refine_stages_many
+def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
+                   vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
+    swaps between the micro-steps of a window (:func:`tokenbal.partition.swap_stages_across_steps`),
+    then moves and swaps inside each (:func:`tokenbal.partition.refine_stages_many`). Returns the new
+    (step, virtual rank) of every item."""
+    from tokenbal.partition import refine_stages_many, swap_stages_across_steps
 
     if not len(perm):
-        return vrank
+        return step, vrank
+    c = stages[perm]
+    cap_costs = None if lens is None else lens[perm]
+    group, bins = swap_stages_across_steps(c, step * k + vrank % k, vrank // k, window, R, capacity=budget,
+                                           capacity_costs=cap_costs)
+    step, vrank = group // k, bins * k + group % k
     group = step * k + vrank % k
     order = np.argsort(group, kind="stable")
     counts = np.bincount(group, minlength=S * k)
@@ -490,7 +501,7 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, step: np.ndarray, vrank
     new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs)
     out = vrank.copy()
     out[order] = new[group[order], col] * k + group[order] % k
-    return out
+    return step, out
 
 
 def _insert_alone_steps(slot: np.ndarray, perm: np.ndarray, S: int, R: int, big: np.ndarray,
