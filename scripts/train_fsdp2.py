@@ -62,7 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run each sampler's epoch this many times (same batches, samplers alternating) and "
                         "report per-step medians of step and compute times: this machine's noise is "
                         "the size of the effect measured")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
+    p.add_argument("--prefetch-depth", type=int, default=1,
+                   help="FSDP2 layers prefetched ahead (0: off). On accelerators prefetch hides the "
+                        "all-gathers behind compute; on CPU ranks that share their cores with gloo's "
+                        "threads it competes with compute instead (docs/BENCHMARKS.md: 0 was ~10%% "
+                        "faster for balanced steps on 2 CPU ranks)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
