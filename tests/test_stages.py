@@ -244,3 +244,31 @@ def test_swaps_across_steps_keep_counts_windows_and_capacity(num_bins, steps, pe
     assert total(g, b) <= total(group, bins)
     again = swap_stages_across_steps(c, group, bins, window, num_bins, capacity=cap, capacity_costs=tot)
     assert np.array_equal(again[0], g) and np.array_equal(again[1], b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.sampled_from([1, 2, 3]), st.booleans(), st.booleans(),
+       st.sampled_from(["error", "skip", "alone"]))
+def test_stage_plans_keep_every_guarantee_of_the_plain_plan(seed, ranks, grad_accum, budget_mode, drop_last,
+                                                            oversize):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 120))
+    c = _mixture(n, seed)
+    lens = c.sum(1)
+    if budget_mode:
+        budget = int(max(lens.max() if oversize == "error" else np.percentile(lens, 90), 1))
+        kw = dict(max_tokens_per_rank=budget, oversize=oversize)
+    else:
+        kw = dict(global_batch_size=ranks * grad_accum * int(rng.integers(1, 4)), drop_last=drop_last)
+    plain = plan_epoch(lens, ranks, seed=seed % 97, grad_accum=grad_accum, **kw)
+    staged = plan_epoch(lens, ranks, seed=seed % 97, grad_accum=grad_accum, stages=c, **kw)
+    assert staged.num_steps == plain.num_steps
+    assert np.array_equal(np.sort(staged.indices), np.sort(plain.indices))
+    assert len(np.unique(staged.indices)) == len(staged.indices)
+    assert np.array_equal(staged.dropped, plain.dropped) and np.array_equal(staged.skipped, plain.skipped)
+    assert np.array_equal(staged.micro_counts().sum(1), plain.micro_counts().sum(1))
+    assert staged.num_empty <= plain.num_empty
+    if budget_mode:
+        over = staged.micro_tokens(lens) > kw["max_tokens_per_rank"]
+        # only an oversize sample alone in its micro-batch may exceed the budget
+        assert (staged.micro_counts()[over] == 1).all()
