@@ -393,17 +393,16 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
     active = np.flatnonzero(loads.max(1).sum(1) > bound)
     limit = 4 * M + R if max_rounds is None else int(max_rounds)
     never = np.iinfo(np.int64).max
-    kk = np.arange(K)
+    # Chunks of steps bound the (steps, items, partners, stages) temporaries to a few tens of MB.
+    chunk = max(1, 4_000_000 // (M * P * K))
     for _ in range(limit):
         if not active.size:
             break
         still = []
-        # Chunks bound the (steps, items, partners, stages) temporaries to a few MB.
-        per_step = max(1, M * P * K)
-        for lo in range(0, len(active), max(1, 4_000_000 // per_step)):
-            g = active[lo:lo + max(1, 4_000_000 // per_step)]
+        for lo in range(0, len(active), chunk):
+            g = active[lo:lo + chunk]
             still.append(g[_best_moves(g, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R, P,
-                                       cap, equal_counts, kk, never)])
+                                       cap, equal_counts, never)])
         active = np.concatenate(still)
         if active.size:
             active = active[loads[active].max(1).sum(1) > bound[active]]
@@ -411,7 +410,7 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
 
 
 def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R: int, P: int,
-                cap: int | None, equal_counts: bool, kk: np.ndarray, never: int) -> np.ndarray:
+                cap: int | None, equal_counts: bool, never: int) -> np.ndarray:
     """One round of :func:`refine_stages_many` for steps ``g``: apply each step's best improving
     move or swap in place; returns a bool mask of the steps that improved."""
     L = loads[g]                                                    # (g, R, K)
@@ -437,8 +436,8 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     order = np.argsort(-L, axis=1, kind="stable")[:, :3]
     topv = np.take_along_axis(L, order, 1)
     if R < 3:
-        order = np.concatenate([order, np.full((n_g, 3 - R, len(kk)), -1)], 1)
-        topv = np.concatenate([topv, np.zeros((n_g, 3 - R, len(kk)), np.int64)], 1)
+        order = np.concatenate([order, np.full((n_g, 3 - R, L.shape[2]), -1)], 1)
+        topv = np.concatenate([topv, np.zeros((n_g, 3 - R, L.shape[2]), np.int64)], 1)
     a4 = home[:, :, None, None]
     b4 = pb[:, None, :, None]
     t = [order[:, i][:, None, None, :] for i in range(3)]
