@@ -91,12 +91,10 @@ def solo_stage_times(replica: nn.Module, batch) -> tuple[float, float]:
     handles = []
     if visual is not None:
         def before(module, args, kwargs):
-            _synchronize(device)
-            marks["vf0"] = time.perf_counter()
+            marks["vf0"] = _now(device)
 
         def after(module, args, kwargs, out):
-            _synchronize(device)
-            marks["vf1"] = time.perf_counter()
+            marks["vf1"] = _now(device)
             tensor = out.pooler_output if hasattr(out, "pooler_output") else out
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad: marks.__setitem__("vb0", _now(device)))
@@ -146,12 +144,10 @@ def profile_stage_costs(replica: nn.Module, collator, dataset, features, batches
 
     feats = np.zeros((len(batches), 2, 3))
     secs = np.zeros((len(batches), 2))
-    warm = False
     for b, idx in enumerate(batches):
         batch = collator([dataset[i] for i in idx])
-        if not warm:
-            solo_stage_times(replica, batch)
-            warm = True
+        if b == 0:
+            solo_stage_times(replica, batch)    # warm-up: allocator, lazy initialisation
         times = np.array([solo_stage_times(replica, batch) for _ in range(repeats)])
         total, vision = np.median(times, 0)
         feats[b] = np.asarray(features)[list(idx)].sum(0)
