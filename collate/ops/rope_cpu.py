@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from collate.ops.rope_reference import check_rope_args, mrope_angles, normalize_positions
+from collate.ops.rope_reference import FusedRotation, check_rope_args, mrope_angles, normalize_positions
 
 # Elements per block of fp32 scratch for half-precision inputs (two such blocks live at once: 16 MiB).
 # Bigger blocks mean fewer, larger ops (much faster on a busy CPU); this bounds the temporaries.
@@ -67,30 +67,12 @@ def _rotate_into(
         out[..., rotary:].copy_(x[..., rotary:])
 
 
-def _apply(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, conjugate, inplace):
+def _apply(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, conjugate):
     compute = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
     cos, sin = _cos_sin(pos, inv_freq, section, interleaved, scale, conjugate, compute)
+    inplace = q_out is q and k_out is k
     _rotate_into(q, q_out, cos, sin, inplace)
     _rotate_into(k, k_out, cos, sin, inplace)
-
-
-class _MRopeCPU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, pos, inv_freq, section, interleaved, scale, inplace):
-        q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
-        _apply(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, False, inplace)
-        ctx.save_for_backward(pos, inv_freq)
-        ctx.section, ctx.interleaved, ctx.scale = section, interleaved, scale
-        if inplace:
-            ctx.mark_dirty(q, k)
-        return q_out, k_out
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        pos, inv_freq = ctx.saved_tensors
-        gq, gk = torch.empty_like(grad_q), torch.empty_like(grad_k)
-        _apply(grad_q, grad_k, gq, gk, pos, inv_freq, ctx.section, ctx.interleaved, ctx.scale, True, False)
-        return gq, gk, None, None, None, None, None, None
 
 
 def apply_mrope_cpu(
@@ -106,4 +88,5 @@ def apply_mrope_cpu(
     """Same arguments and results as :func:`collate.ops.rope.apply_mrope`; any device, any float dtype."""
     section = check_rope_args(q, k, inv_freq, mrope_section)
     pos = normalize_positions(position_ids, q.shape[0])
-    return _MRopeCPU.apply(q, k, pos, inv_freq, section, bool(interleaved), float(attention_scaling), inplace)
+    scale = float(attention_scaling)
+    return FusedRotation.apply(q, k, pos, inv_freq, section, bool(interleaved), scale, inplace, _apply)

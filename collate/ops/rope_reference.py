@@ -104,6 +104,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return torch.cat(parts, dim=-1).to(x.dtype)
 
 
+class FusedRotation(torch.autograd.Function):
+    """Autograd for a fused M-RoPE kernel (the CPU and Triton backends share it).
+
+    ``kernel(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, conjugate)`` rotates
+    q and k into the outputs (in place when they are the inputs). The backward of a rotation R is
+    Rᵀ g, a rotation by -θ with the same scale: the same kernel with ``conjugate=True``. Autograd
+    materialises a missing output gradient as zeros, so both gradients are tensors there.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, pos, inv_freq, section, interleaved, scale, inplace, kernel):
+        q_out, k_out = (q, k) if inplace else (torch.empty_like(q), torch.empty_like(k))
+        kernel(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, False)
+        ctx.save_for_backward(pos, inv_freq)
+        ctx.section, ctx.interleaved, ctx.scale, ctx.kernel = section, interleaved, scale, kernel
+        if inplace:
+            ctx.mark_dirty(q, k)
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        pos, inv_freq = ctx.saved_tensors
+        gq, gk = torch.empty_like(grad_q), torch.empty_like(grad_k)
+        ctx.kernel(grad_q, grad_k, gq, gk, pos, inv_freq, ctx.section, ctx.interleaved, ctx.scale, True)
+        return gq, gk, None, None, None, None, None, None, None
+
+
 def check_rope_args(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
                     mrope_section: Sequence[int]) -> tuple[int, int, int]:
     """The argument rules every backend shares; returns the section as a tuple of ints."""

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from collate.ops.rope_reference import check_rope_args, normalize_positions
+from collate.ops.rope_reference import FusedRotation, check_rope_args, normalize_positions
 
 _IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -208,34 +208,6 @@ def _launch(
     )  # fmt: skip
 
 
-class _MRopeTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, pos, inv_freq, section, interleaved, scale, inplace):
-        if inplace:
-            q_out, k_out = q, k
-        else:
-            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, q_out, k_out, pos, inv_freq, section, interleaved, scale, conjugate=False)
-        ctx.save_for_backward(pos, inv_freq)
-        ctx.section, ctx.interleaved, ctx.scale = section, interleaved, scale
-        if inplace:
-            ctx.mark_dirty(q, k)
-        return q_out, k_out
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
-        pos, inv_freq = ctx.saved_tensors
-        # d(R x)/dx applied to g is R^T g = rotation by -theta (times the same scale). Autograd
-        # materialises a missing output gradient as zeros, so both are tensors here.
-        gq_out = torch.empty_like(grad_q)
-        gk_out = torch.empty_like(grad_k)
-        _launch(
-            grad_q, grad_k, gq_out, gk_out, pos, inv_freq, ctx.section, ctx.interleaved, ctx.scale,
-            conjugate=True,
-        )  # fmt: skip
-        return gq_out, gk_out, None, None, None, None, None, None
-
-
 def apply_mrope_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -259,4 +231,5 @@ def apply_mrope_triton(
     if pos.device != q.device:
         raise ValueError(f"position_ids on {pos.device} but q on {q.device}")
     inv = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    return _MRopeTriton.apply(q, k, pos, inv, section, bool(interleaved), float(attention_scaling), inplace)
+    return FusedRotation.apply(q, k, pos, inv, section, bool(interleaved), float(attention_scaling), inplace,
+                               _launch)
