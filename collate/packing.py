@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from collate.positions import as_grid, packed_mrope_positions
+from collate.vision import tower_fields, window_in_merged_tokens
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
 
@@ -42,10 +43,17 @@ class PackedBatch:
       (concatenated over samples, None when absent); vision_cu_seqlens (frames+1,) int32 or None:
       cumulative patch counts, one ``h*w`` entry per frame (``t`` per grid), all image frames then
       all video frames, with a leading 0 (what Qwen2-VL's vision tower builds from the grids).
+      M-RoPE collators also precompute what the Qwen-VL vision tower would otherwise derive from
+      the grids with host reads (:mod:`collate.vision`): vision_position_ids (patches, 2) int64,
+      the rotary (row, column) of every patch; vision_token_index (vision tokens,) int64, where in
+      the row each merged vision feature goes (image then video placeholders, in order); and, with
+      ``vision_window`` set (Qwen2.5-VL), vision_window_index (merged tokens,) int64 and
+      vision_cu_window_seqlens (windows+1,) int32.
     Host values (never on the device):
       cu_seqlens_list (cumulative ends, no leading 0: npu_fusion_attention's actual_seq_qlen),
       max_seqlen, seq_lens, num_loss_tokens (labels != -100 after HF's one-token shift),
-      vision_max_seqlen (largest frame, 0 without vision).
+      vision_max_seqlen (largest frame, 0 without vision), vision_cu_seqlens_list (frame ends, no
+      leading 0), vision_cu_window_seqlens_list and vision_max_window_seqlen (windows, likewise).
     labels carry -100 at every sample's first token (and wherever the sample had -100), so no token
     is trained to predict across a sample boundary.
     The 4-row ``(4, 1, T)`` form transformers 5.x Qwen2-VL accepts (row 0 = text positions, used
@@ -68,6 +76,13 @@ class PackedBatch:
     second_per_grid_ts: torch.Tensor | None = None
     vision_cu_seqlens: torch.Tensor | None = None
     vision_max_seqlen: int = 0
+    vision_cu_seqlens_list: list[int] | None = None
+    vision_position_ids: torch.Tensor | None = None
+    vision_token_index: torch.Tensor | None = None
+    vision_window_index: torch.Tensor | None = None
+    vision_cu_window_seqlens: torch.Tensor | None = None
+    vision_cu_window_seqlens_list: list[int] | None = None
+    vision_max_window_seqlen: int = 0
 
     # -- mapping view ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -159,6 +174,8 @@ class PackedCollator:
     per-frame video grids. ``rope="1d"``: plain
     per-sample ``arange``; vision tensors are still concatenated and passed through, and the
     placeholder count is checked only if ``image_token_id`` is set and a grid is given.
+    ``vision_window``: Qwen2.5-VL's attention window side in merged tokens (``window_size //
+    (spatial_merge_size * patch_size)``), for the precomputed window layout; None elsewhere.
     ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
     DataLoader worker).
 
@@ -174,6 +191,7 @@ class PackedCollator:
     spatial_merge_size: int = 2
     tokens_per_second: float | None = None
     split_video_frames: bool = False
+    vision_window: int | None = None
     pin_memory: bool | None = None
     ignore_index: int = IGNORE_INDEX
 
@@ -184,6 +202,8 @@ class PackedCollator:
             raise ValueError("rope='mrope' needs image_token_id")
         if self.spatial_merge_size < 1:
             raise ValueError(f"spatial_merge_size must be >= 1, got {self.spatial_merge_size}")
+        if self.vision_window is not None and self.vision_window < 1:
+            raise ValueError(f"vision_window must be >= 1 merged tokens, got {self.vision_window}")
 
     @classmethod
     def from_config(cls, hf_config: Any, **overrides: Any) -> PackedCollator:
@@ -212,6 +232,7 @@ class PackedCollator:
                 if model_type == "qwen2_5_vl"
                 else None,
                 split_video_frames=model_type in _SPLIT_FRAME_MODEL_TYPES,
+                vision_window=window_in_merged_tokens(vision) if model_type == "qwen2_5_vl" else None,
             )
         else:
             kwargs = dict(rope="1d")
@@ -317,15 +338,8 @@ class PackedCollator:
         else:
             position_ids = torch.from_numpy(text_pos[None, :].copy())
 
-        vision_cu, vision_max = None, 0
         grids = [g for g in (img_grids, vid_grids) if g is not None]
-        if grids:
-            g = np.concatenate(grids) if len(grids) > 1 else grids[0]
-            frame_sizes = np.repeat(g[:, 1] * g[:, 2], g[:, 0])
-            vcu = np.zeros(frame_sizes.shape[0] + 1, dtype=np.int32)
-            np.cumsum(frame_sizes, out=vcu[1:])
-            vision_cu = torch.from_numpy(vcu)
-            vision_max = int(frame_sizes.max()) if frame_sizes.size else 0
+        tower = self._tower_fields(np.concatenate(grids), input_ids) if grids else {}
 
         batch = PackedBatch(
             input_ids=torch.from_numpy(input_ids[None, :]),
@@ -342,10 +356,22 @@ class PackedCollator:
             pixel_values_videos=_cat_pixels("pixel_values_videos", vision["pixel_values_videos"]),
             video_grid_thw=None if vid_grids is None else torch.from_numpy(vid_grids),
             second_per_grid_ts=torch.from_numpy(sec_all) if any_seconds else None,
-            vision_cu_seqlens=vision_cu,
-            vision_max_seqlen=vision_max,
+            **tower,
         )
         return batch.pin_memory() if _should_pin(self.pin_memory) else batch
+
+    def _tower_fields(self, grids: np.ndarray, input_ids: np.ndarray) -> dict[str, Any]:
+        """The vision tower's inputs derived from the batch's grids (images then videos: the order
+        the packed model feeds them) and, for M-RoPE models, where each vision feature goes."""
+        if self.rope != "mrope":
+            return tower_fields(grids)
+        fields = tower_fields(grids, self.spatial_merge_size, self.vision_window)
+        # packed_mrope_positions has checked every sample's placeholder count against its grids.
+        slots = [np.flatnonzero(input_ids == self.image_token_id)]
+        if self.video_token_id is not None:
+            slots.append(np.flatnonzero(input_ids == self.video_token_id))
+        fields["vision_token_index"] = torch.from_numpy(np.concatenate(slots))
+        return fields
 
     def _check_1d_counts(self, ids: np.ndarray, grid: np.ndarray | None, i: int) -> None:
         if self.image_token_id is None or grid is None:

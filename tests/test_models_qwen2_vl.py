@@ -240,10 +240,10 @@ def test_packed_path_uses_ops_and_batch_positions(models, monkeypatch):
 
 
 def test_text_only_packed_forward_has_no_host_sync(models, monkeypatch):
-    """No tensor is read back to the host in a text-only packed forward: no ``aten::_local_scalar_dense``
-    (``.item()``, ``bool(t)``, ``int(t)``) and no ``.tolist()`` / ``.cpu()`` / ``.numpy()`` call.
-    (With images, HF's vision tower reads ``image_grid_thw`` on the host; that part is unchanged,
-    and so does the idle vision pass that FSDP needs, hence ``idle_vision=False`` here.)"""
+    """No tensor is read back to the host in a text-only packed forward of a hand-made batch: no
+    ``aten::_local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``) and no ``.tolist()`` /
+    ``.cpu()`` / ``.numpy()`` call. (Batches with images and videos, and the idle vision pass, are
+    covered with the collator's precomputed tower inputs in tests/test_models_vision.py.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ref, _ = models
@@ -322,7 +322,8 @@ def test_eager_reference_and_gradient_checkpointing():
 
 
 def test_qwen2_5_vl_packed_matches_per_sample():
-    """Qwen2.5-VL shares the text stack; its vision tower (windowed attention) is left as is."""
+    """Qwen2.5-VL shares the text stack. This hand-made batch has no precomputed tower inputs, so
+    transformers' tower derives its windows itself (the collator's are in tests/test_models_vision.py)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     base = tiny_config()

@@ -14,15 +14,23 @@
    as ``(T, H, D)``, applies :func:`collate.ops.apply_mrope` from the per-token positions (HF's
    cos/sin are not used) and :func:`collate.ops.varlen_attention` over the batch's segments; without
    it, it runs the original HF forward, so unpacked calls and ``generate`` behave exactly as before.
+3. Each vision block's ``attn.forward`` is replaced the same way: with the opaque
+   ``tokenbal_vision`` kwarg (:class:`VisionAttentionInfo`) it runs :func:`varlen_attention`
+   (non-causal) over the segments whose device ``cu_seqlens`` it was handed, using their host ends;
+   transformers' own non-flash path splits by ``cu_seqlens.tolist()`` in every block.
 
 The vision tower runs once per packed forward, on all images and videos of the batch together
 (transformers calls it once per modality, and only when present). Under FSDP2 every rank must
 issue the vision blocks' all-gathers and reduce-scatters the same number of times, so a batch with
 no image or video runs one zero-valued dummy image whose output enters the embeddings times zero
-(``enable_packed(model, idle_vision=False)`` turns that off for single-device training). For
-Qwen2-VL the tower takes the collator's ``vision_cu_seqlens`` instead of computing them.
-``disable_packed(model)`` restores everything. Nothing in the packed path reads a device tensor
-back to the host: boundaries come from the host list, ``max_seqlen`` is a python int.
+(``enable_packed(model, idle_vision=False)`` turns that off for single-device training). The tower
+gets the collator's precomputed ``vision_*`` fields (:mod:`collate.vision`: rotary ids, frame
+segments, Qwen2.5-VL's windows) under the kwarg names transformers' ``vision_utils`` pops, and the
+features go to the collator's ``vision_token_index`` slots, so nothing is derived from
+``grid_thw`` on the host. ``disable_packed(model)`` restores everything. Nothing in the packed path
+reads a device tensor back to the host: boundaries come from host lists, maxima are python ints
+(a hand-made batch without the ``vision_*`` fields still works; transformers then computes them
+from the grids, with host reads).
 
 The one waste left: HF's text model still builds its ``(1, T, D)`` cos/sin table once per forward
 from ``position_ids`` (not per layer); the patched attention ignores it.
@@ -31,6 +39,7 @@ from ``position_ids`` (not per layer); the patched attention ignores it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -43,27 +52,42 @@ from collate.ops.attention import segment_ends
 
 PACKED_KWARG = "tokenbal_packed"
 
+# The collator's precomputed vision-tower inputs (collate.vision): handed to the tower under the
+# names transformers' ``vision_utils`` pops, so it reads nothing from ``grid_thw`` on the host.
+VISION_KEYS = (
+    "vision_cu_seqlens",
+    "vision_cu_seqlens_list",
+    "vision_max_seqlen",
+    "vision_position_ids",
+    "vision_token_index",
+    "vision_window_index",
+    "vision_cu_window_seqlens",
+    "vision_cu_window_seqlens_list",
+    "vision_max_window_seqlen",
+)
+
 # Batch keys the wrapper takes out of a packed call (never passed into transformers). ``position_ids``
 # is also taken, and handed back to HF as the packed 3-row ids. ``second_per_grid_ts`` only feeds
-# HF's own position computation (Qwen2.5-VL), which the precomputed positions replace. The vision
-# tower keeps computing its own per-image segments from the grids, so ``vision_*`` are unused.
+# HF's own position computation (Qwen2.5-VL), which the precomputed positions replace.
 CONSUMED_KEYS = (
     "cu_seqlens",
     "cu_seqlens_list",
     "max_seqlen",
     "seq_lens",
     "text_position_ids",
-    "vision_cu_seqlens",
-    "vision_max_seqlen",
     "num_loss_tokens",
     "second_per_grid_ts",
+    *VISION_KEYS,
 )
+
+VISION_KWARG = "tokenbal_vision"
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 _PREV_FORWARD = "_tokenbal_prev_forward"
 _ENABLED = "_tokenbal_packed_enabled"
 _IDLE_VISION = "_tokenbal_idle_vision"
+_IDLE_INPUTS = "_tokenbal_idle_inputs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +105,28 @@ class PackedAttentionInfo:
     mrope_section: tuple[int, int, int]
     interleaved: bool
     attention_scaling: float
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSegments:
+    """One attention layout of the vision tower (frames, or Qwen2.5-VL's windows); read by
+    :func:`varlen_attention` like a batch."""
+
+    cu_seqlens: torch.Tensor  # (n+1,) int32, on the tower's device
+    cu_seqlens_list: list[int]  # host ends, no leading 0
+    max_seqlen: int
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionAttentionInfo:
+    """The layouts of one tower call. A block's attention gets a ``cu_seqlens`` tensor from the
+    tower and finds its host twin here by identity: transformers hands the very tensors it was
+    given to the blocks."""
+
+    layouts: tuple[VisionSegments, ...]
+
+    def find(self, cu_seqlens: Any) -> VisionSegments | None:
+        return next((seg for seg in self.layouts if seg.cu_seqlens is cu_seqlens), None)
 
 
 def _text_model(model: nn.Module) -> nn.Module:
@@ -114,6 +160,18 @@ def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
             if not hasattr(attn, name):
                 raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+    for attn in _vision_attentions(model):
+        for name in ("qkv", "proj", "num_heads", "scaling"):
+            if not hasattr(attn, name):
+                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+        if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_vision"):
+            raise TypeError(f"{type(attn).__module__} has no apply_rotary_pos_emb_vision; transformers "
+                            "version not supported")
+
+
+def _vision_attentions(model: nn.Module) -> list[nn.Module]:
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    return [] if visual is None else [block.attn for block in visual.blocks]
 
 
 def _install(module: nn.Module, fn: Any) -> None:
@@ -179,6 +237,30 @@ def _packed_attention_forward(
     )
     out = self.o_proj(out.reshape(1, num_tokens, -1))
     return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
+
+
+def _packed_vision_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_seqlen: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    info: VisionAttentionInfo | None = kwargs.pop(VISION_KWARG, None)
+    segments = None if info is None else info.find(cu_seqlens)
+    if segments is None or position_embeddings is None:
+        return _call_original(self, hidden_states, cu_seqlens=cu_seqlens,
+                              position_embeddings=position_embeddings, max_seqlen=max_seqlen, **kwargs)
+    # transformers splits q/k/v by ``cu_seqlens.tolist()`` for every non-flash backend; here the
+    # host ends come with the batch and the backend is varlen_attention's (flash-attn, NPU, SDPA).
+    num_tokens = hidden_states.shape[0]
+    q, k, v = self.qkv(hidden_states).reshape(num_tokens, 3, self.num_heads, -1).unbind(1)
+    rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision
+    q, k = rotate(q, k, *position_embeddings)
+    dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
+    out = varlen_attention(q, k, v, segments, causal=False, scale=self.scaling, dropout_p=dropout)
+    return self.proj(out.reshape(num_tokens, -1))
 
 
 def _is_packed_call(kwargs: dict[str, Any]) -> bool:
@@ -247,8 +329,58 @@ def _take_packed_info(model: nn.Module, kwargs: dict[str, Any]) -> PackedAttenti
     )
 
 
-def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqlens: Any,
-                       vision_max_seqlen: Any, idle_vision: bool) -> None:
+def _tower_kwargs(model: nn.Module, vision: dict[str, Any]) -> dict[str, Any]:
+    """The batch's precomputed tower inputs under the names transformers pops, plus the host
+    segment lists for the patched attention. Whatever the batch lacks (a hand-made batch),
+    transformers derives from the grids itself, with host reads."""
+    kwargs: dict[str, Any] = {}
+    layouts: list[VisionSegments] = []
+
+    def segments(layout: str, cu_name: str, max_name: str) -> None:
+        cu, ends = vision.get(f"vision_cu_{layout}seqlens"), vision.get(f"vision_cu_{layout}seqlens_list")
+        longest = vision.get(f"vision_max_{layout}seqlen")
+        if cu is None:
+            return
+        kwargs[cu_name] = cu
+        if longest:  # 0 is PackedBatch's "absent"
+            kwargs[max_name] = int(longest)
+            if ends is not None:
+                layouts.append(VisionSegments(cu, [int(e) for e in ends], int(longest)))
+
+    if vision.get("vision_position_ids") is not None:
+        kwargs["position_ids"] = vision["vision_position_ids"]
+    segments("", "cu_seqlens", "max_seqlen")
+    if model.config.model_type == "qwen2_5_vl" and vision.get("vision_window_index") is not None:
+        kwargs["window_index"] = vision["vision_window_index"]
+        segments("window_", "cu_window_seqlens", "max_window_seqlen")
+    if layouts:
+        kwargs[VISION_KWARG] = VisionAttentionInfo(tuple(layouts))
+    return kwargs
+
+
+def _idle_tower_inputs(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A zero-valued ``merge x merge`` dummy image for ranks without vision, with its precomputed
+    tower inputs; built once per device (copied there once), then reused by every idle step."""
+    from collate.vision import tower_fields, window_in_merged_tokens
+
+    cache = model.__dict__.setdefault(_IDLE_INPUTS, {})
+    if device not in cache:
+        visual = model.model.visual
+        merge = visual.spatial_merge_size
+        patch = visual.patch_embed
+        patch_dim = patch.in_channels * patch.temporal_patch_size * patch.patch_size**2
+        windowed = model.config.model_type == "qwen2_5_vl"
+        window = window_in_merged_tokens(model.config.vision_config) if windowed else None
+        grid = [[1, merge, merge]]
+        fields = tower_fields(grid, merge, window)
+        fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+        cache[device] = (torch.zeros(merge * merge, patch_dim, device=device),
+                         torch.tensor(grid, device=device), fields)
+    return cache[device]
+
+
+def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
+                       idle_vision: bool) -> None:
     """Embed tokens and run the vision tower exactly once; put ``inputs_embeds`` into ``kwargs``.
 
     transformers calls the tower once for images and once more for videos, only when each is
@@ -256,7 +388,8 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqle
     data, and ranks with different mixes pair the wrong all-gathers (a hang or a crash). Here every
     packed forward makes one call on images and videos together (each grid entry is attended to
     on its own, so this is the same math), and a batch with neither runs one zero-valued dummy
-    image whose output enters the embeddings times zero (``idle_vision``).
+    image whose output enters the embeddings times zero (``idle_vision``). With the collator's
+    precomputed ``vision_*`` fields nothing here or in the tower reads a device tensor back.
     """
     base = model.model
     visual = base.visual
@@ -272,15 +405,12 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqle
     parts = [(pix, grid, token) for pix, grid, token in (
         (pixel_values, image_grid, config.image_token_id),
         (pixel_values_videos, video_grid, config.video_token_id)) if pix is not None]
-    merge = visual.spatial_merge_size
     if not parts:
         if not idle_vision:
             return
-        patch = visual.patch_embed
-        patch_dim = patch.in_channels * patch.temporal_patch_size * patch.patch_size**2
-        grid = torch.tensor([[1, merge, merge]], device=embeds.device)
-        pixels = torch.zeros(merge * merge, patch_dim, dtype=visual.dtype, device=embeds.device)
-        features = visual(pixels, grid_thw=grid).pooler_output
+        pixels, grid, fields = _idle_tower_inputs(model, embeds.device)
+        features = visual(pixels.type(visual.dtype), grid_thw=grid, **_tower_kwargs(model, fields))
+        features = features.pooler_output
         kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
         return
     if input_ids is None:
@@ -290,17 +420,14 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqle
             raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
     pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
     grids = torch.cat([grid for _, grid, _ in parts])
-    tower_kwargs = {}
-    if vision_cu_seqlens is not None and model.config.model_type == "qwen2_vl":
-        # The collator's per-frame boundaries (images first, then videos: the order used here)
-        # spare the tower its own host-side computation. Qwen2.5-VL's windowed tower builds its
-        # own window boundaries, so it keeps computing both.
-        tower_kwargs["cu_seqlens"] = vision_cu_seqlens
-        if vision_max_seqlen is not None:
-            tower_kwargs["max_seqlen"] = int(vision_max_seqlen)
-    features = visual(pixels, grid_thw=grids, **tower_kwargs).pooler_output.to(embeds.dtype)
-    # Split images from videos by token count; the grids are host tensors until the prefetcher
-    # moves them, and the tower itself reads them on the host the same way.
+    features = visual(pixels, grid_thw=grids, **_tower_kwargs(model, vision)).pooler_output.to(embeds.dtype)
+    slots = vision.get("vision_token_index")
+    if slots is not None:
+        # The collator's host-computed slots: no mask to count on the device.
+        kwargs["inputs_embeds"] = embeds[0].index_copy(0, slots, features)[None]
+        return
+    # A batch without slots (built by hand): split images from videos by the grids, read on the host.
+    merge = visual.spatial_merge_size
     start = 0
     for _, grid, token in parts:
         count = int(grid.prod(-1).sum()) // merge**2
@@ -313,12 +440,11 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision_cu_seqle
 def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not _is_packed_call(kwargs):
         return _call_original(self, *args, **kwargs)
-    vision_cu_seqlens = kwargs.get("vision_cu_seqlens")
-    vision_max_seqlen = kwargs.get("vision_max_seqlen")
+    vision = {name: kwargs.get(name) for name in VISION_KEYS}
     info = _take_packed_info(self, kwargs)
     if hasattr(getattr(self, "model", None), "visual"):
         idle_vision = getattr(self, _IDLE_VISION, False)
-        _vision_embeddings(self, kwargs, vision_cu_seqlens, vision_max_seqlen, idle_vision)
+        _vision_embeddings(self, kwargs, vision, idle_vision)
     text_model = _text_model(self)
     # A prepared mask mapping: HF skips mask creation (no T x T mask) and hands each layer None.
     kwargs["attention_mask"] = {layer_type: None for layer_type in set(text_model.config.layer_types)}
@@ -338,6 +464,8 @@ def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:
     _check_supported(model, text_model)
     for layer in text_model.layers:
         _install(layer.self_attn, _packed_attention_forward)
+    for attn in _vision_attentions(model):
+        _install(attn, _packed_vision_attention_forward)
     _install(model, _packed_model_forward)
     setattr(model, _ENABLED, True)
     setattr(model, _IDLE_VISION, idle_vision and hasattr(getattr(model, "model", None), "visual"))
@@ -350,7 +478,10 @@ def disable_packed(model: nn.Module) -> nn.Module:
         return model
     for layer in _text_model(model).layers:
         _uninstall(layer.self_attn)
+    for attn in _vision_attentions(model):
+        _uninstall(attn)
     _uninstall(model)
     delattr(model, _ENABLED)
     delattr(model, _IDLE_VISION)
+    model.__dict__.pop(_IDLE_INPUTS, None)
     return model

@@ -1,0 +1,153 @@
+"""What a Qwen-VL vision tower derives from ``grid_thw``, computed on the host by the collator.
+
+transformers' Qwen2-VL / Qwen2.5-VL towers compute their rotary position ids, attention segments
+and (Qwen2.5-VL) window order from ``grid_thw`` inside ``forward`` with python loops over
+``grid_thw.tolist()``; once the grids live on an accelerator every one of those reads is a host
+sync. transformers 5.x lets a caller pass them in precomputed (``transformers.vision_utils``: the
+``get_vision_*`` helpers pop ``position_ids`` / ``cu_seqlens`` / ``max_seqlen`` / ``window_index`` /
+``cu_window_seqlens`` from the tower's kwargs), so :class:`collate.PackedCollator` builds them here,
+with numpy, next to the text fields. Those helpers are the oracle the tests compare against.
+
+Every function takes the batch's grids in tower order (all images, then all videos), as one
+``(n, 3)`` int array of ``(t, h, w)`` in patches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["frame_seqlens", "tower_fields", "vision_rotary_positions", "vision_window_index",
+           "window_in_merged_tokens"]
+
+
+def tower_fields(grids: np.ndarray, merge: int | None = None, window: int | None = None) -> dict[str, Any]:
+    """The ``vision_*`` fields of :class:`collate.PackedBatch` for these grids (host tensors, ints, lists).
+
+    Always the per-frame attention segments (``vision_cu_seqlens`` with its host ends list and
+    ``vision_max_seqlen``); with ``merge`` (Qwen-VL towers) the rotary ``vision_position_ids``; with
+    ``window`` as well (Qwen2.5-VL) the window order and segments.
+    """
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    frames = frame_seqlens(g)
+    fields: dict[str, Any] = dict(vision_cu_seqlens=torch.from_numpy(_cumulative(frames)),
+                                  vision_cu_seqlens_list=np.cumsum(frames).tolist(),
+                                  vision_max_seqlen=int(frames.max(initial=0)))
+    if merge is None:
+        return fields
+    fields["vision_position_ids"] = torch.from_numpy(vision_rotary_positions(g, merge))
+    if window is not None:
+        window_index, windows = vision_window_index(g, merge, window)
+        fields.update(vision_window_index=torch.from_numpy(window_index),
+                      vision_cu_window_seqlens=torch.from_numpy(_cumulative(windows)),
+                      vision_cu_window_seqlens_list=np.cumsum(windows).tolist(),
+                      vision_max_window_seqlen=int(windows.max(initial=0)))
+    return fields
+
+
+def window_in_merged_tokens(vision_config: Any) -> int | None:
+    """Qwen2.5-VL's attention window side in merged tokens, from its vision config; None without one.
+
+    transformers computes ``window_size // spatial_merge_size // patch_size``; chained floor
+    divisions of positive ints equal one division by the product.
+    """
+    window, patch = getattr(vision_config, "window_size", None), getattr(vision_config, "patch_size", None)
+    if window is None or patch is None:
+        return None
+    return int(window) // (int(getattr(vision_config, "spatial_merge_size", 2)) * int(patch))
+
+
+def _cumulative(lengths: np.ndarray) -> np.ndarray:
+    """``[0, l0, l0+l1, ...]`` as int32: cu_seqlens with the leading 0."""
+    out = np.zeros(lengths.shape[0] + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _check_grids(grids: np.ndarray, merge: int) -> np.ndarray:
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    bad = np.flatnonzero((g[:, 1] % merge != 0) | (g[:, 2] % merge != 0) | (g <= 0).any(1))
+    if bad.size:
+        raise ValueError(
+            f"vision grid {bad[0]} (t, h, w) = {g[bad[0]].tolist()}: h and w must be positive multiples "
+            f"of spatial_merge_size={merge}"
+        )
+    return g
+
+
+def frame_seqlens(grids: np.ndarray) -> np.ndarray:
+    """Patches per attention segment: one ``h*w`` entry per frame (``t`` per grid)."""
+    g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
+    return np.repeat(g[:, 1] * g[:, 2], g[:, 0])
+
+
+def vision_rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
+    """``(Σ t·h·w, 2)`` int64 (row, column) of every patch, in the tower's patch order.
+
+    Patches arrive block-major: ``merge x merge`` blocks in row-major order, row-major inside a
+    block, every frame of a grid repeating its image's ids (what
+    ``transformers.vision_utils.get_vision_position_ids`` returns).
+    """
+    g = _check_grids(grids, merge)
+    parts = []
+    cache: dict[tuple[int, int], np.ndarray] = {}
+    for t, h, w in g.tolist():
+        ids = cache.get((h, w))
+        if ids is None:
+            # (block row, block column, row in block, column in block) -> patch row and column.
+            rows = np.arange(h).reshape(h // merge, 1, merge, 1)
+            cols = np.arange(w).reshape(1, w // merge, 1, merge)
+            shape = (h // merge, w // merge, merge, merge)
+            ids = np.stack([np.broadcast_to(rows, shape).reshape(-1),
+                            np.broadcast_to(cols, shape).reshape(-1)], axis=-1)
+            cache[(h, w)] = ids
+        parts.append(np.tile(ids, (t, 1)) if t > 1 else ids)
+    if not parts:
+        return np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate(parts)
+
+
+def vision_window_index(grids: np.ndarray, merge: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen2.5-VL's windowed attention layout: ``(window_index, window_seqlens)``.
+
+    ``window`` is the window side in merged tokens (``vision_config.window_size //
+    (spatial_merge_size * patch_size)``). Each frame's ``(h/merge, w/merge)`` grid of merged tokens
+    is cut into ``window x window`` tiles (the last row and column of tiles may be smaller);
+    ``window_index`` lists the merged tokens tile by tile (row-major inside a tile), numbered over
+    the whole batch; ``window_seqlens`` is each tile's length in patches (merged tokens ×
+    merge²). transformers pads every frame by a full extra row and column of empty tiles and then
+    drops the resulting zero-length segments with ``unique_consecutive``; the non-empty tiles and
+    their order are the ones computed here.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1 merged tokens, got {window}")
+    g = _check_grids(grids, merge)
+    index_parts, length_parts = [], []
+    offset = 0
+    cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for t, h, w in g.tolist():
+        lh, lw = h // merge, w // merge
+        frame = cache.get((lh, lw))
+        if frame is None:
+            frame = _frame_windows(lh, lw, window)
+            cache[(lh, lw)] = frame
+        order, lengths = frame
+        per_frame = lh * lw
+        index_parts.append((order[None, :] + per_frame * np.arange(t)[:, None]).reshape(-1) + offset)
+        length_parts.append(np.tile(lengths, t))
+        offset += t * per_frame
+    if not index_parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(index_parts), np.concatenate(length_parts) * merge * merge
+
+
+def _frame_windows(lh: int, lw: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """One frame: merged-token order tile by tile, and each tile's merged-token count."""
+    nh, nw = -(-lh // window), -(-lw // window)
+    padded = np.full((nh * window, nw * window), -1, dtype=np.int64)
+    padded[:lh, :lw] = np.arange(lh * lw).reshape(lh, lw)
+    tiles = padded.reshape(nh, window, nw, window).transpose(0, 2, 1, 3).reshape(nh * nw, window * window)
+    keep = tiles >= 0
+    return tiles[keep], keep.sum(1)
