@@ -35,8 +35,16 @@ def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
             module.set_modules_to_backward_prefetch(behind)
 
 
-def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None) -> nn.Module:
-    """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL model (in place); returns it."""
+def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False
+                   ) -> nn.Module:
+    """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL model (in place); returns it.
+
+    ``async_unshard``: issue the all-gathers with ``async_op=True``. On accelerators FSDP2 overlaps
+    them through its side streams either way; on CPU (gloo) there are no streams, so by default
+    every all-gather, prefetched or not, blocks its rank until the peers arrive, and prefetch only
+    reorders the waits. Asynchronous, a prefetched layer's all-gather runs on gloo's thread while
+    the current layer computes, so a rank that is ahead no longer stops at every layer.
+    """
     from torch.distributed.fsdp import fully_shard
 
     blocks = list(model.model.visual.blocks)
@@ -46,6 +54,8 @@ def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None) -> nn.M
     fully_shard(model, mesh=mesh)
     # The vision tower runs before the language model, so one chain covers the whole forward.
     _prefetch_chain([*blocks, *layers], prefetch_depth)
+    if async_unshard:
+        model._set_unshard_async_op(True)  # FSDPModule's (private) switch; every submodule's groups
     return model
 
 

@@ -44,7 +44,8 @@ def _batch(kind: str, config):
                      "pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g)}])
 
 
-def _rank(rank: int, world_size: int, kind: str, repeats: int) -> list:
+def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool
+          ) -> list:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
@@ -52,7 +53,7 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int) -> list:
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     config = tiny_qwen2_vl_config(800, _IDS)
-    model = shard_qwen2_vl(enable_packed(build_model(config, 0)))
+    model = shard_qwen2_vl(enable_packed(build_model(config, 0)), prefetch_depth, async_unshard=async_unshard)
     optim = make_optimizer(model, 1e-4)
     batch = _batch(kind, config)
     if kind == "heavy":
@@ -89,8 +90,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", choices=["tiny", "heavy"], default="tiny")
     ap.add_argument("--repeats", type=int, default=9, help="heavy: FSDP steps (each after a compute timing)")
+    ap.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
+    ap.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=False,
+                    help="all-gathers with async_op=True (collate.train.shard_qwen2_vl)")
     args = ap.parse_args()
-    results = run_ranks(_rank, 2, args.batch, args.repeats, timeout=900, collective_timeout=600)
+    results = run_ranks(_rank, 2, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
+                        timeout=900, collective_timeout=600)
     if args.batch == "tiny":
         for rank, times in enumerate(results):
             ms = [tuple(round(x * 1e3, 1) for x in t) for t in times]

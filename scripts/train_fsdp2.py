@@ -67,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "all-gathers behind compute; on CPU ranks that share their cores with gloo's "
                         "threads it competes with compute instead (docs/BENCHMARKS.md: 0 was ~10%% "
                         "faster for balanced steps on 2 CPU ranks)")
+    p.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=None,
+                   help="FSDP2 all-gathers with async_op=True, so a prefetched layer's all-gather runs "
+                        "while the current layer computes (collate.train.shard_qwen2_vl). Default: on "
+                        "for CPU ranks, where FSDP2 otherwise blocks on every all-gather; off on "
+                        "accelerators, whose side streams already overlap them")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
@@ -152,7 +157,9 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
-    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth)
+    async_unshard = device.type == "cpu" if args.async_unshard is None else args.async_unshard
+    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth,
+                           async_unshard=async_unshard)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 
