@@ -323,6 +323,15 @@ def refine_partition(costs: Sequence[float] | np.ndarray, bins: np.ndarray, num_
 _STAGE_TOLERANCE = 1e-3
 # swap_stages_across_steps: items of the following steps a bottleneck item may be swapped with.
 _SWAP_PARTNERS = 1024
+# swap_stages_across_steps, first pass (_level_window): rounds of many disjoint swaps per window.
+_LEVEL_ROUNDS = 16
+# A step's target in a stage: its mean plus 8/10 of (max - mean), i.e. only the bins near the max.
+_LEVEL_TARGET = (8, 10)
+# Candidates per round for a bin over its target in stage k: for each of its items, this many items
+# of about the same total (same bucket: 16 per octave, ~4%) with less of stage k ...
+_LEVEL_SIMILAR = 2
+# ... and every item pair with the bins that have the most room in stage k, about this many pairs.
+_LEVEL_ROOMY_PAIRS = 16
 
 
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
@@ -482,19 +491,28 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
 
 def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, window: np.ndarray,
                              num_bins: int, *, capacity: int | None = None,
-                             capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4
-                             ) -> tuple[np.ndarray, np.ndarray]:
-    """Swap items between bins of *different* groups (steps) of the same window where that lowers
+                             capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4,
+                             level_rounds: int = _LEVEL_ROUNDS) -> tuple[np.ndarray, np.ndarray]:
+    """Swap items between bins of the groups (steps) of the same window where that lowers
     ``Σ_group Σ_stage max_bin load``; returns the items' new ``(group, bins)``.
 
     :func:`refine_stages_many` can only re-split the samples a step already holds. With a couple
     of samples per rank those are fixed by the fill, which sorts by the summed cost, and the stages
-    stay unbalanced. Here the step that is furthest above its lower bound gives one of its
-    bottleneck items for an item of another step of its window, whichever swap lowers the two
-    steps' objectives most; a step no swap improves is left alone. One item for one item: every
-    bin keeps its item count, so every count guarantee of the plan holds; with ``capacity`` no
-    bin's sum of ``capacity_costs`` (default: the row sums) goes over it. At most
-    ``rounds_per_group`` swaps per group of a window. Deterministic.
+    stay unbalanced. Two passes per window:
+
+    1. ``level_rounds`` rounds of many swaps at once (:func:`_level_window`): every bin near its
+       step's maximum in some stage trades one item with a bin of any step of the window, each bin in
+       at most one swap per round, no bin above its step's maximum afterwards. Wide steps need this:
+       with hundreds of ranks, dozens of bins sit within a few percent of a stage's maximum, and the
+       maximum only drops once all of them do.
+    2. The step that is furthest above its ideal (perfectly balanced stages) gives one of its
+       bottleneck items for an item of another step, whichever swap lowers the two steps' objectives
+       most (by at least 0.1% of the step); at most ``rounds_per_group`` swaps per group
+       (:func:`_swap_window`). With few ranks this exact search finds what the first pass misses.
+
+    One item for one item: every bin keeps its item count, so every count guarantee of the plan
+    holds; with ``capacity`` no bin's sum of ``capacity_costs`` (default: the row sums) goes over
+    it. The sum of the objectives never increases. Deterministic.
     """
     c = np.asarray(stage_costs, np.int64)
     group = np.asarray(group, np.int64).copy()
@@ -514,7 +532,9 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
         g_ids, g_local = np.unique(group[idx], return_inverse=True)
         if len(g_ids) < 2:
             continue
-        new_g, new_b = _swap_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
+        new_g, new_b = _level_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
+                                     int(level_rounds))
+        new_g, new_b = _swap_window(c[idx], tot[idx], new_g, new_b, len(g_ids), R, capacity,
                                     rounds_per_group * len(g_ids), never)
         group[idx] = g_ids[new_g]
         bins[idx] = new_b
@@ -572,7 +592,9 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
             ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
             delta = np.where(ok, delta, never)
         best = int(np.argmin(delta)) if delta.size else 0
-        if not delta.size or delta.flat[best] >= 0:
+        # A swap worth less than the tolerance of refine_stages is not worth a round: with many
+        # ranks they are many and tiny (the step's largest bin down to its second largest).
+        if not delta.size or delta.flat[best] >= -_STAGE_TOLERANCE * ideal[s]:
             stuck[s] = True
             continue
         u, v = divmod(best, delta.shape[1])
@@ -598,6 +620,144 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         # The other step changed: it may have become improvable again.
         stuck[t] = False
     return g, b
+
+
+def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
+                  capacity: int | None, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds of many disjoint one-for-one swaps among the G·R bins of a window (any two bins, of
+    the same step or not); returns the items' new (group, bin).
+
+    A step's maximum in a stage only drops once *every* bin at it drops, and with many ranks many
+    bins are close to it, so a swap that lowers one of them gains nothing on its own: the exact
+    search of :func:`_swap_window` stops there. Here each round sets, per step and stage, a target
+    near the maximum (``_LEVEL_TARGET``) and lowers ``Σ_bins Σ_stages max(0, load - target)²``
+    instead, which every bin brought under the target lowers, with many swaps at once: for each bin
+    over a target, the best candidate swap (items of about the same total with less of that stage,
+    and the bins with the most room in it); then a subset in which no bin appears twice, so the
+    swaps do not interact. No bin may end above its step's maximum of any stage (as of the round's
+    start), hence no step's objective ever rises. Deterministic: stable sorts, ties to the first
+    candidate, and the float64 penalty is computed elementwise in a fixed order.
+    """
+    n, K = c.shape
+    nb = G * R
+    cost = np.ascontiguousarray(c.T)                     # (K, n): stage-major, one row per stage
+    home = g * R + b                                       # every item's bin
+    counts = np.bincount(home, minlength=nb)               # never changes: swaps are one for one
+    first_slot = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot_item = np.argsort(home, kind="stable")            # the items of bin 0, then of bin 1, ...
+    slot_of = np.empty(n, np.int64)
+    slot_of[slot_item] = np.arange(n)
+    loads = np.zeros((K, nb), np.int64)
+    for k in range(K):
+        np.add.at(loads[k], home, cost[k])
+    tload = np.zeros(nb, np.int64)
+    np.add.at(tload, home, tot)
+    step_of_bin = np.arange(nb) // R
+    # Swapping items of about the same total keeps the fill's balance of the totals and moves only
+    # the stages' shares: per stage, the items by (total bucket, stage cost). frexp is exact, so the
+    # buckets (16 per octave) are the same on every machine.
+    mantissa, exponent = np.frexp(c.sum(1).astype(np.float64))
+    bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
+    by_stage = [np.lexsort((cost[k], bucket)) for k in range(K)]
+    place = np.empty((K, n), np.int64)
+    for k in range(K):
+        place[k, by_stage[k]] = np.arange(n)
+    bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
+    roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
+    num, den = _LEVEL_TARGET
+    for rnd in range(rounds):
+        per_step = loads.reshape(K, G, R)
+        top = per_step.max(2)
+        mean = -(-per_step.sum(2) // R)
+        over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
+        room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
+        excess = np.maximum(over, 0).astype(np.float64)
+        penalty = (excess * excess).sum(0)
+        # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
+        shift = rnd * 40503 % 65536
+        cand_i, cand_j = [], []
+        for k in range(K):
+            src = np.flatnonzero(over[k] > 0)
+            if not src.size:
+                continue
+            src = src[np.argsort(-over[k, src], kind="stable")]
+            # Items of the same bucket with less of stage k, spread over all of them.
+            n_src = counts[src]
+            items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                              + np.arange(n_src.sum())]
+            lower = place[k, items] - bucket_first[items]
+            items, lower = items[lower > 0], lower[lower > 0]
+            offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
+                       + shift * lower[:, None] // 65536) % lower[:, None]
+            cand_i.append(np.repeat(items, _LEVEL_SIMILAR))
+            cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
+            # Every item pair with the bins that have the most room in stage k: the worst source
+            # gets the roomiest bins, the next source the next ones.
+            roomy = np.argsort(over[k], kind="stable")
+            a = np.repeat(src, roomy_bins)
+            bb = roomy[(np.arange(len(a)) + rnd * roomy_bins) % nb]
+            pairs = counts[a] * counts[bb]
+            u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
+                             np.repeat(counts[bb], pairs))
+            cand_i.append(slot_item[np.repeat(first_slot[a], pairs) + u])
+            cand_j.append(slot_item[np.repeat(first_slot[bb], pairs) + v])
+        if not cand_i:
+            break
+        i, j = np.concatenate(cand_i), np.concatenate(cand_j)
+        A, B = home[i], home[j]
+        # First the cheap test that most candidates fail (a bin would rise above its step's max),
+        # then the penalty of the rest.
+        d = [cost[k][j] - cost[k][i] for k in range(K)]    # bin A gains d, bin B loses it
+        ok = A != B
+        for k in range(K):
+            ok &= (d[k] <= room[k][A]) & (d[k] >= -room[k][B])
+        if capacity is not None:
+            dt = tot[j] - tot[i]
+            ok &= (tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)
+        ok = np.flatnonzero(ok)
+        i, j, A, B = i[ok], j[ok], A[ok], B[ok]
+        gain = -(penalty[A] + penalty[B])
+        for k in range(K):
+            xa = np.maximum(over[k][A] + d[k][ok], 0).astype(np.float64)
+            xb = np.maximum(over[k][B] - d[k][ok], 0).astype(np.float64)
+            gain += xa * xa + xb * xb
+        sel = np.flatnonzero(gain < 0)
+        if not sel.size:
+            continue
+        # Each source bin's best candidate (first in candidate order on ties) ...
+        sel = sel[np.lexsort((gain[sel], A[sel]))]
+        sel = sel[np.concatenate([[True], A[sel][1:] != A[sel][:-1]])]
+        # ... then a subset in which no bin appears twice: a candidate wins when it is the best of
+        # every candidate that touches either of its bins; a few passes over the rest.
+        rank = np.empty(len(sel), np.int64)
+        rank[np.lexsort((A[sel], gain[sel]))] = np.arange(len(sel))
+        a, bb = A[sel], B[sel]
+        alive = np.ones(len(sel), bool)
+        taken = np.zeros(nb, bool)
+        won = np.zeros(len(sel), bool)
+        for _ in range(3):
+            alive &= ~taken[a] & ~taken[bb]
+            if not alive.any():
+                break
+            best = np.full(nb, len(sel))
+            np.minimum.at(best, a[alive], rank[alive])
+            np.minimum.at(best, bb[alive], rank[alive])
+            win = alive & (best[a] == rank) & (best[bb] == rank)
+            won |= win
+            taken[a[win]] = taken[bb[win]] = True
+            alive &= ~win
+        sel = sel[won]
+        si, sj, sa, sb = i[sel], j[sel], A[sel], B[sel]
+        moved = cost[:, sj] - cost[:, si]
+        loads[:, sa] += moved
+        loads[:, sb] -= moved
+        tload[sa] += tot[sj] - tot[si]
+        tload[sb] -= tot[sj] - tot[si]
+        home[si], home[sj] = sb, sa
+        pi, pj = slot_of[si], slot_of[sj]
+        slot_item[pi], slot_item[pj] = sj, si
+        slot_of[si], slot_of[sj] = pj, pi
+    return home // R, home % R
 
 
 def _cpsat(c: np.ndarray, k: int, capacity: float | None, equal_counts: bool, time_limit: float

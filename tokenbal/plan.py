@@ -63,7 +63,7 @@ __all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_st
            "simulate", "Simulation", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 _TOKEN_FILL = 0.97   # token mode: fraction of the budget a window aims to use
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
