@@ -29,14 +29,16 @@ def varlen_attention_sdpa(
     for end in cu_seqlens_list:
         if end == start:
             continue  # an empty segment contributes no tokens
-        # (L, H, D) -> (H, L, D): SDPA wants heads before the sequence and reads GQA groups at dim -3.
-        qs = q[start:end].transpose(0, 1)
-        ks = k[start:end].transpose(0, 1)
-        vs = v[start:end].transpose(0, 1)
+        # (L, H, D) -> (1, H, L, D): SDPA wants heads before the sequence and reads GQA groups at
+        # dim -3. The batch dim matters: with 3-D inputs torch's CPU SDPA takes its math path,
+        # 5-15x slower than the fused kernel 4-D inputs get (scripts/bench_attention.py).
+        qs = q[start:end].transpose(0, 1)[None]
+        ks = k[start:end].transpose(0, 1)[None]
+        vs = v[start:end].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
             qs, ks, vs, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa
         )
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
         start = end
     if not outs:
         return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
