@@ -64,14 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the size of the effect measured")
     p.add_argument("--prefetch-depth", type=int, default=1,
                    help="FSDP2 layers prefetched ahead (0: off). On accelerators prefetch hides the "
-                        "all-gathers behind compute; on CPU ranks that share their cores with gloo's "
-                        "threads it competes with compute instead (docs/BENCHMARKS.md: 0 was ~10%% "
-                        "faster for balanced steps on 2 CPU ranks)")
-    p.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=None,
-                   help="FSDP2 all-gathers with async_op=True, so a prefetched layer's all-gather runs "
-                        "while the current layer computes (collate.train.shard_qwen2_vl). Default: on "
-                        "for CPU ranks, where FSDP2 otherwise blocks on every all-gather; off on "
-                        "accelerators, whose side streams already overlap them")
+                        "all-gathers behind compute; on CPU ranks FSDP2 blocks on every all-gather, so "
+                        "prefetch only reorders the waits (docs/BENCHMARKS.md: 0 was 4-10%% faster for "
+                        "balanced steps on 2 CPU ranks)")
+    p.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=False,
+                   help="FSDP2 all-gathers with async_op=True, so on CPU ranks a prefetched layer's "
+                        "all-gather runs on gloo's thread while the current layer computes "
+                        "(collate.train.shard_qwen2_vl); accelerators overlap them through FSDP2's side "
+                        "streams anyway. Off by default: no clear gain measured on 2 CPU ranks "
+                        "(docs/BENCHMARKS.md)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
@@ -157,9 +158,8 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
-    async_unshard = device.type == "cpu" if args.async_unshard is None else args.async_unshard
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth,
-                           async_unshard=async_unshard)
+                           async_unshard=args.async_unshard)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 

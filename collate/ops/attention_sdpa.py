@@ -31,7 +31,7 @@ def varlen_attention_sdpa(
             continue  # an empty segment contributes no tokens
         # (L, H, D) -> (1, H, L, D): SDPA wants heads before the sequence and reads GQA groups at
         # dim -3. The batch dim matters: with 3-D inputs torch's CPU SDPA takes its math path,
-        # 5-15x slower than the fused kernel 4-D inputs get (scripts/bench_attention.py).
+        # 5-15x slower forward, 1.3-2.6x forward + backward (scripts/bench_attention.py).
         qs = q[start:end].transpose(0, 1)[None]
         ks = k[start:end].transpose(0, 1)[None]
         vs = v[start:end].transpose(0, 1)[None]
