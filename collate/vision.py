@@ -91,22 +91,16 @@ def vision_rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
     ``transformers.vision_utils.get_vision_position_ids`` returns).
     """
     g = _check_grids(grids, merge)
-    parts = []
-    cache: dict[tuple[int, int], np.ndarray] = {}
+    out = np.empty((int(g.prod(1).sum()), 2), dtype=np.int64)
+    start = 0
     for t, h, w in g.tolist():
-        ids = cache.get((h, w))
-        if ids is None:
-            # (block row, block column, row in block, column in block) -> patch row and column.
-            rows = np.arange(h).reshape(h // merge, 1, merge, 1)
-            cols = np.arange(w).reshape(1, w // merge, 1, merge)
-            shape = (h // merge, w // merge, merge, merge)
-            ids = np.stack([np.broadcast_to(rows, shape).reshape(-1),
-                            np.broadcast_to(cols, shape).reshape(-1)], axis=-1)
-            cache[(h, w)] = ids
-        parts.append(np.tile(ids, (t, 1)) if t > 1 else ids)
-    if not parts:
-        return np.zeros((0, 2), dtype=np.int64)
-    return np.concatenate(parts)
+        # The grid's rows of ``out`` as (frame, block row, block column, row in block, column in
+        # block, coordinate): two broadcast assignments, no temporaries.
+        block = out[start:start + t * h * w].reshape(t, h // merge, w // merge, merge, merge, 2)
+        block[..., 0] = np.arange(h).reshape(h // merge, 1, merge, 1)
+        block[..., 1] = np.arange(w).reshape(1, w // merge, 1, merge)
+        start += t * h * w
+    return out
 
 
 def vision_window_index(grids: np.ndarray, merge: int, window: int) -> tuple[np.ndarray, np.ndarray]:
