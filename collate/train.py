@@ -35,8 +35,8 @@ def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
             module.set_modules_to_backward_prefetch(behind)
 
 
-def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False
-                   ) -> nn.Module:
+def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False,
+                   reshard_after_forward: bool = True) -> nn.Module:
     """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL model (in place); returns it.
 
     ``async_unshard``: issue the all-gathers with ``async_op=True``. On accelerators FSDP2 overlaps
@@ -44,14 +44,18 @@ def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_u
     every all-gather, prefetched or not, blocks its rank until the peers arrive, and prefetch only
     reorders the waits. Asynchronous, a prefetched layer's all-gather runs on gloo's thread while
     the current layer computes, so a rank that is ahead no longer stops at every layer.
+
+    ``reshard_after_forward=False`` keeps every layer's gathered parameters from its forward to its
+    backward (ZeRO-2-like): one all-gather per layer and step instead of two, for the memory of
+    the unsharded model.
     """
     from torch.distributed.fsdp import fully_shard
 
     blocks = list(model.model.visual.blocks)
     layers = list(model.model.language_model.layers)
     for module in (*blocks, *layers):
-        fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     # The vision tower runs before the language model, so one chain covers the whole forward.
     _prefetch_chain([*blocks, *layers], prefetch_depth)
     if async_unshard:

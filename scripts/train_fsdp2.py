@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(collate.train.shard_qwen2_vl); accelerators overlap them through FSDP2's side "
                         "streams anyway. Off by default: no clear gain measured on 2 CPU ranks "
                         "(docs/BENCHMARKS.md)")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2 frees each layer's gathered parameters after its forward and gathers them "
+                        "again for its backward (the default); --no-reshard-after-forward keeps them "
+                        "(one all-gather per layer and step, the unsharded model's memory)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
@@ -159,7 +163,7 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth,
-                           async_unshard=args.async_unshard)
+                           async_unshard=args.async_unshard, reshard_after_forward=args.reshard_after_forward)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 

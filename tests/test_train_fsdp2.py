@@ -140,13 +140,13 @@ def _plans(world_size: int) -> list[list[list[int]]]:
     return [[per_rank[r][step] for r in range(world_size)] for step in range(STEPS)]
 
 
-def _fsdp_rank(rank: int, world_size: int, async_unshard: bool) -> dict[str, torch.Tensor]:
+def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool) -> dict[str, torch.Tensor]:
     from collate.train import shard_qwen2_vl, train_step
 
     torch.manual_seed(0)
     config = tiny_config()
     model = shard_qwen2_vl(enable_packed(Qwen2VLForConditionalGeneration(config).float()),
-                           async_unshard=async_unshard)
+                           async_unshard=async_unshard, reshard_after_forward=reshard)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     samples = make_samples(seed=1) + make_samples(seed=2)
     collate = PackedCollator.from_config(config)
@@ -155,11 +155,12 @@ def _fsdp_rank(rank: int, world_size: int, async_unshard: bool) -> dict[str, tor
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("async_unshard", [False, True], ids=["blocking", "async-unshard"])
-def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unshard):
+@pytest.mark.parametrize(("async_unshard", "reshard"), [(False, True), (True, False)],
+                         ids=["defaults", "async-unshard,no-reshard-after-forward"])
+def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unshard, reshard):
     from tests.dist_utils import run_ranks
 
-    results = run_ranks(_fsdp_rank, 2, async_unshard, timeout=240, collective_timeout=60)
+    results = run_ranks(_fsdp_rank, 2, async_unshard, reshard, timeout=240, collective_timeout=60)
 
     torch.manual_seed(0)
     config = tiny_config()
