@@ -22,7 +22,15 @@ from transformers import (  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
-from tests.test_train_fsdp2 import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
+from tests.test_train_fsdp2 import (  # noqa: E402
+    IMG,
+    VEND,
+    VID,
+    VSTART,
+    assert_grads_match,
+    make_samples,
+    tiny_config,
+)
 
 TOKENS_PER_SECOND = 2
 
@@ -87,14 +95,8 @@ def test_qwen2_5_vl_windowed_tower_from_collator_equals_per_sample_transformers(
     got = packed(**batch).loss
     got.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    grads = dict(reference.named_parameters())
-    for name, p in packed.named_parameters():
-        g_ref = grads[name].grad
-        if g_ref is None:
-            assert p.grad is None or not p.grad.any(), name
-            continue
-        torch.testing.assert_close(p.grad, g_ref, rtol=1e-5, atol=1e-5 * float(g_ref.abs().max()))
-    assert grads["model.visual.blocks.0.attn.qkv.weight"].grad.abs().sum() > 0
+    assert assert_grads_match(packed, reference) > 20
+    assert dict(reference.named_parameters())["model.visual.blocks.0.attn.qkv.weight"].grad.abs().sum() > 0
 
 
 def test_vision_attention_runs_on_the_batch_segments(monkeypatch):
