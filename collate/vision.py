@@ -32,17 +32,19 @@ def tower_fields(grids: np.ndarray, merge: int | None = None, window: int | None
     """
     g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
     frames = frame_seqlens(g)
-    fields: dict[str, Any] = dict(vision_cu_seqlens=torch.from_numpy(_cumulative(frames)),
-                                  vision_cu_seqlens_list=np.cumsum(frames).tolist(),
+    cu = _cumulative(frames)
+    fields: dict[str, Any] = dict(vision_cu_seqlens=torch.from_numpy(cu),
+                                  vision_cu_seqlens_list=cu[1:].tolist(),
                                   vision_max_seqlen=int(frames.max(initial=0)))
     if merge is None:
         return fields
     fields["vision_position_ids"] = torch.from_numpy(vision_rotary_positions(g, merge))
     if window is not None:
         window_index, windows = vision_window_index(g, merge, window)
+        window_cu = _cumulative(windows)
         fields.update(vision_window_index=torch.from_numpy(window_index),
-                      vision_cu_window_seqlens=torch.from_numpy(_cumulative(windows)),
-                      vision_cu_window_seqlens_list=np.cumsum(windows).tolist(),
+                      vision_cu_window_seqlens=torch.from_numpy(window_cu),
+                      vision_cu_window_seqlens_list=window_cu[1:].tolist(),
                       vision_max_window_seqlen=int(windows.max(initial=0)))
     return fields
 
