@@ -1,4 +1,4 @@
-"""One-shot CUDA check of the packed data path: collate -> prefetch -> packed Qwen2-VL forward/backward.
+"""One-shot CUDA check of the packed data path: collate -> prefetch -> packed Qwen2-VL / Qwen2.5-VL fwd/bwd.
 
 Run on any CUDA machine from a checkout (no install needed, no downloads; tiny random models):
 
@@ -8,9 +8,10 @@ Run on any CUDA machine from a checkout (no install needed, no downloads; tiny r
 1. prefetcher: real PackedBatches (M-RoPE, images and videos, pinned by the collator) go through
    ``DevicePrefetcher`` under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call
    raises) while matmuls keep the consumer stream busy; every field must equal the host batch.
-2. packed model, fp32 and bf16: a tiny random ``Qwen2VLForConditionalGeneration`` with
-   ``collate.models.enable_packed``; two packed batches (one with images, one text-only, which runs
-   the idle vision pass) from ``PackedCollator`` through ``DevicePrefetcher``, forward + backward
+2. packed model, fp32 and bf16: a tiny random ``Qwen2VLForConditionalGeneration`` and a
+   ``Qwen2_5_VLForConditionalGeneration`` (windowed vision attention, timed video positions) with
+   ``collate.models.enable_packed``; two packed batches (one with images and a video, one text-only,
+   which runs the idle vision pass) from ``PackedCollator`` through ``DevicePrefetcher``, forward + backward
    under ``set_sync_debug_mode("warn")``. Every synchronising call is recorded with its python stack
    and reported by the line that issued it (collate/, transformers, or this script), so the summary
    says which ops sync instead of crashing at the first. Syncs inside ``loss.backward()`` surface
@@ -30,6 +31,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import inspect
 import pathlib
 import sys
 import traceback
@@ -48,6 +50,7 @@ from collate.prefetch import iter_tensors  # noqa: E402
 
 IMG, VID, VS, VE = 120, 121, 122, 123
 VOCAB = 128
+TOKENS_PER_SECOND = 2
 PATCH_DIM = 3 * 2 * 14 * 14
 
 
@@ -228,37 +231,71 @@ def tiny_qwen2vl_config():
     )
 
 
+def tiny_qwen2_5vl_config():
+    """Qwen2.5-VL: windowed vision attention (56 px = 2 merged tokens, so the test frames are cut
+    into full and partial windows; block 1 attends over whole frames) and timed video positions."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=tiny_qwen2vl_config().text_config.to_dict(),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+            fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, tokens_per_second=TOKENS_PER_SECOND,
+        ),
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VS,
+        vision_end_token_id=VE,
+        attn_implementation="sdpa",
+    )
+
+
+# model family -> (transformers class name, tiny config)
+FAMILIES = {
+    "Qwen2-VL": ("Qwen2VLForConditionalGeneration", tiny_qwen2vl_config),
+    "Qwen2.5-VL": ("Qwen2_5_VLForConditionalGeneration", tiny_qwen2_5vl_config),
+}
+
+
 def model_samples(seed: int = 1) -> list[list[dict]]:
-    """Two packed batches of host samples: text + one or two images each; then text only."""
+    """Two packed batches of host samples: text, images and a video (2 frames, 0.5 s per temporal
+    patch); then text only."""
     g = torch.Generator().manual_seed(seed)
 
     def sample(spec: list) -> dict:
         ids: list[int] = []
-        grids, pixels = [], []
+        media: dict[str, tuple[list, list]] = {"image": ([], []), "video": ([], [])}
         for kind, arg in spec:
             if kind == "text":
                 ids += torch.randint(0, 100, (arg,), generator=g).tolist()
             else:
                 t, h, w = arg
-                ids += [VS] + [IMG] * (t * h * w // 4) + [VE]
-                grids.append(list(arg))
-                pixels.append(torch.randn(t * h * w, PATCH_DIM, generator=g))
+                ids += [VS] + [IMG if kind == "image" else VID] * (t * h * w // 4) + [VE]
+                media[kind][0].append(list(arg))
+                media[kind][1].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
         s: dict = {"input_ids": torch.tensor(ids)}
         labels = s["input_ids"].clone()
-        labels[s["input_ids"] == IMG] = -100
+        labels[(s["input_ids"] == IMG) | (s["input_ids"] == VID)] = -100
         s["labels"] = labels
-        if grids:
-            s["pixel_values"] = torch.cat(pixels)
-            s["image_grid_thw"] = torch.tensor(grids)
+        for kind, (pv_key, grid_key) in (("image", ("pixel_values", "image_grid_thw")),
+                                          ("video", ("pixel_values_videos", "video_grid_thw"))):
+            grids, pixels = media[kind]
+            if grids:
+                s[pv_key] = torch.cat(pixels)
+                s[grid_key] = torch.tensor(grids)
+        if media["video"][0]:
+            s["second_per_grid_ts"] = torch.full((len(media["video"][0]),), 0.5)
         return s
 
-    with_images = [
+    with_vision = [
         sample([("text", 9)]),
         sample([("text", 3), ("image", (1, 4, 6)), ("text", 5)]),
         sample([("text", 2), ("image", (1, 6, 4)), ("text", 4), ("image", (1, 2, 2)), ("text", 3)]),
+        sample([("text", 4), ("video", (2, 4, 4)), ("text", 6)]),
     ]
     text_only = [sample([("text", 13)]), sample([("text", 21)])]
-    return [with_images, text_only]
+    return [with_vision, text_only]
 
 
 def reference_loss(model, samples: list[dict], device: torch.device) -> torch.Tensor:
@@ -267,28 +304,31 @@ def reference_loss(model, samples: list[dict], device: torch.device) -> torch.Te
     for s in samples:
         ids = s["input_ids"][None].to(device)
         kw = {"input_ids": ids, "labels": s["labels"][None].to(device)}
-        if "pixel_values" in s:
-            kw.update(
-                pixel_values=s["pixel_values"].to(device),
-                image_grid_thw=s["image_grid_thw"].to(device),
-                mm_token_type_ids=(ids == IMG).int(),
-            )
+        vision = {k: v.to(device) for k, v in s.items() if k not in ("input_ids", "labels")}
+        if vision:
+            # transformers' get_rope_index groups the placeholders by modality: 1 image, 2 video.
+            vision["mm_token_type_ids"] = (ids == IMG).int() + 2 * (ids == VID).int()
+            if "second_per_grid_ts" in vision and "second_per_grid_ts" not in inspect.signature(
+                    model.forward).parameters:
+                del vision["second_per_grid_ts"]  # Qwen2-VL's positions have no video timing
         n = int((s["labels"][1:] != -100).sum())
-        total = total + model(**kw).loss.float() * n
+        total = total + model(**kw, **vision).loss.float() * n
         count += n
     return total / count
 
 
 def check_packed_model(
-    device: torch.device, dtype: torch.dtype, recorder: SyncRecorder | None = None
+    device: torch.device, dtype: torch.dtype, recorder: SyncRecorder | None = None, family: str = "Qwen2-VL"
 ) -> dict:
-    """Collate -> prefetch -> packed forward/backward. Returns a result dict (``problems`` empty: ok)."""
-    from transformers import Qwen2VLForConditionalGeneration
+    """Collate -> prefetch -> packed forward/backward of one of :data:`FAMILIES`. Returns a result
+    dict (``problems`` empty: ok)."""
+    import transformers
 
     from collate.models import enable_packed
 
+    class_name, make_config = FAMILIES[family]
     torch.manual_seed(0)
-    ref = Qwen2VLForConditionalGeneration(tiny_qwen2vl_config()).to(device=device, dtype=dtype).eval()
+    ref = getattr(transformers, class_name)(make_config()).to(device=device, dtype=dtype).eval()
     model = enable_packed(copy.deepcopy(ref))
     coll = PackedCollator.from_config(model.config)
     groups = model_samples()
@@ -327,8 +367,11 @@ def check_packed_model(
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     if not all(gr is not None and bool(torch.isfinite(gr).all()) for gr in grads):
         problems.append("some parameter has no or a non-finite gradient")
-    if host[0].pixel_values is None or host[1].pixel_values is not None:
-        problems.append("test setup: expected one batch with images and one without")
+    if host[0].pixel_values_videos is None or host[1].pixel_values is not None:
+        problems.append("test setup: expected one batch with images and videos and one without")
+    windows, frames = host[0].vision_cu_window_seqlens_list, host[0].vision_cu_seqlens_list
+    if family == "Qwen2.5-VL" and len(windows or []) <= len(frames):
+        problems.append("test setup: the Qwen2.5-VL windows should cut the frames")
     return {"dtype": str(dtype).replace("torch.", ""), "losses": got, "reference": want, "problems": problems}
 
 
@@ -357,7 +400,8 @@ def _backend_name(module: object, selector: str, device: torch.device, dtype: to
     return chosen if isinstance(chosen, str) else getattr(chosen, "__name__", repr(chosen))
 
 
-def report_packed_model(device: torch.device, dtype: torch.dtype, strict: bool) -> bool:
+def report_packed_model(device: torch.device, dtype: torch.dtype, strict: bool, family: str = "Qwen2-VL"
+                        ) -> bool:
     """Run :func:`check_packed_model` with sync recording and print its report; True if it failed."""
     import transformers
 
@@ -366,14 +410,14 @@ def report_packed_model(device: torch.device, dtype: torch.dtype, strict: bool) 
 
     rec = SyncRecorder()
     try:
-        res = check_packed_model(device, dtype, rec)
+        res = check_packed_model(device, dtype, rec, family)
     except Exception:  # report and let the caller go on with the next dtype
-        print(f"\n[2] packed Qwen2-VL {dtype}: CRASH\n{traceback.format_exc()}")
+        print(f"\n[2] packed {family} {dtype}: CRASH\n{traceback.format_exc()}")
         return True
     table, ours = summarise(rec.events)
     status = "FAIL" if res["problems"] else "ok"
     print(
-        f"\n[2] collate -> prefetch -> packed Qwen2-VL fwd/bwd, {res['dtype']} "
+        f"\n[2] collate -> prefetch -> packed {family} fwd/bwd, {res['dtype']} "
         f"(transformers {transformers.__version__}, attention "
         f"{_backend_name(collate.ops.attention, '_select', device, dtype)}, rope "
         f"{_backend_name(collate.ops.rope, '_select_backend', device, dtype)}): {status}"
@@ -411,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("\n[2] packed model: transformers not installed, skipped")
     else:
-        for dtype in (torch.float32, torch.bfloat16):
-            failed |= report_packed_model(device, dtype, args.strict)
+        for family in FAMILIES:
+            for dtype in (torch.float32, torch.bfloat16):
+                failed |= report_packed_model(device, dtype, args.strict, family)
 
     print("\nsummary:", "FAILED" if failed else "all checks passed")
     return 1 if failed else 0

@@ -283,17 +283,19 @@ def _load_check_gpu():
     return mod
 
 
-@pytest.mark.slow  # a tiny Qwen2-VL forward/backward x2 plus references: ~3 s, ~10 s with cold imports
-def test_check_gpu_model_path_on_cpu(monkeypatch, capsys):
+@pytest.mark.slow  # a tiny model's forward/backward x2 plus references: ~3 s, ~10 s with cold imports
+@pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen2.5-VL"])
+def test_check_gpu_model_path_on_cpu(family, monkeypatch, capsys):
     """The script's collate -> prefetch -> packed fwd/bwd check and its report, run on CPU (sync
     recording reduced to warning capture): the packed loss equals the per-sample HF reference, so a
     CUDA run tests only CUDA behaviour."""
     pytest.importorskip("transformers")
     mod = _load_check_gpu()
     monkeypatch.setattr(mod.SyncRecorder, "record", mod.SyncRecorder.capture)
-    assert mod.report_packed_model(torch.device("cpu"), torch.float32, strict=True) is False
+    assert mod.report_packed_model(torch.device("cpu"), torch.float32, strict=True, family=family) is False
     out = capsys.readouterr().out
-    assert "float32" in out and ": ok" in out and "synchronising calls in the steady pass: 0" in out
+    assert f"packed {family} fwd/bwd, float32" in out and ": ok" in out
+    assert "synchronising calls in the steady pass: 0" in out
     if not torch.cuda.is_available():
         assert mod.main([]) == 0 and capsys.readouterr().out.strip() == "no CUDA, skipped"
 
