@@ -10,7 +10,7 @@ Two probes, both with the *same* micro-batch on every rank (perfect balance, so 
   "compute" of scripts/train_fsdp2.py) with a full FSDP2 step, ``--repeats`` times, and prints the
   median step / compute: the floor of ``epoch / ideal`` on this machine even with perfect balance.
 
-    python scripts/probe_fsdp_overhead.py [--batch heavy --repeats 9]
+    python scripts/probe_fsdp_overhead.py [--batch heavy --repeats 9] [--ranks 1] [--no-reshard-after-forward]
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def _batch(kind: str, config):
                      "pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g)}])
 
 
-def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool
-          ) -> list:
+def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool,
+          reshard_after_forward: bool = True) -> list:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
@@ -53,7 +53,8 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     config = tiny_qwen2_vl_config(800, _IDS)
-    model = shard_qwen2_vl(enable_packed(build_model(config, 0)), prefetch_depth, async_unshard=async_unshard)
+    model = shard_qwen2_vl(enable_packed(build_model(config, 0)), prefetch_depth, async_unshard=async_unshard,
+                           reshard_after_forward=reshard_after_forward)
     optim = make_optimizer(model, 1e-4)
     batch = _batch(kind, config)
     if kind == "heavy":
@@ -93,9 +94,13 @@ def main() -> None:
     ap.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
     ap.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=False,
                     help="all-gathers with async_op=True (collate.train.shard_qwen2_vl)")
+    ap.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                    help="FSDP2 frees gathered parameters after each layer's forward (its default)")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="gloo ranks; 1 measures FSDP2's own cost without any cross-rank waiting")
     args = ap.parse_args()
-    results = run_ranks(_rank, 2, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
-                        timeout=900, collective_timeout=600)
+    results = run_ranks(_rank, args.ranks, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
+                        args.reshard_after_forward, timeout=900, collective_timeout=600)
     if args.batch == "tiny":
         for rank, times in enumerate(results):
             ms = [tuple(round(x * 1e3, 1) for x in t) for t in times]
@@ -104,7 +109,7 @@ def main() -> None:
     steps = [max(r[i][0] for r in results) for i in range(args.repeats)]
     compute = [max(r[i][1] for r in results) for i in range(args.repeats)]
     ratios = [s / c for s, c in zip(steps, compute, strict=True)]
-    print(f"identical heavy micro-batch on both ranks, {args.repeats} alternations:")
+    print(f"identical heavy micro-batch on {args.ranks} rank(s), {args.repeats} alternations:")
     print(f"  compute (slower rank) median {statistics.median(compute):.3f} s, "
           f"FSDP2 step median {statistics.median(steps):.3f} s")
     print(f"  step / compute: median {statistics.median(ratios):.3f} "
