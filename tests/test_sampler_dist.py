@@ -102,3 +102,34 @@ def test_four_processes_build_their_own_samplers_and_agree():
         per_rank = views[0]
         assert len({len(s) for s in per_rank}) == 1
         assert sorted(i for steps in per_rank for step in steps for i in step) == list(range(200))
+
+
+def _elastic_leg(rank, world_size, n, path, batches):
+    """One leg of an elastic run on real ranks: load the checkpoint at ``path`` if there is one,
+    run ``batches`` batches (all when None), checkpoint; verify=True all-gathers the plan hash, so
+    the ranks must agree on the re-planned remainder without having talked about it."""
+    import json
+    import os
+
+    sampler = TokenBalancedBatchSampler(_lengths(n), global_batch_size=4 * world_size, elastic=True,
+                                        verify=True)
+    if os.path.exists(path):
+        with open(path) as f:
+            sampler.load_state_dict(json.load(f))
+    it = iter(sampler)
+    mine = [next(it) for _ in range(len(sampler) if batches is None else batches)]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(sampler.state_dict(), f)
+    dist.barrier()
+    return [i for steps in gathered for step in steps for i in step]
+
+
+def test_elastic_resume_from_two_ranks_onto_three(tmp_path):
+    path = str(tmp_path / "sampler.json")
+    head = run_ranks(_elastic_leg, 2, 301, path, 5, timeout=120)[0]
+    tail = run_ranks(_elastic_leg, 3, 301, path, None, timeout=120)[0]
+    assert len(head) == 5 * 8
+    assert sorted(head + tail) == list(range(301))

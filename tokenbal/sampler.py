@@ -24,6 +24,15 @@ step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run 
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so save the count of steps the
 loop actually finished: ``sd = sampler.state_dict(); sd["cursor"] = steps_done_this_epoch``.
+
+Elastic resume (``elastic=True``): a checkpoint made with another world size (or global batch
+size, token budget, ``grad_accum``, window) resumes mid-epoch too. The samples the checkpointed
+steps consumed are replayed from the old setup's plan, and the rest of the epoch is planned afresh
+for the new one, still without communication: every sample is used once in the epoch across the
+change, and later epochs are planned for the new setup as usual. The resumed epoch then starts at
+cursor 0 of that remainder (``len`` counts its batches). Every rank must load a state saved at the
+same step (they are in lockstep, so any rank's state will do). The data and the rest of the setup
+(lengths, cost, stages, shuffle, drop_last, oversize) must match, as without ``elastic``.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ __all__ = ["TokenBalancedBatchSampler"]
 _STATE_VERSION = 1
 # Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
 _ADDED_LATER = {"stages": 0}
+# What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
+_ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
 
 class TokenBalancedBatchSampler(Sampler[list[int]]):
@@ -63,7 +74,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
-                 oversize: str = "error", verify: bool = False, stages: Any = None) -> None:
+                 oversize: str = "error", verify: bool = False, stages: Any = None,
+                 elastic: bool = False) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         self.lengths = check_lengths(lengths_or_index)
         if cost is None or (isinstance(cost, str) and cost == "tokens"):
@@ -88,6 +100,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
         self.oversize = oversize
         self.verify = bool(verify)
+        self.elastic = bool(elastic)
         self._verified: set[tuple[int, int]] = set()
         # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
         _, self.global_batch_size, self.max_tokens_per_rank, self.window = check_settings(
@@ -99,23 +112,55 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.epoch = 0
         self.cursor = 0
         self._finished_here = False
-        self._plans: dict[tuple[int, int], EpochPlan] = {}
+        self._plans: dict[tuple, EpochPlan] = {}
         self._lengths_digest: str | None = None
+        # Earlier setups of the current epoch (elastic resume): their fingerprints and how many
+        # batches each consumed, oldest first. Empty unless an elastic resume happened this epoch.
+        self._segments: list[dict[str, Any]] = []
 
     # -- planning -------------------------------------------------------------------------------
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The whole epoch's plan (all ranks), cached for the current (seed, epoch)."""
-        key = (self.seed, self.epoch if epoch is None else int(epoch))
+        """The whole epoch's plan (all ranks), cached for the current (seed, epoch). After an
+        elastic resume, the current epoch's plan covers only the samples its earlier setups left."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        segments = self._segments if epoch == self.epoch else []
+        key = (self.seed, epoch, json.dumps(segments, sort_keys=True))
         if key not in self._plans:
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = plan_epoch(
-                self.costs, self.num_replicas, global_batch_size=self.global_batch_size,
-                max_tokens_per_rank=self.max_tokens_per_rank, seed=key[0], epoch=key[1],
-                shuffle=self.shuffle, drop_last=self.drop_last, window=self.window,
-                grad_accum=self.grad_accum, oversize=self.oversize, stages=self.stages)
+            self._plans[key] = self._replan(segments, self.fingerprint(), epoch)
         return self._plans[key]
+
+    def _replan(self, segments: list[dict[str, Any]], setup: dict[str, Any], epoch: int) -> EpochPlan:
+        """``epoch`` planned under ``setup`` (a fingerprint) for the samples that ``segments`` —
+        earlier setups of the epoch with the batches each consumed, oldest first — left over."""
+        if not segments:
+            return self._plan_subset(None, setup, epoch)
+        remaining = np.arange(len(self.costs))
+        for seg in segments:
+            old = self._plan_subset(remaining, seg["fingerprint"], epoch)
+            remaining = np.setdiff1d(remaining, _consumed(old, seg["cursor"]), assume_unique=True)
+        return self._plan_subset(remaining, setup, epoch)
+
+    def _plan_subset(self, subset: np.ndarray | None, setup: dict[str, Any], epoch: int) -> EpochPlan:
+        """Plan ``subset`` (dataset indices, ascending; None: all) under ``setup``'s step settings
+        (a fingerprint) with this sampler's seed and the rest of its settings."""
+        R, k = int(setup["num_replicas"]), int(setup["grad_accum"])
+        if subset is not None and subset.size == 0:
+            return EpochPlan(R, np.zeros(0, np.int64), np.zeros(1, np.int64), grad_accum=k)
+        costs = self.costs if subset is None else self.costs[subset]
+        stages = self.stages if self.stages is None or subset is None else self.stages[subset]
+        plan = plan_epoch(
+            costs, R, global_batch_size=setup["global_batch_size"],
+            max_tokens_per_rank=setup["max_tokens_per_rank"], seed=self.seed, epoch=epoch,
+            shuffle=self.shuffle, drop_last=self.drop_last, window=setup["window"], grad_accum=k,
+            oversize=self.oversize, stages=stages)
+        if subset is None:
+            return plan
+        # Positions in the subset -> dataset indices; ascending, so every list stays sorted.
+        return EpochPlan(R, subset[plan.indices], plan.offsets, dropped=subset[plan.dropped],
+                         grad_accum=k, skipped=subset[plan.skipped])
 
     def plan_hash(self, epoch: int | None = None) -> str:
         """sha256 of the epoch's whole plan (all ranks) and of the inputs it came from (the
@@ -165,6 +210,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.epoch = epoch
             self.cursor = 0
             self._finished_here = False
+            self._segments = []
 
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
@@ -206,30 +252,65 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 "stages": 0 if self.stages is None else int(self.stages.shape[1])}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
-                "cursor": self.cursor, "fingerprint": self.fingerprint()}
+        state = {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
+                 "cursor": self.cursor, "fingerprint": self.fingerprint()}
+        if self._segments:
+            state["segments"] = [dict(seg) for seg in self._segments]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore seed, epoch and cursor. Raises ``ValueError`` naming every setting that differs
-        from the checkpoint (world size, lengths, batch size, ...), since any of them changes the plan."""
+        from the checkpoint (world size, lengths, batch size, ...), since any of them changes the
+        plan — except, with ``elastic=True``, the step settings (world size, batch size, token
+        budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
         missing = [k for k in ("seed", "epoch", "cursor", "fingerprint") if k not in state]
         if missing:
             raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
-        saved, mine = state["fingerprint"], self.fingerprint()
-        saved = {**_ADDED_LATER, **saved}
-        diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
-                 for k in mine if saved.get(k, "<missing>") != mine[k]]
-        if diffs:
+        saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, self.fingerprint()
+        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
+        elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
+        if changed and not elastic:
+            diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
+                     for k in changed]
+            hint = ""
+            if set(changed) <= set(_ELASTIC_KEYS):
+                hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
+                        "re-plans the rest of the epoch for this setup)")
             raise ValueError("cannot resume: the checkpoint was made with a different plan setup "
-                             "(the remaining steps would not match):\n  " + "\n  ".join(diffs))
+                             "(the remaining steps would not match):\n  " + "\n  ".join(diffs) + hint)
+        segments = [{"fingerprint": {**_ADDED_LATER, **seg["fingerprint"]}, "cursor": int(seg["cursor"])}
+                    for seg in state.get("segments", [])]
+        cursor = int(state["cursor"])
+        if elastic:
+            segments.append({"fingerprint": saved, "cursor": cursor})
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        cursor = int(state["cursor"])
+        # Every earlier setup's cursor must lie inside its own plan, or the replay is meaningless.
+        for n, seg in enumerate(segments):
+            batches = self._replan(segments[:n], seg["fingerprint"], self.epoch).num_steps * int(
+                seg["fingerprint"]["grad_accum"])
+            if not 0 <= seg["cursor"] <= batches:
+                raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} batches "
+                                 f"(setup {n} of the checkpoint)")
+        self._segments = segments
+        if elastic:
+            cursor = 0
         steps = self.plan().num_steps * self.grad_accum
         if not 0 <= cursor <= steps:
             raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} batches")
         self.cursor = cursor
         self._finished_here = False
+
+
+def _consumed(plan: EpochPlan, cursor: int) -> np.ndarray:
+    """Dataset indices every rank was handed in the first ``cursor`` batches of ``plan`` (ranks move
+    in lockstep: batch ``i`` is micro-batch ``i % k`` of step ``i // k`` on every rank)."""
+    k, R = plan.grad_accum, plan.num_replicas
+    steps, micro = divmod(int(cursor), k)
+    parts = [plan.indices[:plan.offsets[steps * R * k]]]
+    if micro and steps < plan.num_steps:
+        parts += [plan.micro(steps, r, j) for r in range(R) for j in range(micro)]
+    return np.concatenate(parts)
 
 
 def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
