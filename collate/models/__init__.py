@@ -11,12 +11,14 @@ from typing import Any
 
 from torch import nn
 
-from collate.models import qwen2_vl
+from collate.models import qwen2_vl, qwen3_vl
 
 # model_type -> (enable, disable). Qwen2.5-VL's text stack is Qwen2-VL's (same attention/rotary code).
 _PATCHES: dict[str, Any] = {
     "qwen2_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
     "qwen2_5_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
+    # Qwen3-VL: q/k head norms, interleaved M-RoPE, DeepStack visual features in the first layers.
+    "qwen3_vl": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
 }
 
 
@@ -33,7 +35,7 @@ def _patch_for(model: nn.Module) -> Any:
 def enable_packed(model: nn.Module, **options: Any) -> nn.Module:
     """Patch this model instance so that ``model(**packed_batch)`` works; returns the model.
 
-    ``options`` go to the family's patch (e.g. ``idle_vision=False`` for Qwen2-VL).
+    ``options`` go to the family's patch (e.g. ``idle_vision=False`` for Qwen2-VL / Qwen3-VL).
     """
     return _patch_for(model)[0](model, **options)
 

@@ -1,0 +1,363 @@
+"""Packed-batch forward for transformers 5.2x Qwen3-VL (``Qwen3VLForConditionalGeneration``).
+
+Same scheme as :mod:`collate.models.qwen2_vl` (whose wrapper machinery this module reuses: the
+opaque ``tokenbal_packed`` / ``tokenbal_vision`` kwargs, the consumed batch keys, the per-instance
+``forward`` installs, the patched vision attention and the idle dummy image). What differs:
+
+1. Text attention: Qwen3 normalises every query and key head (``q_norm`` / ``k_norm``, RMSNorm over
+   the head dim) before the rotary, and its M-RoPE frequencies are interleaved (``THWTHW...T``), so
+   the patched layer calls :func:`collate.ops.apply_mrope` with ``interleaved=True``. The section
+   and ``attention_scaling`` are read from the text rotary module, as HF's own forward uses them.
+2. DeepStack: the vision tower also returns one merged feature map per
+   ``vision_config.deepstack_visual_indexes`` entry, and HF adds map ``i`` to the hidden states of
+   the visual tokens after text layer ``i``. HF finds those tokens with a ``(B, T)`` boolean mask
+   (``hidden[mask] += ...``, a host sync in every such layer, plus one per modality to size the
+   joint image+video map). The packed path runs the tower once on all images and videos, keeps
+   the maps in tower order (images, then videos: the order of the collator's
+   ``vision_token_index``), and hands the text model an opaque :class:`DeepstackSlots` instead of
+   the mask; the text model's ``_deepstack_process`` is patched (per instance) to add each map with
+   one ``index_add`` at those slots. HF's own loop decides which layers get a map, so the layer
+   count and order are HF's.
+3. No mask: Qwen3's text model always calls ``create_causal_mask`` (there is no prepared-mapping
+   shortcut as in Qwen2-VL), so the packed call hands it a zero-sized 4-D mask, which transformers
+   returns as already prepared; no ``T x T`` mask is built for any attention implementation. The
+   patched layers ignore it.
+
+The vision tower's attention is per frame, like Qwen2-VL's (``get_vision_attention_seqlens`` with
+``merge_temporal=False``), so the collator's ``vision_cu_seqlens`` / ``vision_position_ids`` are
+the ones the tower would build. Qwen3's tower also resamples a learned position table to every
+grid (``get_vision_interpolation_indices_and_weights``), where ``repeat_interleave`` by tensor
+counts and ``arange(counts.sum())`` read sizes back (host syncs on an accelerator). Those taps
+depend only on each patch's (row, column), which the collator's ``vision_position_ids`` already
+carry, and on its grid's ``(h, w)``; :func:`interpolation_kwargs` computes them on the device with
+transformers' own per-axis function and the patch count known on the host (``output_size``), so
+nothing is synced and nothing more is shipped (a per-patch host table would be ~48 bytes a patch).
+With the collator's fields a packed forward and backward read nothing back from the device, idle
+dummy image included; a hand-made batch without them still works (transformers then derives
+everything from the grids, with host reads).
+
+``disable_packed(model)`` restores everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from collate.models.qwen2_vl import (
+    _ENABLED,
+    _IDLE_INPUTS,
+    _IDLE_VISION,
+    PACKED_KWARG,
+    VISION_KEYS,
+    PackedAttentionInfo,
+    _call_original,
+    _idle_tower_inputs,
+    _install,
+    _is_packed_call,
+    _packed_vision_attention_forward,
+    _take_packed_info,
+    _text_model,
+    _tower_kwargs,
+    _uninstall,
+    _vision_attentions,
+)
+from collate.ops import apply_mrope, varlen_attention
+
+SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+
+# The deepstack maps and their slots travel from the model wrapper to the text model under this
+# kwarg (popped there; nothing in transformers reads it).
+DEEPSTACK_KWARG = "tokenbal_deepstack"
+
+_PREV_DEEPSTACK = "_tokenbal_prev_deepstack_process"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepstackSlots:
+    """Where the visual tokens are in the packed row (``(N,)`` int64 on the device, tower order)
+    and the tower's deepstack maps (each ``(N, hidden)``, same order). Passed to the text model as
+    its ``visual_pos_masks`` argument, which the patched ``_deepstack_process`` recognises."""
+
+    slots: torch.Tensor
+    features: tuple[torch.Tensor, ...]
+
+
+def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise TypeError(
+            f"qwen3_vl.enable_packed supports {SUPPORTED_MODEL_TYPES}, got model_type={model_type!r}"
+        )
+    rope = text_model.rotary_emb
+    if getattr(rope, "rope_type", "default") in ("dynamic", "longrope"):
+        # These rescale inv_freq from the sequence length seen by HF's rotary forward; the packed
+        # path applies inv_freq itself, so it would silently diverge.
+        raise NotImplementedError(f"rope_type={rope.rope_type!r} is not supported by the packed path")
+    for name in ("inv_freq", "mrope_section", "attention_scaling"):
+        if not hasattr(rope, name):
+            raise TypeError(f"{type(rope).__name__} has no {name!r}; transformers version not supported")
+    if not hasattr(text_model, "_deepstack_process"):
+        raise TypeError(
+            f"{type(text_model).__name__} has no _deepstack_process; transformers version not supported"
+        )
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"layer {attn.layer_idx} uses sliding-window attention; varlen_attention has no window yet"
+            )
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling"):
+            if not hasattr(attn, name):
+                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+    visual = model.model.visual
+    for name in ("deepstack_visual_indexes", "spatial_merge_size", "patch_embed", "num_grid_per_side",
+                 "interpolation_mode", "interpolation_align_corners"):
+        if not hasattr(visual, name):
+            raise TypeError(f"{type(visual).__name__} has no {name!r}; transformers version not supported")
+    for attn in _vision_attentions(model):
+        for name in ("qkv", "proj", "num_heads", "scaling"):
+            if not hasattr(attn, name):
+                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+        if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_vision"):
+            raise TypeError(f"{type(attn).__module__} has no apply_rotary_pos_emb_vision; transformers "
+                            "version not supported")
+
+
+def _packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Qwen3-VL text attention: HF's forward unless the packed kwarg is present.
+
+    Takes ``*args`` / ``**kwargs`` so the unpacked call reaches HF's forward exactly as the decoder
+    layer made it (including the deprecated ``past_key_values`` spelling).
+    """
+    info: PackedAttentionInfo | None = kwargs.pop(PACKED_KWARG, None)
+    if info is None:
+        return _call_original(self, *args, **kwargs)
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
+    bsz, num_tokens, _ = hidden_states.shape
+    if bsz != 1:
+        raise ValueError(f"packed hidden states must have batch size 1, got {bsz}")
+    q = self.q_norm(self.q_proj(hidden_states).view(num_tokens, -1, self.head_dim))
+    k = self.k_norm(self.k_proj(hidden_states).view(num_tokens, -1, self.head_dim))
+    v = self.v_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+    q, k = apply_mrope(
+        q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
+    )
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        info,
+        causal=True,
+        scale=self.scaling,
+        dropout_p=self.attention_dropout if self.training else 0.0,
+    )
+    out = self.o_proj(out.reshape(1, num_tokens, -1))
+    return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
+
+
+def _packed_text_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The text model's forward; a packed call's deepstack maps replace HF's mask and maps."""
+    deepstack: DeepstackSlots | None = kwargs.pop(DEEPSTACK_KWARG, None)
+    if deepstack is not None:
+        kwargs["visual_pos_masks"] = deepstack
+        kwargs["deepstack_visual_embeds"] = list(deepstack.features)
+    return _call_original(self, *args, **kwargs)
+
+
+def _packed_deepstack_process(
+    self: nn.Module, hidden_states: torch.Tensor, visual_pos_masks: Any, visual_embeds: torch.Tensor
+) -> torch.Tensor:
+    """Add one deepstack map at the packed slots (one ``index_add``, no mask, no host read);
+    HF's boolean-mask version for every other call."""
+    if not isinstance(visual_pos_masks, DeepstackSlots):
+        return type(self)._deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds)
+    # Slots are distinct, so this is HF's ``hidden[mask] = hidden[mask] + embeds`` (out of place).
+    added = hidden_states[0].index_add(0, visual_pos_masks.slots, visual_embeds.to(hidden_states.dtype))
+    return added[None]
+
+
+def interpolation_kwargs(
+    visual: nn.Module, grids: torch.Tensor, positions: torch.Tensor, num_patches: int
+) -> dict[str, torch.Tensor]:
+    """``interp_indices`` / ``interp_weights`` for the tower, equal to transformers'
+    ``get_vision_interpolation_indices_and_weights(grids, ...)`` but without reading the device.
+
+    ``positions`` are the patches' (row, column) in tower order (the collator's
+    ``vision_position_ids``, on the grids' device) and ``num_patches`` their number (a host int:
+    ``pixel_values.shape[0]``), which lets ``repeat_interleave`` size its output without a sync.
+    The per-axis taps and weights come from transformers' own helper, so the values are the
+    tower's bit for bit; if that helper is gone (another transformers version), returns ``{}`` and
+    the tower computes them itself.
+    """
+    from transformers import vision_utils
+
+    axis = getattr(vision_utils, "_interpolation_axis_taps_weights", None)
+    if axis is None:
+        return {}
+    counts = grids[:, 0] * grids[:, 1] * grids[:, 2]
+    heights = torch.repeat_interleave(grids[:, 1], counts, output_size=num_patches)
+    widths = torch.repeat_interleave(grids[:, 2], counts, output_size=num_patches)
+    side, mode = visual.num_grid_per_side, visual.interpolation_mode
+    corners = visual.interpolation_align_corners
+    h_taps, h_weights = axis(positions[:, 0], heights, side, mode, corners)
+    w_taps, w_weights = axis(positions[:, 1], widths, side, mode, corners)
+    taps = h_taps.shape[1] * w_taps.shape[1]
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, taps)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, taps)
+    return {"interp_indices": indices, "interp_weights": weights}
+
+
+def _qwen3_tower_kwargs(
+    model: nn.Module, vision: dict[str, Any], grids: torch.Tensor, num_patches: int
+) -> dict[str, Any]:
+    """qwen2_vl's tower kwargs (the collator's rotary ids and frame segments) plus the position
+    embedding's taps, computed on the device from those rotary ids."""
+    kwargs = _tower_kwargs(model, vision)
+    positions = vision.get("vision_position_ids")
+    if positions is not None:
+        kwargs.update(interpolation_kwargs(model.model.visual, grids, positions, num_patches))
+    return kwargs
+
+
+def _zero_weighted(out: Any) -> torch.Tensor:
+    """A zero that depends on every output of the tower (merger and deepstack mergers)."""
+    total = out.pooler_output.sum()
+    for feature in out.deepstack_features or ():
+        total = total + feature.sum()
+    return 0.0 * total
+
+
+def _vision_embeddings(
+    model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool
+) -> DeepstackSlots | None:
+    """Embed tokens and run the vision tower exactly once; put ``inputs_embeds`` into ``kwargs``
+    and return the deepstack maps with their slots (None when the batch has no vision tokens).
+
+    One tower call on images and videos together, or on the zero-valued dummy image when there
+    are none (``idle_vision``): see :func:`collate.models.qwen2_vl._vision_embeddings` for why
+    (FSDP2 collectives). The dummy's merger *and* deepstack-merger outputs enter the embeddings
+    times zero, so every vision parameter is in the graph on every rank.
+    """
+    visual = model.model.visual
+    config = model.config
+    input_ids = kwargs.pop("input_ids", None)
+    embeds = kwargs.pop("inputs_embeds", None)
+    if embeds is None:
+        embeds = model.model.get_input_embeddings()(input_ids)
+    pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
+    pixel_values_videos = kwargs.pop("pixel_values_videos", None)
+    video_grid = kwargs.pop("video_grid_thw", None)
+    kwargs["inputs_embeds"] = embeds
+    parts = [(pix, grid, token) for pix, grid, token in (
+        (pixel_values, image_grid, config.image_token_id),
+        (pixel_values_videos, video_grid, config.video_token_id)) if pix is not None]
+    if not parts:
+        if idle_vision:
+            pixels, grid, fields = _idle_tower_inputs(model, embeds.device)
+            tower_kwargs = _qwen3_tower_kwargs(model, fields, grid, pixels.shape[0])
+            out = visual(pixels.type(visual.dtype), grid_thw=grid, **tower_kwargs)
+            kwargs["inputs_embeds"] = embeds + _zero_weighted(out).to(embeds.dtype)
+        return None
+    if input_ids is None:
+        raise ValueError("packed batches with images or videos need input_ids to place the vision features")
+    for _, grid, _ in parts:
+        if grid is None:
+            raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
+    pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
+    grids = torch.cat([grid for _, grid, _ in parts])
+    out = visual(pixels, grid_thw=grids, **_qwen3_tower_kwargs(model, vision, grids, pixels.shape[0]))
+    features = out.pooler_output.to(embeds.dtype)
+    slots = vision.get("vision_token_index")
+    if slots is None:
+        # A batch without the collator's slots (built by hand): find the placeholders on the
+        # device (a host read), images first, then videos, as the tower's output is ordered.
+        ids = input_ids[0]
+        slots = torch.cat([torch.nonzero(ids == token).flatten() for _, _, token in parts])
+        if slots.shape[0] != features.shape[0]:
+            raise ValueError(f"{slots.shape[0]} image/video placeholder tokens in input_ids, but the grids "
+                             f"give {features.shape[0]} vision features")
+    kwargs["inputs_embeds"] = embeds[0].index_copy(0, slots, features)[None]
+    deepstack = tuple(feature.to(embeds.dtype) for feature in out.deepstack_features or ())
+    return DeepstackSlots(slots, deepstack) if deepstack else None
+
+
+def _empty_mask(device: torch.device) -> torch.Tensor:
+    # A 4-D mask is "already prepared" for transformers' create_causal_mask: it is returned as is,
+    # so no (T, T) mask is built. The patched attention layers never read it.
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
+def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    if not _is_packed_call(kwargs):
+        return _call_original(self, *args, **kwargs)
+    vision = {name: kwargs.get(name) for name in VISION_KEYS}  # popped by _take_packed_info
+    info = _take_packed_info(self, kwargs)
+    info = dataclasses.replace(info, interleaved=True)  # Qwen3-VL's THWTHW... frequency layout
+    deepstack = _vision_embeddings(self, kwargs, vision, getattr(self, _IDLE_VISION, False))
+    if deepstack is not None:
+        kwargs[DEEPSTACK_KWARG] = deepstack
+    kwargs["attention_mask"] = _empty_mask(kwargs["inputs_embeds"].device)
+    kwargs[PACKED_KWARG] = info
+    return _call_original(self, *args, **kwargs)
+
+
+def _require_visual(model: nn.Module) -> None:
+    # Checked first: qwen2_vl's _text_model would word a missing text model as a Qwen2-VL error.
+    if not hasattr(getattr(model, "model", None), "visual"):
+        raise TypeError(
+            f"{type(model).__name__}: expected Qwen3VLForConditionalGeneration (.model.visual and "
+            ".model.language_model)"
+        )
+
+
+def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:
+    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance.
+
+    ``idle_vision``: run the vision tower on a zero-weighted dummy image when a packed batch has no
+    image or video, so every FSDP rank issues the same collectives.
+    """
+    if getattr(model, _ENABLED, False):
+        return model
+    _require_visual(model)
+    text_model = _text_model(model)
+    _check_supported(model, text_model)
+    for layer in text_model.layers:
+        _install(layer.self_attn, _packed_attention_forward)
+    for attn in _vision_attentions(model):
+        _install(attn, _packed_vision_attention_forward)
+    _install(text_model, _packed_text_model_forward)
+    text_model.__dict__[_PREV_DEEPSTACK] = text_model.__dict__.get("_deepstack_process")
+    text_model._deepstack_process = types.MethodType(_packed_deepstack_process, text_model)
+    _install(model, _packed_model_forward)
+    setattr(model, _ENABLED, True)
+    setattr(model, _IDLE_VISION, idle_vision)
+    return model
+
+
+def disable_packed(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_packed` on this instance."""
+    if not getattr(model, _ENABLED, False):
+        return model
+    text_model = _text_model(model)
+    for layer in text_model.layers:
+        _uninstall(layer.self_attn)
+    for attn in _vision_attentions(model):
+        _uninstall(attn)
+    _uninstall(text_model)
+    text_model.__dict__.pop("_deepstack_process", None)
+    prev = text_model.__dict__.pop(_PREV_DEEPSTACK, None)
+    if prev is not None:
+        text_model._deepstack_process = prev
+    _uninstall(model)
+    delattr(model, _ENABLED)
+    delattr(model, _IDLE_VISION)
+    model.__dict__.pop(_IDLE_INPUTS, None)
+    return model
