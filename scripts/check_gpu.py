@@ -1,4 +1,4 @@
-"""One-shot CUDA check of the packed data path: collate -> prefetch -> packed Qwen2-VL / Qwen2.5-VL fwd/bwd.
+"""One-shot CUDA check of the packed data path: collate -> prefetch -> packed Qwen2/2.5/3-VL fwd/bwd.
 
 Run on any CUDA machine from a checkout (no install needed, no downloads; tiny random models):
 
@@ -8,8 +8,9 @@ Run on any CUDA machine from a checkout (no install needed, no downloads; tiny r
 1. prefetcher: real PackedBatches (M-RoPE, images and videos, pinned by the collator) go through
    ``DevicePrefetcher`` under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronising call
    raises) while matmuls keep the consumer stream busy; every field must equal the host batch.
-2. packed model, fp32 and bf16: a tiny random ``Qwen2VLForConditionalGeneration`` and a
-   ``Qwen2_5_VLForConditionalGeneration`` (windowed vision attention, timed video positions) with
+2. packed model, fp32 and bf16: a tiny random ``Qwen2VLForConditionalGeneration``, a
+   ``Qwen2_5_VLForConditionalGeneration`` (windowed vision attention, timed video positions) and a
+   ``Qwen3VLForConditionalGeneration`` (interleaved M-RoPE, DeepStack, per-frame video) with
    ``collate.models.enable_packed``; two packed batches (one with images and a video, one text-only,
    which runs the idle vision pass) from ``PackedCollator`` through ``DevicePrefetcher``, forward + backward
    under ``set_sync_debug_mode("warn")``. Every synchronising call is recorded with its python stack
@@ -251,16 +252,45 @@ def tiny_qwen2_5vl_config():
     )
 
 
-# model family -> (transformers class name, tiny config)
+def tiny_qwen3vl_config():
+    """Qwen3-VL: q/k head norms, interleaved M-RoPE (section 6, 5, 5 over head_dim 32), DeepStack
+    from vision blocks 0 and 1 into text layers 0 and 1, a 4 x 4 learned position grid interpolated
+    to every image."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, bos_token_id=None,
+            eos_token_id=None, max_position_embeddings=4096,
+            rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[6, 5, 5],
+                                 mrope_interleaved=True),
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VS,
+        vision_end_token_id=VE,
+        attn_implementation="sdpa",
+    )
+
+
+# model family -> (transformers class name, tiny config, video frames laid out one by one)
 FAMILIES = {
-    "Qwen2-VL": ("Qwen2VLForConditionalGeneration", tiny_qwen2vl_config),
-    "Qwen2.5-VL": ("Qwen2_5_VLForConditionalGeneration", tiny_qwen2_5vl_config),
+    "Qwen2-VL": ("Qwen2VLForConditionalGeneration", tiny_qwen2vl_config, False),
+    "Qwen2.5-VL": ("Qwen2_5_VLForConditionalGeneration", tiny_qwen2_5vl_config, False),
+    "Qwen3-VL": ("Qwen3VLForConditionalGeneration", tiny_qwen3vl_config, True),
 }
 
 
-def model_samples(seed: int = 1) -> list[list[dict]]:
+def model_samples(seed: int = 1, frames_apart: bool = False) -> list[list[dict]]:
     """Two packed batches of host samples: text, images and a video (2 frames, 0.5 s per temporal
-    patch); then text only."""
+    patch); then text only. ``frames_apart``: Qwen3-VL's layout, every frame with its own
+    timestamp text and ``<vision_start> ... <vision_end>`` (its timing is text, so no seconds)."""
     g = torch.Generator().manual_seed(seed)
 
     def sample(spec: list) -> dict:
@@ -271,7 +301,12 @@ def model_samples(seed: int = 1) -> list[list[dict]]:
                 ids += torch.randint(0, 100, (arg,), generator=g).tolist()
             else:
                 t, h, w = arg
-                ids += [VS] + [IMG if kind == "image" else VID] * (t * h * w // 4) + [VE]
+                if kind == "video" and frames_apart:
+                    for _ in range(t):  # "<t.t seconds>" then the frame
+                        ids += torch.randint(0, 100, (2,), generator=g).tolist()
+                        ids += [VS] + [VID] * (h * w // 4) + [VE]
+                else:
+                    ids += [VS] + [IMG if kind == "image" else VID] * (t * h * w // 4) + [VE]
                 media[kind][0].append(list(arg))
                 media[kind][1].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
         s: dict = {"input_ids": torch.tensor(ids)}
@@ -284,7 +319,7 @@ def model_samples(seed: int = 1) -> list[list[dict]]:
             if grids:
                 s[pv_key] = torch.cat(pixels)
                 s[grid_key] = torch.tensor(grids)
-        if media["video"][0]:
+        if media["video"][0] and not frames_apart:
             s["second_per_grid_ts"] = torch.full((len(media["video"][0]),), 0.5)
         return s
 
@@ -326,12 +361,12 @@ def check_packed_model(
 
     from collate.models import enable_packed
 
-    class_name, make_config = FAMILIES[family]
+    class_name, make_config, frames_apart = FAMILIES[family]
     torch.manual_seed(0)
     ref = getattr(transformers, class_name)(make_config()).to(device=device, dtype=dtype).eval()
     model = enable_packed(copy.deepcopy(ref))
     coll = PackedCollator.from_config(model.config)
-    groups = model_samples()
+    groups = model_samples(frames_apart=frames_apart)
     host = [coll(samples) for samples in groups]
 
     def run(tag: str) -> list[torch.Tensor]:

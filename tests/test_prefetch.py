@@ -284,7 +284,7 @@ def _load_check_gpu():
 
 
 @pytest.mark.slow  # a tiny model's forward/backward x2 plus references: ~3 s, ~10 s with cold imports
-@pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen2.5-VL"])
+@pytest.mark.parametrize("family", ["Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL"])
 def test_check_gpu_model_path_on_cpu(family, monkeypatch, capsys):
     """The script's collate -> prefetch -> packed fwd/bwd check and its report, run on CPU (sync
     recording reduced to warning capture): the packed loss equals the per-sample HF reference, so a
