@@ -21,6 +21,7 @@ import collate.models.qwen2_vl as qwen2_vl_patch  # noqa: E402
 import collate.models.qwen3_vl as qwen3_vl_patch  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
+from tests.host_reads import HostReads  # noqa: E402
 from tests.test_train_fsdp2 import assert_grads_match  # noqa: E402
 from tests.test_train_fsdp2 import tiny_config as qwen2_config  # noqa: E402
 
@@ -191,8 +192,8 @@ def test_packed_path_uses_ops_deepstack_slots_and_batch_segments(reference, monk
     packed = enable_packed(copy.deepcopy(reference))
     batch = collate(reference, make_samples())
     calls = {"rope": 0, "text_attn": 0, "vision_attn": 0, "deepstack": 0, "tower": 0}
-    real_rope, real_attn = qwen3_vl_patch.apply_mrope, qwen3_vl_patch.varlen_attention
-    real_vision_attn = qwen2_vl_patch.varlen_attention
+    # Both families share qwen2_vl's attention bodies: the ops are looked up there.
+    real_rope, real_attn = qwen2_vl_patch.apply_mrope, qwen2_vl_patch.varlen_attention
     text_model = packed.model.language_model
     real_deepstack = text_model._deepstack_process
 
@@ -202,16 +203,14 @@ def test_packed_path_uses_ops_deepstack_slots_and_batch_segments(reference, monk
         assert inv_freq is text_model.rotary_emb.inv_freq and scaling == 1.0
         return real_rope(q, k, pos, inv_freq, section, interleaved, scaling)
 
-    def text_attn(q, k, v, info, causal, **kwargs):
-        calls["text_attn"] += 1
-        assert causal and info.cu_seqlens_list == batch.cu_seqlens_list
-        assert info.max_seqlen == batch.max_seqlen
+    def attn(q, k, v, info, causal, **kwargs):
+        if causal:   # text
+            calls["text_attn"] += 1
+            assert info.cu_seqlens_list == batch.cu_seqlens_list and info.max_seqlen == batch.max_seqlen
+        else:        # vision
+            calls["vision_attn"] += 1
+            assert info.cu_seqlens_list == batch.vision_cu_seqlens_list
         return real_attn(q, k, v, info, causal=causal, **kwargs)
-
-    def vision_attn(q, k, v, info, causal, **kwargs):
-        calls["vision_attn"] += 1
-        assert not causal and info.cu_seqlens_list == batch.vision_cu_seqlens_list
-        return real_vision_attn(q, k, v, info, causal=causal, **kwargs)
 
     def deepstack(hidden, where, embeds):
         calls["deepstack"] += 1
@@ -224,9 +223,8 @@ def test_packed_path_uses_ops_deepstack_slots_and_batch_segments(reference, monk
     def count_tower(module, args, kwargs):
         calls["tower"] += 1
 
-    monkeypatch.setattr(qwen3_vl_patch, "apply_mrope", rope)
-    monkeypatch.setattr(qwen3_vl_patch, "varlen_attention", text_attn)
-    monkeypatch.setattr(qwen2_vl_patch, "varlen_attention", vision_attn)
+    monkeypatch.setattr(qwen2_vl_patch, "apply_mrope", rope)
+    monkeypatch.setattr(qwen2_vl_patch, "varlen_attention", attn)
     monkeypatch.setattr(text_model, "_deepstack_process", deepstack)
     monkeypatch.setattr(packed.model, "get_rope_index", no_rope_index)
     hook = packed.model.visual.register_forward_pre_hook(count_tower, with_kwargs=True)
@@ -349,49 +347,6 @@ def test_device_interpolation_equals_transformers(reference):
     assert torch.equal(got["interp_indices"], want[0]) and torch.equal(got["interp_weights"], want[1])
 
 
-class _HostReads:
-    """Records, in its scope, every call that reads a device tensor back on an accelerator:
-    ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``), ops whose output size
-    depends on values (``nonzero``, ``masked_select``, ``repeat_interleave`` by a tensor without
-    ``output_size``: free on the CPU, a sync on a GPU), and ``.tolist()`` / ``.cpu()`` /
-    ``.numpy()`` / ``.item()``."""
-
-    def __init__(self, monkeypatch):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.seen: list[str] = []
-        seen = self.seen
-        aten = torch.ops.aten
-        syncing = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
-
-        class Spy(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func in syncing or (func is aten.repeat_interleave.Tensor
-                                       and kwargs.get("output_size") is None):
-                    seen.append(str(func))
-                return func(*args, **kwargs)
-
-        self.mode = Spy()
-        self.monkeypatch = monkeypatch
-        for name in ("tolist", "cpu", "numpy", "item"):
-            real = getattr(torch.Tensor, name)
-
-            def spy(tensor, *a, _name=name, _real=real, **k):
-                seen.append(_name)
-                return _real(tensor, *a, **k)
-
-            monkeypatch.setattr(torch.Tensor, name, spy)
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        self.monkeypatch.undo()
-
-
 @pytest.mark.parametrize("mix", ["text, images and videos", "text only"])
 def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypatch):
     """With the collator's fields nothing in a packed forward + backward reads the device: not the
@@ -401,13 +356,13 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     samples = text_only(make_samples()) if mix == "text only" else make_samples()
     batch = collate(reference, samples)
     packed(**batch).loss.backward()  # warm-up: lazy initialisation, the idle image's cached inputs
-    with _HostReads(monkeypatch) as reads:
+    with HostReads(monkeypatch) as reads:
         packed(**batch).loss.backward()
     assert reads.seen == []
     if mix == "text only":
         return
     # The spy does see transformers' reads when the precomputed fields are missing.
-    with _HostReads(monkeypatch) as reads:
+    with HostReads(monkeypatch) as reads:
         packed(**hand_made(batch)).loss.backward()
     assert "aten.repeat_interleave.Tensor" in reads.seen and "tolist" in reads.seen
 

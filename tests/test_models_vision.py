@@ -22,6 +22,7 @@ from transformers import (  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
+from tests.host_reads import HostReads  # noqa: E402
 from tests.test_train_fsdp2 import (  # noqa: E402
     IMG,
     VEND,
@@ -125,42 +126,6 @@ def test_vision_attention_runs_on_the_batch_segments(monkeypatch):
         assert not torch.equal(packed(**merged).loss, loss)
 
 
-class _HostReads:
-    """Records every device->host read in its scope: ``aten._local_scalar_dense`` (``.item()``,
-    ``int(t)``, ``bool(t)``) and ``.tolist()`` / ``.cpu()`` / ``.numpy()`` / ``.item()`` calls."""
-
-    def __init__(self, monkeypatch):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.seen: list[str] = []
-        seen = self.seen
-
-        class Spy(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    seen.append("_local_scalar_dense")
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Spy()
-        self.monkeypatch = monkeypatch
-        for name in ("tolist", "cpu", "numpy", "item"):
-            real = getattr(torch.Tensor, name)
-
-            def spy(tensor, *a, _name=name, _real=real, **k):
-                seen.append(_name)
-                return _real(tensor, *a, **k)
-
-            monkeypatch.setattr(torch.Tensor, name, spy)
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
-        self.monkeypatch.undo()
-
-
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 @pytest.mark.parametrize("mix", ["text, images and videos", "text only"])
 def test_packed_forward_and_backward_read_nothing_back(kind, mix, monkeypatch):
@@ -175,14 +140,14 @@ def test_packed_forward_and_backward_read_nothing_back(kind, mix, monkeypatch):
     collate = PackedCollator.from_config(config, pin_memory=False)
     batch = collate(samples)
     packed(**batch).loss.backward()  # warm-up: lazy initialisation, the idle image's cached inputs
-    with _HostReads(monkeypatch) as reads:
+    with HostReads(monkeypatch) as reads:
         packed(**batch).loss.backward()
     assert reads.seen == []
     if mix == "text only":
         return
     # The spy does see the reads transformers makes when the precomputed fields are missing.
     bare = dict(batch.items(), vision_position_ids=None, vision_token_index=None)
-    with _HostReads(monkeypatch) as reads:
+    with HostReads(monkeypatch) as reads:
         packed(**bare).loss.backward()
     assert "tolist" in reads.seen
 

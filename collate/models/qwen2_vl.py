@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -217,12 +217,22 @@ def _packed_attention_forward(
         )
     if cache is not None:
         raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
+    return packed_text_attention(self, hidden_states, info)
+
+
+def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor, info: PackedAttentionInfo,
+                          norm_heads: bool = False) -> tuple[torch.Tensor, None]:
+    """One Qwen-VL text attention layer on a packed ``(1, T, hidden)`` row: q/k/v as ``(T, H, D)``,
+    (Qwen3: ``norm_heads``, its per-head ``q_norm`` / ``k_norm`` before the rotary), M-RoPE from the
+    packed positions, causal :func:`varlen_attention` over the batch's segments."""
     bsz, num_tokens, _ = hidden_states.shape
     if bsz != 1:
         raise ValueError(f"packed hidden states must have batch size 1, got {bsz}")
-    q = self.q_proj(hidden_states).view(num_tokens, -1, self.head_dim)
-    k = self.k_proj(hidden_states).view(num_tokens, -1, self.head_dim)
-    v = self.v_proj(hidden_states).view(num_tokens, -1, self.head_dim)
+    q = attn.q_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    k = attn.k_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    v = attn.v_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    if norm_heads:
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_mrope(
         q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
     )
@@ -232,10 +242,10 @@ def _packed_attention_forward(
         v,
         info,
         causal=True,
-        scale=self.scaling,
-        dropout_p=self.attention_dropout if self.training else 0.0,
+        scale=attn.scaling,
+        dropout_p=attn.attention_dropout if attn.training else 0.0,
     )
-    out = self.o_proj(out.reshape(1, num_tokens, -1))
+    out = attn.o_proj(out.reshape(1, num_tokens, -1))
     return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
 
 
@@ -379,25 +389,31 @@ def _idle_tower_inputs(model: nn.Module, device: torch.device) -> tuple[torch.Te
     return cache[device]
 
 
-def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
-                       idle_vision: bool) -> None:
+def embed_with_vision(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool,
+                      tower_kwargs: Callable[..., dict[str, Any]] | None = None,
+                      idle_zero: Callable[[Any], torch.Tensor] | None = None
+                      ) -> tuple[Any, torch.Tensor] | None:
     """Embed tokens and run the vision tower exactly once; put ``inputs_embeds`` into ``kwargs``.
+    Returns the tower's output and the feature slots in the packed row, or None without vision.
 
     transformers calls the tower once for images and once more for videos, only when each is
     present. Under FSDP2 that makes the number of vision-block collectives depend on the rank's
     data, and ranks with different mixes pair the wrong all-gathers (a hang or a crash). Here every
     packed forward makes one call on images and videos together (each grid entry is attended to
     on its own, so this is the same math), and a batch with neither runs one zero-valued dummy
-    image whose output enters the embeddings times zero (``idle_vision``). With the collator's
-    precomputed ``vision_*`` fields nothing here or in the tower reads a device tensor back.
+    image whose output enters the embeddings times ``idle_zero(output)`` (``idle_vision``; default
+    zero times the merged features' sum). ``tower_kwargs(model, vision, grids, num_patches)`` builds
+    the tower's extra inputs (default :func:`_tower_kwargs`). With the collator's precomputed
+    ``vision_*`` fields nothing here or in the tower reads a device tensor back.
     """
-    base = model.model
-    visual = base.visual
+    tower_kwargs = tower_kwargs or (lambda model, fields, grids, num_patches: _tower_kwargs(model, fields))
+    idle_zero = idle_zero or (lambda out: 0.0 * out.pooler_output.sum())
+    visual = model.model.visual
     config = model.config
     input_ids = kwargs.pop("input_ids", None)
     embeds = kwargs.pop("inputs_embeds", None)
     if embeds is None:
-        embeds = base.get_input_embeddings()(input_ids)
+        embeds = model.model.get_input_embeddings()(input_ids)
     pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
     pixel_values_videos = kwargs.pop("pixel_values_videos", None)
     video_grid = kwargs.pop("video_grid_thw", None)
@@ -406,13 +422,12 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision: dict[st
         (pixel_values, image_grid, config.image_token_id),
         (pixel_values_videos, video_grid, config.video_token_id)) if pix is not None]
     if not parts:
-        if not idle_vision:
-            return
-        pixels, grid, fields = _idle_tower_inputs(model, embeds.device)
-        features = visual(pixels.type(visual.dtype), grid_thw=grid, **_tower_kwargs(model, fields))
-        features = features.pooler_output
-        kwargs["inputs_embeds"] = embeds + 0.0 * features.sum().to(embeds.dtype)
-        return
+        if idle_vision:
+            pixels, grid, fields = _idle_tower_inputs(model, embeds.device)
+            out = visual(pixels.type(visual.dtype), grid_thw=grid,
+                         **tower_kwargs(model, fields, grid, pixels.shape[0]))
+            kwargs["inputs_embeds"] = embeds + idle_zero(out).to(embeds.dtype)
+        return None
     if input_ids is None:
         raise ValueError("packed batches with images or videos need input_ids to place the vision features")
     for _, grid, _ in parts:
@@ -420,21 +435,19 @@ def _vision_embeddings(model: nn.Module, kwargs: dict[str, Any], vision: dict[st
             raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
     pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
     grids = torch.cat([grid for _, grid, _ in parts])
-    features = visual(pixels, grid_thw=grids, **_tower_kwargs(model, vision)).pooler_output.to(embeds.dtype)
+    out = visual(pixels, grid_thw=grids, **tower_kwargs(model, vision, grids, pixels.shape[0]))
+    features = out.pooler_output.to(embeds.dtype)
     slots = vision.get("vision_token_index")
-    if slots is not None:
-        # The collator's host-computed slots: no mask to count on the device.
-        kwargs["inputs_embeds"] = embeds[0].index_copy(0, slots, features)[None]
-        return
-    # A batch without slots (built by hand): split images from videos by the grids, read on the host.
-    merge = visual.spatial_merge_size
-    start = 0
-    for _, grid, token in parts:
-        count = int(grid.prod(-1).sum()) // merge**2
-        mask = (input_ids == token).unsqueeze(-1)
-        embeds = embeds.masked_scatter(mask.expand_as(embeds), features[start:start + count])
-        start += count
-    kwargs["inputs_embeds"] = embeds
+    if slots is None:
+        # A batch without the collator's slots (built by hand): find the placeholders on the
+        # device (a host read), images first, then videos, as the tower's output is ordered.
+        ids = input_ids[0]
+        slots = torch.cat([torch.nonzero(ids == token).flatten() for _, _, token in parts])
+        if slots.shape[0] != features.shape[0]:
+            raise ValueError(f"{slots.shape[0]} image/video placeholder tokens in input_ids, but the grids "
+                             f"give {features.shape[0]} vision features")
+    kwargs["inputs_embeds"] = embeds[0].index_copy(0, slots, features)[None]
+    return out, slots
 
 
 def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -444,7 +457,7 @@ def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     info = _take_packed_info(self, kwargs)
     if hasattr(getattr(self, "model", None), "visual"):
         idle_vision = getattr(self, _IDLE_VISION, False)
-        _vision_embeddings(self, kwargs, vision, idle_vision)
+        embed_with_vision(self, kwargs, vision, idle_vision)
     text_model = _text_model(self)
     # A prepared mask mapping: HF skips mask creation (no T x T mask) and hands each layer None.
     kwargs["attention_mask"] = {layer_type: None for layer_type in set(text_model.config.layer_types)}

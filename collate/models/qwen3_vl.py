@@ -57,7 +57,6 @@ from collate.models.qwen2_vl import (
     VISION_KEYS,
     PackedAttentionInfo,
     _call_original,
-    _idle_tower_inputs,
     _install,
     _is_packed_call,
     _packed_vision_attention_forward,
@@ -66,8 +65,9 @@ from collate.models.qwen2_vl import (
     _tower_kwargs,
     _uninstall,
     _vision_attentions,
+    embed_with_vision,
+    packed_text_attention,
 )
-from collate.ops import apply_mrope, varlen_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
 
@@ -141,26 +141,7 @@ def _packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tup
     hidden_states = args[0] if args else kwargs["hidden_states"]
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
-    bsz, num_tokens, _ = hidden_states.shape
-    if bsz != 1:
-        raise ValueError(f"packed hidden states must have batch size 1, got {bsz}")
-    q = self.q_norm(self.q_proj(hidden_states).view(num_tokens, -1, self.head_dim))
-    k = self.k_norm(self.k_proj(hidden_states).view(num_tokens, -1, self.head_dim))
-    v = self.v_proj(hidden_states).view(num_tokens, -1, self.head_dim)
-    q, k = apply_mrope(
-        q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
-    )
-    out = varlen_attention(
-        q,
-        k,
-        v,
-        info,
-        causal=True,
-        scale=self.scaling,
-        dropout_p=self.attention_dropout if self.training else 0.0,
-    )
-    out = self.o_proj(out.reshape(1, num_tokens, -1))
-    return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
+    return packed_text_attention(self, hidden_states, info, norm_heads=True)
 
 
 def _packed_text_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -238,54 +219,16 @@ def _zero_weighted(out: Any) -> torch.Tensor:
 def _vision_embeddings(
     model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool
 ) -> DeepstackSlots | None:
-    """Embed tokens and run the vision tower exactly once; put ``inputs_embeds`` into ``kwargs``
-    and return the deepstack maps with their slots (None when the batch has no vision tokens).
-
-    One tower call on images and videos together, or on the zero-valued dummy image when there
-    are none (``idle_vision``): see :func:`collate.models.qwen2_vl._vision_embeddings` for why
-    (FSDP2 collectives). The dummy's merger *and* deepstack-merger outputs enter the embeddings
-    times zero, so every vision parameter is in the graph on every rank.
-    """
-    visual = model.model.visual
-    config = model.config
-    input_ids = kwargs.pop("input_ids", None)
-    embeds = kwargs.pop("inputs_embeds", None)
-    if embeds is None:
-        embeds = model.model.get_input_embeddings()(input_ids)
-    pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
-    pixel_values_videos = kwargs.pop("pixel_values_videos", None)
-    video_grid = kwargs.pop("video_grid_thw", None)
-    kwargs["inputs_embeds"] = embeds
-    parts = [(pix, grid, token) for pix, grid, token in (
-        (pixel_values, image_grid, config.image_token_id),
-        (pixel_values_videos, video_grid, config.video_token_id)) if pix is not None]
-    if not parts:
-        if idle_vision:
-            pixels, grid, fields = _idle_tower_inputs(model, embeds.device)
-            tower_kwargs = _qwen3_tower_kwargs(model, fields, grid, pixels.shape[0])
-            out = visual(pixels.type(visual.dtype), grid_thw=grid, **tower_kwargs)
-            kwargs["inputs_embeds"] = embeds + _zero_weighted(out).to(embeds.dtype)
+    """qwen2_vl's one tower call (:func:`collate.models.qwen2_vl.embed_with_vision`) with Qwen3's
+    tower inputs; returns the deepstack maps with their slots (None when the batch has no vision
+    tokens). The idle dummy's merger *and* deepstack-merger outputs enter the embeddings times
+    zero, so every vision parameter is in the graph on every rank."""
+    placed = embed_with_vision(model, kwargs, vision, idle_vision, _qwen3_tower_kwargs, _zero_weighted)
+    if placed is None:
         return None
-    if input_ids is None:
-        raise ValueError("packed batches with images or videos need input_ids to place the vision features")
-    for _, grid, _ in parts:
-        if grid is None:
-            raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
-    pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
-    grids = torch.cat([grid for _, grid, _ in parts])
-    out = visual(pixels, grid_thw=grids, **_qwen3_tower_kwargs(model, vision, grids, pixels.shape[0]))
-    features = out.pooler_output.to(embeds.dtype)
-    slots = vision.get("vision_token_index")
-    if slots is None:
-        # A batch without the collator's slots (built by hand): find the placeholders on the
-        # device (a host read), images first, then videos, as the tower's output is ordered.
-        ids = input_ids[0]
-        slots = torch.cat([torch.nonzero(ids == token).flatten() for _, _, token in parts])
-        if slots.shape[0] != features.shape[0]:
-            raise ValueError(f"{slots.shape[0]} image/video placeholder tokens in input_ids, but the grids "
-                             f"give {features.shape[0]} vision features")
-    kwargs["inputs_embeds"] = embeds[0].index_copy(0, slots, features)[None]
-    deepstack = tuple(feature.to(embeds.dtype) for feature in out.deepstack_features or ())
+    out, slots = placed
+    dtype = kwargs["inputs_embeds"].dtype
+    deepstack = tuple(feature.to(dtype) for feature in out.deepstack_features or ())
     return DeepstackSlots(slots, deepstack) if deepstack else None
 
 

@@ -1,0 +1,48 @@
+"""A spy for device -> host reads, shared by the packed-model tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostReads:
+    """Records, in its scope, every call that reads a device tensor back on an accelerator:
+    ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``), ops whose output size
+    depends on values (``nonzero``, ``masked_select``, ``repeat_interleave`` by a tensor without
+    ``output_size``: free on the CPU, a sync on a GPU), and ``.tolist()`` / ``.cpu()`` /
+    ``.numpy()`` / ``.item()``."""
+
+    def __init__(self, monkeypatch):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.seen: list[str] = []
+        seen = self.seen
+        aten = torch.ops.aten
+        syncing = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default}
+
+        class Spy(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in syncing or (func is aten.repeat_interleave.Tensor
+                                       and kwargs.get("output_size") is None):
+                    seen.append(str(func))
+                return func(*args, **kwargs)
+
+        self.mode = Spy()
+        self.monkeypatch = monkeypatch
+        for name in ("tolist", "cpu", "numpy", "item"):
+            real = getattr(torch.Tensor, name)
+
+            def spy(tensor, *a, _name=name, _real=real, **k):
+                seen.append(_name)
+                return _real(tensor, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+        self.monkeypatch.undo()
