@@ -293,6 +293,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} batches "
                                  f"(setup {n} of the checkpoint)")
         self._segments = segments
+        self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         if elastic:
             cursor = 0
         steps = self.plan().num_steps * self.grad_accum
