@@ -145,12 +145,58 @@ def tiny_qwen2_vl_config(vocab_size: int, special_ids: dict[str, int]):
     )
 
 
-def build_model(config, seed: int):
-    from transformers import Qwen2VLForConditionalGeneration
+# model_type -> (config class, model class) the demo data (Qwen2-VL-style images: 14-px patches,
+# 2x2 merge, <|vision_start|><|image_pad|>*n<|vision_end|>) trains as they are.
+MODEL_CLASSES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+}
 
+
+def load_model_config(path: str):
+    """A Qwen2-VL or Qwen2.5-VL transformers config from a ``config.json`` (a checkpoint's own file
+    works: its ``model_type`` picks the class)."""
+    import json
+
+    import transformers
+
+    with open(path) as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_CLASSES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one this demo trains; supported: "
+                         f"{sorted(MODEL_CLASSES)}")
+    return getattr(transformers, MODEL_CLASSES[model_type][0]).from_dict(raw)
+
+
+def match_tokenizer(config, vocab_size: int, special_ids: dict[str, int]) -> list[str]:
+    """Point ``config``'s vision token ids at this tokenizer's and make its vocabulary at least the
+    tokenizer's (a no-op for a checkpoint's config with its own tokenizer; needed to train a real
+    model's shape on the demo's small tokenizer). Returns what changed, for the log."""
+    changed = []
+    for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                        ("vision_start_token_id", "<|vision_start|>"),
+                        ("vision_end_token_id", "<|vision_end|>")):
+        if getattr(config, attr, None) != special_ids[token]:
+            changed.append(f"{attr} {getattr(config, attr, None)} -> {special_ids[token]}")
+            setattr(config, attr, special_ids[token])
+    text = getattr(config, "text_config", config)
+    if text.vocab_size < vocab_size:
+        changed.append(f"vocab_size {text.vocab_size} -> {vocab_size}")
+        text.vocab_size = vocab_size
+    return changed
+
+
+def build_model(config, seed: int):
+    """Randomly initialised fp32 model of ``config``'s family (:data:`MODEL_CLASSES`), SDPA attention."""
+    import transformers
+
+    if config.model_type not in MODEL_CLASSES:
+        raise ValueError(f"model_type {config.model_type!r} is not one this demo trains; supported: "
+                         f"{sorted(MODEL_CLASSES)}")
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
-    return Qwen2VLForConditionalGeneration(config).float()
+    return getattr(transformers, MODEL_CLASSES[config.model_type][1])(config).float()
 
 
 def special_token_ids(tokenizer_path: str) -> tuple[int, dict[str, int]]:

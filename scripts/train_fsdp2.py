@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer.json the index was built with (with --index)")
     p.add_argument("--workdir", default="out/train_fsdp2/data", help="where --synthetic writes its data")
     p.add_argument("--out", default="out/train_fsdp2", help="folder for steps.csv and timeline.png")
-    p.add_argument("--model-config", help="transformers Qwen2-VL config.json (random init); default: tiny")
+    p.add_argument("--model-config", help="a Qwen2-VL or Qwen2.5-VL config.json (e.g. a checkpoint's; random "
+                                          "init); default: the demo's tiny Qwen2-VL")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step, all ranks together")
     p.add_argument("--cost", choices=["tokens", "flops", "fitted"], default="tokens",
@@ -124,10 +125,15 @@ def prepare(args, rank: int):
             raise SystemExit("--index needs --tokenizer (the tokenizer.json the index was built with)")
         index_dir, tokenizer = args.index, args.tokenizer
     if args.model_config:
-        from transformers import Qwen2VLConfig
+        from collate.demo import load_model_config, match_tokenizer
 
-        with open(args.model_config) as f:
-            config = Qwen2VLConfig(**json.load(f))
+        try:
+            config = load_model_config(args.model_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        changed = match_tokenizer(config, *special_token_ids(tokenizer))
+        if changed and rank == 0:
+            print(f"--model-config adapted to {tokenizer}: " + ", ".join(changed))
     else:
         config = tiny_qwen2_vl_config(*special_token_ids(tokenizer))
     return index_dir, tokenizer, config

@@ -56,3 +56,55 @@ def test_torchrun_two_ranks_fitted_costs_and_repeats(tmp_path):
         assert len(mine) == 2 * 2          # 8 samples / 4 per step = 2 steps, x 2 ranks (medians of 2)
         assert all(0 <= float(r["vision_s"]) <= float(r["compute_s"]) for r in mine)
     assert (out / "timeline.png").stat().st_size > 0
+
+
+def tiny_qwen2_5_vl_checkpoint_config() -> dict:
+    """A Qwen2.5-VL config.json in the layout of the published checkpoints (text settings at the top
+    level, legacy ``rope_scaling``, their own token ids), shrunk."""
+    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 32768,
+            "rope_theta": 1e6, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653, "torch_dtype": "bfloat16",
+            "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                              "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                              "window_size": 112, "fullatt_block_indexes": [1], "temporal_patch_size": 2,
+                              "tokens_per_second": 2}}
+
+
+def test_model_config_loads_by_model_type_and_adapts_to_the_tokenizer(tmp_path):
+    from collate.demo import build_model, load_model_config, match_tokenizer
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(tiny_qwen2_5_vl_checkpoint_config()))
+    config = load_model_config(str(path))
+    assert type(config).__name__ == "Qwen2_5_VLConfig" and config.vision_config.window_size == 112
+    ids = {"<|image_pad|>": 3, "<|video_pad|>": 4, "<|vision_start|>": 1, "<|vision_end|>": 2}
+    changed = match_tokenizer(config, 559, ids)
+    assert "image_token_id 151655 -> 3" in changed and "vocab_size 300 -> 559" in changed
+    assert match_tokenizer(config, 559, ids) == []        # a matching tokenizer changes nothing
+    model = build_model(config, 0)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert model.get_input_embeddings().num_embeddings == 559
+    path.write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(ValueError, match="model_type 'llava'.*qwen2_5_vl"):
+        load_model_config(str(path))
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_with_a_qwen2_5_vl_checkpoint_config(tmp_path):
+    """A checkpoint-style Qwen2.5-VL config.json trains on the demo data (windowed vision tower,
+    FLOPs with stages) under FSDP2 on 2 ranks."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_qwen2_5_vl_checkpoint_config()))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), "--synthetic", "16", "--global-batch-size", "4", "--sampler", "tokenbal",
+           "--cost", "flops", "--model-config", str(config), "--workdir", str(tmp_path / "data"),
+           "--out", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--model-config adapted to" in done.stdout and "image_token_id 151655 ->" in done.stdout
+    rows = list(csv.DictReader(open(tmp_path / "out" / "steps.csv")))
+    assert len(rows) == 2 * 4 and all(float(r["loss"]) > 0 for r in rows)   # 16 samples / 4 = 4 steps
