@@ -37,7 +37,9 @@ def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
 
 def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False,
                    reshard_after_forward: bool = True) -> nn.Module:
-    """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL model (in place); returns it.
+    """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (in place); returns it:
+    every vision block and decoder layer its own unit, the rest (embeddings, patch embedding,
+    mergers, head) in the root's.
 
     ``async_unshard``: issue the all-gathers with ``async_op=True``. On accelerators FSDP2 overlaps
     them through its side streams either way; on CPU (gloo) there are no streams, so by default

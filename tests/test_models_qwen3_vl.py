@@ -370,17 +370,13 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
 def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
     """Rank 1 gets only text while the vision blocks (and, in the root unit, the deepstack mergers)
     are sharded: the idle dummy image keeps the ranks' collectives paired, and the gradients equal
-    the unsharded per-sample reference (FSDP2 averages the ranks' gradients)."""
-    from torch.distributed.fsdp import fully_shard
+    the unsharded per-sample reference (FSDP2 averages the ranks' gradients). Sharded the way
+    scripts/train_fsdp2.py shards, with layer prefetch."""
+    from collate.train import shard_qwen2_vl
 
     torch.manual_seed(0)
     ref = Qwen3VLForConditionalGeneration(tiny_config()).float().eval()
-    packed = enable_packed(copy.deepcopy(ref))
-    for block in packed.model.visual.blocks:
-        fully_shard(block)
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    packed = shard_qwen2_vl(enable_packed(copy.deepcopy(ref)), prefetch_depth=1)
     samples = make_samples()
     vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
     shares = [vision, text_only(samples)]  # rank 1: text only
