@@ -68,13 +68,13 @@ def prepare_data(root: str, num_samples: int, seed: int) -> DemoPaths:
 class IndexedSamples(torch.utils.data.Dataset):
     """Map-style dataset over an index: verified reads by byte offset, decode, tokenize.
 
-    Produces what a Qwen2-VL training set produces per sample: ``input_ids`` with
-    ``<|vision_start|><|image_pad|>*n<|vision_end|>`` per image followed by the text,
+    Produces what a Qwen2-VL training set produces per sample (``patch_size`` 16: Qwen3-VL's):
+    ``input_ids`` with ``<|vision_start|><|image_pad|>*n<|vision_end|>`` per image followed by the text,
     ``labels`` (vision tokens masked), ``pixel_values`` and ``image_grid_thw`` from transformers'
     own image processor. Raises if a sample's token count differs from the index's.
     """
 
-    def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None):
+    def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None, patch_size: int = 14):
         from tokenizers import Tokenizer
         from transformers import Qwen2VLImageProcessorPil
 
@@ -84,7 +84,8 @@ class IndexedSamples(torch.utils.data.Dataset):
         self.index = self.reader.index
         self.size = len(self.index) if limit is None else min(limit, len(self.index))
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
-        self.processor = Qwen2VLImageProcessorPil(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS)
+        self.processor = Qwen2VLImageProcessorPil(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS,
+                                                  patch_size=patch_size)
         ids = {t: self.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
         self.vision_start, self.vision_end = ids["<|vision_start|>"], ids["<|vision_end|>"]
         self.image_pad = ids["<|image_pad|>"]
@@ -145,17 +146,19 @@ def tiny_qwen2_vl_config(vocab_size: int, special_ids: dict[str, int]):
     )
 
 
-# model_type -> (config class, model class) the demo data (Qwen2-VL-style images: 14-px patches,
-# 2x2 merge, <|vision_start|><|image_pad|>*n<|vision_end|>) trains as they are.
+# model_type -> (config class, model class, tokenbal estimator) of the families the demo data trains:
+# images as <|vision_start|><|image_pad|>*n<|vision_end|>, patches from transformers' Qwen2-VL image
+# processor at the config's patch size (14 px for Qwen2/2.5-VL, 16 px for Qwen3-VL), 2x2 merge.
 MODEL_CLASSES = {
-    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration"),
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2-vl"),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2.5-vl"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3-vl"),
 }
 
 
 def load_model_config(path: str):
-    """A Qwen2-VL or Qwen2.5-VL transformers config from a ``config.json`` (a checkpoint's own file
-    works: its ``model_type`` picks the class)."""
+    """A Qwen2-VL, Qwen2.5-VL or Qwen3-VL transformers config from a ``config.json`` (a checkpoint's
+    own file works: its ``model_type`` picks the class)."""
     import json
 
     import transformers

@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer.json the index was built with (with --index)")
     p.add_argument("--workdir", default="out/train_fsdp2/data", help="where --synthetic writes its data")
     p.add_argument("--out", default="out/train_fsdp2", help="folder for steps.csv and timeline.png")
-    p.add_argument("--model-config", help="a Qwen2-VL or Qwen2.5-VL config.json (e.g. a checkpoint's; random "
-                                          "init); default: the demo's tiny Qwen2-VL")
+    p.add_argument("--model-config", help="a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json (e.g. a "
+                                          "checkpoint's; random init); default: the demo's tiny Qwen2-VL")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step, all ranks together")
     p.add_argument("--cost", choices=["tokens", "flops", "fitted"], default="tokens",
@@ -109,14 +109,25 @@ def prepare(args, rank: int):
         tiny_qwen2_vl_config,
     )
 
+    model_config = None
+    if args.model_config:
+        from collate.demo import load_model_config
+
+        try:
+            model_config = load_model_config(args.model_config)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if args.synthetic:
-        index_dir = os.path.join(args.workdir, "index")
+        from collate.demo import MODEL_CLASSES
+
+        estimator = MODEL_CLASSES[model_config.model_type][2] if model_config is not None else "qwen2-vl"
+        index_dir = os.path.join(args.workdir, f"index-{estimator}")  # one per token rule
         tokenizer = os.path.join(args.workdir, "tokenizer", "tokenizer.json")
         if rank == 0:
             from tokenbal.index import build_index
 
             paths = prepare_data(args.workdir, args.synthetic, args.seed)
-            build_index(list(paths.shards), paths.index, model="qwen2-vl", tokenizer=paths.tokenizer,
+            build_index(list(paths.shards), index_dir, model=estimator, tokenizer=paths.tokenizer,
                         estimator_overrides=dict(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS),
                         progress=False)
         dist.barrier()
@@ -124,13 +135,10 @@ def prepare(args, rank: int):
         if not args.tokenizer:
             raise SystemExit("--index needs --tokenizer (the tokenizer.json the index was built with)")
         index_dir, tokenizer = args.index, args.tokenizer
-    if args.model_config:
-        from collate.demo import load_model_config, match_tokenizer
+    if model_config is not None:
+        from collate.demo import match_tokenizer
 
-        try:
-            config = load_model_config(args.model_config)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
+        config = model_config
         changed = match_tokenizer(config, *special_token_ids(tokenizer))
         if changed and rank == 0:
             print(f"--model-config adapted to {tokenizer}: " + ", ".join(changed))
@@ -164,7 +172,8 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         train_step,
     )
 
-    dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples)
+    dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples,
+                             patch_size=config.vision_config.patch_size)
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
@@ -205,7 +214,7 @@ def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir
     from collate.train import calibration_batches, profile_stage_costs
     from tokenbal.cost import StageCostModel, stage_features
 
-    dataset = IndexedSamples(index_dir, tokenizer)
+    dataset = IndexedSamples(index_dir, tokenizer, patch_size=config.vision_config.patch_size)
     n, train = len(dataset), args.train_samples or len(dataset)
     held_out = range(train, n) if n - train >= 32 else range(n)
     mine = calibration_batches(held_out, args.calibration_batches, seed=args.seed)[rank::world]

@@ -73,6 +73,23 @@ def tiny_qwen2_5_vl_checkpoint_config() -> dict:
                               "tokens_per_second": 2}}
 
 
+def tiny_qwen3_vl_checkpoint_config() -> dict:
+    """A Qwen3-VL config.json in the published layout (nested text / vision configs), shrunk."""
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653, "tie_word_embeddings": False,
+            "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 64, "intermediate_size": 96,
+                            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+                            "head_dim": 32, "vocab_size": 300, "max_position_embeddings": 32768,
+                            "rope_scaling": {"rope_type": "default", "mrope_section": [6, 5, 5],
+                                             "mrope_interleaved": True},
+                            "rope_theta": 5e6, "dtype": "bfloat16"},
+            "vision_config": {"model_type": "qwen3_vl", "depth": 3, "hidden_size": 32,
+                              "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                              "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}}
+
+
 def test_model_config_loads_by_model_type_and_adapts_to_the_tokenizer(tmp_path):
     from collate.demo import build_model, load_model_config, match_tokenizer
 
@@ -87,17 +104,24 @@ def test_model_config_loads_by_model_type_and_adapts_to_the_tokenizer(tmp_path):
     model = build_model(config, 0)
     assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert model.get_input_embeddings().num_embeddings == 559
+    path.write_text(json.dumps(tiny_qwen3_vl_checkpoint_config()))
+    qwen3 = load_model_config(str(path))
+    assert type(qwen3).__name__ == "Qwen3VLConfig" and qwen3.vision_config.patch_size == 16
+    assert qwen3.text_config.rope_parameters["mrope_interleaved"] is True
     path.write_text(json.dumps({"model_type": "llava"}))
-    with pytest.raises(ValueError, match="model_type 'llava'.*qwen2_5_vl"):
+    with pytest.raises(ValueError, match="model_type 'llava'.*qwen3_vl"):
         load_model_config(str(path))
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_with_a_qwen2_5_vl_checkpoint_config(tmp_path):
-    """A checkpoint-style Qwen2.5-VL config.json trains on the demo data (windowed vision tower,
-    FLOPs with stages) under FSDP2 on 2 ranks."""
+@pytest.mark.parametrize("make_config", [tiny_qwen2_5_vl_checkpoint_config, tiny_qwen3_vl_checkpoint_config],
+                         ids=["qwen2.5-vl", "qwen3-vl"])
+def test_torchrun_two_ranks_with_a_checkpoint_config(tmp_path, make_config):
+    """A checkpoint-style Qwen2.5-VL (windowed vision tower) or Qwen3-VL (16-px patches, DeepStack)
+    config.json trains on the demo data, indexed with its own token rule, with FLOPs and stages,
+    under FSDP2 on 2 ranks; the dataset checks every sample's tokens against the index."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(tiny_qwen2_5_vl_checkpoint_config()))
+    config.write_text(json.dumps(make_config()))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPT), "--synthetic", "16", "--global-batch-size", "4", "--sampler", "tokenbal",
            "--cost", "flops", "--model-config", str(config), "--workdir", str(tmp_path / "data"),
