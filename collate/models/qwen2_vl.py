@@ -160,6 +160,11 @@ def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
             if not hasattr(attn, name):
                 raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+    check_vision_attentions(model)
+
+
+def check_vision_attentions(model: nn.Module) -> None:
+    """Raise ``TypeError`` unless every vision block's attention has what the packed one uses."""
     for attn in _vision_attentions(model):
         for name in ("qkv", "proj", "num_heads", "scaling"):
             if not hasattr(attn, name):

@@ -42,7 +42,6 @@ everything from the grids, with host reads).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import types
 from typing import Any
 
@@ -65,6 +64,7 @@ from collate.models.qwen2_vl import (
     _tower_kwargs,
     _uninstall,
     _vision_attentions,
+    check_vision_attentions,
     embed_with_vision,
     packed_text_attention,
 )
@@ -120,13 +120,7 @@ def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
                  "interpolation_mode", "interpolation_align_corners"):
         if not hasattr(visual, name):
             raise TypeError(f"{type(visual).__name__} has no {name!r}; transformers version not supported")
-    for attn in _vision_attentions(model):
-        for name in ("qkv", "proj", "num_heads", "scaling"):
-            if not hasattr(attn, name):
-                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
-        if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_vision"):
-            raise TypeError(f"{type(attn).__module__} has no apply_rotary_pos_emb_vision; transformers "
-                            "version not supported")
+    check_vision_attentions(model)
 
 
 def _packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
