@@ -106,9 +106,12 @@ def test_a_world_size_change_without_elastic_says_how_to_allow_it():
     with pytest.raises(ValueError, match="lengths_sha256") as e:
         other_data.load_state_dict(state)   # elastic never covers different data
     assert "elastic=True" not in str(e.value)
+    fresh = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=16, elastic=True)
+    fresh.set_epoch(3)
+    before = list(fresh)
     with pytest.raises(ValueError, match="outside epoch"):
-        TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=16, elastic=True).load_state_dict(
-            dict(state, cursor=10_000))
+        fresh.load_state_dict(dict(state, cursor=10_000))
+    assert (fresh.epoch, fresh.cursor) == (3, len(before)) and list(fresh) == before   # unchanged
 
 
 def test_a_checkpoint_at_the_end_of_the_epoch_leaves_nothing_to_replan():

@@ -283,22 +283,25 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         cursor = int(state["cursor"])
         if elastic:
             segments.append({"fingerprint": saved, "cursor": cursor})
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
-        # Every earlier setup's cursor must lie inside its own plan, or the replay is meaningless.
-        for n, seg in enumerate(segments):
-            batches = self._replan(segments[:n], seg["fingerprint"], self.epoch).num_steps * int(
-                seg["fingerprint"]["grad_accum"])
-            if not 0 <= seg["cursor"] <= batches:
-                raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} batches "
-                                 f"(setup {n} of the checkpoint)")
-        self._segments = segments
-        self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         if elastic:
             cursor = 0
-        steps = self.plan().num_steps * self.grad_accum
-        if not 0 <= cursor <= steps:
-            raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} batches")
+        previous = (self.seed, self.epoch, self._segments)
+        self.seed, self.epoch, self._segments = int(state["seed"]), int(state["epoch"]), segments
+        try:
+            # Every setup's cursor must lie inside its own plan, or the replay is meaningless.
+            for n, seg in enumerate(segments):
+                batches = self._replan(segments[:n], seg["fingerprint"], self.epoch).num_steps * int(
+                    seg["fingerprint"]["grad_accum"])
+                if not 0 <= seg["cursor"] <= batches:
+                    raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} "
+                                     f"batches (setup {n} of the checkpoint)")
+            steps = self.plan().num_steps * self.grad_accum
+            if not 0 <= cursor <= steps:
+                raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} batches")
+        except ValueError:
+            self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
+            raise
+        self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         self.cursor = cursor
         self._finished_here = False
 
