@@ -8,6 +8,7 @@ video size (vectorised: the same formulas as the demo corpus, without rendering 
     python scripts/bench_balance.py            # all points + planning time of 1M samples, 512 ranks
     python scripts/bench_balance.py --quick    # fewer steps per point
     python scripts/bench_balance.py --plan-only --compare-exact   # planning time only, batched vs exact
+    python scripts/bench_balance.py --elastic  # resume on another world size: re-plan time, balance
 
 ``--compare-exact`` also runs the planner with the exact one-item-at-a-time window fill (what
 ``plan_epoch`` did before PLAN_VERSION 3) at every point and in the timing, in the same run.
@@ -215,6 +216,37 @@ def bench_plan_time(n: int, R: int, N: int, repeats: int, seed: int) -> tuple[li
     return wall, cpu
 
 
+def bench_elastic(n: int, seed: int, repeats: int) -> None:
+    """An elastic resume half-way through an epoch of ``n`` samples, 512 -> 384 ranks (2 samples per
+    rank and step both times): the time ``load_state_dict`` + the re-plan take, and the remainder's
+    balance next to a fresh 384-rank plan of the whole epoch."""
+    import time
+
+    from tokenbal import TokenBalancedBatchSampler
+
+    lens = mixture_lengths(n, seed)
+    old = TokenBalancedBatchSampler(lens, 512, 0, global_batch_size=1024, seed=seed)
+    old.cursor = len(old) // 2
+    state = old.state_dict()
+    times = []
+    for _ in range(repeats):
+        new = TokenBalancedBatchSampler(lens, 384, 0, global_batch_size=768, seed=seed, elastic=True)
+        t = time.process_time()
+        new.load_state_dict(state)
+        plan = new.plan()
+        times.append(time.process_time() - t)
+    fresh = TokenBalancedBatchSampler(lens, 384, 0, global_batch_size=768, seed=seed).plan()
+
+    def balance(p) -> float:
+        tokens = p.micro_tokens(lens).reshape(p.num_steps, p.num_replicas)[:-1]   # last step: partial
+        return float((tokens.max(1) / tokens.mean(1)).mean())
+
+    print(f"elastic resume of {n} samples at step {old.cursor} of {len(old)}, 512 -> 384 ranks: "
+          f"load + re-plan CPU median {np.median(times):.2f} s ({repeats} runs); remainder "
+          f"{plan.num_samples} samples in {plan.num_steps} steps, mean step max/mean {balance(plan):.4f} "
+          f"(a fresh 384-rank plan of the whole epoch: {balance(fresh):.4f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400, help="steps per (R, N) point for tokenbal")
@@ -230,7 +262,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="timing runs (default 5, 3 with --quick)")
     ap.add_argument("--stages", action="store_true",
                     help="only the vision/LLM stage balance (Qwen2-VL-7B FLOPs) with and without stages=True")
+    ap.add_argument("--elastic", action="store_true",
+                    help="only an elastic resume (512 -> 384 ranks half-way through --plan-samples)")
     args = ap.parse_args()
+    if args.elastic:
+        bench_elastic(args.plan_samples, args.seed, args.repeats or 3)
+        return
     if args.stages:
         print("per-step Σ_stage max_rank / (step FLOPs / ranks), 1.000 = perfect")
         for R, N in POINTS:
