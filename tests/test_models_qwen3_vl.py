@@ -166,6 +166,31 @@ def test_packed_loss_and_grads_match_per_sample(reference, source):
         assert grads[name] is not None and grads[name].abs().sum() > 0, name
 
 
+def test_qwen3_vl_moe_packed_loss_and_grads_match_per_sample():
+    """Qwen3-VL-MoE (experts in every text layer's MLP, top-2 of 4) takes the same patch: routing is
+    per token, so packing changes nothing but the attention segments."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    dense = tiny_config().to_dict()
+    text = dict(dense["text_config"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                decoder_sparse_step=1)
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=dense["vision_config"], image_token_id=IMG,
+                              video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+                              attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = Qwen3VLMoeForConditionalGeneration(config).float().eval()
+    packed = enable_packed(copy.deepcopy(ref))
+    samples = make_samples()
+    want = reference_loss(ref, samples)
+    want.backward()
+    got = packed(**collate(ref, samples)).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert assert_grads_match(packed, ref) > 50
+    experts = [n for n, p in ref.named_parameters() if "experts" in n and p.grad is not None]
+    assert experts and all(dict(ref.named_parameters())[n].grad.abs().sum() > 0 for n in experts)
+
+
 def test_collator_positions_equal_hf_get_rope_index(reference):
     samples = make_samples()
     batch = collate(reference, samples)

@@ -19,6 +19,7 @@ _PATCHES: dict[str, Any] = {
     "qwen2_5_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
     # Qwen3-VL: q/k head norms, interleaved M-RoPE, DeepStack visual features in the first layers.
     "qwen3_vl": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
+    "qwen3_vl_moe": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
 }
 
 

@@ -69,7 +69,8 @@ from collate.models.qwen2_vl import (
     packed_text_attention,
 )
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl",)
+# Qwen3-VL-MoE: the same attention, rotary, tower and DeepStack; only the MLPs are experts.
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 # The deepstack maps and their slots travel from the model wrapper to the text model under this
 # kwarg (popped there; nothing in transformers reads it).
