@@ -46,3 +46,10 @@ class HostReads:
     def __exit__(self, *exc):
         self.mode.__exit__(*exc)
         self.monkeypatch.undo()
+
+
+def host_reads_of_step(model, batch, monkeypatch) -> list[str]:
+    """The host reads one packed forward + backward of ``model`` on ``batch`` makes."""
+    with HostReads(monkeypatch) as reads:
+        model(**batch).loss.backward()
+    return reads.seen

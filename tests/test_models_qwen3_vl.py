@@ -21,7 +21,7 @@ import collate.models.qwen2_vl as qwen2_vl_patch  # noqa: E402
 import collate.models.qwen3_vl as qwen3_vl_patch  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
-from tests.host_reads import HostReads  # noqa: E402
+from tests.host_reads import host_reads_of_step  # noqa: E402
 from tests.test_train_fsdp2 import assert_grads_match  # noqa: E402
 from tests.test_train_fsdp2 import tiny_config as qwen2_config  # noqa: E402
 
@@ -135,6 +135,16 @@ def collate(model, samples: list[dict]):
     return PackedCollator.from_config(model.config, pin_memory=False)(samples)
 
 
+def assert_packed_matches(ref, packed, samples: list[dict]) -> None:
+    """The collator's packed batch gives ``ref``'s per-sample loss and every gradient."""
+    want = reference_loss(ref, samples)
+    want.backward()
+    got = packed(**collate(ref, samples)).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert assert_grads_match(packed, ref) > 50
+
+
 def hand_made(batch) -> dict:
     """The batch without any precomputed tower input: transformers derives them from the grids."""
     return {k: (None if k.startswith("vision_") and not k.endswith("max_seqlen") else v)
@@ -181,12 +191,7 @@ def test_qwen3_vl_moe_packed_loss_and_grads_match_per_sample():
     ref = Qwen3VLMoeForConditionalGeneration(config).float().eval()
     packed = enable_packed(copy.deepcopy(ref))
     samples = make_samples()
-    want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**collate(ref, samples)).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    assert assert_grads_match(packed, ref) > 50
+    assert_packed_matches(ref, packed, samples)
     experts = [n for n, p in ref.named_parameters() if "experts" in n and p.grad is not None]
     assert experts and all(dict(ref.named_parameters())[n].grad.abs().sum() > 0 for n in experts)
 
@@ -331,12 +336,7 @@ def test_eager_reference_and_gradient_checkpointing():
     packed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     assert packed.model.language_model.layers[0].gradient_checkpointing
     samples = make_samples(seed=2)
-    want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**collate(ref, samples)).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    assert assert_grads_match(packed, ref) > 50
+    assert_packed_matches(ref, packed, samples)
 
 
 def test_bad_packed_batches_raise(reference):
@@ -381,15 +381,13 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     samples = text_only(make_samples()) if mix == "text only" else make_samples()
     batch = collate(reference, samples)
     packed(**batch).loss.backward()  # warm-up: lazy initialisation, the idle image's cached inputs
-    with HostReads(monkeypatch) as reads:
-        packed(**batch).loss.backward()
-    assert reads.seen == []
+    reads = host_reads_of_step(packed, batch, monkeypatch)
+    assert reads == []
     if mix == "text only":
         return
     # The spy does see transformers' reads when the precomputed fields are missing.
-    with HostReads(monkeypatch) as reads:
-        packed(**hand_made(batch)).loss.backward()
-    assert "aten.repeat_interleave.Tensor" in reads.seen and "tolist" in reads.seen
+    reads = host_reads_of_step(packed, hand_made(batch), monkeypatch)
+    assert "aten.repeat_interleave.Tensor" in reads and "tolist" in reads
 
 
 def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
