@@ -8,23 +8,54 @@ the gradient equal to that of the global batch processed in one piece.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 
-def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int, group: dist.ProcessGroup | None = None,
-                      grads_are_averaged: bool = True) -> torch.Tensor:
+@dataclass
+class GlobalTokenCount:
+    """The step's loss-token count summed over the ranks, its all-reduce issued ahead of the loss.
+
+    Started before the forward (:meth:`start`), the all-reduce completes while the ranks compute,
+    so the loss does not wait for the slowest rank to finish *its* forward: under FSDP2 on CPU,
+    where collectives block, an all-reduce at the loss is a synchronisation point in the middle
+    of every step.
+    """
+
+    tensor: torch.Tensor
+    work: dist.Work | None
+    world: int
+
+    @classmethod
+    def start(cls, num_loss_tokens: int, device: torch.device | str = "cpu",
+              group: dist.ProcessGroup | None = None) -> GlobalTokenCount:
+        tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device)
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(tensor, None, 1)
+        return cls(tensor, dist.all_reduce(tensor, group=group, async_op=True), dist.get_world_size(group))
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int | GlobalTokenCount,
+                      group: dist.ProcessGroup | None = None, grads_are_averaged: bool = True
+                      ) -> torch.Tensor:
     """``loss_sum / (loss tokens over all ranks)``, ready for ``.backward()`` under FSDP/DDP.
 
     ``loss_sum`` is this rank's summed token loss (``out.loss * batch.num_loss_tokens`` for a
     mean-reducing model). FSDP2 and DDP average gradients over ranks, so by default the result is
     multiplied by the world size to undo that average. The count is all-reduced as a tensor on
-    ``loss_sum``'s device, so no value is read back to the host. Without an initialised process
-    group this is the single-process token mean.
+    ``loss_sum``'s device, so no value is read back to the host; pass a
+    :class:`GlobalTokenCount` started before the forward to keep that all-reduce off the step's
+    critical path. Without an initialised process group this is the single-process token mean.
     """
-    count = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=loss_sum.device)
-    world = 1
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(count, group=group)
-        world = dist.get_world_size(group) if grads_are_averaged else 1
-    return loss_sum * world / count.clamp_min(1.0)
+    if not isinstance(num_loss_tokens, GlobalTokenCount):
+        num_loss_tokens = GlobalTokenCount.start(num_loss_tokens, loss_sum.device, group)
+    world = num_loss_tokens.world if grads_are_averaged else 1
+    return loss_sum * world / num_loss_tokens.wait().clamp_min(1.0)

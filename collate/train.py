@@ -17,9 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from collate.loss import global_token_mean
+from collate.loss import GlobalTokenCount, global_token_mean
 
 
 def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
@@ -36,7 +39,7 @@ def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
 
 
 def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False,
-                   reshard_after_forward: bool = True) -> nn.Module:
+                   reshard_after_forward: bool = True, async_reduce_scatter: bool = False) -> nn.Module:
     """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (in place); returns it:
     every vision block and decoder layer its own unit, the rest (embeddings, patch embedding,
     mergers, head) in the root's.
@@ -50,6 +53,11 @@ def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_u
     ``reshard_after_forward=False`` keeps every layer's gathered parameters from its forward to its
     backward (ZeRO-2-like): one all-gather per layer and step instead of two, for the memory of
     the unsharded model.
+
+    ``async_reduce_scatter``: each layer's gradient reduce-scatter runs on gloo's thread while the
+    backward goes on, and the backward waits for all of them once, at its end
+    (:class:`AsyncReduceScatter`). On CPU FSDP2 otherwise blocks every rank at every layer's
+    reduce-scatter; accelerators get this overlap from FSDP2's reduce-scatter stream.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +70,74 @@ def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_u
     _prefetch_chain([*blocks, *layers], prefetch_depth)
     if async_unshard:
         model._set_unshard_async_op(True)  # FSDPModule's (private) switch; every submodule's groups
+    if async_reduce_scatter:
+        use_async_reduce_scatter(model)
     return model
+
+
+class _InFlight:
+    """Reduce-scatters issued during a backward that nobody has waited for yet."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+
+    def add(self, work: dist.Work, *buffers: torch.Tensor) -> None:
+        self.pending.append((work, buffers))  # the buffers live until the collective is done
+        # One callback per collective, not per backward: a backward that raised never runs its
+        # callbacks, and a flag saying "already queued" would then skip the next backward's wait.
+        Variable._execution_engine.queue_callback(self.wait)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for work, _ in pending:
+            work.wait()
+
+
+class AsyncReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter without the wait: the collective is issued with ``async_op=True``
+    and the end of the backward waits for it (an autograd final callback, queued after FSDP2's
+    own, so the root's reduce-scatter from that callback is waited for too).
+
+    FSDP2 hands the output buffer to the sharded parameters as their gradient right after the
+    call, so going asynchronous is only correct when nothing reads that buffer before the
+    backward ends. It falls back to a blocking reduce-scatter when something would: a gradient
+    already present (accumulation adds to it at once), a reduction dtype other than the
+    parameters' (FSDP2 casts at once), or a SUM reduction (FSDP2 divides afterwards).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], in_flight: _InFlight) -> None:
+        self.params = list(params)
+        self.in_flight = in_flight
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> dist.Work | None:
+        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+        read_at_once = (op == dist.ReduceOp.SUM
+                        or any(p.grad is not None or p.dtype != output_tensor.dtype for p in self.params))
+        if read_at_once:
+            work.wait()
+        else:
+            self.in_flight.add(work, output_tensor, input_tensor)
+        return None
+
+
+def use_async_reduce_scatter(model: nn.Module) -> None:
+    """Give every FSDP2 unit of ``model`` (``fully_shard`` already applied) an
+    :class:`AsyncReduceScatter` sharing one wait at the end of each backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        raise ValueError("use_async_reduce_scatter needs a model with fully_shard applied")
+    in_flight = _InFlight()
+    for unit in units:
+        inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+                 for p in m.parameters()}
+        own = [p for p in unit.parameters() if id(p) not in inner]  # this unit's parameter group
+        unit.set_custom_reduce_scatter(AsyncReduceScatter(own, in_flight))
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -77,11 +152,14 @@ def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> torch.Tensor:
     """One optimizer step on a packed batch with the global token-mean loss; returns the detached loss.
 
-    The loss is not read back to the host here, so the step issues no synchronisation of its own.
+    The loss is not read back to the host here, so the step issues no synchronisation of its own;
+    the global loss-token count's all-reduce is issued before the forward, so it is done by the
+    time the loss needs it.
     """
-    out = model(**batch)
     num_tokens = batch["num_loss_tokens"]
-    global_token_mean(out.loss * num_tokens, num_tokens).backward()
+    total = GlobalTokenCount.start(num_tokens, batch["input_ids"].device)  # completes during the forward
+    out = model(**batch)
+    global_token_mean(out.loss * num_tokens, total).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out.loss.detach()

@@ -11,6 +11,7 @@ Two probes, both with the *same* micro-batch on every rank (perfect balance, so 
   median step / compute: the floor of ``epoch / ideal`` on this machine even with perfect balance.
 
     python scripts/probe_fsdp_overhead.py [--batch heavy --repeats 9] [--ranks 1] [--no-reshard-after-forward]
+        [--async-unshard --async-reduce-scatter --prefetch-depth 8]
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def _batch(kind: str, config):
     if kind == "tiny":
         return collate([{"input_ids": torch.arange(10, 40)}])
     g = torch.Generator().manual_seed(0)
+    if kind == "many":
+        return collate([_image_sample(h, w, 100, g) for h, w in [(16, 20), (24, 32), (12, 12), (32, 40),
+                                                                  (20, 28), (16, 16), (28, 36), (8, 12)] * 2])
     h, w = 64, 80                                     # patches; 1,280 image tokens after the 2x2 merge
     image = [_IDS["<|vision_start|>"]] + [_IDS["<|image_pad|>"]] * (h * w // 4) + [_IDS["<|vision_end|>"]]
     ids = torch.tensor(image + torch.randint(10, 800, (1500,), generator=g).tolist())
@@ -44,8 +48,17 @@ def _batch(kind: str, config):
                      "pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g)}])
 
 
+def _image_sample(h: int, w: int, text: int, g: torch.Generator) -> dict:
+    image = [_IDS["<|vision_start|>"]] + [_IDS["<|image_pad|>"]] * (h * w // 4) + [_IDS["<|vision_end|>"]]
+    ids = torch.tensor(image + torch.randint(10, 800, (text,), generator=g).tolist())
+    labels = ids.clone()
+    labels[: len(image)] = -100
+    return {"input_ids": ids, "labels": labels, "image_grid_thw": torch.tensor([[1, h, w]]),
+            "pixel_values": torch.randn(h * w, 3 * 2 * 14 * 14, generator=g)}
+
+
 def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool,
-          reshard_after_forward: bool = True) -> list:
+          reshard_after_forward: bool = True, async_reduce_scatter: bool = False) -> list:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
@@ -54,10 +67,11 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     config = tiny_qwen2_vl_config(800, _IDS)
     model = shard_qwen2_vl(enable_packed(build_model(config, 0)), prefetch_depth, async_unshard=async_unshard,
-                           reshard_after_forward=reshard_after_forward)
+                           reshard_after_forward=reshard_after_forward,
+                           async_reduce_scatter=async_reduce_scatter)
     optim = make_optimizer(model, 1e-4)
     batch = _batch(kind, config)
-    if kind == "heavy":
+    if kind != "tiny":
         solo = enable_packed(build_model(config, 0))
         solo_compute_time(solo, batch)
         train_step(model, optim, batch)
@@ -89,18 +103,21 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", choices=["tiny", "heavy"], default="tiny")
+    ap.add_argument("--batch", choices=["tiny", "heavy", "many"], default="tiny")
     ap.add_argument("--repeats", type=int, default=9, help="heavy: FSDP steps (each after a compute timing)")
     ap.add_argument("--prefetch-depth", type=int, default=1, help="FSDP2 layers prefetched ahead (0: off)")
     ap.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=False,
                     help="all-gathers with async_op=True (collate.train.shard_qwen2_vl)")
     ap.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                     help="FSDP2 frees gathered parameters after each layer's forward (its default)")
+    ap.add_argument("--async-reduce-scatter", action=argparse.BooleanOptionalAction, default=False,
+                    help="gradient reduce-scatters overlap the backward (collate.train.AsyncReduceScatter)")
     ap.add_argument("--ranks", type=int, default=2,
                     help="gloo ranks; 1 measures FSDP2's own cost without any cross-rank waiting")
     args = ap.parse_args()
     results = run_ranks(_rank, args.ranks, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
-                        args.reshard_after_forward, timeout=900, collective_timeout=600)
+                        args.reshard_after_forward, args.async_reduce_scatter, timeout=900,
+                        collective_timeout=600)
     if args.batch == "tiny":
         for rank, times in enumerate(results):
             ms = [tuple(round(x * 1e3, 1) for x in t) for t in times]

@@ -74,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(collate.train.shard_qwen2_vl); accelerators overlap them through FSDP2's side "
                         "streams anyway. Off by default: no clear gain measured on 2 CPU ranks "
                         "(docs/BENCHMARKS.md)")
+    p.add_argument("--async-reduce-scatter", action=argparse.BooleanOptionalAction, default=False,
+                   help="each layer's gradient reduce-scatter runs on gloo's thread while the backward "
+                        "goes on; the backward waits for them once, at its end "
+                        "(collate.train.AsyncReduceScatter). On CPU ranks FSDP2 otherwise blocks at every "
+                        "layer; accelerators overlap them through FSDP2's reduce-scatter stream anyway")
     p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="FSDP2 frees each layer's gathered parameters after its forward and gathers them "
                         "again for its backward (the default); --no-reshard-after-forward keeps them "
@@ -178,7 +183,8 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth,
-                           async_unshard=args.async_unshard, reshard_after_forward=args.reshard_after_forward)
+                           async_unshard=args.async_unshard, reshard_after_forward=args.reshard_after_forward,
+                           async_reduce_scatter=args.async_reduce_scatter)
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 

@@ -147,13 +147,15 @@ def _plans(world_size: int) -> list[list[list[int]]]:
     return [[per_rank[r][step] for r in range(world_size)] for step in range(STEPS)]
 
 
-def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool) -> dict[str, torch.Tensor]:
+def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool, async_reduce_scatter: bool
+               ) -> dict[str, torch.Tensor]:
     from collate.train import shard_qwen2_vl, train_step
 
     torch.manual_seed(0)
     config = tiny_config()
     model = shard_qwen2_vl(enable_packed(Qwen2VLForConditionalGeneration(config).float()),
-                           async_unshard=async_unshard, reshard_after_forward=reshard)
+                           async_unshard=async_unshard, reshard_after_forward=reshard,
+                           async_reduce_scatter=async_reduce_scatter)
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     samples = make_samples(seed=1) + make_samples(seed=2)
     collate = PackedCollator.from_config(config)
@@ -162,12 +164,17 @@ def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool) -
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("async_unshard", "reshard"), [(False, True), (True, False)],
-                         ids=["defaults", "async-unshard,no-reshard-after-forward"])
-def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unshard, reshard):
+@pytest.mark.parametrize(("async_unshard", "reshard", "async_reduce_scatter"),
+                         [(False, True, False), (True, False, False), (False, True, True),
+                          (True, False, True)],
+                         ids=["defaults", "async-unshard,no-reshard-after-forward", "async-reduce-scatter",
+                              "all-async,no-reshard-after-forward"])
+def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unshard, reshard,
+                                                                      async_reduce_scatter):
     from tests.dist_utils import run_ranks
 
-    results = run_ranks(_fsdp_rank, 2, async_unshard, reshard, timeout=240, collective_timeout=60)
+    results = run_ranks(_fsdp_rank, 2, async_unshard, reshard, async_reduce_scatter, timeout=240,
+                        collective_timeout=60)
 
     torch.manual_seed(0)
     config = tiny_config()
@@ -188,3 +195,54 @@ def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unsh
             torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-6)
         moved += int(not torch.equal(p.detach(), initial[name]))
     assert moved > 20  # the steps really trained (a no-op run would also "match")
+
+
+def _async_reduce_scatter_rank(rank: int, world_size: int) -> dict:
+    """Two backwards without zero_grad (gradient accumulation) on two copies of one model, FSDP2's
+    blocking reduce-scatter vs AsyncReduceScatter; how many reduce-scatters each backward left in
+    flight, and whether any was still pending when backward() returned."""
+    import collate.train as train
+
+    issued: list[int] = []
+    add = train._InFlight.add
+
+    def counting_add(self, work, *buffers):
+        issued.append(1)
+        add(self, work, *buffers)
+
+    train._InFlight.add = counting_add
+    config = tiny_config()
+    models = []
+    for async_rs in (False, True):
+        torch.manual_seed(0)
+        models.append(train.shard_qwen2_vl(enable_packed(Qwen2VLForConditionalGeneration(config).float()),
+                                           async_reduce_scatter=async_rs))
+    collate = PackedCollator.from_config(config)
+    in_flight_per_backward, pending_after = [], []
+    for micro in range(2):
+        batch = collate(make_samples(seed=10 * rank + micro))
+        for model in models:
+            before = len(issued)
+            model(**batch).loss.backward()
+            if model is models[1]:
+                in_flight_per_backward.append(len(issued) - before)
+                units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
+                pending_after.append(sum(len(u._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
+                                             .in_flight.pending) for u in units))
+    grads = [{n: p.grad.full_tensor() for n, p in m.named_parameters() if p.grad is not None} for m in models]
+    return dict(in_flight=in_flight_per_backward, pending=pending_after, grads=grads)
+
+
+def test_async_reduce_scatter_overlaps_backward_and_blocks_when_accumulating():
+    from tests.dist_utils import run_ranks
+
+    units = 2 + 2 + 1  # vision blocks, decoder layers, root
+    for result in run_ranks(_async_reduce_scatter_rank, 2, timeout=240, collective_timeout=60):
+        # First backward: every unit's reduce-scatter left in flight, all waited for by the end of
+        # backward(). Second: gradients exist, FSDP2 adds to them at once, so it blocks instead.
+        assert result["in_flight"] == [units, 0]
+        assert result["pending"] == [0, 0]
+        blocking, asynchronous = result["grads"]
+        assert blocking.keys() == asynchronous.keys() and len(blocking) > 20
+        for name, grad in blocking.items():
+            torch.testing.assert_close(asynchronous[name], grad, rtol=0, atol=0, msg=name)
