@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -286,7 +286,14 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
 
     from collate import PackedCollator
     from collate.models import enable_packed
-    from collate.train import StepRecord, make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
+    from collate.train import (
+        FSDPSettings,
+        StepRecord,
+        make_optimizer,
+        shard_qwen2_vl,
+        solo_compute_time,
+        train_step,
+    )
 
     # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -296,7 +303,7 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
     loader = make_loader(dataset, sampler_kind, rank, world_size, global_batch_size, seed,
                          PackedCollator.from_config(config))
     solo = enable_packed(build_model(config, seed))
-    model = shard_qwen2_vl(enable_packed(build_model(config, seed)))
+    model = shard_qwen2_vl(enable_packed(build_model(config, seed)), **asdict(FSDPSettings.for_device("cpu")))
     optim = make_optimizer(model, 1e-3)
 
     records = []

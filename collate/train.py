@@ -26,9 +26,12 @@ from collate.loss import GlobalTokenCount, global_token_mean
 
 
 def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
-    """Forward: each module prefetches the next ``depth``; backward: the previous ``depth``."""
-    if depth <= 0:
+    """Forward: each module prefetches the next ``depth``; backward: the previous ``depth``
+    (``depth < 0``: all of them)."""
+    if depth == 0:
         return
+    if depth < 0:
+        depth = len(modules)
     for i, module in enumerate(modules):
         ahead = list(modules[i + 1:i + 1 + depth])
         behind = list(reversed(modules[max(0, i - depth):i]))
@@ -38,11 +41,38 @@ def _prefetch_chain(modules: Sequence[nn.Module], depth: int) -> None:
             module.set_modules_to_backward_prefetch(behind)
 
 
+@dataclass(frozen=True)
+class FSDPSettings:
+    """How :func:`shard_qwen2_vl` overlaps FSDP2's collectives with compute."""
+
+    prefetch_depth: int = 1  # layers whose all-gather is issued ahead (-1: all)
+    async_unshard: bool = False
+    async_reduce_scatter: bool = False
+    reshard_after_forward: bool = True
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> FSDPSettings:
+        """FSDP2's own defaults on accelerators, whose streams overlap collectives with compute. On
+        CPU gloo blocks the rank at every collective, so each would wait for the slowest rank:
+        there every all-gather is issued at the first layer, asynchronously, gathered parameters
+        stay until the backward (no second all-gather: the memory of the unsharded model, as DDP)
+        and reduce-scatters are waited for at the end of the backward. On 2 CPU ranks that took a
+        balanced step from 1.05-1.14x to 1.01-1.06x its compute (docs/BENCHMARKS.md, session 5)."""
+        if torch.device(device).type == "cpu":
+            return cls(prefetch_depth=-1, async_unshard=True, async_reduce_scatter=True,
+                       reshard_after_forward=False)
+        return cls()
+
+
 def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False,
                    reshard_after_forward: bool = True, async_reduce_scatter: bool = False) -> nn.Module:
     """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (in place); returns it:
     every vision block and decoder layer its own unit, the rest (embeddings, patch embedding,
     mergers, head) in the root's.
+
+    :meth:`FSDPSettings.for_device` picks the overlap settings below for a device.
+
+    ``prefetch_depth``: how many of the next layers' all-gathers each layer issues (-1: all).
 
     ``async_unshard``: issue the all-gathers with ``async_op=True``. On accelerators FSDP2 overlaps
     them through its side streams either way; on CPU (gloo) there are no streams, so by default
@@ -102,7 +132,9 @@ class AsyncReduceScatter(ReduceScatter):
     call, so going asynchronous is only correct when nothing reads that buffer before the
     backward ends. It falls back to a blocking reduce-scatter when something would: a gradient
     already present (accumulation adds to it at once), a reduction dtype other than the
-    parameters' (FSDP2 casts at once), or a SUM reduction (FSDP2 divides afterwards).
+    parameters' (FSDP2 casts at once), or a SUM reduction (FSDP2 divides afterwards). Off the
+    CPU it is FSDP2's plain reduce-scatter: there the reduce-scatter stream does the overlapping,
+    and an un-waited asynchronous collective would escape that stream's ordering.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], in_flight: _InFlight) -> None:
@@ -114,6 +146,9 @@ class AsyncReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> dist.Work | None:
+        if output_tensor.device.type != "cpu":  # FSDP2's reduce-scatter stream already overlaps it
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
         work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
         read_at_once = (op == dist.ReduceOp.SUM
                         or any(p.grad is not None or p.dtype != output_tensor.dtype for p in self.params))

@@ -27,6 +27,7 @@ import json
 import os
 import time
 import warnings
+from dataclasses import asdict, fields, replace
 
 import numpy as np
 import torch
@@ -63,26 +64,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run each sampler's epoch this many times (same batches, samplers alternating) and "
                         "report per-step medians of step and compute times: this machine's noise is "
                         "the size of the effect measured")
-    p.add_argument("--prefetch-depth", type=int, default=1,
-                   help="FSDP2 layers prefetched ahead (0: off). On accelerators prefetch hides the "
-                        "all-gathers behind compute; on CPU ranks FSDP2 blocks on every all-gather, so "
-                        "prefetch only reorders the waits (docs/BENCHMARKS.md: 0 was 4-10%% faster for "
-                        "balanced steps on 2 CPU ranks)")
-    p.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=False,
-                   help="FSDP2 all-gathers with async_op=True, so on CPU ranks a prefetched layer's "
-                        "all-gather runs on gloo's thread while the current layer computes "
-                        "(collate.train.shard_qwen2_vl); accelerators overlap them through FSDP2's side "
-                        "streams anyway. Off by default: no clear gain measured on 2 CPU ranks "
-                        "(docs/BENCHMARKS.md)")
-    p.add_argument("--async-reduce-scatter", action=argparse.BooleanOptionalAction, default=False,
-                   help="each layer's gradient reduce-scatter runs on gloo's thread while the backward "
-                        "goes on; the backward waits for them once, at its end "
-                        "(collate.train.AsyncReduceScatter). On CPU ranks FSDP2 otherwise blocks at every "
-                        "layer; accelerators overlap them through FSDP2's reduce-scatter stream anyway")
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP2 frees each layer's gathered parameters after its forward and gathers them "
-                        "again for its backward (the default); --no-reshard-after-forward keeps them "
-                        "(one all-gather per layer and step, the unsharded model's memory)")
+    fsdp = p.add_argument_group(
+        "FSDP2 overlap", "unset: collate.train.FSDPSettings.for_device, i.e. FSDP2's defaults on "
+        "accelerators (their streams overlap collectives with compute) and on CPU ranks, where gloo "
+        "blocks at every collective: all all-gathers issued at the first layer, asynchronously, no "
+        "resharding after the forward, reduce-scatters waited for at the end of the backward")
+    fsdp.add_argument("--prefetch-depth", type=int, default=None,
+                      help="layers whose all-gather each layer issues ahead (0: off, -1: all; "
+                           "accelerators: 1)")
+    fsdp.add_argument("--async-unshard", action=argparse.BooleanOptionalAction, default=None,
+                      help="all-gathers with async_op=True, so on CPU ranks prefetched all-gathers run on "
+                           "gloo's thread while the current layer computes")
+    fsdp.add_argument("--async-reduce-scatter", action=argparse.BooleanOptionalAction, default=None,
+                      help="CPU ranks: each layer's gradient reduce-scatter runs on gloo's thread while the "
+                           "backward goes on, waited for once at its end (collate.train.AsyncReduceScatter); "
+                           "accelerators overlap them through FSDP2's reduce-scatter stream anyway")
+    fsdp.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=None,
+                      help="free each layer's gathered parameters after its forward and gather them again "
+                           "for its backward (FSDP2's default); --no-reshard-after-forward keeps them (one "
+                           "all-gather per layer and step, the unsharded model's memory)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
@@ -163,6 +163,15 @@ def make_cost(args, rank: int, world: int, device: torch.device, index_dir: str,
     return None
 
 
+def fsdp_settings(args, device: torch.device):
+    """The device's FSDPSettings, with what the command line set explicitly."""
+    from collate.train import FSDPSettings
+
+    chosen = {f.name: getattr(args, f.name) for f in fields(FSDPSettings)
+              if getattr(args, f.name) is not None}
+    return replace(FSDPSettings.for_device(device), **chosen)
+
+
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
               tokenizer: str, config, cost) -> list:
     from collate import DevicePrefetcher, PackedCollator
@@ -182,9 +191,8 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
                          PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
                          stages=cost is not None and args.stages is not False)
-    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)), args.prefetch_depth,
-                           async_unshard=args.async_unshard, reshard_after_forward=args.reshard_after_forward,
-                           async_reduce_scatter=args.async_reduce_scatter)
+    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)),
+                           **asdict(fsdp_settings(args, device)))
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 
@@ -293,6 +301,8 @@ def main(argv=None) -> None:
         from collate.train import median_records
 
         kinds = ["distributed", "tokenbal"] if args.sampler == "both" else [args.sampler]
+        if rank == 0:
+            print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}")
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.

@@ -21,6 +21,7 @@ from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # noqa:
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
+from collate.train import FSDPSettings  # noqa: E402
 
 VOCAB, IMG, VID, VSTART, VEND = 96, 90, 91, 92, 93
 PATCH_DIM = 3 * 2 * 14 * 14
@@ -147,15 +148,14 @@ def _plans(world_size: int) -> list[list[list[int]]]:
     return [[per_rank[r][step] for r in range(world_size)] for step in range(STEPS)]
 
 
-def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool, async_reduce_scatter: bool
-               ) -> dict[str, torch.Tensor]:
+def _fsdp_rank(rank: int, world_size: int, settings) -> dict[str, torch.Tensor]:
+    from dataclasses import asdict
+
     from collate.train import shard_qwen2_vl, train_step
 
     torch.manual_seed(0)
     config = tiny_config()
-    model = shard_qwen2_vl(enable_packed(Qwen2VLForConditionalGeneration(config).float()),
-                           async_unshard=async_unshard, reshard_after_forward=reshard,
-                           async_reduce_scatter=async_reduce_scatter)
+    model = shard_qwen2_vl(enable_packed(Qwen2VLForConditionalGeneration(config).float()), **asdict(settings))
     optim = torch.optim.SGD(model.parameters(), lr=LR)
     samples = make_samples(seed=1) + make_samples(seed=2)
     collate = PackedCollator.from_config(config)
@@ -164,17 +164,17 @@ def _fsdp_rank(rank: int, world_size: int, async_unshard: bool, reshard: bool, a
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("async_unshard", "reshard", "async_reduce_scatter"),
-                         [(False, True, False), (True, False, False), (False, True, True),
-                          (True, False, True)],
-                         ids=["defaults", "async-unshard,no-reshard-after-forward", "async-reduce-scatter",
-                              "all-async,no-reshard-after-forward"])
-def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(async_unshard, reshard,
-                                                                      async_reduce_scatter):
+@pytest.mark.parametrize("settings", [
+    FSDPSettings(),
+    FSDPSettings(async_unshard=True, reshard_after_forward=False),
+    FSDPSettings(async_reduce_scatter=True),
+    FSDPSettings.for_device("cpu"),
+], ids=["fsdp2-defaults", "async-unshard,no-reshard-after-forward", "async-reduce-scatter",
+        "cpu-defaults"])
+def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(settings):
     from tests.dist_utils import run_ranks
 
-    results = run_ranks(_fsdp_rank, 2, async_unshard, reshard, async_reduce_scatter, timeout=240,
-                        collective_timeout=60)
+    results = run_ranks(_fsdp_rank, 2, settings, timeout=240, collective_timeout=60)
 
     torch.manual_seed(0)
     config = tiny_config()

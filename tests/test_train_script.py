@@ -35,6 +35,23 @@ def test_defaults_and_help():
         _script().parse_args(["--help"])
 
 
+def test_fsdp_overlap_defaults_follow_the_device_and_flags_override_them():
+    import torch
+
+    from collate.train import FSDPSettings
+
+    script = _script()
+    cpu = script.fsdp_settings(script.parse_args(["--synthetic", "8"]), torch.device("cpu"))
+    assert cpu == FSDPSettings(prefetch_depth=-1, async_unshard=True, async_reduce_scatter=True,
+                               reshard_after_forward=False)
+    cuda = script.fsdp_settings(script.parse_args(["--synthetic", "8"]), torch.device("cuda", 0))
+    assert cuda == FSDPSettings()  # FSDP2's own: layer prefetch 1, blocking, reshard after forward
+    flags = ["--synthetic", "8", "--prefetch-depth", "0", "--no-async-reduce-scatter",
+             "--reshard-after-forward"]
+    assert script.fsdp_settings(script.parse_args(flags), torch.device("cpu")) == FSDPSettings(
+        prefetch_depth=0, async_unshard=True, async_reduce_scatter=False, reshard_after_forward=True)
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_fitted_costs_and_repeats(tmp_path):
     out = tmp_path / "out"
