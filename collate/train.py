@@ -57,7 +57,7 @@ class FSDPSettings:
         there every all-gather is issued at the first layer, asynchronously, gathered parameters
         stay until the backward (no second all-gather: the memory of the unsharded model, as DDP)
         and reduce-scatters are waited for at the end of the backward. On 2 CPU ranks that took a
-        balanced step from 1.05-1.14x to 1.01-1.06x its compute (docs/BENCHMARKS.md, session 5)."""
+        balanced step from 1.05-1.15x to 1.01-1.07x its compute (docs/BENCHMARKS.md, session 5)."""
         if torch.device(device).type == "cpu":
             return cls(prefetch_depth=-1, async_unshard=True, async_reduce_scatter=True,
                        reshard_after_forward=False)
