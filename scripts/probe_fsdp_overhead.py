@@ -9,9 +9,14 @@ Two probes, both with the *same* micro-batch on every rank (perfect balance, so 
   heaviest kind of micro-batch. Alternates the unsharded replica's forward + backward (the
   "compute" of scripts/train_fsdp2.py) with a full FSDP2 step, ``--repeats`` times, and prints the
   median step / compute: the floor of ``epoch / ideal`` on this machine even with perfect balance.
+* ``--batch many``: as heavy, with 16 images of 8x12 to 32x40 patches and 100 text tokens each.
+
+The FSDP2 settings default to FSDP2's own (layer prefetch 1, blocking collectives, reshard after
+forward); ``--prefetch-depth -1 --async-unshard --async-reduce-scatter --no-reshard-after-forward``
+is what scripts/train_fsdp2.py uses on CPU ranks (``collate.train.FSDPSettings.for_device``).
 
     python scripts/probe_fsdp_overhead.py [--batch heavy --repeats 9] [--ranks 1] [--no-reshard-after-forward]
-        [--async-unshard --async-reduce-scatter --prefetch-depth 8]
+        [--async-unshard --async-reduce-scatter --prefetch-depth -1]
 """
 
 from __future__ import annotations
