@@ -55,9 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --cost fitted: micro-batches timed (shared over the ranks), drawn from the "
                         "samples after --train-samples when there are enough")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --cost flops: balance the vision tower and the language model separately "
-                        "(each ends in FSDP collectives, so each waits for its own slowest rank); "
-                        "default: on with --cost flops")
+                   help="with --cost flops or fitted: balance the vision tower and the language model "
+                        "separately (where FSDP2 synchronises the ranks per layer, each waits for its own "
+                        "slowest rank); default: on with --cost flops or fitted")
     p.add_argument("--train-samples", type=int, default=None, help="use only the first N samples")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=1,
