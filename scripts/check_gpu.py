@@ -50,6 +50,7 @@ from collate import DevicePrefetcher, PackedBatch, PackedCollator  # noqa: E402
 from collate.prefetch import iter_tensors  # noqa: E402
 
 IMG, VID, VS, VE = 120, 121, 122, 123
+_TOKEN_IDS = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
 VOCAB = 128
 TOKENS_PER_SECOND = 2
 PATCH_DIM = 3 * 2 * 14 * 14
@@ -224,10 +225,7 @@ def tiny_qwen2vl_config():
         vision_config=dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2
         ),
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=VS,
-        vision_end_token_id=VE,
+        **_TOKEN_IDS,
         attn_implementation="sdpa",
     )
 
@@ -244,10 +242,7 @@ def tiny_qwen2_5vl_config():
             fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
             temporal_patch_size=2, tokens_per_second=TOKENS_PER_SECOND,
         ),
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=VS,
-        vision_end_token_id=VE,
+        **_TOKEN_IDS,
         attn_implementation="sdpa",
     )
 
@@ -271,10 +266,7 @@ def tiny_qwen3vl_config():
             spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
             deepstack_visual_indexes=[0, 1],
         ),
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=VS,
-        vision_end_token_id=VE,
+        **_TOKEN_IDS,
         attn_implementation="sdpa",
     )
 

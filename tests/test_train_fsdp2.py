@@ -203,11 +203,11 @@ def _async_reduce_scatter_rank(rank: int, world_size: int) -> dict:
     flight, and whether any was still pending when backward() returned."""
     import collate.train as train
 
-    issued: list[int] = []
+    issued: list = []  # the _InFlight that took each asynchronous reduce-scatter
     add = train._InFlight.add
 
     def counting_add(self, work, *buffers):
-        issued.append(1)
+        issued.append(self)
         add(self, work, *buffers)
 
     train._InFlight.add = counting_add
@@ -226,9 +226,7 @@ def _async_reduce_scatter_rank(rank: int, world_size: int) -> dict:
             model(**batch).loss.backward()
             if model is models[1]:
                 in_flight_per_backward.append(len(issued) - before)
-                units = [m for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")]
-                pending_after.append(sum(len(u._get_fsdp_state()._fsdp_param_group._reduce_scatter_comm
-                                             .in_flight.pending) for u in units))
+                pending_after.append(sum(len(in_flight.pending) for in_flight in set(issued)))
     grads = [{n: p.grad.full_tensor() for n, p in m.named_parameters() if p.grad is not None} for m in models]
     return dict(in_flight=in_flight_per_backward, pending=pending_after, grads=grads)
 
