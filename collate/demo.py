@@ -252,6 +252,10 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
                 collator, num_workers: int = 0, cost=None, stages: bool = False):
     """A DataLoader over ``dataset`` with tokenbal's balanced batches or DistributedSampler's.
 
+    ``sampler_kind``: "tokenbal", "distributed", or "identical": every rank gets tokenbal's
+    rank-0 micro-batch of each step. That is a timing control, not training (the ranks' data is
+    duplicated): perfectly balanced work with the mixture and step sizes of tokenbal's epoch, so
+    its epoch / ideal is what a perfect plan would reach on this machine.
     ``cost``: what tokenbal balances (see ``tokenbal.cost``): None for tokens, or a FlopsModel;
     ``stages``: also balance its vision and language parts separately (needs a FlopsModel).
     """
@@ -261,14 +265,15 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
 
     from tokenbal.sampler import TokenBalancedBatchSampler
 
-    if sampler_kind == "tokenbal":
+    if sampler_kind in ("tokenbal", "identical"):
         n = len(dataset)
         samples = SimpleNamespace(lengths=np.asarray(dataset.index.lengths[:n]),
                                   vision_tokens=np.asarray(dataset.index.vision_tokens[:n]))
         if cost is not None:
             offsets, tokens = dataset.index.image_tokens_table
             samples.image_tokens_table = (offsets[: n + 1], tokens[: offsets[n]])
-        batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size, rank=rank,
+        batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size,
+                                                  rank=rank if sampler_kind == "tokenbal" else 0,
                                                   global_batch_size=global_batch_size, seed=seed, cost=cost,
                                                   stages=stages or None)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
@@ -276,7 +281,7 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=global_batch_size // world_size, sampler=sampler,
                           collate_fn=collator, num_workers=num_workers)
-    raise ValueError(f"sampler must be 'tokenbal' or 'distributed', got {sampler_kind!r}")
+    raise ValueError(f"sampler must be 'tokenbal', 'distributed' or 'identical', got {sampler_kind!r}")
 
 
 def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str, train_samples: int,
@@ -289,12 +294,14 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
     from collate.train import (
         FSDPSettings,
         StepRecord,
+        keep_freed_memory,
         make_optimizer,
         shard_qwen2_vl,
         solo_compute_time,
         train_step,
     )
 
+    keep_freed_memory()
     # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     vocab, special = special_token_ids(paths.tokenizer)

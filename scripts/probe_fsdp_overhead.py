@@ -63,11 +63,15 @@ def _image_sample(h: int, w: int, text: int, g: torch.Generator) -> dict:
 
 
 def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool,
-          reshard_after_forward: bool = True, async_reduce_scatter: bool = False) -> list:
+          reshard_after_forward: bool = True, async_reduce_scatter: bool = False,
+          keep_freed: bool = False) -> list:
     from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
-    from collate.train import make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
+    from collate.train import keep_freed_memory, make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
+
+    if keep_freed:
+        keep_freed_memory()
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     config = tiny_qwen2_vl_config(800, _IDS)
@@ -80,16 +84,7 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
         solo = enable_packed(build_model(config, 0))
         solo_compute_time(solo, batch)
         train_step(model, optim, batch)
-        out = []
-        for _ in range(repeats):
-            dist.barrier()
-            compute = solo_compute_time(solo, batch)
-            dist.barrier()
-            t0 = time.perf_counter()
-            train_step(model, optim, batch)
-            dist.barrier()
-            out.append((time.perf_counter() - t0, compute))
-        return out
+        return [_timed_alternation(model, optim, solo, batch) for _ in range(repeats)]
     times = []
     for step in range(6):
         dist.barrier()
@@ -106,6 +101,19 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
     return times
 
 
+def _timed_alternation(model, optim, solo, batch) -> tuple[float, float]:
+    """(FSDP2 step, solo compute) seconds of one alternation, the ranks started together."""
+    from collate.train import solo_compute_time, train_step
+
+    dist.barrier()
+    compute = solo_compute_time(solo, batch)
+    dist.barrier()
+    t0 = time.perf_counter()
+    train_step(model, optim, batch)
+    dist.barrier()
+    return time.perf_counter() - t0, compute
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", choices=["tiny", "heavy", "many"], default="tiny")
@@ -117,11 +125,14 @@ def main() -> None:
                     help="FSDP2 frees gathered parameters after each layer's forward (its default)")
     ap.add_argument("--async-reduce-scatter", action=argparse.BooleanOptionalAction, default=False,
                     help="gradient reduce-scatters overlap the backward (collate.train.AsyncReduceScatter)")
+    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=False,
+                    help="glibc keeps freed memory for reuse (collate.train.keep_freed_memory)")
     ap.add_argument("--ranks", type=int, default=2,
                     help="gloo ranks; 1 measures FSDP2's own cost without any cross-rank waiting")
     args = ap.parse_args()
     results = run_ranks(_rank, args.ranks, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
-                        args.reshard_after_forward, args.async_reduce_scatter, timeout=900,
+                        args.reshard_after_forward, args.async_reduce_scatter, args.keep_freed_memory,
+                        timeout=900,
                         collective_timeout=600)
     if args.batch == "tiny":
         for rank, times in enumerate(results):
@@ -136,6 +147,10 @@ def main() -> None:
           f"FSDP2 step median {statistics.median(steps):.3f} s")
     print(f"  step / compute: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    # What scripts/train_fsdp2.py calls epoch / ideal: the step over the ranks' mean compute.
+    mean_compute = [statistics.mean(r[i][1] for r in results) for i in range(args.repeats)]
+    print(f"  step / mean compute (train_fsdp2's epoch/ideal for perfect balance): median "
+          f"{statistics.median(s / c for s, c in zip(steps, mean_compute, strict=True)):.3f}")
     # The same micro-batch on both ranks: any max/mean above 1 is timing noise, which the
     # slowest-rank factor of scripts/train_fsdp2.py contains too.
     spread = [max(r[i][1] for r in results) / statistics.mean(r[i][1] for r in results)

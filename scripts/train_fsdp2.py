@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", help="a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json (e.g. a "
                                           "checkpoint's; random init); default: the demo's tiny Qwen2-VL")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
+    p.add_argument("--floor", action="store_true",
+                   help="also run a perfectly balanced control each repeat: every rank gets tokenbal's "
+                        "rank-0 micro-batch (duplicated data, so a timing control, not training); its "
+                        "epoch/ideal is what a perfect plan reaches on this machine (FSDP2's own cost + "
+                        "timing noise)")
     p.add_argument("--global-batch-size", type=int, default=8, help="samples per step, all ranks together")
     p.add_argument("--cost", choices=["tokens", "flops", "fitted"], default="tokens",
                    help="what tokenbal balances: token counts; FLOPs from the model config (LLM linear + "
@@ -87,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="glibc keeps freed activations' memory for the next step instead of returning it "
+                        "to the kernel and page-faulting it in again (collate.train.keep_freed_memory); "
+                        "default: on for CPU ranks")
     p.add_argument("--no-measure-compute", action="store_true",
                    help="skip the unsharded replica that times each rank's own compute")
     return p.parse_args(argv)
@@ -170,6 +179,14 @@ def fsdp_settings(args, device: torch.device):
     chosen = {f.name: getattr(args, f.name) for f in fields(FSDPSettings)
               if getattr(args, f.name) is not None}
     return replace(FSDPSettings.for_device(device), **chosen)
+
+
+def keep_freed_memory_if_asked(args, device: torch.device) -> bool:
+    """Apply collate.train.keep_freed_memory where asked (default: CPU ranks); whether it is on."""
+    from collate.train import keep_freed_memory
+
+    wanted = device.type == "cpu" if args.keep_freed_memory is None else args.keep_freed_memory
+    return wanted and keep_freed_memory()
 
 
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
@@ -297,12 +314,15 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     rank, world, device = init_distributed()
     try:
+        kept = keep_freed_memory_if_asked(args, device)
         index_dir, tokenizer, config = prepare(args, rank)
         from collate.train import median_records
 
         kinds = ["distributed", "tokenbal"] if args.sampler == "both" else [args.sampler]
+        if args.floor:
+            kinds.append("identical")
         if rank == 0:
-            print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}")
+            print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}, keep freed memory: {kept}")
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.
@@ -338,9 +358,14 @@ def report(args, runs: dict[str, list]) -> None:
             print(f"{'':12s} slowest rank {s['slowest_s'] / s['ideal_s']:.3f}x ideal, vision+language stages "
                   f"{s['stages_s'] / s['ideal_s']:.3f}x ideal, "
                   f"step / stages {s['epoch_s'] / s['stages_s']:.3f}")
-    if len(runs) == 2:
+    if "distributed" in runs and "tokenbal" in runs:
         ratio = summarise(runs["distributed"])["epoch_s"] / summarise(runs["tokenbal"])["epoch_s"]
         print(f"tokenbal is {ratio:.2f}x as fast as DistributedSampler on the same samples")
+    if "identical" in runs:
+        floor = summarise(runs["identical"])["step_over_ideal"]
+        print(f"perfect balance (every rank the same micro-batch) reaches epoch/ideal {floor:.3f} here"
+              + "".join(f"; {kind} {summarise(runs[kind])['step_over_ideal'] / floor:.3f}x that"
+                        for kind in ("tokenbal", "distributed") if kind in runs))
     print(f"wrote {args.out}/steps.csv and {args.out}/timeline.png")
 
 

@@ -52,6 +52,22 @@ def test_stale_index_is_an_error_naming_the_sample(demo_data, tmp_path):
         ds[big]
 
 
+def test_identical_control_gives_every_rank_tokenbals_rank0_batches(demo_data):
+    from collate.demo import make_loader
+
+    ds = IndexedSamples(demo_data.index, demo_data.tokenizer)
+
+    def steps(kind, rank):
+        loader = make_loader(ds, kind, rank, 2, global_batch_size=8, seed=0, collator=list)
+        return list(loader.batch_sampler)
+
+    tokenbal = [steps("tokenbal", r) for r in range(2)]
+    assert tokenbal[0] != tokenbal[1]
+    assert steps("identical", 0) == steps("identical", 1) == tokenbal[0]
+    with pytest.raises(ValueError, match="'identical'"):
+        make_loader(ds, "random", 0, 2, global_batch_size=8, seed=0, collator=list)
+
+
 def test_summarise_takes_the_slowest_rank_per_step():
     from collate.train import StepRecord, summarise
 

@@ -57,7 +57,7 @@ def test_torchrun_two_ranks_fitted_costs_and_repeats(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(SCRIPT), "--synthetic", "40", "--train-samples", "8", "--global-batch-size", "4",
-           "--sampler", "both", "--cost", "fitted", "--calibration-batches", "4", "--repeats", "2",
+           "--sampler", "both", "--floor", "--cost", "fitted", "--calibration-batches", "4", "--repeats", "2",
            "--workdir", str(tmp_path / "data"), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -67,11 +67,17 @@ def test_torchrun_two_ranks_fitted_costs_and_repeats(tmp_path):
     fitted = json.loads((out / "stage_costs.json").read_text())
     assert set(fitted) >= {"vision", "language"} and min(fitted["vision"] + fitted["language"]) >= 0
     rows = list(csv.DictReader(open(out / "steps.csv")))
-    assert {r["sampler"] for r in rows} == {"distributed", "tokenbal"}
-    for kind in ("distributed", "tokenbal"):
+    assert {r["sampler"] for r in rows} == {"distributed", "tokenbal", "identical"}
+    for kind in ("distributed", "tokenbal", "identical"):
         mine = [r for r in rows if r["sampler"] == kind]
         assert len(mine) == 2 * 2          # 8 samples / 4 per step = 2 steps, x 2 ranks (medians of 2)
         assert all(0 <= float(r["vision_s"]) <= float(r["compute_s"]) for r in mine)
+    # The control: both ranks got tokenbal's rank-0 batch at every step.
+    for step in ("0", "1"):
+        control = [r for r in rows if r["sampler"] == "identical" and r["step"] == step]
+        first = next(r for r in rows if r["sampler"] == "tokenbal" and r["step"] == step and r["rank"] == "0")
+        assert {(r["tokens"], r["samples"]) for r in control} == {(first["tokens"], first["samples"])}
+    assert "perfect balance (every rank the same micro-batch) reaches epoch/ideal" in done.stdout
     assert (out / "timeline.png").stat().st_size > 0
 
 
