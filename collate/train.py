@@ -4,6 +4,8 @@
   with explicit layer prefetch (on Ascend, communication was hidden 6 % of the time without it
   versus 49 % with module-level buckets in one FSDP implementation; explicit prefetch closes that).
 - :func:`train_step`: forward, global token-mean loss, backward, optimizer step.
+- :func:`keep_freed_memory`: glibc keeps freed activations for the next step (CPU ranks), instead of
+  page-faulting them in again every step.
 - :func:`solo_compute_time`: a rank's own compute for a micro-batch, timed on an unsharded replica
   with no collective in it. Under FSDP every collective waits for the slowest rank, so the time a
   rank spends *computing* cannot be read off its own step; the replica gives it, and
