@@ -132,8 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     results = run_ranks(_rank, args.ranks, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
                         args.reshard_after_forward, args.async_reduce_scatter, args.keep_freed_memory,
-                        timeout=900,
-                        collective_timeout=600)
+                        timeout=900, collective_timeout=600)
     if args.batch == "tiny":
         for rank, times in enumerate(results):
             ms = [tuple(round(x * 1e3, 1) for x in t) for t in times]

@@ -31,6 +31,7 @@ def test_stages_need_a_cost_with_a_vision_part():
 def test_defaults_and_help():
     args = _script().parse_args(["--synthetic", "8"])
     assert (args.cost, args.repeats, args.stages, args.sampler) == ("tokens", 1, None, "both")
+    assert (args.floor, args.keep_freed_memory) == (False, None)
     with pytest.raises(SystemExit):
         _script().parse_args(["--help"])
 
@@ -50,6 +51,17 @@ def test_fsdp_overlap_defaults_follow_the_device_and_flags_override_them():
              "--reshard-after-forward"]
     assert script.fsdp_settings(script.parse_args(flags), torch.device("cpu")) == FSDPSettings(
         prefetch_depth=0, async_unshard=True, async_reduce_scatter=False, reshard_after_forward=True)
+
+
+def test_keep_freed_memory_is_for_cpu_ranks_unless_asked():
+    import torch
+
+    script = _script()
+    # Only the paths that leave this process's allocator alone (keep_freed_memory is process-wide).
+    default = script.parse_args(["--synthetic", "8"])
+    assert not script.keep_freed_memory_if_asked(default, torch.device("cuda", 0))
+    off = script.parse_args(["--synthetic", "8", "--no-keep-freed-memory"])
+    assert not script.keep_freed_memory_if_asked(off, torch.device("cpu"))
 
 
 @pytest.mark.slow
