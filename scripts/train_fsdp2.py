@@ -348,8 +348,8 @@ def report(args, runs: dict[str, list]) -> None:
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "steps.csv"), [(k, r) for k, recs in runs.items() for r in recs])
     write_timeline(os.path.join(args.out, "timeline.png"), runs)
-    for kind, recs in runs.items():
-        s = summarise(recs)
+    summaries = {kind: summarise(recs) for kind, recs in runs.items()}
+    for kind, s in summaries.items():
         print(f"{kind:12s} steps {s['steps']:3d}  epoch {s['epoch_s']:7.2f} s  ideal {s['ideal_s']:7.2f} s  "
               f"epoch/ideal {s['step_over_ideal']:.3f}  tokens max/mean {s['token_max_over_mean']:.3f}  "
               f"wait per rank " + " / ".join(f"{w:.0%}" for w in s["wait_fraction"]))
@@ -358,14 +358,14 @@ def report(args, runs: dict[str, list]) -> None:
             print(f"{'':12s} slowest rank {s['slowest_s'] / s['ideal_s']:.3f}x ideal, vision+language stages "
                   f"{s['stages_s'] / s['ideal_s']:.3f}x ideal, "
                   f"step / stages {s['epoch_s'] / s['stages_s']:.3f}")
-    if "distributed" in runs and "tokenbal" in runs:
-        ratio = summarise(runs["distributed"])["epoch_s"] / summarise(runs["tokenbal"])["epoch_s"]
+    if "distributed" in summaries and "tokenbal" in summaries:
+        ratio = summaries["distributed"]["epoch_s"] / summaries["tokenbal"]["epoch_s"]
         print(f"tokenbal is {ratio:.2f}x as fast as DistributedSampler on the same samples")
-    if "identical" in runs:
-        floor = summarise(runs["identical"])["step_over_ideal"]
+    if "identical" in summaries:
+        floor = summaries["identical"]["step_over_ideal"]
         print(f"perfect balance (every rank the same micro-batch) reaches epoch/ideal {floor:.3f} here"
-              + "".join(f"; {kind} {summarise(runs[kind])['step_over_ideal'] / floor:.3f}x that"
-                        for kind in ("tokenbal", "distributed") if kind in runs))
+              + "".join(f"; {kind} {summaries[kind]['step_over_ideal'] / floor:.3f}x that"
+                        for kind in ("tokenbal", "distributed") if kind in summaries))
     print(f"wrote {args.out}/steps.csv and {args.out}/timeline.png")
 
 
