@@ -88,6 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="free each layer's gathered parameters after its forward and gather them again "
                            "for its backward (FSDP2's default); --no-reshard-after-forward keeps them (one "
                            "all-gather per layer and step, the unsharded model's memory)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="trace --profile-steps steps of each sampler's first epoch with torch.profiler "
+                        "(Python stacks on) into DIR/<sampler>/rank<R>.json; read them with "
+                        "`tokenbal profile --compare DIR/distributed DIR/tokenbal`")
+    p.add_argument("--profile-steps", type=int, default=4, help="steps traced with --profile (default 4)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank on CPU")
@@ -189,8 +194,25 @@ def keep_freed_memory_if_asked(args, device: torch.device) -> bool:
     return wanted and keep_freed_memory()
 
 
+def start_profiler(trace_dir: str | None, steps: int, rank: int, device: torch.device):
+    """A started torch.profiler that skips the warm-up step, then traces ``steps`` steps into
+    ``trace_dir/rank<R>.json``; None without a folder."""
+    if trace_dir is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    os.makedirs(trace_dir, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=0, active=steps, repeat=1),
+                       with_stack=True, record_shapes=True,
+                       on_trace_ready=lambda p: p.export_chrome_trace(
+                           os.path.join(trace_dir, f"rank{rank}.json")))
+    profiler.start()
+    return profiler
+
+
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
-              tokenizer: str, config, cost) -> list:
+              tokenizer: str, config, cost, trace_dir: str | None = None) -> list:
     from collate import DevicePrefetcher, PackedCollator
     from collate.demo import IndexedSamples, build_model, make_loader
     from collate.models import enable_packed
@@ -213,6 +235,7 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
     optim = make_optimizer(model, args.lr)
 
+    profiler = start_profiler(trace_dir, args.profile_steps, rank, device)
     records = []
     for step, batch in enumerate(DevicePrefetcher(loader, device=device)):
         if args.max_steps is not None and step >= args.max_steps:
@@ -231,6 +254,10 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         records.append(StepRecord(step=step, rank=rank, samples=len(batch["seq_lens"]),
                                   tokens=int(batch["input_ids"].shape[1]), compute_s=compute, vision_s=vision,
                                   step_s=time.perf_counter() - t0, loss=float(loss)))
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()
     return records
 
 
@@ -326,9 +353,11 @@ def main(argv=None) -> None:
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for kind in kinds:
-                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost)
+                trace_dir = os.path.join(args.profile, kind) if args.profile and repeat == 0 else None
+                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost,
+                                 trace_dir)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine)
                 repeats[kind].append([r for recs in gathered for r in recs])
