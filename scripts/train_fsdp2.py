@@ -89,9 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            "for its backward (FSDP2's default); --no-reshard-after-forward keeps them (one "
                            "all-gather per layer and step, the unsharded model's memory)")
     p.add_argument("--profile", metavar="DIR",
-                   help="trace --profile-steps steps of each sampler's first epoch with torch.profiler "
-                        "(Python stacks on) into DIR/<sampler>/rank<R>.json; read them with "
-                        "`tokenbal profile --compare DIR/distributed DIR/tokenbal`")
+                   help="after the timed epochs, trace --profile-steps steps per sampler with torch.profiler "
+                        "(Python stacks on, no replica timing) into DIR/<sampler>/rank<R>.json; read them "
+                        "with `tokenbal profile --compare DIR/distributed DIR/tokenbal`")
     p.add_argument("--profile-steps", type=int, default=4, help="steps traced with --profile (default 4)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -195,7 +195,7 @@ def keep_freed_memory_if_asked(args, device: torch.device) -> bool:
 
 
 def start_profiler(trace_dir: str | None, steps: int, rank: int, device: torch.device):
-    """A started torch.profiler that skips the warm-up step, then traces ``steps`` steps into
+    """A started torch.profiler that warms up on the first step, then traces ``steps`` steps into
     ``trace_dir/rank<R>.json``; None without a folder."""
     if trace_dir is None:
         return None
@@ -203,7 +203,7 @@ def start_profiler(trace_dir: str | None, steps: int, rank: int, device: torch.d
 
     os.makedirs(trace_dir, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    profiler = profile(activities=activities, schedule=schedule(wait=1, warmup=0, active=steps, repeat=1),
+    profiler = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                        with_stack=True, record_shapes=True,
                        on_trace_ready=lambda p: p.export_chrome_trace(
                            os.path.join(trace_dir, f"rank{rank}.json")))
@@ -232,13 +232,17 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
                          stages=cost is not None and args.stages is not False)
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)),
                            **asdict(fsdp_settings(args, device)))
-    solo = None if args.no_measure_compute else enable_packed(build_model(config, args.seed).to(device))
+    # A traced epoch times no replica: the trace shows the training step alone.
+    timed = not args.no_measure_compute and trace_dir is None
+    solo = enable_packed(build_model(config, args.seed).to(device)) if timed else None
     optim = make_optimizer(model, args.lr)
 
     profiler = start_profiler(trace_dir, args.profile_steps, rank, device)
     records = []
     for step, batch in enumerate(DevicePrefetcher(loader, device=device)):
         if args.max_steps is not None and step >= args.max_steps:
+            break
+        if trace_dir is not None and step > args.profile_steps:
             break
         if step == 0:  # warm-up on the first batch (allocator, lazy init); not timed
             if solo is not None:
@@ -353,15 +357,17 @@ def main(argv=None) -> None:
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.
-        for repeat in range(args.repeats):
+        for _ in range(args.repeats):
             for kind in kinds:
-                trace_dir = os.path.join(args.profile, kind) if args.profile and repeat == 0 else None
-                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost,
-                                 trace_dir)
+                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine)
                 repeats[kind].append([r for recs in gathered for r in recs])
         runs = {kind: median_records(reps) for kind, reps in repeats.items()}
+        if args.profile:  # after the timed epochs: warm-up + --profile-steps traced steps per sampler
+            for kind in kinds:
+                run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost,
+                          trace_dir=os.path.join(args.profile, kind))
         if rank == 0:
             report(args, runs)
         # Nobody tears the process group down while rank 0 still reports (gloo aborts a peer that
