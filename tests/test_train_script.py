@@ -93,6 +93,26 @@ def test_torchrun_two_ranks_fitted_costs_and_repeats(tmp_path):
     assert (out / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_torchrun_profile_writes_traces_tokenbal_profile_reads(tmp_path):
+    from tokenbal.profile import profile_run
+
+    prof = tmp_path / "prof"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(SCRIPT), "--synthetic", "40", "--train-samples", "16", "--global-batch-size", "4",
+           "--sampler", "both", "--profile", str(prof), "--profile-steps", "2",
+           "--workdir", str(tmp_path / "data"), "--out", str(tmp_path / "out")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind in ("distributed", "tokenbal"):
+        p = profile_run(str(prof / kind))
+        assert p.ranks == [0, 1] and len(p.per_step()) == 2 and p.has_python_stacks
+        # FSDP2 on gloo: all-gathers, and gradient reduce-scatters that gloo runs as all-reduces
+        assert {c.kind for c in p.collectives} >= {"all_gather", "all_reduce"}
+        assert all(s.compute_s > 0 for s in p.steps)
+
+
 def tiny_qwen2_5_vl_checkpoint_config() -> dict:
     """A Qwen2.5-VL config.json in the layout of the published checkpoints (text settings at the top
     level, legacy ``rope_scaling``, their own token ids), shrunk."""
