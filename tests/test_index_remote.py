@@ -98,8 +98,8 @@ def assert_same_index(a: TokenIndex, b: TokenIndex, rename) -> None:
         assert [(m.name, rename(m.shard), m.offset, m.size) for m in a.members(i)] == \
             [(m.name, m.shard, m.offset, m.size) for m in b.members(i)]
         assert a.image_sizes(i) == b.image_sizes(i)
-    renamed = [{**e, "shard": rename(e["shard"]), "reason": e["reason"].replace(e["shard"], rename(e["shard"]))}
-               for e in a.errors]
+    renamed = [{**e, "shard": rename(e["shard"]),
+                "reason": e["reason"].replace(e["shard"], rename(e["shard"]))} for e in a.errors]
     assert renamed == b.errors
     fields = ("size", "fingerprint", "status", "reason", "n_members", "n_samples", "n_errors",
               "end_of_members", "n_full_reads")
