@@ -117,3 +117,22 @@ def test_parquet_bad_rows_and_columns_are_errors(data, tmp_path):
                 parquet=ParquetOptions(messages_column="chat"))
     (err,) = TokenIndex.open(tmp_path / "j").errors
     assert err["key"] is None and "column 'chat' not in the file" in err["reason"]
+
+
+def test_remote_parquet_equals_local(data, tmp_path):
+    pytest.importorskip("aiohttp")
+    from tests.test_index_remote import FAST, serve
+
+    root, samples = data
+    build_index([str(root / "a.parquet"), str(root / "b.parquet")], tmp_path / "local", progress=False)
+    with serve(str(root), latency=0.002, fail_at=(2,)) as (base, httpd):
+        build_index([f"{base}/{{a,b}}.parquet"], tmp_path / "remote", progress=False, remote=FAST)
+        local, remote = TokenIndex.open(tmp_path / "local"), TokenIndex.open(tmp_path / "remote")
+        for col in ("lengths", "vision_tokens", "text_tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(local, col)), np.asarray(getattr(remote, col)))
+        assert list(local.keys) == list(remote.keys) and httpd.failed == 1
+        assert [e["fingerprint"] for e in local.manifest["shards"]] == \
+            [e["fingerprint"] for e in remote.manifest["shards"]]
+        assert remote.shard_paths == [f"{base}/a.parquet", f"{base}/b.parquet"]
+        row = IndexedParquetDataset(remote)[7]
+        assert row["messages"] == samples[7].messages and row["__shard__"] == f"{base}/a.parquet"

@@ -128,12 +128,15 @@ def test_http_build_equals_local_with_latency_and_retries(corpus, local, tmp_pat
         ok = [e for e in remote.manifest["shards"] if e["status"] == "ok"]
         assert all(e["n_requests"] > 0 for e in ok)
         assert verify_index(out, remote=FAST) == []
-        # IndexedShardDataset reads the same bytes from the URLs the index names.
+        # IndexedShardDataset reads the same bytes from the URLs the index names (its first
+        # request fails, and is retried).
+        httpd.fail_at, failed = {httpd.n + 1}, httpd.failed
         ds, ref = IndexedShardDataset(remote, decode=None), IndexedShardDataset(local, decode=None)
         for i in range(len(remote)):
             a, b = ds[i], ref[i]
             assert {k: v for k, v in a.items() if not k.startswith("__")} == \
                 {k: v for k, v in b.items() if not k.startswith("__")}
+        assert httpd.failed == failed + 1
 
 
 def test_http_without_ranges_streams_whole_objects(tmp_path):

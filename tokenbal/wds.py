@@ -199,7 +199,11 @@ class _Readers:
         """Up to ``n`` bytes at ``offset``; fewer only if the shard ends first."""
         kind, h, path = self._handle(shard)
         if kind == "url":
-            return h.cat_file(shard, start=offset, end=offset + n)
+            # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
+            from tokenbal.index.remote import RemoteOptions, with_retries
+
+            return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
+                                f"bytes {offset}..{offset + n}", RemoteOptions())
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
             more = os.pread(h, n - len(data), offset + len(data))
