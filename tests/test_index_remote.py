@@ -215,6 +215,14 @@ def test_s3_build_verify_and_read_equal_local(s3, corpus, local, tmp_path):
     assert_same_index(local, remote, lambda p: f"s3://corpus/shards/{os.path.basename(p)}")
     assert all(e["etag"] for e in remote.manifest["shards"])
     assert verify_index(out, remote=opts) == []
+    # Rebuilt in place: every unchanged object (same ETag) is reused, none is read again.
+    again = build_index(["s3://corpus/shards/data-*.tar"], out, progress=False, remote=opts)
+    assert again.num_reused == len(corpus.shards)
+    # Two worker processes, each scanning several shards at once: the same index.
+    build_index(["s3://corpus/shards/data-*.tar"], tmp_path / "w2", progress=False, remote=opts,
+                workers=2, incremental=False)
+    assert_same_index(local, TokenIndex.open(tmp_path / "w2"),
+                      lambda p: f"s3://corpus/shards/{os.path.basename(p)}")
     ds = IndexedShardDataset(remote, decode=None, storage_options={"endpoint_url": endpoint})
     ref = IndexedShardDataset(local, decode=None)
     for i in (0, len(remote) // 2, len(remote) - 1):

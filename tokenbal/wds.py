@@ -337,6 +337,9 @@ class IndexedShardDataset(Dataset):
         shard = self.shard_map[self.index.shard(i)]
         sample: dict[str, Any] = {"__key__": key, "__shard__": shard, "__url__": shard, "__index__": i}
         local = self.index.shard(i)
+        if local.lower().endswith((".parquet", ".pq")):
+            raise SampleReadError(f"sample {i} ({key!r}) is a row of the Parquet file {local}; read it with "
+                                  "tokenbal.data.IndexedParquetDataset")
 
         def plain(m: Any) -> bool:
             # Not a tar member (tar payloads start at byte 512 or later, inside the sample's shard):
