@@ -239,3 +239,42 @@ def test_s3_build_verify_and_read_equal_local(s3, corpus, local, tmp_path):
     assert "shard missing: s3://corpus/shards/data-002.tar" in problems
     rc = main(["index", "verify", str(out), "--storage-option", f"endpoint_url={endpoint}"])
     assert rc == 1
+
+
+def test_retry_rules():
+    """Which failures are retried: fsspec reports HTTP failures of info() as FileNotFoundError, and
+    only the cause tells a 503 (retried) from a 404 (missing at once)."""
+    from aiohttp import ClientResponseError, RequestInfo, ServerDisconnectedError
+    from yarl import URL
+
+    from tokenbal.index.remote import RemoteReadError, with_retries
+
+    def failing(errors):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) <= len(errors):
+                raise errors[len(calls) - 1]
+            return "ok"
+        return fn, calls
+
+    def not_found(status):
+        info = RequestInfo(URL("http://x/y"), "HEAD", {}, URL("http://x/y"))
+        try:
+            raise FileNotFoundError("http://x/y") from ClientResponseError(info, (), status=status)
+        except FileNotFoundError as e:
+            return e
+
+    fn, calls = failing([not_found(503), ServerDisconnectedError()])
+    assert with_retries(fn, "http://x/y", "info", FAST) == "ok" and len(calls) == 3
+    fn, calls = failing([not_found(404)])
+    with pytest.raises(FileNotFoundError):
+        with_retries(fn, "http://x/y", "info", FAST)
+    assert len(calls) == 1
+    fn, calls = failing([not_found(403)])
+    with pytest.raises(PermissionError, match="403"):
+        with_retries(fn, "http://x/y", "info", FAST)
+    fn, calls = failing([TimeoutError("slow")] * 10)
+    with pytest.raises(RemoteReadError, match=r"http://x/y: cannot read info \(after 5 attempts\)"):
+        with_retries(fn, "http://x/y", "info", FAST)

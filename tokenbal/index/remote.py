@@ -118,6 +118,20 @@ def _permanent(e: BaseException) -> bool:
     return False
 
 
+def _transient_cause(cause: BaseException | None) -> bool:
+    """Whether the error behind a FileNotFoundError was a passing one (a 5xx, a timeout, a reset):
+    only then is the object retried rather than reported missing."""
+    if cause is None:
+        return False
+    status = getattr(cause, "status", None)
+    if isinstance(status, int):
+        return status >= 500 or status in (408, 429)
+    if isinstance(cause, OSError):   # aiohttp's connection errors are OSErrors too
+        return not isinstance(cause, (FileNotFoundError, PermissionError, IsADirectoryError))
+    return type(cause).__name__ in ("ClientConnectionError", "ClientOSError", "ServerDisconnectedError",
+                                 "ClientPayloadError", "ServerTimeoutError")
+
+
 def with_retries(fn: Callable[[], Any], url: str, what: str, opts: RemoteOptions) -> Any:
     """``fn()``, retried on transient errors with exponential backoff (jittered). A missing object
     stays a ``FileNotFoundError`` and a denied one a ``PermissionError``; every other final failure
@@ -133,7 +147,7 @@ def with_retries(fn: Callable[[], Any], url: str, what: str, opts: RemoteOptions
             status = getattr(cause, "status", None)
             if status in (401, 403):
                 raise PermissionError(f"{url}: access denied (HTTP {status})") from e
-            if isinstance(e, (FileNotFoundError, PermissionError)) and (cause is None or _permanent(cause)):
+            if isinstance(e, (FileNotFoundError, PermissionError)) and not _transient_cause(cause):
                 raise
             if (cause is None and _permanent(e)) or attempt == opts.retries:
                 tries = f" (after {attempt + 1} attempts)" if attempt else ""
