@@ -17,6 +17,14 @@ Then it writes a synthetic index of ``--open-rows`` samples (``write_index``, no
 ``TokenIndex.open`` (median of 5) and a first full pass over ``lengths``.
 
     python scripts/bench_index.py [--samples 2000] [--baseline 150] [--open-rows 10000000]
+
+``--remote``: instead, index shards served over HTTP by a loopback server (``tests.test_index_remote``)
+that delays every request by ``--latency-ms`` (default 20) and optionally caps each connection at
+``--mbps``: the ranged build (tar headers and image heads only, ``--inflight`` shards at a time) vs the
+same build downloading every whole object first, in the same process; samples/s, requests, MB read,
+and a check that both give the same index.
+
+    PYTHONPATH=. python scripts/bench_index.py --remote [--shards 16] [--samples 150] [--mbps 50]
 """
 
 from __future__ import annotations
@@ -57,12 +65,16 @@ def encode(fmt: str, w: int, h: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def write_shard(path: str, fmt: str, n: int, seed: int = 0) -> None:
+LARGE_SIZES = [(2400, 1600), (3000, 2000), (4000, 3000)]   # camera photos: ~1-3 MB as JPEG
+
+
+def write_shard(path: str, fmt: str, n: int, seed: int = 0, sizes: list | None = None) -> None:
     rng = random.Random(seed)
-    pool = {(wh, v): encode(fmt, *wh, seed=v) for wh in SIZES for v in range(2)}
+    sizes = sizes or SIZES
+    pool = {(wh, v): encode(fmt, *wh, seed=v) for wh in sizes for v in range(2)}
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
         for i in range(n):
-            wh = rng.choice(SIZES)
+            wh = rng.choice(sizes)
             caption = " ".join(rng.choice(WORDS) for _ in range(rng.randrange(5, 60)))
             for ext, data in ((fmt, pool[(wh, i % 2)]), ("txt", caption.encode())):
                 ti = tarfile.TarInfo(f"s{i:07d}.{ext}")
@@ -171,6 +183,83 @@ def bench_open(rows: int, folder: str) -> dict:
             "access_s": access_s, "bytes": size, "memmap": isinstance(idx.lengths, np.memmap)}
 
 
+def bench_remote(args) -> None:
+    from http.server import ThreadingHTTPServer  # noqa: F401 - the server below is a ThreadingHTTPServer
+
+    from tests import test_index_remote as tr
+    from tokenbal.index.remote import RemoteOptions
+
+    work = args.workdir or tempfile.mkdtemp(prefix="bench-index-remote-")
+    os.makedirs(work, exist_ok=True)
+    tag = "large" if args.large else "r"
+    names = [f"{tag}{k:03d}.tar" for k in range(args.shards)]
+    for k, name in enumerate(names):
+        if not os.path.exists(os.path.join(work, name)):
+            write_shard(os.path.join(work, name), "jpg", args.samples, seed=k,
+                        sizes=LARGE_SIZES if args.large else None)
+    total_mb = sum(os.path.getsize(os.path.join(work, n)) for n in names) / 1e6
+    rate = args.mbps * 1e6 if args.mbps else None
+
+    class Throttled:
+        """A connection's output at ``rate`` bytes/s (an object store's per-stream bandwidth)."""
+
+        def __init__(self, raw):
+            self.raw = raw
+
+        def write(self, data):
+            for k in range(0, len(data), 1 << 16):
+                piece = data[k:k + (1 << 16)]
+                self.raw.write(piece)
+                time.sleep(len(piece) / rate)
+            return len(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    class Handler(tr.FlakyHandler):
+        def do_GET(self):
+            if rate:
+                self.wfile = Throttled(self.wfile)
+            super().do_GET()
+
+    original = tr.FlakyHandler
+    tr.FlakyHandler = Handler   # serve() builds its handler from this name
+    try:
+        with tr.serve(work, latency=args.latency_ms / 1000) as (base, httpd):
+            urls = [f"{base}/{n}" for n in names]
+            print(f"{args.shards} shards x {args.samples} JPEG samples ({total_mb:.0f} MB, "
+                  f"{total_mb / (args.shards * args.samples):.2f} MB each) over HTTP on "
+                  f"loopback, {args.latency_ms:.0f} ms per request, "
+                  f"{f'{args.mbps:.0f} MB/s per connection' if rate else 'no bandwidth cap'}, "
+                  f"{args.inflight} shards in flight, one process; median of {args.repeats}")
+            results = {}
+            for mode in ("ranges", "whole"):
+                walls, reqs = [], []
+                for _ in range(args.repeats):
+                    n0 = httpd.n
+                    t = time.perf_counter()
+                    rep = build_index(urls, os.path.join(work, f"idx-{mode}"), progress=False,
+                                      incremental=False,
+                                      remote=RemoteOptions(mode=mode, inflight=args.inflight))
+                    walls.append(time.perf_counter() - t)
+                    reqs.append(httpd.n - n0)
+                idx = TokenIndex.open(os.path.join(work, f"idx-{mode}"))
+                read = sum(e.get("bytes_read", e["size"] if mode == "whole" else 0)
+                           for e in idx.manifest["shards"]) / 1e6
+                results[mode] = (statistics.median(walls), statistics.median(reqs), read, idx,
+                                 rep.num_samples)
+            for mode, (wall, req, read, _, n) in results.items():
+                print(f"  {mode:<6} {n / wall:>9,.0f} samples/s  {wall:6.2f} s  {req:>6.0f} requests  "
+                      f"{read:>8.1f} MB read")
+            a, b = results["ranges"][3], results["whole"][3]
+            same = (np.array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+                    and list(a.keys) == list(b.keys))
+            print(f"  ranges / whole: {results['whole'][0] / results['ranges'][0]:.2f}x samples/s, "
+                  f"{results['ranges'][2] / results['whole'][2]:.3f}x bytes; same index: {same}")
+    finally:
+        tr.FlakyHandler = original
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=2000, help="samples per format shard")
@@ -179,7 +268,16 @@ def main() -> None:
     ap.add_argument("--open-rows", type=int, default=10_000_000, help="0 skips the open benchmark")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--formats", default="jpg,png,webp")
+    ap.add_argument("--remote", action="store_true", help="benchmark remote (HTTP) builds instead")
+    ap.add_argument("--shards", type=int, default=16, help="--remote: shards served")
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="--remote: delay per request")
+    ap.add_argument("--mbps", type=float, default=0.0, help="--remote: MB/s per connection (0: no cap)")
+    ap.add_argument("--inflight", type=int, default=16, help="--remote: shards scanned at once")
+    ap.add_argument("--large", action="store_true", help="--remote: 2400-4000 px photos (~1-3 MB each)")
     args = ap.parse_args()
+    if args.remote:
+        bench_remote(args)
+        return
     work = args.workdir or tempfile.mkdtemp(prefix="bench-index-")
     os.makedirs(work, exist_ok=True)
     est = get_estimator("qwen2-vl")

@@ -7,14 +7,30 @@ import sys
 from collections.abc import Sequence
 
 
+def _remote_options(args: argparse.Namespace):
+    from tokenbal.index.remote import RemoteOptions
+
+    return RemoteOptions(storage_options=dict(_parse_override(o) for o in args.storage_option),
+                         mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8))
+
+
 def _cmd_index_build(args: argparse.Namespace) -> int:
     from tokenbal.index import build_index
+    from tokenbal.index.merge import parse_part
+    from tokenbal.index.parquet import ParquetOptions
 
     overrides = dict(_parse_override(o) for o in args.estimator_option)
-    report = build_index(args.sources, args.out, model=args.model, workers=args.workers,
+    part = parse_part(args.part) if args.part else None
+    out = args.out
+    if part is not None:   # one --out for every part of a launcher: {i} / {n} tell them apart
+        out = out.replace("{i}", str(part[0])).replace("{n}", str(part[1]))
+    parquet = ParquetOptions(image_column=args.image_column, text_column=args.text_column,
+                             messages_column=args.messages_column)
+    report = build_index(args.sources, out, model=args.model, workers=args.workers,
                          tokenizer=args.tokenizer, image_root=args.image_root,
                          estimator_overrides=overrides, progress=not args.quiet,
-                         incremental=not args.rebuild)
+                         incremental=not args.rebuild, remote=_remote_options(args),
+                         parquet=parquet, part=part)
     print(report.summary())
     return 0 if report.num_samples > 0 or report.num_errors == 0 else 1
 
@@ -31,11 +47,25 @@ def _cmd_index_stats(args: argparse.Namespace) -> int:
 def _cmd_index_verify(args: argparse.Namespace) -> int:
     from tokenbal.index import verify_index
 
-    problems = verify_index(args.dir)
+    problems = verify_index(args.dir, remote=_remote_options(args))
     for p in problems:
         print(p)
     print("index is up to date" if not problems else f"{len(problems)} problem(s) found")
     return 1 if problems else 0
+
+
+def _cmd_index_merge(args: argparse.Namespace) -> int:
+    from tokenbal.index.merge import merge_indexes
+
+    print(merge_indexes(args.out, args.parts).summary())
+    return 0
+
+
+def _cmd_index_export(args: argparse.Namespace) -> int:
+    from tokenbal.index.export import export_index
+
+    print(f"wrote {export_index(args.index, args.dir, args.format)}")
+    return 0
 
 
 def _cmd_plan_simulate(args: argparse.Namespace) -> int:
@@ -142,6 +172,12 @@ def _parse_override(text: str) -> tuple[str, object]:
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
 
+def _add_remote_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for remote URLs, e.g. endpoint_url=http://... (repeatable); "
+                        "credentials come from the store's usual environment / config files")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenbal",
@@ -175,8 +211,39 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--rebuild", action="store_true",
                        help="rescan every shard; by default an existing index at --out built with the "
                             "same rules keeps its unchanged shards and new shards are appended")
+    build.add_argument("--image-column", default=None,
+                       help="Parquet sources: column of images (default images, else image)")
+    build.add_argument("--messages-column", default=None,
+                       help="Parquet sources: column of chat turns (default messages, else conversations)")
+    build.add_argument("--text-column", default=None,
+                       help="Parquet sources: column of plain text (used instead of a messages column)")
+    build.add_argument("--part", default=None, metavar="I/N",
+                       help="index only part I of N of the shards (0-based), for builds spread over "
+                            "machines; 'env' reads RANK/WORLD_SIZE (torchrun) or the Slurm array ids. "
+                            "{i} and {n} in --out are replaced. Join parts with `tokenbal index merge`")
+    _add_remote_args(build)
+    build.add_argument("--remote-read", choices=["auto", "ranges", "whole"], default="auto",
+                       help="remote tar shards: ranged reads of headers and image heads (auto: unless the "
+                            "server ignores ranges), or download each whole object")
+    build.add_argument("--inflight", type=int, default=8,
+                       help="remote shards scanned at once per worker process (default 8)")
     build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     build.set_defaults(func=_cmd_index_build)
+
+    merge = isub.add_parser("merge", help="join part indexes (build --part) into one index",
+                            description="Join the part indexes of one split into the index a single "
+                                        "machine would have built (same rows, order and errors).")
+    merge.add_argument("out", help="index folder to write")
+    merge.add_argument("parts", nargs="+", help="part index folders (all parts of one split)")
+    merge.set_defaults(func=_cmd_index_merge)
+
+    export = isub.add_parser("export", help="write key / length / vision / text tokens as a table",
+                             description="Export per-sample tokens (key, shard, length, vision_tokens, "
+                                         "text_tokens) for other pipelines.")
+    export.add_argument("dir", help="folder to write lengths.{parquet,jsonl,npy} into")
+    export.add_argument("--index", required=True, help="index folder")
+    export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet")
+    export.set_defaults(func=_cmd_index_export)
 
     stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
     stats.add_argument("dir", help="index folder")
@@ -186,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = isub.add_parser("verify", help="check an index against its shards (exit 1 if stale)")
     verify.add_argument("dir", help="index folder")
+    _add_remote_args(verify)
     verify.set_defaults(func=_cmd_index_verify)
 
     plan = sub.add_parser("plan", help="simulate the balance of an epoch plan")

@@ -199,7 +199,11 @@ class _Readers:
         """Up to ``n`` bytes at ``offset``; fewer only if the shard ends first."""
         kind, h, path = self._handle(shard)
         if kind == "url":
-            return h.cat_file(shard, start=offset, end=offset + n)
+            # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
+            from tokenbal.index.remote import RemoteOptions, with_retries
+
+            return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
+                                f"bytes {offset}..{offset + n}", RemoteOptions())
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
             more = os.pread(h, n - len(data), offset + len(data))
@@ -333,6 +337,9 @@ class IndexedShardDataset(Dataset):
         shard = self.shard_map[self.index.shard(i)]
         sample: dict[str, Any] = {"__key__": key, "__shard__": shard, "__url__": shard, "__index__": i}
         local = self.index.shard(i)
+        if local.lower().endswith((".parquet", ".pq")):
+            raise SampleReadError(f"sample {i} ({key!r}) is a row of the Parquet file {local}; read it with "
+                                  "tokenbal.data.IndexedParquetDataset")
 
         def plain(m: Any) -> bool:
             # Not a tar member (tar payloads start at byte 512 or later, inside the sample's shard):

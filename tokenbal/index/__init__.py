@@ -5,6 +5,8 @@ open it (memory-mapped) on every rank, verify it against the shards.
 text) and annotation files, and writes one folder, reusing the unchanged shards of an earlier build;
 ``TokenIndex.open(out, expect_model=...)`` reads it (and checks its token rules);
 ``verify_index(out)`` names stale or missing shards; ``index_stats(out, plot=...)`` summarises it.
+Remote sources (fsspec URLs): ``tokenbal.index.remote``; Parquet: ``tokenbal.index.parquet``; builds
+in parts and their merge: ``tokenbal.index.merge``; export and joins by key: ``tokenbal.index.export``.
 Layout: ``tokenbal.index.store``; sample and damage rules: ``tokenbal.index.scan`` (tar listing fast
 path: ``tokenbal.index.tarwalk``); annotations: ``tokenbal.index.annotations``; text rules:
 ``tokenbal.index.text``; histogram: ``tokenbal.index.plot``.
@@ -14,7 +16,11 @@ from __future__ import annotations
 
 from tokenbal.index.annotations import scan_annotations
 from tokenbal.index.build import BuildReport, ShardResult, build_index, index_shard, write_index
+from tokenbal.index.export import export_index, lengths_for_keys
+from tokenbal.index.merge import merge_indexes
+from tokenbal.index.parquet import ParquetOptions
 from tokenbal.index.plot import plot_token_histogram, token_histogram
+from tokenbal.index.remote import RemoteOptions
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint, split_name
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import Member, TokenIndex, check_index_rules, index_stats, verify_index
@@ -22,14 +28,19 @@ from tokenbal.index.store import Member, TokenIndex, check_index_rules, index_st
 __all__ = [
     "BuildReport",
     "Member",
+    "ParquetOptions",
+    "RemoteOptions",
     "ShardResult",
     "ShardScan",
     "TokenIndex",
     "build_index",
     "check_index_rules",
     "expand_sources",
+    "export_index",
     "index_shard",
     "index_stats",
+    "lengths_for_keys",
+    "merge_indexes",
     "plot_token_histogram",
     "scan_annotations",
     "scan_shard",

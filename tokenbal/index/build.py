@@ -17,6 +17,9 @@ from typing import Protocol
 import numpy as np
 
 from tokenbal.index.annotations import is_annotation_file, scan_annotations
+from tokenbal.index.merge import part_meta, select_part
+from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
+from tokenbal.index.remote import RemoteOptions, is_url, remote_unchanged, scan_remote_shard, threaded_map
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import COLUMNS, ERRORS, FORMAT_VERSION, KEYS_BLOB, MANIFEST, PATHS_BLOB, TokenIndex
@@ -85,7 +88,8 @@ class ShardResult:
 def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str = "qwen2-vl",
                 workers: int = 1, tokenizer: str | None = None, image_root: str | None = None,
                 estimator_overrides: dict | None = None, progress: bool = True,
-                incremental: bool = True) -> BuildReport:
+                incremental: bool = True, remote: RemoteOptions | None = None,
+                parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None) -> BuildReport:
     """Index the webdataset tar shards and JSON/JSONL annotation files named by ``sources`` into ``out``.
 
     ``sources``: paths, globs, brace patterns (``data-{000..099}.tar``); a missing one raises
@@ -106,13 +110,20 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     (same rules) copies them from there instead of rescanning, then deletes it.
     Bad samples and shards never stop the build: they are listed in ``errors.jsonl`` and counted in
     the returned report.
+
+    Sources may be URLs (``s3://``, ``https://``, any fsspec protocol; ``remote`` says how they are
+    read, ``tokenbal.index.remote``) and ``.parquet`` files (``parquet`` names the columns,
+    ``tokenbal.index.parquet``). ``part=(i, n)`` indexes only part ``i`` of ``n`` of the shards
+    (``tokenbal.index.merge``), for builds spread over machines.
     """
     from tokenbal.estimate import get_estimator, get_text_counter
 
     t0 = time.perf_counter()
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    paths = expand_sources(sources)
+    paths = expand_sources(sources, remote)
+    if part is not None:
+        positions, paths = select_part(paths, part)
     if image_root is not None:
         if not any(is_annotation_file(p) for p in paths):
             raise ValueError("--image-root applies to JSON/JSONL annotation sources, and none was given; "
@@ -136,12 +147,17 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         "image_root": os.path.abspath(image_root) if image_root is not None else None,
         "sources": list(sources) if not isinstance(sources, str) else [sources],
     }
+    if any(is_parquet(p) for p in paths):
+        meta["parquet"] = (parquet or ParquetOptions()).as_meta()
+    if part is not None:
+        meta["part"] = part_meta(part, positions, paths)
     # An interrupted build's finished shards first, then the last complete index.
     olds = [] if not incremental else [
         idx for idx in (_reusable_index(partial_path(out), meta), _reusable_index(out, meta)) if idx]
-    jobs = _plan_jobs(paths, olds)
+    jobs = _plan_jobs(paths, olds, remote)
     scan_paths = [p for p, src in jobs if src is None]
-    scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root)
+    scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root,
+                             remote, parquet)
 
     def results() -> Iterator[ShardResult]:
         for p, src in jobs:
@@ -206,9 +222,16 @@ def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
 
 
 def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
-                image_root: str | None = None) -> ShardResult:
-    """Scan one shard (or annotation file) and count its tokens with ``est`` and ``counter``."""
-    scan = scan_annotations(path, image_root) if is_annotation_file(path) else scan_shard(path)
+                image_root: str | None = None, remote: RemoteOptions | None = None,
+                parquet: ParquetOptions | None = None) -> ShardResult:
+    """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
+    ``est`` and ``counter``."""
+    if is_parquet(path):
+        scan = scan_parquet(path, parquet, remote)
+    elif is_url(path):
+        scan = scan_remote_shard(path, remote)
+    else:
+        scan = scan_annotations(path, image_root) if is_annotation_file(path) else scan_shard(path)
     return _count_tokens(scan, est, counter)
 
 
@@ -217,7 +240,7 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
 def _rules(meta: dict) -> tuple:
     e = meta["estimator"]
     return (e["name"], json.dumps(e["config"], sort_keys=True, default=_jsonable), int(e["wrapper_tokens"]),
-            meta["text_counter"]["name"], meta.get("image_root"))
+            meta["text_counter"]["name"], meta.get("image_root"), json.dumps(meta.get("parquet")))
 
 
 def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
@@ -232,7 +255,8 @@ def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
     return old if same else None
 
 
-def _plan_jobs(paths: list[str], olds: list[TokenIndex]) -> list[tuple[str, TokenIndex | None]]:
+def _plan_jobs(paths: list[str], olds: list[TokenIndex],
+               remote: RemoteOptions | None = None) -> list[tuple[str, TokenIndex | None]]:
     """(path, index to copy it from, or None to scan it) per shard, in index order: the old indexes'
     shards first, in their order, then the new ones in source order."""
     wanted = set(paths)
@@ -243,14 +267,16 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex]) -> list[tuple[str, Toke
             if p not in wanted:
                 continue
             wanted.discard(p)
-            jobs.append((p, old if _unchanged(entry) else None))
+            jobs.append((p, old if _unchanged(entry, remote) else None))
     jobs.extend((p, None) for p in paths if p in wanted)
     return jobs
 
 
-def _unchanged(entry: dict) -> bool:
+def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
     if entry.get("fingerprint") is None:
         return False     # missing / unreadable at the last build: look again
+    if is_url(entry["path"]):
+        return remote_unchanged(entry, remote or RemoteOptions())
     try:
         size = os.stat(entry["path"]).st_size
         return size == entry["size"] and shard_fingerprint(entry["path"], size) == entry["fingerprint"]
@@ -330,7 +356,7 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
-             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads}
+             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads, **scan.extra}
     paths = None
     if any(s.paths for s in samples):
         paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
@@ -348,31 +374,47 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
 _WORKER: dict = {}
 
 
-def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None) -> None:
+def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
+                 remote: RemoteOptions | None = None, parquet: ParquetOptions | None = None) -> None:
     from tokenbal.estimate import get_estimator, get_text_counter
 
     _WORKER["est"] = get_estimator(model, **overrides)
     _WORKER["counter"] = get_text_counter(tokenizer)
     _WORKER["image_root"] = image_root
+    _WORKER["remote"], _WORKER["parquet"] = remote, parquet
 
 
 def _worker_index_shard(path: str) -> ShardResult:
-    return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"])
+    return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"],
+                       _WORKER["remote"], _WORKER["parquet"])
+
+
+def _worker_index_shards(paths: list[str]) -> list[ShardResult]:
+    # Remote shards: several at once per worker process, so requests stay in flight.
+    inflight = (_WORKER["remote"] or RemoteOptions()).inflight
+    return list(threaded_map(_worker_index_shard, paths, inflight))
 
 
 def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter: TextCounter,
                    model: str, overrides: dict, tokenizer: str | None,
-                   image_root: str | None) -> Iterator[ShardResult]:
+                   image_root: str | None, remote: RemoteOptions | None = None,
+                   parquet: ParquetOptions | None = None) -> Iterator[ShardResult]:
+    inflight = (remote or RemoteOptions()).inflight if any(is_url(p) for p in paths) else 1
     if workers == 1 or len(paths) <= 1:
-        for p in paths:
-            yield index_shard(p, est, counter, image_root)
+        yield from threaded_map(lambda p: index_shard(p, est, counter, image_root, remote, parquet),
+                                paths, inflight)
         return
     # spawn, not fork: the parent may hold tokenizer / torch threads that a fork would copy mid-state.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(min(workers, len(paths)), initializer=_init_worker,
-                  initargs=(model, overrides, tokenizer, image_root)) as pool:
+                  initargs=(model, overrides, tokenizer, image_root, remote, parquet)) as pool:
         # imap keeps shard order, so the index is identical whatever the number of workers.
-        yield from pool.imap(_worker_index_shard, paths, chunksize=1)
+        if inflight <= 1:
+            yield from pool.imap(_worker_index_shard, paths, chunksize=1)
+            return
+        groups = [paths[k:k + inflight] for k in range(0, len(paths), inflight)]
+        for group in pool.imap(_worker_index_shards, groups, chunksize=1):
+            yield from group
 
 
 def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iterator[ShardResult]:

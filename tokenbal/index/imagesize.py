@@ -141,7 +141,7 @@ def image_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
-def read_image_size(fd: int, offset: int, size: int,
+def read_image_size(fd, offset: int, size: int,
                     prefix: int = PREFIX_BYTES) -> tuple[tuple[int, int], bool]:
     """Size of the image stored at ``[offset, offset + size)`` of the open file ``fd``.
 
@@ -164,8 +164,14 @@ def read_image_size(fd: int, offset: int, size: int,
     return image_size(pread_exact(fd, size, offset)), True
 
 
-def pread_exact(fd: int, n: int, offset: int) -> bytes:
-    """Exactly ``n`` bytes at ``offset`` (one pread may return less, e.g. above 2 GiB on Linux)."""
+def pread_exact(fd, n: int, offset: int) -> bytes:
+    """Exactly ``n`` bytes at ``offset`` (one pread may return less, e.g. above 2 GiB on Linux).
+    ``fd``: a file descriptor, or an object with ``pread(n, offset)`` (a remote shard)."""
+    if hasattr(fd, "pread"):
+        data = fd.pread(n, offset)
+        if len(data) < n:
+            raise OSError(f"file cut short: read {len(data)} of {n} bytes at offset {offset}")
+        return data
     data = os.pread(fd, n, offset)
     while len(data) < n:
         more = os.pread(fd, n - len(data), offset + len(data))

@@ -64,6 +64,7 @@ class ShardScan:
     n_full_reads: int = 0                    # images whose header did not fit in the read prefix
     samples: list[ScannedSample] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)   # more manifest entry fields (remote: etag, ...)
 
 
 def split_name(name: str) -> tuple[str, str] | None:

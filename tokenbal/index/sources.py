@@ -71,20 +71,33 @@ def _brace_options(inner: str) -> list[str] | None:
     return parts if len(parts) > 1 else None
 
 
-def expand_sources(sources: Sequence[str]) -> list[str]:
+def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
     """Absolute shard paths for ``sources``, in the order given (globs sorted), without duplicates.
 
     Raises ``FileNotFoundError`` naming every literal path that does not exist and every glob that
     matches nothing, and ``ValueError`` for a directory, so a typo never turns into a silently
     smaller dataset. ``.json`` / ``.jsonl`` paths are annotation files (``tokenbal.index.annotations``).
+    A source with a scheme (``s3://``, ``https://``, ...) is a remote one, read through fsspec with
+    ``remote`` (``tokenbal.index.remote.RemoteOptions``): globs are listed by the store, and every URL
+    must exist.
     """
+    from tokenbal.index import remote as rm
+
     if isinstance(sources, str):
         sources = [sources]
     paths: list[str] = []
     missing: list[str] = []
+    literal_urls: list[str] = []   # checked together below (globbed ones exist already)
     for source in sources:
-        for pattern in expand_braces(os.path.expanduser(source)):
-            if glob.has_magic(pattern):
+        for pattern in expand_braces(source if rm.is_url(source) else os.path.expanduser(source)):
+            if rm.is_url(pattern):
+                urls = rm.expand_url(pattern, remote or rm.RemoteOptions())
+                if not urls:
+                    missing.append(f"{pattern} (pattern matches no object)")
+                if not glob.has_magic(pattern):
+                    literal_urls.append(pattern)
+                paths.extend(urls)
+            elif glob.has_magic(pattern):
                 matches = sorted(glob.glob(pattern))
                 if not matches:
                     missing.append(f"{pattern} (pattern matches no file)")
@@ -93,12 +106,19 @@ def expand_sources(sources: Sequence[str]) -> list[str]:
                 paths.append(pattern)
             else:
                 missing.append(pattern)
+    if literal_urls:
+        missing.extend(rm.missing_urls(list(dict.fromkeys(literal_urls)), remote or rm.RemoteOptions()))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise FileNotFoundError(f"{len(missing)} shard source(s) not found: {shown}")
     out: list[str] = []
     seen: set[str] = set()
     for p in paths:
+        if rm.is_url(p):
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+            continue
         ap = os.path.abspath(p)
         if os.path.isdir(ap):
             raise ValueError(f"source {p!r} is a directory; pass its shards, e.g. {p.rstrip('/')}/*.tar")

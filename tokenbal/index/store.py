@@ -279,11 +279,13 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def verify_index(path: str | os.PathLike) -> list[str]:
+def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
     """Problems that make the index at ``path`` stale, one line each, naming the file; [] if none.
 
     Every shard is re-fingerprinted (size + first/last MiB): a missing shard, a size change or a
     same-size content change is reported. A changed mtime alone is not (copies change it).
+    A remote shard (URL) is checked through its store (``tokenbal.index.remote.remote_problems``,
+    ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint.
     """
     path = os.fspath(path)
     manifest = read_manifest(path)
@@ -291,6 +293,11 @@ def verify_index(path: str | os.PathLike) -> list[str]:
                 for f in INDEX_FILES if not os.path.isfile(os.path.join(path, f))]
     for entry in manifest["shards"]:
         shard = entry["path"]
+        if "://" in shard and not shard.startswith("file://"):
+            from tokenbal.index.remote import RemoteOptions, remote_problems
+
+            problems.extend(remote_problems(entry, remote or RemoteOptions()))
+            continue
         try:
             size = os.stat(shard).st_size
         except FileNotFoundError:

@@ -45,16 +45,18 @@ class _Fallback(Exception):
     """Something ``tarfile`` must judge; never leaves this module."""
 
 
-def walk_members(fd: int, size: int) -> tuple[list[TarMember], int] | None:
+def walk_members(fd, size: int) -> tuple[list[TarMember], int] | None:
     """``(members, end_of_members)`` of the uncompressed tar open as ``fd`` (``size`` bytes), or
-    ``None`` when the shard needs ``tarfile`` (see the module docstring)."""
+    ``None`` when the shard needs ``tarfile`` (see the module docstring). ``fd`` is a file
+    descriptor, or an object with ``pread(n, offset)`` (a remote shard: ``tokenbal.index.remote``)."""
+    pread = fd.pread if hasattr(fd, "pread") else (lambda n, off: os.pread(fd, n, off))
     try:
-        return _walk(fd, size)
+        return _walk(pread, size)
     except _Fallback:
         return None
 
 
-def _walk(fd: int, size: int) -> tuple[list[TarMember], int]:
+def _walk(pread, size: int) -> tuple[list[TarMember], int]:
     members: list[TarMember] = []
     pos = 0
     pax_path: str | None = None
@@ -63,7 +65,7 @@ def _walk(fd: int, size: int) -> tuple[list[TarMember], int]:
     while True:
         if pos + BLOCK > size:
             raise _Fallback   # EOF without end blocks, or a payload past EOF: tarfile's call
-        buf = os.pread(fd, BLOCK, pos)
+        buf = pread(BLOCK, pos)
         if len(buf) != BLOCK:
             raise _Fallback
         if buf == _ZERO_BLOCK:
@@ -79,7 +81,7 @@ def _walk(fd: int, size: int) -> tuple[list[TarMember], int]:
         if kind in (b"x", b"L"):
             if data + blocks > size:
                 raise _Fallback
-            payload = os.pread(fd, n, data)
+            payload = pread(n, data)
             if len(payload) != n:
                 raise _Fallback
             if kind == b"L":

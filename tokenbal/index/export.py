@@ -1,0 +1,135 @@
+"""Export an index's per-sample tokens for other pipelines, and join lengths back by key.
+
+``export_index(index, out_dir, fmt)`` writes one table, a row per indexed sample in index order, with
+columns ``key``, ``shard``, ``length`` (vision + text tokens), ``vision_tokens``, ``text_tokens``:
+
+* ``parquet``: ``lengths.parquet`` (pyarrow); a ``length`` column is what transformers' length-grouped
+  samplers, ms-swift and LlamaFactory packing read;
+* ``jsonl``: ``lengths.jsonl``, one object per line;
+* ``npy``: ``lengths.npy`` (int64, shape (N, 3): length, vision, text), ``keys.txt`` and
+  ``shards.txt`` (one line per sample; keys with a newline are refused for this format).
+
+``lengths_for_keys(source, keys)`` gives the ``length`` of each of ``keys`` from an export or an
+index, in the order of ``keys``: a dataset listed in another order (another tool's sample list, a
+filtered subset) gets its lengths for ``TokenBalancedBatchSampler(lengths, ...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+FORMATS = ("parquet", "jsonl", "npy")
+COLUMNS = ("length", "vision_tokens", "text_tokens")
+
+
+def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str:
+    """Write the per-sample table of ``index`` (a ``TokenIndex`` or its folder) into ``out_dir``;
+    returns the path of the main file written."""
+    from tokenbal.index.store import TokenIndex
+
+    if fmt not in FORMATS:
+        raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
+    idx = index if isinstance(index, TokenIndex) else TokenIndex.open(index)
+    os.makedirs(out_dir, exist_ok=True)
+    keys = list(idx.keys)
+    shard_ids = np.asarray(idx.shard_ids)
+    shards = [idx.shard_paths[int(s)] for s in shard_ids]
+    cols = {"length": np.asarray(idx.lengths), "vision_tokens": np.asarray(idx.vision_tokens),
+            "text_tokens": np.asarray(idx.text_tokens)}
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = os.path.join(out_dir, "lengths.parquet")
+        table = pa.table({"key": pa.array(keys, pa.string()), "shard": pa.array(shards, pa.string()),
+                          **{k: pa.array(v, pa.int64()) for k, v in cols.items()}})
+        pq.write_table(table, path)
+    elif fmt == "jsonl":
+        path = os.path.join(out_dir, "lengths.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            for j, key in enumerate(keys):
+                row = {"key": key, "shard": shards[j], **{k: int(v[j]) for k, v in cols.items()}}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    else:
+        bad = next((k for k in keys + shards if "\n" in k), None)
+        if bad is not None:
+            raise ValueError(f"key or shard {bad!r} holds a newline; export it as parquet or jsonl")
+        path = os.path.join(out_dir, "lengths.npy")
+        np.save(path, np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3))
+        for name, lines in (("keys.txt", keys), ("shards.txt", shards)):
+            with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+                f.write("".join(k + "\n" for k in lines))
+    return path
+
+
+def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarray]]:
+    """``(keys, {column: values})`` of an export (its folder or main file) or of an index folder."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        from tokenbal.index.store import MANIFEST
+
+        if os.path.isfile(os.path.join(path, MANIFEST)):
+            from tokenbal.index.store import TokenIndex
+
+            idx = TokenIndex.open(path)
+            return list(idx.keys), {"length": np.asarray(idx.lengths),
+                                    "vision_tokens": np.asarray(idx.vision_tokens),
+                                    "text_tokens": np.asarray(idx.text_tokens)}
+        found = [f for f in ("lengths.parquet", "lengths.jsonl", "lengths.npy")
+                 if os.path.isfile(os.path.join(path, f))]
+        if not found:
+            raise FileNotFoundError(f"{path} holds neither a tokenbal index nor an export "
+                                    "(lengths.parquet / lengths.jsonl / lengths.npy)")
+        path = os.path.join(path, found[0])
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(path, columns=["key", *COLUMNS])
+        return t.column("key").to_pylist(), {c: t.column(c).to_numpy().astype(np.int64) for c in COLUMNS}
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [r["key"] for r in rows], {c: np.array([r[c] for r in rows], np.int64) for c in COLUMNS}
+    if path.endswith(".npy"):
+        arr = np.load(path)
+        with open(os.path.join(os.path.dirname(path), "keys.txt"), encoding="utf-8") as f:
+            keys = f.read().split("\n")[:-1]
+        if len(keys) != len(arr):
+            raise ValueError(f"{path}: {len(arr)} rows but keys.txt has {len(keys)} keys")
+        return keys, {c: arr[:, j].astype(np.int64) for j, c in enumerate(COLUMNS)}
+    raise ValueError(f"{path}: not an export (.parquet / .jsonl / .npy) nor an index folder")
+
+
+def lengths_for_keys(source, keys: Sequence[str], column: str = "length") -> np.ndarray:
+    """``column`` (``length``, ``vision_tokens`` or ``text_tokens``) for each of ``keys``, in that order,
+    from ``source``: an export (folder or file), an index folder or a ``TokenIndex``.
+
+    Raises ``KeyError`` naming keys that are absent, and ``ValueError`` when the source holds one key
+    twice (keys repeat across shards in some corpora: join on keys only where they are unique).
+    """
+    from tokenbal.index.store import TokenIndex
+
+    if column not in COLUMNS:
+        raise ValueError(f"column must be one of {COLUMNS}, got {column!r}")
+    if isinstance(source, TokenIndex):
+        have_keys, cols = list(source.keys), {"length": np.asarray(source.lengths),
+                                              "vision_tokens": np.asarray(source.vision_tokens),
+                                              "text_tokens": np.asarray(source.text_tokens)}
+    else:
+        have_keys, cols = read_export(source)
+    where: dict[str, int] = {}
+    dups = []
+    for j, k in enumerate(have_keys):
+        if where.setdefault(k, j) != j:
+            dups.append(k)
+    if dups:
+        raise ValueError(f"{len(dups)} key(s) appear more than once in {source}, e.g. {dups[:3]}; "
+                         "lengths cannot be joined by key")
+    missing = [k for k in keys if k not in where]
+    if missing:
+        raise KeyError(f"{len(missing)} of {len(keys)} keys not in {source}, e.g. {missing[:5]}")
+    return cols[column][np.fromiter((where[k] for k in keys), np.int64, count=len(keys))].astype(np.int64)

@@ -1,0 +1,215 @@
+"""Scan one Parquet file (the Hugging Face datasets layout of most VLM SFT sets) like a shard.
+
+Columns (``ParquetOptions``; each default is the first that the file has):
+
+* images: ``--image-column`` (default ``images``, else ``image``): a list of ``{bytes, path}``
+  structs (HF ``Sequence(Image())``), one such struct (HF ``Image()``), or a list of / plain binary.
+* text: ``--messages-column`` (default ``messages``, else ``conversations``): chat turns, counted by
+  the rules of ``tokenbal.index.text`` (``{"role", "content"}`` turns as ``messages``, ``{"from",
+  "value"}`` turns as ``conversations``); or ``--text-column`` (default ``text``, else ``caption``),
+  a string. A file with none of the named / default columns is one file-level error.
+
+Only those columns are read (Parquet is columnar: the others are never fetched), one row group at a
+time. An image's bytes sit inside a compressed column page, so a page is decompressed whole, but only
+each image's first 4 KiB are copied out of Arrow and parsed (``image_size``); the whole value only
+when its header does not fit there. A remote file (any fsspec URL) is read through fsspec, which
+fetches the footer and the needed column chunks by ranged reads.
+
+Samples: a sample's key is ``<file name>:<row group>:<row in group>`` and its one member is
+``(ext "row", offset = row group, size = row in group)``, which is how
+``tokenbal.data.IndexedParquetDataset`` finds the row again. Errors, one per row, naming the file,
+row group and row: an image without bytes, an image whose header cannot be read, malformed chat
+turns, a row with neither images nor text.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, image_size
+from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
+from tokenbal.index.text import SampleTextError, join_text, json_text
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+ROW_EXT = "row"
+
+
+def is_parquet(path: str) -> bool:
+    return path.lower().endswith(PARQUET_SUFFIXES)
+
+
+@dataclass(frozen=True)
+class ParquetOptions:
+    """Which columns hold a row's images and text (``None``: the defaults in the module docstring)."""
+    image_column: str | None = None
+    text_column: str | None = None
+    messages_column: str | None = None
+
+    def as_meta(self) -> dict:
+        return {"image_column": self.image_column, "text_column": self.text_column,
+                "messages_column": self.messages_column}
+
+
+def resolve_columns(names: list[str], opts: ParquetOptions) -> tuple[str | None, str | None, str | None]:
+    """``(image, messages, text)`` column names in a file with columns ``names``; raises
+    ``ValueError`` for a named column that is absent, or when no column gives images or text."""
+    have = set(names)
+    for given in (opts.image_column, opts.text_column, opts.messages_column):
+        if given is not None and given not in have:
+            raise ValueError(f"column {given!r} not in the file (columns: {', '.join(names)})")
+
+    def pick(given: str | None, defaults: tuple[str, ...]) -> str | None:
+        return given if given is not None else next((d for d in defaults if d in have), None)
+
+    image = pick(opts.image_column, ("images", "image"))
+    if opts.text_column is not None:
+        messages, text = opts.messages_column, opts.text_column
+    else:
+        messages = pick(opts.messages_column, ("messages", "conversations"))
+        text = None if messages is not None else pick(None, ("text", "caption"))
+    if image is None and messages is None and text is None:
+        raise ValueError(f"no image or text column (looked for images / image, messages / conversations, "
+                         f"text / caption; columns: {', '.join(names)}); name them with --image-column and "
+                         "--messages-column / --text-column")
+    return image, messages, text
+
+
+def open_parquet(path: str, remote=None):
+    """``(pyarrow.parquet.ParquetFile, size, fingerprint, extra manifest fields)`` for a local path or
+    a URL (``remote``: ``tokenbal.index.remote.RemoteOptions``)."""
+    import pyarrow.parquet as pq
+
+    from tokenbal.index import remote as rm
+
+    if rm.is_url(path):
+        opts = remote or rm.RemoteOptions()
+        info = rm.object_info(path, opts)
+        fp = rm.RemoteFile(path, info["size"], opts).fingerprint()
+        fs, inner = rm.filesystem(path, opts.storage_options)
+        f = rm.with_retries(lambda: fs.open(inner, "rb"), path, "open", opts)
+        extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
+        return pq.ParquetFile(f), info["size"], fp, extra
+    size = os.path.getsize(path)
+    return pq.ParquetFile(path), size, shard_fingerprint(path, size), {}
+
+
+def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None) -> ShardScan:
+    """Scan the Parquet file at ``path`` (see the module docstring); never raises for bad data."""
+    opts = opts or ParquetOptions()
+    scan = ShardScan(path=path)
+    try:
+        pf, scan.size, scan.fingerprint, scan.extra = open_parquet(path, remote)
+        if "://" not in path:
+            scan.mtime_ns = os.stat(path).st_mtime_ns
+        image_col, messages_col, text_col = resolve_columns(pf.schema_arrow.names, opts)
+        cols = [c for c in (image_col, messages_col, text_col) if c is not None]
+        base = os.path.basename(path.rstrip("/"))
+        for rg in range(pf.num_row_groups):
+            table = pf.read_row_group(rg, columns=cols)
+            heads, full = _image_heads(table, image_col)
+            msgs = table.column(messages_col).to_pylist() if messages_col else None
+            texts = table.column(text_col).to_pylist() if text_col else None
+            for row in range(table.num_rows):
+                scan.n_members += 1
+                key = f"{base}:{rg}:{row}"
+                sample = _row(scan, key, f"{path} row group {rg} row {row}", rg, row,
+                              heads[row] if heads is not None else None, full, messages_col,
+                              msgs[row] if msgs is not None else None,
+                              texts[row] if texts is not None else None)
+                if sample is not None:
+                    scan.samples.append(sample)
+        if scan.n_members == 0:
+            _file_error(scan, "empty", f"Parquet file {path} holds no rows")
+    except FileNotFoundError as e:
+        _file_error(scan, "missing", f"Parquet file not found: {path}: {e}")
+    except ValueError as e:   # a named column that is absent, no usable column
+        _file_error(scan, "corrupt", f"Parquet file {path}: {e}")
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid & co: a damaged file, one error
+        _file_error(scan, "corrupt", f"Parquet file {path} cannot be read: {type(e).__name__}: {e}")
+    return scan
+
+
+def _file_error(scan: ShardScan, status: str, reason: str) -> None:
+    scan.status, scan.reason = status, reason
+    scan.samples = []
+    scan.errors = [{"shard": scan.path, "key": None, "reason": reason}]
+
+
+def _image_heads(table, column: str | None):
+    """Per row: a list of ``(first bytes or None, flat index)`` per image, and a function giving the
+    whole value of flat image ``j`` (for headers past the first bytes)."""
+    if column is None:
+        return None, None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    arr = table.column(column).combine_chunks()
+    listed = pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)
+    if listed:
+        offsets = arr.offsets.to_pylist()
+        valid = arr.is_valid().to_pylist()
+        flat = arr.flatten()
+    else:   # one image per row
+        offsets, valid, flat = list(range(len(arr) + 1)), [True] * len(arr), arr
+    if pa.types.is_struct(flat.type):
+        names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
+        if "bytes" not in names:
+            raise ValueError(f"image column {column!r} holds structs without a 'bytes' field ({names})")
+        data = pc.struct_field(flat, "bytes")
+        paths = pc.struct_field(flat, "path").to_pylist() if "path" in names else [None] * len(flat)
+    elif pa.types.is_binary(flat.type) or pa.types.is_large_binary(flat.type):
+        data, paths = flat, [None] * len(flat)
+    else:
+        raise ValueError(f"image column {column!r} has type {arr.type}, expected a list of "
+                         "{bytes, path} structs, one such struct, or binary")
+    heads = pc.binary_slice(data, 0, FIRST_READ).to_pylist()
+    rows = []
+    for r in range(len(offsets) - 1):
+        if not valid[r]:
+            rows.append([])
+            continue
+        rows.append([(heads[j], j, paths[j]) for j in range(offsets[r], offsets[r + 1])])
+    return rows, lambda j: data[j].as_py()
+
+
+def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
+         messages, text) -> ScannedSample | None:
+    def fail(reason: str) -> None:
+        scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
+
+    sizes = []
+    for n, (head, j, path) in enumerate(images or []):
+        named = f"image {n}" + (f" ({path!r})" if path else "")
+        if head is None:
+            return fail(f"{named} has no bytes (only a path); embed the images, e.g. datasets' "
+                        "cast_column(..., Image(decode=True)) before to_parquet")
+        try:
+            sizes.append(image_size(head))
+        except ImageSizeError as e:
+            if len(head) < FIRST_READ:
+                return fail(f"{named} is not a readable image: {e}")
+            try:   # the header lies past the first bytes (a large EXIF / ICC block)
+                sizes.append(image_size(full(j)))
+                scan.n_full_reads += 1
+            except ImageSizeError as e2:
+                return fail(f"{named} is not a readable image: {e2}")
+    pieces: list[str] | None = None
+    try:
+        if messages is not None:
+            turns = messages
+            kind = "messages"
+            if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "value" in turns[0] \
+                    and "content" not in turns[0]:
+                kind = "conversations"
+            pieces = json_text({kind: turns})
+        elif text is not None:
+            if not isinstance(text, str):
+                raise SampleTextError(f"text is {type(text).__name__}, not a string")
+            pieces = [text]
+    except SampleTextError as e:
+        return fail(f"column {messages_col or 'text'!r}: {e}")
+    if not sizes and not pieces:
+        return fail("has neither images nor text")
+    return ScannedSample(key=key, members=[(ROW_EXT, rg, row)], image_sizes=sizes,
+                         text=join_text(pieces or []))
