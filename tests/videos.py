@@ -89,3 +89,42 @@ def huge_header_avi(path: str, small_avi: str) -> str:
     with open(path, "wb") as f:
         f.write(data)
     return path
+
+
+def import_without_torchvision(modname: str):
+    """Import ``modname`` (a transformers video-processor module or ``qwen_vl_utils``), which imports
+    torchvision at the top, with shape-only torchvision stand-ins that exist only during the import
+    (torchvision cannot be installed beside this torch build). Only the frame-sampling and sizing
+    functions of the module are used as oracles; ``resize`` returns an empty tensor of the asked size."""
+    import importlib
+    import sys
+    import types
+
+    import torch
+
+    def resize(video, size, *args, **kwargs):
+        return torch.empty((*video.shape[:-2], int(size[0]), int(size[1])), dtype=torch.uint8)
+
+    names = ["torchvision", "torchvision.io", "torchvision.transforms", "torchvision.transforms.functional",
+             "torchvision.transforms.v2", "torchvision.transforms.v2.functional"]
+    stubs = {n: types.ModuleType(n) for n in names}
+    for n in names[1:]:
+        parent, child = n.rsplit(".", 1)
+        setattr(stubs[parent], child, stubs[n])
+    stubs["torchvision"].__version__ = "0.0"
+    stubs["torchvision.transforms"].InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic")
+    stubs["torchvision.transforms.functional"].resize = resize
+    stubs["torchvision.transforms.v2.functional"].resize = resize
+    saved = {n: sys.modules.get(n) for n in [*names, modname]}
+    sys.modules.pop(modname, None)
+    sys.modules.update(stubs)
+    try:
+        return importlib.import_module(modname)
+    finally:
+        for n, v in saved.items():
+            if n == modname:
+                continue
+            if v is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = v
