@@ -190,8 +190,10 @@ def test_glm4v(videos):
 
 
 def test_llava_onevision(videos):
-    from transformers.models.llava_onevision import processing_llava_onevision as lp
-    from transformers.models.llava_onevision import video_processing_llava_onevision as lv
+    import importlib
+
+    lp = importlib.import_module("transformers.models.llava_onevision.processing_llava_onevision")
+    lv = importlib.import_module("transformers.models.llava_onevision.video_processing_llava_onevision")
 
     LlavaOnevisionProcessor = lp.LlavaOnevisionProcessor
     proc = lv.LlavaOnevisionVideoProcessor()
