@@ -41,7 +41,6 @@ from dataclasses import dataclass
 
 MAX_SIDE = 32768                 # larger frames are refused: no real clip is bigger, and a damaged
 MAX_FRAME_PIXELS = 1 << 28       # header must not make a reader allocate gigabytes per frame
-VIDEO_EXTS = frozenset({"mp4", "webm", "mkv", "mov", "avi", "m4v"})
 _MOOV_LIMIT = 64 << 20
 
 
