@@ -11,7 +11,13 @@ import pytest
 pytest.importorskip("av")
 
 from tests.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
-from tokenbal.index.video import VideoError, count_decoded_frames, decode_frames, probe_video  # noqa: E402
+from tokenbal.index.video import (  # noqa: E402
+    VideoError,
+    count_decoded_frames,
+    decode_frames,
+    mkv_video_frames,
+    probe_video,
+)
 
 NTSC = Fraction(30000, 1001)
 CASES = [   # name, frames, width, height, fps, extra
@@ -42,6 +48,9 @@ def test_header_equals_decode(videos, name, n, w, h, fps, kw):
     assert info.frames == count_decoded_frames(path) == n
     assert (info.width, info.height) == (w, h)
     assert info.duration > 0
+    if name.endswith((".webm", ".mkv")):   # the EBML block walk itself, not the demux fallback
+        with open(path, "rb") as f:
+            assert mkv_video_frames(f, os.path.getsize(path)) == n
     if not kw:      # constant rate: the stored rate is the one written
         assert info.fps == pytest.approx(float(fps), rel=1e-6)
     # the same from bytes and from a byte range of a bigger file (a tar member)
@@ -67,6 +76,31 @@ def test_duration_times_rate_is_wrong_for_vfr_matroska(videos):
     # overcounts a variable-rate clip while the packet count is exact.
     info = probe_video(videos["vfr.webm"])
     assert round(info.duration * info.fps) != info.frames == count_decoded_frames(videos["vfr.webm"])
+
+
+def test_matroska_with_audio_counts_the_video_track(tmp_path):
+    import av
+    import numpy as np
+
+    path = str(tmp_path / "av.mkv")
+    with av.open(path, "w") as out:
+        a = out.add_stream("aac", rate=8000)
+        v = out.add_stream("h264", rate=24)
+        v.width, v.height, v.pix_fmt = 16, 16, "yuv420p"
+        for i in range(30):
+            img = np.full((16, 16, 3), i * 8, np.uint8)
+            for p in v.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(p)
+            af = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            af.sample_rate, af.pts = 8000, i * 1024
+            for p in a.encode(af):
+                out.mux(p)
+        for s in (v, a):
+            for p in s.encode():
+                out.mux(p)
+    with open(path, "rb") as f:
+        assert mkv_video_frames(f, os.path.getsize(path)) == 30
+    assert probe_video(path).frames == count_decoded_frames(path) == 30
 
 
 @pytest.mark.parametrize("deg", [0, 90, 180, 270])
