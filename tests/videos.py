@@ -10,9 +10,11 @@ CODEC_OF = {"mp4": "h264", "mov": "mpeg4", "mkv": "h264", "webm": "libvpx-vp9", 
 
 
 def write_video(path: str, n: int, width: int, height: int, fps: float | Fraction = 30, *,
-                codec: str | None = None, gaps_ms: list[int] | None = None, rotation: int = 0) -> str:
+                codec: str | None = None, gaps_ms: list[int] | None = None, rotation: int = 0,
+                noise: bool = False) -> str:
     """``n`` frames of ``width`` x ``height`` at ``fps``; ``gaps_ms`` (cycled) makes the frame
-    timestamps irregular (variable frame rate); ``rotation`` sets a display matrix (mp4 / mov)."""
+    timestamps irregular (variable frame rate); ``rotation`` sets a display matrix (mp4 / mov);
+    ``noise`` moving random texture (a realistic bitrate, hence decode cost) instead of a ramp."""
     import av
 
     ext = path.rsplit(".", 1)[-1]
@@ -31,8 +33,13 @@ def write_video(path: str, n: int, width: int, height: int, fps: float | Fractio
             s.codec_context.time_base = tb
         t = 0
         ramp = np.arange(width, dtype=np.int64)[None, :, None]
+        texture = np.random.default_rng(0).integers(0, 256, (height, 2 * width, 3), dtype=np.uint8)
         for i in range(n):
-            img = np.broadcast_to((ramp * 3 + 9 * i) % 251, (height, width, 3)).astype(np.uint8)
+            if noise:
+                shift = (5 * i) % width
+                img = texture[:, shift:shift + width]
+            else:
+                img = np.broadcast_to((ramp * 3 + 9 * i) % 251, (height, width, 3)).astype(np.uint8)
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
             if gaps_ms:
                 frame.pts, frame.time_base = t, tb
