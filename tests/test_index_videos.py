@@ -202,3 +202,22 @@ def test_family_without_video_support_rejects_the_sample(files, tmp_path):
     idx = TokenIndex.open(tmp_path / "idx")
     assert list(idx.keys) == ["i"]
     assert "no video support" in idx.errors[0]["reason"] and idx.errors[0]["key"] == "v"
+
+
+def test_rebuild_reuses_video_rows(shard_index, tmp_path):
+    import shutil
+
+    shard, idx, _ = shard_index
+    out = tmp_path / "index"
+    shutil.copytree(idx.path, out)
+    report = build_index([shard], out, model="qwen3-vl", progress=False)
+    assert report.num_reused == 1
+    again = TokenIndex.open(out)
+    for name in ("video_start", "video_info", "video_params"):
+        assert np.array_equal(again._cols[name], idx._cols[name], equal_nan=name == "video_params")
+    assert np.array_equal(again.vision_tokens, idx.vision_tokens)
+    # other rules (another video pipeline): rescanned, video counts change with them
+    report = build_index([shard], out, model="qwen3-vl", estimator_overrides={"pipeline": "qwen-vl-utils"},
+                         progress=False)
+    assert report.num_reused == 0
+    assert "qwen-vl-utils" in TokenIndex.open(out).manifest["video_pipeline"]
