@@ -135,8 +135,16 @@ def _header_listed(f) -> bool:
     return head[:4] == b"\x1a\x45\xdf\xa3" or head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide")
 
 
+def _av():
+    try:
+        import av
+    except ImportError as e:
+        raise ImportError("video samples need PyAV: pip install 'tokenbal[video]' (the av package)") from e
+    return av
+
+
 def _open(f, header_only: bool = False):
-    import av
+    av = _av()
 
     try:
         return av.open(f, mode="r", options=_HEADER_ONLY if header_only and _header_listed(f) else None)
@@ -151,7 +159,7 @@ def _open(f, header_only: bool = False):
 def probe_video(src: VideoSource) -> VideoInfo:
     """Metadata of the video at ``src`` (a path, bytes, or ``(fd, offset, size)``) without decoding;
     :class:`VideoError` for an empty, unreadable, audio-only, zero-frame or absurdly large video."""
-    import av
+    av = _av()
 
     try:
         if _size(src) == 0:
