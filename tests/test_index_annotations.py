@@ -64,7 +64,7 @@ def ann(tmp_path):
         "train.jsonl:7": f"{jsonl}:7: image 0 'a/missing.jpg' not found at {root / 'a/missing.jpg'}",
         "train.jsonl:8": f"{jsonl}:8: not valid JSON",
         "train.jsonl:9": f"{jsonl}:9: record is list, not an object",
-        "train.jsonl:10": f"{jsonl}:10: has a 'video' field; video samples are not supported yet",
+        "train.jsonl:10": f"{jsonl}:10: video 0 'v.mp4' at {root / 'v.mp4'}: cannot read the video",
         "train.jsonl:11": f"{jsonl}:11: image 0 'broken.jpg' at {root / 'broken.jpg'} is not a readable "
                           "image",
         "train.jsonl:12": f"{jsonl}:12: 'image' must be a path or a list of paths",

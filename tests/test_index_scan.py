@@ -194,7 +194,7 @@ def test_scan_bad_samples(tmp_path):
         ("empty.png", b""), ("empty.txt", b"x"),
         ("split.jpg", JPG), ("other.txt", b"between"), ("split.txt", b"later"),   # non-adjacent
         ("dup.jpg", JPG), ("dup.JPG", JPG),                                      # duplicate (case)
-        ("vid.mp4", b"\0\0\0\x18ftypmp42"), ("vid.json", conv),                  # video: unsupported
+        ("vid.mp4", b"\0\0\0\x18ftypmp42"), ("vid.json", conv),                  # a broken video
         ("meta.json", b'{"url": "http://x"}'), ("meta.jpg", JPG),                # unknown JSON schema
         ("nothing.cls", b"3"),                                                   # neither image nor text
         ("badjson.json", b"{"), ("noext", b"x"),
@@ -210,7 +210,7 @@ def test_scan_bad_samples(tmp_path):
         "empty": "sample 'empty': member 'empty.png' is not a readable image: empty (0 bytes)",
         "split": "sample 'split': its members are not adjacent",
         "dup": "member 'dup.JPG' appears twice",
-        "vid": "is a video; video samples are not supported yet",
+        "vid": "sample 'vid': member 'vid.mp4' is not a readable video: not a readable video container",
         "meta": "no text found",
         "nothing": "has neither images nor text",
         "badjson": "member 'badjson.json': not valid JSON",

@@ -270,7 +270,10 @@ class IndexedShardDataset(Dataset):
 
     Returned dict: ``__key__``, ``__shard__`` and ``__url__`` (the shard read), ``__index__`` (``i``),
     and one entry per member, keyed by its extension lower-cased as webdataset does (``jpg``,
-    ``0.png``, ``txt``).
+    ``0.png``, ``txt``). With a ``decode``, a video member becomes the uint8 array (T, H, W, 3) of
+    exactly the frames the index's model family samples (``tokenbal.index.videoindex``), and
+    ``__videos__`` lists, per video, its member key, ``fps``, ``frames_indices`` and
+    ``total_num_frames`` (the processor's video metadata).
     """
 
     def __init__(self, index: Any, decode: Any = "pil", *,
@@ -419,7 +422,10 @@ class IndexedShardDataset(Dataset):
         if self.decoder is None:
             return sample
         try:
-            return self.decoder(sample)
+            out = self.decoder(sample)
+            from tokenbal.index.videoindex import decode_sample_videos
+
+            return decode_sample_videos(self.index, out)
         except Exception as e:
             # webdataset's DecodingError names the field; the cause says why.
             cause = e.__cause__ if e.__cause__ is not None else e

@@ -16,9 +16,17 @@ Its members are its image files: offset 0, size the file size, the path kept in 
 
 Errors, one per record, naming the file and line (or index): invalid JSON on that line, a record
 that is not an object, a malformed image field, a missing or unreadable image file (with its full
-path), an image whose header cannot be read, a ``video`` / ``videos`` field (not supported yet),
-text fields of the wrong type. A ``.json`` file that is not a list of records, or not JSON at all,
-is one file-level error (status ``corrupt``), like a damaged shard.
+path), an image whose header cannot be read, a video that cannot be read (the reason from
+``tokenbal.index.video.probe_video``) or has bad clip fields, text fields of the wrong type.
+
+* videos: ``videos`` (a list of paths) or ``video`` (a path or a list), else the
+  ``{"type": "video", "video": PATH, "fps", "min_frames", "max_frames", "nframes", "video_start",
+  "video_end"}`` parts of ``messages`` contents (Qwen-VL style); the part's fields are kept per
+  video and honoured by the family's frame sampler (``tokenbal.estimate.video``). A frame-list
+  video (``"video": [images]``) is an error (not supported).
+
+A ``.json`` file that is not a list of records, or not JSON at all, is one file-level error
+(status ``corrupt``), like a damaged shard.
 
 The fingerprint (``verify``) covers the annotation file only, not the image files it names.
 """
@@ -31,6 +39,8 @@ import os
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
+from tokenbal.index.video import VideoError, probe_video
+from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
 
@@ -103,17 +113,15 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
 
     if not isinstance(rec, dict):
         return fail(f"record is {type(rec).__name__}, not an object")
-    for field in ("video", "videos"):
-        if rec.get(field):
-            return fail(f"has a '{field}' field; video samples are not supported yet")
     try:
         images = _image_paths(rec)
         pieces = json_text(rec)
-    except SampleTextError as e:
+        video_refs = video_parts(rec)
+    except (SampleTextError, ValueError) as e:
         return fail(str(e))
-    if pieces is None and not images:
-        return fail("has neither images nor text (none of image / images / conversations / messages / "
-                    "text / caption)")
+    if pieces is None and not images and not video_refs:
+        return fail("has neither images nor text nor a video (none of image / images / video / videos / "
+                    "conversations / messages / text / caption)")
     members, paths, sizes = [], [], []
     for j, rel in enumerate(images):
         full = os.path.normpath(os.path.join(root, rel))
@@ -138,8 +146,19 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         members.append((ext, 0, size))
         paths.append(f"{rel}\0{full}")
         sizes.append(wh)
+    videos = []
+    for j, (rel, params) in enumerate(video_refs):
+        full = os.path.normpath(os.path.join(root, rel))
+        try:
+            info = probe_video(full)
+        except VideoError as e:
+            return fail(f"video {j} {rel!r} at {full}: {e}")
+        name = os.path.basename(rel)
+        videos.append(SampleVideo(member=len(members), info=info, params=params))
+        members.append((name.rsplit(".", 1)[-1].lower() if "." in name else "", 0, os.path.getsize(full)))
+        paths.append(f"{rel}\0{full}")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
-                         paths=paths)
+                         paths=paths, videos=videos or None)
 
 
 def _image_paths(rec: dict) -> list[str]:

@@ -23,6 +23,7 @@ from tokenbal.index.remote import RemoteOptions, is_url, remote_unchanged, scan_
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import COLUMNS, ERRORS, FORMAT_VERSION, KEYS_BLOB, MANIFEST, PATHS_BLOB, TokenIndex
+from tokenbal.index.videoindex import VIDEO_COLUMNS
 
 
 class VisionEstimator(Protocol):
@@ -83,6 +84,9 @@ class ShardResult:
     text: np.ndarray
     errors: list[dict]
     member_paths: list[str] | None = None   # annotation sources: "name\0path" per member ("" for tar)
+    video_counts: np.ndarray | None = None  # per sample; None: no videos (tokenbal.index.videoindex)
+    video_info: np.ndarray | None = None
+    video_params: np.ndarray | None = None
 
 
 def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str = "qwen2-vl",
@@ -117,6 +121,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     (``tokenbal.index.merge``), for builds spread over machines.
     """
     from tokenbal.estimate import get_estimator, get_text_counter
+    from tokenbal.estimate.video import video_pipeline
 
     t0 = time.perf_counter()
     if workers < 1:
@@ -145,6 +150,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         "text_counter": {"name": counter.name, "tokenizer": tokenizer},
         "image_sizes": "from headers, as stored: EXIF orientation ignored",
         "image_root": os.path.abspath(image_root) if image_root is not None else None,
+        "video_pipeline": video_pipeline(est),
         "sources": list(sources) if not isinstance(sources, str) else [sources],
     }
     if any(is_parquet(p) for p in paths):
@@ -240,7 +246,8 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
 def _rules(meta: dict) -> tuple:
     e = meta["estimator"]
     return (e["name"], json.dumps(e["config"], sort_keys=True, default=_jsonable), int(e["wrapper_tokens"]),
-            meta["text_counter"]["name"], meta.get("image_root"), json.dumps(meta.get("parquet")))
+            meta["text_counter"]["name"], meta.get("image_root"), json.dumps(meta.get("parquet")),
+            meta.get("video_pipeline"))
 
 
 def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
@@ -301,7 +308,12 @@ def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
     exts = idx._exts
     poff = np.asarray(c["member_path_offsets"][m0:m1 + 1])
     paths = [idx._member_paths[j] if poff[j - m0 + 1] > poff[j - m0] else "" for j in range(m0, m1)]
-    return ShardResult(
+    video = {}
+    if "video_start" in c:
+        vs = np.asarray(c["video_start"][a:b + 1])
+        video = {"video_counts": np.diff(vs), "video_info": np.array(c["video_info"][int(vs[0]):int(vs[-1])]),
+                 "video_params": np.array(c["video_params"][int(vs[0]):int(vs[-1])])}
+    return ShardResult(**video,
         entry=entry, keys=idx.keys[a:b], member_counts=np.diff(ms), member_exts=[
             exts[e] for e in c["member_ext"][m0:m1]],
         member_offsets=np.array(c["member_offset"][m0:m1]), member_sizes=np.array(c["member_size"][m0:m1]),
@@ -322,9 +334,10 @@ def _wrapper_tokens(est: VisionEstimator, wh: np.ndarray) -> np.ndarray | int:
 
 def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -> ShardResult:
     from tokenbal.estimate import image_tokens_checked
+    from tokenbal.index.videoindex import plan_sample_videos, video_arrays
 
-    samples = scan.samples
     errors = list(scan.errors)
+    samples = plan_sample_videos(scan.samples, est, counter, scan.path, errors)
     wh = np.array([wh for s in samples for wh in s.image_sizes], dtype=np.int64).reshape(-1, 2)
     per_image = np.zeros(len(wh), np.int64)
     if len(wh):
@@ -349,6 +362,11 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     if len(wh):
         per_image = np.asarray(per_image, dtype=np.int64) + _wrapper_tokens(est, wh)
         np.add.at(vision, np.repeat(np.arange(n), image_counts), per_image)
+    video = {}
+    if any(s.videos for s in samples):
+        counts, video_tokens, info, params = video_arrays(samples)
+        vision += video_tokens
+        video = {"video_counts": counts, "video_info": info, "video_params": params}
     text = np.zeros(n, np.int64)
     nonempty = [i for i, s in enumerate(samples) if s.text]
     if nonempty:
@@ -361,7 +379,7 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     if any(s.paths for s in samples):
         paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
     return ShardResult(
-        entry=entry, keys=[s.key for s in samples], member_paths=paths,
+        **video, entry=entry, keys=[s.key for s in samples], member_paths=paths,
         member_counts=np.fromiter((len(s.members) for s in samples), np.int64, count=n),
         member_exts=[m[0] for s in samples for m in s.members],
         member_offsets=np.array([m[1] for s in samples for m in s.members], np.int64),
@@ -464,7 +482,8 @@ class _Column:
 class _IndexWriter:
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.cols = {name: _Column(folder, name, dt, tail) for name, (dt, tail) in COLUMNS.items()}
+        self.cols = {name: _Column(folder, name, dt, tail)
+                     for name, (dt, tail) in {**COLUMNS, **VIDEO_COLUMNS}.items()}
         self.keys_f = open(os.path.join(folder, KEYS_BLOB), "wb")
         self.paths_f = open(os.path.join(folder, PATHS_BLOB), "wb")
         self.path_bytes = 0
@@ -474,12 +493,13 @@ class _IndexWriter:
         self.key_bytes = self.num_members = self.num_images = 0
         self.num_samples = self.num_errors = self.num_bad_shards = self.total_tokens = 0
         # CSR tables start with a 0 so that sample i spans [start[i], start[i + 1]).
-        for name in ("key_offsets", "member_start", "image_start", "member_path_offsets"):
+        self.num_videos = 0
+        for name in ("key_offsets", "member_start", "image_start", "member_path_offsets", "video_start"):
             self.cols[name].append([0])
         self._checkpoint = self._state()
 
     _COUNTERS = ("key_bytes", "path_bytes", "num_members", "num_images", "num_samples", "num_errors",
-                 "num_bad_shards", "total_tokens")
+                 "num_bad_shards", "total_tokens", "num_videos")
 
     def _state(self) -> dict:
         return {"counters": {k: getattr(self, k) for k in self._COUNTERS}, "n_shards": len(self.shards),
@@ -533,6 +553,12 @@ class _IndexWriter:
             self.path_bytes += sum(len(p) for p in blobs)
         c["image_start"].append(self.num_images + np.cumsum(r.image_counts, dtype=np.int64))
         c["image_size"].append(r.image_wh)
+        counts = r.video_counts if r.video_counts is not None else np.zeros(n, np.int64)
+        c["video_start"].append(self.num_videos + np.cumsum(counts, dtype=np.int64))
+        if r.video_info is not None:
+            c["video_info"].append(r.video_info)
+            c["video_params"].append(r.video_params)
+            self.num_videos += len(r.video_info)
         for e in r.errors:
             self.errors_f.write((json.dumps(e, ensure_ascii=False) + "\n").encode("utf-8"))
         self.num_samples += n
@@ -562,7 +588,7 @@ class _IndexWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **meta,
             "num_samples": self.num_samples, "num_members": self.num_members,
-            "num_images": self.num_images, "num_errors": self.num_errors,
+            "num_images": self.num_images, "num_videos": self.num_videos, "num_errors": self.num_errors,
             "total_tokens": self.total_tokens,
             "extensions": list(self.ext_ids),
             "shards": self.shards,

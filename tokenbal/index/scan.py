@@ -19,8 +19,9 @@ risk indexing a sample that lost some of its members with it, and is one ``tar``
 
 Sample errors (each one recorded with shard, key and reason, never a crash): an image member that is
 empty or not a readable image, a text member that is not UTF-8 / valid JSON or has a malformed
-schema, a JSON with no known text field, video members (not supported yet), a sample with neither
-images nor text, non-adjacent members of a key, a duplicated member name, a non-regular member; and
+schema, a JSON with no known text field, a video member that is not a readable video
+(``tokenbal.index.video.probe_video``: the reason), a sample with neither images, videos nor text,
+non-adjacent members of a key, a duplicated member name, a non-regular member; and
 per member: a name with no extension or not valid UTF-8.
 """
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
 from tokenbal.index.tarwalk import TarMember, walk_members
 from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, text_pieces
+from tokenbal.index.video import VideoError, probe_video
 
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
 VIDEO_EXTS = frozenset({"mp4", "avi", "mkv", "webm", "mov", "m4v", "flv", "mpeg", "mpg"})
@@ -49,6 +51,7 @@ class ScannedSample:
     image_sizes: list[tuple[int, int]]       # (width, height) per image member, in member order
     text: str
     paths: list[str] | None = None           # annotation sources: "name\0absolute path" per member
+    videos: list | None = None               # tokenbal.index.videoindex.SampleVideo per video member
 
 
 @dataclass
@@ -261,7 +264,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"sample {key!r}: {reason}"})
 
     seen: set[str] = set()
-    members, sizes, pieces = [], [], []
+    members, sizes, pieces, videos = [], [], [], []
     has_text_member = False
     for ti in run:
         ext = ti.name[len(key) + 1:]
@@ -284,7 +287,9 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
                 if got is not None:
                     pieces.extend(got)
             elif kind == "video":
-                return fail(f"member {ti.name!r} is a video; video samples are not supported yet")
+                videos.append(_probe_member(fd, ti, len(members) - 1))
+        except VideoError as e:
+            return fail(f"member {ti.name!r} is not a readable video: {e}")
         except ImageSizeError as e:
             return fail(f"member {ti.name!r} is not a readable image: {e}")
         except SampleTextError as e:
@@ -293,6 +298,14 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
             return fail(f"cannot read member {ti.name!r}: {e}")
     if has_text_member and not pieces:   # only JSON members, none with a known text field
         return fail("no text found: its JSON has none of conversations / messages / text / caption")
-    if not sizes and not has_text_member:
-        return fail(f"has neither images nor text (members: {', '.join(repr(ti.name) for ti in run)})")
-    return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces))
+    if not sizes and not has_text_member and not videos:
+        names = ", ".join(repr(ti.name) for ti in run)
+        return fail(f"has neither images nor text nor a video (members: {names})")
+    return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces),
+                         videos=videos or None)
+
+
+def _probe_member(fd: int, ti: AnyMember, position: int):
+    from tokenbal.index.videoindex import SampleVideo
+
+    return SampleVideo(member=position, info=probe_video((fd, ti.offset_data, ti.size)))

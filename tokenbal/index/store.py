@@ -123,6 +123,7 @@ class TokenIndex:
                                  f"rows, expected {want} (rebuild it)")
         # Public columns stay np.memmap; lookups go through plain ndarray views of the same pages,
         # because indexing an np.memmap element by element costs ~10x more (subclass overhead).
+        cols.update(_video_columns(self.path, n))
         self._cols = {name: np.asarray(arr) for name, arr in cols.items()}
         self.lengths: np.ndarray = cols["lengths"]
         self.vision_tokens: np.ndarray = cols["vision_tokens"]
@@ -204,11 +205,42 @@ class TokenIndex:
         tokens = est.image_tokens_batch(wh[:, 0], wh[:, 1]) if len(wh) else np.zeros(0, np.int64)
         return self._cols["image_start"], np.asarray(tokens, np.int64)
 
+    @cached_property
+    def video_frames(self) -> np.ndarray:
+        """Frames each sample's videos feed the model (the family's sampling), per sample; zeros
+        for samples without video (``tokenbal.index.videoindex`` has the per-video table)."""
+        from tokenbal.index.videoindex import per_sample
+
+        return per_sample(self, 5)
+
+    @cached_property
+    def video_tokens(self) -> np.ndarray:
+        """Tokens of each sample's videos (placeholders, special and timestamp text), per sample;
+        included in ``vision_tokens``."""
+        from tokenbal.index.videoindex import per_sample
+
+        return per_sample(self, 6)
+
     def image_sizes(self, i: int) -> list[tuple[int, int]]:
         """(width, height) of each image of sample ``i``, in member order."""
         i = _check_row(i, len(self))
         a, b = int(self._cols["image_start"][i]), int(self._cols["image_start"][i + 1])
         return [(int(w), int(h)) for w, h in self._cols["image_size"][a:b]]
+
+
+def _video_columns(path: str, n: int) -> dict:
+    """The optional video table (``tokenbal.index.videoindex``); {} for an index without it."""
+    from tokenbal.index.videoindex import VIDEO_COLUMNS
+
+    if not os.path.isfile(os.path.join(path, "video_start.npy")):
+        return {}
+    cols = {name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r") for name in VIDEO_COLUMNS}
+    v = int(cols["video_start"][-1]) if len(cols["video_start"]) else 0
+    for name, want in (("video_start", n + 1), ("video_info", v), ("video_params", v)):
+        if len(cols[name]) != want:
+            raise ValueError(f"index {path} is inconsistent: {name}.npy has {len(cols[name])} rows, "
+                             f"expected {want} (rebuild it)")
+    return cols
 
 
 def _blob(file: str) -> np.ndarray:
@@ -349,6 +381,11 @@ def index_stats(path: str | os.PathLike, plot: str | os.PathLike | None = None) 
     if len(idx) == 0:
         lines.append("  no samples indexed")
         return "\n".join(lines)
+    from tokenbal.index.videoindex import stats_line
+
+    video_line = stats_line(idx)
+    if video_line:
+        lines.append(video_line)
     lines.append(f"  total tokens: {int(np.asarray(idx.lengths).sum()):,}")
     qs = (0, 50, 90, 99, 100)
     heads = ("min", "p50", "p90", "p99", "max", "mean")
