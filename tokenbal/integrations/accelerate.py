@@ -87,6 +87,16 @@ class TokenBalancedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass iterates (a loop can start at it after ``load_state``)."""
+        return self._epoch
+
+    @property
+    def batches_received(self) -> int:
+        """Batches of the current epoch the loop has received (restored by ``load_state``)."""
+        return self._received
+
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
         if epoch != self._epoch:
