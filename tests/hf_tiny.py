@@ -69,7 +69,8 @@ def pad_collate(features: list[dict]) -> dict:
     mask = torch.zeros(len(features), n, dtype=torch.long)
     for r, f in enumerate(features):
         k = len(f["input_ids"])
-        ids[r, :k], labels[r, :k], mask[r, :k] = f["input_ids"], f["labels"], 1
+        ids[r, :k], labels[r, :k] = torch.as_tensor(f["input_ids"]), torch.as_tensor(f["labels"])
+        mask[r, :k] = 1
     batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
              "mm_token_type_ids": (ids == IMG).int(),
              "sample_idx": torch.tensor([f["sample_idx"] for f in features])}

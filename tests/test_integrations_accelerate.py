@@ -25,7 +25,11 @@ def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_acc
     from tokenbal.integrations.accelerate import prepare_loader
 
     ds = TinyVLDataset(N)
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum)
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # a rank whose batch has no image leaves the vision tower without gradients this step
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum,
+                      kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     if tiny_vl:
         from tests.hf_tiny import tiny_qwen2_vl
 

@@ -137,3 +137,38 @@ def test_trainer_rejects_mismatched_settings(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
         t.get_train_dataloader()
     assert os.environ.get("WORLD_SIZE") is None
+
+
+def test_mixin_serves_trl_sft_trainer(tmp_path):
+    """The mixin in front of trl's SFTTrainer (one process): its loader is tokenbal's, each sample
+    once per epoch."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancingMixin
+
+    seen: list[list[int]] = []
+
+    class TokenBalancedSFT(TokenBalancingMixin, SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append(inputs.pop("sample_idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    raw = TinyVLDataset(8)   # text only here: SFTTrainer wants a datasets.Dataset
+    ds = datasets.Dataset.from_list([{"input_ids": it["input_ids"].tolist(), "labels": it["labels"].tolist(),
+                                      "sample_idx": it["sample_idx"]} for it in raw.items])
+    vocab = {f"t{i}": i for i in range(126)} | {"[UNK]": 126, "[PAD]": 127}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[PAD]", eos_token="[PAD]")
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1,
+                     report_to=[], use_cpu=True, remove_unused_columns=False, save_strategy="no",
+                     dataset_kwargs={"skip_prepare_dataset": True}, disable_tqdm=True)
+    trainer = TokenBalancedSFT(model=tiny_qwen2_vl(), args=args, processing_class=tok, train_dataset=ds,
+                               data_collator=pad_collate, token_lengths=raw.lengths())
+    trainer.train()
+    assert len(seen) == 4 and sorted(i for b in seen for i in b) == list(range(8))
+    assert seen == list(trainer.tokenbal_sampler)   # the steps are the sampler's, in its order
