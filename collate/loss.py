@@ -22,6 +22,13 @@ class GlobalTokenCount:
     so the loss does not wait for the slowest rank to finish *its* forward: under FSDP2 on CPU,
     where collectives block, an all-reduce at the loss is a synchronisation point in the middle
     of every step.
+
+    Under tensor / sequence parallelism the ranks of one TP/SP group hold the same packed batch,
+    so the count is summed over the *data-parallel* ranks only: pass ``group=`` (the DP process
+    group) or ``device_mesh=`` (its DP dimension, see :mod:`tokenbal.parallel`). ``world`` is the
+    factor :func:`global_token_mean` multiplies by to undo the gradient average: the size of that
+    group by default; pass ``grad_world_size=`` when the gradients are averaged over more ranks
+    (FSDP over a flattened dp x sp mesh, each SP rank's ``loss_sum`` covering only its slice).
     """
 
     tensor: torch.Tensor
@@ -30,11 +37,17 @@ class GlobalTokenCount:
 
     @classmethod
     def start(cls, num_loss_tokens: int, device: torch.device | str = "cpu",
-              group: dist.ProcessGroup | None = None) -> GlobalTokenCount:
+              group: dist.ProcessGroup | None = None, *, device_mesh: object = None,
+              grad_world_size: int | None = None) -> GlobalTokenCount:
         tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device)
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(tensor, None, 1)
-        return cls(tensor, dist.all_reduce(tensor, group=group, async_op=True), dist.get_world_size(group))
+            return cls(tensor, None, 1 if grad_world_size is None else int(grad_world_size))
+        if device_mesh is not None:
+            from tokenbal.parallel import dp_group_of
+
+            group = dp_group_of(group, device_mesh)
+        world = dist.get_world_size(group) if grad_world_size is None else int(grad_world_size)
+        return cls(tensor, dist.all_reduce(tensor, group=group, async_op=True), world)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -44,7 +57,8 @@ class GlobalTokenCount:
 
 
 def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int | GlobalTokenCount,
-                      group: dist.ProcessGroup | None = None, grads_are_averaged: bool = True
+                      group: dist.ProcessGroup | None = None, grads_are_averaged: bool = True, *,
+                      device_mesh: object = None, grad_world_size: int | None = None
                       ) -> torch.Tensor:
     """``loss_sum / (loss tokens over all ranks)``, ready for ``.backward()`` under FSDP/DDP.
 
@@ -54,8 +68,11 @@ def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int | GlobalToken
     ``loss_sum``'s device, so no value is read back to the host; pass a
     :class:`GlobalTokenCount` started before the forward to keep that all-reduce off the step's
     critical path. Without an initialised process group this is the single-process token mean.
+    ``group`` / ``device_mesh`` / ``grad_world_size``: the data-parallel dimension under TP/SP, as in
+    :class:`GlobalTokenCount`.
     """
     if not isinstance(num_loss_tokens, GlobalTokenCount):
-        num_loss_tokens = GlobalTokenCount.start(num_loss_tokens, loss_sum.device, group)
+        num_loss_tokens = GlobalTokenCount.start(num_loss_tokens, loss_sum.device, group,
+                                                 device_mesh=device_mesh, grad_world_size=grad_world_size)
     world = num_loss_tokens.world if grads_are_averaged else 1
     return loss_sum * world / num_loss_tokens.wait().clamp_min(1.0)

@@ -9,9 +9,13 @@ first use so that ``import tokenbal`` stays cheap in every DataLoader worker.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The library logs to the "tokenbal" logger and leaves handlers to the application (the CLI sets one).
+logging.getLogger("tokenbal").addHandler(logging.NullHandler())
 
 _LAZY = {
     "TokenIndex": "tokenbal.index",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -178,11 +179,21 @@ def _add_remote_args(p: argparse.ArgumentParser) -> None:
                         "credentials come from the store's usual environment / config files")
 
 
+def _model_names() -> list[str]:
+    from tokenbal.estimate.vision import estimator_names
+
+    return list(estimator_names())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenbal",
         description="Token-balanced data loading for multimodal LLM training. "
                     "Build a token index offline, then let every rank plan balanced steps from it.")
+    from tokenbal import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     index = sub.add_parser("index", help="build, inspect and verify an on-disk token index")
@@ -198,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tar shards: paths, globs or brace patterns (data-{000..099}.tar); "
                             "or .json/.jsonl annotation files")
     build.add_argument("--model", default="qwen2-vl",
-                       help="estimator name (see tokenbal.estimate.get_estimator); default qwen2-vl")
+                       help="estimator (model family), one of: " + ", ".join(_model_names())
+                            + "; default qwen2-vl")
     build.add_argument("--out", required=True, help="index folder to write")
     build.add_argument("--workers", type=int, default=1, help="processes scanning shards in parallel")
     build.add_argument("--tokenizer", default=None,
@@ -315,6 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="tokenbal: %(levelname)s: %(message)s")
+    logging.getLogger("tokenbal").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    if getattr(args, "model", None) is not None:
+        from tokenbal.estimate.vision import get_estimator
+
+        try:
+            get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
+        except ValueError:
+            print(f"tokenbal: error: unknown --model {args.model!r}; valid: {', '.join(_model_names())}",
+                  file=sys.stderr)
+            return 2
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

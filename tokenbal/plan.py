@@ -50,12 +50,15 @@ Guarantees (tested in tests/test_plan.py)
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from tokenbal.partition import fill_windows
+
+logger = logging.getLogger("tokenbal")
 
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_stage_balance",
            "plan_stage_costs", "step_lower_bound", "check_lengths",
@@ -464,6 +467,10 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     offsets = np.zeros(S * R + 1, np.int64)
     np.cumsum(np.bincount(slot, minlength=S * R), out=offsets[1:])
     skipped = np.sort(big) if oversize == "skip" else np.zeros(0, np.int64)
+    if skipped.size:
+        # Counted, never silent: the plan keeps the list (plan.skipped) and the log says how many.
+        logger.info("epoch %d: %d sample(s) over max_tokens_per_rank left out (oversize='skip'), "
+                    "e.g. %s", epoch, skipped.size, skipped[:5].tolist())
     return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
 

@@ -61,8 +61,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
     ``lengths_or_index``: 1-D non-negative integer token counts, or any object with a
     ``.lengths`` attribute (e.g. :class:`tokenbal.TokenIndex`). ``num_replicas`` / ``rank``
-    default to ``torch.distributed``'s world size / rank. Exactly one of ``global_batch_size``
-    (samples per step over all ranks, >= num_replicas) and ``max_tokens_per_rank``.
+    default to ``torch.distributed``'s world size / rank; under tensor / sequence parallelism pass
+    ``dp_group=`` (a ProcessGroup) or ``device_mesh=`` (see :mod:`tokenbal.parallel` for which mesh
+    dimension is used) so that the ranks of one SP/TP group get the same batches. Exactly one of
+    ``global_batch_size`` (samples per step over all ranks, >= num_replicas) and
+    ``max_tokens_per_rank``.
 
     Every rank yields ``len(self)`` steps; each sample is used once per epoch (see
     :mod:`tokenbal.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
@@ -75,7 +78,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
                  oversize: str = "error", verify: bool = False, stages: Any = None,
-                 elastic: bool = False) -> None:
+                 elastic: bool = False, dp_group: Any = None, device_mesh: Any = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         self.lengths = check_lengths(lengths_or_index)
         if cost is None or (isinstance(cost, str) and cost == "tokens"):
@@ -92,6 +95,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             from tokenbal.cost import resolve_stage_costs
 
             self.stages = resolve_stage_costs(lengths_or_index, stages, cost)
+        if dp_group is not None or device_mesh is not None:
+            # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
+            from tokenbal.parallel import resolve_dp
+
+            num_replicas, rank = resolve_dp(num_replicas, rank, dp_group, device_mesh)
         self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1:
             raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")

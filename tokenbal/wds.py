@@ -563,7 +563,8 @@ class BalancedBatches:
 
 def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: int | None = None,
                      bufsize: int = 1000, seed: int = 0, epoch: int = 0, rank: int | None = None,
-                     collation_fn: Callable[[list[dict]], Any] | None = None) -> BalancedBatches:
+                     collation_fn: Callable[[list[dict]], Any] | None = None, *, dp_group: Any = None,
+                     device_mesh: Any = None) -> BalancedBatches:
     """A webdataset pipeline stage: samples in, batches (lists of samples, or ``collation_fn`` of
     them) out, each batch's ``length_fn`` sum at most ``max_tokens``.
 
@@ -577,7 +578,10 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
     explicitly when DataLoader workers are spawned, where no process group exists). Each DataLoader
     worker batches what its own source yields, so give workers disjoint or resampled shard streams
     (``wds.ResampledShards(..., deterministic=True)`` seeds per rank and worker). A sample over the
-    budget raises, naming its key and shard.
+    budget raises, naming its key and shard. Under tensor / sequence parallelism pass ``dp_group=`` or
+    ``device_mesh=`` (:mod:`tokenbal.parallel`): the seed then uses the data-parallel rank, so the peers
+    of one SP/TP group cut the same batches; give them the same shard stream too (seed it with the DP
+    rank).
 
     Recipe (every rank)::
 
@@ -587,4 +591,8 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
                                 balanced_batches(max_tokens, length_fn, steps=steps, epoch=epoch))
         loader = DataLoader(pipe, batch_size=None, num_workers=4)   # exactly `steps` batches
     """
+    if dp_group is not None or device_mesh is not None:
+        from tokenbal.parallel import resolve_dp
+
+        _, rank = resolve_dp(None, rank, dp_group, device_mesh)
     return BalancedBatches(max_tokens, length_fn, steps, bufsize, seed, epoch, rank, collation_fn)

@@ -1,0 +1,81 @@
+"""A tiny random Qwen2-VL and a small image+text dataset for the Trainer / accelerate tests and the
+example: deterministic from a seed, so every rank builds the same data."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+VOCAB = 128
+IMG, VID, VSTART, VEND = 120, 121, 122, 123
+PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def tiny_qwen2_vl(seed: int = 0):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         bos_token_id=None, eos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14,
+                           spatial_merge_size=2),
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config)
+
+
+class TinyVLDataset(torch.utils.data.Dataset):
+    """``n`` samples of 4-40 text tokens; every third one also has a 4x4-patch image (4 tokens)."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.items = []
+        for i in range(n):
+            ids = torch.randint(0, 100, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g).tolist()
+            item = {"sample_idx": i}
+            if i % 3 == 0:
+                ids = ids[:2] + [VSTART] + [IMG] * 4 + [VEND] + ids[2:]
+                item["pixel_values"] = torch.randn(16, PATCH_DIM, generator=g)
+                item["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+            item["input_ids"] = torch.tensor(ids)
+            labels = item["input_ids"].clone()
+            labels[labels == IMG] = -100
+            item["labels"] = labels
+            self.items.append(item)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(it["input_ids"]) for it in self.items], dtype=np.int64)
+
+    def loss_tokens(self, i: int) -> int:
+        """Tokens the Trainer counts for sample ``i`` (shifted labels that are not -100)."""
+        return int((self.items[i]["labels"][1:] != -100).sum())
+
+
+def pad_collate(features: list[dict]) -> dict:
+    """Right-padded batch for HF's own (unpacked) Qwen2-VL forward, plus ``sample_idx``."""
+    n = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), n, dtype=torch.long)
+    labels = torch.full((len(features), n), -100, dtype=torch.long)
+    mask = torch.zeros(len(features), n, dtype=torch.long)
+    for r, f in enumerate(features):
+        k = len(f["input_ids"])
+        ids[r, :k], labels[r, :k] = torch.as_tensor(f["input_ids"]), torch.as_tensor(f["labels"])
+        mask[r, :k] = 1
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": mask,
+             "mm_token_type_ids": (ids == IMG).int(),
+             "sample_idx": torch.tensor([f["sample_idx"] for f in features])}
+    images = [f for f in features if "pixel_values" in f]
+    if images:
+        batch["pixel_values"] = torch.cat([f["pixel_values"] for f in images])
+        batch["image_grid_thw"] = torch.cat([f["image_grid_thw"] for f in images])
+    return batch

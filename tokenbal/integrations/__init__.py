@@ -1,0 +1,22 @@
+"""Adapters for the frameworks users train with: :mod:`tokenbal.integrations.hf` (transformers'
+``Trainer``, trl's ``SFTTrainer`` and other subclasses) and :mod:`tokenbal.integrations.accelerate`
+(raw accelerate loops). Importing this package imports neither transformers nor accelerate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["TokenBalancedTrainer", "TokenBalancingMixin", "prepare_loader"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: transformers / accelerate are imported only when an adapter is asked for.
+    if name in ("TokenBalancedTrainer", "TokenBalancingMixin"):
+        from tokenbal.integrations import hf
+
+        return getattr(hf, name)
+    if name == "prepare_loader":
+        from tokenbal.integrations.accelerate import prepare_loader
+
+        return prepare_loader
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""``prepare_loader``: a tokenbal loader through ``accelerator.prepare`` without losing steps.
+
+accelerate (1.x) wraps every batch sampler of a multi-process job in ``BatchSamplerShard``, which
+hands rank ``r`` only batches ``i % world == r`` of what it wraps. tokenbal's sampler already yields
+this rank's batches, so that second shard silently drops half of them (at 2 ranks) and gives the
+ranks different plan rows at each step; accelerate has no "already sharded" flag. The Trainer makes
+the wrapper a pass-through for its own per-rank ``BatchRebalanceSampler`` (``num_processes = 1``);
+:func:`neutralise` does the same and also links the wrapper's ``sampler`` attribute to the tokenbal
+sampler, which is the attribute accelerate's ``DataLoaderShard.set_epoch`` (and a
+``skip_first_batches`` loader) forwards the epoch through.
+
+Usage (every rank)::
+
+    sampler = TokenBalancedBatchSampler(index, global_batch_size=64)
+    loader = prepare_loader(accelerator, DataLoader(ds, batch_sampler=sampler, collate_fn=...))
+    for epoch in range(start_epoch, num_epochs):
+        loader.set_epoch(epoch)
+        for batch in loader: ...
+        # accelerator.save_state(dir) stores the loader position; accelerator.load_state(dir)
+        # restores it: the next iteration continues at the first batch the loop had not received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from tokenbal.sampler import TokenBalancedBatchSampler
+
+__all__ = ["TokenBalancedLoader", "neutralise", "prepare_loader"]
+
+
+def _tokenbal_sampler(loader: Any) -> TokenBalancedBatchSampler:
+    sampler = getattr(loader, "batch_sampler", None)
+    if not isinstance(sampler, TokenBalancedBatchSampler):
+        raise TypeError("expected a DataLoader built with batch_sampler=TokenBalancedBatchSampler(...), got "
+                        f"batch_sampler={type(sampler).__name__}")
+    return sampler
+
+
+def neutralise(accelerator: Any, loader: Any) -> Any:
+    """``accelerator.prepare(loader)`` with accelerate's re-sharding turned off; returns accelerate's
+    own ``DataLoaderShard`` (device placement, gradient-accumulation end-of-loader tracking kept)."""
+    sampler = _tokenbal_sampler(loader)
+    config = getattr(accelerator, "dataloader_config", None)
+    if getattr(config, "dispatch_batches", None):
+        # rank 0 would iterate its own plan and scatter it: the other ranks' samples are never used.
+        raise ValueError("dispatch_batches=True is not supported with a TokenBalancedBatchSampler (rank 0's "
+                         "plan would be split across ranks); use the default dispatch_batches=None/False")
+    if getattr(config, "split_batches", False):
+        raise ValueError("split_batches=True is not supported with a TokenBalancedBatchSampler: its batches "
+                         "are already per rank and have no fixed batch_size")
+    from accelerate.data_loader import BatchSamplerShard
+
+    prepared = accelerator.prepare(loader)
+    shard = getattr(prepared, "batch_sampler", None)
+    if isinstance(shard, BatchSamplerShard):
+        if shard.batch_sampler is not sampler:
+            raise RuntimeError("accelerate wrapped an unexpected batch sampler; cannot neutralise its "
+                               "sharding")
+        shard.num_processes, shard.process_index = 1, 0
+        shard.sampler = sampler     # DataLoaderShard.set_epoch forwards through `.sampler`
+    elif shard is not sampler:
+        raise RuntimeError(f"accelerate replaced the batch sampler with {type(shard).__name__}; tokenbal "
+                           "cannot check that it yields this rank's batches")
+    return prepared
+
+
+class TokenBalancedLoader:
+    """The prepared loader plus an exact position: it counts the batches the loop *received* (the
+    sampler itself runs ahead by accelerate's one-batch look-ahead and DataLoader prefetching), and
+    saves / restores ``(epoch, batches received)`` through ``accelerator.save_state`` /
+    ``load_state`` (it is registered with ``register_for_checkpointing``). Everything else is
+    delegated to the wrapped ``DataLoaderShard``."""
+
+    def __init__(self, prepared: Any, sampler: TokenBalancedBatchSampler) -> None:
+        self.loader = prepared
+        self.sampler = sampler
+        self._received = 0
+        self._epoch = int(getattr(prepared, "iteration", sampler.epoch))
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass iterates (a loop can start at it after ``load_state``)."""
+        return self._epoch
+
+    @property
+    def batches_received(self) -> int:
+        """Batches of the current epoch the loop has received (restored by ``load_state``)."""
+        return self._received
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = int(epoch)
+        if epoch != self._epoch:
+            self._received = 0
+        self._epoch = epoch
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        # DataLoaderShard.__iter__ re-applies set_epoch(its iteration): keep it on our epoch.
+        self.loader.set_epoch(self._epoch)
+        if self._received >= len(self.sampler):
+            self._received = 0      # a finished epoch iterated again replays it (as the sampler does)
+        for batch in self.loader:
+            self._received += 1
+            yield batch
+        # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
+        self._epoch += 1
+        self._received = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.sampler.state_dict()
+        state["epoch"], state["cursor"] = self._epoch, self._received
+        if self._epoch != self.sampler.epoch:
+            state.pop("segments", None)   # a finished epoch: nothing of the next one is consumed yet
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+        self._epoch, self._received = int(state["epoch"]), int(self.sampler.cursor)
+        self.loader.set_epoch(self._epoch)
+
+
+def prepare_loader(accelerator: Any, loader: Any, *, register: bool = True) -> TokenBalancedLoader:
+    """Prepare a ``DataLoader(batch_sampler=TokenBalancedBatchSampler(...))`` for a raw accelerate
+    loop: no re-sharding (every rank gets all of its own steps), ``set_epoch`` reaches the sampler
+    (and a plain loop advances one epoch per complete pass), and with ``register=True`` the position
+    is part of ``accelerator.save_state`` / ``load_state``. Raises for ``dispatch_batches`` /
+    ``split_batches``, which cannot work with per-rank batches."""
+    sampler = _tokenbal_sampler(loader)
+    wrapped = TokenBalancedLoader(neutralise(accelerator, loader), sampler)
+    if register:
+        accelerator.register_for_checkpointing(wrapped)
+    return wrapped

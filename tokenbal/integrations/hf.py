@@ -1,0 +1,236 @@
+"""transformers ``Trainer`` integration: :class:`TokenBalancingMixin` and ``TokenBalancedTrainer``.
+
+``Trainer`` asks ``_get_train_sampler`` for a per-sample sampler and batches it itself, so a batch
+sampler returned there is iterated as if each index list were one index (a ``TypeError``), and
+``accelerator.prepare`` then shards the loader a second time. The mixin instead builds the train
+loader around a :class:`~tokenbal.TokenBalancedBatchSampler` and prepares it with accelerate's
+re-sharding turned off (:func:`tokenbal.integrations.accelerate.neutralise`, the same pass-through
+the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
+
+- **Batch size.** ``global_batch_size`` = ``per_device_train_batch_size`` × data-parallel size ×
+  ``gradient_accumulation_steps`` samples per optimizer step, split into balanced micro-batches
+  (``grad_accum`` = the Trainer's); or a token budget, ``sampler_options={"max_tokens_per_rank": N}``.
+  The DP size is the world size, or that of ``sampler_options["dp_group"]`` / ``["device_mesh"]``.
+- **Epochs.** The Trainer's ``set_epoch`` reaches the sampler (also through the
+  ``skip_first_batches`` loader of a resumed epoch), so every epoch has its own order.
+- **Resume.** Each checkpoint gets ``tokenbal_sampler.json`` (the sampler state at that step). On
+  ``resume_from_checkpoint`` it is loaded, which checks that the lengths and settings match the
+  checkpoint (a different world size, batch size or dataset raises instead of training on a
+  different plan) and selects the checkpoint's epoch; the Trainer then skips the batches already
+  trained in that epoch (index lists only: skipped samples are not loaded), so training continues
+  at the first step not yet trained. Elastic resume is not available through the Trainer (its skip
+  count assumes the same plan); ``sampler_options={"elastic": True}`` raises.
+- **Loss.** The Trainer's ``num_items_in_batch`` (labels ≠ -100, shifted, over the step's
+  micro-batches) is summed over all ranks and the loss multiplied back by the world size when
+  ``average_tokens_across_devices`` is on: that is the global token mean tokenbal's uneven batches
+  need. The mixin turns the option on if it was off (with a warning), and warns when the model does
+  not accept ``num_items_in_batch`` (each rank would then average its own tokens).
+
+Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
+into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
+
+    class MySFT(TokenBalancingMixin, SFTTrainer): pass
+
+``token_lengths``: a :class:`~tokenbal.TokenIndex` (its ``.lengths``) or a 1-D array, one entry per
+``train_dataset`` item, in dataset order. ``sampler_options``: any further
+``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``, ``window=``, ``max_tokens_per_rank=``,
+``dp_group=``, ``device_mesh=``, ``seed=`` (default ``data_seed`` or ``seed``), ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from functools import partial
+from typing import Any
+
+from tokenbal.sampler import TokenBalancedBatchSampler
+
+__all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin"]  # noqa: F822 (lazy)
+
+logger = logging.getLogger("tokenbal")
+
+SAMPLER_STATE_NAME = "tokenbal_sampler.json"
+
+
+class TokenBalancingMixin:
+    """Mix in before a ``transformers.Trainer`` subclass; see the module docstring."""
+
+    def __init__(self, *args: Any, token_lengths: Any = None, sampler_options: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        if token_lengths is None:
+            raise TypeError(f"{type(self).__name__} needs token_lengths= (a TokenIndex or an array with one "
+                            "token count per train_dataset item)")
+        self.tokenbal_token_lengths = token_lengths
+        self.tokenbal_sampler_options = dict(sampler_options or {})
+        if self.tokenbal_sampler_options.get("elastic"):
+            raise ValueError("elastic=True is not supported under the Trainer: its resume skips the batches "
+                             "of the checkpoint's plan; resume with the same world size and batch settings")
+        self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
+        self._tokenbal_resume: str | None = None
+        super().__init__(*args, **kwargs)
+        if not self.args.average_tokens_across_devices:
+            logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
+                           "hold different numbers of tokens, so each rank's own token mean would weight "
+                           "them unevenly")
+            self.args.average_tokens_across_devices = True
+        if not (getattr(self, "model_accepts_loss_kwargs", True) or getattr(self, "compute_loss_func", None)):
+            logger.warning("tokenbal: the model does not accept num_items_in_batch; its loss is each rank's "
+                           "own token mean, not the global one (pass compute_loss_func= to fix)")
+        self.add_callback(_make_callback(self))
+
+    # -- the sampler ----------------------------------------------------------------------------
+
+    @property
+    def tokenbal_sampler(self) -> TokenBalancedBatchSampler:
+        """The train batch sampler (built on first use from ``args`` and ``sampler_options``)."""
+        if self._tokenbal_sampler is None:
+            self._tokenbal_sampler = TokenBalancedBatchSampler(self.tokenbal_token_lengths,
+                                                               **self._sampler_kwargs())
+        return self._tokenbal_sampler
+
+    def _sampler_kwargs(self) -> dict[str, Any]:
+        from tokenbal.parallel import resolve_dp
+
+        args, opts = self.args, dict(self.tokenbal_sampler_options)
+        ga = int(args.gradient_accumulation_steps)
+        if opts.setdefault("grad_accum", ga) != ga:
+            raise ValueError(f"sampler_options grad_accum={opts['grad_accum']} disagrees with the Trainer's "
+                             f"gradient_accumulation_steps={ga}")
+        if opts.get("dp_group") is None and opts.get("device_mesh") is None:
+            opts.setdefault("num_replicas", max(1, int(args.world_size)))
+            opts.setdefault("rank", int(args.process_index) if args.world_size > 1 else 0)
+        dp, _ = resolve_dp(opts.get("num_replicas"), opts.get("rank"), opts.get("dp_group"),
+                           opts.get("device_mesh"))
+        if opts.get("max_tokens_per_rank") is None:
+            opts.setdefault("global_batch_size", int(args.per_device_train_batch_size) * int(dp) * ga)
+        opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
+        opts.setdefault("drop_last", bool(args.dataloader_drop_last))
+        return opts
+
+    def _tokenbal_steps_per_epoch(self) -> int:
+        return len(self.tokenbal_sampler) // self.tokenbal_sampler.grad_accum
+
+    # -- Trainer hooks ---------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+        from transformers.trainer_utils import seed_worker
+
+        from tokenbal.integrations.accelerate import neutralise
+
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+        except ImportError:
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        if len(dataset) != len(self.tokenbal_sampler.lengths):
+            raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
+                             f"train_dataset has {len(dataset)} items")
+        sampler = self.tokenbal_sampler
+        if self._tokenbal_resume is not None:
+            self._load_sampler_state(self._tokenbal_resume)
+            self._tokenbal_resume = None
+        args = self.args
+        params: dict[str, Any] = dict(
+            batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers,
+                                   rank=args.process_index))
+        if getattr(args, "dataloader_in_order", True) is not True:
+            params["in_order"] = args.dataloader_in_order
+        return neutralise(self.accelerator, DataLoader(dataset, **params))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._tokenbal_resume = resume_from_checkpoint or None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def _sampler_state_at(self, global_step: int) -> dict[str, Any]:
+        """The sampler state after ``global_step`` optimizer steps (not the sampler's own cursor,
+        which runs ahead of training by the loader's look-ahead)."""
+        per_epoch = self._tokenbal_steps_per_epoch()
+        state = self.tokenbal_sampler.state_dict()
+        state["epoch"], steps = divmod(int(global_step), per_epoch)
+        state["cursor"] = steps * self.tokenbal_sampler.grad_accum
+        state["global_step"] = int(global_step)
+        return state
+
+    def _save_sampler_state(self, checkpoint_dir: str, global_step: int) -> None:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        with open(os.path.join(checkpoint_dir, SAMPLER_STATE_NAME), "w") as f:
+            json.dump(self._sampler_state_at(global_step), f, indent=1, sort_keys=True)
+
+    def _load_sampler_state(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, SAMPLER_STATE_NAME)
+        if not os.path.isfile(path):
+            logger.warning("tokenbal: %s has no %s; resuming on the plan of the current settings unchecked",
+                           checkpoint_dir, SAMPLER_STATE_NAME)
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
+            global_step = int(json.load(f)["global_step"])
+        sampler = self.tokenbal_sampler
+        # Validates seed, lengths and settings against the checkpoint; the cursor stays 0 because the
+        # Trainer itself skips the batches already trained in this epoch.
+        sampler.load_state_dict({**saved, "cursor": 0})
+        expect = self._sampler_state_at(global_step)
+        if (saved["epoch"], saved["cursor"]) != (expect["epoch"], expect["cursor"]):
+            raise ValueError(f"{path} is at epoch {saved['epoch']} batch {saved['cursor']}, but the trainer "
+                             f"state's global_step={global_step} means epoch {expect['epoch']} batch "
+                             f"{expect['cursor']}")
+        logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
+                    len(sampler))
+
+
+def _make_callback(trainer: TokenBalancingMixin) -> Any:
+    from transformers import TrainerCallback
+
+    class TokenBalancedCallback(TrainerCallback):
+        """Writes the sampler state into every checkpoint the Trainer saves."""
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if args.should_save and trainer._tokenbal_sampler is not None:
+                from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+                ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+                trainer._save_sampler_state(ckpt, state.global_step)
+
+    return TokenBalancedCallback()
+
+
+_TRAINER_CLASS: Any = None
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first access so that importing this module does not import transformers.
+    global _TRAINER_CLASS
+    if name == "TokenBalancedTrainer":
+        if _TRAINER_CLASS is None:
+            from transformers import Trainer
+
+            class TokenBalancedTrainer(TokenBalancingMixin, Trainer):
+                """``transformers.Trainer`` on a token-balanced batch sampler (see
+                :mod:`tokenbal.integrations.hf`)."""
+
+            TokenBalancedTrainer.__module__ = __name__
+            _TRAINER_CLASS = TokenBalancedTrainer
+        return _TRAINER_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
