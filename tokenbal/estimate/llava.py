@@ -37,6 +37,51 @@ def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int
 
 
 def _select_best_np(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
+    grid = _as_grid(tuple(tuple(p) for p in pinpoints))
+    if grid is not None:
+        return _select_best_grid(h, w, *grid, pinpoints)
+    return _select_best_sweep(h, w, pinpoints)
+
+
+def _as_grid(pinpoints: tuple) -> tuple[int, int, int] | None:
+    """(c, a, b) when ``pinpoints`` is every (c*i, c*j), 1 <= i <= a, 1 <= j <= b (OneVision's 36)."""
+    c = min(min(p) for p in pinpoints)
+    a = max(p[0] for p in pinpoints) // c
+    b = max(p[1] for p in pinpoints) // c
+    want = {(c * i, c * j) for i in range(1, a + 1) for j in range(1, b + 1)}
+    return (c, a, b) if len(pinpoints) == len(want) and set(pinpoints) == want else None
+
+
+def _select_best_grid(h: np.ndarray, w: np.ndarray, c: int, a: int, b: int, pinpoints
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`select_best_resolution` for a grid of pinpoints in closed form (same results).
+
+    An image that some pinpoint contains gets its full area as "effective" there and less in every
+    other pinpoint (a scale below 1 truncates at least one side), so the winner is the containing
+    pinpoint of least area: (c * ceil(h / c), c * ceil(w / c)). Otherwise the largest pinpoint
+    (c*a, c*b) has the largest scale; when the width binds (scale = c*b / w), every pinpoint of
+    width c*b and height >= h * c*b / w has exactly that scale, hence the same effective pixels, and
+    the least waste is the lowest such height; any other pinpoint loses at least one pixel column
+    (or c rows) of effective area. Where float rounding could make that last claim fail (the
+    binding side truncating to c*b - 1, or the other side to 0) the sweep decides instead.
+    """
+    hh, ww = c * a, c * b
+    need_h, need_w = -(-h // c), -(-w // c)
+    contain = (need_h <= a) & (need_w <= b)
+    wide = ww * h <= hh * w                                   # the width binds at (hh, ww)
+    bh = np.where(contain, c * need_h, np.where(wide, c * (-(-(b * h) // w)), hh))
+    bw = np.where(contain, c * need_w, np.where(wide, ww, c * (-(-(a * w) // h))))
+    scale = np.where(wide, ww / w, hh / h)
+    side_w = (w * scale).astype(np.int64)
+    side_h = (h * scale).astype(np.int64)
+    ok = contain | np.where(wide, (side_w == ww) & (side_h >= 1), (side_h == hh) & (side_w >= 1))
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        bh[bad], bw[bad] = _select_best_sweep(h[bad], w[bad], pinpoints)
+    return bh, bw
+
+
+def _select_best_sweep(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
     best = np.zeros(h.shape, dtype=np.int64)  # index into pinpoints
     best_eff = np.zeros(h.shape, dtype=np.int64)
     best_waste = np.full(h.shape, np.inf)
