@@ -82,20 +82,23 @@ def _select_best_grid(h: np.ndarray, w: np.ndarray, c: int, a: int, b: int, pinp
 
 
 def _select_best_sweep(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
+    # One key per pinpoint orders (effective pixels, then least waste) as the scalar loop does:
+    # eff <= pinpoint area < K (a scale truncates each side to at most the pinpoint's), waste =
+    # area - eff >= 0, so eff * K - waste = eff * (K + 1) - area is increasing in both; strict >
+    # keeps the first pinpoint on ties.
+    K = max(ph * pw for ph, pw in pinpoints) + 1
     best = np.zeros(h.shape, dtype=np.int64)  # index into pinpoints
-    best_eff = np.zeros(h.shape, dtype=np.int64)
-    best_waste = np.full(h.shape, np.inf)
+    best_key = np.full(h.shape, np.iinfo(np.int64).min)
     area = w * h
+    wf, hf = w.astype(np.float64), h.astype(np.float64)
     for k, (ph, pw) in enumerate(pinpoints):
-        scale = np.minimum(pw / w, ph / h)
+        scale = np.minimum(pw / wf, ph / hf)
         # int() truncates; products are positive so astype's truncation is the same
-        eff = np.minimum((w * scale).astype(np.int64) * (h * scale).astype(np.int64), area)
-        waste = pw * ph - eff
-        take = (eff > best_eff) | ((eff == best_eff) & (waste < best_waste))
+        eff = np.minimum((wf * scale).astype(np.int64) * (hf * scale).astype(np.int64), area)
+        key = eff * (K + 1) - ph * pw
         # copyto(where=) instead of boolean-mask assignment: same result, several times cheaper
-        np.copyto(best, k, where=take)
-        np.copyto(best_eff, eff, where=take)
-        np.copyto(best_waste, waste, where=take)
+        np.copyto(best, k, where=key > best_key)
+        np.maximum(best_key, key, out=best_key)
     table = np.asarray(pinpoints, dtype=np.int64)
     return table[best, 0], table[best, 1]
 
@@ -121,9 +124,9 @@ def _unpadded_np(h, w, cur_h, cur_w):
     near = np.flatnonzero(np.abs(x - np.round(x)) < 1e-6)
     for i in near:
         n[i] = int(round(float(x[i]), 7))
-    new_h = np.where(wide, cur_h - 2 * ((cur_h - n) // 2), cur_h)
-    new_w = np.where(wide, cur_w, cur_w - 2 * ((cur_w - n) // 2))
-    return new_h, new_w
+    cur = np.where(wide, cur_h, cur_w)
+    cut = cur - ((cur - n) >> 1 << 1)         # cur - 2 * ((cur - n) // 2); >> floors like //
+    return np.where(wide, cut, cur_h), np.where(wide, cur_w, cut)
 
 
 @dataclass(frozen=True)
