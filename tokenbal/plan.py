@@ -340,10 +340,9 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
     (a round is a pass over a window's bins; a window of W steps needs ~W·N / 2R rounds). Capped at
     256 steps.
 
-    ``max_tokens_per_rank`` mode: balance is easy (a step may hold any number of samples); the
-    window only sets how finely the step count can follow the tokens (one step in ``window``),
-    so use up to 16 steps but keep a window near 4096 samples, since the fill visits a
-    window's samples one at a time.
+    ``max_tokens_per_rank`` mode: the window is the chunk of the permutation that first-fit
+    decreasing packs on its own (``_budget_fill``): up to 16 steps, kept near 4096 samples, so
+    which samples can share a step is redrawn every epoch.
     """
     R = int(num_replicas)
     if max_tokens_per_rank is not None:
