@@ -9,6 +9,7 @@ video size (vectorised: the same formulas as the demo corpus, without rendering 
     python scripts/bench_balance.py --quick    # fewer steps per point
     python scripts/bench_balance.py --plan-only --compare-exact   # planning time only, batched vs exact
     python scripts/bench_balance.py --elastic  # resume on another world size: re-plan time, balance
+    python scripts/bench_balance.py --budget   # token-budget mode vs trl's BFD pack_dataset (fill)
 
 ``--compare-exact`` also runs the planner with the exact one-item-at-a-time window fill (what
 ``plan_epoch`` did before PLAN_VERSION 3) at every point and in the timing, in the same run.
@@ -131,6 +132,75 @@ def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
 
 
 POINTS = ((8, 16), (8, 64), (64, 128), (512, 1024))
+
+
+def _trl_bfd_bins(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """Tokens per packed sequence of trl's best-fit-decreasing ``pack_dataset`` (its pyarrow
+    helper, on an ``input_ids`` column of the given lengths), in trl's output order."""
+    import pyarrow as pa
+    from trl.data_utils import _pack_bfd
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.zeros(int(offsets[-1]), np.int32)))
+    packed = _pack_bfd(pa.Table.from_arrays([ids], names=["input_ids"]), budget)
+    return np.array([sum(x) for x in packed["seq_lengths"].to_pylist()], np.int64)
+
+
+def _step_of_sample(plan) -> np.ndarray:
+    per = plan.num_replicas * plan.grad_accum
+    step = np.repeat(np.arange(len(plan.offsets) - 1) // per, np.diff(plan.offsets))
+    out = np.empty(len(plan.indices), np.int64)
+    out[plan.indices] = step
+    return out
+
+
+def _pairs(key: np.ndarray) -> float:
+    c = np.unique(key, return_counts=True)[1].astype(np.float64)
+    return float((c * (c - 1)).sum() / 2)
+
+
+def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats: int) -> None:
+    """Token-budget mode (``max_tokens_per_rank``) next to trl's BFD ``pack_dataset`` on the same
+    lengths (samples over the budget left out for both: trl would truncate them)."""
+    lens = mixture_lengths(n, seed)
+    over = int((lens > budget).sum())
+    lens = lens[lens <= budget]
+    tot = int(lens.sum())
+    t0 = time.process_time()
+    trl_bins = _trl_bfd_bins(lens, budget)
+    trl_cpu = time.process_time() - t0
+    assert int(trl_bins.sum()) == tot and trl_bins.max() <= budget
+    lower = -(-tot // budget)
+    print(f"{len(lens)} samples ({over} over the budget left out), {tot} tokens, budget {budget}: "
+          f"at least {lower} rank-steps; trl BFD packs {len(trl_bins)} sequences in {trl_cpu:.2f} s CPU")
+    print("  fill = tokens / (steps · R · budget); step fill = tokens / (R · Σ_steps max_rank tokens), "
+          "i.e. with each step as long as its fullest rank; bound = ceil(ceil(tokens / budget) / R) steps")
+    print("  repeat = share of the sample pairs sharing a step in epoch 0 that share one in epoch 1; "
+          "chance = share of all pairs that share a step")
+    for R in ranks:
+        cpu = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            plan = plan_epoch(lens, R, max_tokens_per_rank=budget, seed=seed, epoch=0)
+            cpu.append(time.process_time() - t0)
+        S = plan.num_steps
+        t = plan.step_rank_tokens(lens)
+        assert t.max() <= budget and len(plan.indices) == len(lens)
+        a = _step_of_sample(plan)
+        b = _step_of_sample(plan_epoch(lens, R, max_tokens_per_rank=budget, seed=seed, epoch=1))
+        again = _pairs(a * (b.max() + 1) + b) / _pairs(a)
+        chance = _pairs(b) / (len(b) * (len(b) - 1) / 2)
+        trl_S = -(-len(trl_bins) // R)
+        trl_t = np.zeros(trl_S * R, np.int64)
+        trl_t[:len(trl_bins)] = trl_bins          # trl's sequences dealt to ranks in its order
+        trl_t = trl_t.reshape(trl_S, R)
+        bound_S = -(-lower // R)
+        fill, trl_fill = tot / (S * R * budget), tot / (trl_S * R * budget)
+        print(f"  R={R:3d}: tokenbal {S} steps, fill {fill:.4f}, step fill {tot / (R * t.max(1).sum()):.4f}, "
+              f"empty rank-steps {plan.num_empty}, plan CPU median {np.median(cpu):.3f} s | trl BFD {trl_S} "
+              f"steps, fill {trl_fill:.4f}, step fill {tot / (R * trl_t.max(1).sum()):.4f} | bound {bound_S} "
+              f"steps, fill {tot / (bound_S * R * budget):.4f} | minus trl {fill - trl_fill:+.4f} | "
+              f"repeat {again:.4f} vs chance {chance:.4f} ({again / chance:.1f}x)")
 
 
 @contextlib.contextmanager
@@ -264,7 +334,12 @@ def main() -> None:
                     help="only the vision/LLM stage balance (Qwen2-VL-7B FLOPs) with and without stages=True")
     ap.add_argument("--elastic", action="store_true",
                     help="only an elastic resume (512 -> 384 ranks half-way through --plan-samples)")
+    ap.add_argument("--budget", action="store_true",
+                    help="only token-budget mode (max_tokens_per_rank=16384) next to trl's BFD pack_dataset")
     args = ap.parse_args()
+    if args.budget:
+        bench_budget(20_000, 16_384, (1, 8, 64), args.seed, args.repeats or 3)
+        return
     if args.elastic:
         bench_elastic(args.plan_samples, args.seed, args.repeats or 3)
         return

@@ -16,12 +16,14 @@ Two entry points, both pure numpy and deterministic:
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 __all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
-           "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows"]
+           "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows",
+           "first_fit_decreasing"]
 
 # method name -> implementation(costs, num_bins, capacity) -> bins. A new solver registers here.
 METHODS: dict[str, Callable[[np.ndarray, int, float | None], np.ndarray]] = {}
@@ -1011,3 +1013,76 @@ def _fill_windows_batched(costs: np.ndarray, caps: np.ndarray, R: int, P: int
         nitems[stuck] = ptr[stuck]
         ptr += nplace
     return step_out, rank_out, failed
+
+
+# --------------------------------------------------------------------------------------------
+# Bin count minimisation under a capacity (the token-budget planner's engine)
+# --------------------------------------------------------------------------------------------
+
+
+def first_fit_decreasing(sizes: Sequence[int] | np.ndarray, capacity: int,
+                         tiebreak: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """Pack integer ``sizes`` (each <= ``capacity``) into as few bins of ``capacity`` as first-fit
+    decreasing finds; returns ``(bin id per item, number of bins)``.
+
+    FFD fills one bin at a time: it opens a bin with the largest item left, then keeps adding the
+    largest item left that still fits. That form runs in O(n log n) without scanning the open
+    bins: the items sit in ascending order, a bisection finds the largest size that fits and a
+    union-find over taken positions ("nearest free position at or below") skips the items already
+    packed. Equal sizes are taken in ``tiebreak`` order, lowest first (default: item order), so
+    the caller decides which of them share a bin. Bins are numbered in the order they are opened;
+    deterministic. Zero-size items join the first bin that has room (any bin has).
+    """
+    c = np.asarray(sizes)
+    if c.ndim != 1:
+        raise ValueError(f"sizes must be 1-D, got shape {c.shape}")
+    cap = int(capacity)
+    n = int(c.size)
+    if n == 0:
+        return np.zeros(0, np.int64), 0
+    c = c.astype(np.int64)
+    if int(c.min()) < 0:
+        raise ValueError(f"sizes must be >= 0; item {int(np.argmin(c))} is {int(c.min())}")
+    over = np.flatnonzero(c > cap)
+    if over.size:
+        raise ValueError(f"item {int(over[0])} (size {int(c[over[0]])}) exceeds capacity {cap} on its own")
+    tb = np.arange(n) if tiebreak is None else np.asarray(tiebreak)
+    # Ascending by size; among equal sizes the lowest tiebreak is taken first, i.e. sits highest.
+    order = np.lexsort((-tb.astype(np.int64), c))
+    a = c[order].tolist()
+    # par[p] (p = position + 1, 0 = none): a pointer towards the highest free position <= p.
+    par = list(range(n + 1))
+    out = [0] * n
+    b = 0
+    p = n
+    while True:
+        r = p
+        while par[r] != r:
+            r = par[r]
+        while par[p] != r:
+            par[p], p = r, par[p]
+        p = r
+        if not p:
+            break
+        room = cap - a[p - 1]
+        par[p] = p - 1
+        out[p - 1] = b
+        while True:
+            q = bisect_right(a, room)
+            if not q:
+                break
+            r = q
+            while par[r] != r:
+                r = par[r]
+            while par[q] != r:
+                par[q], q = r, par[q]
+            q = r
+            if not q:
+                break
+            room -= a[q - 1]
+            par[q] = q - 1
+            out[q - 1] = b
+        b += 1
+    bins = np.empty(n, np.int64)
+    bins[order] = out
+    return bins, b

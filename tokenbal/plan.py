@@ -7,17 +7,17 @@ the others. The sampler (:mod:`tokenbal.sampler`) only slices it.
 How a plan is made
 ------------------
 1. Permute the samples with ``np.random.default_rng([seed, epoch])`` (identity if not shuffling).
-2. Cut the permutation into steps — ``global_batch_size`` samples each, or in
-   ``max_tokens_per_rank`` mode as many steps as the tokens need — and group consecutive steps
-   into *windows* of ``window`` steps.
+2. Cut the permutation into steps of ``global_batch_size`` samples each and group consecutive
+   steps into *windows* of ``window`` steps. (``max_tokens_per_rank`` mode instead packs the
+   epoch into budget-sized rank-steps with first-fit decreasing over chunks of ``window`` steps'
+   tokens, see ``_budget_fill``, and then continues at 4 with the whole epoch as one window.)
 3. Inside each window, decide which samples share a step and which rank gets each one with
    :func:`tokenbal.partition.fill_windows` (largest first; fill the gaps of steps that hold a big
    sample with the next big ones, otherwise least-loaded rank). Balancing a whole window is what
    makes heavy-tailed data balance: a step holding a 16k-token video gets enough other big
    samples to keep its other ranks busy, which per-step balancing cannot arrange. In
    ``global_batch_size`` mode the fill places ``max(2 × ranks, 64)`` samples per window per
-   round (``batch``), which keeps 1M samples on 512 ranks under a second; token mode fills
-   exactly.
+   round (``batch``), which keeps 1M samples on 512 ranks under a second.
 4. Shuffle the order of the steps inside each window (the fill works largest-first, and
    without this the window would be a length curriculum) and which rank gets which bin.
 
@@ -35,9 +35,13 @@ Guarantees (tested in tests/test_plan.py)
   second sample while another rank of the same step has none). With ``n < R`` (and
   ``drop_last=False``) there is one step, and ``R - n`` ranks get an empty list in it; the step
   count is still the same everywhere. ``drop_last=True`` with ``n < N`` plans zero steps.
-* ``max_tokens_per_rank``: no rank-step ever exceeds the budget. A rank-step is empty only when
-  the budget forces it: the window's samples are too few for its ``steps × R`` rank slots (e.g.
-  samples close to the budget size, or fewer samples than ranks). ``plan.num_empty`` counts them.
+* ``max_tokens_per_rank``: no rank-step ever exceeds the budget. The epoch is packed into about
+  as few rank-steps as first-fit decreasing needs (chunks of the random permutation, small samples
+  placed in random order, so step composition changes every epoch; see ``_budget_fill``), the
+  bins are dealt to steps at random, and the one step with spare rank-steps is re-spread over all
+  ranks. A rank-step is empty only when the samples are too few for the plan's ``steps × R`` rank
+  slots (e.g. samples close to the budget size, or fewer samples than ranks).
+  ``plan.num_empty`` counts them.
   Samples over the budget follow ``oversize``: ``"error"`` (default, lists them), ``"skip"``
   (left out, ``plan.skipped``) or ``"alone"`` (each alone in a rank-step of extra steps).
 * ``grad_accum=k``: every rank has exactly k micro-batches in every step. The step is planned
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,8 +71,7 @@ __all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_st
            "simulate", "Simulation", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 4
-_TOKEN_FILL = 0.97   # token mode: fraction of the budget a window aims to use
+PLAN_VERSION = 5
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -78,6 +82,12 @@ _TOKEN_FILL = 0.97   # token mode: fraction of the budget a window aims to use
 # for 1M samples (~2.3 s), 64 takes ~0.9 s at the same balance ((8, 16): 1.0019 / 1.0057 vs exact
 # 1.0017 / 1.0060; (8, 64): 1.0003 / 1.0011 vs 1.0002 / 1.0011).
 _BATCH_PER_RANK = 2
+# Token mode: bins a chunk's first-fit leaves below this fill are packed again, _REPACK_FAN chunks'
+# worth together, then _REPACK_FAN of those groups, ... (see _budget_fill).
+_REPACK_BELOW = 0.99
+_REPACK_FAN = 8
+# Token mode: items up to budget / _SMALL_ITEM are packed after the others, in random order.
+_SMALL_ITEM = 32
 _BATCH_MIN = 64
 
 
@@ -333,10 +343,9 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
     (a round is a pass over a window's bins; a window of W steps needs ~W·N / 2R rounds). Capped at
     256 steps.
 
-    ``max_tokens_per_rank`` mode: balance is easy (a step may hold any number of samples); the
-    window only sets how finely the step count can follow the tokens (one step in ``window``),
-    so use up to 16 steps but keep a window near 4096 samples, since the fill visits a
-    window's samples one at a time.
+    ``max_tokens_per_rank`` mode: the window is the chunk of the permutation that first-fit
+    decreasing packs on its own (``_budget_fill``): up to 16 steps, kept near 4096 samples, so
+    which samples can share a step is redrawn every epoch.
     """
     R = int(num_replicas)
     if max_tokens_per_rank is not None:
@@ -426,9 +435,9 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         dropped = np.zeros(0, np.int64)
         W = window or default_window(R, max_tokens_per_rank=B,
                                      mean_length=float(lens.mean()) if n else 1.0)
-        # Windows hold ~97% of W full steps, so W steps usually suffice (else W + 1, retried).
-        win_of_item = _token_windows(lens[perm], max(1, int(W * R * B * _TOKEN_FILL)))
-        steps_in_win, step_w, rank_w = _token_fill(lens, perm, win_of_item, R, B)
+        # One window: the whole epoch is packed at once; its steps are shuffled below.
+        steps_in_win, step_w, rank_w = _budget_fill(lens, perm, R, B, W, rng if shuffle else None)
+        win_of_item = np.zeros(len(perm), np.int64)
 
     # Step order inside a window: random when shuffling (the fill puts big seeds in the first
     # steps), else by the smallest dataset index in the step so an unshuffled run reads forward.
@@ -457,6 +466,9 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank = rank_map[step, rank_w]
 
     if stages is not None:
+        if B is not None:
+            # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
+            win_of_item = step // W
         step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
                                     lens if B is not None else None, B)
     slot = step * R + rank
@@ -686,35 +698,163 @@ def _token_windows(lens_perm: np.ndarray, window_tokens: int) -> np.ndarray:
     return win.astype(np.int64)
 
 
-def _token_fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, R: int, B: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Token-budget mode: as few steps per window as the budget allows, at least one item per bin."""
-    G = int(win_of_item.max()) + 1 if len(win_of_item) else 0
-    tokens = np.bincount(win_of_item, weights=lens[perm], minlength=G)
-    nsteps = np.maximum(1, -(-tokens.astype(np.int64) // (R * B)))
-    steps_in_win = np.zeros(G, np.int64)
-    step_w = np.full(len(perm), -1, np.int64)
-    rank_w = np.full(len(perm), -1, np.int64)
-    todo = np.arange(G)
-    tries = 0
-    while todo.size:
-        # Windows whose samples did not fit are planned again with more steps: one more at first
-        # (keeps steps full), then geometrically more, so even awkward sizes (every sample just
-        # over half the budget) need only a few rounds.
-        sel = np.flatnonzero(np.isin(win_of_item, todo))
-        local = np.searchsorted(todo, win_of_item[sel])
-        W = int(nsteps[todo].max())
-        cap2d = np.where(np.arange(W)[None, :] < nsteps[todo][:, None], len(sel) + 1, 0)
-        steps, s, r, failed = _fill(lens, perm[sel], local, cap2d, R, B, True)
-        ok = ~failed[local]
-        step_w[sel[ok]] = s[ok]
-        rank_w[sel[ok]] = r[ok]
-        steps_in_win[todo[~failed]] = steps[~failed]
-        grow = nsteps[todo[failed]]
-        nsteps[todo[failed]] += np.maximum(1, (grow * (2**tries - 1)) // 8)
-        todo = todo[failed]
-        tries += 1
-    return steps_in_win, step_w, rank_w
+def _budget_fill(lens: np.ndarray, perm: np.ndarray, R: int, B: int, W: int,
+                 rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token-budget mode: pack the epoch into as few rank-steps of ``B`` tokens as first-fit
+    decreasing finds, then deal the bins out to steps. Returns (steps, step, rank) per item of
+    ``perm`` for one window holding the whole epoch (the caller shuffles its steps and ranks).
+
+    1. *Chunks*: ``perm`` (random) is cut into chunks of ``W`` steps' worth of tokens and each
+       chunk is packed on its own (:func:`_pack_chunk`: first-fit decreasing, equal sizes in
+       ``perm`` order, then the small samples best-fit in ``perm`` order). Which samples may share
+       a bin is thus redrawn every epoch; one sorted epoch would pack the same samples together
+       every time.
+    2. *Repack*: the bins left under 99 % full (a chunk's last ones) are emptied and packed again,
+       ``_REPACK_FAN`` chunks together, then ``_REPACK_FAN`` of those groups, ... up to one group,
+       so chunking costs next to no bins.
+    3. *Steps*: S = ceil(bins / R). The R·S − bins spare rank-steps go into one *light step* with
+       the R lightest-but-spare bins: their samples are re-spread over all R ranks (LPT under the
+       budget), so that step is short instead of leaving ranks empty; if its samples are fewer than
+       R, the smallest samples of multi-sample bins elsewhere fill its empty ranks. The other bins
+       go to the other steps in random order (``rng``; in bin order without it).
+    """
+    n = len(perm)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    x = lens[perm]
+    chunk = _token_windows(x, max(1, W * R * B))
+    pos = np.arange(n)
+    bins, nb, group = _pack_groups(x, chunk, pos, B)
+    load = np.bincount(bins, weights=x, minlength=nb)
+    while True:
+        partial = load < _REPACK_BELOW * B
+        if partial.sum() < 2:
+            break
+        # Each level pools the partial bins of _REPACK_FAN groups of the level below.
+        top = group[partial] // _REPACK_FAN
+        again = partial[bins]
+        keep = np.cumsum(~partial) - 1
+        nk = int((~partial).sum())
+        sel = np.flatnonzero(again)
+        b, m, g = _pack_groups(x[sel], group[bins[sel]] // _REPACK_FAN, pos[sel], B)
+        bins = keep[bins]
+        bins[sel] = b + nk
+        group = np.concatenate([group[~partial] // _REPACK_FAN, g])
+        nb = nk + m
+        load = np.bincount(bins, weights=x, minlength=nb)
+        if top.min() == top.max():
+            break
+    S = max(1, -(-nb // R))
+    light_n = nb - (S - 1) * R                      # bins of the light step, 1..R
+    by_load = np.lexsort((np.arange(nb), load))
+    light = np.zeros(nb, bool)
+    light[by_load[:light_n]] = True
+    full = np.flatnonzero(~light)
+    if rng is not None:
+        full = full[rng.permutation(len(full))]
+    slot_of_bin = np.empty(nb, np.int64)
+    slot_of_bin[full] = np.arange(len(full))
+    slot = slot_of_bin[bins]
+    in_light = light[bins]
+    li = np.flatnonzero(in_light)
+    light_slot = _spread(x[li], R, B, bins[li])
+    slot[li] = (S - 1) * R + light_slot
+    slot = _fill_light_step(slot, x, S, R)
+    return np.array([S], np.int64), slot // R, slot % R
+
+
+def _pack_groups(x: np.ndarray, group: np.ndarray, pos: np.ndarray, B: int
+                 ) -> tuple[np.ndarray, int, np.ndarray]:
+    """First-fit decreasing inside every group of items (``group`` non-decreasing); returns (bin
+    per item, number of bins, group per bin)."""
+    order = np.argsort(group, kind="stable")
+    g = group[order]
+    bins = np.empty(len(x), np.int64)
+    bin_group = []
+    nb = 0
+    bounds = np.flatnonzero(np.diff(g)) + 1
+    for lo, hi in zip(np.r_[0, bounds].tolist(), np.r_[bounds, len(g)].tolist(), strict=True):
+        idx = order[lo:hi]
+        b, m = _pack_chunk(x[idx], pos[idx], B)
+        bins[idx] = b + nb
+        bin_group.append(np.full(m, g[lo], np.int64))
+        nb += m
+    return bins, nb, np.concatenate(bin_group) if bin_group else np.zeros(0, np.int64)
+
+
+def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int]:
+    """Bins for one chunk: first-fit decreasing for the items above ``B / _SMALL_ITEM``, then the
+    small ones best-fit (into the fullest bin they fit) in ``pos`` order, i.e. at random.
+
+    FFD alone ends every chunk with bins of its smallest items in size order, and those bins float
+    up the repack levels together, so the same tiny samples would share a step every epoch. Small
+    items fill the gaps about as tightly in any order; taken at random they land next to random
+    neighbours."""
+    from tokenbal.partition import first_fit_decreasing
+
+    small = x <= B // _SMALL_ITEM
+    bins = np.empty(len(x), np.int64)
+    big = np.flatnonzero(~small)
+    b, nb = first_fit_decreasing(x[big], B, tiebreak=pos[big])
+    bins[big] = b
+    tiny = np.flatnonzero(small)
+    if not tiny.size:
+        return bins, nb
+    tiny = tiny[np.argsort(pos[tiny], kind="stable")]
+    M = len(x) + 1
+    # key = room * M + bin: the first key >= size * M is the fullest bin with room (lowest id on ties).
+    room = B - np.bincount(b, weights=x[big], minlength=nb).astype(np.int64)
+    keys = sorted((room * M + np.arange(nb)).tolist())
+    out = []
+    for v in x[tiny].tolist():
+        j = bisect_left(keys, v * M)
+        if j < len(keys):
+            k = keys.pop(j)
+            r, q = divmod(k, M)
+        else:
+            r, q = B, nb
+            nb += 1
+        out.append(q)
+        insort(keys, (r - v) * M + q)
+    bins[tiny] = out
+    return bins, nb
+
+
+def _spread(x: np.ndarray, R: int, B: int, bins: np.ndarray) -> np.ndarray:
+    """Rank (0..R-1) for each of the light step's samples: LPT over R ranks within the budget, or
+    the bins they came in (renumbered) when LPT cannot keep the budget."""
+    from tokenbal.partition import partition
+
+    try:
+        return partition(x, R, "lpt", capacity=B)
+    except ValueError:
+        return np.unique(bins, return_inverse=True)[1].astype(np.int64)
+
+
+def _fill_light_step(slot: np.ndarray, x: np.ndarray, S: int, R: int) -> np.ndarray:
+    """Give each empty rank of the last (light) step the smallest sample of a bin that has more
+    than one, never emptying a bin: only samples too few for S·R rank-steps leave a rank empty."""
+    counts = np.bincount(slot, minlength=S * R)
+    empty = np.flatnonzero(counts[(S - 1) * R:] == 0) + (S - 1) * R
+    if not empty.size:
+        return slot
+    cand = np.flatnonzero(counts[slot] > 1)
+    cand = cand[np.lexsort((cand, x[cand]))].tolist()
+    spare = {}
+    slot = slot.copy()
+    it = iter(empty.tolist())
+    target = next(it, None)
+    for i in cand:
+        if target is None:
+            break
+        s = int(slot[i])
+        left = spare.setdefault(s, int(counts[s]) - 1)
+        if left == 0:
+            continue
+        spare[s] = left - 1
+        slot[i] = target
+        target = next(it, None)
+    return slot
 
 
 def _positive_int(name: str, v: object) -> int:

@@ -37,20 +37,68 @@ def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int
 
 
 def _select_best_np(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
+    grid = _as_grid(tuple(tuple(p) for p in pinpoints))
+    if grid is not None:
+        return _select_best_grid(h, w, *grid, pinpoints)
+    return _select_best_sweep(h, w, pinpoints)
+
+
+def _as_grid(pinpoints: tuple) -> tuple[int, int, int] | None:
+    """(c, a, b) when ``pinpoints`` is every (c*i, c*j), 1 <= i <= a, 1 <= j <= b (OneVision's 36)."""
+    c = min(min(p) for p in pinpoints)
+    a = max(p[0] for p in pinpoints) // c
+    b = max(p[1] for p in pinpoints) // c
+    want = {(c * i, c * j) for i in range(1, a + 1) for j in range(1, b + 1)}
+    return (c, a, b) if len(pinpoints) == len(want) and set(pinpoints) == want else None
+
+
+def _select_best_grid(h: np.ndarray, w: np.ndarray, c: int, a: int, b: int, pinpoints
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`select_best_resolution` for a grid of pinpoints in closed form (same results).
+
+    An image that some pinpoint contains gets its full area as "effective" there and less in every
+    other pinpoint (a scale below 1 truncates at least one side), so the winner is the containing
+    pinpoint of least area: (c * ceil(h / c), c * ceil(w / c)). Otherwise the largest pinpoint
+    (c*a, c*b) has the largest scale; when the width binds (scale = c*b / w), every pinpoint of
+    width c*b and height >= h * c*b / w has exactly that scale, hence the same effective pixels, and
+    the least waste is the lowest such height; any other pinpoint loses at least one pixel column
+    (or c rows) of effective area. Where float rounding could make that last claim fail (the
+    binding side truncating to c*b - 1, or the other side to 0) the sweep decides instead.
+    """
+    hh, ww = c * a, c * b
+    need_h, need_w = -(-h // c), -(-w // c)
+    contain = (need_h <= a) & (need_w <= b)
+    wide = ww * h <= hh * w                                   # the width binds at (hh, ww)
+    bh = np.where(contain, c * need_h, np.where(wide, c * (-(-(b * h) // w)), hh))
+    bw = np.where(contain, c * need_w, np.where(wide, ww, c * (-(-(a * w) // h))))
+    scale = np.where(wide, ww / w, hh / h)
+    side_w = (w * scale).astype(np.int64)
+    side_h = (h * scale).astype(np.int64)
+    ok = contain | np.where(wide, (side_w == ww) & (side_h >= 1), (side_h == hh) & (side_w >= 1))
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        bh[bad], bw[bad] = _select_best_sweep(h[bad], w[bad], pinpoints)
+    return bh, bw
+
+
+def _select_best_sweep(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray, np.ndarray]:
+    # One key per pinpoint orders (effective pixels, then least waste) as the scalar loop does:
+    # eff <= pinpoint area < K (a scale truncates each side to at most the pinpoint's), waste =
+    # area - eff >= 0, so eff * K - waste = eff * (K + 1) - area is increasing in both; strict >
+    # keeps the first pinpoint on ties.
+    K = max(ph * pw for ph, pw in pinpoints) + 1
     best = np.zeros(h.shape, dtype=np.int64)  # index into pinpoints
-    best_eff = np.zeros(h.shape, dtype=np.int64)
-    best_waste = np.full(h.shape, np.inf)
+    best_key = np.full(h.shape, np.iinfo(np.int64).min)
     area = w * h
+    wf, hf = w.astype(np.float64), h.astype(np.float64)
     for k, (ph, pw) in enumerate(pinpoints):
-        scale = np.minimum(pw / w, ph / h)
+        scale = np.minimum(pw / wf, ph / hf)
         # int() truncates; products are positive so astype's truncation is the same
-        eff = np.minimum((w * scale).astype(np.int64) * (h * scale).astype(np.int64), area)
-        waste = pw * ph - eff
-        take = (eff > best_eff) | ((eff == best_eff) & (waste < best_waste))
+        eff = np.minimum((wf * scale).astype(np.int64) * (hf * scale).astype(np.int64), area)
+        key = eff * (K + 1) - ph * pw
         # copyto(where=) instead of boolean-mask assignment: same result, several times cheaper
-        np.copyto(best, k, where=take)
-        np.copyto(best_eff, eff, where=take)
-        np.copyto(best_waste, waste, where=take)
+        np.copyto(best, k, where=key > best_key)
+        np.maximum(best_key, key, out=best_key)
     table = np.asarray(pinpoints, dtype=np.int64)
     return table[best, 0], table[best, 1]
 
@@ -76,9 +124,9 @@ def _unpadded_np(h, w, cur_h, cur_w):
     near = np.flatnonzero(np.abs(x - np.round(x)) < 1e-6)
     for i in near:
         n[i] = int(round(float(x[i]), 7))
-    new_h = np.where(wide, cur_h - 2 * ((cur_h - n) // 2), cur_h)
-    new_w = np.where(wide, cur_w, cur_w - 2 * ((cur_w - n) // 2))
-    return new_h, new_w
+    cur = np.where(wide, cur_h, cur_w)
+    cut = cur - ((cur - n) >> 1 << 1)         # cur - 2 * ((cur - n) // 2); >> floors like //
+    return np.where(wide, cut, cur_h), np.where(wide, cur_w, cut)
 
 
 @dataclass(frozen=True)

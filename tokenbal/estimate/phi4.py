@@ -133,14 +133,14 @@ class Phi4MultimodalEstimator:
         fit_w = tw / w < th / h
         new_h = np.where(fit_w, (h * (tw / w)).astype(np.int64), th)
         new_w = np.where(fit_w, tw, (w * (th / h)).astype(np.int64))
-        bad = np.flatnonzero((np.minimum(new_h, th) < MIN_SIDE) | (np.minimum(new_w, tw) < MIN_SIDE))
-        if bad.size:
-            i = int(bad[0])
+        # new_h <= th and new_w <= tw (the fitted side is scaled by the smaller ratio), so the
+        # scalar path's min(new_h, th) is new_h, and 0 <= pad < PATCH gives pad // PATCH == 0.
+        if new_h.size and min(int(new_h.min()), int(new_w.min())) < MIN_SIDE:
+            i = int(np.flatnonzero((new_h < MIN_SIDE) | (new_w < MIN_SIDE))[0])
             raise ValueError(f"element {i}: {_extreme(int(w[i]), int(h[i]), int(new_w[i]), int(new_h[i]))}")
-        pad_w, pad_h = tw - new_w, th - new_h
-        rows = MASK * gh - np.where(pad_h >= PATCH, pad_h // PATCH, 0)
-        cols = MASK * gw - np.where(pad_w >= PATCH, pad_w // PATCH, 0)
-        hr, hc = -(-rows // 2), -(-cols // 2)
+        rows = MASK * gh - (th - new_h) // PATCH
+        cols = MASK * gw - (tw - new_w) // PATCH
+        hr, hc = (rows + 1) >> 1, (cols + 1) >> 1
         return 256 + 1 + hr * hc + hr + 16
 
     def replace(self, **overrides) -> Phi4MultimodalEstimator:
