@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["AnyresLayout", "AnyresSample"]
+__all__ = ["AnyresLayout", "AnyresSample", "TileLayout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +130,41 @@ class AnyresLayout:
         return AnyresSample(crops, size_rows, per_image, frames, per_video)
 
 
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """InternVL: every tile (crops plus thumbnail) gives ``tokens_per_tile`` placeholders after the
+    pixel shuffle, whatever image it came from, so a sample's ``<IMG_CONTEXT>`` count is its tile
+    count (``pixel_values`` ``(tiles, C, S, S)``) times ``tokens_per_tile``."""
+
+    family: str
+    tile_size: int
+    tokens_per_tile: int
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> TileLayout:
+        vision = hf_config.vision_config
+        side, patch = _side(vision.image_size), _side(vision.patch_size)
+        per_side = side // patch * float(hf_config.downsample_ratio)
+        return cls(family=hf_config.model_type, tile_size=side, tokens_per_tile=int(per_side) * int(per_side))
+
+    def take(self, sample: dict[str, Any], i: int, ids: np.ndarray, image_token_id: int | None,
+             video_token_id: int | None) -> AnyresSample:
+        pv = sample.get("pixel_values")
+        tiles = None
+        if pv is not None:
+            tiles = _tensor(pv, i, "pixel_values")
+            if tiles.dim() != 4 or tuple(tiles.shape[-2:]) != (self.tile_size, self.tile_size):
+                raise ValueError(f"sample {i}: field 'pixel_values' has shape {tuple(tiles.shape)}; expected "
+                                 f"(tiles, C, {self.tile_size}, {self.tile_size})")
+        n = 0 if tiles is None else int(tiles.shape[0])
+        _check_count(ids, image_token_id, n * self.tokens_per_tile, i, "image", "pixel_values tiles", n)
+        return AnyresSample(tiles, [], [n] if n else [], None, [])
+
+
+def _side(x: Any) -> int:
+    return int(x[0]) if isinstance(x, (list, tuple)) else int(x)
+
+
 def collate_anyres(parts: list[AnyresSample], ids: np.ndarray, image_token_id: int | None,
                    video_token_id: int | None) -> dict[str, Any]:
     """The batch fields of the samples' vision inputs (images then videos, in sample order)."""
@@ -138,7 +173,7 @@ def collate_anyres(parts: list[AnyresSample], ids: np.ndarray, image_token_id: i
     out: dict[str, Any] = {}
     if crops:
         out["pixel_values"] = _cat("pixel_values", crops)
-        out["image_sizes"] = [s for p in parts for s in p.image_sizes]
+        out["image_sizes"] = [s for p in parts for s in p.image_sizes] or None
         out["image_num_tiles"] = [c for p in parts for c in p.crops_per_image]
         out["batch_num_images"] = [len(p.image_sizes) for p in parts]
     if frames:

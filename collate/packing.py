@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from collate.anyres import AnyresLayout, collate_anyres
+from collate.anyres import AnyresLayout, TileLayout, collate_anyres
 from collate.positions import as_grid, packed_mrope_positions
 from collate.vision import tower_fields, window_in_merged_tokens
 
@@ -31,6 +31,8 @@ _MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # 1-D RoPE behind LLaVA "anyres" crops: placeholder counts from image sizes (collate.anyres).
 _ANYRES_MODEL_TYPES = ("llava_next", "llava_onevision")
+# 1-D RoPE behind fixed-size tiles: placeholders = tiles x tokens per tile (collate.anyres).
+_TILE_MODEL_TYPES = ("internvl",)
 # Same placeholder tokens but a different position layout (GLM-4V counts video frames otherwise).
 _UNSUPPORTED_MROPE = ("glm4v", "glm4v_moe")
 
@@ -205,7 +207,7 @@ class PackedCollator:
     pin_memory: bool | None = None
     ignore_index: int = IGNORE_INDEX
     # LLaVA-NeXT / LLaVA-OneVision crops (collate.anyres): samples carry image_sizes instead of grids.
-    anyres: AnyresLayout | None = None
+    anyres: AnyresLayout | TileLayout | None = None
 
     def __post_init__(self) -> None:
         if self.rope not in ("mrope", "1d"):
@@ -226,11 +228,12 @@ class PackedCollator:
         """
         model_type = getattr(hf_config, "model_type", "")
         vision = getattr(hf_config, "vision_config", None)
-        if model_type in _ANYRES_MODEL_TYPES:
+        if model_type in _ANYRES_MODEL_TYPES + _TILE_MODEL_TYPES:
+            kind = AnyresLayout if model_type in _ANYRES_MODEL_TYPES else TileLayout
+            layout = kind.from_config(hf_config)
             kwargs_1d: dict[str, Any] = dict(
                 rope="1d", image_token_id=int(hf_config.image_token_id),
-                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)),
-                anyres=AnyresLayout.from_config(hf_config))
+                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)), anyres=layout)
             return cls(**{**kwargs_1d, **overrides})
         if model_type in _UNSUPPORTED_MROPE:
             raise ValueError(
