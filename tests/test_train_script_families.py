@@ -42,8 +42,29 @@ def test_model_config_loads_and_builds(tmp_path, family):
     assert type(build_model(config, 0)).__name__.lower().startswith(family.replace("_", ""))
 
 
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "internvl"])
+def test_index_lengths_equal_collated_samples(tmp_path, family):
+    """The index built with the family's estimator predicts every sample's length, multi-image
+    OneVision samples (base views only) included; IndexedSamples raises on any mismatch, and the
+    collator then accepts every sample's placeholders."""
+    from collate import PackedCollator
+    from collate.demo import MODEL_CLASSES, IndexedSamples, demo_config, estimator_overrides, prepare_data
+    from tokenbal.index import build_index
+
+    _config(family).save_pretrained(tmp_path / "model")
+    paths = prepare_data(str(tmp_path / "data"), 24, 0)
+    config = demo_config(paths.tokenizer, str(tmp_path / "model" / "config.json"))
+    build_index(list(paths.shards), paths.index, model=MODEL_CLASSES[family][2], tokenizer=paths.tokenizer,
+                estimator_overrides=estimator_overrides(config), progress=False)
+    dataset = IndexedSamples(paths.index, paths.tokenizer, config=config)
+    samples = [dataset[i] for i in range(len(dataset))]  # each checked against the index
+    assert any("image_sizes" in s and s["image_sizes"].shape[0] > 1 for s in samples) or family == "internvl"
+    batch = PackedCollator.from_config(config, pin_memory=False)(samples)
+    assert batch.seq_lens == [int(n) for n in dataset.index.lengths[:len(samples)]]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llava_next", "internvl"])
+@pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "internvl"])
 def test_torchrun_two_ranks_with_a_family_config(tmp_path, family):
     _config(family).save_pretrained(tmp_path / "model")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
