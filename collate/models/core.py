@@ -90,8 +90,6 @@ class PackedAttentionInfo:
     interleaved: bool
     attention_scaling: float
     qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3)
-    # Rotary dims rotated as adjacent pairs (GLM: x[0::2], x[1::2]) rather than two halves.
-    pairwise_rotary: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,6 @@ class RopeLayout:
     mrope_section: tuple[int, int, int]
     interleaved: bool
     attention_scaling: float
-    pairwise_rotary: bool = False
 
 
 @dataclasses.dataclass
@@ -253,16 +250,6 @@ def packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tupl
     return packed_text_attention(self, hidden_states, info)
 
 
-def _pairs_to_halves(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    # Adjacent-pair rotation of the first rotary_dim channels equals half-split rotation of the
-    # same channels reordered evens-then-odds; q and k get the same order, so q·k is unchanged.
-    rot = x[..., :rotary_dim]
-    parts = [rot[..., 0::2], rot[..., 1::2]]
-    if rotary_dim < x.shape[-1]:
-        parts.append(x[..., rotary_dim:])
-    return torch.cat(parts, dim=-1)
-
-
 def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor,
                           info: PackedAttentionInfo) -> tuple[torch.Tensor, None]:
     """One text attention layer on a packed ``(1, T, hidden)`` row: q/k/v as ``(T, H, D)``, (Qwen3:
@@ -276,9 +263,6 @@ def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor,
     v = attn.v_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
     if info.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    if info.pairwise_rotary:
-        rotary_dim = 2 * info.inv_freq.numel()
-        q, k = _pairs_to_halves(q, rotary_dim), _pairs_to_halves(k, rotary_dim)
     q, k = apply_mrope(
         q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
     )
@@ -362,7 +346,6 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         interleaved=layout.interleaved,
         attention_scaling=layout.attention_scaling,
         qk_norm=family.qk_norm,
-        pairwise_rotary=layout.pairwise_rotary,
     )
 
 
