@@ -359,6 +359,12 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     n = len(samples)
     image_counts = np.fromiter((len(s.image_sizes) for s in samples), np.int64, count=n)
     vision = np.zeros(n, np.int64)
+    if len(wh) and getattr(est, "family", None) == "llava-onevision":
+        # transformers (processor and model) gives an image that shares its sample with other
+        # images only its base view and newline; the estimator's images_in_sample says so.
+        shared = np.repeat(image_counts, image_counts) > 1
+        if shared.any():
+            per_image = np.where(shared, est.image_tokens(1, 1, images_in_sample=2), per_image)
     if len(wh):
         per_image = np.asarray(per_image, dtype=np.int64) + _wrapper_tokens(est, wh)
         np.add.at(vision, np.repeat(np.arange(n), image_counts), per_image)
