@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # noqa: E402
 
-import collate.models.qwen2_vl as qwen2_vl_patch  # noqa: E402
+import collate.models.core as packed_core  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 
 VOCAB = 128
@@ -205,7 +205,7 @@ def test_packed_path_uses_ops_and_batch_positions(models, monkeypatch):
     samples = make_samples()
     batch = manual_packed_batch(ref, samples)
     calls = {"rope": 0, "attn": 0}
-    real_rope, real_attn = qwen2_vl_patch.apply_mrope, qwen2_vl_patch.varlen_attention
+    real_rope, real_attn = packed_core.apply_mrope, packed_core.varlen_attention
 
     def rope(q, k, pos, *args, **kwargs):
         calls["rope"] += 1
@@ -220,8 +220,8 @@ def test_packed_path_uses_ops_and_batch_positions(models, monkeypatch):
     def no_rope_index(*args, **kwargs):
         raise AssertionError("packed forward must not recompute positions")
 
-    monkeypatch.setattr(qwen2_vl_patch, "apply_mrope", rope)
-    monkeypatch.setattr(qwen2_vl_patch, "varlen_attention", attn)
+    monkeypatch.setattr(packed_core, "apply_mrope", rope)
+    monkeypatch.setattr(packed_core, "varlen_attention", attn)
     monkeypatch.setattr(packed.model, "get_rope_index", no_rope_index)
     with torch.no_grad():
         loss = packed(**batch).loss

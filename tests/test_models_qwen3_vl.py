@@ -17,7 +17,7 @@ from transformers import (  # noqa: E402
     Qwen3VLForConditionalGeneration,
 )
 
-import collate.models.qwen2_vl as qwen2_vl_patch  # noqa: E402
+import collate.models.core as packed_core  # noqa: E402
 import collate.models.qwen3_vl as qwen3_vl_patch  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
@@ -223,7 +223,7 @@ def test_packed_path_uses_ops_deepstack_slots_and_batch_segments(reference, monk
     batch = collate(reference, make_samples())
     calls = {"rope": 0, "text_attn": 0, "vision_attn": 0, "deepstack": 0, "tower": 0}
     # Both families share qwen2_vl's attention bodies: the ops are looked up there.
-    real_rope, real_attn = qwen2_vl_patch.apply_mrope, qwen2_vl_patch.varlen_attention
+    real_rope, real_attn = packed_core.apply_mrope, packed_core.varlen_attention
     text_model = packed.model.language_model
     real_deepstack = text_model._deepstack_process
 
@@ -253,8 +253,8 @@ def test_packed_path_uses_ops_deepstack_slots_and_batch_segments(reference, monk
     def count_tower(module, args, kwargs):
         calls["tower"] += 1
 
-    monkeypatch.setattr(qwen2_vl_patch, "apply_mrope", rope)
-    monkeypatch.setattr(qwen2_vl_patch, "varlen_attention", attn)
+    monkeypatch.setattr(packed_core, "apply_mrope", rope)
+    monkeypatch.setattr(packed_core, "varlen_attention", attn)
     monkeypatch.setattr(text_model, "_deepstack_process", deepstack)
     monkeypatch.setattr(packed.model, "get_rope_index", no_rope_index)
     hook = packed.model.visual.register_forward_pre_hook(count_tower, with_kwargs=True)

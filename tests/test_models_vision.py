@@ -103,7 +103,7 @@ def test_qwen2_5_vl_windowed_tower_from_collator_equals_per_sample_transformers(
 def test_vision_attention_runs_on_the_batch_segments(monkeypatch):
     """Every vision block attends over the collator's host segments: frames in full-attention
     blocks, windows in the others (checked by replacing them: the loss changes)."""
-    import collate.models.qwen2_vl as patch
+    import collate.models.core as patch
 
     config, reference = build("qwen2_5_vl")
     packed = enable_packed(copy.deepcopy(reference))

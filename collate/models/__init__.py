@@ -1,7 +1,8 @@
 """Patches that let real transformers model classes consume packed batches.
 
-``enable_packed(model)`` picks the patch from ``model.config.model_type``; each family lives in its
-own file. After it, ``model(**packed_batch)`` runs M-RoPE via ``collate.ops.apply_mrope`` and
+``enable_packed(model)`` picks the patch from ``model.config.model_type``. The shared machinery
+(wrapper, attention info, packed text attention, the one vision-tower call, the feature scatter)
+is :mod:`collate.models.core`; each family file only says what differs. After it, ``model(**packed_batch)`` runs M-RoPE via ``collate.ops.apply_mrope`` and
 attention via ``collate.ops.varlen_attention``; calls without packing fields are unchanged.
 """
 

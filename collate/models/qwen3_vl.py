@@ -1,8 +1,8 @@
 """Packed-batch forward for transformers 5.2x Qwen3-VL (``Qwen3VLForConditionalGeneration``).
 
-Same scheme as :mod:`collate.models.qwen2_vl` (whose wrapper machinery this module reuses: the
-opaque ``tokenbal_packed`` / ``tokenbal_vision`` kwargs, the consumed batch keys, the per-instance
-``forward`` installs, the patched vision attention and the idle dummy image). What differs:
+The shared scheme is :mod:`collate.models.core` (wrapper, attention info, packed text attention,
+one tower call, feature scatter) with the ``grid_thw`` tower of :mod:`collate.models.grid_vision`.
+What differs from Qwen2-VL:
 
 1. Text attention: Qwen3 normalises every query and key head (``q_norm`` / ``k_norm``, RMSNorm over
    the head dim) before the rotary, and its M-RoPE frequencies are interleaved (``THWTHW...T``), so
@@ -19,9 +19,8 @@ opaque ``tokenbal_packed`` / ``tokenbal_vision`` kwargs, the consumed batch keys
    one ``index_add`` at those slots. HF's own loop decides which layers get a map, so the layer
    count and order are HF's.
 3. No mask: Qwen3's text model always calls ``create_causal_mask`` (there is no prepared-mapping
-   shortcut as in Qwen2-VL), so the packed call hands it a zero-sized 4-D mask, which transformers
-   returns as already prepared; no ``T x T`` mask is built for any attention implementation. The
-   patched layers ignore it.
+   shortcut as in Qwen2-VL), so the packed call hands it the core's zero-sized 4-D mask
+   (:func:`collate.models.core.empty_mask`).
 
 The vision tower's attention is per frame, like Qwen2-VL's (``get_vision_attention_seqlens`` with
 ``merge_temporal=False``), so the collator's ``vision_cu_seqlens`` / ``vision_position_ids`` are
@@ -48,26 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from collate.models.qwen2_vl import (
-    _ENABLED,
-    _IDLE_INPUTS,
-    _IDLE_VISION,
-    PACKED_KWARG,
-    VISION_KEYS,
-    PackedAttentionInfo,
-    _call_original,
-    _install,
-    _is_packed_call,
-    _packed_vision_attention_forward,
-    _take_packed_info,
-    _text_model,
-    _tower_kwargs,
-    _uninstall,
-    _vision_attentions,
-    check_vision_attentions,
-    embed_with_vision,
-    packed_text_attention,
-)
+from collate.models import core, grid_vision
 
 # Qwen3-VL-MoE: the same attention, rotary, tower and DeepStack; only the MLPs are experts.
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
@@ -89,54 +69,27 @@ class DeepstackSlots:
     features: tuple[torch.Tensor, ...]
 
 
-def _check_supported(model: nn.Module, text_model: nn.Module) -> None:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise TypeError(
-            f"qwen3_vl.enable_packed supports {SUPPORTED_MODEL_TYPES}, got model_type={model_type!r}"
-        )
+def _rope(model: nn.Module, text_model: nn.Module) -> core.RopeLayout:
     rope = text_model.rotary_emb
-    if getattr(rope, "rope_type", "default") in ("dynamic", "longrope"):
-        # These rescale inv_freq from the sequence length seen by HF's rotary forward; the packed
-        # path applies inv_freq itself, so it would silently diverge.
-        raise NotImplementedError(f"rope_type={rope.rope_type!r} is not supported by the packed path")
-    for name in ("inv_freq", "mrope_section", "attention_scaling"):
-        if not hasattr(rope, name):
-            raise TypeError(f"{type(rope).__name__} has no {name!r}; transformers version not supported")
+    # Qwen3-VL's THWTHW... frequency layout.
+    return core.RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), True,
+                           float(rope.attention_scaling))
+
+
+def _check(model: nn.Module, text_model: nn.Module) -> None:
+    if not hasattr(text_model.rotary_emb, "mrope_section"):
+        raise TypeError(f"{type(text_model.rotary_emb).__name__} has no 'mrope_section'; "
+                        "transformers version not supported")
     if not hasattr(text_model, "_deepstack_process"):
         raise TypeError(
             f"{type(text_model).__name__} has no _deepstack_process; transformers version not supported"
         )
-    for layer in text_model.layers:
-        attn = layer.self_attn
-        if getattr(attn, "sliding_window", None) is not None:
-            raise NotImplementedError(
-                f"layer {attn.layer_idx} uses sliding-window attention; varlen_attention has no window yet"
-            )
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling"):
-            if not hasattr(attn, name):
-                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
     visual = model.model.visual
     for name in ("deepstack_visual_indexes", "spatial_merge_size", "patch_embed", "num_grid_per_side",
                  "interpolation_mode", "interpolation_align_corners"):
         if not hasattr(visual, name):
             raise TypeError(f"{type(visual).__name__} has no {name!r}; transformers version not supported")
-    check_vision_attentions(model)
-
-
-def _packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Qwen3-VL text attention: HF's forward unless the packed kwarg is present.
-
-    Takes ``*args`` / ``**kwargs`` so the unpacked call reaches HF's forward exactly as the decoder
-    layer made it (including the deprecated ``past_key_values`` spelling).
-    """
-    info: PackedAttentionInfo | None = kwargs.pop(PACKED_KWARG, None)
-    if info is None:
-        return _call_original(self, *args, **kwargs)
-    hidden_states = args[0] if args else kwargs["hidden_states"]
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
-    return packed_text_attention(self, hidden_states, info, norm_heads=True)
+    grid_vision.check_vision_attentions(model)
 
 
 def _packed_text_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -145,7 +98,7 @@ def _packed_text_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> An
     if deepstack is not None:
         kwargs["visual_pos_masks"] = deepstack
         kwargs["deepstack_visual_embeds"] = list(deepstack.features)
-    return _call_original(self, *args, **kwargs)
+    return core.call_original(self, *args, **kwargs)
 
 
 def _packed_deepstack_process(
@@ -191,12 +144,12 @@ def interpolation_kwargs(
     return {"interp_indices": indices, "interp_weights": weights}
 
 
-def _qwen3_tower_kwargs(
+def _tower_kwargs(
     model: nn.Module, vision: dict[str, Any], grids: torch.Tensor, num_patches: int
 ) -> dict[str, Any]:
-    """qwen2_vl's tower kwargs (the collator's rotary ids and frame segments) plus the position
+    """The grid tower's kwargs (the collator's rotary ids and frame segments) plus the position
     embedding's taps, computed on the device from those rotary ids."""
-    kwargs = _tower_kwargs(model, vision)
+    kwargs = grid_vision.tower_kwargs(model, vision)
     positions = vision.get("vision_position_ids")
     if positions is not None:
         kwargs.update(interpolation_kwargs(model.model.visual, grids, positions, num_patches))
@@ -204,51 +157,63 @@ def _qwen3_tower_kwargs(
 
 
 def _zero_weighted(out: Any) -> torch.Tensor:
-    """A zero that depends on every output of the tower (merger and deepstack mergers)."""
+    """A zero that depends on every output of the tower (merger and deepstack mergers), so every
+    vision parameter is in the graph on every rank."""
     total = out.pooler_output.sum()
     for feature in out.deepstack_features or ():
         total = total + feature.sum()
     return 0.0 * total
 
 
-def _vision_embeddings(
-    model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool
-) -> DeepstackSlots | None:
-    """qwen2_vl's one tower call (:func:`collate.models.qwen2_vl.embed_with_vision`) with Qwen3's
-    tower inputs; returns the deepstack maps with their slots (None when the batch has no vision
-    tokens). The idle dummy's merger *and* deepstack-merger outputs enter the embeddings times
-    zero, so every vision parameter is in the graph on every rank."""
-    placed = embed_with_vision(model, kwargs, vision, idle_vision, _qwen3_tower_kwargs, _zero_weighted)
-    if placed is None:
-        return None
-    out, slots = placed
+def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
+            idle_vision: bool) -> core.Encoded | None:
+    return grid_vision.encode(model, kwargs, vision, idle_vision, _tower_kwargs, _zero_weighted)
+
+
+def _after_embed(model: nn.Module, kwargs: dict[str, Any], encoded: core.Encoded | None) -> None:
+    """Hand the text model the deepstack maps with their slots (none when the batch has no
+    vision tokens)."""
+    if encoded is None or encoded.features is None:
+        return
     dtype = kwargs["inputs_embeds"].dtype
-    deepstack = tuple(feature.to(dtype) for feature in out.deepstack_features or ())
-    return DeepstackSlots(slots, deepstack) if deepstack else None
+    deepstack = tuple(feature.to(dtype) for feature in encoded.raw.deepstack_features or ())
+    if deepstack:
+        kwargs[DEEPSTACK_KWARG] = DeepstackSlots(encoded.slots, deepstack)
 
 
-def _empty_mask(device: torch.device) -> torch.Tensor:
-    # A 4-D mask is "already prepared" for transformers' create_causal_mask: it is returned as is,
-    # so no (T, T) mask is built. The patched attention layers never read it.
-    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
+def _install(model: nn.Module) -> None:
+    grid_vision.install_vision_attentions(model)
+    text_model = model.model.language_model
+    core.install(text_model, _packed_text_model_forward)
+    text_model.__dict__[_PREV_DEEPSTACK] = text_model.__dict__.get("_deepstack_process")
+    text_model._deepstack_process = types.MethodType(_packed_deepstack_process, text_model)
 
 
-def _packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if not _is_packed_call(kwargs):
-        return _call_original(self, *args, **kwargs)
-    vision = {name: kwargs.get(name) for name in VISION_KEYS}  # popped by _take_packed_info
-    info = _take_packed_info(self, kwargs)
-    info = dataclasses.replace(info, interleaved=True)  # Qwen3-VL's THWTHW... frequency layout
-    deepstack = _vision_embeddings(self, kwargs, vision, getattr(self, _IDLE_VISION, False))
-    if deepstack is not None:
-        kwargs[DEEPSTACK_KWARG] = deepstack
-    kwargs["attention_mask"] = _empty_mask(kwargs["inputs_embeds"].device)
-    kwargs[PACKED_KWARG] = info
-    return _call_original(self, *args, **kwargs)
+def _uninstall(model: nn.Module) -> None:
+    grid_vision.uninstall_vision_attentions(model)
+    text_model = model.model.language_model
+    core.uninstall(text_model)
+    text_model.__dict__.pop("_deepstack_process", None)
+    prev = text_model.__dict__.pop(_PREV_DEEPSTACK, None)
+    if prev is not None:
+        text_model._deepstack_process = prev
+
+
+FAMILY = core.Family(
+    name="qwen3_vl",
+    model_types=SUPPORTED_MODEL_TYPES,
+    rope=_rope,
+    encode=_encode,
+    attention_mask=core.empty_mask,
+    qk_norm=True,
+    check=_check,
+    install=_install,
+    uninstall=_uninstall,
+    after_embed=_after_embed,
+)
 
 
 def _require_visual(model: nn.Module) -> None:
-    # Checked first: qwen2_vl's _text_model would word a missing text model as a Qwen2-VL error.
     if not hasattr(getattr(model, "model", None), "visual"):
         raise TypeError(
             f"{type(model).__name__}: expected Qwen3VLForConditionalGeneration (.model.visual and "
@@ -262,40 +227,12 @@ def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:
     ``idle_vision``: run the vision tower on a zero-weighted dummy image when a packed batch has no
     image or video, so every FSDP rank issues the same collectives.
     """
-    if getattr(model, _ENABLED, False):
+    if getattr(model, core.ENABLED, False):
         return model
     _require_visual(model)
-    text_model = _text_model(model)
-    _check_supported(model, text_model)
-    for layer in text_model.layers:
-        _install(layer.self_attn, _packed_attention_forward)
-    for attn in _vision_attentions(model):
-        _install(attn, _packed_vision_attention_forward)
-    _install(text_model, _packed_text_model_forward)
-    text_model.__dict__[_PREV_DEEPSTACK] = text_model.__dict__.get("_deepstack_process")
-    text_model._deepstack_process = types.MethodType(_packed_deepstack_process, text_model)
-    _install(model, _packed_model_forward)
-    setattr(model, _ENABLED, True)
-    setattr(model, _IDLE_VISION, idle_vision)
-    return model
+    return core.enable(model, FAMILY, idle_vision)
 
 
 def disable_packed(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_packed` on this instance."""
-    if not getattr(model, _ENABLED, False):
-        return model
-    text_model = _text_model(model)
-    for layer in text_model.layers:
-        _uninstall(layer.self_attn)
-    for attn in _vision_attentions(model):
-        _uninstall(attn)
-    _uninstall(text_model)
-    text_model.__dict__.pop("_deepstack_process", None)
-    prev = text_model.__dict__.pop(_PREV_DEEPSTACK, None)
-    if prev is not None:
-        text_model._deepstack_process = prev
-    _uninstall(model)
-    delattr(model, _ENABLED)
-    delattr(model, _IDLE_VISION)
-    model.__dict__.pop(_IDLE_INPUTS, None)
-    return model
+    return core.disable(model)

@@ -1,0 +1,477 @@
+"""The packed-patch core every model family shares.
+
+``enable(model, family)`` patches one model instance (nothing global, nothing on the class):
+
+1. ``model.forward`` is wrapped (:func:`packed_model_forward`). A call carrying packing fields
+   (``cu_seqlens`` / ``cu_seqlens_list``) has them popped into one :class:`PackedAttentionInfo`
+   that travels to every text attention layer as the single extra kwarg ``tokenbal_packed``.
+   transformers forwards ``**kwargs`` to the vision tower as well, where a plain ``cu_seqlens`` /
+   ``max_seqlen`` / ``position_ids`` kwarg could be *popped and used* for the image attention; one
+   opaque object under a name nothing in transformers reads cannot leak like that. The wrapper
+   embeds the tokens, runs the family's vision tower exactly once (:func:`embed_with_vision`) and
+   scatters the features into the embeddings (:func:`scatter_features`), then calls the original
+   forward with ``inputs_embeds``, the packed ``position_ids`` (so HF never recomputes positions)
+   and the family's already-prepared attention mask (so no ``T x T`` mask is ever built).
+2. Each text ``self_attn.forward`` is replaced (:func:`packed_attention_forward`). With
+   ``tokenbal_packed`` present it runs :func:`packed_text_attention`: q/k/v as ``(T, H, D)``,
+   :func:`collate.ops.apply_mrope` from the per-token positions (3-row M-RoPE, or 1 row for plain
+   RoPE language models; HF's cos/sin are not used) and causal :func:`collate.ops.varlen_attention`
+   over the batch's segments. Without it, it runs the original HF forward, so unpacked calls and
+   ``generate`` behave exactly as before.
+
+A :class:`Family` says only what differs between model families: which ``model_type`` values it
+serves, its rotary layout, its vision tower call (and the idle dummy), its mask, and any extra
+per-instance patches. ``disable(model)`` restores everything. Nothing in the packed path reads a
+device tensor back to the host: boundaries come from host lists, maxima are python ints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from collate.ops import apply_mrope, varlen_attention
+from collate.ops.attention import segment_ends
+
+PACKED_KWARG = "tokenbal_packed"
+
+# The collator's precomputed vision-tower inputs (collate.vision) and feature slots.
+VISION_KEYS = (
+    "vision_cu_seqlens",
+    "vision_cu_seqlens_list",
+    "vision_max_seqlen",
+    "vision_position_ids",
+    "vision_token_index",
+    "vision_window_index",
+    "vision_cu_window_seqlens",
+    "vision_cu_window_seqlens_list",
+    "vision_max_window_seqlen",
+)
+
+# Batch keys the wrapper takes out of a packed call (never passed into transformers). ``position_ids``
+# is also taken, and handed back to HF as the packed ids. ``second_per_grid_ts`` only feeds HF's own
+# position computation (Qwen2.5-VL), which the precomputed positions replace.
+CONSUMED_KEYS = (
+    "cu_seqlens",
+    "cu_seqlens_list",
+    "max_seqlen",
+    "seq_lens",
+    "text_position_ids",
+    "num_loss_tokens",
+    "second_per_grid_ts",
+    *VISION_KEYS,
+)
+
+PREV_FORWARD = "_tokenbal_prev_forward"
+ENABLED = "_tokenbal_packed_enabled"
+IDLE_VISION = "_tokenbal_idle_vision"
+IDLE_INPUTS = "_tokenbal_idle_inputs"
+FAMILY = "_tokenbal_family"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedAttentionInfo:
+    """Everything the patched attention layers need for one packed forward.
+
+    It doubles as the ``batch`` argument of :func:`varlen_attention` (read by attribute name).
+    """
+
+    positions: torch.Tensor  # (3, 1, T) / (3, T) M-RoPE ids, or (1, T) 1-D ids
+    cu_seqlens: torch.Tensor | None  # (n+1,) int32, on the device (flash-attn path)
+    cu_seqlens_list: list[int] | None  # host segment ends, no leading 0 (CPU / NPU paths)
+    max_seqlen: int | None  # host int
+    inv_freq: torch.Tensor  # (R/2,) the text rotary module's buffer
+    mrope_section: tuple[int, int, int]
+    interleaved: bool
+    attention_scaling: float
+    qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3)
+    # Rotary dims rotated as adjacent pairs (GLM: x[0::2], x[1::2]) rather than two halves.
+    pairwise_rotary: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeLayout:
+    """How a family's text rotary is laid out, read from its rotary module."""
+
+    inv_freq: torch.Tensor
+    mrope_section: tuple[int, int, int]
+    interleaved: bool
+    attention_scaling: float
+    pairwise_rotary: bool = False
+
+
+@dataclasses.dataclass
+class Encoded:
+    """What a family's tower call returns to the core.
+
+    ``features``: ``(N, hidden)`` merged features in placeholder order (None for the idle pass);
+    ``placeholder_ids``: the token ids that mark them (used only for a hand-made batch without the
+    collator's ``vision_token_index``), in the order the features come; ``idle_zero``: a zero that
+    depends on every tower output (the idle pass); ``raw``: the tower's own output, for family hooks.
+    """
+
+    features: torch.Tensor | None
+    placeholder_ids: tuple[int, ...] = ()
+    idle_zero: torch.Tensor | None = None
+    raw: Any = None
+    slots: torch.Tensor | None = None
+
+
+# encode(model, kwargs, vision, idle_vision) -> Encoded | None; pops its pixel fields from kwargs.
+EncodeFn = Callable[[nn.Module, dict[str, Any], dict[str, Any], bool], "Encoded | None"]
+
+
+def one_d_rope(text_model: nn.Module) -> RopeLayout:
+    """Plain RoPE language models (Llama, Qwen2, ...): every frequency reads the one position row."""
+    rope = text_model.rotary_emb
+    half = int(rope.inv_freq.numel())
+    return RopeLayout(rope.inv_freq, (half, 0, 0), False, float(rope.attention_scaling))
+
+
+def prepared_mask_mapping(model: nn.Module, text_model: nn.Module, embeds: torch.Tensor) -> Any:
+    """A prepared mask mapping: models that accept one (Qwen2-VL) skip mask creation and hand each
+    layer None."""
+    return {layer_type: None for layer_type in set(text_model.config.layer_types)}
+
+
+def empty_mask(model: nn.Module, text_model: nn.Module, embeds: torch.Tensor) -> torch.Tensor:
+    """A zero-sized 4-D mask is "already prepared" for transformers' ``create_causal_mask``: it is
+    returned as is, so no ``(T, T)`` mask is built. The patched attention layers never read it."""
+    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=embeds.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one model family changes in the shared packed path."""
+
+    name: str
+    model_types: tuple[str, ...]
+    rope: Callable[[nn.Module, nn.Module], RopeLayout]  # (model, text_model) -> layout
+    encode: EncodeFn | None = None  # the vision tower call; None for text-only models
+    attention_mask: Callable[[nn.Module, nn.Module, torch.Tensor], Any] = empty_mask
+    qk_norm: bool = False
+    # Extra checks / patches: check(model, text_model) raises TypeError when unsupported;
+    # install(model) / uninstall(model) add and remove the family's own per-instance patches.
+    check: Callable[[nn.Module, nn.Module], None] | None = None
+    install: Callable[[nn.Module], None] | None = None
+    uninstall: Callable[[nn.Module], None] | None = None
+    # after_embed(model, kwargs, encoded): add family kwargs (Qwen3-VL's DeepStack maps).
+    after_embed: Callable[[nn.Module, dict[str, Any], Encoded | None], None] | None = None
+    # Where the language model sits, tried in order.
+    text_model_path: tuple[tuple[str, ...], ...] = (("model", "language_model"), ("language_model",))
+
+
+def text_model_of(model: nn.Module, family: Family | None = None) -> nn.Module:
+    """The language model (``.model.language_model`` of a ForConditionalGeneration)."""
+    paths = family.text_model_path if family is not None else Family.text_model_path
+    for attr_path in paths:
+        mod: Any = model
+        for attr in attr_path:
+            mod = getattr(mod, attr, None)
+        if mod is not None and hasattr(mod, "rotary_emb") and hasattr(mod, "layers"):
+            return mod
+    name = family.name if family is not None else "packed"
+    raise TypeError(
+        f"{type(model).__name__}: expected a {name} model with .model.language_model "
+        "(ForConditionalGeneration) or .language_model (base model)"
+    )
+
+
+def check_text_model(model: nn.Module, text_model: nn.Module, family: Family) -> None:
+    """Raise unless this model is one the family serves and its text layers have what the packed
+    attention uses."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in family.model_types:
+        raise TypeError(
+            f"{family.name}.enable_packed supports {family.model_types}, got model_type={model_type!r}"
+        )
+    rope = text_model.rotary_emb
+    if getattr(rope, "rope_type", "default") in ("dynamic", "longrope"):
+        # These rescale inv_freq from the sequence length seen by HF's rotary forward; the packed
+        # path applies inv_freq itself, so it would silently diverge.
+        raise NotImplementedError(f"rope_type={rope.rope_type!r} is not supported by the packed path")
+    for name in ("inv_freq", "attention_scaling"):
+        if not hasattr(rope, name):
+            raise TypeError(f"{type(rope).__name__} has no {name!r}; transformers version not supported")
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+    needed += ("q_norm", "k_norm") if family.qk_norm else ()
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None:
+            raise NotImplementedError(
+                f"layer {attn.layer_idx} uses sliding-window attention; varlen_attention has no window yet"
+            )
+        for name in needed:
+            if not hasattr(attn, name):
+                raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+
+
+# -- per-instance installs --------------------------------------------------------------------------
+def install(module: nn.Module, fn: Any) -> None:
+    """Replace ``module.forward`` on this instance only (a bound method: deepcopy rebinds it to the
+    copy, and the class stays untouched)."""
+    setattr(module, PREV_FORWARD, module.__dict__.get("forward"))
+    module.forward = types.MethodType(fn, module)
+
+
+def uninstall(module: nn.Module) -> None:
+    if "forward" in module.__dict__:
+        del module.forward
+    prev = module.__dict__.pop(PREV_FORWARD, None)
+    if prev is not None:
+        module.forward = prev
+
+
+def call_original(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    prev = module.__dict__.get(PREV_FORWARD)
+    if prev is not None:
+        return prev(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+# -- text attention ---------------------------------------------------------------------------------
+def packed_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """A text attention layer: HF's forward unless the packed kwarg is present.
+
+    Takes ``*args`` / ``**kwargs`` so the unpacked call reaches HF's forward exactly as the decoder
+    layer made it (including the deprecated ``past_key_values`` spelling).
+    """
+    info: PackedAttentionInfo | None = kwargs.pop(PACKED_KWARG, None)
+    if info is None:
+        return call_original(self, *args, **kwargs)
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError("packed forward does not fill a KV cache; call it with use_cache=False")
+    return packed_text_attention(self, hidden_states, info)
+
+
+def _pairs_to_halves(x: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    # Adjacent-pair rotation of the first rotary_dim channels equals half-split rotation of the
+    # same channels reordered evens-then-odds; q and k get the same order, so q·k is unchanged.
+    rot = x[..., :rotary_dim]
+    parts = [rot[..., 0::2], rot[..., 1::2]]
+    if rotary_dim < x.shape[-1]:
+        parts.append(x[..., rotary_dim:])
+    return torch.cat(parts, dim=-1)
+
+
+def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor,
+                          info: PackedAttentionInfo) -> tuple[torch.Tensor, None]:
+    """One text attention layer on a packed ``(1, T, hidden)`` row: q/k/v as ``(T, H, D)``, (Qwen3:
+    its per-head ``q_norm`` / ``k_norm``), rotary from the packed positions, causal
+    :func:`varlen_attention` over the batch's segments. The one place the core calls attention."""
+    bsz, num_tokens, _ = hidden_states.shape
+    if bsz != 1:
+        raise ValueError(f"packed hidden states must have batch size 1, got {bsz}")
+    q = attn.q_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    k = attn.k_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    v = attn.v_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
+    if info.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if info.pairwise_rotary:
+        rotary_dim = 2 * info.inv_freq.numel()
+        q, k = _pairs_to_halves(q, rotary_dim), _pairs_to_halves(k, rotary_dim)
+    q, k = apply_mrope(
+        q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
+    )
+    out = varlen_attention(
+        q,
+        k,
+        v,
+        info,
+        causal=True,
+        scale=attn.scaling,
+        dropout_p=attn.attention_dropout if attn.training else 0.0,
+    )
+    out = attn.o_proj(out.reshape(1, num_tokens, -1))
+    return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
+
+
+# -- the packed call --------------------------------------------------------------------------------
+def is_packed_call(kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("cu_seqlens") is not None or kwargs.get("cu_seqlens_list") is not None
+
+
+def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -> PackedAttentionInfo:
+    """Pop the packing fields out of ``kwargs`` (in place) and validate them on the host."""
+    fields = {name: kwargs.pop(name, None) for name in CONSUMED_KEYS}
+    position_ids = kwargs.pop("position_ids", None)
+
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise ValueError("packed batch needs input_ids (1, T) or inputs_embeds (1, T, H)")
+    if tokens.shape[0] != 1:
+        raise ValueError(f"packed batch must have batch size 1 (samples in one row), got {tokens.shape[0]}")
+    num_tokens = tokens.shape[1]
+
+    if kwargs.pop("attention_mask", None) is not None:
+        raise ValueError("packed batch must not carry attention_mask: segments come from cu_seqlens")
+    if kwargs.get("use_cache"):
+        raise ValueError("packed forward does not fill a KV cache; pass use_cache=False")
+    for name in ("cache", "past_key_values"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"packed forward cannot continue from a cache ({name}=...)")
+    kwargs["use_cache"] = False
+
+    ends: Sequence[int] | None = fields["cu_seqlens_list"]
+    if ends is None and fields["seq_lens"] is not None:
+        ends = segment_ends(fields["seq_lens"])
+    if ends is not None:
+        ends = [int(e) for e in ends]
+        if not ends or ends[-1] != num_tokens:
+            covered = ends[-1] if ends else 0
+            raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}")
+    max_seqlen = fields["max_seqlen"]
+    if isinstance(max_seqlen, torch.Tensor):
+        raise ValueError("max_seqlen must be a python int (a tensor would force a host sync in every layer)")
+    if max_seqlen is None and ends is not None:
+        max_seqlen = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    cu_seqlens = fields["cu_seqlens"]
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int32)
+
+    if position_ids is None:
+        has_vision = any(kwargs.get(k) is not None for k in ("pixel_values", "pixel_values_videos"))
+        if has_vision or fields["text_position_ids"] is None:
+            raise ValueError(
+                "packed batch needs position_ids (3, 1, T) or (1, T): per-sample ids, concatenated"
+            )
+        position_ids = fields["text_position_ids"]
+    if position_ids.shape[-1] != num_tokens:
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} do not cover the {num_tokens} tokens")
+    kwargs["position_ids"] = position_ids
+
+    layout = family.rope(model, text_model_of(model, family))
+    return PackedAttentionInfo(
+        positions=position_ids,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_list=ends,
+        max_seqlen=None if max_seqlen is None else int(max_seqlen),
+        inv_freq=layout.inv_freq,
+        mrope_section=layout.mrope_section,
+        interleaved=layout.interleaved,
+        attention_scaling=layout.attention_scaling,
+        qk_norm=family.qk_norm,
+        pairwise_rotary=layout.pairwise_rotary,
+    )
+
+
+def find_placeholders(input_ids: torch.Tensor, token_ids: Sequence[int], num_features: int) -> torch.Tensor:
+    """The feature slots of a hand-made batch (no collator ``vision_token_index``): placeholders
+    found on the device (a host read), one token id after the other, as the tower's output is
+    ordered."""
+    ids = input_ids[0]
+    slots = torch.cat([torch.nonzero(ids == token).flatten() for token in token_ids])
+    if slots.shape[0] != num_features:
+        raise ValueError(f"{slots.shape[0]} image/video placeholder tokens in input_ids, but the vision "
+                         f"inputs give {num_features} vision features")
+    return slots
+
+
+def scatter_features(embeds: torch.Tensor, slots: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """Put the merged vision features at their slots of the packed ``(1, T, hidden)`` row: one
+    ``index_copy`` (no boolean mask, no host read). The one place the core writes vision features
+    into the text embeddings."""
+    return embeds[0].index_copy(0, slots, features.to(embeds.dtype))[None]
+
+
+def embed_with_vision(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
+                      family: Family, idle_vision: bool) -> Encoded | None:
+    """Embed tokens and run the family's vision tower exactly once; put ``inputs_embeds`` into
+    ``kwargs``. Returns the tower's :class:`Encoded` (with its slots), or None when it did not run.
+
+    transformers calls a tower once per modality, and only when each is present. Under FSDP2 that
+    makes the number of vision-block collectives depend on the rank's data, and ranks with
+    different mixes pair the wrong all-gathers (a hang or a crash). Every family's ``encode``
+    makes one call on all the batch's images and videos together, and for a batch with neither
+    (``idle_vision``) runs one zero-valued dummy input whose outputs enter the embeddings times zero.
+    """
+    input_ids = kwargs.pop("input_ids", None)
+    embeds = kwargs.pop("inputs_embeds", None)
+    if embeds is None:
+        embeds = model.get_input_embeddings()(input_ids)
+    kwargs["inputs_embeds"] = embeds
+    if family.encode is None:
+        return None
+    encoded = family.encode(model, kwargs, vision, idle_vision)
+    if encoded is None:
+        return None
+    if encoded.features is None:
+        if encoded.idle_zero is not None:
+            kwargs["inputs_embeds"] = embeds + encoded.idle_zero.to(embeds.dtype)
+        return encoded
+    if input_ids is None:
+        raise ValueError("packed batches with images or videos need input_ids to place the vision features")
+    slots = vision.get("vision_token_index")
+    if slots is None:
+        slots = find_placeholders(input_ids, encoded.placeholder_ids, encoded.features.shape[0])
+    encoded.slots = slots
+    kwargs["inputs_embeds"] = scatter_features(embeds, slots, encoded.features)
+    return encoded
+
+
+def packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model's forward: a packed call is prepared here, every other call is HF's."""
+    if not is_packed_call(kwargs):
+        return call_original(self, *args, **kwargs)
+    family: Family = self.__dict__[FAMILY]
+    vision = {name: kwargs.get(name) for name in VISION_KEYS}  # popped by take_packed_info
+    info = take_packed_info(self, kwargs, family)
+    encoded = embed_with_vision(self, kwargs, vision, family, getattr(self, IDLE_VISION, False))
+    if family.after_embed is not None:
+        family.after_embed(self, kwargs, encoded)
+    text_model = text_model_of(self, family)
+    kwargs["attention_mask"] = family.attention_mask(self, text_model, kwargs["inputs_embeds"])
+    kwargs[PACKED_KWARG] = info
+    return call_original(self, *args, **kwargs)
+
+
+def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Module:
+    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance.
+
+    ``idle_vision``: run the vision tower on a zero-weighted dummy input when a packed batch has no
+    image or video, so every FSDP rank issues the same collectives.
+    """
+    if getattr(model, ENABLED, False):
+        return model
+    text_model = text_model_of(model, family)
+    check_text_model(model, text_model, family)
+    if family.check is not None:
+        family.check(model, text_model)
+    for layer in text_model.layers:
+        install(layer.self_attn, packed_attention_forward)
+    if family.install is not None:
+        family.install(model)
+    install(model, packed_model_forward)
+    model.__dict__[FAMILY] = family
+    setattr(model, ENABLED, True)
+    setattr(model, IDLE_VISION, bool(idle_vision and family.encode is not None))
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable` on this instance."""
+    if not getattr(model, ENABLED, False):
+        return model
+    family: Family = model.__dict__.pop(FAMILY)
+    for layer in text_model_of(model, family).layers:
+        uninstall(layer.self_attn)
+    if family.uninstall is not None:
+        family.uninstall(model)
+    uninstall(model)
+    delattr(model, ENABLED)
+    delattr(model, IDLE_VISION)
+    model.__dict__.pop(IDLE_INPUTS, None)
+    return model
+
+
+def idle_cache(model: nn.Module) -> dict[Any, Any]:
+    """Per-instance cache of the idle dummy inputs, one entry per device (dropped by :func:`disable`)."""
+    return model.__dict__.setdefault(IDLE_INPUTS, {})
