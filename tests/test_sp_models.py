@@ -48,6 +48,21 @@ def _family(name: str):
         from tests.test_train_fsdp2 import make_sample, tiny_config
 
         return Qwen2VLForConditionalGeneration, tiny_config(), make_sample, QWEN2_SPECS
+    if name == "qwen2_5_vl":
+        # Qwen2.5-VL: windowed vision attention (window 56 px = 2 merged tokens), so each rank's
+        # tower gets its own grids' window order and segments, cut out of the collator's.
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        from tests.test_train_fsdp2 import IMG, VEND, VID, VSTART, make_sample, tiny_config
+
+        config = Qwen2_5_VLConfig(
+            text_config=tiny_config().text_config.to_dict(),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                               out_hidden_size=32, fullatt_block_indexes=[1], window_size=56, patch_size=14,
+                               spatial_merge_size=2),
+            image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+            attn_implementation="sdpa")
+        return Qwen2_5_VLForConditionalGeneration, config, make_sample, QWEN2_SPECS
     from transformers import Qwen3VLForConditionalGeneration
 
     from tests.test_models_qwen3_vl import make_sample, tiny_config
@@ -174,7 +189,7 @@ def test_two_ranks_sp2_equal_single_process(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_four_ranks_dp2_sp2_equal_single_process(name):
     assert _straddles(name, 2, 2) == [True, True]
     results = run_ranks(_sp_rank, 4, name, 2, timeout=600, collective_timeout=120)
