@@ -74,7 +74,8 @@ class IndexedSamples(torch.utils.data.Dataset):
     own image processor. Raises if a sample's token count differs from the index's.
     """
 
-    def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None, patch_size: int = 14):
+    def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None, patch_size: int = 14,
+                 config=None):
         from tokenizers import Tokenizer
         from transformers import Qwen2VLImageProcessorPil
 
@@ -89,6 +90,9 @@ class IndexedSamples(torch.utils.data.Dataset):
         ids = {t: self.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
         self.vision_start, self.vision_end = ids["<|vision_start|>"], ids["<|vision_end|>"]
         self.image_pad = ids["<|image_pad|>"]
+        # LLaVA-NeXT / OneVision / InternVL: their own image processor and placeholder rule instead.
+        self.images = None if config is None or config.model_type not in _CROP_MODEL_TYPES else \
+            CropImages(config)
 
     def __len__(self) -> int:
         return self.size
@@ -105,7 +109,12 @@ class IndexedSamples(torch.utils.data.Dataset):
         ids: list[int] = []
         labels: list[int] = []
         sample: dict = {}
-        if images:
+        if images and self.images is not None:
+            fields, n = self.images(images)
+            ids += [self.image_pad] * n
+            labels += [-100] * n
+            sample.update(fields)
+        elif images:
             out = self.processor(images=images, return_tensors="pt")
             grid = out["image_grid_thw"]
             for n in (grid.prod(-1) // self.processor.merge_size**2).tolist():
@@ -124,6 +133,57 @@ class IndexedSamples(torch.utils.data.Dataset):
         sample.update(input_ids=torch.tensor(ids, dtype=torch.long),
                       labels=torch.tensor(labels, dtype=torch.long), index=i)
         return sample
+
+
+_CROP_MODEL_TYPES = ("llava_next", "llava_onevision", "internvl")
+
+
+class CropImages:
+    """A LLaVA-NeXT / LLaVA-OneVision / InternVL sample's images through transformers' own image
+    processor at the config's crop size (and pinpoints); returns the sample's vision fields and its
+    ``<image>`` placeholder count (:mod:`collate.anyres`, the index's rule)."""
+
+    def __init__(self, config) -> None:
+        from collate import PackedCollator
+
+        self.layout = PackedCollator.from_config(config).anyres
+        side = self.layout.crop_size if hasattr(self.layout, "crop_size") else self.layout.tile_size
+        if config.model_type == "internvl":
+            from transformers import GotOcr2ImageProcessorPil
+
+            self.processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side},
+                                                      crop_to_patches=True)
+        else:
+            import transformers
+
+            name = "LlavaNextImageProcessorPil" if config.model_type == "llava_next" else \
+                "LlavaOnevisionImageProcessorPil"
+            self.processor = getattr(transformers, name)(
+                size={"height": side, "width": side} if config.model_type == "llava_onevision"
+                else {"shortest_edge": side}, crop_size={"height": side, "width": side},
+                image_grid_pinpoints=[list(p) for p in self.layout.pinpoints])
+
+    def __call__(self, images: list) -> tuple[dict, int]:
+        out = self.processor(images=images, return_tensors="pt")
+        if "image_sizes" not in out:  # InternVL: tiles, each tokens_per_tile placeholders
+            tiles = out["pixel_values"].shape[0]
+            return {"pixel_values": out["pixel_values"]}, self.layout.tokens_per_tile * tiles
+        sizes = out["image_sizes"].tolist()
+        n = sum(self.layout.image_tokens(h, w, len(sizes)) for h, w in sizes)
+        return {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}, n
+
+
+def estimator_overrides(config) -> dict:
+    """The index estimator's settings for ``config`` on the demo data (Qwen: the demo's pixel caps)."""
+    if config is None or config.model_type not in _CROP_MODEL_TYPES:
+        return dict(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS)
+    from collate import PackedCollator
+
+    layout = PackedCollator.from_config(config).anyres
+    if config.model_type == "internvl":
+        # The demo writes no <img> / </img> text around the placeholders.
+        return dict(tile_size=layout.tile_size, tokens_per_tile=layout.tokens_per_tile, wrapper_tokens=0)
+    return dict(crop_size=layout.crop_size, patch_size=layout.patch_size, pinpoints=layout.pinpoints)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +213,10 @@ MODEL_CLASSES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2-vl"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2.5-vl"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3-vl"),
+    # <|image_pad|> * n with each family's own image processor (CropImages).
+    "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", "llava-next"),
+    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", "llava-onevision"),
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration", "internvl"),
 }
 
 
@@ -180,6 +244,8 @@ def match_tokenizer(config, vocab_size: int, special_ids: dict[str, int]) -> lis
     for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                         ("vision_start_token_id", "<|vision_start|>"),
                         ("vision_end_token_id", "<|vision_end|>")):
+        if attr != "image_token_id" and not hasattr(config, attr):
+            continue  # a family without that token (LLaVA-NeXT has no video, no vision_start)
         if getattr(config, attr, None) != special_ids[token]:
             changed.append(f"{attr} {getattr(config, attr, None)} -> {special_ids[token]}")
             setattr(config, attr, special_ids[token])
@@ -284,8 +350,24 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
     raise ValueError(f"sampler must be 'tokenbal', 'distributed' or 'identical', got {sampler_kind!r}")
 
 
+def demo_config(tokenizer: str, model_config: str | None = None):
+    """The demo's tiny Qwen2-VL, or ``model_config`` (a config.json of any :data:`MODEL_CLASSES`
+    family) pointed at the demo tokenizer."""
+    vocab, special = special_token_ids(tokenizer)
+    if model_config is None:
+        return tiny_qwen2_vl_config(vocab, special)
+    config = load_model_config(model_config)
+    match_tokenizer(config, vocab, special)
+    return config
+
+
+def _patch_size(config) -> int:
+    patch = config.vision_config.patch_size  # InternVL's is (h, w)
+    return int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+
+
 def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str, train_samples: int,
-                global_batch_size: int, seed: int) -> list:
+                global_batch_size: int, seed: int, model_config: str | None = None) -> list:
     """One rank: an epoch over the first ``train_samples`` samples with FSDP2; per-step records."""
     import torch.distributed as dist
 
@@ -304,9 +386,9 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
     keep_freed_memory()
     # FSDP2 warns that the root returns a view (the logits); nothing here modifies it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    vocab, special = special_token_ids(paths.tokenizer)
-    config = tiny_qwen2_vl_config(vocab, special)
-    dataset = IndexedSamples(paths.index, paths.tokenizer, limit=train_samples)
+    config = demo_config(paths.tokenizer, model_config)
+    dataset = IndexedSamples(paths.index, paths.tokenizer, limit=train_samples,
+                             patch_size=_patch_size(config), config=config)
     loader = make_loader(dataset, sampler_kind, rank, world_size, global_batch_size, seed,
                          PackedCollator.from_config(config))
     solo = enable_packed(build_model(config, seed))
@@ -332,14 +414,14 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
 # loss check
 
 
-def packed_loss_check(paths: DemoPaths, seed: int, num_samples: int = 6) -> tuple[float, float]:
+def packed_loss_check(paths: DemoPaths, seed: int, num_samples: int = 6,
+                      model_config: str | None = None) -> tuple[float, float]:
     """Loss of one packed batch vs the token-weighted mean of transformers' per-sample losses."""
     from collate import PackedCollator
     from collate.models import enable_packed
 
-    vocab, special = special_token_ids(paths.tokenizer)
-    config = tiny_qwen2_vl_config(vocab, special)
-    dataset = IndexedSamples(paths.index, paths.tokenizer)
+    config = demo_config(paths.tokenizer, model_config)
+    dataset = IndexedSamples(paths.index, paths.tokenizer, patch_size=_patch_size(config), config=config)
     reference = build_model(config, seed).eval()
     packed = enable_packed(build_model(config, seed)).eval()
     samples = [dataset[i] for i in range(num_samples)]
@@ -347,7 +429,11 @@ def packed_loss_check(paths: DemoPaths, seed: int, num_samples: int = 6) -> tupl
         total, weight = 0.0, 0
         for s in samples:
             kwargs = dict(input_ids=s["input_ids"][None], labels=s["labels"][None])
-            if "pixel_values" in s:
+            if "pixel_values" in s and "image_grid_thw" not in s:  # LLaVA / InternVL crops or tiles
+                kwargs.update({k: s[k] for k in ("pixel_values", "image_sizes") if k in s})
+                if config.model_type == "llava_onevision":
+                    kwargs["batch_num_images"] = torch.tensor([s["image_sizes"].shape[0]])
+            elif "pixel_values" in s:
                 mm = torch.zeros_like(s["input_ids"], dtype=torch.int32)
                 mm[s["input_ids"] == config.image_token_id] = 1
                 kwargs.update(pixel_values=s["pixel_values"], image_grid_thw=s["image_grid_thw"],
@@ -370,7 +456,9 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 
 def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2, seed: int = 0,
-             num_samples: int = 256, global_batch_size: int = 8) -> int:
+             num_samples: int = 256, global_batch_size: int = 8, model: str | None = None) -> int:
+    """``model``: a config.json of any :data:`MODEL_CLASSES` family, randomly initialised (default: the
+    tiny Qwen2-VL); the index is built with that family's token rule."""
     from collate.train import summarise
     from tokenbal.index import TokenIndex, build_index
     from tokenbal.launch import run_ranks
@@ -381,10 +469,11 @@ def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2
         print(f"[1/5] writing {num_samples} synthetic samples as webdataset shards under {root}")
         paths = prepare_data(root, num_samples, seed)
 
-        print(f"[2/5] tokenbal index build ({len(paths.shards)} shards, qwen2-vl, max {DEMO_MAX_PIXELS} px)")
-        report = build_index(list(paths.shards), paths.index, model="qwen2-vl", tokenizer=paths.tokenizer,
-                             estimator_overrides=dict(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS),
-                             progress=False)
+        config = None if model is None else demo_config(paths.tokenizer, model)
+        estimator = "qwen2-vl" if config is None else MODEL_CLASSES[config.model_type][2]
+        print(f"[2/5] tokenbal index build ({len(paths.shards)} shards, {estimator})")
+        report = build_index(list(paths.shards), paths.index, model=estimator, tokenizer=paths.tokenizer,
+                             estimator_overrides=estimator_overrides(config), progress=False)
         print("  " + report.summary())
         lengths = np.asarray(TokenIndex.open(paths.index).lengths, dtype=np.int64)
         print(f"  tokens per sample: min {lengths.min()}, median {int(np.median(lengths))}, "
@@ -400,12 +489,13 @@ def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2
                 rows.append([name, str(n), f"{mean:.3f}", f"{p95:.3f}", f"{worst:.3f}"])
         _print_table(["sampler", "global batch", "mean", "p95", "max"], rows)
 
-        print(f"[4/5] FSDP2 training of a tiny random Qwen2-VL on {ranks} CPU ranks (gloo): one epoch "
+        name = "tiny Qwen2-VL" if config is None else type(config).__name__.removesuffix("Config")
+        print(f"[4/5] FSDP2 training of a random {name} on {ranks} CPU ranks (gloo): one epoch "
               f"over the same {train_samples} samples with each sampler, {global_batch_size} per step")
         summaries = {}
         for kind in ("distributed", "tokenbal"):
             per_rank = run_ranks(_train_rank, ranks, paths, kind, train_samples, global_batch_size, seed,
-                                 timeout=600)
+                                 model, timeout=600)
             summaries[kind] = summarise([r for records in per_rank for r in records])
         rows = []
         for kind, s in summaries.items():
@@ -421,7 +511,7 @@ def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2
               "step's total compute spread evenly; wait = share of the epoch spent waiting for other ranks)")
 
         print("[5/5] packed loss check")
-        packed, unpacked = packed_loss_check(paths, seed)
+        packed, unpacked = packed_loss_check(paths, seed, model_config=model)
         rel = abs(packed - unpacked) / abs(unpacked)
         ok = rel < 1e-4
         print(f"  packed loss {packed:.6f} vs transformers unpacked token-weighted mean {unpacked:.6f} "

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from collate.anyres import AnyresLayout, TileLayout, collate_anyres
 from collate.positions import as_grid, packed_mrope_positions
 from collate.vision import tower_fields, window_in_merged_tokens
 
@@ -28,6 +29,10 @@ IGNORE_INDEX = -100
 # 5.24) splits every video into per-frame t=1 grids separated by timestamp text.
 _MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# 1-D RoPE behind LLaVA "anyres" crops: placeholder counts from image sizes (collate.anyres).
+_ANYRES_MODEL_TYPES = ("llava_next", "llava_onevision")
+# 1-D RoPE behind fixed-size tiles: placeholders = tiles x tokens per tile (collate.anyres).
+_TILE_MODEL_TYPES = ("internvl",)
 # Same placeholder tokens but a different position layout (GLM-4V counts video frames otherwise).
 _UNSUPPORTED_MROPE = ("glm4v", "glm4v_moe")
 
@@ -87,6 +92,13 @@ class PackedBatch:
     vision_cu_window_seqlens_list: list[int] | None = None
     vision_max_window_seqlen: int = 0
     sp_padding: int = 0
+    # LLaVA-NeXT / LLaVA-OneVision (collate.anyres), host lists: (height, width) per image, crops per
+    # image, images per sample, frames per video. pixel_values / pixel_values_videos are then
+    # (crops, C, S, S) / (frames, C, S, S).
+    image_sizes: list[list[int]] | None = None
+    image_num_tiles: list[int] | None = None
+    batch_num_images: list[int] | None = None
+    video_num_frames: list[int] | None = None
 
     # -- mapping view ---------------------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -205,6 +217,8 @@ class PackedCollator:
     ignore_index: int = IGNORE_INDEX
     sp_size: int = 1
     sp_pad_token_id: int = 0
+    # LLaVA-NeXT / LLaVA-OneVision crops (collate.anyres): samples carry image_sizes instead of grids.
+    anyres: AnyresLayout | TileLayout | None = None
 
     def __post_init__(self) -> None:
         if self.rope not in ("mrope", "1d"):
@@ -231,6 +245,13 @@ class PackedCollator:
         """
         model_type = getattr(hf_config, "model_type", "")
         vision = getattr(hf_config, "vision_config", None)
+        if model_type in _ANYRES_MODEL_TYPES + _TILE_MODEL_TYPES:
+            kind = AnyresLayout if model_type in _ANYRES_MODEL_TYPES else TileLayout
+            layout = kind.from_config(hf_config)
+            kwargs_1d: dict[str, Any] = dict(
+                rope="1d", image_token_id=int(hf_config.image_token_id),
+                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)), anyres=layout)
+            return cls(**{**kwargs_1d, **overrides})
         if model_type in _UNSUPPORTED_MROPE:
             raise ValueError(
                 f"model_type {model_type!r} uses a different M-RoPE position layout; PackedCollator "
@@ -267,6 +288,7 @@ class PackedCollator:
         vid_per = np.zeros(n, dtype=np.int64)
         seconds: list[np.ndarray] = []
         any_seconds = False
+        anyres_parts = []
         # Per sample only validation and gathering; all arithmetic runs once on the packed row below.
         for i, sample in enumerate(samples):
             ids = _int_1d(sample, i, "input_ids")
@@ -284,6 +306,12 @@ class PackedCollator:
             mask = sample.get("attention_mask")
             if mask is not None and not bool((_np(mask) != 0).all()):
                 raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
+            if self.anyres is not None:
+                part = self.anyres.take(sample, i, ids, self.image_token_id, self.video_token_id)
+                anyres_parts.append(part)
+                ids_list.append(ids)
+                labels_list.append(labels)
+                continue
 
             img_pv, img_grid = _vision_pair(sample, i, "pixel_values", "image_grid_thw")
             vid_pv, vid_grid = _vision_pair(sample, i, "pixel_values_videos", "video_grid_thw")
@@ -364,6 +392,13 @@ class PackedCollator:
 
         grids = [g for g in (img_grids, vid_grids) if g is not None]
         tower = self._tower_fields(np.concatenate(grids), input_ids) if grids else {}
+        if self.anyres is not None:
+            tower = collate_anyres(anyres_parts, input_ids, self.image_token_id, self.video_token_id)
+        pixels = tower.pop("pixel_values", None)
+        pixels = _cat_pixels("pixel_values", vision["pixel_values"]) if pixels is None else pixels
+        videos = tower.pop("pixel_values_videos", None)
+        if videos is None:
+            videos = _cat_pixels("pixel_values_videos", vision["pixel_values_videos"])
 
         batch = PackedBatch(
             input_ids=torch.from_numpy(input_ids[None, :]),
@@ -375,9 +410,9 @@ class PackedCollator:
             max_seqlen=max(seq_lens),
             seq_lens=seq_lens,
             num_loss_tokens=num_loss_tokens,
-            pixel_values=_cat_pixels("pixel_values", vision["pixel_values"]),
+            pixel_values=pixels,
             image_grid_thw=None if img_grids is None else torch.from_numpy(img_grids),
-            pixel_values_videos=_cat_pixels("pixel_values_videos", vision["pixel_values_videos"]),
+            pixel_values_videos=videos,
             video_grid_thw=None if vid_grids is None else torch.from_numpy(vid_grids),
             second_per_grid_ts=torch.from_numpy(sec_all) if any_seconds else None,
             sp_padding=sp_padding,

@@ -121,6 +121,10 @@ def shard_batch(batch: PackedBatch, sp_rank: int, sp_size: int) -> SPBatch:
     fields = {k: v for k, v in batch.items() if k in _PACKED_NAMES}
     fields.update(changes)
     grids = _grids(batch)
+    if grids is None and (batch.pixel_values is not None or batch.pixel_values_videos is not None):
+        # Crop / tile towers (LLaVA, InternVL) carry no grids to route whole images by.
+        raise ValueError("shard_batch routes vision by image_grid_thw / video_grid_thw (Qwen-VL); this batch "
+                         "has pixels without grids")
     if grids is not None:
         fields.update(_vision_slice(batch, grids, sp_rank, sp_size, local))
     return SPBatch(**fields)

@@ -66,6 +66,22 @@ class FSDPSettings:
         return cls()
 
 
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's repeated blocks (Qwen-VL ``visual.blocks``; the CLIP / SigLIP / InternViT
+    encoder layers of LLaVA-NeXT, LLaVA-OneVision, InternVL), each an FSDP2 unit of its own."""
+    inner = model.model
+    if hasattr(inner, "visual"):
+        return list(inner.visual.blocks)
+    tower = getattr(inner, "vision_tower", None)
+    tower = getattr(tower, "vision_model", tower)
+    encoder = getattr(tower, "encoder", None)
+    layers = getattr(encoder, "layers", None) or getattr(encoder, "layer", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: no vision blocks found (.model.visual.blocks or "
+                        ".model.vision_tower.encoder.layers)")
+    return list(layers)
+
+
 def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_unshard: bool = False,
                    reshard_after_forward: bool = True, async_reduce_scatter: bool = False) -> nn.Module:
     """Apply FSDP2 to a transformers Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (in place); returns it:
@@ -93,7 +109,7 @@ def shard_qwen2_vl(model: nn.Module, prefetch_depth: int = 1, mesh=None, async_u
     """
     from torch.distributed.fsdp import fully_shard
 
-    blocks = list(model.model.visual.blocks)
+    blocks = vision_blocks(model)
     layers = list(model.model.language_model.layers)
     for module in (*blocks, *layers):
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)

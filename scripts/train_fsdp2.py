@@ -125,8 +125,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
 def prepare(args, rank: int):
     """(index dir, tokenizer path, model config) for this run; rank 0 builds synthetic data."""
     from collate.demo import (
-        DEMO_MAX_PIXELS,
-        DEMO_MIN_PIXELS,
         prepare_data,
         special_token_ids,
         tiny_qwen2_vl_config,
@@ -147,11 +145,12 @@ def prepare(args, rank: int):
         index_dir = os.path.join(args.workdir, f"index-{estimator}")  # one per token rule
         tokenizer = os.path.join(args.workdir, "tokenizer", "tokenizer.json")
         if rank == 0:
+            from collate.demo import estimator_overrides
             from tokenbal.index import build_index
 
             paths = prepare_data(args.workdir, args.synthetic, args.seed)
             build_index(list(paths.shards), index_dir, model=estimator, tokenizer=paths.tokenizer,
-                        estimator_overrides=dict(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS),
+                        estimator_overrides=estimator_overrides(model_config),
                         progress=False)
         dist.barrier()
     else:
@@ -211,6 +210,11 @@ def sp_layout(sp_size: int, rank: int, world: int, device: torch.device):
     return mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["sp"].get_local_rank(), mesh["sp"].get_group()
 
 
+def _patch(config) -> int:
+    patch = config.vision_config.patch_size  # InternVL's is (h, w)
+    return int(patch[0] if isinstance(patch, (list, tuple)) else patch)
+
+
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
               tokenizer: str, config, cost, sp=None) -> list:
     from collate import DevicePrefetcher, PackedCollator
@@ -228,7 +232,7 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
     dp_rank, dp_size, sp_rank, sp_group = sp or (rank, world, 0, None)
     sp_size = 1 if sp_group is None else args.sp_size
     dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples,
-                             patch_size=config.vision_config.patch_size)
+                             patch_size=_patch(config), config=config)
     loader = make_loader(dataset, sampler_kind, dp_rank, dp_size, args.global_batch_size, args.seed,
                          PackedCollator.from_config(config, sp_size=sp_size), num_workers=args.num_workers,
                          cost=cost, stages=cost is not None and args.stages is not False)
@@ -277,7 +281,7 @@ def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir
     from collate.train import calibration_batches, profile_stage_costs
     from tokenbal.cost import StageCostModel, stage_features
 
-    dataset = IndexedSamples(index_dir, tokenizer, patch_size=config.vision_config.patch_size)
+    dataset = IndexedSamples(index_dir, tokenizer, patch_size=_patch(config), config=config)
     n, train = len(dataset), args.train_samples or len(dataset)
     held_out = range(train, n) if n - train >= 32 else range(n)
     mine = calibration_batches(held_out, args.calibration_batches, seed=args.seed)[rank::world]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -193,3 +195,6 @@ def test_shard_batch_errors():
         shard_batch(collator(2)(samples()), 2, 2)
     text = collator(2)([samples()[3]])
     assert shard_batch(text, 1, 2).vision_sp_send_counts is None
+    crops = dataclasses.replace(collator(2)(samples()), image_grid_thw=None, video_grid_thw=None)
+    with pytest.raises(ValueError, match="has pixels without grids"):
+        shard_batch(crops, 0, 2)

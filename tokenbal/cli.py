@@ -100,7 +100,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # `collate` layer; it is the one place the CLI reaches it, lazily.
     from collate.demo import run_demo
 
-    return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed)
+    return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed,
+                    model=args.model)
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train-samples", type=int, default=64,
                       help="samples in the training epoch run with each sampler (default 64)")
     demo.add_argument("--ranks", type=int, default=2, help="CPU ranks for the FSDP2 part")
+    demo.add_argument("--model", default=None,
+                      help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL) to train "
+                           "randomly initialised instead of the tiny Qwen2-VL")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)
     return parser

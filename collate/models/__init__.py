@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from collate.models import qwen2_vl, qwen3_vl
+from collate.models import internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl
 
 # model_type -> (enable, disable). Qwen2.5-VL's text stack is Qwen2-VL's (same attention/rotary code).
 _PATCHES: dict[str, Any] = {
@@ -22,6 +22,10 @@ _PATCHES: dict[str, Any] = {
     # Qwen3-VL: q/k head norms, interleaved M-RoPE, DeepStack visual features in the first layers.
     "qwen3_vl": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
     "qwen3_vl_moe": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
+    # 1-D RoPE language models behind crop towers.
+    "llava_next": (llava_next.enable_packed, llava_next.disable_packed),
+    "llava_onevision": (llava_onevision.enable_packed, llava_onevision.disable_packed),
+    "internvl": (internvl.enable_packed, internvl.disable_packed),
 }
 
 

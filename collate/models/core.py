@@ -178,6 +178,9 @@ class Family:
     uninstall: Callable[[nn.Module], None] | None = None
     # after_embed(model, kwargs, encoded): add family kwargs (Qwen3-VL's DeepStack maps).
     after_embed: Callable[[nn.Module, dict[str, Any], Encoded | None], None] | None = None
+    # Host fields of the family's batches (beyond VISION_KEYS) that the core pops into the
+    # ``vision`` mapping handed to ``encode`` (LLaVA's image sizes and crop counts).
+    batch_keys: tuple[str, ...] = ()
     # Where the language model sits, tried in order.
     text_model_path: tuple[tuple[str, ...], ...] = (("model", "language_model"), ("language_model",))
 
@@ -505,6 +508,7 @@ def packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return call_original(self, *args, **kwargs)
     family: Family = self.__dict__[FAMILY]
     vision = {name: kwargs.get(name) for name in (*VISION_KEYS, *SP_KEYS)}  # popped by take_packed_info
+    vision.update((name, kwargs.pop(name, None)) for name in family.batch_keys)
     info = take_packed_info(self, kwargs, family)
     encoded = embed_with_vision(self, kwargs, vision, family, getattr(self, IDLE_VISION, False))
     if family.after_embed is not None:

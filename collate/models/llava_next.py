@@ -1,0 +1,59 @@
+"""Packed-batch forward for transformers 5.x LLaVA-NeXT (``LlavaNextForConditionalGeneration``).
+
+The shared scheme is :mod:`collate.models.core` with the crop tower of
+:mod:`collate.models.anyres_vision`. What this family sets:
+
+- Plain 1-D RoPE language model (Llama, Mistral, Qwen2, ...): the packed ``(1, T)`` positions go
+  through the same :func:`collate.ops.apply_mrope` (one position row) and
+  :func:`collate.ops.varlen_attention` as the M-RoPE families; no padding, no ``T x T`` mask.
+- Images only: each image's crops go through transformers' own ``pack_image_features`` (unpad,
+  one ``image_newline`` per feature row, base view first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from collate.models import anyres_vision, core
+
+SUPPORTED_MODEL_TYPES = ("llava_next",)
+
+
+def _pack_images(model: nn.Module, features: list[torch.Tensor],
+                 sizes: list[list[int]]) -> list[torch.Tensor]:
+    packed, _ = model.model.pack_image_features(
+        features, sizes, vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+        image_newline=model.model.image_newline)
+    return packed
+
+
+def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
+            idle_vision: bool) -> core.Encoded | None:
+    return anyres_vision.encode(model, kwargs, vision, idle_vision, _pack_images, videos=False)
+
+
+FAMILY = core.Family(
+    name="llava_next",
+    model_types=SUPPORTED_MODEL_TYPES,
+    rope=lambda model, text_model: core.one_d_rope(text_model),
+    encode=_encode,
+    check=anyres_vision.check,
+    batch_keys=anyres_vision.ANYRES_KEYS,
+)
+
+
+def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:
+    """Let ``model(**packed_batch)`` run packed; returns the same model. Idempotent, per instance.
+
+    ``idle_vision``: run the vision tower on one zero crop when a packed batch has no image, so
+    every FSDP rank issues the same collectives.
+    """
+    return core.enable(model, FAMILY, idle_vision)
+
+
+def disable_packed(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_packed` on this instance."""
+    return core.disable(model)
