@@ -4,6 +4,16 @@ With packing, ranks hold different numbers of loss tokens. Averaging per-rank me
 DDP/FSDP gradient averaging does by default) weights a token on a rank with few tokens more than
 one on a busy rank. Dividing every rank's loss *sum* by the token count of the whole step makes
 the gradient equal to that of the global batch processed in one piece.
+
+Sequence parallelism (dp data-parallel groups x S ranks, :mod:`collate.sp`): the ranks of an SP
+group hold disjoint slices of one packed row, and each slice's ``num_loss_tokens`` counts only
+its own targets (:func:`collate.sp.shard_batch`). So the sum over *all* ranks (the default
+group) counts every token of every data-parallel group exactly once, and with the world size as
+the factor (FSDP2 over dp x sp averages over all ranks) the gradient is that of the global token
+mean: rank r's loss sum reaches every parameter through the Ulysses all-to-alls, and the sum of
+all ranks' gradients is the gradient of the sum of all loss sums. Summing over the data-parallel
+group only would miss the SP peers' tokens; summing full-row counts over the world would count
+each row S times.
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ class PackedBatch:
       leading 0), vision_cu_window_seqlens_list and vision_max_window_seqlen (windows, likewise).
     labels carry -100 at every sample's first token (and wherever the sample had -100), so no token
     is trained to predict across a sample boundary.
+    sp_padding (host int): tokens appended by ``PackedCollator(sp_size=S)`` so that ``T % S == 0``;
+    they form one extra segment at the end (its own entry in ``seq_lens`` / ``cu_seqlens``, plain
+    1-D positions, labels -100), so no real token attends to them and none carries loss.
     The 4-row ``(4, 1, T)`` form transformers 5.x Qwen2-VL accepts (row 0 = text positions, used
     for its packed mask) is the property ``position_ids_4row``.
     """
@@ -88,6 +91,7 @@ class PackedBatch:
     vision_cu_window_seqlens: torch.Tensor | None = None
     vision_cu_window_seqlens_list: list[int] | None = None
     vision_max_window_seqlen: int = 0
+    sp_padding: int = 0
     # LLaVA-NeXT / LLaVA-OneVision (collate.anyres), host lists: (height, width) per image, crops per
     # image, images per sample, frames per video. pixel_values / pixel_values_videos are then
     # (crops, C, S, S) / (frames, C, S, S).
@@ -130,7 +134,8 @@ class PackedBatch:
     # -- derived views ----------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
-        return len(self.seq_lens)
+        # The sequence-parallel padding segment is not a sample.
+        return len(self.seq_lens) - (1 if self.sp_padding else 0)
 
     @property
     def position_ids_4row(self) -> torch.Tensor:
@@ -194,6 +199,10 @@ class PackedCollator:
     Sample keys read: ``input_ids``, ``labels``, ``pixel_values``, ``image_grid_thw``,
     ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``attention_mask`` (must
     be all ones: padding has to be stripped before packing). Other keys are ignored.
+
+    ``sp_size=S`` (sequence parallelism): the row is padded to a multiple of ``S`` with
+    ``sp_pad_token_id`` tokens forming one last segment without loss (``PackedBatch.sp_padding``),
+    so :func:`collate.sp.shard_batch` can cut it into ``S`` equal contiguous slices.
     """
 
     rope: Literal["mrope", "1d"] = "mrope"
@@ -206,6 +215,8 @@ class PackedCollator:
     vision_window: int | None = None
     pin_memory: bool | None = None
     ignore_index: int = IGNORE_INDEX
+    sp_size: int = 1
+    sp_pad_token_id: int = 0
     # LLaVA-NeXT / LLaVA-OneVision crops (collate.anyres): samples carry image_sizes instead of grids.
     anyres: AnyresLayout | TileLayout | None = None
 
@@ -218,6 +229,12 @@ class PackedCollator:
             raise ValueError(f"spatial_merge_size must be >= 1, got {self.spatial_merge_size}")
         if self.vision_window is not None and self.vision_window < 1:
             raise ValueError(f"vision_window must be >= 1 merged tokens, got {self.vision_window}")
+        if self.sp_size < 1:
+            raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        vision_ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id)
+        if self.sp_size > 1 and self.sp_pad_token_id in vision_ids:
+            raise ValueError(f"sp_pad_token_id={self.sp_pad_token_id} is a vision token id; padding must "
+                             "be plain text")
 
     @classmethod
     def from_config(cls, hf_config: Any, **overrides: Any) -> PackedCollator:
@@ -328,6 +345,13 @@ class PackedCollator:
                 vision["pixel_values_videos"].append((i, vid_pv))
                 vision["video_grid_thw"].append((i, vid_grid))
 
+        sp_padding = -sum(x.shape[0] for x in ids_list) % self.sp_size
+        if sp_padding:
+            # A segment of its own: causal attention inside it only, positions from 0, no loss.
+            ids_list.append(np.full(sp_padding, self.sp_pad_token_id, dtype=np.int64))
+            labels_list.append(np.full(sp_padding, self.ignore_index, dtype=np.int64))
+            img_per, vid_per = np.append(img_per, 0), np.append(vid_per, 0)
+            n += 1
         seq_lens = [x.shape[0] for x in ids_list]
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(seq_lens, out=cu[1:])
@@ -391,6 +415,7 @@ class PackedCollator:
             pixel_values_videos=videos,
             video_grid_thw=None if vid_grids is None else torch.from_numpy(vid_grids),
             second_per_grid_ts=torch.from_numpy(sec_all) if any_seconds else None,
+            sp_padding=sp_padding,
             **tower,
         )
         return batch.pin_memory() if _should_pin(self.pin_memory) else batch

@@ -16,6 +16,13 @@ replica, so no collective inflates it; ``--no-measure-compute`` skips that), and
 barrier step time; wait = step - compute. Rank 0 writes ``steps.csv`` and ``timeline.png`` into
 ``--out`` and prints, for ``--sampler both``, tokenbal's speed-up over DistributedSampler on the
 same samples.
+
+``--sp-size S`` (sequence parallelism): a 2-D mesh ``(dp, sp)``; the sampler plans over the dp
+groups (both SP peers get the same packed row), ``PackedCollator(sp_size=S)`` pads the row and
+``collate.sp.shard_batch`` hands each SP rank its slice; the model runs Ulysses attention over the
+sp group and its own whole images, and FSDP2 shards over all dp x sp ranks. There a rank's compute
+is its row's forward + backward on the unsharded replica divided by S (the rank's even share; the
+replica cannot run the split forward), so wait = step - that share.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="glibc keeps freed activations' memory for the next step instead of returning it "
                         "to the kernel and page-faulting it in again (collate.train.keep_freed_memory); "
                         "default: on for CPU ranks")
+    p.add_argument("--sp-size", type=int, default=1,
+                   help="sequence-parallel group size S (Ulysses over S ranks; S must divide the world size)")
     p.add_argument("--no-measure-compute", action="store_true",
                    help="skip the unsharded replica that times each rank's own compute")
     return p.parse_args(argv)
@@ -210,13 +219,26 @@ def start_profiler(trace_dir: str | None, steps: int, rank: int, device: torch.d
     return profiler
 
 
+def sp_layout(sp_size: int, rank: int, world: int, device: torch.device):
+    """(dp rank, dp size, sp rank, sp group or None) for ``--sp-size``: a ("dp", "sp") DeviceMesh."""
+    if sp_size == 1:
+        return rank, world, 0, None
+    from collate.sp import sp_mesh
+
+    try:
+        mesh = sp_mesh(sp_size, device.type)
+    except ValueError as e:
+        raise SystemExit(f"--sp-size: {e}") from None
+    return mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["sp"].get_local_rank(), mesh["sp"].get_group()
+
+
 def _patch(config) -> int:
     patch = config.vision_config.patch_size  # InternVL's is (h, w)
     return int(patch[0] if isinstance(patch, (list, tuple)) else patch)
 
 
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
-              tokenizer: str, config, cost, trace_dir: str | None = None) -> list:
+              tokenizer: str, config, cost, sp=None, trace_dir: str | None = None) -> list:
     from collate import DevicePrefetcher, PackedCollator
     from collate.demo import IndexedSamples, build_model, make_loader
     from collate.models import enable_packed
@@ -229,12 +251,15 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         train_step,
     )
 
+    dp_rank, dp_size, sp_rank, sp_group = sp or (rank, world, 0, None)
+    sp_size = 1 if sp_group is None else args.sp_size
     dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples,
                              patch_size=_patch(config), config=config)
-    loader = make_loader(dataset, sampler_kind, rank, world, args.global_batch_size, args.seed,
-                         PackedCollator.from_config(config), num_workers=args.num_workers, cost=cost,
-                         stages=cost is not None and args.stages is not False)
-    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device)),
+    loader = make_loader(dataset, sampler_kind, dp_rank, dp_size, args.global_batch_size, args.seed,
+                         PackedCollator.from_config(config, sp_size=sp_size), num_workers=args.num_workers,
+                         cost=cost, stages=cost is not None and args.stages is not False)
+    # FSDP2 over the default group: all dp x sp ranks shard the parameters.
+    model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device), sp_group=sp_group),
                            **asdict(fsdp_settings(args, device)))
     # A traced epoch times no replica: the trace shows the training step alone.
     timed = not args.no_measure_compute and trace_dir is None
@@ -243,23 +268,30 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
 
     profiler = start_profiler(trace_dir, args.profile_steps, rank, device)
     records = []
-    for step, batch in enumerate(DevicePrefetcher(loader, device=device)):
+    for step, row in enumerate(DevicePrefetcher(loader, device=device) if sp_group is None else loader):
         if args.max_steps is not None and step >= args.max_steps:
             break
         if trace_dir is not None and step > args.profile_steps:
             break
+        batch = row
+        if sp_group is not None:
+            from collate.sp import shard_batch
+
+            batch = shard_batch(row, sp_rank, sp_size).to(device)
+            row = row.to(device)
         if step == 0:  # warm-up on the first batch (allocator, lazy init); not timed
             if solo is not None:
-                solo_stage_times(solo, batch)
+                solo_stage_times(solo, row)
             train_step(model, optim, batch)
-        compute, vision = (float("nan"),) * 2 if solo is None else solo_stage_times(solo, batch)
+        compute, vision = (float("nan"),) * 2 if solo is None else solo_stage_times(solo, row)
+        compute, vision = compute / sp_size, vision / sp_size  # an SP rank's even share of its row
         _synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         loss = train_step(model, optim, batch)
         _synchronize(device)
         dist.barrier()
-        records.append(StepRecord(step=step, rank=rank, samples=len(batch["seq_lens"]),
+        records.append(StepRecord(step=step, rank=rank, samples=row.num_samples,
                                   tokens=int(batch["input_ids"].shape[1]), compute_s=compute, vision_s=vision,
                                   step_s=time.perf_counter() - t0, loss=float(loss)))
         if profiler is not None:
@@ -353,24 +385,26 @@ def main(argv=None) -> None:
         index_dir, tokenizer, config = prepare(args, rank)
         from collate.train import median_records
 
+        sp = sp_layout(args.sp_size, rank, world, device)
         kinds = ["distributed", "tokenbal"] if args.sampler == "both" else [args.sampler]
         if args.floor:
             kinds.append("identical")
         if rank == 0:
-            print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}, keep freed memory: {kept}")
+            print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}, keep freed memory: {kept}"
+                  + (f", {sp[1]} data-parallel groups x sequence parallel {args.sp_size}" if sp[3] else ""))
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.
         for _ in range(args.repeats):
             for kind in kinds:
-                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost)
+                mine = run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost, sp)
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine)
                 repeats[kind].append([r for recs in gathered for r in recs])
         runs = {kind: median_records(reps) for kind, reps in repeats.items()}
         if args.profile:  # after the timed epochs: warm-up + --profile-steps traced steps per sampler
             for kind in kinds:
-                run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost,
+                run_epoch(args, kind, rank, world, device, index_dir, tokenizer, config, cost, sp,
                           trace_dir=os.path.join(args.profile, kind))
         if rank == 0:
             report(args, runs)

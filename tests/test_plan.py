@@ -391,3 +391,23 @@ def test_simulate_stages_reports_the_step_time_of_both_stages(index_dir, capsys)
     with pytest.raises(SystemExit, match="--cost flops"):
         main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
               "--stages"])
+
+
+def test_simulate_sp_size_balances_data_parallel_groups(index_dir, capsys):
+    # 8 ranks in SP groups of 2 plan exactly as 4 data-parallel ranks (the sampler gets
+    # num_replicas = world / S, rank = dp rank).
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+                 "--baseline-steps", "50"]) == 0
+    dp_only = capsys.readouterr().out
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "8", "--sp-size", "2",
+                 "--global-batch-size", "8", "--baseline-steps", "50"]) == 0
+    head, table = capsys.readouterr().out.split("\n", 1)
+    assert head == "sequence parallel size 2: balancing 4 data-parallel groups of 2 ranks"
+
+    def rows(text: str) -> list[str]:  # everything but the planning time, which varies run to run
+        return [line for line in text.splitlines() if "plan time" not in line]
+
+    assert rows(table) == rows(dp_only)
+    with pytest.raises(SystemExit, match="--sp-size 3 must divide --world-size 8"):
+        main(["plan", "simulate", "--index", index_dir, "--world-size", "8", "--sp-size", "3",
+              "--global-batch-size", "8"])

@@ -31,7 +31,7 @@ def test_stages_need_a_cost_with_a_vision_part():
 def test_defaults_and_help():
     args = _script().parse_args(["--synthetic", "8"])
     assert (args.cost, args.repeats, args.stages, args.sampler) == ("tokens", 1, None, "both")
-    assert (args.floor, args.keep_freed_memory) == (False, None)
+    assert (args.floor, args.keep_freed_memory, args.sp_size) == (False, None, 1)
     with pytest.raises(SystemExit):
         _script().parse_args(["--help"])
 
@@ -187,3 +187,25 @@ def test_torchrun_two_ranks_with_a_checkpoint_config(tmp_path, make_config):
     assert "--model-config adapted to" in done.stdout and "image_token_id 151655 ->" in done.stdout
     rows = list(csv.DictReader(open(tmp_path / "out" / "steps.csv")))
     assert len(rows) == 2 * 4 and all(float(r["loss"]) > 0 for r in rows)   # 16 samples / 4 = 4 steps
+
+
+@pytest.mark.slow
+def test_torchrun_four_ranks_sequence_parallel(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(SCRIPT), "--synthetic", "24", "--train-samples", "8", "--global-batch-size", "4",
+           "--sampler", "tokenbal", "--sp-size", "2", "--max-steps", "2",
+           "--workdir", str(tmp_path / "data"), "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 data-parallel groups x sequence parallel 2" in done.stdout
+    rows = list(csv.DictReader(open(out / "steps.csv")))
+    assert len(rows) == 2 * 4
+    for step in ("0", "1"):
+        by_rank = {r["rank"]: r for r in rows if r["step"] == step}
+        # SP peers (ranks 0-1, 2-3) hold halves of one row: the same slice length and sample count.
+        for a, b in (("0", "1"), ("2", "3")):
+            for key in ("tokens", "samples"):
+                assert by_rank[a][key] == by_rank[b][key]
+    assert all(float(r["loss"]) >= 0 for r in rows)

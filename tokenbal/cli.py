@@ -88,13 +88,24 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     if args.stages and args.cost != "flops":
         raise SystemExit("--stages needs --cost flops (it splits each sample's FLOPs into vision tower "
                          "and LLM)")
-    sim = simulate(index, args.world_size, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
+    replicas = _dp_replicas(args.world_size, args.sp_size)
+    if args.sp_size > 1:
+        # SP peers share one packed row: the plan balances the data-parallel groups, each S devices.
+        print(f"sequence parallel size {args.sp_size}: balancing {replicas} data-parallel groups of "
+              f"{args.sp_size} ranks")
+    sim = simulate(index, replicas, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
                    seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
     print(sim.table())
     if args.plot:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _dp_replicas(world_size: int, sp_size: int) -> int:
+    if sp_size < 1 or world_size % sp_size:
+        raise SystemExit(f"--sp-size {sp_size} must divide --world-size {world_size}")
+    return world_size // sp_size
 
 
 def _write_plot(sim, path: str) -> None:
@@ -279,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
     sim.add_argument("--global-batch-size", type=int, required=True, help="samples per step, all ranks")
     sim.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    sim.add_argument("--sp-size", type=int, default=1,
+                     help="sequence-parallel group size S: the ranks of an SP group share one packed row, so "
+                          "the plan balances world-size / S data-parallel groups")
     sim.add_argument("--cost", choices=["tokens", "flops"], default="tokens", help="what to balance")
     sim.add_argument("--model-config", default=None,
                      help="config.json of the model for --cost flops (default: Qwen2-VL-7B dimensions)")

@@ -3,8 +3,8 @@
 ``enable_packed(model)`` picks the patch from ``model.config.model_type``. The shared machinery
 (wrapper, attention info, packed text attention, the one vision-tower call, the feature scatter)
 is :mod:`collate.models.core`; each family file only says what differs. After it,
-``model(**packed_batch)`` runs M-RoPE via ``collate.ops.apply_mrope`` and
-attention via ``collate.ops.varlen_attention``; calls without packing fields are unchanged.
+``model(**packed_batch)`` runs M-RoPE via ``collate.ops.apply_mrope`` and attention via
+``collate.ops.varlen_attention``; calls without packing fields are unchanged.
 """
 
 from __future__ import annotations
@@ -39,12 +39,25 @@ def _patch_for(model: nn.Module) -> Any:
     return _PATCHES[model_type]
 
 
-def enable_packed(model: nn.Module, **options: Any) -> nn.Module:
+def enable_packed(model: nn.Module, sp_group: Any = None, **options: Any) -> nn.Module:
     """Patch this model instance so that ``model(**packed_batch)`` works; returns the model.
 
     ``options`` go to the family's patch (e.g. ``idle_vision=False`` for Qwen2-VL / Qwen3-VL).
+    ``sp_group``: a process group to run sequence parallel over (Ulysses attention, whole images
+    per rank; feed it :func:`collate.sp.shard_batch` slices). ``ValueError`` when the text heads
+    cannot be split over the group.
     """
-    return _patch_for(model)[0](model, **options)
+    patch = _patch_for(model)
+    if sp_group is not None:
+        from collate.models import core
+
+        # Checked before patching, so a bad group leaves the model as it was.
+        core.set_sp_group(model, sp_group)
+    try:
+        return patch[0](model, **options)
+    except BaseException:
+        model.__dict__.pop("_tokenbal_sp_group", None)
+        raise
 
 
 def disable_packed(model: nn.Module) -> nn.Module:

@@ -23,6 +23,14 @@ A :class:`Family` says only what differs between model families: which ``model_t
 serves, its rotary layout, its vision tower call (and the idle dummy), its mask, and any extra
 per-instance patches. ``disable(model)`` restores everything. Nothing in the packed path reads a
 device tensor back to the host: boundaries come from host lists, maxima are python ints.
+
+Sequence parallelism (``enable_packed(model, sp_group=group)``, batches cut by
+:func:`collate.sp.shard_batch`): each rank holds a contiguous slice of the row. Two hooks, both
+here: :func:`packed_text_attention` runs :func:`collate.ops.ulysses.ulysses_attention` (the
+whole row's segments, this rank's head group) instead of :func:`varlen_attention`, and
+:func:`embed_with_vision` sends the merged features of this rank's own images (and any
+per-feature maps of the tower's output: Qwen3-VL's DeepStack) to the ranks whose slices hold
+their placeholders (:func:`sp_exchange`) before the scatter.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from torch import nn
 
 from collate.ops import apply_mrope, varlen_attention
 from collate.ops.attention import segment_ends
+from collate.ops.ulysses import all_to_all_rows, ulysses_attention, ulysses_kv_heads
 
 PACKED_KWARG = "tokenbal_packed"
 
@@ -53,6 +62,10 @@ VISION_KEYS = (
     "vision_max_window_seqlen",
 )
 
+# An SP slice's routing plan (collate.sp.shard_batch); ``shift_labels`` stays for transformers' loss.
+SP_KEYS = ("sp_rank", "sp_size", "sp_padding", "vision_sp_send_index", "vision_sp_send_counts",
+           "vision_sp_recv_counts")
+
 # Batch keys the wrapper takes out of a packed call (never passed into transformers). ``position_ids``
 # is also taken, and handed back to HF as the packed ids. ``second_per_grid_ts`` only feeds HF's own
 # position computation (Qwen2.5-VL), which the precomputed positions replace.
@@ -65,6 +78,7 @@ CONSUMED_KEYS = (
     "num_loss_tokens",
     "second_per_grid_ts",
     *VISION_KEYS,
+    *SP_KEYS,
 )
 
 PREV_FORWARD = "_tokenbal_prev_forward"
@@ -72,6 +86,7 @@ ENABLED = "_tokenbal_packed_enabled"
 IDLE_VISION = "_tokenbal_idle_vision"
 IDLE_INPUTS = "_tokenbal_idle_inputs"
 FAMILY = "_tokenbal_family"
+SP_GROUP = "_tokenbal_sp_group"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +105,7 @@ class PackedAttentionInfo:
     interleaved: bool
     attention_scaling: float
     qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3)
+    sp_group: Any = None  # Ulysses over this process group (cu_seqlens* then cover the whole row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,15 +282,12 @@ def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor,
     q, k = apply_mrope(
         q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
     )
-    out = varlen_attention(
-        q,
-        k,
-        v,
-        info,
-        causal=True,
-        scale=attn.scaling,
-        dropout_p=attn.attention_dropout if attn.training else 0.0,
-    )
+    dropout = attn.attention_dropout if attn.training else 0.0
+    if info.sp_group is not None:
+        out = ulysses_attention(q, k, v, info, info.sp_group, causal=True, scale=attn.scaling,
+                                dropout_p=dropout)
+    else:
+        out = varlen_attention(q, k, v, info, causal=True, scale=attn.scaling, dropout_p=dropout)
     out = attn.o_proj(out.reshape(1, num_tokens, -1))
     return out, None  # no attention probabilities: same contract as HF's flash/sdpa paths
 
@@ -307,14 +320,20 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
             raise ValueError(f"packed forward cannot continue from a cache ({name}=...)")
     kwargs["use_cache"] = False
 
+    sp_group = model.__dict__.get(SP_GROUP)
+    sp_size = _check_sp_slice(sp_group, fields)
+    if sp_group is not None and kwargs.get("labels") is not None:
+        # A slice may hold no target at all; a summed loss over max(1, count) is then 0, not 0/0.
+        kwargs.setdefault("num_items_in_batch", max(1, int(fields["num_loss_tokens"] or 0)))
     ends: Sequence[int] | None = fields["cu_seqlens_list"]
     if ends is None and fields["seq_lens"] is not None:
         ends = segment_ends(fields["seq_lens"])
     if ends is not None:
         ends = [int(e) for e in ends]
-        if not ends or ends[-1] != num_tokens:
+        if not ends or ends[-1] != num_tokens * sp_size:
             covered = ends[-1] if ends else 0
-            raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}")
+            raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}"
+                             + (f" x sp_size {sp_size}" if sp_size > 1 else ""))
     max_seqlen = fields["max_seqlen"]
     if isinstance(max_seqlen, torch.Tensor):
         raise ValueError("max_seqlen must be a python int (a tensor would force a host sync in every layer)")
@@ -346,7 +365,63 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         interleaved=layout.interleaved,
         attention_scaling=layout.attention_scaling,
         qk_norm=family.qk_norm,
+        sp_group=sp_group,
     )
+
+
+def _check_sp_slice(group: Any, fields: dict[str, Any]) -> int:
+    """The batch's SP size, checked against the model's SP group (host values only)."""
+    sp_size = int(fields["sp_size"] or 1)
+    if group is None:
+        if sp_size > 1:
+            raise ValueError(f"batch is an SP slice (sp_size={sp_size}) but the model has no SP group: "
+                             "enable_packed(model, sp_group=group)")
+        return 1
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if fields["sp_size"] is None:
+        raise ValueError(f"the model runs sequence parallel over {size} ranks; feed it "
+                         f"collate.sp.shard_batch(batch, sp_rank, {size}) slices")
+    if (sp_size, int(fields["sp_rank"])) != (size, rank):
+        raise ValueError(f"batch slice is sp_rank {fields['sp_rank']} of {sp_size}, but this rank is "
+                         f"{rank} of the model's SP group of {size}")
+    return sp_size
+
+
+def set_sp_group(model: nn.Module, group: Any) -> None:
+    """Run ``model``'s packed forward sequence parallel over ``group`` (see the module docstring).
+
+    Raises ``ValueError`` when the text attention heads cannot be split over the group's size."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    text = getattr(model.config, "text_config", model.config)
+    heads = int(text.num_attention_heads)
+    ulysses_kv_heads(heads, int(getattr(text, "num_key_value_heads", None) or heads), size)
+    model.__dict__[SP_GROUP] = group
+
+
+def sp_exchange(encoded: Encoded, vision: dict[str, Any], group: Any) -> Encoded:
+    """Send this rank's merged features to the ranks whose slices hold their placeholders and
+    receive this slice's, in ``vision_token_index`` order: one all-to-all with the plan's host
+    split sizes. Per-feature maps of the tower's output (``raw.deepstack_features``) travel in the
+    same exchange and are replaced by this slice's. A rank without images of its own (the idle
+    dummy ran) sends nothing and still receives."""
+    raw = encoded.raw
+    own = encoded.features if encoded.features is not None else raw.pooler_output
+    maps = [own, *(getattr(raw, "deepstack_features", None) or ())]
+    if encoded.features is None:
+        send = [m[:0] for m in maps]
+    else:
+        index = vision["vision_sp_send_index"]
+        send = [m.index_select(0, index) for m in maps]
+    widths = [m.shape[-1] for m in send]
+    recv = all_to_all_rows(torch.cat(send, dim=-1), group, vision["vision_sp_recv_counts"],
+                           vision["vision_sp_send_counts"]).split(widths, dim=-1)
+    if len(recv) > 1:
+        raw.deepstack_features = list(recv[1:])
+    return dataclasses.replace(encoded, features=recv[0])
 
 
 def find_placeholders(input_ids: torch.Tensor, token_ids: Sequence[int], num_features: int) -> torch.Tensor:
@@ -386,12 +461,19 @@ def embed_with_vision(model: nn.Module, kwargs: dict[str, Any], vision: dict[str
     kwargs["inputs_embeds"] = embeds
     if family.encode is None:
         return None
-    encoded = family.encode(model, kwargs, vision, idle_vision)
+    group = model.__dict__.get(SP_GROUP)
+    routed = group is not None and vision.get("vision_sp_send_counts") is not None
+    # Under SP a rank without images of its own must still run the tower (idle) to take part in
+    # the feature exchange.
+    encoded = family.encode(model, kwargs, vision, idle_vision or routed)
     if encoded is None:
         return None
+    if routed:
+        encoded = sp_exchange(encoded, vision, group)
+    if encoded.idle_zero is not None:
+        embeds = embeds + encoded.idle_zero.to(embeds.dtype)
+        kwargs["inputs_embeds"] = embeds
     if encoded.features is None:
-        if encoded.idle_zero is not None:
-            kwargs["inputs_embeds"] = embeds + encoded.idle_zero.to(embeds.dtype)
         return encoded
     if input_ids is None:
         raise ValueError("packed batches with images or videos need input_ids to place the vision features")
@@ -408,7 +490,7 @@ def packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not is_packed_call(kwargs):
         return call_original(self, *args, **kwargs)
     family: Family = self.__dict__[FAMILY]
-    vision = {name: kwargs.get(name) for name in VISION_KEYS}  # popped by take_packed_info
+    vision = {name: kwargs.get(name) for name in (*VISION_KEYS, *SP_KEYS)}  # popped by take_packed_info
     vision.update((name, kwargs.pop(name, None)) for name in family.batch_keys)
     info = take_packed_info(self, kwargs, family)
     encoded = embed_with_vision(self, kwargs, vision, family, getattr(self, IDLE_VISION, False))
@@ -456,6 +538,7 @@ def disable(model: nn.Module) -> nn.Module:
     delattr(model, ENABLED)
     delattr(model, IDLE_VISION)
     model.__dict__.pop(IDLE_INPUTS, None)
+    model.__dict__.pop(SP_GROUP, None)
     return model
 
 
