@@ -104,6 +104,25 @@ def _parse_override(text: str) -> tuple[str, object]:
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
 
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``, so a bad value is a usage error naming the option,
+    not a traceback from deep inside the planner."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "positive integer" if low == 1 else f"integer >= {low}"
+    return parse
+
+
+_POSITIVE, _NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenbal",
@@ -157,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan one epoch from an index and print, per method, the mean / p95 / max over "
                     "steps of max/mean rank cost (1.000 = perfect), and how long tokenbal took to plan.")
     sim.add_argument("--index", required=True, help="index folder (tokenbal index build)")
-    sim.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    sim.add_argument("--global-batch-size", type=int, required=True, help="samples per step, all ranks")
-    sim.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
+    sim.add_argument("--world-size", type=_POSITIVE, required=True, help="data-parallel ranks")
+    sim.add_argument("--global-batch-size", type=_POSITIVE, required=True, help="samples per step, all ranks")
+    sim.add_argument("--grad-accum", type=_POSITIVE, default=1, help="micro-batches per rank per step")
     sim.add_argument("--cost", choices=["tokens", "flops"], default="tokens", help="what to balance")
     sim.add_argument("--model-config", default=None,
                      help="config.json of the model for --cost flops (default: Qwen2-VL-7B dimensions)")
@@ -167,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cost flops: also report Σ_stage max_rank / ideal per step (FSDP waits for "
                           "the slowest rank in the vision tower and again in the LLM), with and without "
                           "balancing the two stages separately")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--baseline-steps", type=int, default=500,
+    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
     sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
     sim.set_defaults(func=_cmd_plan_simulate)
@@ -180,10 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "TokenBalancedBatchSampler at 8 ranks, train a tiny random Qwen2-VL with FSDP2 "
                     "on 2 CPU ranks with each sampler, and check the packed loss against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
-    demo.add_argument("--train-samples", type=int, default=64,
+    demo.add_argument("--train-samples", type=_POSITIVE, default=64,
                       help="samples in the training epoch run with each sampler (default 64)")
-    demo.add_argument("--ranks", type=int, default=2, help="CPU ranks for the FSDP2 part")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
+    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo)
     return parser
 
