@@ -286,6 +286,11 @@ def _take_packed_info(model: nn.Module, kwargs: dict[str, Any]) -> PackedAttenti
     """Pop the packing fields out of ``kwargs`` (in place) and validate them on the host."""
     fields = {name: kwargs.pop(name, None) for name in CONSUMED_KEYS}
     position_ids = kwargs.pop("position_ids", None)
+    if fields["num_loss_tokens"] == 0 and kwargs.get("labels") is not None:
+        # No loss token (an empty rank's dummy row): HF's mean over zero tokens is NaN, and NaN x 0
+        # would poison every rank's gradients through the reduce-scatter. Summed over one "item",
+        # the loss is 0 with zero gradients for every parameter.
+        kwargs.setdefault("num_items_in_batch", 1)
 
     tokens = kwargs.get("input_ids")
     if tokens is None:
