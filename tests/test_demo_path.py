@@ -89,3 +89,19 @@ def test_demo_runs_end_to_end(capsys):
     assert run_demo(num_samples=64, train_samples=16) == 0
     out = capsys.readouterr().out
     assert "TokenBalancedBatchSampler" in out and "-> OK" in out
+
+
+def test_demo_speedup_is_told_only_when_alternating_repeats_agree_beyond_their_noise():
+    from collate.demo import alternating_order, speedup_verdict
+
+    assert alternating_order(("d", "t"), 3) == ("d", "t", "t", "d", "d", "t")
+    ratio, text = speedup_verdict([10.0, 10.4], [7.0, 7.1])
+    assert ratio is not None and abs(ratio - 10.2 / 7.05) < 1e-9 and "as fast as" in text
+    # One repeat says faster, the other slower: no speed-up claimed.
+    ratio, text = speedup_verdict([10.0, 9.0], [9.5, 9.6])
+    assert ratio is None and "too noisy to tell" in text
+    # Both say faster, but the same sampler's epoch varied more between repeats than the gap.
+    ratio, text = speedup_verdict([10.0, 13.0], [9.5, 12.5])
+    assert ratio is None and "too noisy to tell" in text
+    ratio, text = speedup_verdict([10.0], [8.0])
+    assert ratio is None and "one repeat" in text

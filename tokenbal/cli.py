@@ -89,7 +89,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # `collate` layer; it is the one place the CLI reaches it, lazily.
     from collate.demo import run_demo
 
-    return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed)
+    return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed,
+                    repeats=args.repeats)
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -197,10 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a small multimodal webdataset (real JPEG/PNG images of mixed sizes), "
                     "build its token index, compare per-step rank balance of DistributedSampler and "
                     "TokenBalancedBatchSampler at 8 ranks, train a tiny random Qwen2-VL with FSDP2 "
-                    "on 2 CPU ranks with each sampler, and check the packed loss against transformers.")
+                    "on 2 CPU ranks with each sampler (alternating repeats), and check the packed loss "
+                    "against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
-    demo.add_argument("--train-samples", type=_POSITIVE, default=64,
-                      help="samples in the training epoch run with each sampler (default 64)")
+    demo.add_argument("--train-samples", type=_POSITIVE, default=32,
+                      help="samples in the training epoch run with each sampler (default 32)")
+    demo.add_argument("--repeats", type=_POSITIVE, default=2,
+                      help="epochs per sampler, alternating between the two, for the speed-up and its noise "
+                           "(default 2)")
     demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo)

@@ -251,11 +251,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = True
 
     def track(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """Iterate ``loader`` (a DataLoader over this sampler) and count the batches it hands to the
+        """Iterate ``loader`` (a DataLoader over this sampler, or anything yielding its batches in
+        order, e.g. a ``DevicePrefetcher`` around one) and count the batches it hands to the
         training loop, so that :meth:`state_dict` saves the step the loop reached rather than the
-        one the DataLoader's workers have prefetched up to::
+        one the DataLoader's workers (or a prefetcher) have read ahead to::
 
-            for batch in sampler.track(loader):
+            for batch in sampler.track(DevicePrefetcher(loader)):   # track outermost
                 train_step(batch)
                 if time_to_checkpoint:
                     save(sampler.state_dict())   # resumes right after this batch
@@ -263,7 +264,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         A DataLoader yields its batches in the sampler's order (``in_order=True``, the default), so
         the n-th batch received is the n-th the sampler handed out in this iteration.
         """
-        if getattr(loader, "batch_sampler", None) is not self:
+        if hasattr(loader, "batch_sampler") and loader.batch_sampler is not self:
             raise ValueError("track() needs a DataLoader built with batch_sampler=this sampler")
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
