@@ -277,7 +277,10 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
         batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size,
                                                   rank=rank if sampler_kind == "tokenbal" else 0,
                                                   global_batch_size=global_batch_size, seed=seed, cost=cost,
-                                                  stages=stages or None)
+                                                  stages=stages or None,
+                                                  # "identical": every rank claims rank 0, so only
+                                                  # process 0 would join the cross-rank check.
+                                                  verify=None if sampler_kind == "tokenbal" else False)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
     if sampler_kind == "distributed":
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)

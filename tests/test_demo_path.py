@@ -64,6 +64,12 @@ def test_identical_control_gives_every_rank_tokenbals_rank0_batches(demo_data):
     tokenbal = [steps("tokenbal", r) for r in range(2)]
     assert tokenbal[0] != tokenbal[1]
     assert steps("identical", 0) == steps("identical", 1) == tokenbal[0]
+    # Every rank claims rank 0 there: the cross-rank check (on by default under torch.distributed)
+    # would be joined by process 0 alone and wait forever, so the control turns it off.
+    identical = make_loader(ds, "identical", 1, 2, global_batch_size=8, seed=0, collator=list)
+    assert identical.batch_sampler.verify is False
+    balanced = make_loader(ds, "tokenbal", 1, 2, global_batch_size=8, seed=0, collator=list)
+    assert balanced.batch_sampler.verify is None
     with pytest.raises(ValueError, match="'identical'"):
         make_loader(ds, "random", 0, 2, global_batch_size=8, seed=0, collator=list)
 
