@@ -4,7 +4,9 @@
 2. ``tokenbal index build`` over it (image headers only, exact Qwen2-VL token counts).
 3. Per-step rank balance at 8 ranks: ``DistributedSampler`` vs ``TokenBalancedBatchSampler``.
 4. Train a tiny random Qwen2-VL with FSDP2 on local gloo ranks with each sampler, through the
-   packed collator and the packed model patch; report step time and per-rank compute vs wait.
+   packed collator and the packed model patch, each sampler's epoch repeated and alternated with
+   the other's. Headline what a loaded machine does not move: epoch / ideal and each rank's wait
+   (median per step over repeats); the speed-up only when the repeats agree beyond their noise.
 5. Check that the packed model's loss on one batch equals transformers' unpacked loss.
 """
 
@@ -341,7 +343,10 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
         batch_sampler = TokenBalancedBatchSampler(samples, num_replicas=world_size,
                                                   rank=rank if sampler_kind == "tokenbal" else 0,
                                                   global_batch_size=global_batch_size, seed=seed, cost=cost,
-                                                  stages=stages or None)
+                                                  stages=stages or None,
+                                                  # "identical": every rank claims rank 0, so only
+                                                  # process 0 would join the cross-rank check.
+                                                  verify=None if sampler_kind == "tokenbal" else False)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collator, num_workers=num_workers)
     if sampler_kind == "distributed":
         sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
@@ -366,9 +371,10 @@ def _patch_size(config) -> int:
     return int(patch[0] if isinstance(patch, (list, tuple)) else patch)
 
 
-def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str, train_samples: int,
-                global_batch_size: int, seed: int, model_config: str | None = None) -> list:
-    """One rank: an epoch over the first ``train_samples`` samples with FSDP2; per-step records."""
+def _train_rank(rank: int, world_size: int, paths: DemoPaths, kinds: tuple[str, ...], train_samples: int,
+                global_batch_size: int, seed: int, model_config: str | None = None) -> list[list]:
+    """One rank: an epoch over the first ``train_samples`` samples with FSDP2 for each sampler kind
+    in ``kinds``, in that order, on one model; per epoch its per-step records."""
     import torch.distributed as dist
 
     from collate import PackedCollator
@@ -389,25 +395,68 @@ def _train_rank(rank: int, world_size: int, paths: DemoPaths, sampler_kind: str,
     config = demo_config(paths.tokenizer, model_config)
     dataset = IndexedSamples(paths.index, paths.tokenizer, limit=train_samples,
                              patch_size=_patch_size(config), config=config)
-    loader = make_loader(dataset, sampler_kind, rank, world_size, global_batch_size, seed,
-                         PackedCollator.from_config(config))
     solo = enable_packed(build_model(config, seed))
     model = shard_qwen2_vl(enable_packed(build_model(config, seed)), **asdict(FSDPSettings.for_device("cpu")))
     optim = make_optimizer(model, 1e-3)
 
-    records = []
-    for step, batch in enumerate(loader):
-        if step == 0:  # warm-up (allocator, lazy init) on the first batch, not timed
-            solo_compute_time(solo, batch)
-            train_step(model, optim, batch)
-        compute = solo_compute_time(solo, batch)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = train_step(model, optim, batch)
-        records.append(StepRecord(step=step, rank=rank, samples=len(batch.seq_lens),
-                                  tokens=int(batch.input_ids.shape[1]), compute_s=compute,
-                                  step_s=time.perf_counter() - t0, loss=float(loss)))
-    return records
+    epochs = []
+    for n, kind in enumerate(kinds):
+        loader = make_loader(dataset, kind, rank, world_size, global_batch_size, seed,
+                             PackedCollator.from_config(config))
+        records = []
+        for step, batch in enumerate(loader):
+            if n == 0 and step == 0:  # warm-up (allocator, lazy init) on the first batch, not timed
+                solo_compute_time(solo, batch)
+                train_step(model, optim, batch)
+            compute = solo_compute_time(solo, batch)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = train_step(model, optim, batch)
+            records.append(StepRecord(step=step, rank=rank, samples=len(batch.seq_lens),
+                                      tokens=int(batch.input_ids.shape[1]), compute_s=compute,
+                                      step_s=time.perf_counter() - t0, loss=float(loss)))
+        epochs.append(records)
+    return epochs
+
+
+def alternating_order(kinds: tuple[str, str], repeats: int) -> tuple[str, ...]:
+    """A B B A A B ...: each kind as often first as second in a pair, so a machine that slows down
+    (or speeds up) steadily over the run charges both kinds alike."""
+    a, b = kinds
+    return tuple(x for i in range(repeats) for x in ((a, b) if i % 2 == 0 else (b, a)))
+
+
+def speedup_verdict(baseline_s: list[float], tokenbal_s: list[float], baseline_ideal_s: list[float],
+                    tokenbal_ideal_s: list[float]) -> tuple[float | None, str]:
+    """The speed-up of tokenbal's epoch over the baseline's from alternating repeats, or None when
+    the machine was too noisy to tell.
+
+    Each repeat pairs one epoch of each sampler; the speed-up is the ratio of the median epochs.
+    Two things measure the noise: how much the same sampler's epoch varied between repeats, and
+    how far apart the two epochs' *ideal* times (the same samples' total compute, which a steady
+    machine measures equal) were within a pair. The speed-up is reported only when every pair
+    agrees on which is faster and the difference exceeds both."""
+    import statistics
+
+    pairs = [b / t for b, t in zip(baseline_s, tokenbal_s, strict=True)]
+    ratio = statistics.median(baseline_s) / statistics.median(tokenbal_s)
+    spread = max((max(x) - min(x)) / statistics.median(x) for x in (baseline_s, tokenbal_s))
+    drift = max(abs(b / t - 1) for b, t in zip(baseline_ideal_s, tokenbal_ideal_s, strict=True))
+    balance = (statistics.median(b / i for b, i in zip(baseline_s, baseline_ideal_s, strict=True))
+               / statistics.median(t / i for t, i in zip(tokenbal_s, tokenbal_ideal_s, strict=True)))
+    shown = ", ".join(f"{p:.2f}x" for p in pairs)
+    noise = (f"the same sampler's epoch varied by {spread:.0%} between repeats, the same work's compute "
+             f"by {drift:.0%} within a pair")
+    if len(pairs) < 2:
+        return None, (f"one repeat ({shown}) cannot tell a real difference from machine noise; "
+                      "run more repeats")
+    agree = all(p > 1 for p in pairs) or all(p < 1 for p in pairs)
+    if agree and abs(ratio - 1) > max(spread, drift):
+        return ratio, (f"tokenbal's epoch is {ratio:.2f}x as fast as DistributedSampler's (per repeat "
+                       f"{shown}; {noise})")
+    return None, (f"too noisy to tell which epoch is faster on this machine: per repeat {shown}; {noise}. "
+                  f"The epoch / ideal column, which does not depend on the machine's speed, predicts "
+                  f"{balance:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,11 +504,13 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
-def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2, seed: int = 0,
-             num_samples: int = 256, global_batch_size: int = 8, model: str | None = None) -> int:
+def run_demo(workdir: str | None = None, train_samples: int = 32, ranks: int = 2, seed: int = 0,
+             num_samples: int = 256, global_batch_size: int = 8, repeats: int = 2,
+             model: str | None = None) -> int:
     """``model``: a config.json of any :data:`MODEL_CLASSES` family, randomly initialised (default: the
-    tiny Qwen2-VL); the index is built with that family's token rule."""
-    from collate.train import summarise
+    tiny Qwen2-VL); the index is built with that family's token rule. Each sampler trains ``repeats``
+    epochs, alternating, and the speed-up is judged from those repeats."""
+    from collate.train import median_records, summarise
     from tokenbal.index import TokenIndex, build_index
     from tokenbal.launch import run_ranks
 
@@ -490,25 +541,32 @@ def run_demo(workdir: str | None = None, train_samples: int = 64, ranks: int = 2
         _print_table(["sampler", "global batch", "mean", "p95", "max"], rows)
 
         name = "tiny Qwen2-VL" if config is None else type(config).__name__.removesuffix("Config")
-        print(f"[4/5] FSDP2 training of a random {name} on {ranks} CPU ranks (gloo): one epoch "
-              f"over the same {train_samples} samples with each sampler, {global_batch_size} per step")
-        summaries = {}
-        for kind in ("distributed", "tokenbal"):
-            per_rank = run_ranks(_train_rank, ranks, paths, kind, train_samples, global_batch_size, seed,
-                                 model, timeout=600)
-            summaries[kind] = summarise([r for records in per_rank for r in records])
+        print(f"[4/5] FSDP2 training of a random {name} on {ranks} CPU ranks (gloo): an epoch over "
+              f"the same {train_samples} samples with each sampler, {global_batch_size} per step, {repeats} "
+              "times each, alternating")
+        order = alternating_order(("distributed", "tokenbal"), repeats)
+        per_rank = run_ranks(_train_rank, ranks, paths, order, train_samples, global_batch_size, seed,
+                             model, timeout=600)
+        epochs: dict[str, list[list]] = {"distributed": [], "tokenbal": []}
+        for n, kind in enumerate(order):
+            epochs[kind].append([r for rank_epochs in per_rank for r in rank_epochs[n]])
+        # Per step and rank the median over repeats: one noisy repeat moves no column.
+        summaries = {kind: summarise(median_records(reps)) for kind, reps in epochs.items()}
         rows = []
         for kind, s in summaries.items():
-            rows.append([kind, f"{s['epoch_s']:.2f} s", str(s["steps"]), f"{s['step_over_ideal']:.2f}",
-                         f"{s['token_max_over_mean']:.2f}", " / ".join(f"{c:.2f}" for c in s["compute_s"]),
-                         " / ".join(f"{w:.0%}" for w in s["wait_fraction"])])
-        _print_table(["sampler", "epoch time", "steps", "epoch / ideal", "tokens max/mean",
-                      "compute per rank (s)", "wait per rank"], rows)
-        speedup = summaries["distributed"]["epoch_s"] / summaries["tokenbal"]["epoch_s"]
-        print(f"  same samples, same model: tokenbal's epoch is {speedup:.2f}x as fast as "
-              "DistributedSampler's")
+            waits = " / ".join(f"{w:.0%}" for w in s["wait_fraction"])
+            rows.append([kind, f"{s['step_over_ideal']:.2f}", waits, f"{s['token_max_over_mean']:.2f}",
+                         str(s["steps"]), " / ".join(f"{c:.2f}" for c in s["compute_s"]),
+                         f"{s['epoch_s']:.2f} s"])
+        _print_table(["sampler", "epoch / ideal", "wait per rank", "tokens max/mean", "steps",
+                      "compute per rank (s)", "epoch time (median)"], rows)
         print("  (compute = this rank's forward+backward timed alone on an unsharded replica; ideal = each "
               "step's total compute spread evenly; wait = share of the epoch spent waiting for other ranks)")
+        each = {kind: [summarise(r) for r in reps] for kind, reps in epochs.items()}
+        d, t = each["distributed"], each["tokenbal"]
+        _, verdict = speedup_verdict([s["epoch_s"] for s in d], [s["epoch_s"] for s in t],
+                                     [s["ideal_s"] for s in d], [s["ideal_s"] for s in t])
+        print(f"  same samples, same model: {verdict}")
 
         print("[5/5] packed loss check")
         packed, unpacked = packed_loss_check(paths, seed, model_config=model)

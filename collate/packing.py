@@ -196,6 +196,12 @@ class PackedCollator:
     ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
     DataLoader worker).
 
+    An empty list (a rank the sampler gave no sample: fewer samples than ranks, or a token budget)
+    gives a dummy row instead of an error: one text token (id 0, or the lowest id that is not a
+    vision token) whose label is ignored, so ``num_loss_tokens == 0`` and ``seq_lens == [1]``. The
+    packed model runs its forward and backward on it like on any batch (loss 0, gradients 0, the
+    vision tower on its idle image), so the rank still joins every FSDP collective.
+
     Sample keys read: ``input_ids``, ``labels``, ``pixel_values``, ``image_grid_thw``,
     ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``, ``attention_mask`` (must
     be all ones: padding has to be stripped before packing). Other keys are ignored.
@@ -280,7 +286,7 @@ class PackedCollator:
     # ------------------------------------------------------------------------------------------------
     def __call__(self, samples: Sequence[dict[str, Any]]) -> PackedBatch:
         if len(samples) == 0:
-            raise ValueError("PackedCollator got an empty list of samples")
+            return self(self._dummy_samples())
         n = len(samples)
         ids_list, labels_list = [], []
         vision: dict[str, list[Any]] = {k: [] for k in _VISION_KEYS}
@@ -419,6 +425,12 @@ class PackedCollator:
             **tower,
         )
         return batch.pin_memory() if _should_pin(self.pin_memory) else batch
+
+    def _dummy_samples(self) -> list[dict[str, Any]]:
+        """The one-token, no-loss sample that stands in for an empty rank's batch."""
+        vision = {self.image_token_id, self.video_token_id, self.vision_start_token_id}
+        token = next(t for t in range(4) if t not in vision)
+        return [{"input_ids": np.array([token], np.int64), "labels": np.array([self.ignore_index], np.int64)}]
 
     def _tower_fields(self, grids: np.ndarray, input_ids: np.ndarray) -> dict[str, Any]:
         """The vision tower's inputs derived from the batch's grids (images then videos: the order

@@ -64,6 +64,12 @@ def test_identical_control_gives_every_rank_tokenbals_rank0_batches(demo_data):
     tokenbal = [steps("tokenbal", r) for r in range(2)]
     assert tokenbal[0] != tokenbal[1]
     assert steps("identical", 0) == steps("identical", 1) == tokenbal[0]
+    # Every rank claims rank 0 there: the cross-rank check (on by default under torch.distributed)
+    # would be joined by process 0 alone and wait forever, so the control turns it off.
+    identical = make_loader(ds, "identical", 1, 2, global_batch_size=8, seed=0, collator=list)
+    assert identical.batch_sampler.verify is False
+    balanced = make_loader(ds, "tokenbal", 1, 2, global_batch_size=8, seed=0, collator=list)
+    assert balanced.batch_sampler.verify is None
     with pytest.raises(ValueError, match="'identical'"):
         make_loader(ds, "random", 0, 2, global_batch_size=8, seed=0, collator=list)
 
@@ -89,3 +95,25 @@ def test_demo_runs_end_to_end(capsys):
     assert run_demo(num_samples=64, train_samples=16) == 0
     out = capsys.readouterr().out
     assert "TokenBalancedBatchSampler" in out and "-> OK" in out
+
+
+def test_demo_speedup_is_told_only_when_alternating_repeats_agree_beyond_their_noise():
+    from collate.demo import alternating_order, speedup_verdict
+
+    assert alternating_order(("d", "t"), 3) == ("d", "t", "t", "d", "d", "t")
+    steady = [5.0, 5.0]     # the same samples' total compute, measured equal by a steady machine
+    ratio, text = speedup_verdict([10.0, 10.4], [7.0, 7.1], steady, steady)
+    assert ratio is not None and abs(ratio - 10.2 / 7.05) < 1e-9 and "as fast as" in text
+    # One repeat says faster, the other slower: no speed-up claimed.
+    ratio, text = speedup_verdict([10.0, 9.0], [9.5, 9.6], steady, steady)
+    assert ratio is None and "too noisy to tell" in text
+    # Both say faster, but the same sampler's epoch varied more between repeats than the gap.
+    ratio, text = speedup_verdict([10.0, 13.0], [9.5, 12.5], steady, steady)
+    assert ratio is None and "too noisy to tell" in text
+    # Both say slower, beyond the repeat spread, but the machine measured the same work 1.75x
+    # slower during tokenbal's epochs (what a loaded 2-core VM did): no claim, and the
+    # speed-independent prediction from epoch / ideal is given instead.
+    ratio, text = speedup_verdict([42.0, 43.0], [55.0, 65.0], [32.0, 33.0], [56.0, 58.0])
+    assert ratio is None and "too noisy to tell" in text and "predicts" in text
+    ratio, text = speedup_verdict([10.0], [8.0], [5.0], [5.0])
+    assert ratio is None and "one repeat" in text

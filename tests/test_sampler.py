@@ -215,3 +215,39 @@ def test_verify_needs_a_process_group():
     s = TokenBalancedBatchSampler(lengths_for(), 2, 0, global_batch_size=8, verify=True)
     with pytest.raises(RuntimeError, match="process group"):
         next(iter(s))
+
+
+def test_track_resumes_a_dataloader_with_workers_without_skipping_what_it_prefetched():
+    # Workers fetch ahead of the loop (here 2 workers x prefetch_factor 2), so the sampler has
+    # handed out more batches than the loop trained on when the checkpoint is taken.
+    lengths = lengths_for(200)
+    R, k = 2, 3
+    trained = []
+    for r in range(R):
+        s = TokenBalancedBatchSampler(lengths, R, r, global_batch_size=8, seed=4)
+        s.set_epoch(1)
+        loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=2)
+        for step, batch in enumerate(s.track(loader)):
+            trained += batch["idx"].tolist()
+            if step + 1 == k:
+                break
+        assert s.cursor > k, "the DataLoader ran ahead of the loop"
+        state = json.loads(json.dumps(s.state_dict()))
+        assert state["cursor"] == k
+        fresh = TokenBalancedBatchSampler(lengths, R, r, global_batch_size=8, seed=4)
+        fresh.load_state_dict(state)
+        fresh.set_epoch(1)
+        resumed = DataLoader(IndexDataset(len(lengths)), batch_sampler=fresh, num_workers=2)
+        trained += [i for batch in fresh.track(resumed) for i in batch["idx"].tolist()]
+        assert fresh.state_dict()["cursor"] == len(fresh)
+    assert sorted(trained) == list(range(len(lengths))), "every sample once, none twice, none skipped"
+
+
+def test_track_needs_its_own_loader_in_order():
+    s = TokenBalancedBatchSampler(lengths_for(40), 2, 0, global_batch_size=8)
+    other = TokenBalancedBatchSampler(lengths_for(40), 2, 0, global_batch_size=8)
+    with pytest.raises(ValueError, match="batch_sampler=this sampler"):
+        next(s.track(DataLoader(IndexDataset(40), batch_sampler=other)))
+    unordered = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=1, in_order=False)
+    with pytest.raises(ValueError, match="in_order=True"):
+        next(s.track(unordered))

@@ -133,3 +133,48 @@ def test_elastic_resume_from_two_ranks_onto_three(tmp_path):
     tail = run_ranks(_elastic_leg, 3, 301, path, None, timeout=120)[0]
     assert len(head) == 5 * 8
     assert sorted(head + tail) == list(range(301))
+
+
+def _mismatches_with_default_settings(rank, world_size):
+    """Default settings on real ranks: different lengths on one rank, then ranks restored at
+    different cursors; each must raise on every rank instead of training on (or hanging)."""
+    out = {}
+    lengths = _lengths(400)
+    stale = lengths.copy()
+    stale[100:] = stale[100:][::-1]            # one node's index lists the samples in another order
+    mine = stale if rank == 1 else lengths
+    try:
+        out["lengths"] = {"steps": len(list(TokenBalancedBatchSampler(mine, global_batch_size=8)))}
+    except RuntimeError as e:
+        out["lengths"] = {"error": str(e)}
+    # The documented off-switch: no collective, each rank runs its own (wrong) plan to the end.
+    off = TokenBalancedBatchSampler(mine, global_batch_size=8, verify=False)
+    out["off_steps"] = len(list(off))
+    # Same lengths, but rank 1 restores a state saved two steps later than rank 0's.
+    sampler = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=3)
+    it = iter(sampler)
+    for _ in range(3 + 2 * rank):
+        next(it)
+    state = sampler.state_dict()
+    fresh = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=3)
+    fresh.load_state_dict(state)
+    try:
+        out["cursor"] = {"steps": len(list(fresh))}
+    except RuntimeError as e:
+        out["cursor"] = {"error": str(e)}
+    # The same checkpoint on every rank resumes (the check runs again after the load, and passes).
+    agreed = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=3)
+    agreed.load_state_dict(dict(state, cursor=3))
+    out["agreed_steps"] = len(list(agreed))
+    return out
+
+
+def test_default_settings_catch_different_lengths_and_different_resume_cursors():
+    results = run_ranks(_mismatches_with_default_settings, 2, timeout=120, collective_timeout=30)
+    steps = len(TokenBalancedBatchSampler(_lengths(400), 2, 0, global_batch_size=8))
+    for res in results:
+        assert "rank 1 differs from rank 0 in: lengths_sha256" in res["lengths"].get("error", ""), res
+        assert res["off_steps"] == steps
+        want = "rank 1 differs from rank 0 in: cursor (rank 0: 3, rank 1: 5)"
+        assert want in res["cursor"].get("error", ""), res
+        assert res["agreed_steps"] == steps - 3

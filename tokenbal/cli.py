@@ -132,7 +132,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from collate.demo import run_demo
 
     return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed,
-                    model=args.model)
+                    repeats=args.repeats, model=args.model)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -195,6 +195,25 @@ def _model_names() -> list[str]:
     from tokenbal.estimate.vision import estimator_names
 
     return list(estimator_names())
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low``, so a bad value is a usage error naming the option,
+    not a traceback from deep inside the planner."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "positive integer" if low == 1 else f"integer >= {low}"
+    return parse
+
+
+_POSITIVE, _NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,10 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan one epoch from an index and print, per method, the mean / p95 / max over "
                     "steps of max/mean rank cost (1.000 = perfect), and how long tokenbal took to plan.")
     sim.add_argument("--index", required=True, help="index folder (tokenbal index build)")
-    sim.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    sim.add_argument("--global-batch-size", type=int, required=True, help="samples per step, all ranks")
-    sim.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
-    sim.add_argument("--sp-size", type=int, default=1,
+    sim.add_argument("--world-size", type=_POSITIVE, required=True, help="data-parallel ranks")
+    sim.add_argument("--global-batch-size", type=_POSITIVE, required=True, help="samples per step, all ranks")
+    sim.add_argument("--grad-accum", type=_POSITIVE, default=1, help="micro-batches per rank per step")
+    sim.add_argument("--sp-size", type=_POSITIVE, default=1,
                      help="sequence-parallel group size S: the ranks of an SP group share one packed row, so "
                           "the plan balances world-size / S data-parallel groups")
     sim.add_argument("--cost", choices=["tokens", "flops"], default="tokens", help="what to balance")
@@ -300,8 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cost flops: also report Σ_stage max_rank / ideal per step (FSDP waits for "
                           "the slowest rank in the vision tower and again in the LLM), with and without "
                           "balancing the two stages separately")
-    sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--baseline-steps", type=int, default=500,
+    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
     sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
     sim.set_defaults(func=_cmd_plan_simulate)
@@ -330,15 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate a small multimodal webdataset (real JPEG/PNG images of mixed sizes), "
                     "build its token index, compare per-step rank balance of DistributedSampler and "
                     "TokenBalancedBatchSampler at 8 ranks, train a tiny random Qwen2-VL with FSDP2 "
-                    "on 2 CPU ranks with each sampler, and check the packed loss against transformers.")
+                    "on 2 CPU ranks with each sampler (alternating repeats), and check the packed loss "
+                    "against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
-    demo.add_argument("--train-samples", type=int, default=64,
-                      help="samples in the training epoch run with each sampler (default 64)")
-    demo.add_argument("--ranks", type=int, default=2, help="CPU ranks for the FSDP2 part")
+    demo.add_argument("--train-samples", type=_POSITIVE, default=32,
+                      help="samples in the training epoch run with each sampler (default 32)")
+    demo.add_argument("--repeats", type=_POSITIVE, default=2,
+                      help="epochs per sampler, alternating between the two, for the speed-up and its noise "
+                           "(default 2)")
+    demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
     demo.add_argument("--model", default=None,
                       help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL) to train "
                            "randomly initialised instead of the tiny Qwen2-VL")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo)
     return parser
 

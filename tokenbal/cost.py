@@ -337,27 +337,19 @@ def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = Non
     if arr.ndim != 2 or arr.shape[0] != len(lens) or arr.shape[1] < 1:
         raise ValueError(f"stages must be True or an (n, K) array with one row per sample (n = {len(lens)}), "
                          f"got shape {arr.shape}")
-    if arr.dtype.kind in "iuf":
-        bad = np.argwhere(~np.isfinite(arr.astype(np.float64)) | (arr < 0))
-        if len(bad):
-            i, k = (int(v) for v in bad[0])
-            raise ValueError(f"stage costs must be finite and >= 0; sample {i} has {arr[i, k]!r} "
-                             f"in stage {k}")
+    from tokenbal._checks import check_sample_values
+
+    for k in range(arr.shape[1]):   # column by column, so an error names the sample, not a flat index
+        check_sample_values(arr[:, k], "stage costs", whole=False, where=f" in stage {k}")
     return to_int_costs(arr.reshape(-1)).reshape(arr.shape)
 
 
 def to_int_costs(values: np.ndarray) -> np.ndarray:
     """Integers as they are; floats scaled so the largest is ~1e6 and rounded (every positive cost
     stays >= 1, so no sample becomes free). Negative or non-finite values raise, naming the sample."""
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"costs must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iuf":
-        raise TypeError(f"costs must be numbers, got dtype {arr.dtype}")
-    bad = np.flatnonzero(~np.isfinite(arr.astype(np.float64)) | (arr < 0))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"costs must be finite and >= 0; sample {i} has cost {arr[i]!r}")
+    from tokenbal._checks import check_sample_values
+
+    arr = check_sample_values(values, "costs", whole=False)
     if arr.dtype.kind in "iu" or arr.size == 0:
         return arr.astype(np.int64)
     top = float(arr.max())

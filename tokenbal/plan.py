@@ -299,7 +299,13 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
         c = resolve_costs(lengths, cost)
     else:
         c = check_lengths(lengths)
-    R, N, k = int(world_size), int(global_batch_size), _positive_int("grad_accum", grad_accum)
+    # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
+    R, N = _positive_int("world_size", world_size), _positive_int("global_batch_size", global_batch_size)
+    k = _positive_int("grad_accum", grad_accum)
+    check_settings(c, R, N, None, grad_accum=k)
+    seed = _nonneg_int("seed", seed)
+    if baseline_steps is not None:
+        baseline_steps = _nonneg_int("baseline_steps", baseline_steps)
     ratios: dict[str, np.ndarray] = {}
     ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
     for method, equal in (("lpt", False), ("kk", True)):
@@ -570,22 +576,16 @@ def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size:
 
 
 def check_lengths(lengths: object) -> np.ndarray:
-    """Validate per-sample lengths (array or object with ``.lengths``) -> int64 array."""
-    raw = np.asarray(getattr(lengths, "lengths", lengths))
-    if raw.ndim != 1:
-        raise ValueError(f"lengths must be 1-D, got shape {raw.shape}")
-    if raw.size and raw.dtype.kind not in "iu":
-        if raw.dtype.kind != "f":
-            raise TypeError(f"lengths must be integers, got dtype {raw.dtype}")
-        bad = np.flatnonzero(~np.isfinite(raw) | (raw != np.round(raw)))
-        if bad.size:
-            i = int(bad[0])
-            raise TypeError(f"lengths must be whole numbers (token counts); sample {i} is {raw[i]!r}. "
-                            "Round or scale fractional costs to integers first.")
-    lens = raw.astype(np.int64)
-    neg = np.flatnonzero(lens < 0)
-    if neg.size:
-        raise ValueError(f"lengths must be >= 0; sample {int(neg[0])} is {int(lens[neg[0]])}")
+    """Validate per-sample lengths (array or object with ``.lengths``) -> int64 array.
+
+    Errors name the first bad sample and its value as given (:mod:`tokenbal._checks`)."""
+    from tokenbal._checks import check_sample_values
+
+    lens = check_sample_values(getattr(lengths, "lengths", lengths), "lengths", whole=True)
+    # The planner sums token counts in int64; a total past it would wrap without a word.
+    total = float(lens.sum(dtype=np.float64))
+    if total >= 2.0**63:
+        raise ValueError(f"lengths sum to {total:.3g} tokens, more than int64 holds; are they token counts?")
     return lens
 
 

@@ -14,16 +14,26 @@ Options: ``cost=`` (what to balance, :mod:`tokenbal.cost`), ``stages=`` (also ba
 tower and the language model separately, since FSDP synchronises the ranks in each),
 ``grad_accum=k`` (each step is k batches — micro-batches — on every rank, all balanced; ``len``
 and ``cursor`` count batches),
-``oversize=`` (token-budget mode: ``"error"``, ``"skip"``, ``"alone"``), ``verify=True`` (the
-first iteration of each epoch all-gathers a hash of the plan and its inputs and raises on every
-rank if they differ — one small collective per epoch instead of a silent mismatch or a hang).
+``oversize=`` (token-budget mode: ``"error"``, ``"skip"``, ``"alone"``).
 Works as ``DataLoader(batch_sampler=...)`` and with torchdata's ``StatefulDataLoader``.
+
+Cross-rank check (``verify``): the first iteration of each epoch, and the first after a
+``load_state_dict``, all-gathers a hash of the plan and its inputs together with the resume cursor,
+and raises on every rank, naming the ranks and what differs, if any rank disagrees — one small
+collective instead of samples trained twice or never, or a hang when ranks resume at different
+steps. ``verify=None`` (default) does this whenever torch.distributed is initialised and the
+sampler's ranks are the process group's (``num_replicas`` / ``rank`` taken from it or equal to
+it); ``verify=True`` requires it; ``verify=False`` turns it off (e.g. when only some processes of
+the group iterate a sampler: every rank of the group must iterate it, or the collective waits).
 
 Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
-ahead of the training loop (``prefetch_factor × num_workers``), so save the count of steps the
-loop actually finished: ``sd = sampler.state_dict(); sd["cursor"] = steps_done_this_epoch``.
+ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
+:meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
+``state_dict()`` counts the batches the loop has *received*, and a resume from it neither skips
+nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
+does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
 
 Elastic resume (``elastic=True``): a checkpoint made with another world size (or global batch
 size, token budget, ``grad_accum``, window) resumes mid-epoch too. The samples the checkpointed
@@ -39,7 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -77,7 +87,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
-                 oversize: str = "error", verify: bool = False, stages: Any = None,
+                 oversize: str = "error", verify: bool | None = None, stages: Any = None,
                  elastic: bool = False, dp_group: Any = None, device_mesh: Any = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         self.lengths = check_lengths(lengths_or_index)
@@ -107,7 +117,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if oversize not in ("error", "skip", "alone"):
             raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
         self.oversize = oversize
-        self.verify = bool(verify)
+        # None: check across ranks whenever a process group holds this sampler's ranks.
+        self.verify = None if verify is None else bool(verify)
         self.elastic = bool(elastic)
         self._verified: set[tuple[int, int]] = set()
         # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
@@ -125,6 +136,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # Earlier setups of the current epoch (elastic resume): their fingerprints and how many
         # batches each consumed, oldest first. Empty unless an elastic resume happened this epoch.
         self._segments: list[dict[str, Any]] = []
+        # track(): (epoch, cursor) of the batches the training loop has received; the cursor at
+        # which the current iteration started (track() counts from there).
+        self._consumed: tuple[int, int] | None = None
+        self._iter_start = (0, 0)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -182,32 +197,31 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         return h.hexdigest()
 
     def _verify_plan(self) -> None:
-        """All-gather the plan hash (once per epoch) and raise on every rank if any differs."""
+        """All-gather the plan hash and the cursor (once per epoch, and again after a load) and
+        raise on every rank if any differs."""
         key = (self.seed, self.epoch)
-        if not self.verify or key in self._verified:
+        if self.verify is False or key in self._verified:
             return
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("verify=True needs an initialised torch.distributed process group")
+            if self.verify:
+                raise RuntimeError("verify=True needs an initialised torch.distributed process group")
+            return
+        if self.verify is None and (self.num_replicas, self.rank) != (dist.get_world_size(), dist.get_rank()):
+            return   # not the group's ranks (e.g. a sampler for another rank): nothing to compare with
         mine = {"hash": self.plan_hash(), "rank": self.rank, "fingerprint": self.fingerprint(),
-                "seed": self.seed, "epoch": self.epoch}
+                "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "segments": self._segments}
         views: list[Any] = [None] * dist.get_world_size()
-        # Every rank reaches this collective at the same point (first iteration of each epoch),
-        # and every rank raises after it, so a mismatch is an error everywhere, never a hang.
+        # Every rank reaches this collective at the same point (first iteration of each epoch or
+        # after a load), and every rank raises after it, so a mismatch is an error everywhere.
         dist.all_gather_object(views, mine)
-        if len({v["hash"] for v in views}) > 1:
-            ref = views[0]
-            lines = []
-            for v in views[1:]:
-                if v["hash"] == ref["hash"]:
-                    continue
-                diff = [k for k in ("seed", "epoch") if v[k] != ref[k]]
-                diff += [k for k in ref["fingerprint"] if v["fingerprint"].get(k) != ref["fingerprint"][k]]
-                lines.append(f"rank {v['rank']} differs from rank {ref['rank']}"
-                             + (f" in: {', '.join(diff)}" if diff else " (same settings: a planner bug)"))
-            raise RuntimeError("TokenBalancedBatchSampler plans disagree across ranks (each rank must build "
-                               "the sampler from the same lengths and settings):\n  " + "\n  ".join(lines))
+        problems = _disagreements(views)
+        if problems:
+            raise RuntimeError("TokenBalancedBatchSampler ranks disagree (each rank must build the sampler "
+                               "from the same lengths and settings, and resume from the same checkpoint "
+                               "step):\n  " + "\n  ".join(problems))
         self._verified.add(key)
 
     def set_epoch(self, epoch: int) -> None:
@@ -219,6 +233,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.cursor = 0
             self._finished_here = False
             self._segments = []
+            self._consumed = None
 
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
@@ -233,6 +248,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             # DistributedSampler. (After load_state_dict at the end of an epoch nothing is left.)
             self.cursor = 0
         self._finished_here = False
+        self._iter_start, self._consumed = (self.epoch, self.cursor), None
         k = self.grad_accum
         while self.cursor < total:
             # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
@@ -241,6 +257,33 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             yield batch
         self._finished_here = True
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` (a DataLoader over this sampler, or anything yielding its batches in
+        order, e.g. a ``DevicePrefetcher`` around one) and count the batches it hands to the
+        training loop, so that :meth:`state_dict` saves the step the loop reached rather than the
+        one the DataLoader's workers (or a prefetcher) have read ahead to::
+
+            for batch in sampler.track(DevicePrefetcher(loader)):   # track outermost
+                train_step(batch)
+                if time_to_checkpoint:
+                    save(sampler.state_dict())   # resumes right after this batch
+
+        A DataLoader yields its batches in the sampler's order (``in_order=True``, the default), so
+        the n-th batch received is the n-th the sampler handed out in this iteration.
+        """
+        if hasattr(loader, "batch_sampler") and loader.batch_sampler is not self:
+            raise ValueError("track() needs a DataLoader built with batch_sampler=this sampler")
+        if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
+            raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
+                             "arrive in any order, so a count cannot say which ones were trained")
+        received = 0
+        for batch in loader:
+            # By now the sampler's iteration has started, so _iter_start is this iteration's.
+            received += 1
+            epoch, start = self._iter_start
+            self._consumed = (epoch, start + received)
+            yield batch
 
     # -- checkpointing --------------------------------------------------------------------------
 
@@ -260,8 +303,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 "stages": 0 if self.stages is None else int(self.stages.shape[1])}
 
     def state_dict(self) -> dict[str, Any]:
+        cursor = self.cursor
+        if self._consumed is not None and self._consumed[0] == self.epoch:
+            cursor = self._consumed[1]   # under track(): what the loop received, not what was prefetched
         state = {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
-                 "cursor": self.cursor, "fingerprint": self.fingerprint()}
+                 "cursor": cursor, "fingerprint": self.fingerprint()}
         if self._segments:
             state["segments"] = [dict(seg) for seg in self._segments]
         return state
@@ -312,6 +358,24 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         self.cursor = cursor
         self._finished_here = False
+        self._consumed = None
+
+
+def _disagreements(views: list[dict[str, Any]]) -> list[str]:
+    """One line per rank whose plan or cursor differs from rank 0's, naming what differs."""
+    ref = views[0]
+    lines = []
+    for v in views[1:]:
+        if (v["hash"], v["cursor"]) == (ref["hash"], ref["cursor"]):
+            continue
+        diff = [f"{k} (rank {ref['rank']}: {ref[k]!r}, rank {v['rank']}: {v[k]!r})"
+                for k in ("seed", "epoch", "cursor") if v[k] != ref[k]]
+        diff += [k for k in ref["fingerprint"] if v["fingerprint"].get(k) != ref["fingerprint"][k]]
+        if v["segments"] != ref["segments"]:
+            diff.append("segments (the elastic resume history of the checkpoint)")
+        lines.append(f"rank {v['rank']} differs from rank {ref['rank']}"
+                     + (f" in: {', '.join(diff)}" if diff else " (same settings: a planner bug)"))
+    return lines
 
 
 def _consumed(plan: EpochPlan, cursor: int) -> np.ndarray:

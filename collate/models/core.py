@@ -325,6 +325,11 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
     if sp_group is not None and kwargs.get("labels") is not None:
         # A slice may hold no target at all; a summed loss over max(1, count) is then 0, not 0/0.
         kwargs.setdefault("num_items_in_batch", max(1, int(fields["num_loss_tokens"] or 0)))
+    elif fields["num_loss_tokens"] == 0 and kwargs.get("labels") is not None:
+        # No loss token (an empty rank's dummy row): HF's mean over zero tokens is NaN, and NaN x 0
+        # would poison every rank's gradients through the reduce-scatter. Summed over one "item",
+        # the loss is 0 with zero gradients for every parameter.
+        kwargs.setdefault("num_items_in_batch", 1)
     ends: Sequence[int] | None = fields["cu_seqlens_list"]
     if ends is None and fields["seq_lens"] is not None:
         ends = segment_ends(fields["seq_lens"])
