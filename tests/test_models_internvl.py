@@ -159,6 +159,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
     return assert_grads_match(packed, ref)
 
 
+@pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine
 def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
     from tests.dist_utils import run_ranks
 
