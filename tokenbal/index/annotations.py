@@ -17,7 +17,10 @@ Its members are its image files: offset 0, size the file size, the path kept in 
 Errors, one per record, naming the file and line (or index): invalid JSON on that line, a record
 that is not an object, a malformed image field, a missing or unreadable image file (with its full
 path), an image whose header cannot be read, a ``video`` / ``videos`` field (not supported yet),
-text fields of the wrong type. A ``.json`` file that is not a list of records, or not JSON at all,
+text fields of the wrong type, a record whose text has ``<image>`` placeholders but not one per image
+(the processor would fail or pair text and images wrongly), a record with empty text and no image (a
+0-token sample), an image path that is not a regular file (a FIFO would block the build). A ``.json``
+file that is not a list of records, or not JSON at all,
 is one file-level error (status ``corrupt``), like a damaged shard.
 
 The fingerprint (``verify``) covers the annotation file only, not the image files it names.
@@ -27,9 +30,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
-from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
+from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
@@ -39,13 +43,14 @@ def is_annotation_file(path: str) -> bool:
     return path.lower().endswith(ANNOTATION_SUFFIXES)
 
 
-def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES) -> ShardScan:
+def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES,
+                     exif: str = "ignore") -> ShardScan:
     """Scan the annotation file at ``path``; never raises for bad data (see the module docstring)."""
     scan = ShardScan(path=path)
     root = os.path.abspath(image_root) if image_root is not None else os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     try:
-        st = os.stat(path)
+        st = regular_file_stat(path)
         scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
         scan.fingerprint = shard_fingerprint(path, st.st_size)
         with open(path, "rb") as f:
@@ -67,7 +72,7 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
         records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
     for key, where, rec in records:
         scan.n_members += 1
-        sample = _record(rec, key, where, root, scan, prefix)
+        sample = _record(rec, key, where, root, scan, prefix, exif)
         if sample is not None:
             scan.samples.append(sample)
     if scan.n_members == 0:
@@ -97,7 +102,7 @@ def _jsonl_records(raw: bytes, path: str, base: str, scan: ShardScan):
 
 
 def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
-            prefix: int) -> ScannedSample | None:
+            prefix: int, exif: str = "ignore") -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
@@ -114,18 +119,28 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     if pieces is None and not images:
         return fail("has neither images nor text (none of image / images / conversations / messages / "
                     "text / caption)")
-    members, paths, sizes = [], [], []
+    placeholders = sum(p.count("<image>") for p in pieces or [])
+    if placeholders and placeholders != len(images):
+        return fail(f"its text has {placeholders} <image> placeholder(s) but the record names {len(images)} "
+                    f"image(s); the processor would pair text and images wrongly")
+    if not images and not join_text(pieces or []).strip():
+        return fail("its text is empty and it has no image: it would be a 0-token sample")
+    members, paths, sizes, stamps = [], [], [], []
     for j, rel in enumerate(images):
         full = os.path.normpath(os.path.join(root, rel))
         try:
-            fd = os.open(full, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return fail(f"image {j} {rel!r} not found at {full}")
         except OSError as e:
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
         try:
-            size = os.fstat(fd).st_size
-            wh, full_read = read_image_size(fd, 0, size, prefix)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return fail(f"image {j} {rel!r} at {full} is not a regular file")
+            size = st.st_size
+            wh, full_read = read_image_size(fd, 0, size, prefix, exif)
         except ImageSizeError as e:
             return fail(f"image {j} {rel!r} at {full} is not a readable image: {e}")
         except OSError as e:
@@ -138,8 +153,9 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         members.append((ext, 0, size))
         paths.append(f"{rel}\0{full}")
         sizes.append(wh)
+        stamps.append((-1, st.st_mtime_ns))     # a file has no tar header; its mtime is the stamp
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
-                         paths=paths)
+                         paths=paths, stamps=stamps)
 
 
 def _image_paths(rec: dict) -> list[str]:

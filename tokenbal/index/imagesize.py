@@ -12,8 +12,16 @@
   short JFIF / Adobe / ICC segment, a segment cut by the prefix, a decompression bomb) goes to
   Pillow, so the result, or the error, is always Pillow's.
 
-EXIF orientation is ignored: sizes are as stored. A JPEG with orientation 5-8 that the training
-pipeline transposes (``ImageOps.exif_transpose``) has width and height swapped there.
+EXIF orientation: ``read_image_size(..., exif="transpose")`` (the index default) reports the size
+after ``PIL.ImageOps.exif_transpose``, as transformers' ``load_image`` and tokenbal's reader see the
+image: orientations 5-8 swap width and height. The orientation tag is read by hand from a JPEG's APP1
+segment (no Pillow call, no extra read unless the segment is cut by the prefix) and from a WebP's
+EXIF chunk (one small read per chunk header); other formats ask Pillow on the prefix. ``"ignore"``
+reports the size as stored.
+
+End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a GIF
+without its trailer, a WebP shorter than its RIFF header says) is an ``ImageSizeError``: its header
+is intact, so its size reads fine, but it cannot be decoded. It costs one 32-byte read of the tail.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff
                         "ppm", "pgm", "pbm", "pnm"})
 PREFIX_BYTES = 64 * 1024
 FIRST_READ = 4 * 1024
+EXIF_POLICIES = ("transpose", "ignore")
+_TAIL = 32
 
 
 class ImageSizeError(ValueError):
@@ -141,27 +151,128 @@ def image_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
-def read_image_size(fd: int, offset: int, size: int,
-                    prefix: int = PREFIX_BYTES) -> tuple[tuple[int, int], bool]:
+def read_image_size(fd: int, offset: int, size: int, prefix: int = PREFIX_BYTES,
+                    exif: str = "ignore") -> tuple[tuple[int, int], bool]:
     """Size of the image stored at ``[offset, offset + size)`` of the open file ``fd``.
 
     Returns ``((width, height), full_read)``; ``full_read`` is True when the prefix was not enough
-    and the whole member had to be read. Raises ``ImageSizeError`` (not an image) or ``OSError``.
+    and the whole member had to be read. ``exif="transpose"``: the size after EXIF orientation (see
+    the module docstring). Raises ``ImageSizeError`` (not an image, or cut short) or ``OSError``.
     """
+    if exif not in EXIF_POLICIES:
+        raise ValueError(f"exif policy must be one of {EXIF_POLICIES}, got {exif!r}")
     if size == 0:
         raise ImageSizeError("empty (0 bytes)")
     # Headers almost always sit in the first KiBs; copying 64 KiB per image was the largest cost of a
     # build (measured: ~35 µs of ~250 µs per JPEG sample). So read 4 KiB, then the prefix, then all.
+    found = None
     for n in sorted({min(size, FIRST_READ, prefix), min(size, prefix)}):
         head = pread_exact(fd, n, offset)
         try:
-            return image_size(head), False
+            found = image_size(head), False
+            break
         except ImageSizeError:
             if size <= n:
                 raise
-    # The header did not fit in the prefix: retry on the whole member (the error from that
-    # attempt, not the prefix one, is the one worth reporting).
-    return image_size(pread_exact(fd, size, offset)), True
+    if found is None:
+        # The header did not fit in the prefix: retry on the whole member (the error from that
+        # attempt, not the prefix one, is the one worth reporting).
+        head = pread_exact(fd, size, offset)
+        found = image_size(head), True
+    n_tail = min(size, _TAIL)
+    tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
+    _check_end(head, tail, size)
+    (w, h), full = found
+    if exif == "transpose" and exif_orientation(fd, offset, size, head) in (5, 6, 7, 8):
+        w, h = h, w
+    return (w, h), full
+
+
+def _check_end(head: bytes, tail: bytes, size: int) -> None:
+    """Raise ``ImageSizeError`` for an image whose end marker is missing (cut short)."""
+    if head[:3] == b"\xff\xd8\xff":
+        if b"\xff\xd9" not in tail:   # EOI; may be followed by padding, so search the tail
+            raise ImageSizeError(f"JPEG cut short: no end-of-image marker (FF D9) in its last {len(tail)} "
+                                 f"bytes ({size} bytes in all)")
+    elif head[:8] == b"\x89PNG\r\n\x1a\n":
+        if b"IEND" not in tail:
+            raise ImageSizeError(f"PNG cut short: no IEND chunk at its end ({size} bytes in all)")
+    elif head[:4] in (b"GIF8",):
+        if not tail.rstrip(b"\0").endswith(b";"):
+            raise ImageSizeError(f"GIF cut short: no trailer byte (0x3B) at its end ({size} bytes in all)")
+    elif head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        riff = int.from_bytes(head[4:8], "little") + 8
+        if riff > size:
+            raise ImageSizeError(f"WebP cut short: its RIFF header says {riff} bytes, the member has {size}")
+
+
+def exif_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
+    """The EXIF orientation (1-8; 1 when absent) of the image at ``[offset, offset + size)`` of
+    ``fd``, whose first bytes are ``head``: the value ``PIL.ImageOps.exif_transpose`` acts on."""
+    if head[:3] == b"\xff\xd8\xff":
+        return _jpeg_orientation(fd, offset, size, head)
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return _webp_orientation(fd, offset, size, head)
+    try:
+        with Image.open(io.BytesIO(head)) as im:
+            value = im.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a prefix Pillow cannot parse further: no orientation seen
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _jpeg_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
+    pos = 2
+    while pos + 4 <= len(head) and head[pos] == 0xFF:
+        marker = head[pos + 1]
+        if 0xD0 <= marker <= 0xD8:
+            pos += 2
+            continue
+        if marker in (0xDA, 0xD9) or marker in _SOF:
+            return 1                          # EXIF sits in an APP1 before the frame
+        length = (head[pos + 2] << 8) | head[pos + 3]
+        if marker == 0xE1:
+            seg = head[pos + 4:pos + 2 + length]
+            if len(seg) < length - 2 and pos + 2 + length <= size:
+                seg = pread_exact(fd, length - 2, offset + pos + 4)   # cut by the prefix
+            if seg[:6] == b"Exif\0\0":
+                return tiff_orientation(seg[6:])
+        pos += 2 + length
+    return 1
+
+
+def _webp_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
+    if head[12:16] != b"VP8X" or len(head) < 21 or not head[20] & 0x08:
+        return 1                              # no VP8X chunk, or its EXIF flag is off
+    pos = 12
+    while pos + 8 <= size:
+        hdr = head[pos:pos + 8] if pos + 8 <= len(head) else pread_exact(fd, 8, offset + pos)
+        n = int.from_bytes(hdr[4:8], "little")
+        if hdr[:4] == b"EXIF":
+            data = pread_exact(fd, min(n, size - pos - 8), offset + pos + 8)
+            return tiff_orientation(data[6:] if data[:6] == b"Exif\0\0" else data)
+        pos += 8 + n + (n & 1)
+    return 1
+
+
+def tiff_orientation(tiff: bytes) -> int:
+    """Orientation tag (0x0112) of IFD0 of a TIFF-structured EXIF block; 1 when absent or invalid."""
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 1
+    ifd = int.from_bytes(tiff[4:8], order)
+    if ifd + 2 > len(tiff):
+        return 1
+    for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
+        p = ifd + 2 + 12 * k
+        if p + 12 > len(tiff):
+            break
+        if int.from_bytes(tiff[p:p + 2], order) == 0x0112:
+            kind = int.from_bytes(tiff[p + 2:p + 4], order)
+            width = {3: 2, 4: 4}.get(kind)
+            value = int.from_bytes(tiff[p + 8:p + 8 + width], order) if width else 1
+            return value if 1 <= value <= 8 else 1
+    return 1
 
 
 def pread_exact(fd: int, n: int, offset: int) -> bytes:
