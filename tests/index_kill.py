@@ -27,8 +27,8 @@ def scan_or_hang(path: str):
         with open(path + ".pid", "w") as f:
             f.write(str(os.getpid()))
         _wait_forever()
-    return build.index_shard(path, build._WORKER["est"], build._WORKER["counter"], build._WORKER["image_root"],
-                             build._WORKER["exif"])
+    w = build._WORKER
+    return build.index_shard(path, w["est"], w["counter"], w["image_root"], w["exif"])
 
 
 def main(argv: list[str]) -> None:

@@ -21,12 +21,18 @@ from PIL import Image
 
 import tokenbal
 import tokenbal.index.build as build_mod
+from tests import test_estimate_idefics_glm_phi4 as _phi4
+from tests import test_estimate_tiles_llava as _llava
 from tests.corpus import Sample, image_bytes, make_corpus, write_shard
 from tokenbal.cli import main
 from tokenbal.index import TokenIndex, build_index, verify_index
 from tokenbal.index.build import IndexBuildError
 from tokenbal.index.store import IndexDamagedError
 from tokenbal.wds import IndexedShardDataset, SampleReadError
+
+# The processor fixtures of the estimator tests (tiny configs, no downloads), shared by name.
+tokenizer, next_proc, ov_proc = _llava.tokenizer, _llava.next_proc, _llava.ov_proc
+phi4_oracle = _phi4.phi4_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tokenbal.__file__)))
 GUARD = 180   # seconds: a hang guard for waits on other processes, never an assertion on speed
@@ -52,7 +58,8 @@ def start_hanging_build(tmp_path, shards, hang_at: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT}
     proc = subprocess.Popen([sys.executable, "-m", "tests.index_kill", out, str(hang_at), *shards],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE)
-    wait_for(lambda: os.path.exists(out + ".ready") or proc.poll() is not None, "the build to reach its pause")
+    wait_for(lambda: os.path.exists(out + ".ready") or proc.poll() is not None,
+             "the build to reach its pause")
     assert proc.poll() is None, proc.stderr.read().decode()
     return proc
 
@@ -130,7 +137,8 @@ def test_naming_only_new_shards_keeps_the_old_ones_and_user_files(tmp_path, caps
     assert main(["index", "build", corpus.shards[2], "--out", str(out), "-q", "--drop-unlisted"]) == 0
     assert "kept" not in capsys.readouterr().out
     assert TokenIndex.open(out).shard_paths == corpus.shards[2:]
-    assert (out / "NOTES.md").read_text() == "my notes" and (out / "extra" / "keep.bin").read_bytes() == b"mine"
+    assert (out / "NOTES.md").read_text() == "my notes"
+    assert (out / "extra" / "keep.bin").read_bytes() == b"mine"
     assert leftovers(tmp_path) == []
 
 
@@ -299,6 +307,26 @@ def _check_against(rotated, model: str, processor_count) -> None:
     assert _index_tokens(rotated, model, exif="ignore") != want
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "WEBP", "PNG", "TIFF"])
+def test_counted_size_is_exif_transpose_size_for_every_orientation(tmp_path, fmt):
+    from PIL import ImageOps
+
+    from tokenbal.index.imagesize import read_image_size
+
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = tmp_path / f"o{orientation}.img"
+        Image.new("RGB", (60, 40), (1, 2, 3)).save(path, fmt, exif=exif if fmt == "TIFF" else exif.tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = read_image_size(fd, 0, os.path.getsize(path), exif="transpose")[0]
+        finally:
+            os.close(fd)
+        with Image.open(path) as im:
+            assert got == ImageOps.exif_transpose(im).size, (fmt, orientation)
+
+
 def test_exif_orientation_llava_next(rotated, next_proc):
     def count(w, h):
         out = next_proc(text="hi <image>", images=Image.new("RGB", (w, h)), return_tensors="np")
@@ -393,6 +421,3 @@ def test_a_fifo_as_a_shard_is_an_error_not_a_hang(tmp_path):
     assert glob.glob(str(tmp_path / ".idx*")) == []
 
 
-# The processor fixtures of the estimator tests (tiny configs, no downloads).
-from tests.test_estimate_idefics_glm_phi4 import phi4_oracle  # noqa: E402, F401
-from tests.test_estimate_tiles_llava import next_proc, ov_proc, tokenizer  # noqa: E402, F401

@@ -16,7 +16,9 @@ EXIF orientation: ``read_image_size(..., exif="transpose")`` (the index default)
 after ``PIL.ImageOps.exif_transpose``, as transformers' ``load_image`` and tokenbal's reader see the
 image: orientations 5-8 swap width and height. The orientation tag is read by hand from a JPEG's APP1
 segment (no Pillow call, no extra read unless the segment is cut by the prefix) and from a WebP's
-EXIF chunk (one small read per chunk header); other formats ask Pillow on the prefix. ``"ignore"``
+EXIF chunk (one small read per chunk header) and from a PNG's ``eXIf`` chunk before its pixel data
+(one after it is not seen); a TIFF's size from Pillow is already the oriented one; GIF / BMP / PNM
+carry none. ``"ignore"``
 reports the size as stored.
 
 End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a GIF
@@ -213,12 +215,11 @@ def exif_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
         return _jpeg_orientation(fd, offset, size, head)
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _webp_orientation(fd, offset, size, head)
-    try:
-        with Image.open(io.BytesIO(head)) as im:
-            value = im.getexif().get(0x0112, 1)
-    except Exception:  # noqa: BLE001 - a prefix Pillow cannot parse further: no orientation seen
-        return 1
-    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return _png_orientation(head)
+    # TIFF: Pillow's reader already reports the oriented size, and exif_transpose leaves it as is
+    # (checked for orientations 1-8). GIF, BMP, PNM carry no EXIF.
+    return 1
 
 
 def _jpeg_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
@@ -238,6 +239,21 @@ def _jpeg_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
             if seg[:6] == b"Exif\0\0":
                 return tiff_orientation(seg[6:])
         pos += 2 + length
+    return 1
+
+
+def _png_orientation(head: bytes) -> int:
+    # Chunks up to the first IDAT (an eXIf after the pixel data is not looked for: Pillow itself
+    # finds it only when it decodes the whole image).
+    pos = 8
+    while pos + 8 <= len(head):
+        n = int.from_bytes(head[pos:pos + 4], "big")
+        kind = head[pos + 4:pos + 8]
+        if kind == b"eXIf":
+            return tiff_orientation(head[pos + 8:pos + 8 + n])
+        if kind in (b"IDAT", b"IEND"):
+            return 1
+        pos += 12 + n
     return 1
 
 
