@@ -275,7 +275,7 @@ class _BuildLock:
     """An exclusive ``flock`` on ``lock_path(out)`` for the whole build; the holder (pid, host,
     start) is written into the file so that a second build can name it. Re-entrant per process."""
 
-    _held: dict[str, int] = {}
+    _held: dict[str, tuple[int, int]] = {}     # path -> (owning thread, depth)
     _mutex = threading.Lock()
 
     def __init__(self, out: str) -> None:
@@ -283,8 +283,13 @@ class _BuildLock:
 
     def __enter__(self) -> _BuildLock:
         with self._mutex:
+            me = threading.get_ident()
             if self.path in self._held:
-                self._held[self.path] += 1
+                owner, depth = self._held[self.path]
+                if owner != me:
+                    raise IndexBuildError(f"another build is writing the index {self.out}: a thread of this "
+                                          f"process (pid {os.getpid()}) holds {self.path}")
+                self._held[self.path] = (owner, depth + 1)
                 return self
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             while True:
@@ -309,13 +314,16 @@ class _BuildLock:
             os.write(fd, (f"pid {os.getpid()} on host {socket.gethostname()} since "
                           f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n").encode())
             self.fd, self.owner = fd, True
-            self._held[self.path] = 1
+            self._held[self.path] = (me, 1)
             return self
 
     def __exit__(self, *exc) -> None:
         with self._mutex:
-            self._held[self.path] -= 1
-            if self._held[self.path]:
+            if not self.owner and self.path not in self._held:
+                return
+            owner, depth = self._held[self.path]
+            if depth > 1:
+                self._held[self.path] = (owner, depth - 1)
                 return
             del self._held[self.path]
             with contextlib.suppress(OSError):
