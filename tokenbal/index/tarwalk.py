@@ -72,7 +72,8 @@ def _walk(fd: int, size: int) -> tuple[list[TarMember], int]:
             if pax_path is not None or pax_size is not None or long_name is not None:
                 raise _Fallback   # an extended header with no member after it
             return members, pos
-        if _number(buf[148:156]) != sum(buf) - sum(buf[148:156]) + 256:
+        chksum = _number(buf[148:156])
+        if chksum != sum(buf) - sum(buf[148:156]) + 256:
             raise _Fallback       # bad checksum (or a signed-sum writer): tarfile decides
         kind = buf[156:157]
         n = _number(buf[124:136])
@@ -112,7 +113,7 @@ def _walk(fd: int, size: int) -> tuple[list[TarMember], int]:
         if pax_size is not None:
             n, pax_size = pax_size, None
             blocks = -(-n // BLOCK) * BLOCK
-        members.append(TarMember(name, kind, n, data, _number(buf[148:156]), _number(buf[136:148])))
+        members.append(TarMember(name, kind, n, data, chksum, _number(buf[136:148])))
         pos = data + (blocks if kind in _REGULAR else 0)
         if pos > size:
             raise _Fallback
