@@ -88,13 +88,19 @@ _APP_MIN = ((0xE0, b"JFIF", 7), (0xE2, b"ICC_PROFILE\0", 14), (0xEE, b"Adobe", 1
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) of a well-formed JPEG header in ``data``, the size Pillow's ``Image.open``
     reports; ``None`` when Pillow must judge the bytes (see the module docstring)."""
+    return _jpeg_header(data)[0]
+
+
+def _jpeg_header(data: bytes) -> tuple[tuple[int, int] | None, bytes | None]:
+    """``jpeg_size``, plus the first APP1 Exif payload met on the way (the orientation's source:
+    the walk reads it for free)."""
     if data[:3] != b"\xff\xd8\xff":
-        return None
+        return None, None
     n = len(data)
-    pos, size = 2, None
+    pos, size, exif = 2, None, None
     while pos + 4 <= n:
         if data[pos] != 0xFF:
-            return None                      # junk between segments: Pillow skips it, we don't
+            return None, None                # junk between segments: Pillow skips it, we don't
         marker = data[pos + 1]
         if 0xD0 <= marker <= 0xD7 or marker == 0xD8:
             pos += 2                         # standalone markers
@@ -102,33 +108,35 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
         length = (data[pos + 2] << 8) | data[pos + 3]
         end = pos + 2 + length
         if length < 2 or end > n:
-            return None                      # cut by the prefix (or broken): Pillow decides
+            return None, None                      # cut by the prefix (or broken): Pillow decides
         if marker == 0xDA:                   # start of scan: Pillow stops reading here
             if size is None or size[0] <= 0 or size[1] <= 0:
-                return None
+                return None, None
             limit = Image.MAX_IMAGE_PIXELS
             if limit is not None and size[0] * size[1] > 2 * limit:
-                return None                  # Pillow raises DecompressionBombError
-            return size
+                return None, None                  # Pillow raises DecompressionBombError
+            return size, exif
         if marker in _SOF:
             seg = data[pos + 4:end]
             if len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3, 4):
-                return None                  # Pillow: "cannot handle ..." errors
+                return None, None                  # Pillow: "cannot handle ..." errors
             size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
         elif marker == 0xDB:
             seg, i = data[pos + 4:end], 0
             while i < len(seg):              # Pillow rejects a table cut short
                 i += 1 + (64 if seg[i] < 16 else 128)
                 if i > len(seg):
-                    return None
+                    return None, None
         elif 0xE0 <= marker <= 0xEF:
+            if marker == 0xE1 and exif is None and data.startswith(b"Exif\0\0", pos + 4):
+                exif = data[pos + 10:end]
             for app, head, need in _APP_MIN:
                 if marker == app and data.startswith(head, pos + 4) and length - 2 < need:
-                    return None
+                    return None, None
         elif marker not in _SKIP:
-            return None                      # EOI before a scan, JPG-n, reserved markers
+            return None, None                      # EOI before a scan, JPG-n, reserved markers
         pos = end
-    return None
+    return None, None
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -167,9 +175,14 @@ def read_image_size(fd: int, offset: int, size: int, prefix: int = PREFIX_BYTES,
         raise ImageSizeError("empty (0 bytes)")
     # Headers almost always sit in the first KiBs; copying 64 KiB per image was the largest cost of a
     # build (measured: ~35 µs of ~250 µs per JPEG sample). So read 4 KiB, then the prefix, then all.
-    found = None
+    found, orientation = None, None
     for n in sorted({min(size, FIRST_READ, prefix), min(size, prefix)}):
         head = pread_exact(fd, n, offset)
+        if exif == "transpose" and head[:3] == b"\xff\xd8\xff":
+            wh, exif_block = _jpeg_header(head)     # the size and the orientation from one walk
+            if wh is not None:
+                found, orientation = (wh, False), tiff_orientation(exif_block) if exif_block else 1
+                break
         try:
             found = image_size(head), False
             break
@@ -185,7 +198,9 @@ def read_image_size(fd: int, offset: int, size: int, prefix: int = PREFIX_BYTES,
     tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
     _check_end(head, tail, size)
     (w, h), full = found
-    if exif == "transpose" and exif_orientation(fd, offset, size, head) in (5, 6, 7, 8):
+    if exif == "transpose" and orientation is None:
+        orientation = exif_orientation(fd, offset, size, head)
+    if exif == "transpose" and orientation in (5, 6, 7, 8):
         w, h = h, w
     return (w, h), full
 
@@ -223,9 +238,7 @@ def exif_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
 
 
 def _jpeg_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
-    if b"Exif\0\0" not in head:
-        return 1          # the walk below looks only inside ``head`` too; this search is C speed
-    pos = 2
+    pos = 2     # the rare path: the header walk of ``_jpeg_header`` gave up (Pillow read the size)
     while pos + 4 <= len(head) and head[pos] == 0xFF:
         marker = head[pos + 1]
         if 0xD0 <= marker <= 0xD8:
