@@ -127,12 +127,6 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     if pieces is None and not images and not video_refs:
         return fail("has neither images nor text nor a video (none of image / images / video / videos / "
                     "conversations / messages / text / caption)")
-    placeholders = sum(p.count("<image>") for p in pieces or [])
-    if placeholders and placeholders != len(images):
-        return fail(f"its text has {placeholders} <image> placeholder(s) but the record names {len(images)} "
-                    f"image(s); the processor would pair text and images wrongly")
-    if not images and not video_refs and not join_text(pieces or []).strip():
-        return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     members, paths, sizes, stamps = [], [], [], []
     for j, rel in enumerate(images):
         full = os.path.normpath(os.path.join(root, rel))
@@ -168,12 +162,10 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         try:
             # Checked before PyAV opens it: a FIFO would block the build.
             vst = os.stat(full)
-        except FileNotFoundError:
-            return fail(f"video {j} {rel!r} not found at {full}")
-        except OSError as e:
-            return fail(f"video {j} {rel!r} cannot be read at {full}: {e}")
+        except OSError as e:   # worded as probe_video words it
+            return fail(f"video {j} {rel!r} at {full}: cannot read the video: {e}")
         if not stat.S_ISREG(vst.st_mode):
-            return fail(f"video {j} {rel!r} at {full} is not a regular file")
+            return fail(f"video {j} {rel!r} at {full}: cannot read the video: not a regular file")
         try:
             info = probe_video(full)
         except VideoError as e:
@@ -183,6 +175,13 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         members.append((name.rsplit(".", 1)[-1].lower() if "." in name else "", 0, vst.st_size))
         paths.append(f"{rel}\0{full}")
         stamps.append((-1, vst.st_mtime_ns))
+    # Text against media last: a record whose image or video file is bad says that first.
+    placeholders = sum(p.count("<image>") for p in pieces or [])
+    if placeholders and placeholders != len(images):
+        return fail(f"its text has {placeholders} <image> placeholder(s) but the record names {len(images)} "
+                    f"image(s); the processor would pair text and images wrongly")
+    if not images and not video_refs and not join_text(pieces or []).strip():
+        return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
                          paths=paths, videos=videos or None, stamps=stamps)
 
