@@ -26,7 +26,8 @@ def ann(tmp_path):
     conv = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]
     lines = [
         json.dumps({"id": "1", "image": "a/cat.jpg", "conversations": conv}),                         # 1
-        json.dumps({"image": ["a/cat.jpg", "b/x.webp"], "conversations": conv}),                       # 2
+        json.dumps({"image": ["a/cat.jpg", "b/x.webp"], "conversations": [                             # 2
+            {"from": "human", "value": "<image>\n<image>\nWhat is it?"}, conv[1]]}),
         "",                                                                                             # 3
         json.dumps({"images": ["a/dog.png"], "messages": [
             {"role": "user", "content": "<image>Describe."},
@@ -50,7 +51,7 @@ def ann(tmp_path):
                               {"image": "b/x.webp", "caption": "a caption"}]))
     expected = {   # key -> (image sizes, text)
         "train.jsonl:1": ([(640, 480)], "\nWhat is it?\nA cat."),
-        "train.jsonl:2": ([(640, 480), (129, 77)], "\nWhat is it?\nA cat."),
+        "train.jsonl:2": ([(640, 480), (129, 77)], "\n\nWhat is it?\nA cat."),
         "train.jsonl:4": ([(300, 1000)], "Describe.\nTall."),
         "train.jsonl:5": ([(28, 28)], "Small?\nYes."),
         "train.jsonl:6": ([], "text only"),

@@ -140,3 +140,25 @@ def test_remote_parquet_equals_local(data, tmp_path):
         assert remote.shard_paths == [f"{base}/a.parquet", f"{base}/b.parquet"]
         row = IndexedParquetDataset(remote)[7]
         assert row["messages"] == samples[7].messages and row["__shard__"] == f"{base}/a.parquet"
+
+
+def test_parquet_images_follow_the_index_exif_policy(tmp_path):
+    """A rotated phone photo in a Parquet row is counted, and decoded by IndexedParquetDataset, as
+    transformers' load_image sees it (the same EXIF policy as tar shards), or as stored with 'ignore'."""
+    from PIL import Image, ImageOps
+
+    from tests.test_index_reliability import rotated_jpeg
+
+    photos = [rotated_jpeg(tmp_path / f"p{o}.jpg", 90, 30, o) for o in (6, 1, 8)]
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": b, "path": None}] for b in photos],
+                                                pa.list_(IMAGE)),
+                             "text": ["a photo"] * len(photos)}), tmp_path / "p.parquet")
+    want = [ImageOps.exif_transpose(Image.open(tmp_path / f"p{o}.jpg")).size for o in (6, 1, 8)]
+    assert want == [(30, 90), (90, 30), (30, 90)]
+    for exif, sizes in (("transpose", want), ("ignore", [(90, 30)] * 3)):
+        idx = TokenIndex.open(build_index([str(tmp_path / "p.parquet")], tmp_path / exif, exif=exif,
+                                          progress=False).out)
+        assert idx.manifest["exif"] == exif and idx.errors == []
+        assert [idx.image_sizes(i)[0] for i in range(len(idx))] == sizes
+        ds = IndexedParquetDataset(idx, decode_images="pil")
+        assert [ds[i]["images"][0].size for i in range(len(ds))] == sizes

@@ -98,11 +98,13 @@ def assert_same_index(a: TokenIndex, b: TokenIndex, rename) -> None:
         assert [(m.name, rename(m.shard), m.offset, m.size) for m in a.members(i)] == \
             [(m.name, m.shard, m.offset, m.size) for m in b.members(i)]
         assert a.image_sizes(i) == b.image_sizes(i)
+        # Each member's tar header checksum and mtime (the reader's rewrite check) as a local scan.
+        assert a.member_stamps(i) == b.member_stamps(i)
     renamed = [{**e, "shard": rename(e["shard"]),
                 "reason": e["reason"].replace(e["shard"], rename(e["shard"]))} for e in a.errors]
     assert renamed == b.errors
     fields = ("size", "fingerprint", "status", "reason", "n_members", "n_samples", "n_errors",
-              "end_of_members", "n_full_reads")
+              "end_of_members", "n_full_reads", "headers_digest")
     for ea, eb in zip(a.manifest["shards"], b.manifest["shards"], strict=True):
         ea = {**ea, "reason": ea["reason"] and ea["reason"].replace(ea["path"], rename(ea["path"]))}
         assert {k: ea[k] for k in fields} == {k: eb[k] for k in fields}

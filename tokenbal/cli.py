@@ -31,7 +31,8 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
                          tokenizer=args.tokenizer, image_root=args.image_root,
                          estimator_overrides=overrides, progress=not args.quiet,
                          incremental=not args.rebuild, remote=_remote_options(args),
-                         parquet=parquet, part=part)
+                         parquet=parquet, part=part, exif=args.exif,
+                         keep_unlisted=not args.drop_unlisted)
     print(report.summary())
     return 0 if report.num_samples > 0 or report.num_errors == 0 else 1
 
@@ -252,8 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--estimator-option", action="append", default=[], metavar="KEY=VALUE",
                        help="override an estimator setting, e.g. max_pixels=1003520 (repeatable)")
     build.add_argument("--rebuild", action="store_true",
-                       help="rescan every shard; by default an existing index at --out built with the "
-                            "same rules keeps its unchanged shards and new shards are appended")
+                       help="rescan every shard and index exactly SOURCES; by default an existing index at "
+                            "--out built with the same rules keeps its shards (unchanged ones without a "
+                            "rescan, even those SOURCES does not name) and new shards are appended")
+    build.add_argument("--drop-unlisted", action="store_true",
+                       help="index exactly SOURCES: drop the existing index's shards that SOURCES does not "
+                            "name (unchanged ones are still reused without a rescan)")
+    build.add_argument("--exif", choices=["transpose", "ignore"], default="transpose",
+                       help="EXIF orientation: 'transpose' (default) counts images as transformers' "
+                            "load_image and tokenbal's reader see them (orientations 5-8 swap width and "
+                            "height); 'ignore' counts them as stored. Recorded in the index")
     build.add_argument("--image-column", default=None,
                        help="Parquet sources: column of images (default images, else image)")
     build.add_argument("--messages-column", default=None,
@@ -294,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also write a histogram of vision / text tokens per sample to this PNG")
     stats.set_defaults(func=_cmd_index_stats)
 
-    verify = isub.add_parser("verify", help="check an index against its shards (exit 1 if stale)")
+    verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)")
     verify.add_argument("dir", help="index folder")
     _add_remote_args(verify)
     verify.set_defaults(func=_cmd_index_verify)
@@ -383,6 +392,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        print(f"tokenbal: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        from tokenbal.index.build import IndexBuildError
+
+        if not isinstance(e, IndexBuildError):
+            raise
         print(f"tokenbal: error: {e}", file=sys.stderr)
         return 2
 

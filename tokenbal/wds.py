@@ -20,7 +20,14 @@ For every tar member, even one with a PAX or GNU long-name header in front, the 
 before the payload are that member's own ustar header, so checking its checksum, type, size and
 name costs nothing extra. A name longer than the ustar fields (or not ASCII) is stored in a PAX /
 GNU record further back; the ustar field then holds a truncated (or ASCII-replaced) copy, and that
-copy is what is compared, together with the exact size.
+copy is what is compared, together with the exact size. When the index has member stamps, the
+header's checksum and mtime fields must also be the ones the index recorded: a member rewritten in
+place at the same size (a new mtime, so a new checksum) is a stale index, not another sample's bytes.
+After decoding, every image's size must be the size the index counted (``idx.image_sizes(i)``): the
+last guard, for a rewrite that kept even the header. Images are decoded with the index's EXIF policy
+(``manifest["exif"]``): with ``"transpose"`` (the default of ``tokenbal index build``) the built-in
+image specs (``"pil"``, ``"rgb8"``, ...) apply ``PIL.ImageOps.exif_transpose`` like transformers'
+``load_image``, so what is read is what was counted.
 
 **Streaming path** — :func:`balanced_batches`, a webdataset pipeline stage for shards *without* an
 index. Each rank streams its own subset of shards; the stage keeps a shuffle buffer and cuts batches
@@ -51,6 +58,7 @@ from __future__ import annotations
 import bisect
 import os
 import random
+import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -186,7 +194,12 @@ class _Readers:
             h = ("url", fs, shard)
         else:
             path = shard[len("file://"):] if shard.startswith("file://") else shard
-            h = ("fd", os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), path)
+            # O_NONBLOCK: a FIFO put in a shard's place must fail here, not block the reader forever.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(f"{path} is not a regular file (a FIFO or a device); shards must be files")
+            h = ("fd", fd, path)
         self.opened += 1
         self.open[shard] = h
         while len(self.open) > self.max_open:
@@ -232,9 +245,58 @@ class _Readers:
 # the indexed dataset
 
 
-def _make_decoder(decode: Any) -> Callable[[dict], dict] | None:
+class _ExifImageHandler:
+    """webdataset's ``imagehandler(spec)`` with ``PIL.ImageOps.exif_transpose`` applied after opening,
+    as transformers' ``load_image`` does; the same outputs (PIL / numpy / torch, modes, dtypes)."""
+
+    def __init__(self, spec: str) -> None:
+        from webdataset import autodecode
+
+        if spec not in autodecode.imagespecs:
+            raise ValueError(f"unknown image spec {spec!r}; known: {', '.join(autodecode.imagespecs)}")
+        self.spec = spec
+        self.atype, self.etype, self.mode = autodecode.imagespecs[spec]
+
+    def __call__(self, key: str, data: bytes) -> Any:
+        import io
+
+        from PIL import Image, ImageOps
+
+        from tokenbal.index.imagesize import IMAGE_EXTS
+
+        if key.rsplit(".", 1)[-1].lower() not in IMAGE_EXTS:
+            return None
+        with io.BytesIO(data) as stream:
+            img = Image.open(stream)
+            img.load()
+        img = ImageOps.exif_transpose(img).convert(self.mode.upper())
+        if self.atype == "pil":
+            return img
+        arr = np.asarray(img)
+        if self.etype == "float":
+            arr = arr.astype(np.float32) / 255.0
+        if self.atype == "numpy":
+            return arr
+        t = torch.from_numpy(arr.transpose(2, 0, 1).copy() if arr.ndim == 3 else arr.copy())
+        return t
+
+
+def _decoded_size(value: Any) -> tuple[int, int] | None:
+    """(width, height) of a decoded image (PIL, numpy HWC / HW, torch CHW / HW); None otherwise."""
+    size = getattr(value, "size", None)
+    if isinstance(size, tuple) and len(size) == 2 and hasattr(value, "mode"):
+        return int(size[0]), int(size[1])
+    if isinstance(value, np.ndarray) and value.ndim in (2, 3):
+        return int(value.shape[1]), int(value.shape[0])
+    if isinstance(value, torch.Tensor) and value.ndim in (2, 3):
+        return int(value.shape[-1]), int(value.shape[-2])
+    return None
+
+
+def _make_decoder(decode: Any, exif: str = "ignore") -> Callable[[dict], dict] | None:
     """``None`` (raw bytes), an image spec string ("pil", "rgb8", ...), a handler, a list of
-    those (as in ``wds.decode(*args)``), or a ready ``webdataset.autodecode.Decoder``."""
+    those (as in ``wds.decode(*args)``), or a ready ``webdataset.autodecode.Decoder``. With
+    ``exif="transpose"`` the image spec strings decode through ``_ExifImageHandler``."""
     if decode is None:
         return None
     from webdataset import autodecode
@@ -245,7 +307,7 @@ def _make_decoder(decode: Any) -> Callable[[dict], dict] | None:
     handlers = []
     for s in specs:
         if isinstance(s, str):
-            handlers.append(autodecode.imagehandler(s))
+            handlers.append(_ExifImageHandler(s) if exif == "transpose" else autodecode.imagehandler(s))
         elif callable(s):
             handlers.append(s)
         else:
@@ -286,7 +348,8 @@ class IndexedShardDataset(Dataset):
         if on_error not in ("raise", "mark"):
             raise ValueError(f"on_error must be 'raise' or 'mark', got {on_error!r}")
         self.decode_spec = decode
-        self.decoder = _make_decoder(decode)
+        self.exif = self.index.manifest.get("exif", "ignore")
+        self.decoder = _make_decoder(decode, self.exif)
         self.on_error = on_error
         self.storage_options = storage_options
         self.max_open_shards = max_open_shards
@@ -308,11 +371,10 @@ class IndexedShardDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    # Pickling (spawn workers): reopen the memory-mapped index instead of copying it, and never
-    # carry open handles across processes.
+    # Pickling (spawn workers): the TokenIndex pickles as (path, build id) and reopens that same
+    # version, memory-mapped, even if the index was rebuilt since; no open handle crosses processes.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["index"] = self.index.path
         state["_readers"] = None
         return state
 
@@ -320,7 +382,8 @@ class IndexedShardDataset(Dataset):
         from tokenbal.index import TokenIndex
 
         self.__dict__.update(state)
-        self.index = TokenIndex.open(state["index"])
+        if isinstance(self.index, str):
+            self.index = TokenIndex.open(self.index)
         self._readers = _Readers(self.max_open_shards, self.storage_options)
 
     def close(self) -> None:
@@ -350,6 +413,7 @@ class IndexedShardDataset(Dataset):
             return m.offset == 0 or m.shard != local
 
         n_files = sum(1 for m in members if plain(m))
+        stamps = self.index.member_stamps(i)
         for j, m in enumerate(members):
             if plain(m):
                 # Keyed by its extension, numbered when the record has several ("0.jpg", "1.png")
@@ -359,7 +423,8 @@ class IndexedShardDataset(Dataset):
                 data = self._read_file(i, key, m.name, self.shard_map.get(m.shard, m.shard), m.offset, m.size)
             else:
                 ext = m.name[len(key) + 1:].lower()
-                data = self._read_member(i, key, m.name, shard, m.offset, m.size)
+                data = self._read_member(i, key, m.name, shard, m.offset, m.size,
+                                         stamps[j] if stamps is not None else None)
             if ext in sample:
                 raise SampleReadError(f"sample {i} key {key!r} in shard {shard}: two members map to "
                                       f"extension {ext!r} (webdataset lower-cases extensions)")
@@ -382,7 +447,8 @@ class IndexedShardDataset(Dataset):
                                   f"{size}; rebuild the index")
         return data
 
-    def _read_member(self, i: int, key: str, name: str, shard: str, offset: int, size: int) -> bytes:
+    def _read_member(self, i: int, key: str, name: str, shard: str, offset: int, size: int,
+                     stamp: tuple[int, int] | None = None) -> bytes:
         where = f"member {name!r} of sample {i} (key {key!r}) in shard {shard}"
         if offset < _BLOCK:
             raise SampleReadError(f"{where}: index payload offset {offset} leaves no room for a tar "
@@ -416,16 +482,42 @@ class IndexedShardDataset(Dataset):
                                   f"the shard has {stored.decode('utf-8', 'replace')!r} with {hsize} "
                                   f"bytes there; the shard changed since the index was built "
                                   f"(run `tokenbal index verify`, then rebuild)")
+        if stamp is not None and stamp[0] != -1:
+            from tokenbal.index.tarwalk import header_stamp
+
+            have = header_stamp(data[:_BLOCK])
+            if have != tuple(stamp):
+                raise SampleReadError(f"stale index: {where} was rewritten since the index was built (same "
+                                      "name "
+                                      f"and size, but header checksum/mtime {have[0]}/{have[1]}, the index "
+                                      f"recorded {stamp[0]}/{stamp[1]}); run `tokenbal index verify`, "
+                                      "then rebuild")
         return data[_BLOCK:]
+
+    def _check_image_sizes(self, raw: dict, decoded: dict) -> None:
+        """Each decoded image must have the size the index counted (after its EXIF policy)."""
+        from tokenbal.index.imagesize import IMAGE_EXTS
+
+        want = self.index.image_sizes(raw["__index__"])
+        keys = [k for k in raw if not k.startswith("__") and k.rsplit(".", 1)[-1] in IMAGE_EXTS]
+        for k, (w, h) in zip(keys, want, strict=False):
+            got = _decoded_size(decoded.get(k))
+            if got is not None and got != (w, h):
+                hint = (" (the index counts images after EXIF orientation: decode with an image spec string "
+                        "such as 'pil', or apply PIL.ImageOps.exif_transpose in your handler)"
+                        if self.exif == "transpose" and got == (h, w) else "")
+                raise SampleReadError(f"stale index: image {raw['__key__']}.{k} of sample {raw['__index__']} "
+                                      f"in shard {raw['__shard__']} decodes to {got[0]}x{got[1]}, the index "
+                                      f"counted {w}x{h}{hint}; run `tokenbal index verify`, then rebuild")
 
     def _decode(self, sample: dict) -> dict:
         if self.decoder is None:
             return sample
         try:
-            out = self.decoder(sample)
+            decoded = self.decoder(sample)
             from tokenbal.index.videoindex import decode_sample_videos
 
-            return decode_sample_videos(self.index, out)
+            decoded = decode_sample_videos(self.index, decoded)
         except Exception as e:
             # webdataset's DecodingError names the field; the cause says why.
             cause = e.__cause__ if e.__cause__ is not None else e
@@ -437,6 +529,8 @@ class IndexedShardDataset(Dataset):
                 return {k: sample[k] for k in ("__key__", "__shard__", "__url__", "__index__")} | \
                     {"__error__": reason}
             raise SampleReadError(reason) from e
+        self._check_image_sizes(sample, decoded)
+        return decoded
 
     def __getitem__(self, i: int) -> dict:
         return self._decode(self.read_raw(i))

@@ -25,7 +25,8 @@ class IndexedParquetDataset(Dataset):
     ``index``: the ``TokenIndex`` or its folder. ``columns``: columns to return (default: all).
     ``decode_images``: ``None`` returns the image column as stored (``{bytes, path}`` structs);
     ``"pil"`` turns each image into a ``PIL.Image`` (the column named by the index's build options,
-    or ``images`` / ``image``). ``storage_options``: for remote files (fsspec). Returned dict: the row's
+    or ``images`` / ``image``), EXIF-oriented when the index was built with ``exif="transpose"``.
+    ``storage_options``: for remote files (fsspec). Returned dict: the row's
     columns plus ``__key__``, ``__shard__`` (the file) and ``__index__``.
     """
 
@@ -42,6 +43,9 @@ class IndexedParquetDataset(Dataset):
         self.max_open_files = max_open_files
         built = self.index.manifest.get("parquet") or {}
         self.image_column = built.get("image_column")
+        # Decoded images match the index's counts: oriented like transformers' load_image when the
+        # index counted them after EXIF orientation (its manifest says).
+        self.exif = self.index.manifest.get("exif", "ignore")
         self._reset()
 
     def _reset(self) -> None:
@@ -109,7 +113,7 @@ class IndexedParquetDataset(Dataset):
         return {"__key__": self.index.keys[i], "__shard__": path, "__index__": i, **out}
 
     def _decode(self, row: dict) -> None:
-        from PIL import Image
+        from PIL import Image, ImageOps
 
         col = self.image_column or next((c for c in ("images", "image") if c in row), None)
         if col is None or row.get(col) is None:
@@ -120,7 +124,7 @@ class IndexedParquetDataset(Dataset):
             data = v.get("bytes") if isinstance(v, dict) else v
             im = Image.open(io.BytesIO(data))
             im.load()
-            return im
+            return ImageOps.exif_transpose(im) if self.exif == "transpose" else im
 
         row[col] = [one(v) for v in value] if isinstance(value, list) else one(value)
 

@@ -15,7 +15,14 @@ path: ``tokenbal.index.tarwalk``); annotations: ``tokenbal.index.annotations``; 
 from __future__ import annotations
 
 from tokenbal.index.annotations import scan_annotations
-from tokenbal.index.build import BuildReport, ShardResult, build_index, index_shard, write_index
+from tokenbal.index.build import (
+    BuildReport,
+    IndexBuildError,
+    ShardResult,
+    build_index,
+    index_shard,
+    write_index,
+)
 from tokenbal.index.export import export_index, lengths_for_keys
 from tokenbal.index.merge import merge_indexes
 from tokenbal.index.parquet import ParquetOptions
@@ -23,10 +30,19 @@ from tokenbal.index.plot import plot_token_histogram, token_histogram
 from tokenbal.index.remote import RemoteOptions
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint, split_name
 from tokenbal.index.sources import expand_sources
-from tokenbal.index.store import Member, TokenIndex, check_index_rules, index_stats, verify_index
+from tokenbal.index.store import (
+    IndexDamagedError,
+    Member,
+    TokenIndex,
+    check_index_rules,
+    index_stats,
+    verify_index,
+)
 
 __all__ = [
     "BuildReport",
+    "IndexBuildError",
+    "IndexDamagedError",
     "Member",
     "ParquetOptions",
     "RemoteOptions",

@@ -17,7 +17,10 @@ Its members are its image files: offset 0, size the file size, the path kept in 
 Errors, one per record, naming the file and line (or index): invalid JSON on that line, a record
 that is not an object, a malformed image field, a missing or unreadable image file (with its full
 path), an image whose header cannot be read, a video that cannot be read (the reason from
-``tokenbal.index.video.probe_video``) or has bad clip fields, text fields of the wrong type.
+``tokenbal.index.video.probe_video``) or has bad clip fields, text fields of the wrong type, a record
+whose text has ``<image>`` placeholders but not one per image (the processor would fail or pair text
+and images wrongly), a record with empty text and no image or video (a 0-token sample), an image or
+video path that is not a regular file (a FIFO would block the build).
 
 * videos: ``videos`` (a list of paths) or ``video`` (a path or a list), else the
   ``{"type": "video", "video": PATH, "fps", "min_frames", "max_frames", "nframes", "video_start",
@@ -35,9 +38,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
-from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
+from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
 from tokenbal.index.video import VideoError, probe_video
 from tokenbal.index.videoindex import SampleVideo, video_parts
@@ -49,13 +53,14 @@ def is_annotation_file(path: str) -> bool:
     return path.lower().endswith(ANNOTATION_SUFFIXES)
 
 
-def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES) -> ShardScan:
+def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES,
+                     exif: str = "ignore") -> ShardScan:
     """Scan the annotation file at ``path``; never raises for bad data (see the module docstring)."""
     scan = ShardScan(path=path)
     root = os.path.abspath(image_root) if image_root is not None else os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     try:
-        st = os.stat(path)
+        st = regular_file_stat(path)
         scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
         scan.fingerprint = shard_fingerprint(path, st.st_size)
         with open(path, "rb") as f:
@@ -77,7 +82,7 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
         records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
     for key, where, rec in records:
         scan.n_members += 1
-        sample = _record(rec, key, where, root, scan, prefix)
+        sample = _record(rec, key, where, root, scan, prefix, exif)
         if sample is not None:
             scan.samples.append(sample)
     if scan.n_members == 0:
@@ -107,7 +112,7 @@ def _jsonl_records(raw: bytes, path: str, base: str, scan: ShardScan):
 
 
 def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
-            prefix: int) -> ScannedSample | None:
+            prefix: int, exif: str = "ignore") -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
@@ -122,18 +127,22 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     if pieces is None and not images and not video_refs:
         return fail("has neither images nor text nor a video (none of image / images / video / videos / "
                     "conversations / messages / text / caption)")
-    members, paths, sizes = [], [], []
+    members, paths, sizes, stamps = [], [], [], []
     for j, rel in enumerate(images):
         full = os.path.normpath(os.path.join(root, rel))
         try:
-            fd = os.open(full, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return fail(f"image {j} {rel!r} not found at {full}")
         except OSError as e:
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
         try:
-            size = os.fstat(fd).st_size
-            wh, full_read = read_image_size(fd, 0, size, prefix)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return fail(f"image {j} {rel!r} at {full} is not a regular file")
+            size = st.st_size
+            wh, full_read = read_image_size(fd, 0, size, prefix, exif)
         except ImageSizeError as e:
             return fail(f"image {j} {rel!r} at {full} is not a readable image: {e}")
         except OSError as e:
@@ -146,19 +155,35 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         members.append((ext, 0, size))
         paths.append(f"{rel}\0{full}")
         sizes.append(wh)
+        stamps.append((-1, st.st_mtime_ns))     # a file has no tar header; its mtime is the stamp
     videos = []
     for j, (rel, params) in enumerate(video_refs):
         full = os.path.normpath(os.path.join(root, rel))
+        try:
+            # Checked before PyAV opens it: a FIFO would block the build.
+            vst = os.stat(full)
+        except OSError as e:   # worded as probe_video words it
+            return fail(f"video {j} {rel!r} at {full}: cannot read the video: {e}")
+        if not stat.S_ISREG(vst.st_mode):
+            return fail(f"video {j} {rel!r} at {full}: cannot read the video: not a regular file")
         try:
             info = probe_video(full)
         except VideoError as e:
             return fail(f"video {j} {rel!r} at {full}: {e}")
         name = os.path.basename(rel)
         videos.append(SampleVideo(member=len(members), info=info, params=params))
-        members.append((name.rsplit(".", 1)[-1].lower() if "." in name else "", 0, os.path.getsize(full)))
+        members.append((name.rsplit(".", 1)[-1].lower() if "." in name else "", 0, vst.st_size))
         paths.append(f"{rel}\0{full}")
+        stamps.append((-1, vst.st_mtime_ns))
+    # Text against media last: a record whose image or video file is bad says that first.
+    placeholders = sum(p.count("<image>") for p in pieces or [])
+    if placeholders and placeholders != len(images):
+        return fail(f"its text has {placeholders} <image> placeholder(s) but the record names {len(images)} "
+                    f"image(s); the processor would pair text and images wrongly")
+    if not images and not video_refs and not join_text(pieces or []).strip():
+        return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
-                         paths=paths, videos=videos or None)
+                         paths=paths, videos=videos or None, stamps=stamps)
 
 
 def _image_paths(rec: dict) -> list[str]:

@@ -1,15 +1,30 @@
 """``build_index``: scan shards (in parallel), count tokens, write the index folder atomically;
-reuse the unchanged shards of an earlier build of the same folder."""
+reuse the unchanged shards of an earlier build of the same folder.
+
+Reliability (``docs/RELIABILITY.md``): one build per folder at a time (an exclusive ``flock`` on
+``.<name>.lock`` beside it; a second build fails naming the holder); the folder being written
+(``.<name>.tmp-*``) keeps a checkpoint (``progress.json``) of the shards it finished, so a build
+killed by any signal, SIGKILL included, resumes from there, and the next build removes what a dead
+build left; SIGTERM is handled like Ctrl-C; a scan worker that dies (the OOM killer) ends the build
+with an error naming the shards it was scanning, the finished ones kept. Only files tokenbal writes
+are ever deleted from an index folder; other files there are carried over to each new version.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import json
 import multiprocessing
 import os
 import shutil
+import signal
+import socket
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,8 +37,26 @@ from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.remote import RemoteOptions, is_url, remote_unchanged, scan_remote_shard, threaded_map
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
-from tokenbal.index.store import COLUMNS, ERRORS, FORMAT_VERSION, KEYS_BLOB, MANIFEST, PATHS_BLOB, TokenIndex
+from tokenbal.index.store import (
+    COLUMNS,
+    ERRORS,
+    FORMAT_VERSION,
+    KEYS_BLOB,
+    MANIFEST,
+    OPTIONAL_COLUMNS,
+    OWNED_FILES,
+    PATHS_BLOB,
+    TokenIndex,
+    version_in_use,
+    version_path,
+)
 from tokenbal.index.videoindex import VIDEO_COLUMNS
+
+PROGRESS = "progress.json"   # a checkpoint of the shards finished so far, in a folder being written
+
+
+class IndexBuildError(RuntimeError):
+    """A build could not finish (another build holds the folder, a scan worker died); names why."""
 
 
 class VisionEstimator(Protocol):
@@ -53,6 +86,7 @@ class BuildReport:
     total_tokens: int
     seconds: float
     num_reused: int = 0        # shards taken unchanged from the index already at ``out``
+    num_kept: int = 0          # shards of the index at ``out`` kept although SOURCES did not name them
 
     def summary(self) -> str:
         good = self.num_shards - self.num_bad_shards
@@ -66,6 +100,9 @@ class BuildReport:
         if self.num_reused:
             line += (f"; {self.num_reused} unchanged shards reused, "
                      f"{self.num_shards - self.num_reused} scanned")
+        if self.num_kept:
+            line += (f"; {self.num_kept} shards of the previous index kept though not named "
+                     "(--drop-unlisted drops them)")
         return line
 
 
@@ -87,13 +124,16 @@ class ShardResult:
     video_counts: np.ndarray | None = None  # per sample; None: no videos (tokenbal.index.videoindex)
     video_info: np.ndarray | None = None
     video_params: np.ndarray | None = None
+    member_stamps: np.ndarray | None = None  # (n_members, 2) header checksum, mtime; None: unknown (-1)
 
 
 def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str = "qwen2-vl",
                 workers: int = 1, tokenizer: str | None = None, image_root: str | None = None,
                 estimator_overrides: dict | None = None, progress: bool = True,
                 incremental: bool = True, remote: RemoteOptions | None = None,
-                parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None) -> BuildReport:
+                parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None,
+                exif: str = "transpose", keep_unlisted: bool = True,
+                checkpoint_seconds: float = 10.0) -> BuildReport:
     """Index the webdataset tar shards and JSON/JSONL annotation files named by ``sources`` into ``out``.
 
     ``sources``: paths, globs, brace patterns (``data-{000..099}.tar``); a missing one raises
@@ -101,17 +141,24 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     relative to ``image_root`` (``tokenbal.index.annotations``). ``model`` / ``estimator_overrides``
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
-    ``workers`` > 1 scans shards in that many processes.
+    ``workers`` > 1 scans shards in that many processes. ``exif``: ``"transpose"`` (default) counts
+    each image at its size after EXIF orientation, as transformers' ``load_image`` and tokenbal's
+    reader give it; ``"ignore"`` at its stored size. The policy is recorded in the manifest.
 
     Re-running over an existing index (``incremental=True``): when it was built with the same token
-    rules, every listed shard whose size and fingerprint are unchanged is copied from it without a
-    rescan, in its old position; changed shards are rescanned in place; shards new to the index are
-    appended after the old ones (so the rows of unchanged samples keep their numbers); shards no
-    longer listed are dropped. Different rules, or ``incremental=False``, rescan everything. The
-    new index replaces the old one atomically; any other non-empty folder at ``out`` is refused.
-    Resume: when a build is interrupted (Ctrl-C, a crash in a worker, a full disk), the shards it
-    finished are kept as an index in ``.<out>.partial`` next to ``out``; the next build of ``out``
-    (same rules) copies them from there instead of rescanning, then deletes it.
+    rules, every shard whose size and fingerprint are unchanged is copied from it without a rescan,
+    in its old position; changed shards are rescanned in place; shards new to the index are appended
+    after the old ones (so the rows of unchanged samples keep their numbers). Shards of the existing
+    index that ``sources`` does not name are kept (``keep_unlisted=True``, so naming only new shards
+    adds them) or dropped (``keep_unlisted=False``: the index holds exactly ``sources``). Different
+    rules, or ``incremental=False``, rescan everything and index exactly ``sources``. The new index
+    replaces the old one atomically (readers holding the old one keep it, ``tokenbal.index.store``);
+    any other non-empty folder at ``out`` is refused.
+    Resume: the folder being written keeps a checkpoint of its finished shards at least every
+    ``checkpoint_seconds``; when a build is interrupted (Ctrl-C, SIGTERM, a crash in a worker, a
+    full disk), they are kept as an index in ``.<out>.partial`` next to ``out``, and after SIGKILL
+    the checkpoint is; the next build of ``out`` (same rules) copies them instead of rescanning.
+    One build per ``out`` at a time: a second raises ``IndexBuildError`` naming the holder.
     Bad samples and shards never stop the build: they are listed in ``errors.jsonl`` and counted in
     the returned report.
 
@@ -122,10 +169,13 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     """
     from tokenbal.estimate import get_estimator, get_text_counter
     from tokenbal.estimate.video import video_pipeline
+    from tokenbal.index.imagesize import EXIF_POLICIES
 
     t0 = time.perf_counter()
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if exif not in EXIF_POLICIES:
+        raise ValueError(f"exif must be one of {', '.join(EXIF_POLICIES)}, got {exif!r}")
     paths = expand_sources(sources, remote)
     if part is not None:
         positions, paths = select_part(paths, part)
@@ -148,7 +198,10 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         "estimator": {"name": est.name, "model": model, "overrides": overrides,
                       "config": est.config, "wrapper_tokens": int(est.wrapper_tokens)},
         "text_counter": {"name": counter.name, "tokenizer": tokenizer},
-        "image_sizes": "from headers, as stored: EXIF orientation ignored",
+        "exif": exif,
+        "image_sizes": ("from headers, after EXIF orientation (PIL.ImageOps.exif_transpose)"
+                        if exif == "transpose" else "from headers, as stored: EXIF orientation ignored"),
+        "member_stamps": True,
         "image_root": os.path.abspath(image_root) if image_root is not None else None,
         "video_pipeline": video_pipeline(est),
         "sources": list(sources) if not isinstance(sources, str) else [sources],
@@ -157,35 +210,55 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         meta["parquet"] = (parquet or ParquetOptions()).as_meta()
     if part is not None:
         meta["part"] = part_meta(part, positions, paths)
-    # An interrupted build's finished shards first, then the last complete index.
-    olds = [] if not incremental else [
-        idx for idx in (_reusable_index(partial_path(out), meta), _reusable_index(out, meta)) if idx]
-    jobs = _plan_jobs(paths, olds, remote)
-    scan_paths = [p for p, src in jobs if src is None]
-    scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root,
-                             remote, parquet)
+    with _BuildLock(out), _sigterm_as_exit():
+        # An interrupted build's finished shards first (its .partial, then what dead builds left
+        # in their folders), then the last complete index.
+        leftovers = _recover_leftovers(out)
+        olds = [] if not incremental else [
+            idx for idx in (_reusable_index(partial_path(out), meta),
+                            *(_reusable_index(f, meta) for f in leftovers),
+                            _reusable_index(out, meta)) if idx]
+        current = olds[-1] if olds and olds[-1].path == out else None
+        # A part index holds exactly its part (the merge places shards by their part positions).
+        keep_from = current if keep_unlisted and part is None else None
+        jobs, kept = _plan_jobs(paths, olds, keep_from, remote)
+        scan_paths = [p for p, src in jobs if src is None]
+        scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root,
+                                 exif, remote, parquet)
 
-    def results() -> Iterator[ShardResult]:
-        for p, src in jobs:
-            yield next(scanned) if src is None else _result_from_index(src, p)
+        def results() -> Iterator[ShardResult]:
+            for p, src in jobs:
+                yield next(scanned) if src is None else _result_from_index(src, p)
+            for old in olds:   # done copying: the old version may go once replaced
+                old.release()
 
-    # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
-    with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
-        totals = write_index(out, stream, meta)
+        # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
+        with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
+            totals = _write_index(out, stream, meta, checkpoint_seconds)
+        for folder in leftovers:
+            _remove_owned(folder)
     return BuildReport(out=out, num_shards=len(jobs), num_bad_shards=totals.num_bad_shards,
                        num_samples=totals.num_samples, num_errors=totals.num_errors,
                        num_images=totals.num_images, total_tokens=totals.total_tokens,
-                       seconds=time.perf_counter() - t0, num_reused=len(jobs) - len(scan_paths))
+                       seconds=time.perf_counter() - t0, num_reused=len(jobs) - len(scan_paths),
+                       num_kept=kept)
 
 
-def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: dict) -> _IndexWriter:
+def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: dict,
+                checkpoint_seconds: float = 10.0) -> _IndexWriter:
     """Write ``results`` (in order) as the index folder ``out``, atomically; ``meta`` goes into the
     manifest (estimator, text_counter, ...). Returns the writer, whose counters give the totals.
 
-    This is the write half of ``build_index``; it also lets tests and benchmarks make a large index
-    from synthetic columns without scanning shards.
+    This is the write half of ``build_index`` (holding the same lock); it also lets tests and
+    benchmarks make a large index from synthetic columns without scanning shards.
     """
     out = os.path.abspath(os.fspath(out))
+    with _BuildLock(out):
+        return _write_index(out, results, meta, checkpoint_seconds)
+
+
+def _write_index(out: str, results: Iterable[ShardResult], meta: dict,
+                 checkpoint_seconds: float) -> _IndexWriter:
     _check_out(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
@@ -194,14 +267,18 @@ def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: di
     partial = partial_path(out)
     try:
         writer = _IndexWriter(tmp)
+        last = time.monotonic()
         for result in results:
             writer.add(result)
+            if time.monotonic() - last >= checkpoint_seconds:
+                writer.checkpoint(meta)
+                last = time.monotonic()
         writer.finish(meta)
         _replace_dir(tmp, out)
     except BaseException:
         if writer is not None:
             _save_partial(writer, meta, partial)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_owned(tmp)
         raise
     shutil.rmtree(partial, ignore_errors=True)   # its shards are all in ``out`` now
     return writer
@@ -210,6 +287,136 @@ def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: di
 def partial_path(out: str) -> str:
     """Where an interrupted build of ``out`` keeps the shards it finished (a complete index of them)."""
     return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial")
+
+
+def lock_path(out: str) -> str:
+    """The lock file of builds of ``out`` (beside it: ``out`` itself is replaced by each build)."""
+    out = os.path.abspath(out)
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.lock")
+
+
+class _BuildLock:
+    """An exclusive ``flock`` on ``lock_path(out)`` for the whole build; the holder (pid, host,
+    start) is written into the file so that a second build can name it. Re-entrant per process."""
+
+    _held: dict[str, tuple[int, int]] = {}     # path -> (owning thread, depth)
+    _mutex = threading.Lock()
+
+    def __init__(self, out: str) -> None:
+        self.out, self.path, self.owner = out, lock_path(out), False
+
+    def __enter__(self) -> _BuildLock:
+        with self._mutex:
+            me = threading.get_ident()
+            if self.path in self._held:
+                owner, depth = self._held[self.path]
+                if owner != me:
+                    raise IndexBuildError(f"another build is writing the index {self.out}: a thread of this "
+                                          f"process (pid {os.getpid()}) holds {self.path}")
+                self._held[self.path] = (owner, depth + 1)
+                return self
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            while True:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    holder = _read_text(fd)
+                    os.close(fd)
+                    raise IndexBuildError(
+                        f"another build is writing the index {self.out}: {holder or 'holder unknown'} "
+                        f"holds {self.path}; wait for it to finish (or stop it) and run this build again"
+                    ) from None
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)   # the previous holder removed the file as we opened it: take the new one
+            os.ftruncate(fd, 0)
+            os.write(fd, (f"pid {os.getpid()} on host {socket.gethostname()} since "
+                          f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n").encode())
+            self.fd, self.owner = fd, True
+            self._held[self.path] = (me, 1)
+            return self
+
+    def __exit__(self, *exc) -> None:
+        with self._mutex:
+            if not self.owner and self.path not in self._held:
+                return
+            owner, depth = self._held[self.path]
+            if depth > 1:
+                self._held[self.path] = (owner, depth - 1)
+                return
+            del self._held[self.path]
+            with contextlib.suppress(OSError):
+                os.remove(self.path)   # while still held, so no one waits on a removed file
+            os.close(self.fd)
+
+
+def _read_text(fd: int) -> str:
+    try:
+        return os.pread(fd, 400, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM during a build raises ``SystemExit(143)`` in the main thread, so the build saves its
+    finished shards exactly as on Ctrl-C (the default action would kill it without that)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _recover_leftovers(out: str) -> list[str]:
+    """Folders dead builds of ``out`` left (the lock is held, so their owners are gone): each one
+    with a checkpoint is finished into a partial index and returned for reuse; the rest are removed
+    (tokenbal's files only). Replaced versions no reader holds any more are removed too."""
+    parent, base = os.path.dirname(out), os.path.basename(out)
+    found = []
+    for folder in sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.tmp-*"))):
+        if not os.path.isdir(folder):
+            continue
+        finished = os.path.isfile(os.path.join(folder, MANIFEST))
+        if not finished and os.path.isfile(os.path.join(folder, PROGRESS)):
+            try:
+                _IndexWriter.resume(folder).finish_partial()
+            except (OSError, ValueError, KeyError):
+                pass   # a checkpoint cut by the kill itself: nothing to reuse
+        if os.path.isfile(os.path.join(folder, MANIFEST)):
+            found.append(folder)
+        else:
+            _remove_owned(folder)
+    for folder in glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(base)}.v-*")):
+        if os.path.isdir(folder) and not version_in_use(folder):
+            _remove_owned(folder)
+    return found
+
+
+def _remove_owned(folder: str) -> None:
+    """Delete the files tokenbal writes in ``folder``, then the folder if nothing else is left."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name in OWNED_FILES or name.endswith(".npy.raw"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
@@ -222,22 +429,24 @@ def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
             writer.close()
             return
         writer.finish({**meta, "partial": True})
-        _replace_dir(writer.folder, partial)
+        _swap_in(writer.folder, partial)
     except Exception:
-        writer.close()
+        with contextlib.suppress(Exception):
+            writer.close()
 
 
 def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
-                image_root: str | None = None, remote: RemoteOptions | None = None,
+                image_root: str | None = None, exif: str = "ignore", remote: RemoteOptions | None = None,
                 parquet: ParquetOptions | None = None) -> ShardResult:
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
-    ``est`` and ``counter``."""
+    ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``)."""
     if is_parquet(path):
-        scan = scan_parquet(path, parquet, remote)
+        scan = scan_parquet(path, parquet, remote, exif=exif)
     elif is_url(path):
-        scan = scan_remote_shard(path, remote)
+        scan = scan_remote_shard(path, remote, exif=exif)
     else:
-        scan = scan_annotations(path, image_root) if is_annotation_file(path) else scan_shard(path)
+        scan = (scan_annotations(path, image_root, exif=exif) if is_annotation_file(path)
+                else scan_shard(path, exif=exif))
     return _count_tokens(scan, est, counter)
 
 
@@ -247,7 +456,7 @@ def _rules(meta: dict) -> tuple:
     e = meta["estimator"]
     return (e["name"], json.dumps(e["config"], sort_keys=True, default=_jsonable), int(e["wrapper_tokens"]),
             meta["text_counter"]["name"], meta.get("image_root"), json.dumps(meta.get("parquet")),
-            meta.get("video_pipeline"))
+            meta.get("video_pipeline"), meta.get("exif", "ignore"), bool(meta.get("member_stamps")))
 
 
 def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
@@ -259,24 +468,32 @@ def _reusable_index(out: str, meta: dict) -> TokenIndex | None:
         same = _rules(old.manifest) == _rules(json.loads(json.dumps(meta, default=_jsonable)))
     except (ValueError, KeyError, OSError):   # another format version, a damaged index: rebuild
         return None
-    return old if same else None
+    if not same:
+        old.release()
+        return None
+    return old
 
 
 def _plan_jobs(paths: list[str], olds: list[TokenIndex],
-               remote: RemoteOptions | None = None) -> list[tuple[str, TokenIndex | None]]:
+               keep_from: TokenIndex | None = None,
+               remote: RemoteOptions | None = None) -> tuple[list[tuple[str, TokenIndex | None]], int]:
     """(path, index to copy it from, or None to scan it) per shard, in index order: the old indexes'
-    shards first, in their order, then the new ones in source order."""
+    shards first, in their order, then the new ones in source order; and how many shards of
+    ``keep_from`` (the index at ``out``) were kept although ``paths`` does not name them."""
     wanted = set(paths)
+    done: set[str] = set()
     jobs: list[tuple[str, TokenIndex | None]] = []
+    kept = 0
     for old in olds:
         for entry in old.manifest["shards"]:
             p = entry["path"]
-            if p not in wanted:
+            if p in done or (p not in wanted and old is not keep_from):
                 continue
-            wanted.discard(p)
+            kept += p not in wanted
+            done.add(p)
             jobs.append((p, old if _unchanged(entry, remote) else None))
-    jobs.extend((p, None) for p in paths if p in wanted)
-    return jobs
+    jobs.extend((p, None) for p in paths if p not in done)
+    return jobs, kept
 
 
 def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
@@ -285,8 +502,10 @@ def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
     if is_url(entry["path"]):
         return remote_unchanged(entry, remote or RemoteOptions())
     try:
-        size = os.stat(entry["path"]).st_size
-        return size == entry["size"] and shard_fingerprint(entry["path"], size) == entry["fingerprint"]
+        st = os.stat(entry["path"])
+        # mtime too: a member rewritten in the middle at the same size leaves the fingerprint as is.
+        return (st.st_size == entry["size"] and st.st_mtime_ns == entry.get("mtime_ns")
+                and shard_fingerprint(entry["path"], st.st_size) == entry["fingerprint"])
     except OSError:
         return False
 
@@ -320,7 +539,9 @@ def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
         image_counts=np.diff(ims), image_wh=np.array(c["image_size"][int(ims[0]):int(ims[-1])]),
         vision=np.array(idx.vision_tokens[a:b]), text=np.array(idx.text_tokens[a:b]),
         errors=list(cache["errors"].get(path, [])),
-        member_paths=paths if any(paths) else None)
+        member_paths=paths if any(paths) else None,
+        member_stamps=(np.stack([c["member_chksum"][m0:m1], c["member_mtime"][m0:m1]], axis=1)
+                       if "member_chksum" in c else None))
 
 
 def _wrapper_tokens(est: VisionEstimator, wh: np.ndarray) -> np.ndarray | int:
@@ -384,13 +605,17 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     paths = None
     if any(s.paths for s in samples):
         paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
+    entry["headers_digest"] = scan.headers_digest
+    stamps = np.array([st for s in samples for st in (s.stamps or [(-1, -1)] * len(s.members))],
+                      np.int64).reshape(-1, 2)
     return ShardResult(
         **video, entry=entry, keys=[s.key for s in samples], member_paths=paths,
         member_counts=np.fromiter((len(s.members) for s in samples), np.int64, count=n),
         member_exts=[m[0] for s in samples for m in s.members],
         member_offsets=np.array([m[1] for s in samples for m in s.members], np.int64),
         member_sizes=np.array([m[2] for s in samples for m in s.members], np.int64),
-        image_counts=image_counts, image_wh=wh, vision=vision, text=text, errors=errors)
+        image_counts=image_counts, image_wh=wh, vision=vision, text=text, errors=errors,
+        member_stamps=stamps)
 
 
 # --- parallel scan ------------------------------------------------------------------------------
@@ -399,17 +624,21 @@ _WORKER: dict = {}
 
 
 def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
-                 remote: RemoteOptions | None = None, parquet: ParquetOptions | None = None) -> None:
+                 exif: str = "ignore", remote: RemoteOptions | None = None,
+                 parquet: ParquetOptions | None = None) -> None:
     from tokenbal.estimate import get_estimator, get_text_counter
 
+    # The parent handles Ctrl-C / SIGTERM and stops the pool; a worker must not die on its own first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["est"] = get_estimator(model, **overrides)
     _WORKER["counter"] = get_text_counter(tokenizer)
     _WORKER["image_root"] = image_root
+    _WORKER["exif"] = exif
     _WORKER["remote"], _WORKER["parquet"] = remote, parquet
 
 
 def _worker_index_shard(path: str) -> ShardResult:
-    return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"],
+    return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"], _WORKER["exif"],
                        _WORKER["remote"], _WORKER["parquet"])
 
 
@@ -421,24 +650,60 @@ def _worker_index_shards(paths: list[str]) -> list[ShardResult]:
 
 def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter: TextCounter,
                    model: str, overrides: dict, tokenizer: str | None,
-                   image_root: str | None, remote: RemoteOptions | None = None,
+                   image_root: str | None, exif: str = "ignore", remote: RemoteOptions | None = None,
                    parquet: ParquetOptions | None = None) -> Iterator[ShardResult]:
     inflight = (remote or RemoteOptions()).inflight if any(is_url(p) for p in paths) else 1
     if workers == 1 or len(paths) <= 1:
-        yield from threaded_map(lambda p: index_shard(p, est, counter, image_root, remote, parquet),
+        yield from threaded_map(lambda p: index_shard(p, est, counter, image_root, exif, remote, parquet),
                                 paths, inflight)
         return
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     # spawn, not fork: the parent may hold tokenizer / torch threads that a fork would copy mid-state.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(workers, len(paths)), initializer=_init_worker,
-                  initargs=(model, overrides, tokenizer, image_root, remote, parquet)) as pool:
-        # imap keeps shard order, so the index is identical whatever the number of workers.
-        if inflight <= 1:
-            yield from pool.imap(_worker_index_shard, paths, chunksize=1)
-            return
-        groups = [paths[k:k + inflight] for k in range(0, len(paths), inflight)]
-        for group in pool.imap(_worker_index_shards, groups, chunksize=1):
-            yield from group
+    # concurrent.futures, not multiprocessing.Pool: a worker killed by a signal (the OOM killer) breaks
+    # the executor and every pending result raises, where Pool waits for that result forever.
+    n = min(workers, len(paths))
+    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet))
+    # One task per shard; remote shards go ``inflight`` to a task, scanned by threads in the worker
+    # so that requests stay in flight. Tasks come back in shard order: the index is identical
+    # whatever the number of workers.
+    if inflight <= 1:
+        tasks, fn = [[p] for p in paths], _worker_index_shard   # looked up here: tests put a stand-in
+    else:
+        tasks, fn = [paths[k:k + inflight] for k in range(0, len(paths), inflight)], _worker_index_shards
+    window: list = []          # (shards, future) in shard order
+    nxt = 0
+    try:
+        while nxt < len(tasks) or window:
+            while nxt < len(tasks) and len(window) < 2 * n:
+                task = tasks[nxt]
+                window.append((task, pool.submit(fn, task[0] if inflight <= 1 else task)))
+                nxt += 1
+            task, fut = window.pop(0)
+            try:
+                result = fut.result()
+            except BrokenProcessPool:
+                flight = [*task] + [p for t, f in window
+                                    if not f.done() or f.exception() is not None for p in t]
+                raise IndexBuildError(
+                    f"index build: a scan worker died (killed by a signal, e.g. the out-of-memory killer) "
+                    f"while these shards were being scanned: {', '.join(flight[:8])}"
+                    f"{f' and {len(flight) - 8} more' if len(flight) > 8 else ''}. "
+                    "The shards finished before "
+                    "are kept; run the build again (with fewer --workers if memory ran out)") from None
+            if inflight <= 1:
+                yield result
+            else:
+                yield from result
+    finally:
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        # A scan in flight when the build stops (Ctrl-C, SIGTERM, an error) must not outlive it.
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.terminate()
 
 
 def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iterator[ShardResult]:
@@ -463,12 +728,22 @@ class _Column:
     """Append-only ``.npy`` column: raw bytes while building, a proper ``.npy`` at the end, so the
     builder never holds the whole dataset's columns in memory."""
 
-    def __init__(self, folder: str, name: str, dtype, tail: tuple[int, ...]) -> None:
+    def __init__(self, folder: str, name: str, dtype, tail: tuple[int, ...],
+                 resume_rows: int | None = None) -> None:
         self.path = os.path.join(folder, f"{name}.npy")
         self.raw_path = self.path + ".raw"
         self.dtype, self.tail, self.rows = np.dtype(dtype), tail, 0
         self.row_bytes = self.dtype.itemsize * int(np.prod(tail, dtype=np.int64))
-        self.f = open(self.raw_path, "wb")
+        if resume_rows is None:
+            self.f = open(self.raw_path, "wb")
+        else:   # a checkpointed folder: keep its first ``resume_rows`` rows
+            self.f = open(self.raw_path, "r+b")
+            if os.fstat(self.f.fileno()).st_size < resume_rows * self.row_bytes:
+                self.f.close()
+                raise ValueError(f"{self.raw_path} is shorter than its checkpoint")
+            self.f.truncate(resume_rows * self.row_bytes)
+            self.f.seek(0, os.SEEK_END)
+            self.rows = resume_rows
 
     def append(self, values) -> None:
         arr = np.ascontiguousarray(values, dtype=self.dtype).reshape((-1, *self.tail))
@@ -485,24 +760,55 @@ class _Column:
         os.remove(self.raw_path)
 
 
+_WRITTEN_COLUMNS = {**COLUMNS, **OPTIONAL_COLUMNS, **VIDEO_COLUMNS}
+
+
 class _IndexWriter:
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, progress: dict | None = None) -> None:
         self.folder = folder
-        self.cols = {name: _Column(folder, name, dt, tail)
-                     for name, (dt, tail) in {**COLUMNS, **VIDEO_COLUMNS}.items()}
-        self.keys_f = open(os.path.join(folder, KEYS_BLOB), "wb")
-        self.paths_f = open(os.path.join(folder, PATHS_BLOB), "wb")
+        rows = progress["state"]["rows"] if progress is not None else {}
+        self.cols = {name: _Column(folder, name, dt, tail, rows.get(name) if progress is not None else None)
+                     for name, (dt, tail) in _WRITTEN_COLUMNS.items()}
+        mode = "r+b" if progress is not None else "wb"
+        self.keys_f = open(os.path.join(folder, KEYS_BLOB), mode)
+        self.paths_f = open(os.path.join(folder, PATHS_BLOB), mode)
         self.path_bytes = 0
-        self.errors_f = open(os.path.join(folder, ERRORS), "wb")
+        self.errors_f = open(os.path.join(folder, ERRORS), mode)
         self.shards: list[dict] = []
         self.ext_ids: dict[str, int] = {}
         self.key_bytes = self.num_members = self.num_images = 0
         self.num_samples = self.num_errors = self.num_bad_shards = self.total_tokens = 0
-        # CSR tables start with a 0 so that sample i spans [start[i], start[i + 1]).
         self.num_videos = 0
+        if progress is not None:
+            self.meta = progress["meta"]
+            self.shards, self.ext_ids = progress["shards"], progress["ext_ids"]
+            self._checkpoint = progress["state"]
+            self.rollback()
+            return
+        # CSR tables start with a 0 so that sample i spans [start[i], start[i + 1]).
         for name in ("key_offsets", "member_start", "image_start", "member_path_offsets", "video_start"):
             self.cols[name].append([0])
         self._checkpoint = self._state()
+
+    @classmethod
+    def resume(cls, folder: str) -> _IndexWriter:
+        """The writer of a folder a killed build left, back at its last checkpoint."""
+        with open(os.path.join(folder, PROGRESS), encoding="utf-8") as f:
+            return cls(folder, json.load(f))
+
+    def checkpoint(self, meta: dict) -> None:
+        """Record the shards finished so far, so that a build killed even by SIGKILL resumes from
+        here (the data is in the page cache once written; no fsync: a process kill loses nothing)."""
+        for f in (*(c.f for c in self.cols.values()), self.keys_f, self.paths_f, self.errors_f):
+            f.flush()
+        progress = {"meta": meta, "state": self._checkpoint, "shards": self.shards, "ext_ids": self.ext_ids}
+        tmp = os.path.join(self.folder, PROGRESS + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(progress, f, default=_jsonable)
+        os.replace(tmp, os.path.join(self.folder, PROGRESS))
+
+    def finish_partial(self) -> None:
+        self.finish({**self.meta, "partial": True})
 
     _COUNTERS = ("key_bytes", "path_bytes", "num_members", "num_images", "num_samples", "num_errors",
                  "num_bad_shards", "total_tokens", "num_videos")
@@ -549,6 +855,10 @@ class _IndexWriter:
         c["member_ext"].append([self.ext_ids.setdefault(e, len(self.ext_ids)) for e in r.member_exts])
         c["member_offset"].append(r.member_offsets)
         c["member_size"].append(r.member_sizes)
+        stamps = (np.full((len(r.member_exts), 2), -1, np.int64) if r.member_stamps is None
+                  else np.asarray(r.member_stamps, np.int64).reshape(-1, 2))
+        c["member_chksum"].append(stamps[:, 0])
+        c["member_mtime"].append(stamps[:, 1])
         if r.member_paths is None:   # tar members: empty ranges
             c["member_path_offsets"].append(np.full(len(r.member_exts), self.path_bytes, np.int64))
         else:
@@ -591,6 +901,7 @@ class _IndexWriter:
         manifest = {
             "format_version": FORMAT_VERSION,
             "tokenbal_version": __version__,
+            "build_id": uuid.uuid4().hex,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **meta,
             "num_samples": self.num_samples, "num_members": self.num_members,
@@ -603,6 +914,8 @@ class _IndexWriter:
         with open(os.path.join(self.folder, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, default=_jsonable, ensure_ascii=False)
             f.write("\n")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.folder, PROGRESS))
 
 
 def _jsonable(obj):
@@ -625,14 +938,35 @@ def _check_out(out: str) -> None:
 def _replace_dir(tmp: str, out: str) -> None:
     """Move the finished ``tmp`` folder to ``out``; an existing index there is replaced.
 
-    A rename cannot replace a non-empty folder, so the old one is first renamed aside; readers see
-    either the old or the new complete index, never a mix (at worst, briefly, no folder).
+    Files in ``out`` that tokenbal did not write (a user's notes) are moved into the new folder
+    first. A rename cannot replace a non-empty folder, so the old one is renamed aside to its
+    version folder (``store.version_path``); readers see either the old or the new complete index,
+    never a mix (at worst, briefly, no folder), and a reader that holds the old version keeps it:
+    it is deleted only once no process holds it (here, or by a later build).
     """
     if not os.path.exists(out):
         os.rename(tmp, out)
         return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    os.rmdir(old)
+    for name in os.listdir(out):
+        theirs = name not in OWNED_FILES and not name.endswith(".npy.raw")
+        if theirs and not os.path.exists(os.path.join(tmp, name)):
+            os.rename(os.path.join(out, name), os.path.join(tmp, name))
+    try:
+        with open(os.path.join(out, MANIFEST), encoding="utf-8") as f:
+            build_id = json.load(f).get("build_id")
+    except (OSError, ValueError):
+        build_id = None
+    old = version_path(out, build_id or uuid.uuid4().hex)
+    if os.path.exists(old):
+        _remove_owned(old)
     os.rename(out, old)
     os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    if not version_in_use(old):
+        _remove_owned(old)
+
+
+def _swap_in(tmp: str, dest: str) -> None:
+    """Replace the tokenbal-internal folder ``dest`` (a partial index) with ``tmp``."""
+    if os.path.exists(dest):
+        shutil.rmtree(dest, ignore_errors=True)
+    os.rename(tmp, dest)

@@ -108,8 +108,8 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
             jobs.append((int(positions[path]), path, idx))
     jobs.sort(key=lambda j: j[0])
     meta = {k: v for k, v in first.items()
-            if k in ("estimator", "text_counter", "image_sizes", "image_root", "sources", "parquet",
-                     "video_pipeline")}
+            if k in ("estimator", "text_counter", "exif", "image_sizes", "member_stamps", "image_root",
+                     "sources", "parquet", "video_pipeline")}
     writer = write_index(out, (_result_from_index(idx, path) for _, path, idx in jobs), meta)
     return BuildReport(out=os.path.abspath(os.fspath(out)), num_shards=len(jobs),
                        num_bad_shards=writer.num_bad_shards, num_samples=writer.num_samples,

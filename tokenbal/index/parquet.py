@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, image_size
+from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
 
@@ -94,8 +94,12 @@ def open_parquet(path: str, remote=None):
     return pq.ParquetFile(path), size, shard_fingerprint(path, size), {}
 
 
-def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None) -> ShardScan:
-    """Scan the Parquet file at ``path`` (see the module docstring); never raises for bad data."""
+def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
+                 exif: str = "ignore") -> ShardScan:
+    """Scan the Parquet file at ``path`` (see the module docstring); never raises for bad data.
+    ``exif``: the orientation policy for image sizes, as for tar shards (``imagesize``). A row's
+    image has no tar header and sits inside a column page: no member stamps and no end-marker check
+    (a truncated value would have failed Parquet's own page checks)."""
     opts = opts or ParquetOptions()
     scan = ShardScan(path=path)
     try:
@@ -116,7 +120,7 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None) -> 
                 sample = _row(scan, key, f"{path} row group {rg} row {row}", rg, row,
                               heads[row] if heads is not None else None, full, messages_col,
                               msgs[row] if msgs is not None else None,
-                              texts[row] if texts is not None else None)
+                              texts[row] if texts is not None else None, exif)
                 if sample is not None:
                     scan.samples.append(sample)
         if scan.n_members == 0:
@@ -164,36 +168,53 @@ def _image_heads(table, column: str | None):
         raise ValueError(f"image column {column!r} has type {arr.type}, expected a list of "
                          "{bytes, path} structs, one such struct, or binary")
     heads = pc.binary_slice(data, 0, FIRST_READ).to_pylist()
+    lengths = pc.binary_length(data).to_pylist()
     rows = []
     for r in range(len(offsets) - 1):
         if not valid[r]:
             rows.append([])
             continue
-        rows.append([(heads[j], j, paths[j]) for j in range(offsets[r], offsets[r + 1])])
+        rows.append([(heads[j], j, paths[j], lengths[j]) for j in range(offsets[r], offsets[r + 1])])
     return rows, lambda j: data[j].as_py()
 
 
+class _Value:
+    """One image value of the column, read through ``pread`` (what ``imagesize`` takes)."""
+
+    def __init__(self, full, j: int) -> None:
+        self._full, self._j, self._data = full, j, None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if self._data is None:
+            self._data = self._full(self._j)
+        return self._data[offset:offset + n]
+
+
 def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
-         messages, text) -> ScannedSample | None:
+         messages, text, exif: str = "ignore") -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
     sizes = []
-    for n, (head, j, path) in enumerate(images or []):
+    for n, (head, j, path, length) in enumerate(images or []):
         named = f"image {n}" + (f" ({path!r})" if path else "")
         if head is None:
             return fail(f"{named} has no bytes (only a path); embed the images, e.g. datasets' "
                         "cast_column(..., Image(decode=True)) before to_parquet")
         try:
-            sizes.append(image_size(head))
+            wh = image_size(head)
         except ImageSizeError as e:
             if len(head) < FIRST_READ:
                 return fail(f"{named} is not a readable image: {e}")
             try:   # the header lies past the first bytes (a large EXIF / ICC block)
-                sizes.append(image_size(full(j)))
+                head = full(j)
+                wh = image_size(head)
                 scan.n_full_reads += 1
             except ImageSizeError as e2:
                 return fail(f"{named} is not a readable image: {e2}")
+        if exif == "transpose" and exif_orientation(_Value(full, j), 0, length, head) in (5, 6, 7, 8):
+            wh = (wh[1], wh[0])
+        sizes.append(wh)
     pieces: list[str] | None = None
     try:
         if messages is not None:

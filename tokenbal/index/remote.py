@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenbal.index.imagesize import FIRST_READ, PREFIX_BYTES
+from tokenbal.index.imagesize import _TAIL, FIRST_READ, PREFIX_BYTES
 from tokenbal.index.scan import (
     _COMPRESSED_MAGIC,
     _EOF_BLOCKS,
@@ -47,10 +47,11 @@ from tokenbal.index.scan import (
     _group,
     _read_sample,
     _shard_error,
+    headers_digest,
     member_kind,
     scan_shard,
 )
-from tokenbal.index.tarwalk import walk_members
+from tokenbal.index.tarwalk import header_stamp, walk_members
 
 CHUNK = 8 * 1024
 INFLIGHT = 8
@@ -291,9 +292,12 @@ class _RemoteFileObj:
         return True
 
 
-def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int = PREFIX_BYTES) -> ShardScan:
+def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int = PREFIX_BYTES,
+                      exif: str = "ignore") -> ShardScan:
     """``scan.scan_shard`` for a remote tar shard (see the module docstring); never raises for bad
-    data or an unreachable object: those end up in ``.status`` / ``.reason`` and ``.errors``."""
+    data or an unreachable object: those end up in ``.status`` / ``.reason`` and ``.errors``.
+    The same checks as a local shard: member stamps (each member's tar header checksum and mtime, so
+    the reader catches a member rewritten in place), image end markers, the ``exif`` policy."""
     opts = opts or RemoteOptions()
     scan = ShardScan(path=url)
     try:
@@ -302,13 +306,13 @@ def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int =
         scan.extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
         if opts.mode != "whole":
             try:
-                return _scan_ranges(url, scan, opts, prefix)
+                return _scan_ranges(url, scan, opts, prefix, exif)
             except _NoRanges:
                 if opts.mode == "ranges":
                     raise RemoteReadError(f"{url}: the server ignores byte ranges (it sent more bytes than "
                                           "asked); use the 'whole' or 'auto' read mode") from None
                 scan = ShardScan(path=url, size=scan.size, extra=scan.extra)
-        return _scan_whole(url, scan, opts, prefix)
+        return _scan_whole(url, scan, opts, prefix, exif)
     except FileNotFoundError as e:
         _shard_error(scan, "missing", f"shard not found: {url}: {e}")
     except PermissionError as e:
@@ -320,12 +324,12 @@ def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int =
     return scan
 
 
-def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int) -> ShardScan:
+def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str) -> ShardScan:
     fs, path = filesystem(url, opts.storage_options)
     with tempfile.TemporaryDirectory(prefix="tokenbal-shard-") as tmp:
         local = os.path.join(tmp, "shard.tar")
         with_retries(lambda: fs.get_file(path, local), url, "the whole object", opts)
-        got = scan_shard(local, prefix)
+        got = scan_shard(local, prefix, exif)
     got.path, got.extra, got.mtime_ns = url, scan.extra, 0
     if got.size != scan.size:
         raise RemoteReadError(f"{url}: downloaded {got.size} bytes, the store says {scan.size}; "
@@ -339,7 +343,7 @@ def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int) -> 
     return got
 
 
-def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int) -> ShardScan:
+def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str) -> ShardScan:
     rf = RemoteFile(url, scan.size, opts)
     if scan.size == 0:
         _shard_error(scan, "empty", "shard is an empty (0-byte) file")
@@ -349,6 +353,7 @@ def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int) ->
     if scan.status == "ok":
         _check_tail(rf, scan)
     if scan.status == "ok":
+        scan.headers_digest = headers_digest(members)
         runs = _group(members, scan)
         # What the sample pass will read, fetched together: image heads and whole text members.
         want = []
@@ -357,11 +362,13 @@ def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int) ->
                 kind = member_kind(ti.name.rsplit("/", 1)[-1].split(".", 1)[-1]) if ti.isfile() else ""
                 if kind == "image":
                     want.append((ti.offset_data, ti.offset_data + min(ti.size, FIRST_READ, prefix)))
+                    # the end-marker check reads the last bytes (imagesize._check_end)
+                    want.append((ti.offset_data + ti.size - min(ti.size, _TAIL), ti.offset_data + ti.size))
                 elif kind == "text":
                     want.append((ti.offset_data, ti.offset_data + ti.size))
         rf.prefetch(want)
         for key, run in runs:
-            sample = _read_sample(rf, key, run, scan, prefix)
+            sample = _read_sample(rf, key, run, scan, prefix, exif)
             if sample is not None:
                 scan.samples.append(sample)
     scan.extra = {**scan.extra, "n_requests": rf.requests, "bytes_read": rf.bytes_read}
@@ -400,6 +407,9 @@ def _list_members(rf: RemoteFile, scan: ShardScan) -> list:
             status = "truncated" if "unexpected end of data" in str(e) else "corrupt"
             _shard_error(scan, status, f"shard is {status}: tarfile cannot read it {where}: {e}")
             return []
+        # tarfile's TarInfo.mtime may come from a PAX record; the stamp is the ustar header's own.
+        for ti in members:
+            ti.chksum, ti.mtime = header_stamp(rf.pread(512, ti.offset_data - 512))
     scan.n_members = len(members)
     if not members:
         _shard_error(scan, "empty", "shard is a valid tar with no members")

@@ -20,20 +20,28 @@ risk indexing a sample that lost some of its members with it, and is one ``tar``
 Sample errors (each one recorded with shard, key and reason, never a crash): an image member that is
 empty or not a readable image, a text member that is not UTF-8 / valid JSON or has a malformed
 schema, a JSON with no known text field, a video member that is not a readable video
-(``tokenbal.index.video.probe_video``: the reason), a sample with neither images, videos nor text,
-non-adjacent members of a key, a duplicated member name, a non-regular member; and
-per member: a name with no extension or not valid UTF-8.
+(``tokenbal.index.video.probe_video``: the reason), a sample with neither images, videos nor text
+(an empty caption with no image or video included: it would be a 0-token sample), an image cut
+short (no end marker, ``imagesize``), non-adjacent members of a key, a duplicated member name, a
+non-regular member, a GNU sparse member (its stored bytes are not its contents, so it cannot be read
+by offset); and per member: a name with no extension or not valid UTF-8. A shard path that is not a
+regular file (a FIFO, a device) is status ``unreadable``, never opened for reading.
+
+Member stamps: every member's own ustar header checksum and mtime (``tarwalk.header_stamp``) are
+kept per member and hashed, with names, offsets and sizes, into the shard's ``headers_digest``:
+``verify`` and the reader use them to catch a member rewritten in place at the same size.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tarfile
 from dataclasses import dataclass, field
 
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
-from tokenbal.index.tarwalk import TarMember, walk_members
+from tokenbal.index.tarwalk import TarMember, header_stamp, walk_members
 from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, text_pieces
 from tokenbal.index.video import VideoError, probe_video
 
@@ -52,6 +60,7 @@ class ScannedSample:
     text: str
     paths: list[str] | None = None           # annotation sources: "name\0absolute path" per member
     videos: list | None = None               # tokenbal.index.videoindex.SampleVideo per video member
+    stamps: list[tuple[int, int]] | None = None   # (header checksum, mtime) per member; -1 unknown
 
 
 @dataclass
@@ -65,6 +74,7 @@ class ShardScan:
     n_members: int = 0
     end_of_members: int = 0
     n_full_reads: int = 0                    # images whose header did not fit in the read prefix
+    headers_digest: str | None = None        # hash of every member's name, range and stamp
     samples: list[ScannedSample] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)   # more manifest entry fields (remote: etag, ...)
@@ -111,19 +121,54 @@ def shard_fingerprint(path: str, size: int | None = None) -> str:
     return "blake2b:" + h.hexdigest()
 
 
-def scan_shard(path: str, prefix: int = PREFIX_BYTES) -> ShardScan:
+def regular_file_stat(path: str) -> os.stat_result:
+    """``os.stat(path)``, raising ``OSError`` naming the kind when it is not a regular file: opening
+    a FIFO for reading blocks until a writer appears, i.e. forever for a build."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        mode = st.st_mode
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+        raise OSError(f"{path} is {kind}, not a regular file; shards must be regular files")
+    return st
+
+
+def headers_digest(members: list) -> str:
+    """Hash of (name, payload offset, size, header checksum, header mtime) of every member."""
+    h = hashlib.blake2b(digest_size=16)
+    for m in members:
+        line = f"{m.name}\0{m.offset_data}:{m.size}:{m.chksum}:{m.mtime}\n"
+        h.update(line.encode("utf-8", "surrogateescape"))
+    return "blake2b:" + h.hexdigest()
+
+
+def list_shard_members(path: str) -> tuple[list[AnyMember], ShardScan]:
+    """Every member of the shard at ``path``, with stamps (header checksum and mtime), and the scan
+    state that says whether the listing is complete (``status == "ok"``); no payload is read."""
+    scan = ShardScan(path=path)
+    st = regular_file_stat(path)
+    scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
+    members = _list_members(path, scan)
+    if scan.status == "ok":
+        _check_tail(path, scan)
+    return members, scan
+
+
+def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore") -> ShardScan:
     """Scan the shard at ``path`` (see the module docstring for the rules). Never raises for bad
-    data or a missing/unreadable file: those end up in ``.status``/``.reason`` and ``.errors``."""
+    data or a missing/unreadable file: those end up in ``.status``/``.reason`` and ``.errors``.
+    ``exif``: the orientation policy for image sizes (``imagesize.read_image_size``)."""
     scan = ShardScan(path=path)
     try:
-        st = os.stat(path)
+        st = regular_file_stat(path)
         scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
         scan.fingerprint = shard_fingerprint(path, st.st_size)
         members = _list_members(path, scan)
         if scan.status == "ok":
             _check_tail(path, scan)
         if scan.status == "ok":
-            _read_samples(path, members, scan, prefix)
+            scan.headers_digest = headers_digest(members)
+            _read_samples(path, members, scan, prefix, exif)
     except FileNotFoundError as e:
         _shard_error(scan, "missing", f"shard not found: {e}")
     except OSError as e:
@@ -161,6 +206,19 @@ def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
         if not members:
             _shard_error(scan, "empty", "shard is a valid tar with no members")
         return members
+    members = _list_with_tarfile(path, scan)
+    if scan.status == "ok":
+        # tarfile's TarInfo.mtime may come from a PAX record; the stamp is the ustar header's own.
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for ti in members:
+                ti.chksum, ti.mtime = header_stamp(os.pread(fd, 512, ti.offset_data - 512))
+        finally:
+            os.close(fd)
+    return members
+
+
+def _list_with_tarfile(path: str, scan: ShardScan) -> list[AnyMember]:
     # Anything unusual (a bad header, a truncation, exotic member types): tarfile judges it.
     members: list[AnyMember] = []
     try:
@@ -204,12 +262,12 @@ def _check_tail(path: str, scan: ShardScan) -> None:
                      f"the end-of-archive marker needs {_EOF_BLOCKS} zero bytes")
 
 
-def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: int) -> None:
+def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: int, exif: str) -> None:
     runs = _group(members, scan)
     fd = os.open(path, os.O_RDONLY)
     try:
         for key, run in runs:
-            sample = _read_sample(fd, key, run, scan, prefix)
+            sample = _read_sample(fd, key, run, scan, prefix, exif)
             if sample is not None:
                 scan.samples.append(sample)
     finally:
@@ -259,7 +317,7 @@ def _group(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[An
 
 
 def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
-                 prefix: int) -> ScannedSample | None:
+                 prefix: int, exif: str = "ignore") -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"sample {key!r}: {reason}"})
 
@@ -268,6 +326,9 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     has_text_member = False
     for ti in run:
         ext = ti.name[len(key) + 1:]
+        if isinstance(ti, tarfile.TarInfo) and ti.issparse():
+            return fail(f"member {ti.name!r} is a GNU sparse file: its stored bytes are not its contents, "
+                        "so it cannot be read by offset (re-create the shard without --sparse)")
         if not ti.isfile():
             return fail(f"member {ti.name!r} is not a regular file (tar type {ti.type!r})")
         # webdataset lower-cases extensions, so k.JPG and k.jpg would collide when loading.
@@ -278,7 +339,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
         kind = member_kind(ext)
         try:
             if kind == "image":
-                wh, full = read_image_size(fd, ti.offset_data, ti.size, prefix)
+                wh, full = read_image_size(fd, ti.offset_data, ti.size, prefix, exif)
                 sizes.append(wh)
                 scan.n_full_reads += full
             elif kind == "text":
@@ -301,8 +362,11 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     if not sizes and not has_text_member and not videos:
         names = ", ".join(repr(ti.name) for ti in run)
         return fail(f"has neither images nor text nor a video (members: {names})")
-    return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces),
-                         videos=videos or None)
+    text = join_text(pieces)
+    if not sizes and not videos and not text.strip():
+        return fail("its text is empty and it has no image or video: it would be a 0-token sample")
+    return ScannedSample(key=key, members=members, image_sizes=sizes, text=text,
+                         videos=videos or None, stamps=[(ti.chksum, ti.mtime) for ti in run])
 
 
 def _probe_member(fd: int, ti: AnyMember, position: int):

@@ -3,7 +3,8 @@
 Brace patterns follow the webdataset / bash convention: ``data-{000..099}.tar`` is a numeric range
 (zero-padded to the wider endpoint when either endpoint has a leading zero) and ``{a,b}`` is a list;
 groups may nest and repeat. After brace expansion, a pattern with ``*``, ``?`` or ``[`` is a glob
-(sorted); anything else is a literal path that must exist.
+(sorted), unless a file of exactly that name exists (``shard[1].tar`` is that file when it exists);
+anything else is a literal path that must exist.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
                 if not glob.has_magic(pattern):
                     literal_urls.append(pattern)
                 paths.extend(urls)
+            elif os.path.exists(pattern):
+                # An existing file is itself even when its name has glob characters: "shard[1].tar"
+                # names that file, not "shard1.tar".
+                paths.append(pattern)
             elif glob.has_magic(pattern):
                 matches = sorted(glob.glob(pattern))
                 if not matches:
                     missing.append(f"{pattern} (pattern matches no file)")
                 paths.extend(matches)
-            elif os.path.exists(pattern):
-                paths.append(pattern)
             else:
                 missing.append(pattern)
     if literal_urls:

@@ -18,16 +18,30 @@ One folder, written atomically by ``build_index`` (built in a temporary sibling 
   file it is the image path as written in the record, a NUL, and the file's absolute path; that
   member's offset is 0 and its size the file size (``members(i)`` then names the file itself as
   the member's ``shard``).
-* Image table: ``image_size`` (int32, shape (M, 2): width, height as stored, EXIF ignored).
+* ``member_chksum`` / ``member_mtime`` (int64, one row per member; optional, absent in indexes from
+  older tokenbal): the checksum and mtime fields of the member's own ustar header (-1 for a file
+  named by an annotation record; its ``member_mtime`` is the file's mtime in ns). ``verify`` and the
+  reader compare them to catch a member rewritten at the same size.
+* Image table: ``image_size`` (int32, shape (M, 2): width, height after the manifest's ``exif``
+  policy — ``"transpose"``: as ``PIL.ImageOps.exif_transpose`` / transformers' ``load_image`` give
+  them; ``"ignore"`` or absent: as stored).
 * ``errors.jsonl`` — one JSON object per sample or shard that was not indexed: shard, key (null for
   a shard-level error), reason.
+
+Versions: every build writes a ``build_id`` into the manifest. A rebuild renames the folder it
+replaces to ``.<name>.v-<build_id>`` beside it and deletes it only once no reader holds it: an open
+``TokenIndex`` holds a shared ``flock`` on its manifest, and one pickled to another process (a
+spawn-started DataLoader worker) reopens the version it was opened as, from that folder if the index
+was rebuilt in between. So a job never mixes two versions of an index.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import operator
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,7 +70,40 @@ COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
     "image_start": (np.int64, ()),
     "image_size": (np.int32, (2,)),
 }
+# Optional columns: read when present (indexes from older tokenbal lack them).
+OPTIONAL_COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
+    "member_chksum": (np.int64, ()),
+    "member_mtime": (np.int64, ()),
+}
 INDEX_FILES = (MANIFEST, ERRORS, KEYS_BLOB, PATHS_BLOB, *(f"{c}.npy" for c in COLUMNS))
+# Every name tokenbal writes inside an index folder; nothing else there is ever deleted.
+OWNED_FILES = frozenset((*INDEX_FILES, *(f"{c}.npy" for c in OPTIONAL_COLUMNS), "progress.json",
+                         "progress.json.tmp",
+                         # tokenbal.index.videoindex.VIDEO_COLUMNS (not imported here: it imports video)
+                         "video_start.npy", "video_info.npy", "video_params.npy"))
+
+
+class IndexDamagedError(ValueError):
+    """An index file is unreadable or inconsistent (cut short, not JSON, wrong shape); names the file."""
+
+
+def version_path(path: str, build_id: str) -> str:
+    """Where a replaced version of the index at ``path`` is kept while readers hold it."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.v-{build_id}")
+
+
+def _load_column(file: str, dtype, tail: tuple[int, ...]) -> np.ndarray:
+    try:
+        arr = np.load(file, mmap_mode="r")
+    except FileNotFoundError:
+        raise IndexDamagedError(f"index file missing: {file} (rebuild the index)") from None
+    except (ValueError, OSError, EOFError) as e:   # a cut header or body: numpy's words, no file name
+        raise IndexDamagedError(f"index file {file} is damaged ({e}); rebuild the index") from None
+    if arr.dtype != dtype or arr.shape[1:] != tail:
+        raise IndexDamagedError(f"index file {file} has dtype {arr.dtype} shape {arr.shape}, "
+                                f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")
+    return arr
 
 
 @dataclass(frozen=True)
@@ -102,25 +149,41 @@ class TokenIndex:
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
+        # Held while this object lives: a rebuild keeps this version on disk until it is released.
+        hold = _hold_version(self.path)
+        self._release = weakref.finalize(self, os.close, hold) if hold is not None else None
         self.manifest: dict = read_manifest(self.path)
+        self.build_id: str | None = self.manifest.get("build_id")
         cols = {}
         for name, (dtype, tail) in COLUMNS.items():
-            file = os.path.join(self.path, f"{name}.npy")
-            arr = np.load(file, mmap_mode="r")
-            if arr.dtype != dtype or arr.shape[1:] != tail:
-                raise ValueError(f"index file {file} has dtype {arr.dtype} shape {arr.shape}, "
-                                 f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")
-            cols[name] = arr
-        n = int(self.manifest["num_samples"])
-        n_members = int(cols["member_start"][-1])
-        for name, want in (("lengths", n), ("vision_tokens", n), ("text_tokens", n), ("shard_id", n),
-                           ("key_offsets", n + 1), ("member_start", n + 1), ("image_start", n + 1),
-                           ("member_ext", n_members), ("member_offset", n_members),
-                           ("member_size", n_members), ("member_path_offsets", n_members + 1),
-                           ("image_size", int(cols["image_start"][-1]))):
+            cols[name] = _load_column(os.path.join(self.path, f"{name}.npy"), dtype, tail)
+        for name, (dtype, tail) in OPTIONAL_COLUMNS.items():
+            if os.path.exists(os.path.join(self.path, f"{name}.npy")):
+                cols[name] = _load_column(os.path.join(self.path, f"{name}.npy"), dtype, tail)
+        try:
+            n = int(self.manifest["num_samples"])
+            n_members = int(cols["member_start"][-1]) if len(cols["member_start"]) else -1
+            n_images = int(cols["image_start"][-1]) if len(cols["image_start"]) else -1
+        except (KeyError, TypeError, ValueError) as e:
+            raise IndexDamagedError(f"index {self.path} is damaged ({MANIFEST} or member_start.npy: "
+                                    f"{type(e).__name__}: {e}); rebuild it") from None
+        checks = [("lengths", n), ("vision_tokens", n), ("text_tokens", n), ("shard_id", n),
+                  ("key_offsets", n + 1), ("member_start", n + 1), ("image_start", n + 1),
+                  ("member_ext", n_members), ("member_offset", n_members),
+                  ("member_size", n_members), ("member_path_offsets", n_members + 1),
+                  ("image_size", n_images)]
+        checks += [(name, n_members) for name in OPTIONAL_COLUMNS if name in cols]
+        for name, want in checks:
             if len(cols[name]) != want:
-                raise ValueError(f"index {self.path} is inconsistent: {name}.npy has {len(cols[name])} "
-                                 f"rows, expected {want} (rebuild it)")
+                raise IndexDamagedError(f"index {self.path} is inconsistent: {name}.npy has "
+                                        f"{len(cols[name])} "
+                                        f"rows, expected {want} (rebuild it)")
+        for blob, offsets in ((KEYS_BLOB, "key_offsets"), (PATHS_BLOB, "member_path_offsets")):
+            file = os.path.join(self.path, blob)
+            have = os.path.getsize(file) if os.path.exists(file) else -1
+            if have < int(cols[offsets][-1]):
+                raise IndexDamagedError(f"index file {file} is damaged: {have} bytes, {offsets}.npy needs "
+                                        f"{int(cols[offsets][-1])} (rebuild the index)")
         # Public columns stay np.memmap; lookups go through plain ndarray views of the same pages,
         # because indexing an np.memmap element by element costs ~10x more (subclass overhead).
         cols.update(_video_columns(self.path, n))
@@ -131,6 +194,16 @@ class TokenIndex:
         self.shard_ids: np.ndarray = cols["shard_id"]
         self.shard_paths: list[str] = [s["path"] for s in self.manifest["shards"]]
         self._exts: list[str] = list(self.manifest["extensions"])
+
+    def release(self) -> None:
+        """Drop this object's hold on its index version (a rebuild may then delete it once replaced);
+        the arrays stay readable in this process."""
+        if self._release is not None:
+            self._release()
+
+    def __reduce__(self):
+        # Pickled (to a spawn-started worker): reopen the same version, not whatever is at the path now.
+        return (_reopen_pinned, (self.path, self.build_id))
 
     @classmethod
     def open(cls, path: str | os.PathLike, *, expect_model: str | None = None,
@@ -162,8 +235,27 @@ class TokenIndex:
 
     @cached_property
     def errors(self) -> list[dict]:
-        with open(os.path.join(self.path, ERRORS), encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        file = os.path.join(self.path, ERRORS)
+        out = []
+        with open(file, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise IndexDamagedError(f"index file {file} is damaged at line {lineno} ({e}); "
+                                                "rebuild the index") from None
+        return out
+
+    def member_stamps(self, i: int) -> list[tuple[int, int]] | None:
+        """(header checksum, mtime) of each member of sample ``i`` (see ``OPTIONAL_COLUMNS``), or
+        ``None`` for an index built without them."""
+        c = self._cols
+        if "member_chksum" not in c:
+            return None
+        i = _check_row(i, len(self))
+        a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
+        return list(zip(c["member_chksum"][a:b].tolist(), c["member_mtime"][a:b].tolist(), strict=True))
 
     def shard(self, i: int) -> str:
         """Absolute path of the shard (or annotation file) holding sample ``i``."""
@@ -234,13 +326,55 @@ def _video_columns(path: str, n: int) -> dict:
 
     if not os.path.isfile(os.path.join(path, "video_start.npy")):
         return {}
-    cols = {name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r") for name in VIDEO_COLUMNS}
+    cols = {name: _load_column(os.path.join(path, f"{name}.npy"), dtype, tail)
+            for name, (dtype, tail) in VIDEO_COLUMNS.items()}
     v = int(cols["video_start"][-1]) if len(cols["video_start"]) else 0
     for name, want in (("video_start", n + 1), ("video_info", v), ("video_params", v)):
         if len(cols[name]) != want:
-            raise ValueError(f"index {path} is inconsistent: {name}.npy has {len(cols[name])} rows, "
-                             f"expected {want} (rebuild it)")
+            raise IndexDamagedError(f"index {path} is inconsistent: {name}.npy has {len(cols[name])} rows, "
+                                    f"expected {want} (rebuild it)")
     return cols
+
+
+def _hold_version(path: str) -> int | None:
+    """An open descriptor of ``path``'s manifest with a shared flock (None where locks fail)."""
+    try:
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None   # read_manifest words the error
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        pass          # a file system without flock: the version is then not protected
+    return fd
+
+
+def version_in_use(path: str) -> bool:
+    """Whether some process holds the index version at ``path`` open (a shared flock on it)."""
+    try:
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)     # closing drops the probe's own lock
+
+
+def _reopen_pinned(path: str, build_id: str | None) -> TokenIndex:
+    idx = TokenIndex(path)
+    if build_id is None or idx.build_id == build_id:
+        return idx
+    kept = version_path(path, build_id)
+    if os.path.isfile(os.path.join(kept, MANIFEST)):
+        old = TokenIndex(kept)
+        if old.build_id == build_id:
+            return old
+    raise IndexDamagedError(f"index {path} was rebuilt (build {idx.build_id}) after this process's parent "
+                            f"opened build {build_id}, and that version is gone; restart the job")
 
 
 def _blob(file: str) -> np.ndarray:
@@ -302,8 +436,15 @@ def read_manifest(path: str) -> dict:
         raise FileNotFoundError(f"index folder not found: {path}")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path} is not a tokenbal index (no {MANIFEST})")
-    with open(file, encoding="utf-8") as f:
-        manifest = json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise IndexDamagedError(f"index file {file} is damaged (not valid JSON: {e}); it was cut short or "
+                                "overwritten: rebuild the index") from None
+    if not isinstance(manifest, dict):
+        raise IndexDamagedError(f"index file {file} is damaged: it holds a {type(manifest).__name__}, "
+                                "not an object; rebuild the index")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(f"index {path} has format_version {version!r}; this tokenbal reads "
@@ -312,18 +453,39 @@ def read_manifest(path: str) -> dict:
 
 
 def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
-    """Problems that make the index at ``path`` stale, one line each, naming the file; [] if none.
+    """Problems that make the index at ``path`` stale or unusable, one line each, naming the file;
+    [] if none.
 
-    Every shard is re-fingerprinted (size + first/last MiB): a missing shard, a size change or a
-    same-size content change is reported. A changed mtime alone is not (copies change it).
+    The index itself first: every file must open and agree (a cut ``manifest.json`` or ``lengths.npy``
+    is reported as ``index damaged``). Then every shard: missing, not a regular file, another size, or
+    another mtime is re-listed (headers only) and each indexed member's header (name, offset, size,
+    checksum, mtime) compared with the index, so a member rewritten in place at the same size is
+    named; the first/last MiB fingerprint is compared too. A shard whose mtime changed while every
+    header and the fingerprint are the same is reported as modified (a copy that dropped mtimes looks
+    the same as a payload edited in place; ``touch -r`` it back or rebuild). Image and video files
+    named by annotation records are checked by size and mtime. A Parquet file has no member headers:
+    size, fingerprint and mtime only.
     A remote shard (URL) is checked through its store (``tokenbal.index.remote.remote_problems``,
-    ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint.
+    ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint; its
+    member headers are not re-listed here (the reader still compares each member's stamp).
     """
+    from tokenbal.index.scan import headers_digest, list_shard_members, regular_file_stat
+
     path = os.fspath(path)
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except IndexDamagedError as e:
+        return [f"index damaged: {e}"]
     problems = [f"index file missing: {os.path.join(path, f)}"
                 for f in INDEX_FILES if not os.path.isfile(os.path.join(path, f))]
-    for entry in manifest["shards"]:
+    idx = None
+    if not problems:
+        try:
+            idx = TokenIndex(path)
+            idx.errors   # noqa: B018 - parse errors.jsonl too
+        except (IndexDamagedError, OSError) as e:
+            return [f"index damaged: {e}"]
+    for sid, entry in enumerate(manifest["shards"]):
         shard = entry["path"]
         if "://" in shard and not shard.startswith("file://"):
             from tokenbal.index.remote import RemoteOptions, remote_problems
@@ -331,7 +493,7 @@ def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
             problems.extend(remote_problems(entry, remote or RemoteOptions()))
             continue
         try:
-            size = os.stat(shard).st_size
+            st = regular_file_stat(shard)
         except FileNotFoundError:
             problems.append(f"shard missing: {shard}")
             continue
@@ -340,17 +502,82 @@ def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
             continue
         if entry.get("fingerprint") is None:
             continue   # it could not be read at build time; it was recorded as an error then
-        if size != entry["size"]:
-            problems.append(f"shard changed: {shard} (size {entry['size']} -> {size} bytes)")
+        if st.st_size != entry["size"]:
+            problems.append(f"shard changed: {shard} (size {entry['size']} -> {st.st_size} bytes)")
             continue
         try:
-            fp = shard_fingerprint(shard, size)
+            fp = shard_fingerprint(shard, st.st_size)
         except OSError as e:
             problems.append(f"shard unreadable: {shard}: {e}")
             continue
-        if fp != entry["fingerprint"]:
-            problems.append(f"shard changed: {shard} (same size {size} bytes, different content)")
+        same_mtime = entry.get("mtime_ns") in (None, st.st_mtime_ns)
+        if fp == entry["fingerprint"] and same_mtime:
+            continue
+        found = None
+        if entry.get("headers_digest") is not None:
+            try:
+                members, scan = list_shard_members(shard)
+            except OSError as e:
+                problems.append(f"shard unreadable: {shard}: {e}")
+                continue
+            if scan.status != "ok":
+                found = f"it no longer lists as a tar ({scan.reason})"
+            elif headers_digest(members) != entry["headers_digest"]:
+                found = _first_changed_member(idx, sid, members) or "a member header changed"
+        if found is None and fp != entry["fingerprint"]:
+            found = "same size, different content in its first/last MiB"
+        if found is not None:
+            problems.append(f"shard changed: {shard} ({found})")
+        elif not same_mtime:
+            problems.append(f"shard modified: {shard} (mtime changed since the build; every member header is "
+                            "unchanged, but a payload may have been edited in place: rebuild, or "
+                            "`touch -r` it "
+                            "back if it is an unchanged copy)")
+    if idx is not None and "member_mtime" in idx._cols:
+        problems.extend(_changed_files(idx))
     return problems
+
+
+def _first_changed_member(idx: TokenIndex | None, sid: int, members: list) -> str | None:
+    """The first indexed member of shard ``sid`` whose header differs from ``members`` (a fresh
+    listing), worded for ``verify``; None when the index has no stamps to compare."""
+    if idx is None or "member_chksum" not in idx._cols:
+        return None
+    by_offset = {m.offset_data: m for m in members}
+    c = idx._cols
+    a, b = (int(x) for x in np.searchsorted(idx.shard_ids, [sid, sid + 1]))
+    for i in range(a, b):
+        for j, m in zip(range(int(c["member_start"][i]), int(c["member_start"][i + 1])), idx.members(i),
+                        strict=True):
+            now = by_offset.get(m.offset)
+            want = (m.name, m.size, int(c["member_chksum"][j]), int(c["member_mtime"][j]))
+            if now is None:
+                return (f"member {m.name!r} of sample {idx.keys[i]!r}: no member starts at byte {m.offset} "
+                        "any more")
+            have = (now.name, now.size, now.chksum, now.mtime)
+            if have != want:
+                what = [f for f, x, y in zip(("name", "size", "header checksum", "mtime"), want, have,
+                                             strict=True) if x != y]
+                return (f"member {m.name!r} of sample {idx.keys[i]!r} at byte {m.offset} was rewritten: "
+                        f"{', '.join(what)} differ")
+    return None
+
+
+def _changed_files(idx: TokenIndex) -> list[str]:
+    """Image files named by annotation records whose size or mtime changed since the build."""
+    c = idx._cols
+    poff = c["member_path_offsets"]
+    out = []
+    for j in np.flatnonzero(np.diff(poff) > 0).tolist():
+        _, _, file = idx._member_paths[j].partition("\0")
+        try:
+            st = os.stat(file)
+        except OSError:
+            out.append(f"image file missing: {file}")
+            continue
+        if st.st_size != int(c["member_size"][j]) or (int(c["member_mtime"][j]) not in (-1, st.st_mtime_ns)):
+            out.append(f"image file changed: {file} (size or mtime differs from the build)")
+    return out
 
 
 def index_stats(path: str | os.PathLike, plot: str | os.PathLike | None = None) -> str:

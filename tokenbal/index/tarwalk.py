@@ -33,6 +33,8 @@ class TarMember:
     type: bytes
     size: int
     offset_data: int
+    chksum: int = -1      # the member's own ustar header: checksum field and mtime field, as stored
+    mtime: int = -1       # (see ``header_stamp``); -1 when unknown
 
     def isfile(self) -> bool:
         return self.type in _REGULAR
@@ -72,7 +74,8 @@ def _walk(pread, size: int) -> tuple[list[TarMember], int]:
             if pax_path is not None or pax_size is not None or long_name is not None:
                 raise _Fallback   # an extended header with no member after it
             return members, pos
-        if _number(buf[148:156]) != sum(buf) - sum(buf[148:156]) + 256:
+        chksum = _number(buf[148:156])
+        if chksum != sum(buf) - sum(buf[148:156]) + 256:
             raise _Fallback       # bad checksum (or a signed-sum writer): tarfile decides
         kind = buf[156:157]
         n = _number(buf[124:136])
@@ -112,10 +115,23 @@ def _walk(pread, size: int) -> tuple[list[TarMember], int]:
         if pax_size is not None:
             n, pax_size = pax_size, None
             blocks = -(-n // BLOCK) * BLOCK
-        members.append(TarMember(name, kind, n, data))
+        members.append(TarMember(name, kind, n, data, chksum, _number(buf[136:148])))
         pos = data + (blocks if kind in _REGULAR else 0)
         if pos > size:
             raise _Fallback
+
+
+def header_stamp(block: bytes) -> tuple[int, int]:
+    """(checksum field, mtime field) of a 512-byte ustar header, as stored; (-1, -1) if unreadable.
+
+    The ustar header right before a member's payload is that member's own (PAX / GNU long-name
+    records come before it), so this is what a reader finds at ``offset_data - 512``. A rewritten
+    member almost always changes one of the two (new mtime, new checksum), even at the same size.
+    """
+    try:
+        return _number(block[148:156]), _number(block[136:148])
+    except _Fallback:
+        return -1, -1
 
 
 def _number(field: bytes) -> int:
