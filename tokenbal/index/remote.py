@@ -41,12 +41,12 @@ from typing import Any
 from tokenbal.index.imagesize import _TAIL, FIRST_READ, PREFIX_BYTES
 from tokenbal.index.scan import (
     _COMPRESSED_MAGIC,
-    _EOF_BLOCKS,
     FINGERPRINT_SPAN,
     ShardScan,
     _group,
     _read_sample,
     _shard_error,
+    check_tail,
     headers_digest,
     member_kind,
     scan_shard,
@@ -351,7 +351,7 @@ def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, ex
     scan.fingerprint = rf.fingerprint()
     members = _list_members(rf, scan)
     if scan.status == "ok":
-        _check_tail(rf, scan)
+        check_tail(rf.pread, scan)
     if scan.status == "ok":
         scan.headers_digest = headers_digest(members)
         runs = _group(members, scan)
@@ -414,25 +414,6 @@ def _list_members(rf: RemoteFile, scan: ShardScan) -> list:
     if not members:
         _shard_error(scan, "empty", "shard is a valid tar with no members")
     return members
-
-
-def _check_tail(rf: RemoteFile, scan: ShardScan) -> None:
-    end, size = scan.end_of_members, scan.size
-    pos = end
-    while pos < size:
-        chunk = rf.pread(min(1 << 20, size - pos), pos)
-        if chunk.count(0) != len(chunk):
-            first = pos + next(i for i, b in enumerate(chunk) if b)
-            _shard_error(scan, "corrupt",
-                         f"shard is corrupt or truncated: tarfile stopped at byte {end} after "
-                         f"{scan.n_members} members, but byte {first} of {size} is not zero "
-                         "(a damaged member header; the members after it are unreadable)")
-            return
-        pos += len(chunk)
-    if size - end < _EOF_BLOCKS:
-        _shard_error(scan, "truncated",
-                     f"shard is truncated: only {size - end} bytes after the last member at byte {end}, "
-                     f"the end-of-archive marker needs {_EOF_BLOCKS} zero bytes")
 
 
 # --- sources, staleness -------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import hashlib
 import os
 import stat
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
@@ -240,22 +241,28 @@ def _list_with_tarfile(path: str, scan: ShardScan) -> list[AnyMember]:
 
 
 def _check_tail(path: str, scan: ShardScan) -> None:
-    end, size = scan.end_of_members, scan.size
     with open(path, "rb") as f:
-        f.seek(end)
-        pos = end
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            if chunk.count(0) != len(chunk):
-                first = pos + next(i for i, b in enumerate(chunk) if b)
-                _shard_error(scan, "corrupt",
-                             f"shard is corrupt or truncated: tarfile stopped at byte {end} after "
-                             f"{scan.n_members} members, but byte {first} of {size} is not zero "
-                             "(a damaged member header; the members after it are unreadable)")
-                return
-            pos += len(chunk)
+        check_tail(lambda n, offset: os.pread(f.fileno(), n, offset), scan)
+
+
+def check_tail(pread: Callable[[int, int], bytes], scan: ShardScan) -> None:
+    """After the last member a tar holds only zeros, at least the end-of-archive marker: anything
+    else is a damaged header that hid the members behind it. ``pread(n, offset)`` reads the shard
+    (a local file or a remote object alike)."""
+    end, size = scan.end_of_members, scan.size
+    pos = end
+    while pos < size:
+        chunk = pread(min(1 << 20, size - pos), pos)
+        if not chunk:
+            break
+        if chunk.count(0) != len(chunk):
+            first = pos + next(i for i, b in enumerate(chunk) if b)
+            _shard_error(scan, "corrupt",
+                         f"shard is corrupt or truncated: tarfile stopped at byte {end} after "
+                         f"{scan.n_members} members, but byte {first} of {size} is not zero "
+                         "(a damaged member header; the members after it are unreadable)")
+            return
+        pos += len(chunk)
     if size - end < _EOF_BLOCKS:
         _shard_error(scan, "truncated",
                      f"shard is truncated: only {size - end} bytes after the last member at byte {end}, "
