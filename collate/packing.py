@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from collate.anyres import AnyresLayout, TileLayout, collate_anyres
-from collate.positions import as_grid, packed_mrope_positions
+from collate.positions import as_grid, glm4v_token_types, packed_glm4v_positions, packed_mrope_positions
 from collate.vision import tower_fields, window_in_merged_tokens
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
@@ -33,8 +33,9 @@ _SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"
 _ANYRES_MODEL_TYPES = ("llava_next", "llava_onevision")
 # 1-D RoPE behind fixed-size tiles: placeholders = tiles x tokens per tile (collate.anyres).
 _TILE_MODEL_TYPES = ("internvl",)
-# Same placeholder tokens but a different position layout (GLM-4V counts video frames otherwise).
-_UNSUPPORTED_MROPE = ("glm4v", "glm4v_moe")
+# GLM-4.1V / GLM-4.5V: their own M-RoPE layout (collate.positions.glm4v_positions); the two
+# get_rope_index are the same code in transformers 5.24.
+_GLM_MODEL_TYPES = ("glm4v", "glm4v_moe")
 
 
 @dataclasses.dataclass(eq=False)
@@ -225,6 +226,11 @@ class PackedCollator:
     sp_pad_token_id: int = 0
     # LLaVA-NeXT / LLaVA-OneVision crops (collate.anyres): samples carry image_sizes instead of grids.
     anyres: AnyresLayout | TileLayout | None = None
+    # ``"glm4v"``: GLM-4.1V positions (collate.positions.packed_glm4v_positions): video frames use the
+    # image token inside the ``video_span_token_ids`` = (<|begin_of_video|>, <|end_of_video|>) span,
+    # ``vision_start_token_id`` is <|begin_of_image|>, and ``video_token_id`` (<|video|>) must not remain.
+    mrope_style: Literal["qwen", "glm4v"] = "qwen"
+    video_span_token_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.rope not in ("mrope", "1d"):
@@ -237,6 +243,10 @@ class PackedCollator:
             raise ValueError(f"vision_window must be >= 1 merged tokens, got {self.vision_window}")
         if self.sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.mrope_style not in ("qwen", "glm4v"):
+            raise ValueError(f"mrope_style must be 'qwen' or 'glm4v', got {self.mrope_style!r}")
+        if self.mrope_style == "glm4v" and (self.rope != "mrope" or self.video_span_token_ids is None):
+            raise ValueError("mrope_style='glm4v' needs rope='mrope' and video_span_token_ids")
         vision_ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id)
         if self.sp_size > 1 and self.sp_pad_token_id in vision_ids:
             raise ValueError(f"sp_pad_token_id={self.sp_pad_token_id} is a vision token id; padding must "
@@ -258,11 +268,14 @@ class PackedCollator:
                 rope="1d", image_token_id=int(hf_config.image_token_id),
                 video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)), anyres=layout)
             return cls(**{**kwargs_1d, **overrides})
-        if model_type in _UNSUPPORTED_MROPE:
-            raise ValueError(
-                f"model_type {model_type!r} uses a different M-RoPE position layout; PackedCollator "
-                f"supports {_MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES}, or pass rope='1d' explicitly"
-            )
+        if model_type in _GLM_MODEL_TYPES:
+            glm: dict[str, Any] = dict(
+                rope="mrope", mrope_style="glm4v", image_token_id=int(hf_config.image_token_id),
+                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)),
+                vision_start_token_id=_opt_int(getattr(hf_config, "image_start_token_id", None)),
+                video_span_token_ids=(int(hf_config.video_start_token_id), int(hf_config.video_end_token_id)),
+                spatial_merge_size=int(getattr(vision, "spatial_merge_size", 2)))
+            return cls(**{**glm, **overrides})
         if model_type in _MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES and vision is not None:
             kwargs: dict[str, Any] = dict(
                 rope="mrope",
@@ -376,7 +389,19 @@ class PackedCollator:
         img_grids = _cat_grids(vision["image_grid_thw"])
         vid_grids = _cat_grids(vision["video_grid_thw"])
         sec_all = np.concatenate(seconds) if seconds else None
-        if self.rope == "mrope":
+        token_types = None
+        if self.mrope_style == "glm4v":
+            video_start, video_end = self.video_span_token_ids  # type: ignore[misc]
+            token_types = glm4v_token_types(input_ids, cu, image_token_id=self.image_token_id,  # type: ignore[arg-type]
+                                            video_start_token_id=video_start, video_end_token_id=video_end)
+            pos = packed_glm4v_positions(
+                input_ids, cu, img_grids, vid_grids, images_per_sample=img_per, videos_per_sample=vid_per,
+                image_token_id=self.image_token_id,  # type: ignore[arg-type]
+                video_start_token_id=video_start, video_end_token_id=video_end,
+                spatial_merge_size=self.spatial_merge_size, image_start_token_id=self.vision_start_token_id,
+                video_token_id=self.video_token_id, token_types=token_types)
+            position_ids = torch.from_numpy(pos[:, None, :])
+        elif self.rope == "mrope":
             pos = packed_mrope_positions(
                 input_ids,
                 cu,
@@ -397,7 +422,7 @@ class PackedCollator:
             position_ids = torch.from_numpy(text_pos[None, :].copy())
 
         grids = [g for g in (img_grids, vid_grids) if g is not None]
-        tower = self._tower_fields(np.concatenate(grids), input_ids) if grids else {}
+        tower = self._tower_fields(np.concatenate(grids), input_ids, token_types) if grids else {}
         if self.anyres is not None:
             tower = collate_anyres(anyres_parts, input_ids, self.image_token_id, self.video_token_id)
         pixels = tower.pop("pixel_values", None)
@@ -432,13 +457,18 @@ class PackedCollator:
         token = next(t for t in range(4) if t not in vision)
         return [{"input_ids": np.array([token], np.int64), "labels": np.array([self.ignore_index], np.int64)}]
 
-    def _tower_fields(self, grids: np.ndarray, input_ids: np.ndarray) -> dict[str, Any]:
+    def _tower_fields(self, grids: np.ndarray, input_ids: np.ndarray,
+                      token_types: np.ndarray | None = None) -> dict[str, Any]:
         """The vision tower's inputs derived from the batch's grids (images then videos: the order
         the packed model feeds them) and, for M-RoPE models, where each vision feature goes."""
         if self.rope != "mrope":
             return tower_fields(grids)
         fields = tower_fields(grids, self.spatial_merge_size, self.vision_window)
         # packed_mrope_positions has checked every sample's placeholder count against its grids.
+        if token_types is not None:  # GLM-4V: images, then video frames (both the image token)
+            fields["vision_token_index"] = torch.from_numpy(np.concatenate(
+                [np.flatnonzero(token_types == kind) for kind in (1, 2)]))
+            return fields
         slots = [np.flatnonzero(input_ids == self.image_token_id)]
         if self.video_token_id is not None:
             slots.append(np.flatnonzero(input_ids == self.video_token_id))

@@ -391,3 +391,229 @@ def _raise_first_error(
         except ValueError as e:
             raise ValueError(f"sample {i}: {e}") from None
     raise ValueError("packed M-RoPE positions: grids and placeholder tokens do not line up")
+
+
+# -- GLM-4.1V / GLM-4.5V ------------------------------------------------------------------------
+# transformers' ``Glm4vModel.get_rope_index`` differs from Qwen's in three ways: (1) a video frame's
+# placeholders are the *image* token (``<|image|>``), told apart only by the ``<|begin_of_video|>``
+# ... ``<|end_of_video|>`` span around them (the processor's ``mm_token_type_ids``: 0 text, 1 image,
+# 2 video); (2) every video grid ``(t, h, w)`` is split into ``t`` frames ``(1, h, w)``, each its own
+# block (a timestamp text separates them); (3) after every block, image or frame, text resumes at
+# ``start + max(h, w) / merge``. Each maximal run of same-type placeholders is one block.
+
+GLM_TEXT, GLM_IMAGE, GLM_VIDEO = 0, 1, 2
+
+
+def glm4v_token_types(
+    input_ids: np.ndarray,
+    cu_seqlens: np.ndarray,
+    *,
+    image_token_id: int,
+    video_start_token_id: int,
+    video_end_token_id: int,
+) -> np.ndarray:
+    """Per token 0 (text), 1 (image placeholder) or 2 (video-frame placeholder) for a packed row,
+    the rule of ``Glm4vProcessor.create_mm_token_type_ids`` applied to every sample on its own:
+    an image token is a video token while more ``<|begin_of_video|>`` than ``<|end_of_video|>``
+    precede it in its sample."""
+    ids = np.asarray(input_ids)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    lens = np.diff(cu)
+    opened = np.cumsum((ids == video_start_token_id).astype(np.int64) - (ids == video_end_token_id))
+    before = np.concatenate(([0], opened))[cu[:-1]]  # the count just before each sample
+    inside = (opened - np.repeat(before, lens)) > 0
+    is_img = ids == image_token_id
+    return np.where(is_img, np.where(inside, GLM_VIDEO, GLM_IMAGE), GLM_TEXT).astype(np.int8)
+
+
+def glm4v_positions(
+    input_ids: Any,
+    image_grid_thw: Any,
+    video_grid_thw: Any,
+    *,
+    image_token_id: int,
+    video_start_token_id: int,
+    video_end_token_id: int,
+    spatial_merge_size: int,
+    image_start_token_id: int | None = None,
+    video_token_id: int | None = None,
+) -> np.ndarray:
+    """GLM-4.1V M-RoPE position ids ``(3, L)`` int64 for ONE unpadded sample, equal to transformers
+    5.24 ``Glm4vModel.get_rope_index`` (with the processor's ``mm_token_type_ids``).
+
+    Runs of text get ``current + arange(n)``. Every maximal run of image (video) placeholders is
+    one block, consumed by the next image grid (the next video *frame*: each video grid ``(t, h,
+    w)`` is split into ``t`` grids ``(1, h, w)``); a block of grid ``(t, h, w)`` patches covers
+    ``t*h*w / merge**2`` tokens with ``T = start + arange(t)``, ``H = start + arange(h/merge)``,
+    ``W = start + arange(w/merge)`` (meshgrid, ``ij``), and text resumes at ``start + max(h, w) /
+    merge``. ``image_start_token_id`` (``<|begin_of_image|>``): every block must follow it, as the
+    processor writes it for images and for every video frame. ``video_token_id`` (``<|video|>``)
+    must not appear: the processor replaces it by the frames. ``ValueError`` on any mismatch.
+    """
+    ids = _to_numpy(input_ids)
+    if ids.ndim != 1:
+        raise ValueError(f"input_ids must be 1-D, got shape {tuple(ids.shape)}")
+    ids = ids.astype(np.int64, copy=False)
+    length = ids.shape[0]
+    merge = int(spatial_merge_size)
+    grids = {GLM_IMAGE: as_grid(image_grid_thw, "image_grid_thw"),
+             GLM_VIDEO: split_frames(as_grid(video_grid_thw, "video_grid_thw"))}
+    names = {GLM_IMAGE: "image", GLM_VIDEO: "video frame"}
+    for kind, grid in grids.items():
+        if ((grid[:, 1] % merge) != 0).any() or ((grid[:, 2] % merge) != 0).any():
+            raise ValueError(f"{names[kind]} grid_thw h and w must be multiples of "
+                             f"spatial_merge_size={merge}")
+    if video_token_id is not None and (ids == video_token_id).any():
+        raise ValueError(f"input_ids hold the unexpanded video token {video_token_id}; the GLM-4V processor "
+                         "replaces it by one <|begin_of_image|> block per frame")
+    types = glm4v_token_types(ids, np.array([0, length]), image_token_id=image_token_id,
+                              video_start_token_id=video_start_token_id,
+                              video_end_token_id=video_end_token_id)
+    pos = np.empty((3, length), dtype=np.int64)
+    used = {GLM_IMAGE: 0, GLM_VIDEO: 0}
+    current = 0
+    begin = 0
+    while begin < length:
+        kind = int(types[begin])
+        end = begin + 1
+        while end < length and types[end] == kind:
+            end += 1
+        if kind == GLM_TEXT:
+            pos[:, begin:end] = current + np.arange(end - begin, dtype=np.int64)
+            current += end - begin
+        else:
+            gi = used[kind]
+            if gi >= grids[kind].shape[0]:
+                raise ValueError(f"{names[kind]} placeholder run at token index {begin} has no grid left: "
+                                 f"the sample's grids give {grids[kind].shape[0]} {names[kind]}s")
+            grid = grids[kind][gi]
+            used[kind] += 1
+            n = int(grid.prod()) // (merge * merge)
+            if end - begin != n:
+                raise ValueError(f"{names[kind]} {gi} with grid {grid.tolist()} needs {n} placeholder "
+                                 f"tokens, but the run at token index {begin} has {end - begin}")
+            if image_start_token_id is not None and (begin == 0 or ids[begin - 1] != image_start_token_id):
+                raise ValueError(f"{names[kind]} {gi} at token index {begin} does not follow "
+                                 f"image_start_token_id {image_start_token_id}")
+            pos[:, begin:end], _ = _vision_block(grid, merge, current, None)
+            current += max(int(grid[1]), int(grid[2])) // merge
+        begin = end
+    for kind, grid in grids.items():
+        if used[kind] != grid.shape[0]:
+            raise ValueError(f"{used[kind]} {names[kind]} placeholder runs in input_ids but the grids give "
+                             f"{grid.shape[0]} {names[kind]}s {grid.tolist()}")
+    return pos
+
+
+def packed_glm4v_positions(
+    input_ids: np.ndarray,
+    cu_seqlens: np.ndarray,
+    image_grid_thw: np.ndarray | None,
+    video_grid_thw: np.ndarray | None,
+    *,
+    images_per_sample: np.ndarray,
+    videos_per_sample: np.ndarray,
+    image_token_id: int,
+    video_start_token_id: int,
+    video_end_token_id: int,
+    spatial_merge_size: int,
+    image_start_token_id: int | None = None,
+    video_token_id: int | None = None,
+    token_types: np.ndarray | None = None,
+) -> np.ndarray:
+    """Positions ``(3, T)`` of a packed GLM-4.1V row: :func:`glm4v_positions` per sample,
+    concatenated, with a fixed number of numpy calls. Arguments as for
+    :func:`collate.positions.packed_mrope_positions` (``videos_per_sample`` counts video grids, not
+    frames); ``token_types``: :func:`glm4v_token_types` of the row, if already computed. A bad
+    sample raises ``ValueError("sample i: ...")`` with the per-sample function's message."""
+    ids = np.asarray(input_ids, dtype=np.int64)
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    total = ids.shape[0]
+    merge = int(spatial_merge_size)
+    starts, lens = cu[:-1], np.diff(cu)
+    img = np.zeros((0, 3), np.int64) if image_grid_thw is None else np.asarray(image_grid_thw, np.int64)
+    vid = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw, np.int64)
+    img_per = np.asarray(images_per_sample, dtype=np.int64)
+    vid_per = np.asarray(videos_per_sample, dtype=np.int64)
+    ref_kwargs = dict(image_token_id=image_token_id, video_start_token_id=video_start_token_id,
+                      video_end_token_id=video_end_token_id, spatial_merge_size=merge,
+                      image_start_token_id=image_start_token_id, video_token_id=video_token_id)
+
+    def fail() -> None:
+        img_cu = np.concatenate(([0], np.cumsum(img_per)))
+        vid_cu = np.concatenate(([0], np.cumsum(vid_per)))
+        for i in range(lens.shape[0]):
+            try:
+                glm4v_positions(ids[cu[i]:cu[i + 1]], img[img_cu[i]:img_cu[i + 1]],
+                                vid[vid_cu[i]:vid_cu[i + 1]], **ref_kwargs)
+            except ValueError as e:
+                raise ValueError(f"sample {i}: {e}") from None
+        raise ValueError("packed GLM-4V positions: grids and placeholder tokens do not line up")
+
+    if (img <= 0).any() or (vid <= 0).any() or img_per.sum() != img.shape[0] or vid_per.sum() != vid.shape[0]:
+        fail()
+    if video_token_id is not None and (ids == video_token_id).any():
+        fail()
+    types = token_types
+    if types is None:
+        types = glm4v_token_types(ids, cu, image_token_id=image_token_id,
+                                  video_start_token_id=video_start_token_id,
+                                  video_end_token_id=video_end_token_id)
+    owner = np.repeat(np.arange(lens.shape[0]), vid_per)
+    frame_per = np.bincount(owner, weights=vid[:, 0], minlength=lens.shape[0]).astype(np.int64)
+    frames = split_frames(vid)
+    local = np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
+    first_of_sample = local == 0
+    last_of_sample = local == np.repeat(lens - 1, lens)
+    prev_type = np.concatenate(([-1], types[:-1]))
+    next_type = np.concatenate((types[1:], [-1]))
+    run_begin = (types != GLM_TEXT) & (first_of_sample | (types != prev_type))
+    run_end = (types != GLM_TEXT) & (last_of_sample | (types != next_type))
+
+    blocks = []
+    for grid, per, kind in ((img, img_per, GLM_IMAGE), (frames, frame_per, GLM_VIDEO)):
+        begin = np.flatnonzero(run_begin & (types == kind))
+        end = np.flatnonzero(run_end & (types == kind))
+        if not np.array_equal(np.diff(np.searchsorted(begin, cu)), per):
+            fail()
+        if grid.shape[0] == 0:
+            continue
+        if ((grid[:, 1:] % merge) != 0).any():
+            fail()
+        n_tok = grid.prod(axis=1) // (merge * merge)
+        if not np.array_equal(end - begin + 1, n_tok):
+            fail()
+        blocks.append((begin, n_tok, grid))
+    pos = np.empty((3, total), dtype=np.int64)
+    if not blocks:
+        pos[:] = local
+        return pos
+    begin = np.concatenate([b[0] for b in blocks])
+    n_tok = np.concatenate([b[1] for b in blocks])
+    grid = np.concatenate([b[2] for b in blocks])
+    if image_start_token_id is not None:
+        if not ((local[begin] > 0) & (ids[np.maximum(begin - 1, 0)] == image_start_token_id)).all():
+            fail()
+    gh, gw = grid[:, 1] // merge, grid[:, 2] // merge
+    delta = np.zeros(total + 1, dtype=np.int64)
+    delta[begin + n_tok] = np.maximum(gh, gw) - n_tok  # blocks are disjoint runs: distinct ends
+    shift = np.cumsum(delta[:total])
+    shift -= np.repeat(shift[starts], lens)
+    text = local + shift
+    pos[:] = text
+    block_of = np.repeat(np.arange(begin.shape[0]), n_tok)
+    j = np.arange(block_of.shape[0], dtype=np.int64) - np.concatenate(([0], np.cumsum(n_tok)[:-1]))[block_of]
+    hw = (gh * gw)[block_of]
+    w_b = gw[block_of]
+    t_idx = j // hw
+    h_idx = (j - t_idx * hw) // w_b
+    w_idx = j - t_idx * hw - h_idx * w_b
+    where = begin[block_of] + j
+    start = text[begin][block_of]
+    pos[0, where] = start + t_idx
+    pos[1, where] = start + h_idx
+    pos[2, where] = start + w_idx
+    return pos
+
+
+__all__ += ["glm4v_positions", "packed_glm4v_positions", "glm4v_token_types"]

@@ -262,8 +262,11 @@ def test_from_config_qwen25_and_unsupported():
     q3 = PackedCollator.from_config(transformers.Qwen3VLConfig())
     assert q3.rope == "mrope" and q3.split_video_frames and q3.tokens_per_second is None
     assert q3.image_token_id == transformers.Qwen3VLConfig().image_token_id
-    with pytest.raises(ValueError, match="glm4v"):
-        PackedCollator.from_config(transformers.Glm4vConfig())
+    glm_cfg = transformers.Glm4vConfig()
+    glm = PackedCollator.from_config(glm_cfg)
+    assert glm.rope == "mrope" and glm.mrope_style == "glm4v"
+    assert glm.video_span_token_ids == (glm_cfg.video_start_token_id, glm_cfg.video_end_token_id)
+    assert glm.vision_start_token_id == glm_cfg.image_start_token_id
 
 
 @pytest.mark.parametrize("name", ["Qwen3VLMoeConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"])

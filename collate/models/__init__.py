@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from collate.models import internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl
+from collate.models import glm4v, internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl
 
 # model_type -> (enable, disable). Qwen2.5-VL's text stack is Qwen2-VL's (same attention/rotary code).
 _PATCHES: dict[str, Any] = {
@@ -26,6 +26,8 @@ _PATCHES: dict[str, Any] = {
     "llava_next": (llava_next.enable_packed, llava_next.disable_packed),
     "llava_onevision": (llava_onevision.enable_packed, llava_onevision.disable_packed),
     "internvl": (internvl.enable_packed, internvl.disable_packed),
+    # GLM-4.1V: partial pair-wise M-RoPE, one tower grid row per video frame.
+    "glm4v": (glm4v.enable_packed, glm4v.disable_packed),
 }
 
 

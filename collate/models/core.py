@@ -106,6 +106,7 @@ class PackedAttentionInfo:
     attention_scaling: float
     qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3)
     sp_group: Any = None  # Ulysses over this process group (cu_seqlens* then cover the whole row)
+    apply_rope: Any = None  # the family's own rotary (GLM-4V's partial pair-wise one); None: apply_mrope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +179,9 @@ class Family:
     # Host fields of the family's batches (beyond VISION_KEYS) that the core pops into the
     # ``vision`` mapping handed to ``encode`` (LLaVA's image sizes and crop counts).
     batch_keys: tuple[str, ...] = ()
+    # A rotary other than :func:`collate.ops.apply_mrope`, with its signature (GLM-4V: partial,
+    # pair-wise rotation).
+    apply_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # Where the language model sits, tried in order.
     text_model_path: tuple[tuple[str, ...], ...] = (("model", "language_model"), ("language_model",))
 
@@ -279,7 +283,8 @@ def packed_text_attention(attn: nn.Module, hidden_states: torch.Tensor,
     v = attn.v_proj(hidden_states).view(num_tokens, -1, attn.head_dim)
     if info.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k = apply_mrope(
+    rope = apply_mrope if info.apply_rope is None else info.apply_rope
+    q, k = rope(
         q, k, info.positions, info.inv_freq, info.mrope_section, info.interleaved, info.attention_scaling
     )
     dropout = attn.attention_dropout if attn.training else 0.0
@@ -371,6 +376,7 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         attention_scaling=layout.attention_scaling,
         qk_norm=family.qk_norm,
         sp_group=sp_group,
+        apply_rope=family.apply_rope,
     )
 
 

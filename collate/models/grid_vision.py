@@ -156,11 +156,14 @@ TowerKwargs = Callable[[nn.Module, dict[str, Any], torch.Tensor, int], dict[str,
 
 def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool,
            extra_kwargs: TowerKwargs, idle_zero: Callable[[Any], torch.Tensor],
-           window: int | None = None) -> core.Encoded | None:
+           window: int | None = None,
+           tower_grid: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
+           ) -> core.Encoded | None:
     """One tower call on all images and videos (images first, the order of the collator's
     ``vision_token_index``), or on the idle dummy; pops the pixel fields from ``kwargs``.
     ``extra_kwargs`` builds the tower's extra inputs; ``idle_zero(out)`` is the idle pass's zero
-    (it must depend on every tower output); ``window``: the idle dummy's Qwen2.5-VL window."""
+    (it must depend on every tower output); ``window``: the idle dummy's Qwen2.5-VL window;
+    ``tower_grid(grids, vision)``: the grid rows the tower is called with (GLM-4V: one per frame)."""
     visual = model.model.visual
     config = model.config
     pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
@@ -182,5 +185,6 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
             raise ValueError("pixel_values / pixel_values_videos given without their grid_thw")
     pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
     grids = torch.cat([grid for _, grid, _ in parts])
-    out = visual(pixels, grid_thw=grids, **extra_kwargs(model, vision, grids, pixels.shape[0]))
+    tower_grids = grids if tower_grid is None else tower_grid(grids, vision)
+    out = visual(pixels, grid_thw=tower_grids, **extra_kwargs(model, vision, grids, pixels.shape[0]))
     return core.Encoded(out.pooler_output, placeholder_ids=tuple(token for _, _, token in parts), raw=out)
