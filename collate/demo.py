@@ -89,6 +89,14 @@ class IndexedSamples(torch.utils.data.Dataset):
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
         self.processor = Qwen2VLImageProcessorPil(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS,
                                                   patch_size=patch_size)
+        if config is not None and config.model_type == "glm4v":
+            # GLM-4.1V: its own image processor (3-D smart_resize) at the demo's pixel caps; the
+            # demo's vision_start / vision_end stand for <|begin_of_image|> / <|end_of_image|>.
+            from transformers import Glm4vImageProcessorPil
+
+            self.processor = Glm4vImageProcessorPil(
+                size={"shortest_edge": DEMO_MIN_PIXELS, "longest_edge": DEMO_MAX_PIXELS},
+                patch_size=patch_size)
         ids = {t: self.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
         self.vision_start, self.vision_end = ids["<|vision_start|>"], ids["<|vision_end|>"]
         self.image_pad = ids["<|image_pad|>"]
@@ -215,6 +223,8 @@ MODEL_CLASSES = {
     "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "qwen2-vl"),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "qwen2.5-vl"),
     "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "qwen3-vl"),
+    # <|vision_start|><|image_pad|>*n<|vision_end|> through Glm4vImageProcessorPil.
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", "glm-4.1v"),
     # <|image_pad|> * n with each family's own image processor (CropImages).
     "llava_next": ("LlavaNextConfig", "LlavaNextForConditionalGeneration", "llava-next"),
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", "llava-onevision"),
@@ -245,7 +255,10 @@ def match_tokenizer(config, vocab_size: int, special_ids: dict[str, int]) -> lis
     changed = []
     for attr, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
                         ("vision_start_token_id", "<|vision_start|>"),
-                        ("vision_end_token_id", "<|vision_end|>")):
+                        ("vision_end_token_id", "<|vision_end|>"),
+                        # GLM-4.1V's image wrappers play the demo's vision start / end
+                        ("image_start_token_id", "<|vision_start|>"),
+                        ("image_end_token_id", "<|vision_end|>")):
         if attr != "image_token_id" and not hasattr(config, attr):
             continue  # a family without that token (LLaVA-NeXT has no video, no vision_start)
         if getattr(config, attr, None) != special_ids[token]:

@@ -50,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="tokenizer.json the index was built with (with --index)")
     p.add_argument("--workdir", default="out/train_fsdp2/data", help="where --synthetic writes its data")
     p.add_argument("--out", default="out/train_fsdp2", help="folder for steps.csv and timeline.png")
-    p.add_argument("--model-config", help="a Qwen2-VL, Qwen2.5-VL or Qwen3-VL config.json (e.g. a "
+    p.add_argument("--model-config", help="a Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL or "
+                                          "GLM-4.1V config.json (e.g. a "
                                           "checkpoint's; random init); default: the demo's tiny Qwen2-VL")
     p.add_argument("--sampler", choices=["tokenbal", "distributed", "both"], default="both")
     p.add_argument("--floor", action="store_true",

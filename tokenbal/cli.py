@@ -368,8 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 2)")
     demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
     demo.add_argument("--model", default=None,
-                      help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL) to train "
-                           "randomly initialised instead of the tiny Qwen2-VL")
+                      help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL, GLM-4.1V) "
+                           "to train randomly initialised instead of the tiny Qwen2-VL")
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo)
     return parser
