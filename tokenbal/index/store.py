@@ -295,7 +295,15 @@ class TokenIndex:
         est = get_estimator(built["model"], **built.get("overrides", {}))
         wh = self._cols["image_size"]
         tokens = est.image_tokens_batch(wh[:, 0], wh[:, 1]) if len(wh) else np.zeros(0, np.int64)
-        return self._cols["image_start"], np.asarray(tokens, np.int64)
+        tokens = np.asarray(tokens, np.int64)
+        offsets = self._cols["image_start"]
+        if len(wh) and getattr(est, "family", None) == "llava-onevision":
+            # As the index build counts them (and transformers' processor and model do): an image
+            # that shares its sample with other images gets only its base view and newline.
+            per_sample = np.diff(offsets)
+            shared = np.repeat(per_sample, per_sample) > 1
+            tokens = np.where(shared, est.image_tokens(1, 1, images_in_sample=2), tokens)
+        return offsets, tokens
 
     @cached_property
     def video_frames(self) -> np.ndarray:
