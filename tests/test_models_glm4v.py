@@ -176,6 +176,46 @@ def test_collator_positions_equal_hf_get_rope_index(reference):
     assert bool((types[batch.vision_token_index[n_img:]] == 2).all())
 
 
+def test_random_rows_positions_equal_hf_get_rope_index(reference):
+    """Random mixes of text, images (any grid, t = 1) and videos (1-3 frames) in every order, in
+    one packed row: the vectorised positions equal HF's per sample."""
+    rng = np.random.default_rng(3)
+    samples = []
+    for _ in range(30):
+        ids: list[int] = []
+        images, videos = [], []
+        for _ in range(int(rng.integers(1, 6))):
+            kind = rng.choice(["text", "image", "video"])
+            h, w = 2 * int(rng.integers(1, 5)), 2 * int(rng.integers(1, 5))
+            if kind == "text":
+                ids += rng.integers(0, 100, int(rng.integers(1, 6))).tolist()
+            elif kind == "image":
+                ids += [ISTART] + [IMG] * (h * w // 4) + [IEND]
+                images.append([1, h, w])
+            else:
+                t = int(rng.integers(1, 4))
+                ids += [VSTART] + ([ISTART] + [IMG] * (h * w // 4) + [IEND, 7]) * t + [VEND]
+                videos.append([t, h, w])
+        sample = {"input_ids": torch.tensor(ids)}
+        for key, grids in (("image", images), ("video", videos)):
+            if grids:
+                patches = int(np.prod(grids, axis=1).sum())
+                sample[f"{key}_grid_thw"] = torch.tensor(grids)
+                sample["pixel_values" if key == "image" else "pixel_values_videos"] = torch.zeros(patches, 4)
+        samples.append(sample)
+    batch = collator(reference)(samples)
+    starts = [0, *batch.cu_seqlens_list[:-1]]
+    for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
+        x = s["input_ids"][None]
+        if "image_grid_thw" in s or "video_grid_thw" in s:
+            want, _ = reference.model.get_rope_index(x, mm_token_type_ids(x),
+                                                     image_grid_thw=s.get("image_grid_thw"),
+                                                     video_grid_thw=s.get("video_grid_thw"))
+        else:
+            want = torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+        assert torch.equal(batch.position_ids[:, :, start:end], want), f"sample {i}"
+
+
 def test_packed_loss_and_grads_match_per_sample(reference):
     ref = copy.deepcopy(reference)
     packed = enable_packed(copy.deepcopy(reference))
