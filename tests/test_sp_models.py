@@ -40,8 +40,22 @@ QWEN3_SPECS = [
      [("text", 5)]],
 ]
 
+# GLM-4.1V: (width, height) images and (frames, width, height) videos, grids from the index's
+# estimator; a frame's placeholders are the image token.
+GLM_SPECS = [
+    [[("text", 5), ("image", (130, 90)), ("text", 4)],
+     [("text", 3), ("video", (6, 56, 56)), ("text", 5)],
+     [("text", 7), ("image", (30, 30)), ("text", 3)]],
+]
+
 
 def _family(name: str):
+    if name == "glm4v":
+        from transformers import Glm4vForConditionalGeneration
+
+        from tests.test_models_glm4v import make_sample, tiny_config
+
+        return Glm4vForConditionalGeneration, tiny_config(), make_sample, GLM_SPECS
     if name == "qwen2_vl":
         from transformers import Qwen2VLForConditionalGeneration
 
@@ -240,3 +254,12 @@ def _bad_setups() -> dict:
 def test_fsdp2_four_ranks_dp2_sp2_equal_single_process():
     results = run_ranks(_sp_rank, 4, "qwen2_vl", 2, True, timeout=600, collective_timeout=120)
     _check(results, "qwen2_vl", 2, 2)
+
+
+@pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine
+def test_two_ranks_sp2_glm4v_equal_single_process():
+    """GLM-4.1V's own positions and partial pair-wise rotary under Ulysses, its frames routed as
+    image-token features: equal to one process on the unsplit row."""
+    assert _straddles("glm4v", 1, 2) == [True]
+    results = run_ranks(_sp_rank, 2, "glm4v", 2, timeout=300, collective_timeout=90)
+    _check(results, "glm4v", 1, 2)
