@@ -232,6 +232,21 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     assert {"model.visual.embeddings.position_embedding.weight", "model.visual.merger.proj.weight"} <= names
 
 
+def test_eager_reference_and_gradient_checkpointing():
+    torch.manual_seed(3)
+    ref = Glm4vForConditionalGeneration(tiny_config("eager")).float().train()  # dropout 0 in this config
+    packed = enable_packed(copy.deepcopy(ref))
+    packed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert packed.model.language_model.layers[0].gradient_checkpointing
+    samples = make_samples()
+    want = reference_loss(ref, samples)
+    want.backward()
+    got = packed(**collator(ref)(samples)).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert assert_grads_match(packed, ref) > 30
+
+
 def test_packed_path_uses_glm_rope_varlen_and_one_tower_call(reference, monkeypatch):
     packed = enable_packed(copy.deepcopy(reference))
     batch = collator(reference)(make_samples())
