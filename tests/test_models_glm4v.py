@@ -289,8 +289,10 @@ def test_packed_path_uses_glm_rope_varlen_and_one_tower_call(reference, monkeypa
     assert len(towers) == 1  # images and video frames in one call
 
 
-def test_glm_rope_equals_hf_rotary():
-    """The packed rotary equals HF's cos/sin + apply_rotary_pos_emb on random q/k and positions."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glm_rope_equals_hf_rotary(dtype):
+    """The packed rotary equals HF's cos/sin + apply_rotary_pos_emb on random q/k and positions,
+    bit for bit (bf16 too: same casts, same elementwise operations)."""
     from transformers.models.glm4v import modeling_glm4v as hf
 
     from collate.models.glm4v import glm_rope
@@ -298,8 +300,8 @@ def test_glm_rope_equals_hf_rotary():
     config = tiny_config().text_config
     rotary = hf.Glm4vTextRotaryEmbedding(config)
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 11, 32, generator=g), torch.randn(1, 1, 11, 32, generator=g)
-    pos = torch.randint(0, 50, (3, 1, 11), generator=g)
+    q, k = torch.randn(1, 2, 11, 32, generator=g).to(dtype), torch.randn(1, 1, 11, 32, generator=g).to(dtype)
+    pos = torch.randint(0, 5000, (3, 1, 11), generator=g)
     cos, sin = rotary(q, pos)
     want_q, want_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
     got_q, got_k = glm_rope(q[0].transpose(0, 1), k[0].transpose(0, 1), pos, rotary.inv_freq,
