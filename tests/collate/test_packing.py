@@ -475,7 +475,7 @@ def test_constructor_errors():
         PackedCollator(rope="mrope")
     with pytest.raises(ValueError, match="rope"):
         PackedCollator(rope="2d")  # type: ignore[arg-type]
-    # An empty list is an empty rank's step, not an error: tests/test_empty_rank.py.
+    # An empty list is an empty rank's step, not an error: tests/collate/train/test_empty_rank.py.
 
 
 @settings(max_examples=60, deadline=None)

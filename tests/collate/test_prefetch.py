@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import pathlib
 import sys
 from collections import namedtuple
 
@@ -15,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from collate import DevicePrefetcher, PackedCollator
 from collate.prefetch import StreamOps, iter_tensors, map_tensors, resolve_device
+from tests.helpers.paths import REPO
 
 
 class FakeStream:
@@ -275,7 +275,7 @@ def test_check_gpu_script():
 
 
 def _load_check_gpu():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "check_gpu.py"
+    path = REPO / "scripts" / "check_gpu.py"
     spec = importlib.util.spec_from_file_location("check_gpu", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules

@@ -12,6 +12,7 @@ from collate import PackedCollator
 from collate.packing import IGNORE_INDEX
 from collate.sp import SPBatch, assign_grids, shard_batch
 from collate.vision import tower_fields
+from tests.helpers.samples import vl_sample
 
 IMG, VID, VSTART, VEND = 90, 91, 92, 93
 PATCH_DIM = 8
@@ -19,27 +20,7 @@ PATCH_DIM = 8
 
 def make_sample(g: torch.Generator, spec: list) -> dict:
     """spec: ("text", n) | ("image", (t, h, w)) | ("video", (t, h, w)); Qwen2-VL placeholder layout."""
-    ids: list[int] = []
-    grids: dict[str, list] = {"image": [], "video": []}
-    pixels: dict[str, list] = {"image": [], "video": []}
-    for kind, arg in spec:
-        if kind == "text":
-            ids += torch.randint(0, 80, (arg,), generator=g).tolist()
-            continue
-        t, h, w = arg
-        ids += [VSTART] + [IMG if kind == "image" else VID] * (t * h * w // 4) + [VEND]
-        grids[kind].append(list(arg))
-        pixels[kind].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
-    input_ids = torch.tensor(ids)
-    labels = input_ids.clone()
-    labels[(input_ids == IMG) | (input_ids == VID)] = -100
-    sample = {"input_ids": input_ids, "labels": labels}
-    if grids["image"]:
-        sample.update(pixel_values=torch.cat(pixels["image"]), image_grid_thw=torch.tensor(grids["image"]))
-    if grids["video"]:
-        sample.update(pixel_values_videos=torch.cat(pixels["video"]),
-                      video_grid_thw=torch.tensor(grids["video"]))
-    return sample
+    return vl_sample(g, spec, image=IMG, video=VID, start=VSTART, end=VEND, patch_dim=PATCH_DIM)
 
 
 SPECS = [

@@ -20,7 +20,7 @@ from collate import PackedCollator  # noqa: E402
 from collate.loss import GlobalTokenCount, global_token_mean  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.sp import shard_batch, sp_mesh  # noqa: E402
-from tests.dist_utils import run_ranks  # noqa: E402
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
 
 # Per data-parallel group: its samples. Group 0: images and a video whose placeholders straddle
 # the SP cut; group 1: one image straddling the cut, so one of its SP ranks owns no grid (it runs
@@ -45,7 +45,7 @@ def _family(name: str):
     if name == "qwen2_vl":
         from transformers import Qwen2VLForConditionalGeneration
 
-        from tests.test_train_fsdp2 import make_sample, tiny_config
+        from tests.helpers.tiny_mix import make_sample, tiny_config
 
         return Qwen2VLForConditionalGeneration, tiny_config(), make_sample, QWEN2_SPECS
     if name == "qwen2_5_vl":
@@ -53,7 +53,7 @@ def _family(name: str):
         # tower gets its own grids' window order and segments, cut out of the collator's.
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-        from tests.test_train_fsdp2 import IMG, VEND, VID, VSTART, make_sample, tiny_config
+        from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_sample, tiny_config
 
         config = Qwen2_5_VLConfig(
             text_config=tiny_config().text_config.to_dict(),
@@ -65,7 +65,7 @@ def _family(name: str):
         return Qwen2_5_VLForConditionalGeneration, config, make_sample, QWEN2_SPECS
     from transformers import Qwen3VLForConditionalGeneration
 
-    from tests.test_models_qwen3_vl import make_sample, tiny_config
+    from tests.helpers.tiny_qwen3_vl import make_sample, tiny_config
 
     return Qwen3VLForConditionalGeneration, tiny_config(), make_sample, QWEN3_SPECS
 
@@ -212,7 +212,7 @@ def _bad_setups() -> dict:
     """Clear errors, raised before any collective (so no rank hangs)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2VLForConditionalGeneration
 
-    from tests.test_train_fsdp2 import tiny_config
+    from tests.helpers.tiny_mix import tiny_config
 
     out = {}
     config = tiny_config()

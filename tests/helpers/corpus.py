@@ -2,7 +2,7 @@
 
 Reusable by any test that needs shards::
 
-    from tests.corpus import Sample, make_corpus, write_shard, image_bytes
+    from tests.helpers.corpus import Sample, make_corpus, write_shard, image_bytes
     corpus = make_corpus(tmp_path)                  # good + bad samples, one truncated shard
     corpus.good          # samples the index must hold, in index order (shard order, then tar order)
     corpus.bad           # samples the index must list in its errors (each with .bad_reason)
@@ -223,3 +223,11 @@ def strip_end_blocks(path: str) -> None:
     """Remove the end-of-archive zero blocks (and record padding) after the last member."""
     _, _, data, size = member_offsets(path)[-1]
     os.truncate(path, data + -(-size // 512) * 512)
+
+def rotated_jpeg(path, w: int, h: int, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    im = Image.new("RGB", (w, h), (120, 30, 200))
+    im.paste((10, 200, 40), (0, 0, w // 3, h // 2))
+    im.save(path, "JPEG", quality=85, exif=exif.tobytes())
+    return open(path, "rb").read()

@@ -1,6 +1,6 @@
 """Helpers for the index tests that kill builds with real signals.
 
-``python -m tests.index_kill OUT HANG_AT SHARD...`` runs ``build_index`` over the shards (one
+``python -m tests.helpers.index_kill OUT HANG_AT SHARD...`` runs ``build_index`` over the shards (one
 process, a checkpoint after every shard) and, when it reaches shard number ``HANG_AT`` (0-based),
 writes its pid to ``OUT.ready`` and waits there forever: a deterministic point at which the test
 sends SIGKILL / SIGTERM from outside. ``scan_or_hang`` is a stand-in for the build's worker function

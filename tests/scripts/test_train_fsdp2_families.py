@@ -8,22 +8,23 @@ import csv
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import REPO
+
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 SCRIPT = ROOT / "scripts" / "train_fsdp2.py"
 
 
 def _config(family: str):
     if family == "internvl":
-        from tests.test_models_internvl import tiny_config
+        from tests.helpers.tiny_internvl import tiny_config
 
         return tiny_config()
-    from tests.test_models_llava import tiny_config
+    from tests.helpers.tiny_llava import tiny_config
 
     return tiny_config(family)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 
 def _sum_ranks(rank, world_size):

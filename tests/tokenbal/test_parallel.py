@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 from tokenbal import TokenBalancedBatchSampler
 from tokenbal.parallel import resolve_dp
 

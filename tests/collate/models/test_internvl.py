@@ -12,26 +12,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import InternVLConfig, InternVLForConditionalGeneration  # noqa: E402
+from transformers import InternVLForConditionalGeneration  # noqa: E402
 
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
-from tests.host_reads import host_reads_of_step  # noqa: E402
-from tests.test_models_llava import assert_grads_match, reference_loss, text_only  # noqa: E402
-
-IMG = 120
-SIDE = 32  # tile side; patch 8 -> 4 x 4 features, pixel shuffle 0.5 -> 4 tokens per tile
-
-
-def tiny_config(attn: str = "sdpa") -> InternVLConfig:
-    return InternVLConfig(
-        text_config=dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=[SIDE, SIDE], patch_size=[8, 8]),
-        image_token_id=IMG, image_seq_length=4, attn_implementation=attn)
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.samples import text_only  # noqa: E402
+from tests.helpers.tiny_internvl import IMG, SIDE, tiny_config  # noqa: E402
+from tests.helpers.tiny_llava import reference_loss  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +150,6 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
 
 @pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine
 def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     assert min(run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)) > 20

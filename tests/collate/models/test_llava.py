@@ -13,41 +13,17 @@ import torch
 pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
-    LlavaNextConfig,
     LlavaNextForConditionalGeneration,
-    LlavaOnevisionConfig,
     LlavaOnevisionForConditionalGeneration,
 )
 
 import collate.models.core as packed_core  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
-from tests.host_reads import host_reads_of_step  # noqa: E402
-
-IMG, VID = 120, 121
-SIDE = 32  # crop side in pixels; patch 8 -> 4 x 4 features per crop
-TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-              image_size=SIDE, patch_size=8)
-
-
-def tiny_config(family: str, attn: str = "sdpa"):
-    if family == "llava_next":
-        return LlavaNextConfig(
-            text_config=dict(model_type="llama", **TEXT),
-            vision_config=dict(model_type="clip_vision_model", projection_dim=32, **VISION),
-            image_token_index=IMG, image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
-            attn_implementation=attn)
-    # OneVision: Qwen2 text, SigLIP tower; the 96 x 128 pinpoint's 12 x 16 feature grid exceeds 9
-    # base views by more than 1.1, so its features are downsampled.
-    return LlavaOnevisionConfig(
-        text_config=dict(model_type="qwen2", **TEXT),
-        vision_config=dict(model_type="siglip_vision_model", **VISION),
-        image_token_index=IMG, video_token_index=VID,
-        image_grid_pinpoints=[[32, 32], [32, 64], [64, 32], [64, 64], [96, 128]], attn_implementation=attn)
-
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.samples import text_only  # noqa: E402
+from tests.helpers.tiny_llava import IMG, SIDE, VID, hf_kwargs, reference_loss, tiny_config  # noqa: E402
 
 MODEL_CLASSES = {"llava_next": LlavaNextForConditionalGeneration,
                  "llava_onevision": LlavaOnevisionForConditionalGeneration}
@@ -111,59 +87,6 @@ def make_samples(model, seed: int = 1) -> list[dict]:
         specs += [[("text", 2), ("image", (90, 120)), ("text", 2)],
                   [("text", 4), ("video", 3), ("text", 3)]]
     return [make_sample(layout, g, spec) for spec in specs]
-
-
-def text_only(samples: list[dict]) -> list[dict]:
-    return [s for s in samples if "pixel_values" not in s and "pixel_values_videos" not in s]
-
-
-def hf_inputs(sample: dict) -> dict:
-    out = {"input_ids": sample["input_ids"][None], "labels": sample["labels"][None]}
-    for key in ("pixel_values", "image_sizes", "pixel_values_videos"):
-        if key in sample:
-            out[key] = sample[key]
-    if "image_sizes" in sample and "pixel_values_videos" not in sample:
-        out["batch_num_images"] = torch.tensor([sample["image_sizes"].shape[0]])
-    return out
-
-
-def hf_kwargs(model, sample: dict) -> dict:
-    out = hf_inputs(sample)
-    if model.config.model_type != "llava_onevision":
-        out.pop("batch_num_images", None)
-    return out
-
-
-def assert_grads_match(packed, reference) -> int:
-    """Every gradient equals the reference's (relative 1e-5 of its largest entry); returns how many
-    were compared. The vision tower's key biases get none: attention is invariant to a bias added
-    to every key, so theirs are rounding noise on both sides (checked to be negligible)."""
-    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-    scale = max(float(g.abs().max()) for g in ref_grads.values() if g is not None)
-    checked = 0
-    for name, p in packed.named_parameters():
-        g_ref = ref_grads[name]
-        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        if g_ref is None:  # tower layers after vision_feature_layer: unused by HF as well
-            assert got is None or not got.any(), name
-            continue
-        if name.endswith("self_attn.k_proj.bias") and "vision_tower" in name:
-            assert float(got.abs().max()) < 1e-6 * scale and float(g_ref.abs().max()) < 1e-6 * scale, name
-            continue
-        torch.testing.assert_close(got, g_ref, rtol=1e-5, atol=1e-5 * float(g_ref.abs().max()))
-        checked += 1
-    return checked
-
-
-def reference_loss(model, samples: list[dict]) -> torch.Tensor:
-    """Token-weighted mean of per-sample unpacked HF losses (each sample's own first label is
-    never a target: HF shifts)."""
-    total, count = 0.0, 0
-    for s in samples:
-        n = int((s["labels"][1:] != -100).sum())
-        total = total + model(**hf_kwargs(model, s)).loss * n
-        count += n
-    return total / count
 
 
 def test_packed_loss_and_grads_match_per_sample(reference):
@@ -353,7 +276,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int, family: str) -> int:
 @pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp2_rank_without_images_still_runs_the_sharded_tower(family):
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     checked = run_ranks(_fsdp2_text_only_rank, 2, family, timeout=180, collective_timeout=30)
     assert min(checked) > 20

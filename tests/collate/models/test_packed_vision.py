@@ -22,16 +22,9 @@ from transformers import (  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
-from tests.host_reads import host_reads_of_step  # noqa: E402
-from tests.test_train_fsdp2 import (  # noqa: E402
-    IMG,
-    VEND,
-    VID,
-    VSTART,
-    assert_grads_match,
-    make_samples,
-    tiny_config,
-)
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
 
 TOKENS_PER_SECOND = 2
 

@@ -10,39 +10,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # noqa: E402
+from transformers import Qwen2VLForConditionalGeneration  # noqa: E402
 
 import collate.models.core as packed_core  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
-
-VOCAB = 128
-IMG, VID, VSTART, VEND = 120, 121, 122, 123
-PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal_patch * patch * patch
-
-
-def tiny_config(attn: str = "sdpa") -> Qwen2VLConfig:
-    return Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            bos_token_id=None,
-            eos_token_id=None,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        ),
-        vision_config=dict(
-            depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2
-        ),
-        image_token_id=IMG,
-        video_token_id=VID,
-        vision_start_token_id=VSTART,
-        vision_end_token_id=VEND,
-        attn_implementation=attn,
-    )
+from tests.helpers.tiny_qwen2_vl import IMG, PATCH_DIM, VEND, VID, VOCAB, VSTART, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +215,7 @@ def test_text_only_packed_forward_has_no_host_sync(models, monkeypatch):
     """No tensor is read back to the host in a text-only packed forward of a hand-made batch: no
     ``aten::_local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``) and no ``.tolist()`` /
     ``.cpu()`` / ``.numpy()`` call. (Batches with images and videos, and the idle vision pass, are
-    covered with the collator's precomputed tower inputs in tests/test_models_vision.py.)"""
+    covered with the collator's precomputed tower inputs in tests/collate/models/test_packed_vision.py.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ref, _ = models
@@ -323,7 +295,8 @@ def test_eager_reference_and_gradient_checkpointing():
 
 def test_qwen2_5_vl_packed_matches_per_sample():
     """Qwen2.5-VL shares the text stack. This hand-made batch has no precomputed tower inputs, so
-    transformers' tower derives its windows itself (the collator's are in tests/test_models_vision.py)."""
+    transformers' tower derives its windows itself (the collator's are in
+    tests/collate/models/test_packed_vision.py)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     base = tiny_config()
@@ -396,7 +369,7 @@ def _fsdp2_packed_rank(rank: int, world_size: int) -> float:
 
 @pytest.mark.slow
 def test_fsdp2_two_ranks_packed_grads_match():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     errs = run_ranks(_fsdp2_packed_rank, 2, timeout=180)
     assert max(errs) < 1e-5
@@ -429,7 +402,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
 
 
 def test_fsdp2_rank_without_images_still_runs_the_sharded_vision_tower():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     errs = run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)
     assert max(errs) < 1e-5

@@ -13,7 +13,6 @@ pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
     Qwen2VLForConditionalGeneration,
-    Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
 
@@ -21,75 +20,17 @@ import collate.models.core as packed_core  # noqa: E402
 import collate.models.qwen3_vl as qwen3_vl_patch  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
-from tests.host_reads import host_reads_of_step  # noqa: E402
-from tests.test_train_fsdp2 import assert_grads_match  # noqa: E402
-from tests.test_train_fsdp2 import tiny_config as qwen2_config  # noqa: E402
-
-VOCAB = 128
-IMG, VID, VSTART, VEND = 120, 121, 122, 123
-PATCH = 4
-PATCH_DIM = 3 * 2 * PATCH * PATCH  # channels * temporal_patch * patch * patch
-DEEPSTACK = [0, 1]
-
-
-def tiny_config(attn: str = "sdpa") -> Qwen3VLConfig:
-    # head_dim 32 -> 16 rotary frequencies; section (6, 5, 5) interleaves as THW THW ... THW T, the
-    # real checkpoints' (24, 20, 20) pattern in small. 3 text layers: deepstack feeds layers 0 and
-    # 1, layer 2 gets none. num_position_embeddings 16: a 4x4 learned grid, interpolated to every
-    # image's grid.
-    return Qwen3VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, bos_token_id=None,
-                         eos_token_id=None, max_position_embeddings=4096,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[6, 5, 5],
-                                              mrope_interleaved=True)),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
-                           num_position_embeddings=16, deepstack_visual_indexes=DEEPSTACK),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
-        attn_implementation=attn)
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.samples import text_only  # noqa: E402
+from tests.helpers.tiny_mix import tiny_config as qwen2_config  # noqa: E402
+from tests.helpers.tiny_qwen3_vl import DEEPSTACK, IMG, VEND, VID, VOCAB, VSTART, make_sample, tiny_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def reference():
     torch.manual_seed(0)
     return Qwen3VLForConditionalGeneration(tiny_config()).float().eval()
-
-
-def make_sample(g: torch.Generator, spec: list) -> dict:
-    """spec: ("text", n) | ("image", (t, h, w)) | ("video", (t, h, w)) in patch units.
-
-    A video is laid out as Qwen3-VL's processor does: every frame (one temporal patch) gets its
-    own timestamp text and ``<vision_start> ... <vision_end>``, which is what transformers'
-    ``get_rope_index`` needs to split the video grid into per-frame grids.
-    """
-    ids: list[int] = []
-    grids: dict[str, list] = {"image": [], "video": []}
-    pixels: dict[str, list] = {"image": [], "video": []}
-    for kind, arg in spec:
-        if kind == "text":
-            ids += torch.randint(0, 100, (arg,), generator=g).tolist()
-            continue
-        t, h, w = arg
-        if kind == "image":
-            ids += [VSTART] + [IMG] * (t * h * w // 4) + [VEND]
-        else:
-            for _ in range(t):
-                ids += torch.randint(0, 100, (2,), generator=g).tolist()  # "<t.t seconds>"
-                ids += [VSTART] + [VID] * (h * w // 4) + [VEND]
-        grids[kind].append(list(arg))
-        pixels[kind].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
-    input_ids = torch.tensor(ids)
-    labels = input_ids.clone()
-    labels[(input_ids == IMG) | (input_ids == VID)] = -100
-    sample = {"input_ids": input_ids, "labels": labels}
-    if grids["image"]:
-        sample["pixel_values"] = torch.cat(pixels["image"])
-        sample["image_grid_thw"] = torch.tensor(grids["image"])
-    if grids["video"]:
-        sample["pixel_values_videos"] = torch.cat(pixels["video"])
-        sample["video_grid_thw"] = torch.tensor(grids["video"])
-    return sample
 
 
 SPECS = [
@@ -105,10 +46,6 @@ SPECS = [
 def make_samples(seed: int = 1) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     return [make_sample(g, spec) for spec in SPECS]
-
-
-def text_only(samples: list[dict]) -> list[dict]:
-    return [s for s in samples if "pixel_values" not in s and "pixel_values_videos" not in s]
 
 
 def hf_inputs(sample: dict) -> dict:
@@ -416,7 +353,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
 
 
 def test_fsdp2_rank_without_images_still_runs_the_sharded_vision_tower():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     errs = run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)
     assert max(errs) < 1e-5

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from collate.ops.attention import segment_ends, varlen_attention
 from collate.ops.ulysses import all_to_all_rows, ulysses_attention, ulysses_kv_heads
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 SEQ_LENS = [5, 13, 1, 9, 4]  # 32 tokens; the SP cuts (16, or 8/16/24) fall inside segments
 HEAD_DIM = 8

@@ -17,7 +17,7 @@ from transformers import Qwen2VLForConditionalGeneration  # noqa: E402
 
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
-from tests.test_models_qwen2_vl import IMG, tiny_config  # noqa: E402
+from tests.helpers.tiny_qwen2_vl import IMG, tiny_config  # noqa: E402
 
 
 def test_empty_list_is_a_dummy_row_the_packed_model_trains_on_with_zero_loss():
@@ -49,8 +49,8 @@ LR = 0.5
 
 def _fsdp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     from collate.train import shard_qwen2_vl, train_step
-    from tests.test_train_fsdp2 import make_samples
-    from tests.test_train_fsdp2 import tiny_config as fsdp_config
+    from tests.helpers.tiny_mix import make_samples
+    from tests.helpers.tiny_mix import tiny_config as fsdp_config
     from tokenbal import TokenBalancedBatchSampler
 
     torch.manual_seed(0)
@@ -68,9 +68,9 @@ def _fsdp_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 
 def test_fsdp2_rank_without_samples_joins_the_step_and_changes_nothing():
-    from tests.dist_utils import run_ranks
-    from tests.test_train_fsdp2 import make_samples
-    from tests.test_train_fsdp2 import tiny_config as fsdp_config
+    from tests.helpers.dist_utils import run_ranks
+    from tests.helpers.tiny_mix import make_samples
+    from tests.helpers.tiny_mix import tiny_config as fsdp_config
 
     results = run_ranks(_fsdp_rank, 2, timeout=240, collective_timeout=60)
     assert sorted(len(r["steps"][0]) for r in results) == [0, 1], "one rank really had no sample"

@@ -12,7 +12,6 @@ import copy
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,69 +19,17 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration  # noqa: E402
+from transformers import Qwen2VLForConditionalGeneration  # noqa: E402
 
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
 from collate.train import FSDPSettings  # noqa: E402
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.paths import REPO  # noqa: E402
+from tests.helpers.tiny_mix import IMG, VID, VSTART, make_samples, tiny_config  # noqa: E402
 
-VOCAB, IMG, VID, VSTART, VEND = 96, 90, 91, 92, 93
-PATCH_DIM = 3 * 2 * 14 * 14
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_config() -> Qwen2VLConfig:
-    return Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 2])),
-        vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
-        attn_implementation="sdpa")
-
-
-def make_sample(g: torch.Generator, spec: list) -> dict:
-    """spec: ("text", n) | ("image", (t, h, w)) | ("video", (t, h, w)) in patch units."""
-    ids, sample, pixels = [], {}, {"image": [], "video": []}
-    grids = {"image": [], "video": []}
-    for kind, arg in spec:
-        if kind == "text":
-            ids += torch.randint(0, 80, (arg,), generator=g).tolist()
-            continue
-        t, h, w = arg
-        ids += [VSTART] + [IMG if kind == "image" else VID] * (t * h * w // 4) + [VEND]
-        grids[kind].append(list(arg))
-        pixels[kind].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
-    input_ids = torch.tensor(ids)
-    labels = input_ids.clone()
-    labels[(input_ids == IMG) | (input_ids == VID)] = -100
-    sample.update(input_ids=input_ids, labels=labels)
-    if grids["image"]:
-        sample.update(pixel_values=torch.cat(pixels["image"]), image_grid_thw=torch.tensor(grids["image"]))
-    if grids["video"]:
-        sample.update(pixel_values_videos=torch.cat(pixels["video"]),
-                      video_grid_thw=torch.tensor(grids["video"]))
-    return sample
-
-
-SPECS = [
-    [("text", 11)],
-    [("text", 3), ("image", (1, 4, 6)), ("text", 5)],
-    [("text", 2), ("video", (3, 4, 4)), ("text", 6)],  # text after a video: positions resume at max + 1
-    [("text", 4), ("image", (1, 2, 2)), ("text", 3), ("video", (2, 2, 4)), ("text", 2)],
-    [("text", 17)],
-    [("image", (1, 6, 4)), ("text", 9)],
-]
-
-
-def make_samples(seed: int = 0) -> list[dict]:
-    """The SPECS mixture; text runs get a seed-dependent extra length so samples differ in size."""
-    g = torch.Generator().manual_seed(seed)
-    extra = torch.randint(0, 12, (sum(len(spec) for spec in SPECS),), generator=g).tolist()
-    specs = [[(kind, arg + extra.pop() if kind == "text" else arg) for kind, arg in spec] for spec in SPECS]
-    return [make_sample(g, spec) for spec in specs]
+ROOT = REPO
 
 
 def unpacked_loss_sum(model, sample: dict, config) -> torch.Tensor:
@@ -90,7 +37,7 @@ def unpacked_loss_sum(model, sample: dict, config) -> torch.Tensor:
 
     Positions are passed explicitly (the collator's per-sample ids): transformers 5.x places text
     after a video differently from the original Qwen2-VL rule tokenbal follows, and the model
-    patch is what this test checks, not that choice (tests/test_positions.py pins it).
+    patch is what this test checks, not that choice (tests/collate/test_positions.py pins it).
     """
     ids = sample["input_ids"]
     pos = mrope_positions(ids.numpy(), sample.get("image_grid_thw"), sample.get("video_grid_thw"),
@@ -118,21 +65,6 @@ def test_packed_text_image_video_batch_equals_per_sample_transformers():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     assert assert_grads_match(packed, reference) > 20
     assert dict(reference.named_parameters())["model.visual.patch_embed.proj.weight"].grad.abs().sum() > 0
-
-
-def assert_grads_match(packed, reference) -> int:
-    """Every parameter's gradient equals the reference's (relative 1e-5 of its largest entry);
-    returns how many were compared."""
-    ref_grads = dict(reference.named_parameters())
-    checked = 0
-    for name, p in packed.named_parameters():
-        g_ref = ref_grads[name].grad
-        if g_ref is None:
-            assert p.grad is None or not p.grad.any(), name
-            continue
-        torch.testing.assert_close(p.grad, g_ref, rtol=1e-5, atol=1e-5 * float(g_ref.abs().max()))
-        checked += 1
-    return checked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +109,7 @@ def _fsdp_rank(rank: int, world_size: int, settings) -> dict[str, torch.Tensor]:
 ], ids=["fsdp2-defaults", "async-unshard,no-reshard-after-forward", "async-reduce-scatter",
         "cpu-defaults"])
 def test_two_fsdp2_ranks_with_tokenbal_equal_one_process_on_the_union(settings):
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     results = run_ranks(_fsdp_rank, 2, settings, timeout=240, collective_timeout=60)
 
@@ -237,7 +169,7 @@ def _async_reduce_scatter_rank(rank: int, world_size: int) -> dict:
 
 
 def test_async_reduce_scatter_overlaps_backward_and_blocks_when_accumulating():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     units = 2 + 2 + 1  # vision blocks, decoder layers, root
     for result in run_ranks(_async_reduce_scatter_rank, 2, timeout=240, collective_timeout=60):

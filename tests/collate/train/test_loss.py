@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 
 # Two ranks with very different token counts: a plain per-rank mean would weight rank 1's
 # tokens 4x more than rank 0's.

@@ -22,7 +22,7 @@ from collate.train import (  # noqa: E402
     solo_stage_times,
     summarise,
 )
-from tests.test_train_fsdp2 import make_samples, tiny_config  # noqa: E402
+from tests.helpers.tiny_mix import make_samples, tiny_config  # noqa: E402
 
 
 def _index_of(samples: list[dict]):

@@ -116,7 +116,7 @@ def test_vision_attention_is_per_image_when_the_image_table_is_given():
 
 
 def test_index_image_table_uses_the_index_estimator(tmp_path):
-    from tests.corpus import Sample, write_shard
+    from tests.helpers.corpus import Sample, write_shard
     from tokenbal.estimate import get_estimator
     from tokenbal.index import TokenIndex, build_index
 

@@ -1,21 +1,14 @@
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
+from tests.helpers.lengths import lengths_for
 from tokenbal import TokenBalancedBatchSampler
 from tokenbal.plan import plan_epoch
-
-
-def lengths_for(n=300, seed=0):
-    rng = np.random.default_rng(seed)
-    x = np.exp(rng.normal(6.0, 1.0, n)).astype(np.int64) + 1
-    x[rng.random(n) < 0.02] = 15_000
-    return x
 
 
 def samplers(lengths, R, **kw):

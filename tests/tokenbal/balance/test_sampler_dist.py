@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 from tokenbal import TokenBalancedBatchSampler
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_sampler import lengths_for
+from tests.helpers.lengths import lengths_for
 from tokenbal import TokenBalancedBatchSampler
 
 

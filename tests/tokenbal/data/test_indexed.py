@@ -13,40 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.corpus import Sample, corrupt_header, make_corpus, member_offsets, write_shard
+from tests.helpers.corpus import Sample, corrupt_header, member_offsets, write_shard
+from tests.helpers.shards import as_members, build, first_key_batch, tar_members
 from tokenbal import TokenBalancedBatchSampler
 from tokenbal.index import TokenIndex, build_index
 from tokenbal.wds import IndexedShardDataset, SampleReadError, parse_tar_header
-
-# --- helpers (imported by the other test_wds* files) ---------------------------------------------
-
-
-def build(root, n_shards=3, samples_per_shard=7, seed=0) -> tuple[TokenIndex, list[str]]:
-    """A clean corpus under ``root`` and its index; returns (index, shard paths)."""
-    corpus = make_corpus(os.path.join(root, "shards"), n_shards=n_shards,
-                         samples_per_shard=samples_per_shard, seed=seed, bad=False)
-    out = os.path.join(root, "index")
-    build_index(corpus.shards, out, progress=False)
-    return TokenIndex.open(out), corpus.shards
-
-
-def tar_members(shards) -> dict[str, bytes]:
-    """Every member of every shard, read by tarfile: {member name: bytes}."""
-    out = {}
-    for path in shards:
-        with tarfile.open(path, "r:") as tf:
-            for ti in tf:
-                out[ti.name] = tf.extractfile(ti).read()
-    return out
-
-
-def as_members(sample: dict) -> dict[str, bytes]:
-    """{member name: bytes} of a raw sample dict."""
-    return {f"{sample['__key__']}.{k}": v for k, v in sample.items() if not k.startswith("__")}
-
-
-def first_key_batch(batch):
-    return batch   # collate_fn: keep the list of sample dicts
 
 
 @pytest.fixture(scope="module")
@@ -401,7 +372,7 @@ def test_annotation_records_read_their_image_files(tmp_path):
     """JSON/JSONL annotation sources: members are whole image files (offset 0), read and size-checked."""
     import json
 
-    from tests.corpus import image_bytes
+    from tests.helpers.corpus import image_bytes
 
     files = {"a.jpg": image_bytes("jpg", 64, 48), "b.png": image_bytes("png", 32, 32, seed=1)}
     for name, data in files.items():

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_ranks
-from tests.test_wds import as_members, build, first_key_batch, tar_members
+from tests.helpers.dist_utils import run_ranks
+from tests.helpers.shards import as_members, build, first_key_batch, tar_members
 
 
 def _read_epoch(rank, world, index_path, epoch):

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import threading
-from contextlib import contextmanager
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -15,70 +11,10 @@ import torch
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.test_wds import as_members, build, first_key_batch, tar_members  # noqa: E402
+from tests.helpers.servers import serve  # noqa: E402
+from tests.helpers.shards import as_members, build, first_key_batch, tar_members  # noqa: E402
 from tokenbal import TokenBalancedBatchSampler  # noqa: E402
 from tokenbal.wds import IndexedShardDataset, SampleReadError  # noqa: E402
-
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
-
-
-class RangeHandler(SimpleHTTPRequestHandler):
-    """Static files with single byte-range support (RFC 9110 206 / 416), and a request log."""
-
-    honour_range = True
-
-    def log_message(self, *args):   # keep the test output quiet
-        pass
-
-    def do_GET(self):
-        self.server.requests.append((self.path, self.headers.get("Range")))
-        path = self.translate_path(self.path)
-        if not os.path.isfile(path):
-            self.send_error(404, "not found")
-            return
-        size = os.path.getsize(path)
-        rng = self.headers.get("Range")
-        m = _RANGE.match(rng) if rng and self.server.honour_range else None
-        with open(path, "rb") as f:
-            if m is None:
-                self.send_response(200)
-                start, end = 0, size
-            else:
-                start = int(m.group(1))
-                end = min(size, int(m.group(2)) + 1) if m.group(2) else size
-                if start >= size:
-                    self.send_response(416)
-                    self.send_header("Content-Range", f"bytes */{size}")
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
-            f.seek(start)
-            body = f.read(end - start)
-        self.send_header("Content-Type", "application/x-tar")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        self.wfile.write(body)
-
-
-@contextmanager
-def serve(root: str, honour_range: bool = True):
-    """An HTTP server for ``root`` on 127.0.0.1 (a free port), in a thread; yields its base URL."""
-    handler = lambda *a, **kw: RangeHandler(*a, directory=root, **kw)  # noqa: E731
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    httpd.requests = []
-    httpd.honour_range = honour_range
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        t.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from tests.corpus import make_corpus
+from tests.helpers.corpus import make_corpus
 from tokenbal.wds import agree_steps, balanced_batches
 
 

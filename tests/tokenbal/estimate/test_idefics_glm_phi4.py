@@ -20,19 +20,15 @@ Oracles (transformers 5.24, no torchvision installed):
 
 from __future__ import annotations
 
-import importlib
 import random
-import sys
-import types
 
 import numpy as np
 import pytest
 
-from tests.sizes import size_grid
+from tests.helpers.sizes import size_grid
 from tokenbal.estimate import get_estimator, image_tokens_checked, load_estimator
 
 transformers = pytest.importorskip("transformers")
-import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     Glm4vImageProcessorPil,
@@ -41,7 +37,6 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
     SmolVLMImageProcessorPil,
 )
-from transformers.image_utils import SizeDict  # noqa: E402
 from transformers.models.glm4v import image_processing_pil_glm4v as hf_glm  # noqa: E402
 
 EDGE = [  # tiny, thin, exact tile multiples of 364 / 512 / 448, odd halves, > 4096, extreme ratios
@@ -331,61 +326,6 @@ def test_glm_errors():
 
 # ---------------------------------------------------------------------------------------------
 # Phi-4-multimodal
-
-
-@pytest.fixture(scope="module")
-def phi4_oracle():
-    """transformers' Phi4MultimodalImageProcessor with shape-only stand-ins for the two
-    torchvision pixel functions it calls (``resize``, ``pad``); see the module docstring."""
-
-    def resize(image, size, *args, **kwargs):
-        return torch.empty((*image.shape[:-2], int(size[0]), int(size[1])), dtype=image.dtype)
-
-    def pad(image, padding, *args, **kwargs):
-        left, top, right, bottom = padding
-        shape = (*image.shape[:-2], image.shape[-2] + top + bottom, image.shape[-1] + left + right)
-        return torch.empty(shape, dtype=image.dtype)
-
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2"]
-    names.append("torchvision.transforms.v2.functional")
-    stubs = {n: types.ModuleType(n) for n in names}
-    stubs[names[3]].resize, stubs[names[3]].pad = resize, pad
-    for parent, child in zip(names, names[1:], strict=False):
-        setattr(stubs[parent], child.rsplit(".", 1)[1], stubs[child])
-    modname = "transformers.models.phi4_multimodal.image_processing_phi4_multimodal"
-    saved = {n: sys.modules.get(n) for n in [*names, modname]}
-    # the stubs live in sys.modules only while the module imports, so nothing else sees them
-    sys.modules.pop(modname, None)
-    sys.modules.update(stubs)
-    try:
-        mod = importlib.import_module(modname)
-    finally:
-        for n, v in saved.items():
-            if v is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = v
-    proc = object.__new__(mod.Phi4MultimodalImageProcessor)  # __init__ checks for torchvision
-    proc.resize = lambda image, size, **kw: resize(image, [size.height, size.width])  # global view
-
-    def count(w: int, h: int, dynamic_hd: int = 36) -> int:
-        out = proc._preprocess(
-            [torch.empty((3, h, w), dtype=torch.uint8)],
-            do_resize=True,
-            size=SizeDict(height=448, width=448),
-            resample=None,
-            do_rescale=False,
-            rescale_factor=1 / 255,
-            do_normalize=False,
-            image_mean=None,
-            image_std=None,
-            patch_size=14,
-            dynamic_hd=dynamic_hd,
-            return_tensors=None,
-        )
-        return int(out["num_img_tokens"][0])
-
-    return count
 
 
 def _oracle_or_error(oracle, w, h, **kw):

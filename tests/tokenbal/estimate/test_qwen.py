@@ -22,7 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
-from tests.sizes import size_grid
+from tests.helpers.sizes import size_grid
 from tokenbal.estimate import get_estimator, load_estimator
 from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_3d, smart_resize_np
 

@@ -16,19 +16,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.sizes import size_grid
+from tests.helpers.sizes import size_grid
 from tokenbal.estimate import get_estimator, load_estimator
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers import (  # noqa: E402
     GotOcr2ImageProcessorPil,
-    LlavaNextImageProcessorPil,
-    LlavaNextProcessor,
-    LlavaOnevisionImageProcessorPil,
-    LlavaOnevisionProcessor,
-    PreTrainedTokenizerFast,
 )
+
+from tests.helpers.processors import NEXT_PINPOINTS  # noqa: E402
 
 EDGE = [
     (1, 1),
@@ -63,17 +60,6 @@ HS = [h for _, h in GRID]
 
 def img(w: int, h: int) -> Image.Image:
     return Image.new("RGB", (w, h), (200, 40, 90))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<image>": 1, "<video>": 2, "hi": 3}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", additional_special_tokens=["<image>", "<video>"]
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,25 +122,6 @@ def test_tiles_settings_and_dense_batch():
 # ---------------------------------------------------------------------------------------------
 # LLaVA-NeXT
 
-NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
-
-
-@pytest.fixture(scope="module")
-def next_proc(tokenizer):
-    ip = LlavaNextImageProcessorPil(
-        image_grid_pinpoints=NEXT_PINPOINTS,
-        size={"shortest_edge": 336},
-        crop_size={"height": 336, "width": 336},
-    )
-    return LlavaNextProcessor(
-        image_processor=ip,
-        tokenizer=tokenizer,
-        patch_size=14,
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-    )
-
-
 def test_llava_next_equals_processor_on_grid(next_proc):
     want = next_proc._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in GRID])["num_image_tokens"]
     est = get_estimator("llava-next")
@@ -174,23 +141,6 @@ def test_llava_next_end_to_end_placeholders(next_proc):
 
 # ---------------------------------------------------------------------------------------------
 # LLaVA-OneVision
-
-OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
-
-
-@pytest.fixture(scope="module")
-def ov_proc():
-    # __init__ insists on a video processor, which needs torchvision; the counting methods do not.
-    p = object.__new__(LlavaOnevisionProcessor)
-    p.image_processor = LlavaOnevisionImageProcessorPil(
-        image_grid_pinpoints=OV_PINPOINTS, size={"height": 384, "width": 384}
-    )
-    p.num_image_tokens = 729
-    p.vision_feature_select_strategy = "full"
-    p.vision_aspect_ratio = "anyres_max_9"
-    p.image_token = "<image>"
-    return p
-
 
 def test_llava_onevision_equals_processor_on_grid(ov_proc):
     want = [ov_proc._get_number_of_features(h, w, 384, 384) for w, h in GRID]

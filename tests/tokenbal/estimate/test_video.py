@@ -4,7 +4,7 @@ with PyAV and decoded at the planned frames.
 Oracles: qwen-vl-utils' ``fetch_video`` (its ``calculate_video_frame_range`` / ``smart_nframes`` /
 ``smart_resize``, fed by a PyAV reader that works like its decord reader), transformers 5.24's video
 processors' ``sample_frames`` and ``get_num_of_video_patches`` (the classes that import torchvision
-are imported with shape-only stand-ins, see ``tests.videos.import_without_torchvision``) and the
+are imported with shape-only stand-ins, see ``tests.helpers.videos.import_without_torchvision``) and the
 processors' prompt builders (``replace_video_token``, ``_calculate_timestamps``).
 """
 
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("av")
 torch = pytest.importorskip("torch")
 
-from tests.videos import import_without_torchvision, write_video  # noqa: E402
+from tests.helpers.videos import import_without_torchvision, write_video  # noqa: E402
 from tokenbal.estimate import get_estimator  # noqa: E402
 from tokenbal.estimate.video import VideoRequest, plan_video, video_pipeline  # noqa: E402
 from tokenbal.index.video import decode_frames, probe_video  # noqa: E402

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.corpus import Sample, image_bytes, write_shard
+from tests.helpers.corpus import Sample, image_bytes, write_shard
 from tokenbal.cli import main
 from tokenbal.estimate import get_estimator, get_text_counter
 from tokenbal.index import TokenIndex, build_index, verify_index

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.corpus import WORDS, Sample, image_bytes, make_corpus, write_shard
+from tests.helpers.corpus import WORDS, Sample, image_bytes, make_corpus, write_shard
 from tokenbal.cli import main
 from tokenbal.estimate import get_estimator, get_text_counter
 from tokenbal.index import Member, TokenIndex, build_index, index_stats, verify_index
@@ -17,11 +17,6 @@ from tokenbal.index import Member, TokenIndex, build_index, index_stats, verify_
 def expected_tokens(sample: Sample, est, counter) -> tuple[int, int]:
     vision = sum(est.image_tokens(w, h) + est.wrapper_tokens for w, h in sample.image_sizes)
     return vision, counter.count(sample.expected_text)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +165,7 @@ def test_webdataset_tarwriter_shard(tmp_path):
     assert idx.image_sizes(1) == [(10, 11), (101, 50)]
     assert idx.image_sizes(2) == [(10, 12), (102, 50)]
     assert idx.errors == [] and idx.manifest["shards"][0]["n_full_reads"] == 1
-    from tests.test_index_fastpaths import tarfile_listing, walk_listing
+    from tests.helpers.shards import tarfile_listing, walk_listing
 
     assert walk_listing(path) == tarfile_listing(path)      # the fast walk took this shard
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from tests.corpus import (
+from tests.helpers.corpus import (
     Sample,
     corrupt_header,
     image_bytes,
@@ -24,28 +24,9 @@ from tests.corpus import (
     truncate_mid_payload,
     write_shard,
 )
+from tests.helpers.shards import tarfile_listing, walk_listing
 from tokenbal.index.imagesize import ImageSizeError, image_size, jpeg_size
 from tokenbal.index.scan import scan_shard
-from tokenbal.index.tarwalk import walk_members
-
-
-def tarfile_listing(path: str):
-    """(name, type, size, payload offset) per member and the end offset, as tarfile reads them."""
-    with tarfile.open(path, "r:") as tf:
-        members = [(ti.name, ti.type, ti.size, ti.offset_data) for ti in tf]
-        return members, tf.offset
-
-
-def walk_listing(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = walk_members(fd, os.path.getsize(path))
-    finally:
-        os.close(fd)
-    if got is None:
-        return None
-    members, end = got
-    return [(m.name, m.type, m.size, m.offset_data) for m in members], end
 
 
 def write_tar(path, fmt, entries) -> str:

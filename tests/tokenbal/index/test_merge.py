@@ -11,14 +11,15 @@ import sys
 import numpy as np
 import pytest
 
-from tests.corpus import make_corpus
+from tests.helpers import paths
+from tests.helpers.corpus import make_corpus
 from tokenbal import TokenBalancedBatchSampler
 from tokenbal.cli import main
 from tokenbal.index import TokenIndex, build_index, export_index, lengths_for_keys, merge_indexes
 from tokenbal.index.export import read_export
 from tokenbal.index.merge import parse_part
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(paths.REPO)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def test_export_and_join_by_key(single, tmp_path, fmt):
 
 
 def test_join_refuses_duplicate_keys(tmp_path):
-    from tests.corpus import Sample, write_shard
+    from tests.helpers.corpus import Sample, write_shard
 
     a = write_shard(tmp_path / "a.tar", [Sample("k", caption="one")])
     b = write_shard(tmp_path / "b.tar", [Sample("k", caption="two words")])

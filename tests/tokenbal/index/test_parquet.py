@@ -11,7 +11,7 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from tests.corpus import SIZES, WORDS, Sample, write_shard  # noqa: E402
+from tests.helpers.corpus import SIZES, WORDS, Sample, write_shard  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
 from tokenbal.data import IndexedParquetDataset  # noqa: E402
 from tokenbal.index import ParquetOptions, TokenIndex, build_index  # noqa: E402
@@ -125,7 +125,7 @@ def test_parquet_bad_rows_and_columns_are_errors(data, tmp_path):
 
 def test_remote_parquet_equals_local(data, tmp_path):
     pytest.importorskip("aiohttp")
-    from tests.test_index_remote import FAST, serve
+    from tests.helpers.servers import FAST, serve
 
     root, samples = data
     build_index([str(root / "a.parquet"), str(root / "b.parquet")], tmp_path / "local", progress=False)
@@ -147,7 +147,7 @@ def test_parquet_images_follow_the_index_exif_policy(tmp_path):
     transformers' load_image sees it (the same EXIF policy as tar shards), or as stored with 'ignore'."""
     from PIL import Image, ImageOps
 
-    from tests.test_index_reliability import rotated_jpeg
+    from tests.helpers.corpus import rotated_jpeg
 
     photos = [rotated_jpeg(tmp_path / f"p{o}.jpg", 90, 30, o) for o in (6, 1, 8)]
     pq.write_table(pa.table({"images": pa.array([[{"bytes": b, "path": None}] for b in photos],

@@ -21,18 +21,12 @@ from PIL import Image
 
 import tokenbal
 import tokenbal.index.build as build_mod
-from tests import test_estimate_idefics_glm_phi4 as _phi4
-from tests import test_estimate_tiles_llava as _llava
-from tests.corpus import Sample, image_bytes, make_corpus, write_shard
+from tests.helpers.corpus import Sample, image_bytes, make_corpus, rotated_jpeg, write_shard
 from tokenbal.cli import main
 from tokenbal.index import TokenIndex, build_index, verify_index
 from tokenbal.index.build import IndexBuildError
 from tokenbal.index.store import IndexDamagedError
 from tokenbal.wds import IndexedShardDataset, SampleReadError
-
-# The processor fixtures of the estimator tests (tiny configs, no downloads), shared by name.
-tokenizer, next_proc, ov_proc = _llava.tokenizer, _llava.next_proc, _llava.ov_proc
-phi4_oracle = _phi4.phi4_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tokenbal.__file__)))
 GUARD = 180   # seconds: a hang guard for waits on other processes, never an assertion on speed
@@ -56,7 +50,7 @@ def leftovers(parent) -> list[str]:
 def start_hanging_build(tmp_path, shards, hang_at: int) -> subprocess.Popen:
     out = str(tmp_path / "idx")
     env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.index_kill", out, str(hang_at), *shards],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.index_kill", out, str(hang_at), *shards],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE)
     wait_for(lambda: os.path.exists(out + ".ready") or proc.poll() is not None,
              "the build to reach its pause")
@@ -97,7 +91,7 @@ def test_sigterm_of_the_build_saves_its_finished_shards(tmp_path):
 
 
 def test_a_scan_worker_killed_by_sigkill_ends_the_build_naming_its_shard(tmp_path, monkeypatch):
-    from tests import index_kill
+    from tests.helpers import index_kill
 
     corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=2, seed=3, bad=False)
     hang = write_shard(tmp_path / "data" / "hang.tar", [Sample("h0", caption="x y z")])
@@ -266,15 +260,6 @@ def test_annotation_rows_with_mismatched_placeholders_or_no_content_are_errors(t
 
 
 # --- EXIF orientation against transformers' processors --------------------------------------------------
-
-def rotated_jpeg(path, w: int, h: int, orientation: int) -> bytes:
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    im = Image.new("RGB", (w, h), (120, 30, 200))
-    im.paste((10, 200, 40), (0, 0, w // 3, h // 2))
-    im.save(path, "JPEG", quality=85, exif=exif.tobytes())
-    return open(path, "rb").read()
-
 
 SHAPES = [(1000, 400, 6), (1000, 400, 8), (1000, 400, 3), (1000, 400, 1), (300, 900, 5)]
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
-import time
-from contextlib import contextmanager
-from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -16,69 +12,11 @@ import pytest
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.corpus import Sample, make_corpus, write_shard  # noqa: E402
-from tests.test_wds_remote import RangeHandler  # noqa: E402
+from tests.helpers.corpus import Sample, write_shard  # noqa: E402
+from tests.helpers.servers import FAST, serve  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
 from tokenbal.index import RemoteOptions, TokenIndex, build_index, verify_index  # noqa: E402
 from tokenbal.wds import IndexedShardDataset  # noqa: E402
-
-FAST = RemoteOptions(backoff_s=0.01)
-
-
-class FlakyHandler(RangeHandler):
-    """RangeHandler plus a delay per request and a list of request numbers answered 503 / 403."""
-
-    def do_HEAD(self):
-        if self._injected(self._count()):
-            return
-        super().do_HEAD()
-
-    def do_GET(self):
-        if self._injected(self._count()):
-            return
-        super().do_GET()
-
-    def _count(self) -> int:
-        with self.server.lock:
-            self.server.n += 1
-            n = self.server.n
-        if self.server.latency:
-            time.sleep(self.server.latency)
-        return n
-
-    def _injected(self, n: int) -> bool:
-        if n in self.server.fail_at:
-            self.server.failed += 1
-            self.send_error(503, "injected failure")
-            return True
-        # Denied for reads only (HEAD answers): the scan, not the source listing, meets it.
-        if self.command == "GET" and any(self.path.endswith(d) for d in self.server.deny):
-            self.send_error(403, "denied")
-            return True
-        return False
-
-
-@contextmanager
-def serve(root: str, *, latency: float = 0.0, fail_at=(), deny=(), honour_range: bool = True):
-    handler = lambda *a, **kw: FlakyHandler(*a, directory=root, **kw)  # noqa: E731
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
-    httpd.requests, httpd.honour_range = [], honour_range
-    httpd.lock, httpd.n, httpd.failed = threading.Lock(), 0, 0
-    httpd.latency, httpd.fail_at, httpd.deny = latency, set(fail_at), tuple(deny)
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        t.join(10)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.fixture(scope="module")
@@ -181,30 +119,6 @@ def test_http_permanent_errors_name_the_url(corpus, tmp_path):
 
 
 # --- S3 (moto's server) ----------------------------------------------------------------------------
-
-@pytest.fixture
-def s3(monkeypatch):
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    from tokenbal.launch import free_port
-
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "testing"}.items():
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        client.create_bucket(Bucket="corpus")
-        yield endpoint, client
-    finally:
-        server.stop()
-
 
 def test_s3_build_verify_and_read_equal_local(s3, corpus, local, tmp_path):
     endpoint, client = s3

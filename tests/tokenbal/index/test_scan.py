@@ -11,7 +11,7 @@ import tarfile
 import pytest
 from PIL import Image
 
-from tests.corpus import (
+from tests.helpers.corpus import (
     Sample,
     corrupt_header,
     image_bytes,

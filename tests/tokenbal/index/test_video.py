@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("av")
 
-from tests.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
+from tests.helpers.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
 from tokenbal.index.video import (  # noqa: E402
     VideoError,
     count_decoded_frames,

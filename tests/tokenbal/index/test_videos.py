@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("av")
 
-from tests.corpus import Sample, write_shard  # noqa: E402
-from tests.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
+from tests.helpers.corpus import Sample, write_shard  # noqa: E402
+from tests.helpers.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
 from tokenbal.estimate import get_estimator, get_text_counter  # noqa: E402
 from tokenbal.estimate.video import VideoRequest, plan_video  # noqa: E402
 from tokenbal.index import TokenIndex, build_index  # noqa: E402

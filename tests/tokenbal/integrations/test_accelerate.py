@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.dist_utils import run_ranks  # noqa: E402
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
 
 N, WORLD, GBS = 24, 2, 4
 STEPS = N // GBS                   # 6 per epoch
@@ -20,7 +20,7 @@ def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_acc
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from tests.hf_tiny import TinyVLDataset, pad_collate
+    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate
     from tokenbal import TokenBalancedBatchSampler
     from tokenbal.integrations.accelerate import prepare_loader
 
@@ -31,7 +31,7 @@ def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_acc
     acc = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum,
                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     if tiny_vl:
-        from tests.hf_tiny import tiny_qwen2_vl
+        from tests.helpers.hf_tiny import tiny_qwen2_vl
 
         model = tiny_qwen2_vl()
     else:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from tests.dist_utils import run_ranks
+from tests.helpers.dist_utils import run_ranks
 from tokenbal.cli import main
 from tokenbal.profile import collective_kind, format_report, load_traces, profile_run, verdict
 from tokenbal.profile.intervals import as_intervals, total, union

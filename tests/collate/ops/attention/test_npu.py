@@ -20,7 +20,7 @@ import torch
 
 from collate import varlen_attention
 from collate.ops import attention_npu
-from tests.test_attention import _batch, _Exploding, _qkv, masked_full_attention
+from tests.helpers.attention import _batch, _Exploding, _qkv, masked_full_attention
 
 
 class FakeTorchNpu(types.ModuleType):

@@ -17,7 +17,7 @@ from collate.ops import rope as rope_dispatch
 from collate.ops import rope_cpu
 from collate.ops.rope_cpu import apply_mrope_cpu
 from collate.ops.rope_reference import apply_mrope_reference
-from tests.test_rope import _inv_freq, _qk, _sample_positions
+from tests.helpers.rope import _inv_freq, _qk, _sample_positions
 
 CASES = [
     (128, 128, [16, 24, 24], False),

@@ -26,7 +26,7 @@ from collate import apply_mrope
 from collate.ops import rope as rope_dispatch
 from collate.ops import rope_npu
 from collate.ops.rope_reference import apply_mrope_reference
-from tests.test_rope import _inv_freq, _qk, _sample_positions, hf_mrope
+from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from collate import apply_mrope  # noqa: E402
 from collate.ops import rope as rope_dispatch  # noqa: E402
 from collate.ops.rope_reference import apply_mrope_reference  # noqa: E402
-from tests.test_rope import _inv_freq, _qk, _sample_positions, hf_mrope, rope_1d_oracle  # noqa: E402
+from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope, rope_1d_oracle  # noqa: E402
 
 _MOD = "collate.ops.rope_triton"
 
