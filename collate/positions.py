@@ -141,7 +141,7 @@ def mrope_positions(
       which includes the video's temporal extent). transformers 5.24 instead resumes at
       ``start + max(h, w) / merge``, which makes text after a long video reuse the positions of the
       video's later frames. We keep the original rule because that is what the released checkpoints
-      were trained with. ``tests/test_positions.py`` pins this with golden values. With
+      were trained with. ``tests/collate/test_positions.py`` pins this with golden values. With
       ``split_video_frames`` every frame has ``t == 1`` and both rules agree (equal to transformers).
 
     Vision blocks are found in token order: each maximal run of image (video) tokens is consumed by

@@ -18,7 +18,7 @@ Then it writes a synthetic index of ``--open-rows`` samples (``write_index``, no
 
     python scripts/bench_index.py [--samples 2000] [--baseline 150] [--open-rows 10000000]
 
-``--remote``: instead, index shards served over HTTP by a loopback server (``tests.test_index_remote``)
+``--remote``: instead, index shards served over HTTP by a loopback server (``tests.helpers.servers``)
 that delays every request by ``--latency-ms`` (default 20) and optionally caps each connection at
 ``--mbps``: the ranged build (tar headers and image heads only, ``--inflight`` shards at a time) vs the
 same build downloading every whole object first, in the same process; samples/s, requests, MB read,
@@ -186,7 +186,7 @@ def bench_open(rows: int, folder: str) -> dict:
 def bench_remote(args) -> None:
     from http.server import ThreadingHTTPServer  # noqa: F401 - the server below is a ThreadingHTTPServer
 
-    from tests import test_index_remote as tr
+    from tests.helpers.servers import RangeHandler, serve
     from tokenbal.index.remote import RemoteOptions
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench-index-remote-")
@@ -216,48 +216,43 @@ def bench_remote(args) -> None:
         def __getattr__(self, name):
             return getattr(self.raw, name)
 
-    class Handler(tr.FlakyHandler):
+    class Handler(RangeHandler):
         def do_GET(self):
             if rate:
                 self.wfile = Throttled(self.wfile)
             super().do_GET()
 
-    original = tr.FlakyHandler
-    tr.FlakyHandler = Handler   # serve() builds its handler from this name
-    try:
-        with tr.serve(work, latency=args.latency_ms / 1000) as (base, httpd):
-            urls = [f"{base}/{n}" for n in names]
-            print(f"{args.shards} shards x {args.samples} JPEG samples ({total_mb:.0f} MB, "
-                  f"{total_mb / (args.shards * args.samples):.2f} MB each) over HTTP on "
-                  f"loopback, {args.latency_ms:.0f} ms per request, "
-                  f"{f'{args.mbps:.0f} MB/s per connection' if rate else 'no bandwidth cap'}, "
-                  f"{args.inflight} shards in flight, one process; median of {args.repeats}")
-            results = {}
-            for mode in ("ranges", "whole"):
-                walls, reqs = [], []
-                for _ in range(args.repeats):
-                    n0 = httpd.n
-                    t = time.perf_counter()
-                    rep = build_index(urls, os.path.join(work, f"idx-{mode}"), progress=False,
-                                      incremental=False,
-                                      remote=RemoteOptions(mode=mode, inflight=args.inflight))
-                    walls.append(time.perf_counter() - t)
-                    reqs.append(httpd.n - n0)
-                idx = TokenIndex.open(os.path.join(work, f"idx-{mode}"))
-                read = sum(e.get("bytes_read", e["size"] if mode == "whole" else 0)
-                           for e in idx.manifest["shards"]) / 1e6
-                results[mode] = (statistics.median(walls), statistics.median(reqs), read, idx,
-                                 rep.num_samples)
-            for mode, (wall, req, read, _, n) in results.items():
-                print(f"  {mode:<6} {n / wall:>9,.0f} samples/s  {wall:6.2f} s  {req:>6.0f} requests  "
-                      f"{read:>8.1f} MB read")
-            a, b = results["ranges"][3], results["whole"][3]
-            same = (np.array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
-                    and list(a.keys) == list(b.keys))
-            print(f"  ranges / whole: {results['whole'][0] / results['ranges'][0]:.2f}x samples/s, "
-                  f"{results['ranges'][2] / results['whole'][2]:.3f}x bytes; same index: {same}")
-    finally:
-        tr.FlakyHandler = original
+    with serve(work, latency=args.latency_ms / 1000, handler=Handler) as (base, httpd):
+        urls = [f"{base}/{n}" for n in names]
+        print(f"{args.shards} shards x {args.samples} JPEG samples ({total_mb:.0f} MB, "
+              f"{total_mb / (args.shards * args.samples):.2f} MB each) over HTTP on "
+              f"loopback, {args.latency_ms:.0f} ms per request, "
+              f"{f'{args.mbps:.0f} MB/s per connection' if rate else 'no bandwidth cap'}, "
+              f"{args.inflight} shards in flight, one process; median of {args.repeats}")
+        results = {}
+        for mode in ("ranges", "whole"):
+            walls, reqs = [], []
+            for _ in range(args.repeats):
+                n0 = httpd.n
+                t = time.perf_counter()
+                rep = build_index(urls, os.path.join(work, f"idx-{mode}"), progress=False,
+                                  incremental=False,
+                                  remote=RemoteOptions(mode=mode, inflight=args.inflight))
+                walls.append(time.perf_counter() - t)
+                reqs.append(httpd.n - n0)
+            idx = TokenIndex.open(os.path.join(work, f"idx-{mode}"))
+            read = sum(e.get("bytes_read", e["size"] if mode == "whole" else 0)
+                       for e in idx.manifest["shards"]) / 1e6
+            results[mode] = (statistics.median(walls), statistics.median(reqs), read, idx,
+                             rep.num_samples)
+        for mode, (wall, req, read, _, n) in results.items():
+            print(f"  {mode:<6} {n / wall:>9,.0f} samples/s  {wall:6.2f} s  {req:>6.0f} requests  "
+                  f"{read:>8.1f} MB read")
+        a, b = results["ranges"][3], results["whole"][3]
+        same = (np.array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+                and list(a.keys) == list(b.keys))
+        print(f"  ranges / whole: {results['whole'][0] / results['ranges'][0]:.2f}x samples/s, "
+              f"{results['ranges'][2] / results['whole'][2]:.3f}x bytes; same index: {same}")
 
 
 def main() -> None:

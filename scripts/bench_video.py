@@ -24,7 +24,7 @@ def make_clips(folder: str, n: int, seconds: float, w: int, h: int, distinct: in
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from tests.videos import write_video
+    from tests.helpers.videos import write_video
 
     shard = os.path.join(folder, "videos.tar")
     kinds = [("mp4", 30), ("webm", 25), ("mp4", Fraction(30000, 1001)), ("mkv", 24)]

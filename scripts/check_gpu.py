@@ -22,7 +22,7 @@ Run on any CUDA machine from a checkout (no install needed, no downloads; tiny r
    pass runs first so one-time initialisation (cuBLAS handles, Triton compiles) is not counted.
 
 Exits 0 with "no CUDA, skipped" on machines without CUDA. The model check also runs on CPU
-(without sync recording) from tests/test_prefetch.py, so its logic is tested everywhere.
+(without sync recording) from tests/collate/test_prefetch.py, so its logic is tested everywhere.
 """
 
 from __future__ import annotations

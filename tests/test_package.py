@@ -8,15 +8,15 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.paths import REPO
 from tokenbal import __version__
 from tokenbal.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
 
 

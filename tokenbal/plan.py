@@ -21,7 +21,7 @@ How a plan is made
 4. Shuffle the order of the steps inside each window (the fill works largest-first, and
    without this the window would be a length curriculum) and which rank gets which bin.
 
-Guarantees (tested in tests/test_plan.py)
+Guarantees (tested in tests/tokenbal/balance/test_plan.py)
 -----------------------------------------
 * Every rank has the same number of steps (``plan.num_steps``).
 * ``drop_last=False``: every sample appears exactly once. ``global_batch_size`` mode: every step

@@ -5,7 +5,7 @@ member) with PyAV (``av``, imported lazily) and returns a :class:`VideoInfo`, or
 :class:`VideoError` with the reason. No frame is decoded.
 
 The frame count is the number of frames the decoder will produce, not a guess. What was measured
-(PyAV 18.1 / FFmpeg 8.1; h264, vp9 and mpeg4 files written by PyAV; ``tests/test_index_video.py``
+(PyAV 18.1 / FFmpeg 8.1; h264, vp9 and mpeg4 files written by PyAV; ``tests/tokenbal/index/test_video.py``
 checks every rule below against a full decode):
 
 * mp4 / mov (``mov,mp4,...`` demuxer): the sample table in ``moov`` is read by ``av.open`` and is

@@ -1,0 +1,155 @@
+"""enable_packed on a tiny random transformers InternVL (1-D RoPE Qwen2 behind a tile tower):
+packed loss and every gradient equal the token-weighted mean of per-sample unpacked HF forwards;
+placeholder counts are tiles x tokens per tile, as the tokenbal index counts them."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import InternVLForConditionalGeneration  # noqa: E402
+
+from collate import PackedCollator  # noqa: E402
+from collate.models import disable_packed, enable_packed  # noqa: E402
+from tests.helpers.grads import assert_grads_match  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.samples import text_only  # noqa: E402
+from tests.helpers.tiny_internvl import IMG, SIDE, tiny_config  # noqa: E402
+from tests.helpers.tiny_llava import reference_loss  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    return InternVLForConditionalGeneration(tiny_config()).float().eval()
+
+
+def collator(model) -> PackedCollator:
+    return PackedCollator.from_config(model.config, pin_memory=False)
+
+
+def estimator():
+    from tokenbal.estimate.vision import get_estimator
+
+    return get_estimator("internvl", tile_size=SIDE, tokens_per_tile=4, max_tiles=4)
+
+
+def make_samples(seed: int = 1) -> list[dict]:
+    """Text-only, one image, two images (tiles as the index's estimator cuts them), text-only."""
+    est = estimator()
+    g = torch.Generator().manual_seed(seed)
+    specs = [[("text", 9)], [("text", 3), ("image", (70, 40)), ("text", 5)],
+             [("text", 2), ("image", (30, 64)), ("text", 4), ("image", (20, 20)), ("text", 3)], [("text", 6)]]
+    samples = []
+    for spec in specs:
+        ids: list[int] = []
+        tiles = []
+        for kind, arg in spec:
+            if kind == "text":
+                ids += torch.randint(0, 100, (arg,), generator=g).tolist()
+            else:
+                ids += [IMG] * est.image_tokens(*arg)
+                tiles.append(torch.randn(est.num_tiles(*arg), 3, SIDE, SIDE, generator=g))
+        input_ids = torch.tensor(ids)
+        labels = torch.where(input_ids == IMG, -100, input_ids)
+        sample = {"input_ids": input_ids, "labels": labels}
+        if tiles:
+            sample["pixel_values"] = torch.cat(tiles)
+        samples.append(sample)
+    return samples
+
+
+def test_packed_loss_and_grads_match_per_sample(reference):
+    ref = copy.deepcopy(reference)
+    packed = enable_packed(copy.deepcopy(reference))
+    samples = make_samples()
+    batch = collator(ref)(samples)
+    assert batch.position_ids.shape == (1, batch.input_ids.shape[1]) and batch.pixel_values.shape[0] > 3
+    want = reference_loss(ref, samples)
+    want.backward()
+    got = packed(**batch).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    assert assert_grads_match(packed, ref) > 20
+    towers = []
+    hook = packed.model.vision_tower.register_forward_hook(lambda m, a, out: towers.append(out))
+    try:
+        with torch.no_grad():
+            packed(**collator(ref)(text_only(samples)))  # the idle tile
+    finally:
+        hook.remove()
+    assert len(towers) == 1
+
+
+@pytest.mark.parametrize("mix", ["vision", "text only"])
+def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypatch):
+    packed = enable_packed(copy.deepcopy(reference))
+    samples = make_samples()
+    batch = collator(reference)(text_only(samples) if mix == "text only" else samples)
+    packed(**batch).loss.backward()
+    assert host_reads_of_step(packed, batch, monkeypatch) == []
+
+
+def test_collator_and_index_counts(reference, tmp_path):
+    samples = make_samples()
+    bad = dict(samples[1], pixel_values=samples[1]["pixel_values"][:-1])
+    with pytest.raises(ValueError, match=r"sample 1: \d+ image placeholder tokens in input_ids but pixel_v"):
+        collator(reference)([samples[0], bad])
+    # The estimator tokenbal index build loads from the checkpoint's files counts what the batch holds.
+    from tokenbal.estimate.vision import load_estimator
+
+    reference.config.save_pretrained(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": SIDE, "width": SIDE}, "max_patches": 4, "min_patches": 1}))
+    (tmp_path / "processor_config.json").write_text(json.dumps({"image_seq_length": 4}))
+    est = load_estimator(tmp_path)
+    sizes = [[], [(70, 40)], [(30, 64), (20, 20)], []]
+    batch = collator(reference)(samples)
+    starts = [0, *batch.cu_seqlens_list[:-1]]
+    for i, (start, end) in enumerate(zip(starts, batch.cu_seqlens_list, strict=True)):
+        found = int((batch.input_ids[0, start:end] == IMG).sum())
+        assert found == sum(est.image_tokens(w, h) for w, h in sizes[i]), f"sample {i}"
+
+
+def test_unpacked_calls_unchanged_and_disable_restores(reference):
+    sample = make_samples()[2]
+    packed = enable_packed(copy.deepcopy(reference))
+    inputs = {"input_ids": sample["input_ids"][None], "pixel_values": sample["pixel_values"]}
+    with torch.no_grad():
+        want = reference(**inputs).logits
+        torch.testing.assert_close(packed(**inputs).logits, want, rtol=0, atol=0)
+    disable_packed(packed)
+    assert "forward" not in packed.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(packed(**inputs).logits, want, rtol=0, atol=0)
+
+
+def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = InternVLForConditionalGeneration(tiny_config()).float().eval()
+    packed = enable_packed(copy.deepcopy(ref))
+    for layer in packed.model.vision_tower.encoder.layer:
+        fully_shard(layer)
+    for layer in packed.model.language_model.layers:
+        fully_shard(layer)
+    fully_shard(packed)
+    samples = make_samples()
+    shares = [[s for s in samples if "pixel_values" in s], text_only(samples)]  # rank 1: text only
+    packed(**collator(ref)(shares[rank])).loss.backward()
+    want = sum(reference_loss(ref, share) for share in shares) / world_size
+    want.backward()
+    return assert_grads_match(packed, ref)
+
+
+@pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine
+def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
+    from tests.helpers.dist_utils import run_ranks
+
+    assert min(run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)) > 20

@@ -1,0 +1,24 @@
+"""Fixtures shared across the test tree (plain helper functions and classes are in tests/helpers/).
+A test module's own fixture of the same name overrides these (e.g. a corpus of another size)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The default real tar corpus of tests/helpers/corpus.py: good and bad samples in every image
+    format, one truncated shard; one per test module."""
+    from tests.helpers.corpus import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's S3 server on loopback with an empty bucket ``corpus``: (endpoint URL, boto3 client)."""
+    from tests.helpers.servers import moto_s3
+
+    with moto_s3(monkeypatch) as (endpoint, client):
+        yield endpoint, client

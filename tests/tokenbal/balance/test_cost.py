@@ -1,0 +1,132 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbal.cost import FlopsModel, resolve_costs, to_int_costs
+from tokenbal.plan import plan_epoch, step_balance
+
+
+def test_tokens_is_the_default_and_returns_the_lengths():
+    lens = np.array([5, 0, 300])
+    assert resolve_costs(lens).tolist() == [5, 0, 300]
+    assert resolve_costs(lens, "tokens").tolist() == [5, 0, 300]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40_000), min_size=1, max_size=50))
+def test_flops_are_token_equivalents_with_an_attention_surcharge(lengths):
+    m = FlopsModel.qwen2_vl_7b()
+    c = m.token_equivalents(np.array(lengths))
+    lens = np.array(lengths)
+    assert c.dtype == np.int64 and (c >= lens).all() and ((c == 0) == (lens == 0)).all()
+    # the surcharge is the causal-attention term 2·h·s² per layer over one token's linear FLOPs
+    expect = lens + 2 * m.hidden_size * m.num_layers * lens.astype(float) ** 2 / m.token_flops()
+    assert np.all(np.abs(c - expect) <= 1)
+
+
+def test_flops_make_one_long_sample_cost_more_than_many_short_ones():
+    m = FlopsModel.qwen2_vl_7b()
+    one, eight = m.token_equivalents(np.array([16_384, 2_048]))
+    assert one > 8 * eight                        # tokens alone would call them equal
+    # the vision term adds ViT work on the sample's patches
+    with_vis = m.token_equivalents(np.array([2_048]), np.array([1_000]))
+    assert with_vis[0] > eight
+
+
+def test_from_a_transformers_config():
+    from transformers import Qwen2VLConfig
+
+    cfg = Qwen2VLConfig(text_config=dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2),
+                        vision_config=dict(embed_dim=32, depth=2, num_heads=2, spatial_merge_size=2))
+    m = FlopsModel.from_config(cfg)
+    assert (m.hidden_size, m.num_layers, m.intermediate_size, m.num_heads, m.num_kv_heads) == (
+        64, 2, 128, 4, 2)
+    assert (m.vision_hidden_size, m.vision_layers, m.vision_intermediate_size, m.merge_size) == (
+        32, 2, 128, 2)
+    text_only = FlopsModel.from_config(cfg.text_config)
+    assert text_only.vision_layers == 0
+    assert FlopsModel.from_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+                                  ).intermediate_size == 256
+    with pytest.raises(ValueError, match="hidden_size"):
+        FlopsModel.from_config({"num_hidden_layers": 2})
+
+
+def test_flops_by_name_uses_the_index_vision_tokens_and_the_config():
+    class Index:
+        lengths = np.array([1000, 1000])
+        vision_tokens = np.array([0, 900])
+
+    c = resolve_costs(Index(), "flops")
+    assert c[1] > c[0] > 1000
+    small = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    # a narrow model spends relatively more on attention: the surcharge follows the config
+    narrow = resolve_costs(np.array([1000]), "flops", config=small)[0]
+    assert narrow > resolve_costs(np.array([1000]), "flops")[0] + 500
+
+
+def test_user_arrays_and_callables():
+    lens = np.array([1, 2, 3])
+    assert resolve_costs(lens, np.array([3, 2, 1])).tolist() == [3, 2, 1]
+    assert resolve_costs(lens, lambda s: s * s).tolist() == [1, 4, 9]
+    f = resolve_costs(lens, np.array([0.5, 1e-9, 0.0]))
+    assert f.tolist() == [1_000_000, 1, 0], "floats scaled, a positive cost never becomes free"
+    with pytest.raises(ValueError, match="one value per sample"):
+        resolve_costs(lens, np.array([1, 2]))
+    with pytest.raises(ValueError, match="sample 1"):
+        to_int_costs(np.array([1.0, -2.0]))
+    with pytest.raises(ValueError, match="unknown cost"):
+        resolve_costs(lens, "watts")
+
+
+def test_planner_and_sampler_balance_the_chosen_cost():
+    from tokenbal import TokenBalancedBatchSampler
+
+    rng = np.random.default_rng(0)
+    lens = np.exp(rng.normal(7, 1, 4000)).astype(np.int64) + 1
+    m = FlopsModel.qwen2_vl_7b()
+    flops = m.token_equivalents(lens)
+    by_flops = plan_epoch(lens, 4, global_batch_size=64, cost=m)
+    by_tokens = plan_epoch(lens, 4, global_batch_size=64)
+    fb = step_balance(by_flops.step_rank_tokens(flops)).mean()
+    assert fb < 1.01
+    assert fb < step_balance(by_tokens.step_rank_tokens(flops)).mean()
+    s = TokenBalancedBatchSampler(lens, num_replicas=4, rank=0, global_batch_size=64, cost=m)
+    assert np.array_equal(s.plan().indices, by_flops.indices)
+    assert s.fingerprint()["cost"] == "FlopsModel"
+    t = TokenBalancedBatchSampler(lens, num_replicas=4, rank=0, global_batch_size=64)
+    with pytest.raises(ValueError, match="cost"):
+        s.load_state_dict(t.state_dict())
+
+
+def test_vision_attention_is_per_image_when_the_image_table_is_given():
+    model = FlopsModel(hidden_size=64, num_layers=2, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                       vision_hidden_size=32, vision_layers=2, vision_intermediate_size=64)
+    lengths = np.array([2 * 100 + 10, 100 + 5, 100 + 5])          # two images in sample 0
+    offsets, tokens = np.array([0, 2, 3, 4]), np.array([100, 100, 100, 100])
+    per_image = model.flops(lengths, image_tokens=(offsets, tokens))
+    one_block = model.flops(lengths, vision_tokens=np.array([200, 100, 100]))
+    # Sample 0's images attend separately: cheaper than one 200-token block, and its ViT term is
+    # exactly twice that of a one-image sample.
+    assert per_image[0] < one_block[0]
+    np.testing.assert_allclose(per_image[1:], one_block[1:])
+    llm = model.flops(lengths)
+    np.testing.assert_allclose(per_image[0] - llm[0], 2 * (per_image[1] - llm[1]))
+
+
+def test_index_image_table_uses_the_index_estimator(tmp_path):
+    from tests.helpers.corpus import Sample, write_shard
+    from tokenbal.estimate import get_estimator
+    from tokenbal.index import TokenIndex, build_index
+
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("a", images=[("png", 640, 480), ("png", 64, 900)], caption="two"),
+        Sample("b", caption="none"), Sample("c", images=[("jpg", 1920, 1080)], caption="one")])
+    out = build_index([shard], tmp_path / "idx", estimator_overrides={"max_pixels": 1003520}, progress=False)
+    offsets, tokens = TokenIndex.open(out.out).image_tokens_table
+    est = get_estimator("qwen2-vl", max_pixels=1003520)
+    assert offsets.tolist() == [0, 2, 2, 3]
+    assert tokens.tolist() == [est.image_tokens(w, h) for w, h in [(640, 480), (64, 900), (1920, 1080)]]
+    costs = resolve_costs(TokenIndex.open(out.out), FlopsModel.qwen2_vl_7b())
+    assert costs.shape == (3,) and costs[2] > costs[0] > costs[1]

@@ -1,0 +1,98 @@
+"""Real 2-rank gloo groups: the indexed path reads a whole epoch (every sample once, source bytes),
+and the streaming path keeps unequal ranks in step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist_utils import run_ranks
+from tests.helpers.shards import as_members, build, first_key_batch, tar_members
+
+
+def _read_epoch(rank, world, index_path, epoch):
+    from tokenbal import TokenBalancedBatchSampler, TokenIndex
+    from tokenbal.wds import IndexedShardDataset
+
+    idx = TokenIndex.open(index_path)
+    sampler = TokenBalancedBatchSampler(idx, global_batch_size=6, seed=11)   # rank/world from dist
+    sampler.set_epoch(epoch)
+    ds = IndexedShardDataset(idx, decode=None, max_open_shards=2)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=1,
+                                         collate_fn=first_key_batch, timeout=60,
+                                         multiprocessing_context="fork")   # as under torchrun
+    batches, tokens = [], []
+    for batch in loader:
+        batches.append([(s["__index__"], s["__key__"], as_members(s)) for s in batch])
+        t = torch.tensor([sum(int(idx.lengths[s["__index__"]]) for s in batch)])
+        dist.all_reduce(t)                      # one collective per step, as training does
+        tokens.append(int(t))
+    return sampler.num_replicas, sampler.rank, batches, tokens
+
+
+def tokens(sample):
+    """A stand-in token count (payload bytes / 64); module level, so DataLoader workers can pickle it."""
+    return sum(len(v) for k, v in sample.items() if not k.startswith("__")) // 64 + 1
+
+
+def _stream(rank, world, shards, budget):
+    import webdataset as wds
+
+    from tokenbal.wds import agree_steps, balanced_batches
+
+    mine = shards[:2] if rank == 0 else shards[2:]          # unequal: 2 shards vs 1
+    # Each rank's own count from a dry pass over its finite stream; one all_reduce(MIN) agrees.
+    local = sum(1 for _ in wds.DataPipeline(wds.SimpleShardList(mine), wds.tarfile_to_samples(),
+                                            balanced_batches(budget, tokens, rank=rank)))
+    steps = agree_steps(local)
+    pipe = wds.DataPipeline(wds.ResampledShards(mine, seed=rank, deterministic=True),
+                            wds.tarfile_to_samples(),
+                            balanced_batches(budget, tokens, steps=steps, bufsize=8, seed=0, rank=rank))
+    loader = torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=2, timeout=60,
+                                         multiprocessing_context="fork")
+    n, biggest = 0, 0
+    for batch in loader:
+        t = torch.tensor([sum(tokens(s) for s in batch)])
+        biggest = max(biggest, int(t))
+        dist.all_reduce(t)
+        n += 1
+    return local, steps, n, biggest
+
+
+def _both(rank, world, index_path, shards, budget):
+    # One pair of ranks for both checks: starting gloo ranks is the slow part of these tests.
+    return _read_epoch(rank, world, index_path, 1), _stream(rank, world, shards, budget)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    idx, shards = build(root, n_shards=3, samples_per_shard=8, seed=2)
+    results = run_ranks(_both, 2, idx.path, shards, 300, timeout=240)
+    return idx, shards, [r[0] for r in results], [r[1] for r in results]
+
+
+def test_two_ranks_read_one_epoch_by_offset(ranks):
+    idx, shards, results, _ = ranks
+    truth = tar_members(shards)
+    assert [(r[0], r[1]) for r in results] == [(2, 0), (2, 1)]
+    steps = [len(r[2]) for r in results]
+    assert steps[0] == steps[1] > 0
+    assert results[0][3] == results[1][3]          # both ranks ran every step's all_reduce
+    seen = [row for r in results for batch in r[2] for row in batch]
+    assert sorted(i for i, _, _ in seen) == list(range(len(idx)))    # every sample once
+    got = {}
+    for i, key, members in seen:
+        assert key == idx.keys[i]
+        got.update(members)
+    assert got == truth                            # every member's bytes equal tarfile's
+
+
+def test_two_ranks_stream_the_same_number_of_steps(ranks):
+    results = ranks[3]
+    locals_ = [r[0] for r in results]
+    assert locals_[0] > locals_[1] > 0                       # the ranks' own counts differ
+    assert [r[1] for r in results] == [locals_[1]] * 2       # agreed on the minimum
+    assert [r[2] for r in results] == [locals_[1]] * 2       # and both ran exactly that many steps
+    assert all(r[3] <= 300 for r in results)

@@ -1,0 +1,245 @@
+"""Video token plans (tokenbal.estimate.video) against the families' own code, on real videos written
+with PyAV and decoded at the planned frames.
+
+Oracles: qwen-vl-utils' ``fetch_video`` (its ``calculate_video_frame_range`` / ``smart_nframes`` /
+``smart_resize``, fed by a PyAV reader that works like its decord reader), transformers 5.24's video
+processors' ``sample_frames`` and ``get_num_of_video_patches`` (the classes that import torchvision
+are imported with shape-only stand-ins, see ``tests.helpers.videos.import_without_torchvision``) and the
+processors' prompt builders (``replace_video_token``, ``_calculate_timestamps``).
+"""
+
+from __future__ import annotations
+
+import types
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+pytest.importorskip("av")
+torch = pytest.importorskip("torch")
+
+from tests.helpers.videos import import_without_torchvision, write_video  # noqa: E402
+from tokenbal.estimate import get_estimator  # noqa: E402
+from tokenbal.estimate.video import VideoRequest, plan_video, video_pipeline  # noqa: E402
+from tokenbal.index.video import decode_frames, probe_video  # noqa: E402
+
+NTSC = Fraction(30000, 1001)
+VIDEOS = [("a.mp4", 61, 64, 36, NTSC, {}), ("b.webm", 50, 33, 47, 25, {}),
+          ("c.mp4", 40, 48, 80, 30, {"gaps_ms": [33, 50, 100]}), ("d.avi", 90, 32, 16, 30, {})]
+OPTIONS = [{}, {"fps": 1.0}, {"nframes": 6}, {"video_start": 0.4, "video_end": 1.5},
+           {"min_frames": 8, "max_frames": 10}]
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v")
+    out = {}
+    for name, n, w, h, fps, kw in VIDEOS:
+        path = write_video(str(d / name), n, w, h, fps, **kw)
+        out[name] = (path, decode_frames(path, range(n)))
+    return out
+
+
+def request(path: str, opts: dict) -> VideoRequest:
+    info = probe_video(path)
+    return VideoRequest(frames=info.frames, fps=info.fps, width=info.width, height=info.height,
+                        sample_fps=opts.get("fps"), min_frames=opts.get("min_frames"),
+                        max_frames=opts.get("max_frames"), nframes=opts.get("nframes"),
+                        start=opts.get("video_start"), end=opts.get("video_end"))
+
+
+def check_frames(frames_all, plan, frames_oracle_idx):
+    assert list(plan.indices) == [int(i) for i in frames_oracle_idx]
+    # what the index's reader decodes at the planned frames is the oracle's frames, pixel for pixel
+    return frames_all[list(plan.indices)]
+
+
+@pytest.fixture(scope="module")
+def qvu():
+    vp = import_without_torchvision("qwen_vl_utils.vision_process")
+
+    def pyav_reader(ele):   # qwen-vl-utils' decord reader, with PyAV decoding the file
+        import av
+
+        with av.open(ele["video"]) as c:
+            fps = float(c.streams.video[0].average_rate)
+            frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+        start, end, total = vp.calculate_video_frame_range(ele, len(frames), fps)
+        n = vp.smart_nframes(ele, total_frames=total, video_fps=fps)
+        idx = torch.linspace(start, end, n).round().long().tolist()
+        video = torch.from_numpy(frames[idx]).permute(0, 3, 1, 2)
+        return video, {"fps": fps, "frames_indices": idx, "total_num_frames": total}, n / total * fps
+
+    vp.VIDEO_READER_BACKENDS["pyav"] = pyav_reader
+    vp.FORCE_QWENVL_VIDEO_READER = "pyav"
+    vp.get_video_reader_backend.cache_clear()
+    return vp
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_qwen_vl_utils_pipeline(videos, qvu, family):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_resize
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    est = get_estimator(family, pipeline="qwen-vl-utils")
+    assert "qwen-vl-utils" in video_pipeline(est)
+    patch = est.patch_size
+    for path, frames in videos.values():
+        for opts in OPTIONS:
+            ele = {"video": path, **opts}
+            video, meta = qvu.fetch_video(ele, image_patch_size=patch, return_video_metadata=True)
+            plan = plan_video(est, request(path, opts))
+            got = check_frames(frames, plan, meta["frames_indices"])
+            assert len(got) == video.shape[0]
+            n, _, h, w = video.shape
+            if est.processor_resize:   # Qwen2.5-VL README: the processor resizes again
+                h, w = hf_resize(h, w, est.factor, est.video_min_pixels, est.video_max_pixels)
+            want = -(-n // 2) * (h // est.factor) * (w // est.factor)
+            assert plan.tokens == want, (path, opts)
+            if family == "qwen3-vl":
+                stamps = Qwen3VLProcessor._calculate_timestamps(None, list(meta["frames_indices"]),
+                                                               meta["fps"], 2)
+                assert plan.texts == tuple(f"<{t:.1f} seconds>" for t in stamps)
+                assert plan.special == 2 + 2 * (n // 2)
+
+
+def _hf_metadata(path: str, first: int, last: int):
+    from transformers.video_utils import VideoMetadata
+
+    info = probe_video(path)
+    total = last - first + 1
+    return VideoMetadata(total_num_frames=total, fps=info.fps, width=info.width, height=info.height,
+                         duration=total / info.fps)
+
+
+def _clip(path, opts):
+    from tokenbal.estimate.video import clip_range
+
+    info = probe_video(path)
+    return clip_range(info.frames, info.fps, opts.get("video_start"), opts.get("video_end"))
+
+
+def test_qwen3_processor_pipeline(videos):
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    est = get_estimator("qwen3-vl")
+    size = {"shortest_edge": est.video_min_pixels, "longest_edge": est.video_max_pixels}
+    proc = Qwen3VLVideoProcessor(size=size)
+    for path, frames in videos.values():
+        for opts in OPTIONS:
+            first, last = _clip(path, opts)
+            md = _hf_metadata(path, first, last)
+            kw = {"fps": opts["fps"]} if "fps" in opts else {}
+            if "nframes" in opts:
+                kw = {"num_frames": opts["nframes"]}
+            p = proc
+            if "min_frames" in opts:
+                p = Qwen3VLVideoProcessor(size=size, min_frames=opts["min_frames"],
+                                          max_frames=opts["max_frames"])
+            idx = [first + int(i) for i in p.sample_frames(md, **kw)]
+            plan = plan_video(est, request(path, opts))
+            got = check_frames(frames, plan, idx)
+            t, h, w = got.shape[:3]
+            assert plan.tokens == proc.get_num_of_video_patches(t, h, w) // 4, (path, opts)
+            stamps = Qwen3VLProcessor._calculate_timestamps(None, idx, md.fps, 2)
+            assert plan.texts == tuple(f"<{s:.1f} seconds>" for s in stamps)
+
+
+def test_qwen2_processor_pipeline(videos):
+    mod = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    est = get_estimator("qwen2-vl")
+    C = mod.Qwen2VLVideoProcessor
+    for path, frames in videos.values():
+        for opts in OPTIONS:
+            first, last = _clip(path, opts)
+            md = _hf_metadata(path, first, last)
+            ns = types.SimpleNamespace(num_frames=None, fps=opts.get("fps", 2.0), temporal_patch_size=2,
+                                       min_frames=opts.get("min_frames", 4),
+                                       max_frames=opts.get("max_frames", 768),
+                                       merge_size=2, patch_size=14,
+                                       size={"shortest_edge": est.video_min_pixels,
+                                             "longest_edge": est.video_max_pixels})
+            kw = {"num_frames": opts["nframes"], "fps": None} if "nframes" in opts else {}
+            idx = [first + int(i) for i in C.sample_frames(ns, md, **kw)]
+            plan = plan_video(est, request(path, opts))
+            got = check_frames(frames, plan, idx)
+            t, h, w = got.shape[:3]
+            assert plan.tokens == C.get_num_of_video_patches(ns, t, h, w, {}) // 4, (path, opts)
+            assert plan.special == 2 and plan.texts == ()
+
+
+def test_glm4v(videos):
+    from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+
+    est = get_estimator("glm-4.1v")
+    proc = Glm4vVideoProcessor()
+    for path, frames in videos.values():
+        for opts in [o for o in OPTIONS if set(o) <= {"fps", "video_start", "video_end"}]:
+            first, last = _clip(path, opts)
+            md = _hf_metadata(path, first, last)
+            rel = proc.sample_frames(md, fps=opts.get("fps"))
+            idx = [first + int(i) for i in rel]
+            plan = plan_video(est, request(path, opts))
+            got = check_frames(frames, plan, idx)
+            t, h, w = got.shape[:3]
+            assert plan.tokens == proc.get_num_of_video_patches(t, h, w) // 4, (path, opts)
+            assert plan.texts == tuple(str(int(i / md.fps)) for i in idx[::2])
+            assert plan.special == 2 + 2 * (t // 2)
+
+
+def test_llava_onevision(videos):
+    import importlib
+
+    lp = importlib.import_module("transformers.models.llava_onevision.processing_llava_onevision")
+    lv = importlib.import_module("transformers.models.llava_onevision.video_processing_llava_onevision")
+
+    LlavaOnevisionProcessor = lp.LlavaOnevisionProcessor
+    proc = lv.LlavaOnevisionVideoProcessor()
+    ns = types.SimpleNamespace(num_image_tokens=729, video_token="<video>")
+    for frames_setting in (None, 8):
+        est = get_estimator("llava-onevision", video_frames=frames_setting)
+        for path, frames in videos.values():
+            for opts in [{}, {"nframes": 6}, {"video_start": 0.4, "video_end": 1.5}]:
+                first, last = _clip(path, opts)
+                md = _hf_metadata(path, first, last)
+                n = opts.get("nframes", frames_setting)
+                rel = proc.sample_frames(md, num_frames=n) if n else range(md.total_num_frames)
+                idx = [first + int(i) for i in rel]
+                plan = plan_video(est, request(path, opts))
+                got = check_frames(frames, plan, idx)
+                prompt = LlavaOnevisionProcessor.replace_video_token(ns, {"pixel_values_videos": [got]}, 0)
+                assert plan.tokens == prompt.count("<video>"), (path, opts)
+
+
+def test_internvl(videos):
+    mod = import_without_torchvision("transformers.models.internvl.video_processing_internvl")
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
+
+    C = mod.InternVLVideoProcessor
+    ns = types.SimpleNamespace(num_frames=None, fps=None, initial_shift=True)
+    pns = types.SimpleNamespace(start_image_token="<img>", end_image_token="</img>",
+                                image_token="<IMG_CONTEXT>", image_seq_length=256)
+    est = get_estimator("internvl", video_frames=8)
+    for path, frames in videos.values():
+        for opts in [{}, {"nframes": 6}, {"video_start": 0.4, "video_end": 1.5}]:
+            first, last = _clip(path, opts)
+            md = _hf_metadata(path, first, last)
+            idx = [first + int(i) for i in C.sample_frames(ns, md, num_frames=opts.get("nframes", 8))]
+            plan = plan_video(est, request(path, opts))
+            got = check_frames(frames, plan, idx)
+            prompt = InternVLProcessor.replace_video_token(pns, {"pixel_values_videos": [got]}, 0)
+            assert plan.tokens == prompt.count("<IMG_CONTEXT>")
+            assert plan.special == prompt.count("<img>") + prompt.count("</img>")
+            rest = prompt.replace("<IMG_CONTEXT>", "").replace("<img>", "").replace("</img>", "")
+            assert "".join(plan.texts) == rest
+
+
+def test_errors():
+    est = get_estimator("qwen2-vl", pipeline="qwen-vl-utils")
+    with pytest.raises(ValueError, match="empty"):
+        plan_video(est, VideoRequest(frames=30, fps=30.0, width=32, height=32, start=0.9, end=0.5))
+    with pytest.raises(ValueError, match="no video support"):
+        plan_video(get_estimator("phi-4-multimodal"), VideoRequest(frames=30, fps=30.0, width=32, height=32))
+    assert video_pipeline(get_estimator("phi-4-multimodal")) is None

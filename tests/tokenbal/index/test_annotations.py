@@ -1,0 +1,134 @@
+"""JSON / JSONL annotation sources (LLaVA / Qwen-VL fine-tuning format) with images on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers.corpus import Sample, image_bytes, write_shard
+from tokenbal.cli import main
+from tokenbal.estimate import get_estimator, get_text_counter
+from tokenbal.index import TokenIndex, build_index, verify_index
+
+
+@pytest.fixture()
+def ann(tmp_path):
+    """A JSONL and a JSON annotation file over real image files under images/, good and bad records."""
+    root = tmp_path / "images"
+    files = {"a/cat.jpg": ("jpg", 640, 480), "a/dog.png": ("png", 300, 1000), "b/x.webp": ("webp", 129, 77),
+             "b/y.jpg": ("jpg", 28, 28)}
+    for rel, (fmt, w, h) in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(image_bytes(fmt, w, h))
+    (root / "broken.jpg").write_bytes(b"not an image at all")
+    conv = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]
+    lines = [
+        json.dumps({"id": "1", "image": "a/cat.jpg", "conversations": conv}),                         # 1
+        json.dumps({"image": ["a/cat.jpg", "b/x.webp"], "conversations": [                             # 2
+            {"from": "human", "value": "<image>\n<image>\nWhat is it?"}, conv[1]]}),
+        "",                                                                                             # 3
+        json.dumps({"images": ["a/dog.png"], "messages": [
+            {"role": "user", "content": "<image>Describe."},
+            {"role": "assistant", "content": "Tall."}]}),                                              # 4
+        json.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image", "image": "b/y.jpg"}, {"type": "text", "text": "Small?"}]},
+            {"role": "assistant", "content": "Yes."}]}),                                               # 5
+        json.dumps({"conversations": [{"from": "human", "value": "text only"}]}),                      # 6
+        json.dumps({"image": "a/missing.jpg", "conversations": conv}),                                 # 7
+        "{not json",                                                                                    # 8
+        json.dumps(["not", "an", "object"]),                                                            # 9
+        json.dumps({"video": "v.mp4", "conversations": conv}),                                         # 10
+        json.dumps({"image": "broken.jpg", "conversations": conv}),                                    # 11
+        json.dumps({"image": 3, "conversations": conv}),                                                # 12
+        json.dumps({"id": "x"}),                                                                        # 13
+    ]
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    js = tmp_path / "extra.json"
+    js.write_text(json.dumps([{"image": str(root / "b/y.jpg"), "text": "absolute path"},
+                              {"image": "b/x.webp", "caption": "a caption"}]))
+    expected = {   # key -> (image sizes, text)
+        "train.jsonl:1": ([(640, 480)], "\nWhat is it?\nA cat."),
+        "train.jsonl:2": ([(640, 480), (129, 77)], "\n\nWhat is it?\nA cat."),
+        "train.jsonl:4": ([(300, 1000)], "Describe.\nTall."),
+        "train.jsonl:5": ([(28, 28)], "Small?\nYes."),
+        "train.jsonl:6": ([], "text only"),
+        "extra.json[0]": ([(28, 28)], "absolute path"),
+        "extra.json[1]": ([(129, 77)], "a caption"),
+    }
+    images = {"train.jsonl:1": ["a/cat.jpg"], "train.jsonl:2": ["a/cat.jpg", "b/x.webp"],
+              "train.jsonl:4": ["a/dog.png"], "train.jsonl:5": ["b/y.jpg"], "train.jsonl:6": [],
+              "extra.json[0]": [str(root / "b/y.jpg")], "extra.json[1]": ["b/x.webp"]}
+    bad = {
+        "train.jsonl:7": f"{jsonl}:7: image 0 'a/missing.jpg' not found at {root / 'a/missing.jpg'}",
+        "train.jsonl:8": f"{jsonl}:8: not valid JSON",
+        "train.jsonl:9": f"{jsonl}:9: record is list, not an object",
+        "train.jsonl:10": f"{jsonl}:10: video 0 'v.mp4' at {root / 'v.mp4'}: cannot read the video",
+        "train.jsonl:11": f"{jsonl}:11: image 0 'broken.jpg' at {root / 'broken.jpg'} is not a readable "
+                          "image",
+        "train.jsonl:12": f"{jsonl}:12: 'image' must be a path or a list of paths",
+        "train.jsonl:13": f"{jsonl}:13: has neither images nor text",
+    }
+    return dict(root=str(root), jsonl=str(jsonl), json=str(js), expected=expected, images=images, bad=bad)
+
+
+def test_annotation_records_are_indexed_exactly(tmp_path, ann):
+    shard = write_shard(tmp_path / "s.tar", [Sample("t0", images=[("jpg", 64, 48)], caption="tar sample")])
+    report = build_index([ann["jsonl"], ann["json"], shard], tmp_path / "idx", image_root=ann["root"],
+                         progress=False)
+    idx = TokenIndex.open(report.out)
+    est, counter = get_estimator("qwen2-vl"), get_text_counter(None)
+    assert list(idx.keys) == [*ann["expected"], "t0"]
+    for i, (key, (sizes, text)) in enumerate(ann["expected"].items()):
+        vision = sum(est.image_tokens(w, h) + est.wrapper_tokens for w, h in sizes)
+        assert (idx.vision_tokens[i], idx.text_tokens[i]) == (vision, counter.count(text)), key
+        assert idx.image_sizes(i) == sizes
+        members = idx.members(i)
+        assert [m.name for m in members] == ann["images"][key]
+        for m in members:   # each member is the image file itself
+            full = os.path.join(ann["root"], m.name)
+            assert (m.shard, m.offset, m.size) == (full, 0, os.path.getsize(full))
+        assert idx.shard(i) == (ann["jsonl"] if key.startswith("train") else ann["json"])
+    # The tar sample in the same index keeps its tar members.
+    (m,) = [m for m in idx.members(len(idx) - 1) if m.name.endswith(".jpg")]
+    assert m.shard == shard and m.name == "t0.jpg"
+    errors = {e["key"]: e for e in idx.errors}
+    assert set(errors) == set(ann["bad"])
+    for key, reason in ann["bad"].items():
+        assert errors[key]["shard"] == ann["jsonl"] and errors[key]["reason"].startswith(reason), key
+    assert report.num_errors == len(ann["bad"]) and report.num_bad_shards == 0
+    assert verify_index(report.out) == []
+
+
+def test_image_root_defaults_to_the_annotation_folder_and_bad_files(tmp_path, ann):
+    # Without --image-root the paths are relative to the annotation file's folder: here that is
+    # not where the images are, so each image record is an error naming the path it looked at.
+    idx = TokenIndex.open(build_index([ann["jsonl"]], tmp_path / "idx", progress=False).out)
+    assert list(idx.keys) == ["train.jsonl:6"]
+    reason = {e["key"]: e["reason"] for e in idx.errors}["train.jsonl:1"]
+    assert f"not found at {tmp_path / 'a/cat.jpg'}" in reason
+    notlist = tmp_path / "bad.json"
+    notlist.write_text(json.dumps({"data": []}))
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("[{")
+    report = build_index([str(notlist), str(garbage)], tmp_path / "idx2", progress=False)
+    idx = TokenIndex.open(report.out)
+    assert report.num_bad_shards == 2 and len(idx) == 0
+    assert [(e["shard"], e["key"]) for e in idx.errors] == [(str(notlist), None), (str(garbage), None)]
+    assert "holds a dict, expected a list of records" in idx.errors[0]["reason"]
+    assert "is not valid JSON" in idx.errors[1]["reason"]
+
+
+def test_cli_image_root(tmp_path, ann, capsys):
+    out = str(tmp_path / "idx")
+    # Two worker processes: each must resolve image paths against --image-root too.
+    assert main(["index", "build", ann["jsonl"], ann["json"], "--image-root", ann["root"], "--out", out,
+                 "--workers", "2", "-q"]) == 0
+    line = capsys.readouterr().out
+    assert line.startswith("indexed 7 samples") and f"{len(ann['bad'])} errors" in line
+    assert list(TokenIndex.open(out).keys) == list(ann["expected"])
+    assert main(["index", "build", ann["jsonl"], "--image-root", str(tmp_path / "nope"), "--out", out,
+                 "-q"]) == 2
+    assert "nope is not a folder" in capsys.readouterr().err

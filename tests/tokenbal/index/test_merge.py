@@ -1,0 +1,126 @@
+"""Builds spread over machines (``--part`` + ``merge``, a torchrun run of 2 CPU ranks included) equal
+one build; ``export`` and ``lengths_for_keys`` feed the lengths back by key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import paths
+from tests.helpers.corpus import make_corpus
+from tokenbal import TokenBalancedBatchSampler
+from tokenbal.cli import main
+from tokenbal.index import TokenIndex, build_index, export_index, lengths_for_keys, merge_indexes
+from tokenbal.index.export import read_export
+from tokenbal.index.merge import parse_part
+
+REPO = str(paths.REPO)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"), n_shards=5, samples_per_shard=4)
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one") / "index"
+    build_index([os.path.join(corpus.root, "data-*.tar")], out, progress=False)
+    return TokenIndex.open(out)
+
+
+def assert_identical(a: TokenIndex, b: TokenIndex) -> None:
+    for name in sorted(f for f in os.listdir(a.path) if f != "manifest.json"):
+        with open(os.path.join(a.path, name), "rb") as fa, open(os.path.join(b.path, name), "rb") as fb:
+            assert fa.read() == fb.read(), name
+    # build_id names each written version (readers pin it), so like ``created`` it differs by design.
+    ma, mb = (dict(m, created=None, tokenbal_version=None, build_id=None) for m in (a.manifest, b.manifest))
+    assert json.dumps(ma, sort_keys=True) == json.dumps(mb, sort_keys=True)
+
+
+def test_parts_merge_to_the_single_build(corpus, single, tmp_path):
+    src = os.path.join(corpus.root, "data-*.tar")
+    parts = []
+    for i in (2, 0, 1):   # any order
+        out = tmp_path / f"part-{i}"
+        build_index([src], out, progress=False, part=(i, 3))
+        parts.append(out)
+        assert TokenIndex.open(out).shard_paths == single.shard_paths[i::3]
+    report = merge_indexes(tmp_path / "merged", parts)
+    assert report.num_samples == len(single) and report.num_bad_shards == 1
+    assert_identical(single, TokenIndex.open(tmp_path / "merged"))
+    with pytest.raises(ValueError, match="part.s. 0/3 missing"):
+        merge_indexes(tmp_path / "m2", parts[:1] + parts[2:])
+    with pytest.raises(ValueError, match="part 2/3 given twice"):
+        merge_indexes(tmp_path / "m3", parts + parts[:1])
+    with pytest.raises(ValueError, match="not a part index"):
+        merge_indexes(tmp_path / "m4", [single.path])
+    build_index([os.path.join(corpus.root, "data-00[0-3].tar")], tmp_path / "other", progress=False,
+                part=(1, 3))
+    with pytest.raises(ValueError, match="other sources"):
+        merge_indexes(tmp_path / "m5", [parts[1], tmp_path / "other", parts[0]])
+
+
+def test_parse_part():
+    assert parse_part("1/4") == (1, 4)
+    assert parse_part("env", {"RANK": "3", "WORLD_SIZE": "8"}) == (3, 8)
+    assert parse_part("env", {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "6",
+                              "SLURM_ARRAY_TASK_MIN": "1"}) == (4, 6)
+    for bad in ("4/4", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError):
+            parse_part(bad)
+    with pytest.raises(ValueError, match="RANK"):
+        parse_part("env", {})
+
+
+def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "tokenbal.cli", "index", "build", os.path.join(corpus.root, "data-*.tar"),
+           "--part", "env", "--out", str(tmp_path / "parts" / "part-{i}-of-{n}"), "-q"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    parts = sorted(str(p) for p in (tmp_path / "parts").iterdir())
+    assert [os.path.basename(p) for p in parts] == ["part-0-of-2", "part-1-of-2"]
+    assert main(["index", "merge", str(tmp_path / "merged"), *parts]) == 0
+    assert_identical(single, TokenIndex.open(tmp_path / "merged"))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "npy"])
+def test_export_and_join_by_key(single, tmp_path, fmt):
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    assert main(["index", "export", str(tmp_path / "x"), "--index", single.path, "--format", fmt]) == 0
+    keys, cols = read_export(tmp_path / "x")
+    assert keys == list(single.keys)
+    np.testing.assert_array_equal(cols["length"], np.asarray(single.lengths))
+    np.testing.assert_array_equal(cols["vision_tokens"] + cols["text_tokens"], cols["length"])
+    # Another tool lists the samples in its own order: lengths come back in that order.
+    perm = np.random.default_rng(0).permutation(len(keys))
+    theirs = [keys[j] for j in perm]
+    joined = lengths_for_keys(tmp_path / "x", theirs)
+    np.testing.assert_array_equal(joined, np.asarray(single.lengths)[perm])
+    np.testing.assert_array_equal(lengths_for_keys(single, theirs, "text_tokens"),
+                                  np.asarray(single.text_tokens)[perm])
+    sampler = TokenBalancedBatchSampler(joined, num_replicas=2, rank=0, global_batch_size=4, seed=0)
+    batches = list(sampler)
+    assert batches and all(0 <= j < len(theirs) for b in batches for j in b)
+    with pytest.raises(KeyError, match="nope"):
+        lengths_for_keys(tmp_path / "x", [theirs[0], "nope"])
+
+
+def test_join_refuses_duplicate_keys(tmp_path):
+    from tests.helpers.corpus import Sample, write_shard
+
+    a = write_shard(tmp_path / "a.tar", [Sample("k", caption="one")])
+    b = write_shard(tmp_path / "b.tar", [Sample("k", caption="two words")])
+    build_index([a, b], tmp_path / "i", progress=False)
+    export_index(tmp_path / "i", tmp_path / "x", "jsonl")
+    with pytest.raises(ValueError, match="more than once"):
+        lengths_for_keys(tmp_path / "x", ["k"])

@@ -1,0 +1,164 @@
+"""Parquet sources in Hugging Face datasets' layout (images as bytes, multi-image rows): the index
+counts what a tar build of the same samples counts; IndexedParquetDataset returns the rows."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from tests.helpers.corpus import SIZES, WORDS, Sample, write_shard  # noqa: E402
+from tokenbal.cli import main  # noqa: E402
+from tokenbal.data import IndexedParquetDataset  # noqa: E402
+from tokenbal.index import ParquetOptions, TokenIndex, build_index  # noqa: E402
+
+IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def _samples(kind: str, n: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+
+    def sentence(k: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(k))
+
+    out = []
+    for i in range(n):
+        k = rng.randrange(0, 4) if kind == "messages" else 1
+        images = [(rng.choice(["jpg", "png", "webp"]), *rng.choice(SIZES)) for _ in range(k)]
+        if kind == "messages":
+            turns = [{"role": "user", "content": "<image>" * k + sentence(rng.randrange(3, 30))},
+                     {"role": "assistant", "content": sentence(rng.randrange(1, 50))}]
+            out.append(Sample(f"{kind}{i:03d}", images=images, messages=turns, seed=seed * 100 + i))
+        else:
+            turns = [{"from": "human", "value": "<image>\n" + sentence(8)},
+                     {"from": "gpt", "value": sentence(rng.randrange(1, 40))}]
+            out.append(Sample(f"{kind}{i:03d}", images=images, conversations=turns, seed=seed * 100 + i))
+    return out
+
+
+def _image_bytes(s: Sample) -> list[bytes]:
+    return [data for ext, data in s.members() if ext.rsplit(".", 1)[-1] in ("jpg", "png", "webp")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pq")
+    chats, convs = _samples("messages", 11, 1), _samples("conv", 5, 2)
+    # HF datasets' layout: `images` a list of {bytes, path}, `messages` a list of {role, content}.
+    t1 = pa.table({
+        "id": [s.key for s in chats],
+        "images": pa.array([[{"bytes": b, "path": f"{s.key}-{j}.img"} for j, b in enumerate(_image_bytes(s))]
+                            for s in chats], pa.list_(IMAGE)),
+        "messages": [s.messages for s in chats],
+        "unused": [b"x" * 1000] * len(chats),
+    })
+    # One image per row (`image`, a struct) and LLaVA `conversations`.
+    t2 = pa.table({
+        "image": pa.array([{"bytes": _image_bytes(s)[0], "path": None} for s in convs], IMAGE),
+        "conversations": [s.conversations for s in convs],
+    })
+    pq.write_table(t1, root / "a.parquet", row_group_size=4)
+    pq.write_table(t2, root / "b.parquet", row_group_size=2)
+    write_shard(root / "a.tar", chats)
+    write_shard(root / "b.tar", convs)
+    return root, chats + convs
+
+
+def test_parquet_counts_equal_tar(data, tmp_path):
+    root, samples = data
+    build_index([str(root / "a.tar"), str(root / "b.tar")], tmp_path / "tar", progress=False)
+    rc = main(["index", "build", str(root / "*.parquet"), "--out", str(tmp_path / "pq"), "-q"])
+    assert rc == 0
+    t, p = TokenIndex.open(tmp_path / "tar"), TokenIndex.open(tmp_path / "pq")
+    assert len(p) == len(t) == len(samples) and p.errors == []
+    for col in ("lengths", "vision_tokens", "text_tokens"):
+        np.testing.assert_array_equal(np.asarray(getattr(p, col)), np.asarray(getattr(t, col)))
+    assert [p.image_sizes(i) for i in range(len(p))] == [s.image_sizes for s in samples]
+    assert max(len(s.images) for s in samples) >= 2 and min(len(s.images) for s in samples) == 0
+    assert p.keys[5] == "a.parquet:1:1" and p.keys[len(p) - 1] == "b.parquet:2:0"
+
+
+def test_indexed_parquet_dataset_returns_rows(data, tmp_path):
+    root, samples = data
+    build_index([str(root / "a.parquet"), str(root / "b.parquet")], tmp_path / "pq", progress=False)
+    ds = IndexedParquetDataset(tmp_path / "pq")
+    assert len(ds) == len(samples)
+    for i in (0, 5, 10):
+        row = ds[i]
+        assert row["id"] == samples[i].key and row["messages"] == samples[i].messages
+        assert [im["bytes"] for im in row["images"]] == _image_bytes(samples[i])
+    batch = ds.__getitems__([12, 3, 15, 0])
+    assert [b["__index__"] for b in batch] == [12, 3, 15, 0]
+    assert batch[0]["conversations"] == samples[12].conversations
+    pil = IndexedParquetDataset(tmp_path / "pq", columns=["image"], decode_images="pil")
+    assert pil[13]["image"].size == samples[13].image_sizes[0]
+    from tokenbal.wds import IndexedShardDataset, SampleReadError
+
+    with pytest.raises(SampleReadError, match="IndexedParquetDataset"):
+        IndexedShardDataset(tmp_path / "pq", decode=None)[0]
+
+
+def test_parquet_bad_rows_and_columns_are_errors(data, tmp_path):
+    root, samples = data
+    good = _image_bytes(samples[-1])[0]
+    t = pa.table({"images": pa.array([[{"bytes": None, "path": "lost.jpg"}],
+                                      [{"bytes": b"not an image at all", "path": None}],
+                                      [{"bytes": good, "path": None}]], pa.list_(IMAGE)),
+                  "text": ["a", "b", "c"]})
+    pq.write_table(t, tmp_path / "bad.parquet")
+    build_index([str(tmp_path / "bad.parquet")], tmp_path / "i", progress=False)
+    idx = TokenIndex.open(tmp_path / "i")
+    assert len(idx) == 1 and idx.keys[0] == "bad.parquet:0:2"
+    reasons = [e["reason"] for e in idx.errors]
+    assert "row group 0 row 0: image 0 ('lost.jpg') has no bytes" in reasons[0]
+    assert "row 1: image 0 is not a readable image" in reasons[1]
+    # A named column the file lacks: one file-level error naming the column.
+    build_index([str(tmp_path / "bad.parquet")], tmp_path / "j", progress=False,
+                parquet=ParquetOptions(messages_column="chat"))
+    (err,) = TokenIndex.open(tmp_path / "j").errors
+    assert err["key"] is None and "column 'chat' not in the file" in err["reason"]
+
+
+def test_remote_parquet_equals_local(data, tmp_path):
+    pytest.importorskip("aiohttp")
+    from tests.helpers.servers import FAST, serve
+
+    root, samples = data
+    build_index([str(root / "a.parquet"), str(root / "b.parquet")], tmp_path / "local", progress=False)
+    with serve(str(root), latency=0.002, fail_at=(2,)) as (base, httpd):
+        build_index([f"{base}/{{a,b}}.parquet"], tmp_path / "remote", progress=False, remote=FAST)
+        local, remote = TokenIndex.open(tmp_path / "local"), TokenIndex.open(tmp_path / "remote")
+        for col in ("lengths", "vision_tokens", "text_tokens"):
+            np.testing.assert_array_equal(np.asarray(getattr(local, col)), np.asarray(getattr(remote, col)))
+        assert list(local.keys) == list(remote.keys) and httpd.failed == 1
+        assert [e["fingerprint"] for e in local.manifest["shards"]] == \
+            [e["fingerprint"] for e in remote.manifest["shards"]]
+        assert remote.shard_paths == [f"{base}/a.parquet", f"{base}/b.parquet"]
+        row = IndexedParquetDataset(remote)[7]
+        assert row["messages"] == samples[7].messages and row["__shard__"] == f"{base}/a.parquet"
+
+
+def test_parquet_images_follow_the_index_exif_policy(tmp_path):
+    """A rotated phone photo in a Parquet row is counted, and decoded by IndexedParquetDataset, as
+    transformers' load_image sees it (the same EXIF policy as tar shards), or as stored with 'ignore'."""
+    from PIL import Image, ImageOps
+
+    from tests.helpers.corpus import rotated_jpeg
+
+    photos = [rotated_jpeg(tmp_path / f"p{o}.jpg", 90, 30, o) for o in (6, 1, 8)]
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": b, "path": None}] for b in photos],
+                                                pa.list_(IMAGE)),
+                             "text": ["a photo"] * len(photos)}), tmp_path / "p.parquet")
+    want = [ImageOps.exif_transpose(Image.open(tmp_path / f"p{o}.jpg")).size for o in (6, 1, 8)]
+    assert want == [(30, 90), (90, 30), (30, 90)]
+    for exif, sizes in (("transpose", want), ("ignore", [(90, 30)] * 3)):
+        idx = TokenIndex.open(build_index([str(tmp_path / "p.parquet")], tmp_path / exif, exif=exif,
+                                          progress=False).out)
+        assert idx.manifest["exif"] == exif and idx.errors == []
+        assert [idx.image_sizes(i)[0] for i in range(len(idx))] == sizes
+        ds = IndexedParquetDataset(idx, decode_images="pil")
+        assert [ds[i]["images"][0].size for i in range(len(ds))] == sizes

@@ -1,0 +1,196 @@
+"""``tokenbal index build`` / ``verify`` / ``IndexedShardDataset`` on remote shards: a real HTTP server
+honouring Range (with injected latency and failing requests) and moto's S3 server, both on loopback."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+from tests.helpers.corpus import Sample, write_shard  # noqa: E402
+from tests.helpers.servers import FAST, serve  # noqa: E402
+from tokenbal.cli import main  # noqa: E402
+from tokenbal.index import RemoteOptions, TokenIndex, build_index, verify_index  # noqa: E402
+from tokenbal.wds import IndexedShardDataset  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("local") / "index"
+    build_index([os.path.join(corpus.root, "data-*.tar")], out, progress=False)
+    return TokenIndex.open(out)
+
+
+def assert_same_index(a: TokenIndex, b: TokenIndex, rename) -> None:
+    """``b`` holds what ``a`` holds, with ``rename(path)`` for every shard path."""
+    for col in ("lengths", "vision_tokens", "text_tokens", "shard_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, col)), np.asarray(getattr(b, col)), err_msg=col)
+    assert list(a.keys) == list(b.keys)
+    assert [rename(p) for p in a.shard_paths] == b.shard_paths
+    for i in range(len(a)):
+        assert [(m.name, rename(m.shard), m.offset, m.size) for m in a.members(i)] == \
+            [(m.name, m.shard, m.offset, m.size) for m in b.members(i)]
+        assert a.image_sizes(i) == b.image_sizes(i)
+        # Each member's tar header checksum and mtime (the reader's rewrite check) as a local scan.
+        assert a.member_stamps(i) == b.member_stamps(i)
+    renamed = [{**e, "shard": rename(e["shard"]),
+                "reason": e["reason"].replace(e["shard"], rename(e["shard"]))} for e in a.errors]
+    assert renamed == b.errors
+    fields = ("size", "fingerprint", "status", "reason", "n_members", "n_samples", "n_errors",
+              "end_of_members", "n_full_reads", "headers_digest")
+    for ea, eb in zip(a.manifest["shards"], b.manifest["shards"], strict=True):
+        ea = {**ea, "reason": ea["reason"] and ea["reason"].replace(ea["path"], rename(ea["path"]))}
+        assert {k: ea[k] for k in fields} == {k: eb[k] for k in fields}
+
+
+def _http_rename(base, corpus):
+    return lambda p: f"{base}/{os.path.relpath(p, corpus.root)}"
+
+
+def test_http_build_equals_local_with_latency_and_retries(corpus, local, tmp_path):
+    # Requests 3 and 7 fail with 503: the build retries them and still gives the local index.
+    with serve(corpus.root, latency=0.005, fail_at=(3, 7)) as (base, httpd):
+        out = tmp_path / "remote"
+        n = len(corpus.shards) - 1
+        report = build_index([f"{base}/data-{{000..{n:03d}}}.tar"], out, progress=False, remote=FAST)
+        assert httpd.failed == 2
+        remote = TokenIndex.open(out)
+        assert_same_index(local, remote, _http_rename(base, corpus))
+        assert report.num_samples == len(local) and report.num_bad_shards == 1
+        # Only headers and image heads were fetched, never whole shards.
+        ranged = [r for _, r in httpd.requests if r]
+        assert ranged and all(r.startswith("bytes=") for r in ranged)
+        ok = [e for e in remote.manifest["shards"] if e["status"] == "ok"]
+        assert all(e["n_requests"] > 0 for e in ok)
+        assert verify_index(out, remote=FAST) == []
+        # IndexedShardDataset reads the same bytes from the URLs the index names (its first
+        # request fails, and is retried).
+        httpd.fail_at, failed = {httpd.n + 1}, httpd.failed
+        ds, ref = IndexedShardDataset(remote, decode=None), IndexedShardDataset(local, decode=None)
+        for i in range(len(remote)):
+            a, b = ds[i], ref[i]
+            assert {k: v for k, v in a.items() if not k.startswith("__")} == \
+                {k: v for k, v in b.items() if not k.startswith("__")}
+        assert httpd.failed == failed + 1
+
+
+def test_http_without_ranges_streams_whole_objects(tmp_path):
+    # Shards over the fingerprint's 1 MiB, so that a ranged read is smaller than the object.
+    rng = random.Random(3)
+    samples = [Sample(f"k{i}", images=[("jpg", 64, 48)], raw=[("bin", rng.randbytes(700_000))],
+                      caption=f"sample {i}", seed=i) for i in range(4)]
+    shard = write_shard(tmp_path / "big.tar", samples)
+    build_index([shard], tmp_path / "local", progress=False)
+    local = TokenIndex.open(tmp_path / "local")
+    with serve(str(tmp_path), honour_range=False) as (base, httpd):
+        build_index([f"{base}/big.tar"], tmp_path / "remote", progress=False, remote=FAST)
+        assert_same_index(local, TokenIndex.open(tmp_path / "remote"), lambda p: f"{base}/big.tar")
+        from tokenbal.index.remote import scan_remote_shard
+
+        scan = scan_remote_shard(f"{base}/big.tar", RemoteOptions(mode="ranges", backoff_s=0.01))
+        assert scan.status == "unreadable" and "ignores byte ranges" in scan.reason
+
+
+def test_http_permanent_errors_name_the_url(corpus, tmp_path):
+    with serve(corpus.root) as (base, _):
+        # A missing URL fails before any scan, like a missing local file.
+        with pytest.raises(FileNotFoundError, match="nope.tar"):
+            build_index([f"{base}/data-000.tar", f"{base}/nope.tar"], tmp_path / "a", progress=False,
+                        remote=RemoteOptions(retries=0))
+    with serve(corpus.root, deny=("data-001.tar",)) as (base, _):
+        report = build_index([f"{base}/data-000.tar", f"{base}/data-001.tar"], tmp_path / "b",
+                             progress=False, remote=FAST)
+        idx = TokenIndex.open(tmp_path / "b")
+        (err,) = [e for e in idx.errors if e["key"] is None]
+        assert err["shard"] == f"{base}/data-001.tar" and f"{base}/data-001.tar" in err["reason"]
+        assert "403" in err["reason"] and report.num_bad_shards == 1
+    # Every request failing (503): retried, then one shard error that says how often it was tried.
+    with serve(corpus.root, fail_at=range(1, 10_000)) as (base, httpd):
+        from tokenbal.index.remote import scan_remote_shard
+
+        scan = scan_remote_shard(f"{base}/data-000.tar", RemoteOptions(retries=2, backoff_s=0.01))
+        assert scan.status == "unreadable" and "after 3 attempts" in scan.reason
+        assert f"{base}/data-000.tar" in scan.reason and "503" in scan.reason and httpd.failed >= 3
+
+
+# --- S3 (moto's server) ----------------------------------------------------------------------------
+
+def test_s3_build_verify_and_read_equal_local(s3, corpus, local, tmp_path):
+    endpoint, client = s3
+    for p in corpus.shards:
+        client.upload_file(p, "corpus", f"shards/{os.path.basename(p)}")
+    opts = RemoteOptions(storage_options={"endpoint_url": endpoint}, backoff_s=0.01)
+    out = tmp_path / "s3index"
+    assert main(["index", "build", "s3://corpus/shards/data-*.tar", "--out", str(out), "-q",
+                 "--storage-option", f"endpoint_url={endpoint}", "--inflight", "3"]) == 0
+    remote = TokenIndex.open(out)
+    assert_same_index(local, remote, lambda p: f"s3://corpus/shards/{os.path.basename(p)}")
+    assert all(e["etag"] for e in remote.manifest["shards"])
+    assert verify_index(out, remote=opts) == []
+    # Rebuilt in place: every unchanged object (same ETag) is reused, none is read again.
+    again = build_index(["s3://corpus/shards/data-*.tar"], out, progress=False, remote=opts)
+    assert again.num_reused == len(corpus.shards)
+    # Two worker processes, each scanning several shards at once: the same index.
+    build_index(["s3://corpus/shards/data-*.tar"], tmp_path / "w2", progress=False, remote=opts,
+                workers=2, incremental=False)
+    assert_same_index(local, TokenIndex.open(tmp_path / "w2"),
+                      lambda p: f"s3://corpus/shards/{os.path.basename(p)}")
+    ds = IndexedShardDataset(remote, decode=None, storage_options={"endpoint_url": endpoint})
+    ref = IndexedShardDataset(local, decode=None)
+    for i in (0, len(remote) // 2, len(remote) - 1):
+        assert {k: v for k, v in ds[i].items() if not k.startswith("__")} == \
+            {k: v for k, v in ref[i].items() if not k.startswith("__")}
+    # Rewrite one object (same size, other bytes) and delete another: verify names both.
+    data = bytearray(open(corpus.shards[1], "rb").read())
+    data[600] ^= 0xFF
+    client.put_object(Bucket="corpus", Key="shards/data-001.tar", Body=bytes(data))
+    client.delete_object(Bucket="corpus", Key="shards/data-002.tar")
+    problems = verify_index(out, remote=opts)
+    assert any("shard changed: s3://corpus/shards/data-001.tar" in p for p in problems)
+    assert "shard missing: s3://corpus/shards/data-002.tar" in problems
+    rc = main(["index", "verify", str(out), "--storage-option", f"endpoint_url={endpoint}"])
+    assert rc == 1
+
+
+def test_retry_rules():
+    """Which failures are retried: fsspec reports HTTP failures of info() as FileNotFoundError, and
+    only the cause tells a 503 (retried) from a 404 (missing at once)."""
+    from aiohttp import ClientResponseError, RequestInfo, ServerDisconnectedError
+    from yarl import URL
+
+    from tokenbal.index.remote import RemoteReadError, with_retries
+
+    def failing(errors):
+        calls = []
+
+        def fn():
+            calls.append(1)
+            if len(calls) <= len(errors):
+                raise errors[len(calls) - 1]
+            return "ok"
+        return fn, calls
+
+    def not_found(status):
+        info = RequestInfo(URL("http://x/y"), "HEAD", {}, URL("http://x/y"))
+        try:
+            raise FileNotFoundError("http://x/y") from ClientResponseError(info, (), status=status)
+        except FileNotFoundError as e:
+            return e
+
+    fn, calls = failing([not_found(503), ServerDisconnectedError()])
+    assert with_retries(fn, "http://x/y", "info", FAST) == "ok" and len(calls) == 3
+    fn, calls = failing([not_found(404)])
+    with pytest.raises(FileNotFoundError):
+        with_retries(fn, "http://x/y", "info", FAST)
+    assert len(calls) == 1
+    fn, calls = failing([not_found(403)])
+    with pytest.raises(PermissionError, match="403"):
+        with_retries(fn, "http://x/y", "info", FAST)
+    fn, calls = failing([TimeoutError("slow")] * 10)
+    with pytest.raises(RemoteReadError, match=r"http://x/y: cannot read info \(after 5 attempts\)"):
+        with_retries(fn, "http://x/y", "info", FAST)

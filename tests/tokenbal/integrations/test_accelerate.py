@@ -1,0 +1,110 @@
+"""prepare_loader in raw accelerate loops on real gloo ranks: accelerate does not shard tokenbal's
+per-rank batches a second time, epochs reach the sampler, and accelerator.save_state / load_state
+in the middle of an epoch resumes, in a fresh process, at the first batch not yet trained."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
+
+N, WORLD, GBS = 24, 2, 4
+STEPS = N // GBS                   # 6 per epoch
+SAVE_AT, CRASH_AT, EPOCHS = 8, 10, 2
+
+
+def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_accum: int) -> dict:
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    ds = TinyVLDataset(N)
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # a rank whose batch has no image leaves the vision tower without gradients this step
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum,
+                      kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    if tiny_vl:
+        from tests.helpers.hf_tiny import tiny_qwen2_vl
+
+        model = tiny_qwen2_vl()
+    else:
+        torch.manual_seed(0)
+        model = torch.nn.Embedding(128, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sampler = TokenBalancedBatchSampler(ds.lengths(), global_batch_size=GBS,
+                                        grad_accum=grad_accum, seed=3)
+    loader = prepare_loader(acc, DataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate))
+    model, opt = acc.prepare(model, opt)
+    if resume:
+        acc.load_state(ckpt)
+    seen = []
+    done = loader.epoch * len(loader) + loader.batches_received   # batches trained before this run
+    for epoch in range(loader.epoch, EPOCHS):
+        for batch in loader:
+            idx = batch.pop("sample_idx").tolist()
+            with acc.accumulate(model):
+                if tiny_vl:
+                    loss = model(**batch).loss
+                else:
+                    loss = model(batch["input_ids"]).sum() / batch["input_ids"].numel()
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            seen.append((epoch, idx))
+            done += 1
+            if not resume and done == SAVE_AT * grad_accum:
+                acc.save_state(ckpt)
+            if not resume and done == CRASH_AT * grad_accum:
+                return {"seen": seen, "len": len(loader), "crashed": True}
+    return {"seen": seen, "len": len(loader), "crashed": False}
+
+
+def _check(tmp_path, tiny_vl: bool, grad_accum: int) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    first = run_ranks(_run, WORLD, ckpt, False, tiny_vl, grad_accum, timeout=300)
+    resumed = run_ranks(_run, WORLD, ckpt, True, tiny_vl, grad_accum, timeout=300)
+    k = grad_accum
+    assert [r["len"] for r in first] == [STEPS * k] * WORLD        # every rank all of its own batches
+    assert all(r["crashed"] for r in first) and not any(r["crashed"] for r in resumed)
+    ep0 = [[i for e, b in r["seen"] if e == 0 for i in b] for r in first]
+    assert [len([1 for e, _ in r["seen"] if e == 0]) for r in first] == [STEPS * k] * WORLD
+    assert sorted(ep0[0] + ep0[1]) == list(range(N))              # exactly once across the ranks
+    head = (SAVE_AT - STEPS) * k                                  # epoch-1 batches before the save
+    ep1_before = [[i for b in [b for e, b in r["seen"] if e == 1][:head] for i in b] for r in first]
+    ep1_after = [[i for e, b in r["seen"] if e == 1 for i in b] for r in resumed]
+    assert [len([1 for e, _ in r["seen"] if e == 1]) for r in resumed] == [(2 * STEPS - SAVE_AT) * k] * WORLD
+    assert sorted(sum(ep1_before + ep1_after, [])) == list(range(N))
+    # the resumed run trains what the crashed one trained after its checkpoint, in the same order
+    for r_first, r_res in zip(first, resumed, strict=True):
+        lost = [b for e, b in r_first["seen"] if e == 1][head:]
+        assert [b for e, b in r_res["seen"] if e == 1][:len(lost)] == lost
+    # another order in epoch 1
+    order = {e: [b for ep, b in first[0]["seen"] if ep == e][:head] for e in (0, 1)}
+    assert order[0] != order[1]
+
+
+@pytest.mark.slow   # two 2-rank launches: ~1-3 min on the loaded 2-core VM
+def test_prepare_loader_exactly_once_and_resume(tmp_path):
+    _check(tmp_path, tiny_vl=False, grad_accum=2)
+
+
+@pytest.mark.slow
+def test_prepare_loader_tiny_qwen2_vl(tmp_path):
+    _check(tmp_path, tiny_vl=True, grad_accum=1)
+
+
+def test_prepare_loader_rejects_other_loaders():
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    with pytest.raises(TypeError, match="TokenBalancedBatchSampler"):
+        prepare_loader(Accelerator(cpu=True), DataLoader(list(range(4)), batch_size=2))

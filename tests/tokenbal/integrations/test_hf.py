@@ -1,0 +1,174 @@
+"""TokenBalancedTrainer on real gloo ranks: a real transformers Trainer (+ accelerate, DDP) training
+a tiny random Qwen2-VL. Over an epoch every sample is trained exactly once across the ranks, every
+rank runs the same number of steps, the next epoch has another order, the loss is normalised by the
+step's token count over all ranks, and a crash + resume_from_checkpoint in the middle of epoch 1
+trains exactly the samples that epoch had not reached yet."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.helpers.dist_utils import run_ranks  # noqa: E402
+
+N, PER_DEVICE, WORLD = 24, 2, 2
+STEPS_PER_EPOCH = N // (PER_DEVICE * WORLD)          # 6
+SAVE_AT, CRASH_AT, TOTAL = 8, 10, 2 * STEPS_PER_EPOCH  # checkpoint mid-epoch 1, crash 2 steps later
+
+
+class Crash(Exception):
+    pass
+
+
+def _train(rank: int, world: int, out_dir: str, resume: str | None) -> dict:
+    from transformers import TrainerCallback, TrainingArguments
+
+    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(N)
+    seen: list[tuple[int, list[int], int]] = []
+
+    class Recording(TokenBalancedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            idx = inputs.pop("sample_idx").tolist()
+            seen.append((self.state.global_step + 1, idx, int(num_items_in_batch)))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    class CrashAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if resume is None and state.global_step == CRASH_AT:
+                raise Crash()   # a kill: nothing after checkpoint-SAVE_AT is saved
+
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=PER_DEVICE, num_train_epochs=2,
+        save_strategy="steps", save_steps=SAVE_AT, logging_steps=1000, report_to=[], use_cpu=True,
+        remove_unused_columns=False, learning_rate=1e-3, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, ddp_backend="gloo", save_only_model=False)
+    trainer = Recording(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                        token_lengths=ds.lengths(), callbacks=[CrashAt()])
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        crashed = False
+    except Crash:
+        crashed = True
+    return {"seen": seen, "crashed": crashed, "len": len(trainer.get_train_dataloader()),
+            "loss_tokens": [ds.loss_tokens(i) for i in range(N)]}
+
+
+def _steps(records: list[dict], lo: int, hi: int) -> dict[int, list[list[int]]]:
+    """step -> each rank's indices, for steps lo..hi."""
+    return {s: [next(i for t, i, _ in r["seen"] if t == s) for r in records] for s in range(lo, hi + 1)}
+
+
+@pytest.mark.slow   # ~2 min on the loaded 2-core VM: two 2-rank launches, each importing transformers
+def test_trainer_exactly_once_epochs_and_mid_epoch_resume(tmp_path):
+    first = run_ranks(_train, WORLD, str(tmp_path), None, timeout=300)
+    assert all(r["crashed"] for r in first)
+    ckpt = tmp_path / f"checkpoint-{SAVE_AT}"
+    state = json.loads((ckpt / "tokenbal_sampler.json").read_text())
+    assert (state["epoch"], state["cursor"]) == (1, SAVE_AT - STEPS_PER_EPOCH)
+    resumed = run_ranks(_train, WORLD, str(tmp_path), str(ckpt), timeout=300)
+    assert not any(r["crashed"] for r in resumed)
+
+    # equal steps per rank; the prepared loader is not sharded a second time
+    assert [r["len"] for r in first] == [STEPS_PER_EPOCH] * WORLD
+    for r in first:
+        assert [t for t, _, _ in r["seen"]] == list(range(1, CRASH_AT + 1))
+    for r in resumed:
+        assert [t for t, _, _ in r["seen"]] == list(range(SAVE_AT + 1, TOTAL + 1))
+
+    epoch0 = _steps(first, 1, STEPS_PER_EPOCH)
+    flat0 = [i for ranks in epoch0.values() for b in ranks for i in b]
+    assert sorted(flat0) == list(range(N))                        # exactly once across the ranks
+
+    # epoch 1: the steps trained before the checkpoint + the resumed run = every sample once
+    before = _steps(first, STEPS_PER_EPOCH + 1, SAVE_AT)
+    after = _steps(resumed, SAVE_AT + 1, TOTAL)
+    flat1 = [i for part in (before, after) for ranks in part.values() for b in ranks for i in b]
+    assert sorted(flat1) == list(range(N))
+    # the resumed run continues where the crashed one was (steps 9, 10 were trained, then lost)
+    assert _steps(first, SAVE_AT + 1, CRASH_AT) == _steps(resumed, SAVE_AT + 1, CRASH_AT)
+    # a different order in epoch 1
+    epoch1 = {**before, **after}
+    assert [epoch0[s] for s in sorted(epoch0)] != [epoch1[s] for s in sorted(epoch1)]
+
+    # the loss is normalised by the step's loss tokens over all ranks (the global token mean)
+    tokens = first[0]["loss_tokens"]
+    for records in (first, resumed):
+        for rank_rec in records:
+            for step, _, num_items in rank_rec["seen"]:
+                ranks = _steps(records, step, step)[step]
+                assert num_items == sum(tokens[i] for b in ranks for i in b)
+
+
+def test_trainer_rejects_mismatched_settings(tmp_path):
+    from transformers import TrainingArguments
+
+    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(8)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, gradient_accumulation_steps=2,
+                             average_tokens_across_devices=False)
+    with pytest.raises(TypeError, match="token_lengths"):
+        TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate)
+    with pytest.raises(ValueError, match="elastic"):
+        TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                             token_lengths=ds.lengths(), sampler_options={"elastic": True})
+    t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                             token_lengths=ds.lengths()[:7])
+    assert t.args.average_tokens_across_devices   # turned on: the global token mean needs it
+    with pytest.raises(ValueError, match="7 entries but train_dataset has 8"):
+        t.get_train_dataloader()
+    t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                             token_lengths=ds.lengths())
+    # global batch = per-device x DP size (1) x gradient accumulation; grad_accum follows the Trainer
+    assert (t.tokenbal_sampler.global_batch_size, t.tokenbal_sampler.grad_accum) == (4, 2)
+    assert len(t.get_train_dataloader()) == 4    # 2 steps x 2 micro-batches
+    t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                             token_lengths=ds.lengths(), sampler_options={"grad_accum": 3})
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        t.get_train_dataloader()
+    assert os.environ.get("WORLD_SIZE") is None
+
+
+def test_mixin_serves_trl_sft_trainer(tmp_path):
+    """The mixin in front of trl's SFTTrainer (one process): its loader is tokenbal's, each sample
+    once per epoch."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancingMixin
+
+    seen: list[list[int]] = []
+
+    class TokenBalancedSFT(TokenBalancingMixin, SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append(inputs.pop("sample_idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    raw = TinyVLDataset(8)   # text only here: SFTTrainer wants a datasets.Dataset
+    ds = datasets.Dataset.from_list([{"input_ids": it["input_ids"].tolist(), "labels": it["labels"].tolist(),
+                                      "sample_idx": it["sample_idx"]} for it in raw.items])
+    vocab = {f"t{i}": i for i in range(126)} | {"[UNK]": 126, "[PAD]": 127}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                                  unk_token="[UNK]", pad_token="[PAD]", eos_token="[PAD]")
+    args = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=1,
+                     report_to=[], use_cpu=True, remove_unused_columns=False, save_strategy="no",
+                     dataset_kwargs={"skip_prepare_dataset": True}, disable_tqdm=True)
+    trainer = TokenBalancedSFT(model=tiny_qwen2_vl(), args=args, processing_class=tok, train_dataset=ds,
+                               data_collator=pad_collate, token_lengths=raw.lengths())
+    trainer.train()
+    assert len(seen) == 4 and sorted(i for b in seen for i in b) == list(range(8))
+    assert seen == list(trainer.tokenbal_sampler)   # the steps are the sampler's, in its order

@@ -1,0 +1,204 @@
+"""`tokenbal profile` on real torch.profiler traces made here: gloo ranks with a slow rank, a step
+that reads a scalar back, transformers' slice/rotate/concat RoPE vs collate.apply_mrope."""
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from tests.helpers.dist_utils import run_ranks
+from tokenbal.cli import main
+from tokenbal.profile import collective_kind, format_report, load_traces, profile_run, verdict
+from tokenbal.profile.intervals import as_intervals, total, union
+
+DELAY_S = 0.25
+STEPS = 4
+
+
+def _trace_steps(path: str, step_fn, steps: int = STEPS, with_stack: bool = False) -> None:
+    """Run ``step_fn`` once as the profiler's warm-up, then ``steps`` traced ProfilerStep#N steps."""
+    plan = schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], schedule=plan,
+                 with_stack=with_stack, record_shapes=True,
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for _ in range(steps + 1):
+            step_fn()
+            prof.step()
+
+
+def _skewed_rank(rank, world_size, out_dir):
+    x = torch.randn(128, 128)
+
+    def step():
+        y = x @ x
+        if rank == 1:      # this rank's batch is late: it reaches the collectives DELAY_S after rank 0
+            time.sleep(DELAY_S)
+        dist.all_reduce(y)
+        dist.broadcast(y, src=0)
+
+    _trace_steps(os.path.join(out_dir, f"rank{rank}.json"), step)
+
+
+def test_skewed_rank_is_found_with_the_injected_delay(tmp_path):
+    run_ranks(_skewed_rank, 2, str(tmp_path), timeout=120, collective_timeout=60)
+    traces = load_traces(str(tmp_path))
+    assert [t.rank for t in traces] == [0, 1]
+    p = profile_run(str(tmp_path))
+    assert len(p.per_step()) == STEPS
+    reduce = next(c for c in p.collectives if c.kind == "all_reduce")
+    assert reduce.count == STEPS
+    assert reduce.bytes == STEPS * 128 * 128 * 4
+    # how long the earliest rank waited for the latest: the injected delay, within 10 %
+    assert 0.9 * DELAY_S <= reduce.skew_median_s <= 1.1 * DELAY_S
+    assert reduce.last_arrivals == {0: 0, 1: STEPS}
+    assert reduce.waited_s[0] > reduce.waited_s[1]
+    rows = verdict(p)
+    assert rows[0].bottleneck.startswith("stragglers")
+    # rank 0 waits ~DELAY_S of each step, rank 1 not at all: half the delay on average
+    assert 0.4 * DELAY_S <= rows[0].seconds <= 0.6 * DELAY_S
+    assert "stragglers" in format_report(p)
+
+
+def _host_read_step(read: bool):
+    x = torch.randn(64, 64)
+
+    def step():
+        y = (x @ x).sum()
+        if read:
+            y.item()   # the scalar comes back to the host: a sync on an accelerator
+    return step
+
+
+def test_a_scalar_read_in_the_step_is_found(tmp_path):
+    for name, read in (("with_read", True), ("without", False)):
+        os.makedirs(tmp_path / name)
+        _trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read))
+    with_read, without = profile_run(str(tmp_path / "with_read")), profile_run(str(tmp_path / "without"))
+    assert [s.host_reads for s in with_read.steps] == [1] * STEPS
+    assert [s.host_reads for s in without.steps] == [0] * STEPS
+    row = next(v for v in verdict(with_read) if v.bottleneck.startswith("host syncs"))
+    assert "1.0 per step" in row.evidence
+
+
+def _hf_rope_step():
+    # transformers' own rotation (rotate_half: slice, negate, concatenate), as Qwen2-VL's attention runs it
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+
+    tokens, heads, dim = 256, 4, 32
+    q, k = torch.randn(1, heads, tokens, dim), torch.randn(1, 2, tokens, dim)
+    cos, sin = torch.randn(1, tokens, dim), torch.randn(1, tokens, dim)
+    return lambda: apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _fused_rope_step():
+    from collate import apply_mrope
+
+    tokens, heads, dim, section = 256, 4, 32, [4, 6, 6]
+    q, k = torch.randn(tokens, heads, dim), torch.randn(tokens, 2, dim)
+    pos = torch.arange(tokens).expand(3, 1, tokens).contiguous()
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    return lambda: apply_mrope(q, k, pos, inv_freq, section)
+
+
+def test_rope_copies_are_found_in_slice_rotate_concat_only(tmp_path):
+    for name, make in (("hf", _hf_rope_step), ("fused", _fused_rope_step)):
+        os.makedirs(tmp_path / name)
+        _trace_steps(str(tmp_path / name / "rank0.json"), make(), with_stack=True)
+    hf, fused = profile_run(str(tmp_path / "hf")), profile_run(str(tmp_path / "fused"))
+    assert hf.has_python_stacks and fused.has_python_stacks
+    assert all(s.rope_copy_s > 0 for s in hf.steps)
+    assert all(s.rope_copy_s == 0 for s in fused.steps)
+
+
+def test_copies_without_python_stacks_are_not_attributed(tmp_path):
+    _trace_steps(str(tmp_path / "rank0.json"), _hf_rope_step(), with_stack=False)
+    p = profile_run(str(tmp_path))
+    assert not p.has_python_stacks
+    assert all(s.rope_copy_s == 0 and s.other_copy_s > 0 for s in p.steps)
+    assert any("with_stack=True" in n for n in p.notes)
+
+
+def _npu_trace(folder, rank: int, compute: list, comm: list) -> None:
+    """torch_npu's export layout: <run>_ascend_pt/profiler_info_<rank>.json and
+    ASCEND_PROFILER_OUTPUT/trace_view.json, a bare Chrome event list whose "Overlap Analysis"
+    process holds the device's Computing / Communication / Communication(Not Overlapped) / Free."""
+    out = folder / f"node_{rank}_ascend_pt"
+    os.makedirs(out / "ASCEND_PROFILER_OUTPUT")
+    (out / f"profiler_info_{rank}.json").write_text(json.dumps({"rank_id": rank}))
+    events = [{"ph": "M", "name": "process_name", "pid": 10, "args": {"name": "Python"}},
+              {"ph": "M", "name": "process_name", "pid": 20, "args": {"name": "Overlap Analysis"}},
+              {"ph": "M", "name": "process_name", "pid": 30, "args": {"name": "HCCL"}},
+              {"ph": "X", "name": "ProfilerStep#1", "pid": 10, "tid": 1, "ts": "0", "dur": "1000"}]
+    events += [{"ph": "X", "name": "Computing", "pid": 20, "tid": 0, "ts": a, "dur": b - a}
+               for a, b in compute]
+    events += [{"ph": "X", "name": "Communication", "pid": 20, "tid": 1, "ts": a, "dur": b - a}
+               for a, b in comm]
+    events += [{"ph": "X", "name": "hcom_allReduce__512_0_1", "pid": 30, "tid": 2, "ts": a, "dur": b - a}
+               for a, b in comm]
+    (out / "ASCEND_PROFILER_OUTPUT" / "trace_view.json").write_text(json.dumps(events))
+
+
+def test_torch_npu_export_layout(tmp_path):
+    _npu_trace(tmp_path, 0, compute=[(0, 600)], comm=[(500, 900)])
+    _npu_trace(tmp_path, 1, compute=[(0, 300)], comm=[(200, 900)])
+    p = profile_run(str(tmp_path))
+    assert p.ranks == [0, 1] and p.device
+    r0, r1 = sorted(p.steps, key=lambda s: s.rank)
+    assert (r0.compute_s, r0.comm_s, r0.exposed_comm_s) == pytest.approx((600e-6, 400e-6, 300e-6))
+    assert r0.idle_s == pytest.approx(100e-6)
+    assert r1.exposed_comm_s == pytest.approx(600e-6)
+    reduce = p.collectives[0]
+    assert reduce.kind == "all_reduce" and reduce.skew_median_s == pytest.approx(300e-6)
+
+
+def test_cli_report_compare_and_timeline(tmp_path, capsys):
+    for name, read in (("a", True), ("b", False)):
+        os.makedirs(tmp_path / name)
+        _trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read), steps=2)
+    png = tmp_path / "timeline.png"
+    assert main(["profile", str(tmp_path / "a")]) == 0
+    assert "verdict" in capsys.readouterr().out
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["profile", "--compare", a, b, "--timeline", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "A ms/step" in out and "host syncs" in out
+    from PIL import Image
+
+    assert Image.open(png).size[0] > 0
+    os.makedirs(tmp_path / "empty")
+    assert main(["profile", str(tmp_path / "empty")]) == 2
+    assert "no profiler traces" in capsys.readouterr().err
+
+
+def test_damaged_trace_names_the_file(tmp_path):
+    (tmp_path / "rank0.json").write_text('{"traceEvents": [')
+    with pytest.raises(ValueError, match="rank0.json"):
+        load_traces(str(tmp_path))
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("gloo:all_reduce", "all_reduce"), ("ncclDevKernel_AllGather_RING_LL", "all_gather"),
+    ("ncclKernel_ReduceScatter_RING_LL_Sum_float", "reduce_scatter"),
+    ("hcom_allReduce__512_0_1", "all_reduce"),
+    ("gloo:all_to_all", "all_to_all"), ("gloo:broadcast", "broadcast")])
+def test_collective_kind(name, kind):
+    assert collective_kind(name) == kind
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 100), st.integers(0, 30)), max_size=30))
+def test_union_covers_the_same_time_disjointly(pairs):
+    iv = as_intervals((a, a + d) for a, d in pairs)
+    u = union(iv)
+    covered = np.zeros(131, dtype=bool)
+    for a, b in iv.astype(int):
+        covered[a:b] = True
+    assert total(iv) == covered.sum()
+    assert np.all(u[1:, 0] > u[:-1, 1])      # disjoint and sorted, touching runs merged

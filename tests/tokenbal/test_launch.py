@@ -1,0 +1,26 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist_utils import run_ranks
+
+
+def _sum_ranks(rank, world_size):
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _fail_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
+
+
+def test_run_ranks_returns_each_rank_result():
+    assert run_ranks(_sum_ranks, 2) == [3, 3]
+
+
+def test_run_ranks_reports_a_failing_rank_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        run_ranks(_fail_on_rank1, 2, timeout=60, collective_timeout=10)

@@ -1,0 +1,103 @@
+"""The data-parallel dimension on real gloo ranks: a 2x2 (dp x sp) DeviceMesh over 4 processes.
+SP peers get identical batches, DP ranks disjoint ones covering the epoch, and the loss's token
+count is the total over the DP ranks (not twice it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist_utils import run_ranks
+from tokenbal import TokenBalancedBatchSampler
+from tokenbal.parallel import resolve_dp
+
+N = 40
+
+
+def _lengths() -> np.ndarray:
+    return np.random.default_rng(7).integers(20, 900, N)
+
+
+def _mesh_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from collate.loss import GlobalTokenCount, global_token_mean
+    from tokenbal.wds import balanced_batches
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    lengths = _lengths()
+    out: dict = {"dp_rank": mesh.get_local_rank("dp"), "sp_rank": mesh.get_local_rank("sp")}
+    by_mesh = TokenBalancedBatchSampler(lengths, global_batch_size=8, device_mesh=mesh, seed=1)
+    by_group = TokenBalancedBatchSampler(lengths, global_batch_size=8, dp_group=mesh.get_group("dp"), seed=1)
+    default = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=1)   # global rank: wrong for SP
+    out["sizes"] = (by_mesh.num_replicas, by_mesh.rank, by_group.num_replicas, by_group.rank)
+    out["mesh"], out["group"], out["default"] = list(by_mesh), list(by_group), list(default)
+    # the loss's token count: this rank's loss tokens (its whole batch; SP peers hold the same one)
+    mine = int(sum(lengths[i] for b in out["mesh"][:1] for i in b))
+    out["mine"] = mine
+    out["count_mesh"] = float(GlobalTokenCount.start(mine, device_mesh=mesh).wait())
+    count = GlobalTokenCount.start(mine, group=mesh.get_group("dp"))
+    out["count_group"], out["count_world_factor"] = float(count.wait()), count.world
+    out["count_default"] = float(GlobalTokenCount.start(mine).wait())
+    out["mean"] = float(global_token_mean(torch.tensor(float(mine)), mine, device_mesh=mesh,
+                                          grad_world_size=4))
+    # streaming: the SP peers seed their buffer identically (same DP rank)
+    stage = balanced_batches(300, lambda s: s["n"], steps=3, seed=2, device_mesh=mesh)
+    out["wds_rank"] = stage.rank
+    src = [{"n": int(x), "__key__": str(i)} for i, x in enumerate(lengths % 250 + 1)]
+    out["wds"] = [[s["__key__"] for s in b] for b in stage(iter(src))]
+    # HSDP names: dp_replicate x dp_shard is one 4-way data-parallel dimension
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    out["hsdp"] = resolve_dp(device_mesh=hsdp)
+    errors = []
+    for kwargs in ({"num_replicas": 4, "device_mesh": mesh}, {"rank": 3, "device_mesh": mesh},
+                   {"device_mesh": mesh, "dp_group": mesh.get_group("dp")},
+                   {"device_mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))}):
+        try:
+            TokenBalancedBatchSampler(lengths, global_batch_size=8, **kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    dist.barrier()
+    return out
+
+
+def test_dp_sp_mesh_four_ranks():
+    res = run_ranks(_mesh_rank, 4, timeout=240)
+    by_dp: dict[int, list[dict]] = {}
+    for r in res:
+        by_dp.setdefault(r["dp_rank"], []).append(r)
+    assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
+    for dp, peers in by_dp.items():
+        a, b = peers
+        assert a["sizes"] == b["sizes"] == (2, dp, 2, dp)
+        assert a["mesh"] == b["mesh"] == a["group"] == b["group"]     # SP peers: identical batches
+        assert a["wds"] == b["wds"] and a["wds_rank"] == dp
+    # DP ranks: disjoint, equal step counts, together the whole epoch
+    e0, e1 = by_dp[0][0]["mesh"], by_dp[1][0]["mesh"]
+    assert len(e0) == len(e1)
+    flat = [i for b in e0 + e1 for i in b]
+    assert sorted(flat) == list(range(N))
+    # the global rank (the default) gives the two SP peers different data: the bug this avoids
+    assert any(p[0]["default"] != p[1]["default"] for p in by_dp.values())
+    dp_total = by_dp[0][0]["mine"] + by_dp[1][0]["mine"]
+    for r in res:
+        assert r["count_mesh"] == r["count_group"] == dp_total
+        assert r["count_world_factor"] == 2
+        assert r["count_default"] == 2 * dp_total                    # all 4 ranks: counted twice
+        assert r["mean"] == pytest.approx(r["mine"] * 4 / dp_total)
+        assert sorted(r["hsdp"]) and r["hsdp"][0] == 4
+        assert [("num_replicas=4" in e) for e in r["errors"][:1]] == [True]
+        assert "rank=3" in r["errors"][1] and "not both" in r["errors"][2]
+        assert "['a', 'b']" in r["errors"][3]
+    assert sorted(r["hsdp"][1] for r in res) == [0, 1, 2, 3]
+
+
+def test_resolve_dp_without_a_process_group():
+    assert resolve_dp(4, 1) == (4, 1)
+    with pytest.raises(ValueError, match="initialised"):
+        resolve_dp(dp_group=object())
+    with pytest.raises(ValueError, match="not both"):
+        resolve_dp(dp_group=object(), device_mesh=object())
