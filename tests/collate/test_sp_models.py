@@ -53,7 +53,7 @@ def _family(name: str):
     if name == "glm4v":
         from transformers import Glm4vForConditionalGeneration
 
-        from tests.test_models_glm4v import make_sample, tiny_config
+        from tests.helpers.tiny_glm4v import make_sample, tiny_config
 
         return Glm4vForConditionalGeneration, tiny_config(), make_sample, GLM_SPECS
     if name == "qwen2_vl":

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "scripts" / "train_fsdp2.py"
 
 def _config(family: str):
     if family == "glm4v":
-        from tests.test_models_glm4v import tiny_config
+        from tests.helpers.tiny_glm4v import tiny_config
 
         return tiny_config()
     if family == "internvl":

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor  # noqa: E402
 
-from tests.corpus import Sample, write_shard  # noqa: E402
+from tests.helpers.corpus import Sample, write_shard  # noqa: E402
 from tokenbal.index import TokenIndex, build_index  # noqa: E402
 
 
