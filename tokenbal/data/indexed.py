@@ -1,6 +1,6 @@
-"""webdataset shards, read two ways: by byte offset from the token index, or streamed without one.
+"""webdataset shards read by byte offset from the token index: the indexed path.
 
-**Indexed path** — :class:`IndexedShardDataset` (the one to use when an index exists). A map-style
+:class:`IndexedShardDataset` (the one to use when an index exists) is a map-style
 dataset: ``ds[i]`` reads sample ``i``'s members straight from its shard with one positional read
 per member (the 512-byte tar header right before the payload, plus the payload), checks that the
 header is the member the index says it is, and returns a webdataset-style dict::
@@ -29,56 +29,23 @@ last guard, for a rewrite that kept even the header. Images are decoded with the
 image specs (``"pil"``, ``"rgb8"``, ...) apply ``PIL.ImageOps.exif_transpose`` like transformers'
 ``load_image``, so what is read is what was counted.
 
-**Streaming path** — :func:`balanced_batches`, a webdataset pipeline stage for shards *without* an
-index. Each rank streams its own subset of shards; the stage keeps a shuffle buffer and cuts batches
-that fill a per-rank token budget (``length_fn(sample)`` gives a sample's tokens), best-fit from the
-buffer. Equal step counts — the thing plain webdataset gets wrong (ranks with more samples keep going
-while the others wait in a collective forever) — come from a fixed ``steps``: every rank yields
-exactly ``steps`` batches per epoch from a source that does not run dry (a resampled / repeated
-shard stream), and ranks agree on ``steps`` with one ``all_reduce(MIN)`` per epoch
-(:func:`agree_steps`) or from a number fixed in the config. Each rank's own figure can come from a
-dry pass over its shards (``steps=None`` counts the batches the stage makes) or from its shards'
-sample counts × mean tokens ÷ budget. Every rank therefore runs the same number of training steps
-and so the same number of collectives.
-
-Trade-offs of the streaming path against the indexed one:
-
-* Balance is per rank, not across ranks: each rank fills *its own* budget, so ranks differ by the
-  budget's unfilled tail (small with a large buffer) instead of being planned jointly.
-* An "epoch" is ``steps`` batches of a resampled stream, not each sample exactly once: some samples
-  repeat and some are not seen in a given epoch. The indexed path uses every sample exactly once.
-* Resume is approximate (webdataset's shard RNG state), where the indexed sampler resumes exactly.
-* Shuffling is limited to the buffer and the shard order; the indexed plan shuffles globally.
-* In exchange it needs no offline index and reads whole shards sequentially, which is what object
-  stores serve best; the indexed path issues one small ranged read per member.
+The streaming path for shards without an index is :mod:`tokenbal.data.stream`; tar header parsing
+is :mod:`tokenbal.data.tar`, ranged reads :mod:`tokenbal.data.ranged`.
 """
 
 from __future__ import annotations
 
-import bisect
-import os
-import random
-import stat
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = [
-    "BalancedBatches",
-    "IndexedShardDataset",
-    "SampleReadError",
-    "agree_steps",
-    "balanced_batches",
-    "parse_tar_header",
-]
+from tokenbal.data.ranged import ShardReaders
+from tokenbal.data.tar import BLOCK, PLAIN_TYPES, header_stamp, name_matches, parse_tar_header
 
-_BLOCK = 512
-_REGULAR = (b"0", b"\0")
+__all__ = ["IndexedShardDataset", "SampleReadError"]
 
 
 class SampleReadError(RuntimeError):
@@ -86,163 +53,6 @@ class SampleReadError(RuntimeError):
 
     One string argument only, so that a DataLoader worker can re-raise it in the main process.
     """
-
-
-# ---------------------------------------------------------------------------------------------
-# tar headers
-
-
-def _octal(field: bytes) -> int:
-    """A numeric ustar field: octal text, or GNU base-256 (first byte 0x80 / 0xff) for big values."""
-    if field[:1] in (b"\x80", b"\xff"):
-        n = int.from_bytes(field[1:], "big")
-        return n - (1 << (8 * (len(field) - 1))) if field[:1] == b"\xff" else n
-    text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _cstr(field: bytes) -> bytes:
-    return field.split(b"\0", 1)[0]
-
-
-def parse_tar_header(block: bytes) -> tuple[bytes, int, bytes]:
-    """(name as stored, size, typeflag) of a 512-byte ustar header; ``ValueError`` if it is not one.
-
-    The name is ``prefix/name`` for POSIX ustar headers with a prefix; for a member with a long
-    name (PAX or GNU records before this header) it is the truncated copy the writer stored.
-    """
-    if len(block) != _BLOCK:
-        raise ValueError(f"header is {len(block)} bytes, not {_BLOCK}")
-    if not block.strip(b"\0"):
-        raise ValueError("an all-zero block (end of archive), not a member header")
-    try:
-        stored = _octal(block[148:156])
-        size = _octal(block[124:136])
-    except ValueError as e:
-        raise ValueError(f"not a tar header: bad numeric field ({e})") from None
-    # The checksum field counts as 8 spaces. tarfile accepts the unsigned and the (historic) signed
-    # byte sum; the signed one is only worked out when the unsigned one fails (it is rare and slow).
-    unsigned = sum(block) - sum(block[148:156]) + 8 * 32
-    if stored != unsigned:
-        rest = block[:148] + b" " * 8 + block[156:]
-        if stored != unsigned - 256 * sum(1 for b in rest if b > 127):
-            raise ValueError(f"tar header checksum mismatch (stored {stored}, computed {unsigned})")
-    name = _cstr(block[0:100])
-    if block[257:263] == b"ustar\0":           # POSIX ustar: a long path may be split into prefix/name
-        prefix = _cstr(block[345:500])
-        if prefix:
-            name = prefix + b"/" + name
-    return name, size, block[156:157]
-
-
-def _name_matches(stored: bytes, expected: str) -> bool:
-    enc = expected.encode("utf-8")
-    if stored == enc:
-        return True
-    # A name that does not fit ustar (too long, or not ASCII) lives in a PAX / GNU record; the
-    # ustar field keeps a copy truncated to 100 bytes (UTF-8 for GNU, ASCII with '?' for PAX).
-    long_or_unicode = len(enc) > 100 or not expected.isascii()
-    return long_or_unicode and stored in (enc[:100], expected.encode("ascii", "replace")[:100])
-
-
-# ---------------------------------------------------------------------------------------------
-# reading byte ranges, local or remote
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path and not path.startswith("file://")
-
-
-class _Readers:
-    """Per-process LRU of open shards: local file descriptors, or fsspec filesystems for URLs.
-
-    Opened lazily, and dropped when the process id changes: descriptors (and fsspec sessions)
-    inherited through a DataLoader worker's fork are not shared with the parent.
-    """
-
-    def __init__(self, max_open: int, storage_options: dict | None) -> None:
-        self.max_open = max(1, int(max_open))
-        self.storage_options = dict(storage_options or {})
-        self.pid = os.getpid()
-        self.open: OrderedDict[str, Any] = OrderedDict()
-        self.filesystems: dict[str, Any] = {}
-        self.opened = 0           # shards opened in this process, for tests and debugging
-
-    def _check_pid(self) -> None:
-        if os.getpid() != self.pid:
-            # Do not close: the descriptors belong to the parent's file table too (after fork the
-            # numbers are the child's own copies, but closing buys nothing and the dict is stale).
-            self.open.clear()
-            self.filesystems.clear()
-            self.pid = os.getpid()
-            self.opened = 0
-
-    def _handle(self, shard: str) -> Any:
-        self._check_pid()
-        h = self.open.get(shard)
-        if h is not None:
-            self.open.move_to_end(shard)
-            return h
-        if _is_url(shard):
-            import fsspec
-
-            protocol = shard.split("://", 1)[0]
-            fs = self.filesystems.get(protocol)
-            if fs is None:
-                fs = fsspec.filesystem(protocol, **self.storage_options)
-                self.filesystems[protocol] = fs
-            h = ("url", fs, shard)
-        else:
-            path = shard[len("file://"):] if shard.startswith("file://") else shard
-            # O_NONBLOCK: a FIFO put in a shard's place must fail here, not block the reader forever.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise OSError(f"{path} is not a regular file (a FIFO or a device); shards must be files")
-            h = ("fd", fd, path)
-        self.opened += 1
-        self.open[shard] = h
-        while len(self.open) > self.max_open:
-            _, old = self.open.popitem(last=False)
-            if old[0] == "fd":
-                os.close(old[1])
-        return h
-
-    def read(self, shard: str, offset: int, n: int) -> bytes:
-        """Up to ``n`` bytes at ``offset``; fewer only if the shard ends first."""
-        kind, h, path = self._handle(shard)
-        if kind == "url":
-            # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
-            from tokenbal.index.remote import RemoteOptions, with_retries
-
-            return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
-                                f"bytes {offset}..{offset + n}", RemoteOptions())
-        data = os.pread(h, n, offset)
-        while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
-            more = os.pread(h, n - len(data), offset + len(data))
-            if not more:
-                break
-            data += more
-        return data
-
-    def size(self, shard: str) -> int | None:
-        try:
-            kind, h, path = self._handle(shard)
-            return os.fstat(h).st_size if kind == "fd" else int(h.size(shard))
-        except Exception:  # noqa: BLE001 - only used to word an error message
-            return None
-
-    def close(self) -> None:
-        if os.getpid() == self.pid:
-            for kind, h, _ in self.open.values():
-                if kind == "fd":
-                    os.close(h)
-        self.open.clear()
-        self.filesystems.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# the indexed dataset
 
 
 class _ExifImageHandler:
@@ -354,7 +164,7 @@ class IndexedShardDataset(Dataset):
         self.storage_options = storage_options
         self.max_open_shards = max_open_shards
         self.shard_map = self._shard_map(shards)
-        self._readers = _Readers(max_open_shards, storage_options)
+        self._readers = ShardReaders(max_open_shards, storage_options)
 
     def _shard_map(self, shards: Any) -> dict[str, str]:
         paths = self.index.shard_paths
@@ -384,7 +194,7 @@ class IndexedShardDataset(Dataset):
         self.__dict__.update(state)
         if isinstance(self.index, str):
             self.index = TokenIndex.open(self.index)
-        self._readers = _Readers(self.max_open_shards, self.storage_options)
+        self._readers = ShardReaders(self.max_open_shards, self.storage_options)
 
     def close(self) -> None:
         """Close this process's open shards (they reopen on the next read)."""
@@ -450,49 +260,47 @@ class IndexedShardDataset(Dataset):
     def _read_member(self, i: int, key: str, name: str, shard: str, offset: int, size: int,
                      stamp: tuple[int, int] | None = None) -> bytes:
         where = f"member {name!r} of sample {i} (key {key!r}) in shard {shard}"
-        if offset < _BLOCK:
+        if offset < BLOCK:
             raise SampleReadError(f"{where}: index payload offset {offset} leaves no room for a tar "
                                   f"header; the index is corrupt (rebuild it)")
-        start = offset - _BLOCK
+        start = offset - BLOCK
         try:
-            data = self._readers.read(shard, start, _BLOCK + size)
+            data = self._readers.read(shard, start, BLOCK + size)
         except FileNotFoundError as e:
             raise SampleReadError(f"shard missing: {shard} (needed for {where}): {e}") from e
         except Exception as e:
             raise SampleReadError(f"cannot read {where} (bytes {start}..{offset + size}): "
                                   f"{type(e).__name__}: {e}") from e
-        if len(data) != _BLOCK + size:
-            if len(data) > _BLOCK + size:
-                raise SampleReadError(f"{where}: asked for {_BLOCK + size} bytes at {start} and got "
+        if len(data) != BLOCK + size:
+            if len(data) > BLOCK + size:
+                raise SampleReadError(f"{where}: asked for {BLOCK + size} bytes at {start} and got "
                                       f"{len(data)}; the server ignored the byte range")
             end = self._readers.size(shard)
             raise SampleReadError(f"shard truncated: {shard} ends at {end if end is not None else '?'} "
                                   f"bytes but {where} needs bytes {start}..{offset + size} "
                                   f"(read {len(data)}); the shard is cut short or the index is stale")
         try:
-            stored, hsize, typeflag = parse_tar_header(data[:_BLOCK])
+            stored, hsize, typeflag = parse_tar_header(data[:BLOCK])
         except ValueError as e:
             raise SampleReadError(f"stale index or corrupt shard: no valid tar header before {where} "
                                   f"(at byte {start}): {e}") from None
-        if typeflag not in _REGULAR:
+        if typeflag not in PLAIN_TYPES:
             raise SampleReadError(f"stale index: the header before {where} is of type {typeflag!r}, "
                                   f"not a regular file (name {stored!r}); rebuild the index")
-        if hsize != size or not _name_matches(stored, name):
+        if hsize != size or not name_matches(stored, name):
             raise SampleReadError(f"stale index: {where} expected {name!r} with {size} bytes at {offset}, "
                                   f"the shard has {stored.decode('utf-8', 'replace')!r} with {hsize} "
                                   f"bytes there; the shard changed since the index was built "
                                   f"(run `tokenbal index verify`, then rebuild)")
         if stamp is not None and stamp[0] != -1:
-            from tokenbal.index.tarwalk import header_stamp
-
-            have = header_stamp(data[:_BLOCK])
+            have = header_stamp(data[:BLOCK])
             if have != tuple(stamp):
                 raise SampleReadError(f"stale index: {where} was rewritten since the index was built (same "
                                       "name "
                                       f"and size, but header checksum/mtime {have[0]}/{have[1]}, the index "
                                       f"recorded {stamp[0]}/{stamp[1]}); run `tokenbal index verify`, "
                                       "then rebuild")
-        return data[_BLOCK:]
+        return data[BLOCK:]
 
     def _check_image_sizes(self, raw: dict, decoded: dict) -> None:
         """Each decoded image must have the size the index counted (after its EXIF policy)."""
@@ -545,148 +353,3 @@ class IndexedShardDataset(Dataset):
             raw[j] = self.read_raw(indices[j])
         return [self._decode(s) for s in raw]   # type: ignore[arg-type]
 
-
-# ---------------------------------------------------------------------------------------------
-# streaming: token-budget batches from a shuffle buffer, a fixed number of steps per rank
-
-
-def agree_steps(local_steps: int, group: Any = None) -> int:
-    """The smallest ``local_steps`` over all ranks: one ``all_reduce(MIN)``; call it once per epoch on
-    every rank (it is a collective). Without an initialised process group, ``local_steps``."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return int(local_steps)
-    t = torch.tensor([int(local_steps)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
-
-
-def _worker_share(steps: int) -> tuple[int, int, int]:
-    """(steps for this DataLoader worker, worker id, worker count): the rank's ``steps`` split so that
-    the workers' batches add up to exactly ``steps``."""
-    info = torch.utils.data.get_worker_info()
-    wid, n = (0, 1) if info is None else (info.id, info.num_workers)
-    return steps // n + (1 if wid < steps % n else 0), wid, n
-
-
-def _balanced_batches(data: Iterable[dict], max_tokens: int, length_fn: Callable[[dict], int],
-                      steps: int | None = None, bufsize: int = 1000, seed: int = 0, epoch: int = 0,
-                      rank: int | None = None, collation_fn: Callable[[list[dict]], Any] | None = None
-                      ) -> Iterator[Any]:
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    if bufsize < 1:
-        raise ValueError(f"bufsize must be >= 1, got {bufsize}")
-    if rank is None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    want, wid, nworkers = _worker_share(steps) if steps is not None else (None, 0, 1)
-    # Seeded from (seed, epoch, rank, worker): reproducible, and different for every stream.
-    rng = random.Random(f"tokenbal.balanced_batches:{seed}:{epoch}:{rank}:{wid}")
-    lens: list[tuple[int, int]] = []     # sorted (tokens, arrival number), parallel to items
-    items: list[dict] = []
-    arrival = 0
-    made = 0
-
-    def take(j: int) -> tuple[int, dict]:
-        return lens.pop(j)[0], items.pop(j)
-
-    def cut() -> list[dict]:
-        # A random first sample keeps the order shuffled; then best fit: the largest buffered
-        # sample that still fits, until none does. Largest-first fills the budget tightly.
-        n, first = take(rng.randrange(len(lens)))
-        batch, room = [first], max_tokens - n
-        while lens and room > 0:
-            j = bisect.bisect_right(lens, (room, float("inf"))) - 1
-            if j < 0:
-                break
-            n, s = take(j)
-            batch.append(s)
-            room -= n
-        return batch
-
-    def emit(batch: list[dict]) -> Any:
-        return collation_fn(batch) if collation_fn is not None else batch
-
-    source = iter(data)
-    exhausted = False
-    while want is None or made < want:
-        while not exhausted and len(lens) < bufsize:
-            try:
-                sample = next(source)
-            except StopIteration:
-                exhausted = True
-                break
-            n = int(length_fn(sample))
-            if n > max_tokens or n < 0:
-                raise ValueError(f"sample {sample.get('__key__')!r} from {sample.get('__url__')!r} has "
-                                 f"{n} tokens; the budget is max_tokens={max_tokens}")
-            bisect.insort(lens, (n, arrival))
-            items.insert(bisect.bisect_left(lens, (n, arrival)), sample)
-            arrival += 1
-        if not lens:
-            break
-        yield emit(cut())
-        made += 1
-    if want is not None and made < want:
-        raise RuntimeError(f"balanced_batches: rank {rank} worker {wid}/{nworkers} ran out of samples "
-                           f"after {made} of its {want} batches (steps={steps}); feed it a source that does "
-                           f"not run dry (webdataset ResampledShards / .repeat()) or agree on fewer steps")
-
-
-@dataclass(frozen=True)
-class BalancedBatches:
-    """The stage :func:`balanced_batches` returns: a picklable callable ``samples -> batches`` (spawned
-    DataLoader workers pickle the pipeline, so ``length_fn`` must be picklable too)."""
-    max_tokens: int
-    length_fn: Callable[[dict], int]
-    steps: int | None = None
-    bufsize: int = 1000
-    seed: int = 0
-    epoch: int = 0
-    rank: int | None = None
-    collation_fn: Callable[[list[dict]], Any] | None = None
-
-    def __call__(self, src: Iterable[dict]) -> Iterator[Any]:
-        return _balanced_batches(src, self.max_tokens, self.length_fn, steps=self.steps,
-                                 bufsize=self.bufsize, seed=self.seed, epoch=self.epoch, rank=self.rank,
-                                 collation_fn=self.collation_fn)
-
-
-def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: int | None = None,
-                     bufsize: int = 1000, seed: int = 0, epoch: int = 0, rank: int | None = None,
-                     collation_fn: Callable[[list[dict]], Any] | None = None, *, dp_group: Any = None,
-                     device_mesh: Any = None) -> BalancedBatches:
-    """A webdataset pipeline stage: samples in, batches (lists of samples, or ``collation_fn`` of
-    them) out, each batch's ``length_fn`` sum at most ``max_tokens``.
-
-    ``steps``: the number of batches this rank yields (split over DataLoader workers so that the
-    workers' batches add up to exactly ``steps``; use ``batch_size=None`` in the DataLoader). Give
-    every rank the same ``steps`` — fixed in the config or from :func:`agree_steps` — and a source
-    that does not run dry; a source that does anyway raises a clear error rather than letting ranks
-    fall out of step. ``steps=None`` batches until the source ends (one process, or ranks that are
-    kept in step some other way). ``bufsize``: samples held for shuffling and fitting. Randomness is
-    seeded from ``(seed, epoch, rank, worker)``; ``rank`` defaults to ``torch.distributed``'s (pass it
-    explicitly when DataLoader workers are spawned, where no process group exists). Each DataLoader
-    worker batches what its own source yields, so give workers disjoint or resampled shard streams
-    (``wds.ResampledShards(..., deterministic=True)`` seeds per rank and worker). A sample over the
-    budget raises, naming its key and shard. Under tensor / sequence parallelism pass ``dp_group=`` or
-    ``device_mesh=`` (:mod:`tokenbal.parallel`): the seed then uses the data-parallel rank, so the peers
-    of one SP/TP group cut the same batches; give them the same shard stream too (seed it with the DP
-    rank).
-
-    Recipe (every rank)::
-
-        steps = agree_steps(my_estimate)          # one all_reduce(MIN) per epoch, or a config value
-        pipe = wds.DataPipeline(wds.ResampledShards(my_shards, seed=rank, deterministic=True),
-                                wds.tarfile_to_samples(), wds.decode("pil"),
-                                balanced_batches(max_tokens, length_fn, steps=steps, epoch=epoch))
-        loader = DataLoader(pipe, batch_size=None, num_workers=4)   # exactly `steps` batches
-    """
-    if dp_group is not None or device_mesh is not None:
-        from tokenbal.parallel import resolve_dp
-
-        _, rank = resolve_dp(None, rank, dp_group, device_mesh)
-    return BalancedBatches(max_tokens, length_fn, steps, bufsize, seed, epoch, rank, collation_fn)
