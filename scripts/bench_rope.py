@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from collate import apply_mrope
-from collate.ops.rope_reference import apply_mrope_reference
+from collate.ops.rope.reference import apply_mrope_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -291,7 +291,7 @@ def _gpu_path(fn, q, k, repeats: int, io_bytes: int, copy_gbps: float) -> dict:
 
 
 def gpu_bench(tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, repeats: int) -> dict:
-    from collate.ops.rope_triton import apply_mrope_triton
+    from collate.ops.rope.triton import apply_mrope_triton
 
     dev = torch.device("cuda")
     pos_cpu, runs = packed_batch(tokens)

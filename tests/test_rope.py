@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collate import apply_mrope
-from collate.ops.rope_reference import normalize_positions
+from collate.ops.rope.reference import normalize_positions
 
 
 def _inv_freq(rotary_dim: int, theta: float = 10000.0) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from collate.ops.attention import _host_boundaries
+from collate.ops.attention.segments import host_boundaries
 
 _MASK_SIZE = 2048
 _masks: dict[torch.device, torch.Tensor] = {}
@@ -47,7 +47,7 @@ def varlen_attention_npu(
             "varlen_attention on NPU needs torch_npu (npu_fusion_attention); it is not importable. "
             "Set TOKENBAL_ATTN_IMPL=sdpa for the per-segment SDPA fallback."
         ) from exc
-    ends = _host_boundaries(batch, q.shape[0])
+    ends = host_boundaries(batch, q.shape[0])
     # Zero-length segments add no tokens; the op wants strictly increasing ends.
     ends = [e for i, e in enumerate(ends) if i == 0 or e != ends[i - 1]]
     if scale is None:

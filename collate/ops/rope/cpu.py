@@ -1,6 +1,6 @@
 """M-RoPE in plain PyTorch with few allocations: the CPU backend (and fallback on any other device).
 
-Same math as :mod:`collate.ops.rope_reference` (the oracle), arranged like the Triton kernel:
+Same math as :mod:`collate.ops.rope.reference` (the oracle), arranged like the Triton kernel:
 
 - per-token ``(T, R/2)`` cos/sin from the positions, computed once per call and shared by q and k
   (never ``(T, D)`` tables, never per head);
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from collate.ops.rope_reference import FusedRotation, check_rope_args, mrope_angles, normalize_positions
+from collate.ops.rope.common import FusedRotation, check_rope_args, mrope_angles, normalize_positions
 
 # Elements per block of fp32 scratch for half-precision inputs (two such blocks live at once: 16 MiB).
 # Bigger blocks mean fewer, larger ops (much faster on a busy CPU); this bounds the temporaries.

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from collate.ops.rope_reference import check_rope_args, mrope_angles, normalize_positions
+from collate.ops.rope.common import check_rope_args, mrope_angles, normalize_positions
 
 MROPE_MAX_POS_ENV = "TOKENBAL_NPU_MROPE_MAX_POS"
 # Sections listed in the npu_mrope docs (op-plugin @517f2e7d); others take the training path.

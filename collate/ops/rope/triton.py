@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from collate.ops.rope_reference import FusedRotation, check_rope_args, normalize_positions
+from collate.ops.rope.common import FusedRotation, check_rope_args, normalize_positions
 
 _IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
