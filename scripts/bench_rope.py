@@ -26,10 +26,10 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from harness import environment_line, measure
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -182,9 +182,7 @@ def cpu_times(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(measure(call, repeats=1, warmup=0).wall[0])
     return times
 
 
@@ -359,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "shape": f"Hq={args.q_heads} Hk={args.kv_heads} D={args.head_dim}, section (16, 24, 24)",
+        "environment": environment_line(),
     }
     print(json.dumps(info))
     out: dict = {"info": info, "cpu": [], "gpu": []}
