@@ -2,10 +2,10 @@
 
 - no import circle among ``tokenbal`` / ``collate`` modules: neither through module-level imports
   (which would fail or half-initialise a module on import) nor through imports inside functions
-  (lazy on purpose, but a circle there is still two files that each need the other: the
-  ``attention.py`` <-> ``attention_npu.py`` and ``cost.py`` <-> ``plan.py`` kind). ``if
-  TYPE_CHECKING:`` imports never run and are left out; so are a package's implicit imports of its
-  parents, so a package front that re-exports its children is not a circle with them;
+  (lazy on purpose, but a circle there is still two files that each need the other, e.g. a
+  dispatcher and a backend importing each other). ``if TYPE_CHECKING:`` imports never run and are
+  left out; so are a package's implicit imports of its parents, so a package front that re-exports
+  its children is not a circle with them;
 - no module imports a private (``_name``) symbol from a sibling family file in ``collate/models/``
   or a sibling backend in ``collate/ops/`` (shared pieces live in a shared file, with public names);
 - ``tokenbal`` never imports ``collate`` (at module level or lazily), except the ``tokenbal demo``

@@ -17,6 +17,7 @@ __all__ = ["ShardReaders", "is_url"]
 
 
 def is_url(path: str) -> bool:
+    """Whether ``path`` is a remote URL (fsspec) rather than a local path or ``file://`` URL."""
     return "://" in path and not path.startswith("file://")
 
 
