@@ -183,7 +183,7 @@ def _should_pin(pin_memory: bool | None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class PackedCollator:
-    """Collate samples into one :class:`PackedBatch` (public contract: DESIGN.md, "Public contract").
+    """Collate samples into one :class:`PackedBatch` (its fields: README.md, "Public API").
 
     ``rope="mrope"``: Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE ids, per sample as
     :func:`collate.positions.mrope_positions` defines them, computed for the whole packed row at once

@@ -16,11 +16,10 @@ Prints milliseconds (median) and each baseline's time / varlen_attention's.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from harness import environment_line, measure
 
 from collate.ops import varlen_attention
 
@@ -58,15 +57,13 @@ def ours(q, k, v, ends, causal):
 
 
 def time_it(fn, q, k, v, ends, causal, repeats):
+    """Median wall seconds of forward + backward (one warm-up call first)."""
     def once():
         for t in (q, k, v):
             t.grad = None
-        t0 = time.perf_counter()
         fn(q, k, v, ends, causal).sum().backward()
-        return time.perf_counter() - t0
 
-    once()  # warm-up
-    return statistics.median(once() for _ in range(repeats))
+    return measure(once, repeats=repeats, warmup=1).wall_median
 
 
 def main() -> None:
@@ -75,8 +72,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (training ranks use 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s), fp32, forward + backward, median of "
-          f"{args.repeats}")
+    print(environment_line(threads=args.threads))
+    print(f"fp32, forward + backward, median of {args.repeats}")
     for name, lengths, hq, hk, d, causal in CASES:
         g = torch.Generator().manual_seed(0)
         total = sum(lengths)

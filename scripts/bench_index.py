@@ -40,6 +40,7 @@ import tempfile
 import time
 
 import numpy as np
+from harness import environment_line, measure
 from PIL import Image
 
 from tokenbal.estimate import get_estimator, get_text_counter
@@ -84,14 +85,10 @@ def write_shard(path: str, fmt: str, n: int, seed: int = 0, sizes: list | None =
 
 def bench_build(shard: str, out: str, repeats: int) -> tuple[float, float, int]:
     """Median (wall s, CPU s) of a one-process build of ``shard``, and its sample count."""
-    walls, cpus, n = [], [], 0
-    for _ in range(repeats):
-        t, c = time.perf_counter(), time.process_time()
-        report = build_index([shard], out, model="qwen2-vl", progress=False, incremental=False)
-        walls.append(time.perf_counter() - t)
-        cpus.append(time.process_time() - c)
-        n = report.num_samples
-    return statistics.median(walls), statistics.median(cpus), n
+    reports = []
+    t = measure(lambda: reports.append(build_index([shard], out, model="qwen2-vl", progress=False,
+                                                   incremental=False)), repeats=repeats, warmup=0)
+    return t.wall_median, t.cpu_median, reports[-1].num_samples
 
 
 @contextlib.contextmanager
@@ -118,25 +115,31 @@ def bench_decode(shard: str, limit: int) -> tuple[float, float, dict[str, int]]:
     counter = get_text_counter(None)
     merge = proc.merge_size ** 2
     tokens: dict[str, int] = {}
-    t, c = time.perf_counter(), time.process_time()
-    with tarfile.open(shard, "r:") as tf:
-        current, images = None, []
-        for ti in tf:
-            key, ext = ti.name.split(".", 1)
-            data = tf.extractfile(ti).read()
-            if ext == "txt":
-                counter.count(data.decode())
-                img = images.pop()
-                grid = proc(images=[img], return_tensors="np")["image_grid_thw"]
-                tokens[key] = int(np.prod(grid[0])) // merge + 2
-                if len(tokens) == limit:
-                    break
-            else:
-                current = key
-                with Image.open(io.BytesIO(data)) as im:
-                    images.append(im.convert("RGB"))
-        del current
-    return time.perf_counter() - t, time.process_time() - c, tokens
+
+    def run() -> None:
+        with tarfile.open(shard, "r:") as tf:
+            _decode_members(tf, proc, counter, merge, tokens, limit)
+
+    t = measure(run, repeats=1, warmup=0)
+    return t.wall[0], t.cpu[0], tokens
+
+
+def _decode_members(tf, proc, counter, merge: int, tokens: dict[str, int], limit: int) -> None:
+    """Decode each image, run the processor on it, count its sample's text: ``tokens[key]``."""
+    images = []
+    for ti in tf:
+        key, ext = ti.name.split(".", 1)
+        data = tf.extractfile(ti).read()
+        if ext == "txt":
+            counter.count(data.decode())
+            img = images.pop()
+            grid = proc(images=[img], return_tensors="np")["image_grid_thw"]
+            tokens[key] = int(np.prod(grid[0])) // merge + 2
+            if len(tokens) == limit:
+                break
+        else:
+            with Image.open(io.BytesIO(data)) as im:
+                images.append(im.convert("RGB"))
 
 
 def bench_open(rows: int, folder: str) -> dict:
@@ -160,26 +163,24 @@ def bench_open(rows: int, folder: str) -> dict:
                 member_sizes=np.full(n, 4000, np.int64), image_counts=ones,
                 image_wh=np.full((n, 2), 640, np.int64), vision=vision, text=text, errors=[])
 
-    t = time.perf_counter()
-    write_index(out, results(), {"estimator": {"name": "synthetic", "config": {}, "wrapper_tokens": 2},
-                                 "text_counter": {"name": "synthetic"}})
-    write_s = time.perf_counter() - t
-    opens = []
-    for _ in range(5):
-        t = time.perf_counter()
-        idx = TokenIndex.open(out)
-        n = len(idx)
-        opens.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    total = int(np.asarray(idx.lengths).sum())
-    sum_s = time.perf_counter() - t
-    t = time.perf_counter()
-    key, members = idx.keys[rows // 2], idx.members(rows // 2)
-    access_s = time.perf_counter() - t
+    write_s = measure(lambda: write_index(out, results(), {"estimator": {"name": "synthetic", "config": {},
+                                                                         "wrapper_tokens": 2},
+                                                           "text_counter": {"name": "synthetic"}}),
+                      repeats=1, warmup=0).wall[0]
+    opened = []
+    open_s = measure(lambda: opened.append(TokenIndex.open(out)), repeats=5, warmup=0).wall_median
+    idx = opened[-1]
+    n = len(idx)
+    # First touches (page faults of the memory map): one timed call each, no warm-up.
+    got: dict = {}
+    sum_s = measure(lambda: got.update(total=int(np.asarray(idx.lengths).sum())), repeats=1, warmup=0).wall[0]
+    access_s = measure(lambda: got.update(key=idx.keys[rows // 2], members=idx.members(rows // 2)),
+                       repeats=1, warmup=0).wall[0]
+    total, key, members = got["total"], got["key"], got["members"]
     assert n == rows and isinstance(idx.lengths, np.memmap) and total > 0 and key == f"{rows // 2:09d}"
     assert len(members) == 1
     size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
-    return {"rows": rows, "write_s": write_s, "open_s": statistics.median(opens), "sum_s": sum_s,
+    return {"rows": rows, "write_s": write_s, "open_s": open_s, "sum_s": sum_s,
             "access_s": access_s, "bytes": size, "memmap": isinstance(idx.lengths, np.memmap)}
 
 
@@ -231,15 +232,18 @@ def bench_remote(args) -> None:
               f"{args.inflight} shards in flight, one process; median of {args.repeats}")
         results = {}
         for mode in ("ranges", "whole"):
-            walls, reqs = [], []
+            walls, reqs, reps = [], [], []
             for _ in range(args.repeats):
                 n0 = httpd.n
-                t = time.perf_counter()
-                rep = build_index(urls, os.path.join(work, f"idx-{mode}"), progress=False,
-                                  incremental=False,
-                                  remote=RemoteOptions(mode=mode, inflight=args.inflight))
-                walls.append(time.perf_counter() - t)
+
+                def build(mode=mode, reps=reps) -> None:
+                    reps.append(build_index(urls, os.path.join(work, f"idx-{mode}"), progress=False,
+                                            incremental=False,
+                                            remote=RemoteOptions(mode=mode, inflight=args.inflight)))
+
+                walls.append(measure(build, repeats=1, warmup=0).wall[0])
                 reqs.append(httpd.n - n0)
+            rep = reps[-1]
             idx = TokenIndex.open(os.path.join(work, f"idx-{mode}"))
             read = sum(e.get("bytes_read", e["size"] if mode == "whole" else 0)
                        for e in idx.manifest["shards"]) / 1e6
@@ -270,6 +274,7 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=16, help="--remote: shards scanned at once")
     ap.add_argument("--large", action="store_true", help="--remote: 2400-4000 px photos (~1-3 MB each)")
     args = ap.parse_args()
+    print(environment_line())
     if args.remote:
         bench_remote(args)
         return

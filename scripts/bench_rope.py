@@ -26,15 +26,15 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from harness import environment_line, measure
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from collate import apply_mrope
-from collate.ops.rope_reference import apply_mrope_reference
+from collate.ops.rope.reference import apply_mrope_reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -182,9 +182,7 @@ def cpu_times(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(measure(call, repeats=1, warmup=0).wall[0])
     return times
 
 
@@ -291,7 +289,7 @@ def _gpu_path(fn, q, k, repeats: int, io_bytes: int, copy_gbps: float) -> dict:
 
 
 def gpu_bench(tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, repeats: int) -> dict:
-    from collate.ops.rope_triton import apply_mrope_triton
+    from collate.ops.rope.triton import apply_mrope_triton
 
     dev = torch.device("cuda")
     pos_cpu, runs = packed_batch(tokens)
@@ -359,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "shape": f"Hq={args.q_heads} Hk={args.kv_heads} D={args.head_dim}, section (16, 24, 24)",
+        "environment": environment_line(),
     }
     print(json.dumps(info))
     out: dict = {"info": info, "cpu": [], "gpu": []}

@@ -5,7 +5,7 @@ read as byte ranges of the shard like ``tokenbal index build`` does.
     python scripts/bench_video.py [--videos 200] [--seconds 10] [--size 320x180] [--decode 4]
 
 Both run in this process, one core, on the same members; the ratio is printed. CPU time
-(``time.process_time``), medians of ``--repeats`` runs.
+(process CPU seconds from scripts/harness.py's ``measure``), medians of ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import tarfile
 import tempfile
-import time
 from fractions import Fraction
+
+from harness import environment_line, measure
 
 
 def make_clips(folder: str, n: int, seconds: float, w: int, h: int, distinct: int) -> str:
@@ -49,12 +49,6 @@ def members(shard: str) -> list[tuple[str, int, int]]:
         return [(m.name, m.offset_data, m.size) for m in tf.getmembers()]
 
 
-def cpu(fn) -> float:
-    t = time.process_time()
-    fn()
-    return time.process_time() - t
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--videos", type=int, default=200)
@@ -69,12 +63,14 @@ def main() -> None:
     from tokenbal.index.video import count_decoded_frames, probe_video
 
     with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        shard = make_clips(d, args.videos, args.seconds, w, h, args.distinct)
+        made: list[str] = []
+        write = measure(lambda: made.append(make_clips(d, args.videos, args.seconds, w, h, args.distinct)),
+                        repeats=1, warmup=0)
+        shard = made[0]
         ms = members(shard)
         size_mb = os.path.getsize(shard) / 1e6
         print(f"{len(ms)} clips of ~{args.seconds:g} s, {w}x{h} (h264 mp4, vp9 webm, h264 mkv), "
-              f"{size_mb:.1f} MB shard, written in {time.perf_counter() - t0:.1f} s")
+              f"{size_mb:.1f} MB shard, written in {write.wall[0]:.1f} s")
         fd = os.open(shard, os.O_RDONLY)
         try:
             header_counts: list[int] = []
@@ -89,19 +85,18 @@ def main() -> None:
                     os.lseek(fd, off, 0)
                     count_decoded_frames(os.read(fd, size))
 
-            cpu(headers)   # warm-up (imports, page cache)
-            t_head = statistics.median(cpu(headers) for _ in range(args.repeats))
-            t_dec = statistics.median(cpu(decodes) for _ in range(max(1, args.repeats - 1)))
+            # One warm-up (imports, page cache) before the header runs; CPU seconds, medians.
+            t_head = measure(headers, repeats=args.repeats, warmup=1).cpu_median
+            t_dec = measure(decodes, repeats=max(1, args.repeats - 1), warmup=0).cpu_median
             per_kind = {}
             for kind in sorted({n.rsplit(".", 1)[1] for n, _, _ in ms}):
                 group = [m for m in ms if m[0].endswith("." + kind)]
-                t = statistics.median(cpu(lambda g=group: [probe_video((fd, o, z)) for _, o, z in g])
-                                      for _ in range(args.repeats))
+                t = measure(lambda g=group: [probe_video((fd, o, z)) for _, o, z in g],
+                            repeats=args.repeats, warmup=0).cpu_median
                 per_kind[kind] = len(group) / t
                 sub_k = group[:2]
-                t_k = statistics.median(
-                    cpu(lambda g=sub_k: [count_decoded_frames((fd, o, z)) for _, o, z in g])
-                    for _ in range(max(1, args.repeats - 1)))
+                t_k = measure(lambda g=sub_k: [count_decoded_frames((fd, o, z)) for _, o, z in g],
+                              repeats=max(1, args.repeats - 1), warmup=0).cpu_median
                 per_kind[kind] = (per_kind[kind], len(sub_k) / t_k)
             for name, off, size in sub:
                 os.lseek(fd, off, 0)
@@ -120,6 +115,13 @@ def main() -> None:
     print(f"ratio   : {head_rate / dec_rate:10.0f}x   (frame counts checked equal on the decoded clips)")
     for kind, (h, dr) in per_kind.items():
         print(f"  {kind:5s}: headers {h:8.1f} /s, decoding {dr:6.2f} /s, ratio {h / dr:6.0f}x")
+    print(environment_line(av=_av_version()))
+
+
+def _av_version() -> str:
+    import av
+
+    return av.__version__
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
+
+from harness import environment_line, measure
 
 
 def drop_cache(paths: list[str]) -> None:
@@ -55,6 +56,14 @@ def run_webdataset(shards: list[str], decode) -> int:
     return sum(1 for _ in ds)
 
 
+def timed_once(fn):
+    """``(fn(), wall seconds)`` of one call (no warm-up: the cache state is the point), timed by
+    scripts/harness.py like every benchmark."""
+    out = []
+    timing = measure(lambda: out.append(fn()), repeats=1, warmup=0)
+    return out[0], timing.wall[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=2048)
@@ -66,7 +75,6 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="folder to write / reuse shards and index in")
     args = ap.parse_args()
 
-    import numpy as np
 
     from tokenbal import TokenBalancedBatchSampler
     from tokenbal.index import TokenIndex, build_index
@@ -75,10 +83,14 @@ def main() -> None:
     root = args.data or tempfile.mkdtemp(prefix="bench_wds_")
     shard_dir, index_dir = os.path.join(root, "shards"), os.path.join(root, "index")
     if not os.path.isdir(index_dir):
-        t = time.perf_counter()
-        shards = write_shards(make_samples(args.samples, seed=0), shard_dir, samples_per_shard=args.per_shard)
-        build_index(shards, index_dir, progress=False)
-        print(f"wrote {len(shards)} shards + index in {time.perf_counter() - t:.1f} s under {root}")
+        def write() -> list[str]:
+            out = write_shards(make_samples(args.samples, seed=0), shard_dir,
+                               samples_per_shard=args.per_shard)
+            build_index(out, index_dir, progress=False)
+            return out
+
+        shards, dt = timed_once(write)
+        print(f"wrote {len(shards)} shards + index in {dt:.1f} s under {root}")
     index = TokenIndex.open(index_dir)
     shards = list(index.shard_paths)
     total_bytes = sum(os.path.getsize(s) for s in shards)
@@ -98,10 +110,8 @@ def main() -> None:
                     run_webdataset(shards, None)     # pull everything into the page cache
                 else:
                     drop_cache(shards)
-                t = time.perf_counter()
-                n = run_indexed(index, batches, args.decode) if name == "indexed" else \
-                    run_webdataset(shards, args.decode)
-                dt = time.perf_counter() - t
+                n, dt = timed_once(lambda name=name: run_indexed(index, batches, args.decode)
+                                   if name == "indexed" else run_webdataset(shards, args.decode))
                 results.setdefault((cache, name), []).append(n / dt)
                 results.setdefault((cache, name + "_time"), []).append(dt)
 
@@ -120,7 +130,7 @@ def main() -> None:
                    / statistics.median(results[(cache, "indexed_time")]))
         print(f"{cache}: indexed / webdataset samples/s = {sps:.2f}x; time to get rank 0's share: "
               f"webdataset (all shards) / indexed (1/{args.ranks}) = {ratio_t:.2f}x")
-    print(f"(decode={args.decode!r}, repeats={args.repeats}, numpy {np.__version__})")
+    print(f"(decode={args.decode!r}, repeats={args.repeats}; {environment_line()})")
 
 
 if __name__ == "__main__":

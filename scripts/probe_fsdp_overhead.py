@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
+from harness import environment_line, measure
 
 from tokenbal.launch import run_ranks
 
@@ -65,10 +65,10 @@ def _image_sample(h: int, w: int, text: int, g: torch.Generator) -> dict:
 def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: int, async_unshard: bool,
           reshard_after_forward: bool = True, async_reduce_scatter: bool = False,
           keep_freed: bool = False) -> list:
-    from collate.demo import build_model, tiny_qwen2_vl_config
     from collate.loss import global_token_mean
     from collate.models import enable_packed
     from collate.train import keep_freed_memory, make_optimizer, shard_qwen2_vl, solo_compute_time, train_step
+    from collate.train.builders import build_model, tiny_qwen2_vl_config
 
     if keep_freed:
         keep_freed_memory()
@@ -88,16 +88,22 @@ def _rank(rank: int, world_size: int, kind: str, repeats: int, prefetch_depth: i
     times = []
     for step in range(6):
         dist.barrier()
-        t0 = time.perf_counter()
-        out = model(**batch)
-        t1 = time.perf_counter()
-        global_token_mean(out.loss * batch.num_loss_tokens, batch.num_loss_tokens).backward()
-        t2 = time.perf_counter()
-        optim.step()
-        optim.zero_grad()
-        t3 = time.perf_counter()
+        held: dict = {}
+
+        def forward(held=held) -> None:
+            held["out"] = model(**batch)
+
+        def backward(held=held) -> None:
+            global_token_mean(held["out"].loss * batch.num_loss_tokens, batch.num_loss_tokens).backward()
+
+        def optimizer() -> None:
+            optim.step()
+            optim.zero_grad()
+
+        # One timed call per phase, back to back: the step's own phases, not repeats.
+        phases = tuple(measure(fn, repeats=1, warmup=0).wall[0] for fn in (forward, backward, optimizer))
         if step >= 2:
-            times.append((t1 - t0, t2 - t1, t3 - t2))
+            times.append(phases)
     return times
 
 
@@ -108,10 +114,12 @@ def _timed_alternation(model, optim, solo, batch) -> tuple[float, float]:
     dist.barrier()
     compute = solo_compute_time(solo, batch)
     dist.barrier()
-    t0 = time.perf_counter()
-    train_step(model, optim, batch)
-    dist.barrier()
-    return time.perf_counter() - t0, compute
+
+    def step() -> None:
+        train_step(model, optim, batch)
+        dist.barrier()
+
+    return measure(step, repeats=1, warmup=0).wall[0], compute
 
 
 def main() -> None:
@@ -130,6 +138,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2,
                     help="gloo ranks; 1 measures FSDP2's own cost without any cross-rank waiting")
     args = ap.parse_args()
+    print(environment_line(ranks=args.ranks, batch=args.batch))
     results = run_ranks(_rank, args.ranks, args.batch, args.repeats, args.prefetch_depth, args.async_unshard,
                         args.reshard_after_forward, args.async_reduce_scatter, args.keep_freed_memory,
                         timeout=900, collective_timeout=600)

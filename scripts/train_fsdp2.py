@@ -130,7 +130,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def prepare(args, rank: int):
     """(index dir, tokenizer path, model config) for this run; rank 0 builds synthetic data."""
-    from collate.demo import (
+    from collate.train.builders import (
         prepare_data,
         special_token_ids,
         tiny_qwen2_vl_config,
@@ -138,20 +138,20 @@ def prepare(args, rank: int):
 
     model_config = None
     if args.model_config:
-        from collate.demo import load_model_config
+        from collate.train.builders import load_model_config
 
         try:
             model_config = load_model_config(args.model_config)
         except ValueError as e:
             raise SystemExit(str(e)) from None
     if args.synthetic:
-        from collate.demo import MODEL_CLASSES
+        from collate.train.builders import MODEL_CLASSES
 
         estimator = MODEL_CLASSES[model_config.model_type][2] if model_config is not None else "qwen2-vl"
         index_dir = os.path.join(args.workdir, f"index-{estimator}")  # one per token rule
         tokenizer = os.path.join(args.workdir, "tokenizer", "tokenizer.json")
         if rank == 0:
-            from collate.demo import estimator_overrides
+            from collate.train.builders import estimator_overrides
             from tokenbal.index import build_index
 
             paths = prepare_data(args.workdir, args.synthetic, args.seed)
@@ -164,7 +164,7 @@ def prepare(args, rank: int):
             raise SystemExit("--index needs --tokenizer (the tokenizer.json the index was built with)")
         index_dir, tokenizer = args.index, args.tokenizer
     if model_config is not None:
-        from collate.demo import match_tokenizer
+        from collate.train.builders import match_tokenizer
 
         config = model_config
         changed = match_tokenizer(config, *special_token_ids(tokenizer))
@@ -241,16 +241,16 @@ def _patch(config) -> int:
 def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.device, index_dir: str,
               tokenizer: str, config, cost, sp=None, trace_dir: str | None = None) -> list:
     from collate import DevicePrefetcher, PackedCollator
-    from collate.demo import IndexedSamples, build_model, make_loader
     from collate.models import enable_packed
     from collate.train import (
         StepRecord,
-        _synchronize,
         make_optimizer,
         shard_qwen2_vl,
         solo_stage_times,
+        synchronize,
         train_step,
     )
+    from collate.train.builders import IndexedSamples, build_model, make_loader
 
     dp_rank, dp_size, sp_rank, sp_group = sp or (rank, world, 0, None)
     sp_size = 1 if sp_group is None else args.sp_size
@@ -286,11 +286,11 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
             train_step(model, optim, batch)
         compute, vision = (float("nan"),) * 2 if solo is None else solo_stage_times(solo, row)
         compute, vision = compute / sp_size, vision / sp_size  # an SP rank's even share of its row
-        _synchronize(device)
+        synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
         loss = train_step(model, optim, batch)
-        _synchronize(device)
+        synchronize(device)
         dist.barrier()
         records.append(StepRecord(step=step, rank=rank, samples=row.num_samples,
                                   tokens=int(batch["input_ids"].shape[1]), compute_s=compute, vision_s=vision,
@@ -308,9 +308,9 @@ def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir
     ranks busy at once, as in training); one all_gather_object gives every rank the same data, so
     every rank fits the same StageCostModel and plans the same epoch."""
     from collate import PackedCollator
-    from collate.demo import IndexedSamples, build_model
     from collate.models import enable_packed
     from collate.train import calibration_batches, profile_stage_costs
+    from collate.train.builders import IndexedSamples, build_model
     from tokenbal.cost import StageCostModel, stage_features
 
     dataset = IndexedSamples(index_dir, tokenizer, patch_size=_patch(config), config=config)

@@ -1,7 +1,8 @@
-"""Fused ops for packed batches: one thin dispatch per op, one file per backend.
+"""Fused ops for packed batches: one package per op (rope/, attention/), one dispatcher and one file
+per backend in each.
 
-``apply_mrope`` (rope.py -> rope_reference.py, ...) and ``varlen_attention`` (attention.py ->
-attention_sdpa.py / attention_flash.py / attention_npu.py). Backends that need triton, torch_npu or
+``apply_mrope`` (rope/dispatch.py -> rope/reference.py, cpu.py, ...) and ``varlen_attention``
+(attention/dispatch.py -> sdpa.py / flash.py / npu.py). Backends that need triton, torch_npu or
 flash_attn are imported lazily on first use on a matching device; the CPU path always works.
 """
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from collate.demo import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, IndexedSamples, prepare_data
+from collate.train.builders import DEMO_MAX_PIXELS, DEMO_MIN_PIXELS, IndexedSamples, prepare_data
 from tokenbal.index import build_index
 from tokenbal.synthetic import make_samples
 
@@ -53,7 +53,7 @@ def test_stale_index_is_an_error_naming_the_sample(demo_data, tmp_path):
 
 
 def test_identical_control_gives_every_rank_tokenbals_rank0_batches(demo_data):
-    from collate.demo import make_loader
+    from collate.train.builders import make_loader
 
     ds = IndexedSamples(demo_data.index, demo_data.tokenizer)
 

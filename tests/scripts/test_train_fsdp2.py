@@ -147,7 +147,7 @@ def tiny_qwen3_vl_checkpoint_config() -> dict:
 
 
 def test_model_config_loads_by_model_type_and_adapts_to_the_tokenizer(tmp_path):
-    from collate.demo import build_model, load_model_config, match_tokenizer
+    from collate.train.builders import build_model, load_model_config, match_tokenizer
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(tiny_qwen2_5_vl_checkpoint_config()))

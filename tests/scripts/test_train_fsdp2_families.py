@@ -35,7 +35,7 @@ def _config(family: str):
 
 @pytest.mark.parametrize("family", ["llava_next", "llava_onevision", "internvl", "glm4v"])
 def test_model_config_loads_and_builds(tmp_path, family):
-    from collate.demo import build_model, load_model_config, match_tokenizer
+    from collate.train.builders import build_model, load_model_config, match_tokenizer
 
     _config(family).save_pretrained(tmp_path)
     config = load_model_config(str(tmp_path / "config.json"))
@@ -55,7 +55,13 @@ def test_index_lengths_equal_collated_samples(tmp_path, family):
     OneVision samples (base views only) included; IndexedSamples raises on any mismatch, and the
     collator then accepts every sample's placeholders."""
     from collate import PackedCollator
-    from collate.demo import MODEL_CLASSES, IndexedSamples, demo_config, estimator_overrides, prepare_data
+    from collate.train.builders import (
+        MODEL_CLASSES,
+        IndexedSamples,
+        demo_config,
+        estimator_overrides,
+        prepare_data,
+    )
     from tokenbal.index import build_index
 
     _config(family).save_pretrained(tmp_path / "model")

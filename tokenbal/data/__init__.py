@@ -1,8 +1,38 @@
-"""Readers of indexed data other than webdataset tar shards (those are ``tokenbal.wds``):
-``IndexedParquetDataset`` returns the row of a Parquet-built index by sample number."""
+"""Reading the samples an index points at, and streaming shards without one.
+
+``tar`` parses tar headers (used by the index scan and the reader), ``ranged`` reads byte ranges of
+local or remote shards, ``indexed`` is :class:`IndexedShardDataset` (webdataset tar shards by
+offset), ``parquet`` is :class:`IndexedParquetDataset` (rows of a Parquet-built index) and ``stream``
+is :func:`balanced_batches` (a webdataset stage for shards without an index). Names load lazily so
+that ``tokenbal.index`` can use ``tokenbal.data.tar`` without importing torch.
+"""
 
 from __future__ import annotations
 
-from tokenbal.data.parquet import IndexedParquetDataset
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["IndexedParquetDataset"]
+_LAZY = {
+    "IndexedParquetDataset": "tokenbal.data.parquet",
+    "IndexedShardDataset": "tokenbal.data.indexed",
+    "SampleReadError": "tokenbal.data.indexed",
+    "BalancedBatches": "tokenbal.data.stream",
+    "agree_steps": "tokenbal.data.stream",
+    "balanced_batches": "tokenbal.data.stream",
+    "parse_tar_header": "tokenbal.data.tar",
+}
+
+if TYPE_CHECKING:
+    from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
+    from tokenbal.data.parquet import IndexedParquetDataset
+    from tokenbal.data.stream import BalancedBatches, agree_steps, balanced_batches
+    from tokenbal.data.tar import parse_tar_header
+
+__all__ = ["BalancedBatches", "IndexedParquetDataset", "IndexedShardDataset", "SampleReadError",
+           "agree_steps", "balanced_batches", "parse_tar_header"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenbal.data' has no attribute {name!r}")

@@ -8,7 +8,7 @@ text) and annotation files, and writes one folder, reusing the unchanged shards 
 Remote sources (fsspec URLs): ``tokenbal.index.remote``; Parquet: ``tokenbal.index.parquet``; builds
 in parts and their merge: ``tokenbal.index.merge``; export and joins by key: ``tokenbal.index.export``.
 Layout: ``tokenbal.index.store``; sample and damage rules: ``tokenbal.index.scan`` (tar listing fast
-path: ``tokenbal.index.tarwalk``); annotations: ``tokenbal.index.annotations``; text rules:
+path: ``tokenbal.data.tar``); annotations: ``tokenbal.index.annotations``; text rules:
 ``tokenbal.index.text``; histogram: ``tokenbal.index.plot``.
 """
 

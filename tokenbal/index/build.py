@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 
 from tokenbal.index.annotations import is_annotation_file, scan_annotations
-from tokenbal.index.merge import part_meta, select_part
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
+from tokenbal.index.parts import part_meta, select_part
 from tokenbal.index.remote import RemoteOptions, is_url, remote_unchanged, scan_remote_shard, threaded_map
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources

@@ -18,48 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+# The part selection is shared with the build; re-exported here, where it is documented.
+from tokenbal.index.parts import check_part, parse_part, part_meta, select_part
 
-def parse_part(text: str, environ: dict | None = None) -> tuple[int, int]:
-    """``"i/n"`` -> ``(i, n)``; ``"env"``: from ``RANK`` / ``WORLD_SIZE`` (torchrun) or
-    ``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_COUNT`` (a Slurm array starting at 0)."""
-    env = os.environ if environ is None else environ
-    if text == "env":
-        if "RANK" in env and "WORLD_SIZE" in env:
-            i, n = int(env["RANK"]), int(env["WORLD_SIZE"])
-        elif "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-            i = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-            n = int(env["SLURM_ARRAY_TASK_COUNT"])
-        else:
-            raise ValueError("--part env: neither RANK / WORLD_SIZE (torchrun) nor SLURM_ARRAY_TASK_ID / "
-                             "SLURM_ARRAY_TASK_COUNT (Slurm array) is set")
-    else:
-        i_s, sep, n_s = text.partition("/")
-        try:
-            if not sep:
-                raise ValueError
-            i, n = int(i_s), int(n_s)
-        except ValueError:
-            raise ValueError(f"--part expects I/N (e.g. 0/8) or 'env', got {text!r}") from None
-    check_part((i, n))
-    return i, n
-
-
-def check_part(part: tuple[int, int]) -> None:
-    i, n = part
-    if n < 1 or not 0 <= i < n:
-        raise ValueError(f"part {i}/{n}: need 0 <= i < n")
-
-
-def select_part(paths: Sequence[str], part: tuple[int, int]) -> tuple[list[int], list[str]]:
-    """``(positions, paths)`` of part ``i`` of ``n``: every n-th shard from ``i`` on."""
-    check_part(part)
-    i, n = part
-    positions = list(range(i, len(paths), n))
-    return positions, [paths[p] for p in positions]
-
-
-def part_meta(part: tuple[int, int], positions: Sequence[int], paths: Sequence[str]) -> dict:
-    return {"index": part[0], "count": part[1], "positions": dict(zip(paths, positions, strict=True))}
+__all__ = ["check_part", "merge_indexes", "parse_part", "part_meta", "select_part"]
 
 
 def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False):

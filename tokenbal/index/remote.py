@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbal.data.tar import header_stamp, walk_members
 from tokenbal.index.imagesize import _TAIL, FIRST_READ, PREFIX_BYTES
 from tokenbal.index.scan import (
     _COMPRESSED_MAGIC,
@@ -51,7 +52,6 @@ from tokenbal.index.scan import (
     member_kind,
     scan_shard,
 )
-from tokenbal.index.tarwalk import header_stamp, walk_members
 
 CHUNK = 8 * 1024
 INFLIGHT = 8

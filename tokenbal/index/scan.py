@@ -6,7 +6,7 @@ members of one key must be adjacent in the tar. A member is an image when the la
 of its extension (lower case) is an image type, so ``k.jpg``, ``k.0.jpg``, ``k.1.png`` and
 ``k.left.webp`` are all images of sample ``k``, kept in tar member order.
 
-Members are listed by ``tokenbal.index.tarwalk`` (a raw header walk, ~5x faster than ``tarfile``)
+Members are listed by ``tokenbal.data.tar`` (a raw header walk, ~5x faster than ``tarfile``)
 whenever it can do so exactly as ``tarfile`` would; anything else, including every damaged header,
 is listed by ``tarfile`` itself, so the rules below are ``tarfile``'s behaviour plus the tail check.
 
@@ -27,7 +27,7 @@ non-regular member, a GNU sparse member (its stored bytes are not its contents, 
 by offset); and per member: a name with no extension or not valid UTF-8. A shard path that is not a
 regular file (a FIFO, a device) is status ``unreadable``, never opened for reading.
 
-Member stamps: every member's own ustar header checksum and mtime (``tarwalk.header_stamp``) are
+Member stamps: every member's own ustar header checksum and mtime (``tokenbal.data.tar.header_stamp``) are
 kept per member and hashed, with names, offsets and sizes, into the shard's ``headers_digest``:
 ``verify`` and the reader use them to catch a member rewritten in place at the same size.
 """
@@ -41,8 +41,8 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenbal.data.tar import TarMember, header_stamp, walk_members
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
-from tokenbal.index.tarwalk import TarMember, header_stamp, walk_members
 from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, text_pieces
 from tokenbal.index.video import VideoError, probe_video
 

@@ -138,7 +138,7 @@ def _async_reduce_scatter_rank(rank: int, world_size: int) -> dict:
     """Two backwards without zero_grad (gradient accumulation) on two copies of one model, FSDP2's
     blocking reduce-scatter vs AsyncReduceScatter; how many reduce-scatters each backward left in
     flight, and whether any was still pending when backward() returned."""
-    import collate.train as train
+    import collate.train.fsdp as train
 
     issued: list = []  # the _InFlight that took each asynchronous reduce-scatter
     add = train._InFlight.add

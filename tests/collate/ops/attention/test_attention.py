@@ -109,8 +109,8 @@ def test_cuda_dispatch_choice_without_a_gpu(monkeypatch):
     """Backend choice is pure host logic: check it with the probes stubbed (no CUDA needed)."""
     import sys
 
-    import collate.ops.attention_flash as fl
-    from collate.ops.attention import _select
+    import collate.ops.attention.flash as fl
+    from collate.ops.attention.dispatch import _select
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(fl, "flash_attn_varlen_fn", lambda: object())

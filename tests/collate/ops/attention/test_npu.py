@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from collate import varlen_attention
-from collate.ops import attention_npu
+from collate.ops.attention import npu as attention_npu
 from tests.helpers.attention import _batch, _Exploding, _qkv, masked_full_attention
 
 
@@ -77,8 +77,8 @@ def fake_npu(monkeypatch):
 
 def _sdpa(q, k, v, batch, **kw):
     """The CPU per-segment SDPA path (the backend the NPU result must agree with)."""
-    from collate.ops.attention import _host_boundaries
-    from collate.ops.attention_sdpa import varlen_attention_sdpa
+    from collate.ops.attention.sdpa import varlen_attention_sdpa
+    from collate.ops.attention.segments import host_boundaries as _host_boundaries
 
     return varlen_attention_sdpa(q, k, v, _host_boundaries(batch, q.shape[0]), **kw)
 

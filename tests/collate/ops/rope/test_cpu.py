@@ -13,10 +13,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from collate import apply_mrope
-from collate.ops import rope as rope_dispatch
-from collate.ops import rope_cpu
-from collate.ops.rope_cpu import apply_mrope_cpu
-from collate.ops.rope_reference import apply_mrope_reference
+from collate.ops.rope import cpu as rope_cpu
+from collate.ops.rope import dispatch as rope_dispatch
+from collate.ops.rope.cpu import apply_mrope_cpu
+from collate.ops.rope.reference import apply_mrope_reference
 from tests.helpers.rope import _inv_freq, _qk, _sample_positions
 
 CASES = [
@@ -164,11 +164,11 @@ def test_peak_memory_is_about_the_outputs(dtype):
 
 def test_dispatch_names(monkeypatch):
     q, k = _qk(4, 1, 1, 8)
-    assert rope_dispatch._select_backend(q.device).__module__ == "collate.ops.rope_cpu"
+    assert rope_dispatch._select_backend(q.device).__module__ == "collate.ops.rope.cpu"
     monkeypatch.setenv(rope_dispatch.IMPL_ENV, "reference")
     assert rope_dispatch._select_backend(q.device) is rope_dispatch._reference_inplace_aware
     monkeypatch.setenv(rope_dispatch.IMPL_ENV, "cpu")
-    assert rope_dispatch._select_backend(q.device).__module__ == "collate.ops.rope_cpu"
+    assert rope_dispatch._select_backend(q.device).__module__ == "collate.ops.rope.cpu"
     qo, _ = apply_mrope(q, k, torch.arange(4), _inv_freq(8), [2, 1, 1])
     qr, _ = apply_mrope_reference(q, k, torch.arange(4), _inv_freq(8), [2, 1, 1])
     torch.testing.assert_close(qo, qr, atol=2e-5, rtol=0)

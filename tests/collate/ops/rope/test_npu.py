@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from collate import apply_mrope
-from collate.ops import rope as rope_dispatch
-from collate.ops import rope_npu
-from collate.ops.rope_reference import apply_mrope_reference
+from collate.ops.rope import dispatch as rope_dispatch
+from collate.ops.rope import npu as rope_npu
+from collate.ops.rope.reference import apply_mrope_reference
 from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope
 
 

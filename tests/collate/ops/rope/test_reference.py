@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collate import apply_mrope
-from collate.ops.rope_reference import normalize_positions
+from collate.ops.rope.reference import normalize_positions
 from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope, rope_1d_oracle
 
 CASES = [

@@ -1,7 +1,7 @@
 """The Triton M-RoPE kernel, run on CPU by Triton's interpreter, against the PyTorch reference.
 
 ``TRITON_INTERPRET=1`` is read when ``@triton.jit`` decorates a kernel, so a module-scoped fixture sets
-it, imports ``collate.ops.rope_triton`` fresh, and on teardown restores the environment and drops the
+it, imports ``collate.ops.rope.triton`` fresh, and on teardown restores the environment and drops the
 module again: nothing leaks into other test modules. Shapes are small (the interpreter is slow);
 the big ones are marked ``slow``. Tolerances: fp32 2e-5 absolute; bf16/fp16 1e-2 relative.
 """
@@ -18,11 +18,11 @@ import torch
 pytest.importorskip("triton")
 
 from collate import apply_mrope  # noqa: E402
-from collate.ops import rope as rope_dispatch  # noqa: E402
-from collate.ops.rope_reference import apply_mrope_reference  # noqa: E402
+from collate.ops.rope import dispatch as rope_dispatch  # noqa: E402
+from collate.ops.rope.reference import apply_mrope_reference  # noqa: E402
 from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope, rope_1d_oracle  # noqa: E402
 
-_MOD = "collate.ops.rope_triton"
+_MOD = "collate.ops.rope.triton"
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_dispatch_forced_triton(tri, monkeypatch):
     with pytest.raises(ValueError, match="expected one of"):
         apply_mrope(q, k, pos, inv, [4, 6, 6])
     monkeypatch.delenv(rope_dispatch.IMPL_ENV)
-    assert rope_dispatch._select_backend(q.device, q.dtype).__module__ == "collate.ops.rope_cpu"
+    assert rope_dispatch._select_backend(q.device, q.dtype).__module__ == "collate.ops.rope.cpu"
 
 
 def test_edge_cases_and_errors(tri):

@@ -27,7 +27,7 @@ def _compile(io: str, interleaved: bool, partial: bool, conjugate: bool, cc: int
         pytest.skip(f"triton AOT API unavailable: {exc}")
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton wheel without the NVIDIA backend")
-    mod = importlib.import_module("collate.ops.rope_triton")
+    mod = importlib.import_module("collate.ops.rope.triton")
     fn = mod._mrope_kernel
     if type(fn).__name__ != "JITFunction":
         pytest.skip("rope_triton was imported in interpreter mode")

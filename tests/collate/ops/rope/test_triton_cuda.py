@@ -19,8 +19,8 @@ pytestmark = [
 ]
 
 from collate import apply_mrope  # noqa: E402
-from collate.ops import rope as rope_dispatch  # noqa: E402
-from collate.ops.rope_reference import apply_mrope_reference  # noqa: E402
+from collate.ops.rope import dispatch as rope_dispatch  # noqa: E402
+from collate.ops.rope.reference import apply_mrope_reference  # noqa: E402
 
 
 def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
 def test_cuda_matches_reference(interleaved, max_pos):
     dev = torch.device("cuda")
     fn = rope_dispatch._select_backend(dev, torch.bfloat16)
-    assert fn.__module__ == "collate.ops.rope_triton"
+    assert fn.__module__ == "collate.ops.rope.triton"
     g = torch.Generator(device=dev).manual_seed(0)
     T, hq, hk, d = 4099, 28, 4, 128
     pos = torch.randint(0, max_pos, (3, T), generator=g, device=dev)

@@ -1,17 +1,18 @@
 """``apply_mrope``: mixed 1-D / 3-D rotary embedding for packed ``(T, H, D)`` tensors.
 
 Thin dispatch: the backend is chosen from the tensor's device, each backend in its own file and
-imported lazily, so this module never imports triton or torch_npu:
+imported lazily, so this module never imports triton or torch_npu; backends share common.py and
+never import this file:
 
-- ``cpu`` (rope_cpu.py): PyTorch with per-token (T, R/2) cos/sin shared by q and k, writing into one
+- ``cpu`` (cpu.py): PyTorch with per-token (T, R/2) cos/sin shared by q and k, writing into one
   output (bounded fp32 scratch for bf16/fp16), autograd backward = rotation by -theta. The default on
   CPU and on any device without a kernel backend.
-- ``reference`` (rope_reference.py): the plain vectorised formula; the oracle the others are tested
+- ``reference`` (reference.py): the plain vectorised formula; the oracle the others are tested
   against (and a debugging fallback).
-- ``triton`` (rope_triton.py): one fused kernel, cos/sin computed in-kernel from the positions;
+- ``triton`` (triton.py): one fused kernel, cos/sin computed in-kernel from the positions;
   chosen on CUDA for fp32/bf16/fp16 when triton imports. On CPU it runs only when forced and
   ``TRITON_INTERPRET=1`` (how the tests run it).
-- ``npu`` (rope_npu.py): ``torch_npu.npu_rotary_mul`` on a merged (T, R) cos/sin; chosen on NPU.
+- ``npu`` (npu.py): ``torch_npu.npu_rotary_mul`` on a merged (T, R) cos/sin; chosen on NPU.
 
 ``TOKENBAL_ROPE_IMPL`` = ``auto`` (default) | ``cpu`` | ``reference`` | ``triton`` | ``npu`` forces one.
 """
@@ -25,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from collate.ops.rope_reference import apply_mrope_reference
+from collate.ops.rope.reference import apply_mrope_reference
 
 MRopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -65,13 +66,13 @@ def _reference_inplace_aware(
 
 
 def _cpu_fn() -> MRopeFn:
-    from collate.ops.rope_cpu import apply_mrope_cpu
+    from collate.ops.rope.cpu import apply_mrope_cpu
 
     return apply_mrope_cpu
 
 
 def _triton_fn() -> MRopeFn:
-    from collate.ops.rope_triton import apply_mrope_triton
+    from collate.ops.rope.triton import apply_mrope_triton
 
     return apply_mrope_triton
 
@@ -93,13 +94,13 @@ def _select_backend(device: torch.device, dtype: torch.dtype | None = None) -> M
             )
         return _triton_fn()
     if forced == "npu":
-        from collate.ops.rope_npu import apply_mrope_npu
+        from collate.ops.rope.npu import apply_mrope_npu
 
         return apply_mrope_npu
     if device.type == "cuda" and (dtype is None or dtype in _TRITON_DTYPES) and triton_available():
         return _triton_fn()
     if device.type == "npu":
-        from collate.ops.rope_npu import apply_mrope_npu
+        from collate.ops.rope.npu import apply_mrope_npu
 
         return apply_mrope_npu
     return _cpu_fn()

@@ -1,0 +1,110 @@
+"""Byte ranges of shards, local or remote: one per-process LRU of open files / fsspec filesystems.
+
+Used by :class:`tokenbal.data.indexed.IndexedShardDataset` (one positional read per member). Local
+shards are read with ``os.pread`` on a descriptor opened ``O_NONBLOCK`` (a FIFO in a shard's place
+fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` with the index build's retry
+policy (:func:`tokenbal.index.remote.with_retries`).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import OrderedDict
+from typing import Any
+
+__all__ = ["ShardReaders", "is_url"]
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` is a remote URL (fsspec) rather than a local path or ``file://`` URL."""
+    return "://" in path and not path.startswith("file://")
+
+
+class ShardReaders:
+    """Per-process LRU of open shards: local file descriptors, or fsspec filesystems for URLs.
+
+    Opened lazily, and dropped when the process id changes: descriptors (and fsspec sessions)
+    inherited through a DataLoader worker's fork are not shared with the parent.
+    """
+
+    def __init__(self, max_open: int, storage_options: dict | None) -> None:
+        self.max_open = max(1, int(max_open))
+        self.storage_options = dict(storage_options or {})
+        self.pid = os.getpid()
+        self.open: OrderedDict[str, Any] = OrderedDict()
+        self.filesystems: dict[str, Any] = {}
+        self.opened = 0           # shards opened in this process, for tests and debugging
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self.pid:
+            # Do not close: the descriptors belong to the parent's file table too (after fork the
+            # numbers are the child's own copies, but closing buys nothing and the dict is stale).
+            self.open.clear()
+            self.filesystems.clear()
+            self.pid = os.getpid()
+            self.opened = 0
+
+    def _handle(self, shard: str) -> Any:
+        self._check_pid()
+        h = self.open.get(shard)
+        if h is not None:
+            self.open.move_to_end(shard)
+            return h
+        if is_url(shard):
+            import fsspec
+
+            protocol = shard.split("://", 1)[0]
+            fs = self.filesystems.get(protocol)
+            if fs is None:
+                fs = fsspec.filesystem(protocol, **self.storage_options)
+                self.filesystems[protocol] = fs
+            h = ("url", fs, shard)
+        else:
+            path = shard[len("file://"):] if shard.startswith("file://") else shard
+            # O_NONBLOCK: a FIFO put in a shard's place must fail here, not block the reader forever.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(f"{path} is not a regular file (a FIFO or a device); shards must be files")
+            h = ("fd", fd, path)
+        self.opened += 1
+        self.open[shard] = h
+        while len(self.open) > self.max_open:
+            _, old = self.open.popitem(last=False)
+            if old[0] == "fd":
+                os.close(old[1])
+        return h
+
+    def read(self, shard: str, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``offset``; fewer only if the shard ends first."""
+        kind, h, path = self._handle(shard)
+        if kind == "url":
+            # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
+            from tokenbal.index.remote import RemoteOptions, with_retries
+
+            return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
+                                f"bytes {offset}..{offset + n}", RemoteOptions())
+        data = os.pread(h, n, offset)
+        while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
+            more = os.pread(h, n - len(data), offset + len(data))
+            if not more:
+                break
+            data += more
+        return data
+
+    def size(self, shard: str) -> int | None:
+        try:
+            kind, h, path = self._handle(shard)
+            return os.fstat(h).st_size if kind == "fd" else int(h.size(shard))
+        except Exception:  # noqa: BLE001 - only used to word an error message
+            return None
+
+    def close(self) -> None:
+        if os.getpid() == self.pid:
+            for kind, h, _ in self.open.values():
+                if kind == "fd":
+                    os.close(h)
+        self.open.clear()
+        self.filesystems.clear()
+
