@@ -71,7 +71,7 @@ __all__ = ["EpochPlan", "plan_epoch", "default_window", "step_balance", "step_st
            "simulate", "Simulation", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -89,6 +89,17 @@ _REPACK_FAN = 8
 # Token mode: items up to budget / _SMALL_ITEM are packed after the others, in random order.
 _SMALL_ITEM = 32
 _BATCH_MIN = 64
+# Stage mode (count mode, grad_accum 1): the items of a window (of _STAGE_WINDOW × the default
+# window's steps) are ordered by their stage shares and cut into sub-windows of _STAGE_GROUP steps,
+# each filled on its own (see _profile_fill). Measured with scripts/bench_balance.py --stages.
+_STAGE_GROUP = 32
+_STAGE_WINDOW = 2
+_CROSS_MAX_RANKS = 64
+# Stage mode: the share key gets a random offset of up to this fraction, so samples of nearby
+# shares (not only equal ones) trade sub-windows from epoch to epoch.
+_STAGE_JITTER = 0.1
+# Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
+_TIE_BY_POS = 1
 
 
 @dataclass(frozen=True)
@@ -340,14 +351,15 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
                    max_tokens_per_rank: int | None = None, mean_length: float = 1.0) -> int:
     """Steps per balancing window when the caller does not choose.
 
-    ``global_batch_size`` mode: at least 16 steps, enough for ~128 samples per rank and ~16k
+    ``global_batch_size`` mode: at least 16 steps, enough for ~512 samples per rank and ~16k
     samples in a window. Measured (scripts/bench_balance.py, docs/bench/balance.md): with 2
     samples per rank per step, balance improves with the window because the fill can build the
     steps that hold giant samples out of other big samples from more steps (64 ranks, N=128:
-    window 32 -> mean max/mean 1.016, 128 -> 1.004; 512 ranks, N=1024: window 33 -> 1.015,
-    64 -> 1.010, 128 -> 1.006 with the exact fill). Planning time grows linearly with the window
-    (a round is a pass over a window's bins; a window of W steps needs ~W·N / 2R rounds). Capped at
-    256 steps.
+    window 32 -> mean max/mean 1.016, 128 -> 1.004; 512 ranks, N=1024: window 64 -> 1.010 / p95
+    1.025, 256 -> 1.002 / 1.006). Planning time grows linearly with the window (a round is a pass
+    over a window's bins; a window of W steps needs ~W·N / 2R rounds): 1M samples on 512 ranks
+    take ~2.7 s CPU at 256 steps, ~1 s at 64. Capped at 256 steps. With ``stages`` (and
+    ``grad_accum=1``) :func:`plan_epoch` pools twice this many steps (see ``_profile_fill``).
 
     ``max_tokens_per_rank`` mode: the window is the chunk of the permutation that first-fit
     decreasing packs on its own (``_budget_fill``): up to 16 steps, kept near 4096 samples, so
@@ -360,7 +372,7 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
     if global_batch_size is None:
         raise ValueError("give global_batch_size or max_tokens_per_rank")
     N = int(global_batch_size)
-    return int(min(256, max(16, math.ceil(128 * R / N), math.ceil(16384 / N))))
+    return int(min(256, max(16, math.ceil(512 * R / N), math.ceil(16384 / N))))
 
 
 def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int | None = None,
@@ -388,8 +400,12 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.cost.resolve_stage_costs`). The steps are
-    planned on ``cost`` as usual; then samples are swapped one for one between micro-steps of the
-    same window, and moved and swapped between the ranks of each micro-step, while that lowers
+    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) each step is made of
+    samples of similar stage shares: a window's samples are ordered by their share of each stage and
+    cut into sub-windows of 32 steps that are filled on their own, and the steps are then shuffled
+    over the whole window (``_profile_fill``). Then samples are swapped one for one between
+    micro-steps of the same window (up to 64 ranks), and moved and swapped between the ranks of
+    each micro-step, while that lowers
     ``Σ_stage max_rank`` (:func:`tokenbal.partition.swap_stages_across_steps`,
     :func:`tokenbal.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
@@ -418,13 +434,18 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     if B is not None and oversize != "error":
         over = lens[perm] > B
         big, perm = perm[over], perm[~over]
+    profile = False
     R_user, R = R, R * k      # plan k micro-batches per rank as R·k virtual ranks
 
     if N is not None:
         caps, kept = _count_steps(n, N, R, drop_last)
         dropped = np.sort(perm[kept:])
         perm = perm[:kept]
-        W = min(window or default_window(R, N), max(1, len(caps)))
+        # Stages with one micro-batch per step: steps are built from items of similar stage shares
+        # (_profile_fill), out of a larger pool. With grad_accum > 1 the plain fill is kept (its
+        # per-micro-batch sample counts are what the stage refinement preserves).
+        profile = stages is not None and k == 1 and _STAGE_GROUP > 0
+        W = min(window or default_window(R, N) * (_STAGE_WINDOW if profile else 1), max(1, len(caps)))
         if window is None and len(caps):
             # Equal windows of >= W steps: a short last window (few steps to spread its giants
             # over) was the worst-balanced part of an epoch.
@@ -434,7 +455,11 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         cap2d = np.zeros((G, W), np.int64)
         cap2d[step_win, np.arange(len(caps)) % W] = caps
         win_of_item = np.repeat(step_win, caps)
-        steps_in_win, step_w, rank_w, _ = _fill(lens, perm, win_of_item, cap2d, R, None, False)
+        if profile:
+            perm, steps_in_win, step_w, rank_w = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                               min(_STAGE_GROUP, W), rng if shuffle else None)
+        else:
+            steps_in_win, step_w, rank_w, _ = _fill(lens, perm, win_of_item, cap2d, R, None, False, shuffle)
     else:
         assert B is not None
         caps = None
@@ -475,8 +500,11 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         if B is not None:
             # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
             win_of_item = step // W
+        # After the profile fill, swaps across steps gain little at many ranks and cost the most
+        # there (docs/bench/balance.md); with few ranks they still pay.
         step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
-                                    lens if B is not None else None, B)
+                                    lens if B is not None else None, B,
+                                    cross=not profile or R_user <= _CROSS_MAX_RANKS)
     slot = step * R + rank
     if B is not None and oversize == "alone" and big.size:
         slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
@@ -494,8 +522,8 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
 
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
-                   vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
+                   cross: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
     swaps between the micro-steps of a window (:func:`tokenbal.partition.swap_stages_across_steps`),
     then moves and swaps inside each (:func:`tokenbal.partition.refine_stages_many`). Returns the new
@@ -506,8 +534,10 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
         return step, vrank
     c = stages[perm]
     cap_costs = None if lens is None else lens[perm]
-    group, bins = swap_stages_across_steps(c, step * k + vrank % k, vrank // k, window, R, capacity=budget,
-                                           capacity_costs=cap_costs)
+    group, bins = step * k + vrank % k, vrank // k
+    if cross:
+        group, bins = swap_stages_across_steps(c, group, bins, window, R, capacity=budget,
+                                               capacity_costs=cap_costs)
     step, vrank = group // k, bins * k + group % k
     group = step * k + vrank % k
     order = np.argsort(group, kind="stable")
@@ -606,10 +636,16 @@ def _count_steps(n: int, N: int, R: int, drop_last: bool) -> tuple[np.ndarray, i
     return caps, n
 
 
-def _sorted_windows(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, G: int
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Lay the windows' items out as rows sorted by (length desc, dataset index)."""
-    order = _argsort_keys(win_of_item, int(lens.max(initial=0)) - lens[perm], perm)
+def _sorted_windows(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, G: int,
+                    shuffled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Lay the windows' items out as rows sorted by length desc, then (``shuffled``) by position in
+    the permutation, else by dataset index."""
+    key = lens[perm]
+
+    # Equal lengths in permutation order: the fill is a function of the costs alone, so breaking
+    # ties by dataset index would give equal-length samples the same places every epoch.
+    tie = np.arange(len(perm)) if shuffled and _TIE_BY_POS else perm
+    order = _argsort_keys(win_of_item, int(key.max(initial=0)) - key, tie)
     counts = np.bincount(win_of_item, minlength=G)
     start = np.concatenate([[0], np.cumsum(counts)])
     w_sorted = win_of_item[order]
@@ -650,7 +686,7 @@ def _scaled(lens_sorted: np.ndarray, M: int) -> tuple[np.ndarray, int]:
 
 
 def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np.ndarray, R: int,
-          capacity: int | None, force_nonempty: bool
+          capacity: int | None, force_nonempty: bool, shuffled: bool = False
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Run the window fill; returns (steps per window, step-in-window, rank, failed windows).
 
@@ -658,7 +694,7 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     of window g are always numbered 0 .. steps[g] - 1.
     """
     G = cap2d.shape[0]
-    order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G)
+    order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G, shuffled)
     x, C = _scaled(lens[perm[order]], M)
     costs = np.zeros((G, M), np.int64)
     costs[w_sorted, pos] = x
@@ -683,6 +719,45 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     renum = np.cumsum(used, axis=1) - 1
     step_w[placed] = renum[win_of_item[placed], step_w[placed]]
     return used.sum(1), step_w, rank_w, failed
+
+
+def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
+                  cap2d: np.ndarray, R: int, group: int, rng: np.random.Generator | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage mode's fill: steps made of samples with similar stage shares.
+
+    With a couple of samples per rank, no split of a step balances every stage when its samples
+    differ in kind: a rank holding one long text waits in the language model for nothing in the
+    vision tower, and a rank holding the step's only image the other way round (``Σ_stage max``
+    pays both). So inside every window the samples are ordered by their share of stage 0, then of
+    stage 1, ... (ties in permutation order), and the window's steps are cut into sub-windows of
+    ``group`` steps, filled one after the other along that order: sub-window j gets the next
+    ``Σ caps`` samples, and :func:`tokenbal.partition.fill_windows` balances their totals as in the
+    plain plan. Which samples share a window is random (the permutation), and so are the small
+    ones' steps inside a sub-window; the caller shuffles the steps over the whole window, so the
+    sub-windows do not form a curriculum. Returns (perm reordered, steps per window, step in the
+    window, rank) aligned with the returned perm.
+    """
+    G, W = cap2d.shape
+    sp = stages[perm]
+    tot = np.maximum(sp.sum(1), 1)
+    shares = [(sp[:, j] << 20) // tot for j in range(sp.shape[1] - 1)]
+    if rng is not None and _STAGE_JITTER > 0:
+        jit = int(_STAGE_JITTER * (1 << 20))
+        shares = [x + rng.integers(0, jit, len(x)) for x in shares]
+    order = _argsort_keys(win_of_item, *shares, np.arange(len(perm)))
+    perm = perm[order]
+    nsub = -(-W // group)
+    cap_sub = np.zeros((G, nsub * group), np.int64)
+    cap_sub[:, :W] = cap2d
+    cap_sub = cap_sub.reshape(G * nsub, group)
+    sub_of_step = np.arange(G * nsub * group).reshape(G, -1)[:, :W] // group
+    caps_flat = cap2d.reshape(-1)
+    sub = np.repeat(sub_of_step.reshape(-1), caps_flat)
+    # Sub-window (g, j) holds steps j·group .. of window g; items fill the steps in caps order.
+    _, step_w, rank_w, _ = _fill(lens, perm, sub, cap_sub, R, None, False, rng is not None)
+    step_w = (sub % nsub) * group + step_w
+    return perm, (cap2d > 0).sum(1), step_w, rank_w
 
 
 def _token_windows(lens_perm: np.ndarray, window_tokens: int) -> np.ndarray:
