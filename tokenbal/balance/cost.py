@@ -168,7 +168,7 @@ def stage_features(lengths_or_index: Any, merge_size: int = 2) -> np.ndarray:
     Images come from ``.image_tokens_table`` when present (patches = placeholder tokens ·
     merge²), else a sample's ``.vision_tokens`` count as one image; bare lengths have no vision.
     """
-    from tokenbal.plan import check_lengths
+    from tokenbal.balance.plan import check_lengths
 
     s = check_lengths(lengths_or_index).astype(np.float64)
     n = len(s)
@@ -281,7 +281,7 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
     ``cost``: ``None``/``"tokens"``, ``"flops"`` (from ``config``, a transformers config; Qwen2-VL-7B
     when None), a :class:`FlopsModel`, an array, or a callable of the lengths.
     """
-    from tokenbal.plan import check_lengths
+    from tokenbal.balance.plan import check_lengths
 
     lens = check_lengths(lengths_or_index)
     if cost is None or (isinstance(cost, str) and cost == "tokens"):
@@ -314,7 +314,7 @@ def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = Non
     an (n, K) array of non-negative numbers (e.g. a measured time per stage; floats are scaled
     together so the largest entry is ~1e6).
     """
-    from tokenbal.plan import check_lengths
+    from tokenbal.balance.plan import check_lengths
 
     lens = check_lengths(lengths_or_index)
     if stages is True and isinstance(cost, StageCostModel):

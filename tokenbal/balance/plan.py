@@ -2,7 +2,7 @@
 
 :func:`plan_epoch` is a pure function of ``(lengths, num_replicas, settings, seed, epoch)``: every
 rank calls it with the same arguments and gets the same :class:`EpochPlan` without talking to
-the others. The sampler (:mod:`tokenbal.sampler`) only slices it.
+the others. The sampler (:mod:`tokenbal.balance.sampler`) only slices it.
 
 How a plan is made
 ------------------
@@ -12,7 +12,7 @@ How a plan is made
    epoch into budget-sized rank-steps with first-fit decreasing over chunks of ``window`` steps'
    tokens, see ``_budget_fill``, and then continues at 4 with the whole epoch as one window.)
 3. Inside each window, decide which samples share a step and which rank gets each one with
-   :func:`tokenbal.partition.fill_windows` (largest first; fill the gaps of steps that hold a big
+   :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that hold a big
    sample with the next big ones, otherwise least-loaded rank). Balancing a whole window is what
    makes heavy-tailed data balance: a step holding a 16k-token video gets enough other big
    samples to keep its other ranks busy, which per-step balancing cannot arrange. In
@@ -48,7 +48,7 @@ Guarantees (tested in tests/test_plan.py)
   over R·k virtual ranks, so micro-batch j of every rank is balanced against the others (each
   micro-batch runs its own FSDP collectives) and the budget of ``max_tokens_per_rank`` holds per
   micro-batch. With ``global_batch_size >= R·k`` no micro-batch is empty.
-* ``cost=``: the planner balances any integer cost per sample (:mod:`tokenbal.cost`), e.g. FLOPs
+* ``cost=``: the planner balances any integer cost per sample (:mod:`tokenbal.balance.cost`), e.g. FLOPs
   as token-equivalents; the guarantees above hold for it unchanged.
 """
 
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tokenbal.partition import fill_windows
+from tokenbal.balance.partition import fill_windows
 
 logger = logging.getLogger("tokenbal")
 
@@ -233,7 +233,7 @@ def per_step_partition_tokens(lengths: np.ndarray, num_replicas: int, global_bat
     into steps of N samples, each step partitioned over the ranks on its own.
 
     Returns ``((steps, ranks) tokens, (steps,) largest sample per step)``."""
-    from tokenbal.partition import partition
+    from tokenbal.balance.partition import partition
 
     lens = check_lengths(lengths)
     R, N = int(num_replicas), int(global_batch_size)
@@ -305,7 +305,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     import time
 
     if cost is not None:
-        from tokenbal.cost import resolve_costs
+        from tokenbal.balance.cost import resolve_costs
 
         c = resolve_costs(lengths, cost)
     else:
@@ -333,7 +333,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     stage_ratios: dict[str, np.ndarray] = {}
     stage_dt = float("nan")
     if stages is not None and stages is not False:
-        from tokenbal.cost import resolve_stage_costs
+        from tokenbal.balance.cost import resolve_stage_costs
 
         sc = resolve_stage_costs(lengths, stages, cost)
         sharded = np.stack([count_sharded_step_tokens(sc[:, j], R, N, seed) for j in range(sc.shape[1])], -1)
@@ -388,7 +388,7 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``grad_accum > 1``) must be given. ``window``: steps balanced together (default
     :func:`default_window`); 1 means per-step balancing only.
 
-    ``cost``: what to balance (:func:`tokenbal.cost.resolve_costs`: ``"tokens"``, ``"flops"``, a
+    ``cost``: what to balance (:func:`tokenbal.balance.cost.resolve_costs`: ``"tokens"``, ``"flops"``, a
     FlopsModel, an array or a callable); the budget of ``max_tokens_per_rank`` is then in those
     (token-equivalent) units. ``grad_accum=k``: every rank gets exactly k micro-batches per step,
     and micro-batch j is balanced across ranks and against the other micro-batches (the step is
@@ -399,19 +399,19 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
 
     ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
-    and language, or an (n, K) array (:func:`tokenbal.cost.resolve_stage_costs`). The steps are
+    and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
     planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) each step is made of
     samples of similar stage shares: a window's samples are ordered by their share of each stage and
     cut into sub-windows of 32 steps that are filled on their own, and the steps are then shuffled
     over the whole window (``_profile_fill``). Then samples are swapped one for one between
     micro-steps of the same window (up to 64 ranks), and moved and swapped between the ranks of
     each micro-step, while that lowers
-    ``Σ_stage max_rank`` (:func:`tokenbal.partition.swap_stages_across_steps`,
-    :func:`tokenbal.partition.refine_stages_many`). The step count, every step's sample count and
+    ``Σ_stage max_rank`` (:func:`tokenbal.balance.partition.swap_stages_across_steps`,
+    :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
     """
     if cost is not None:
-        from tokenbal.cost import resolve_costs
+        from tokenbal.balance.cost import resolve_costs
 
         lens = resolve_costs(lengths, cost)
     else:
@@ -419,7 +419,7 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     if stages is False:
         stages = None
     if stages is not None:
-        from tokenbal.cost import resolve_stage_costs
+        from tokenbal.balance.cost import resolve_stage_costs
 
         stages = resolve_stage_costs(lengths, stages, cost)
     k = _positive_int("grad_accum", grad_accum)
@@ -525,10 +525,10 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
                    vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
                    cross: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
-    swaps between the micro-steps of a window (:func:`tokenbal.partition.swap_stages_across_steps`),
-    then moves and swaps inside each (:func:`tokenbal.partition.refine_stages_many`). Returns the new
+    swaps between the micro-steps of a window (:func:`tokenbal.balance.partition.swap_stages_across_steps`),
+    then moves and swaps inside each (:func:`tokenbal.balance.partition.refine_stages_many`). Returns the new
     (step, virtual rank) of every item."""
-    from tokenbal.partition import refine_stages_many, swap_stages_across_steps
+    from tokenbal.balance.partition import refine_stages_many, swap_stages_across_steps
 
     if not len(perm):
         return step, vrank
@@ -732,7 +732,7 @@ def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     pays both). So inside every window the samples are ordered by their share of stage 0, then of
     stage 1, ... (ties in permutation order), and the window's steps are cut into sub-windows of
     ``group`` steps, filled one after the other along that order: sub-window j gets the next
-    ``Σ caps`` samples, and :func:`tokenbal.partition.fill_windows` balances their totals as in the
+    ``Σ caps`` samples, and :func:`tokenbal.balance.partition.fill_windows` balances their totals as in the
     plain plan. Which samples share a window is random (the permutation), and so are the small
     ones' steps inside a sub-window; the caller shuffles the steps over the whole window, so the
     sub-windows do not form a curriculum. Returns (perm reordered, steps per window, step in the
@@ -865,7 +865,7 @@ def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int
     up the repack levels together, so the same tiny samples would share a step every epoch. Small
     items fill the gaps about as tightly in any order; taken at random they land next to random
     neighbours."""
-    from tokenbal.partition import first_fit_decreasing
+    from tokenbal.balance.partition import first_fit_decreasing
 
     small = x <= B // _SMALL_ITEM
     bins = np.empty(len(x), np.int64)
@@ -898,7 +898,7 @@ def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int
 def _spread(x: np.ndarray, R: int, B: int, bins: np.ndarray) -> np.ndarray:
     """Rank (0..R-1) for each of the light step's samples: LPT over R ranks within the budget, or
     the bins they came in (renumbered) when LPT cannot keep the budget."""
-    from tokenbal.partition import partition
+    from tokenbal.balance.partition import partition
 
     try:
         return partition(x, R, "lpt", capacity=B)

@@ -1,4 +1,4 @@
-"""``TokenBalancedBatchSampler``: the torch ``Sampler`` facade over :func:`tokenbal.plan.plan_epoch`.
+"""``TokenBalancedBatchSampler``: the torch ``Sampler`` facade over :func:`tokenbal.balance.plan.plan_epoch`.
 
 Every rank builds the same sampler from the same lengths; each plans the whole epoch locally (no
 communication) and yields only its own slice::
@@ -10,7 +10,7 @@ communication) and yields only its own slice::
         for batch in loader: ...
         # checkpoint: sampler.state_dict() -> {seed, epoch, cursor, fingerprint, ...}
 
-Options: ``cost=`` (what to balance, :mod:`tokenbal.cost`), ``stages=`` (also balance the vision
+Options: ``cost=`` (what to balance, :mod:`tokenbal.balance.cost`), ``stages=`` (also balance the vision
 tower and the language model separately, since FSDP synchronises the ranks in each),
 ``grad_accum=k`` (each step is k batches — micro-batches — on every rank, all balanced; ``len``
 and ``cursor`` count batches),
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbal.plan import PLAN_VERSION, EpochPlan, check_lengths, check_settings, plan_epoch
+from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, check_lengths, check_settings, plan_epoch
 
 __all__ = ["TokenBalancedBatchSampler"]
 
@@ -78,7 +78,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     ``max_tokens_per_rank``.
 
     Every rank yields ``len(self)`` steps; each sample is used once per epoch (see
-    :mod:`tokenbal.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
+    :mod:`tokenbal.balance.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
     only when there are fewer samples than ranks (or the token budget forces it); the collate
     function must then produce a dummy batch so the rank still joins the collectives.
     """
@@ -95,14 +95,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.costs = self.lengths
             self.cost_name = "tokens"
         else:
-            from tokenbal.cost import resolve_costs
+            from tokenbal.balance.cost import resolve_costs
 
             self.costs = resolve_costs(lengths_or_index, cost)
             self.cost_name = cost if isinstance(cost, str) else type(cost).__name__
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         self.stages = None
         if stages is not None and stages is not False:
-            from tokenbal.cost import resolve_stage_costs
+            from tokenbal.balance.cost import resolve_stage_costs
 
             self.stages = resolve_stage_costs(lengths_or_index, stages, cost)
         if dp_group is not None or device_mesh is not None:

@@ -8,7 +8,7 @@ Two entry points, both pure numpy and deterministic:
   problems); :func:`refine_partition` is a swap-based polish for any of them.
 * :func:`fill_windows` — many independent problems at once, each a *window* of consecutive
   training steps × ranks with a per-step item count (or a per-rank token capacity). This is the
-  engine of :mod:`tokenbal.plan`; it is vectorised across windows, and with ``batch`` it places
+  engine of :mod:`tokenbal.balance.plan`; it is vectorised across windows, and with ``batch`` it places
   many items per window per round, so an epoch of a million samples on 512 ranks is planned in
   under a second (scripts/bench_balance.py, docs/bench/balance.md).
 """
