@@ -74,3 +74,19 @@ def _show(v: object) -> str:
     if isinstance(v, (np.integer, int)):
         return str(int(v))
     return repr(float(v))  # type: ignore[arg-type]
+
+
+def check_costs(costs: object) -> np.ndarray:
+    """1-D numeric costs for the partition solvers: int64 for integers, float64 otherwise; finite and
+    >= 0, errors naming the first bad item."""
+    c = np.asarray(costs)
+    if c.ndim != 1:
+        raise ValueError(f"costs must be 1-D, got shape {c.shape}")
+    if c.size and not np.issubdtype(c.dtype, np.number):
+        raise TypeError(f"costs must be numbers, got dtype {c.dtype}")
+    c = c.astype(np.float64) if not np.issubdtype(c.dtype, np.integer) else c.astype(np.int64)
+    bad = np.flatnonzero(~np.isfinite(c) | (c < 0)) if c.dtype.kind == "f" else np.flatnonzero(c < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"costs must be finite and >= 0; item {i} has cost {c[i]!r}")
+    return c
