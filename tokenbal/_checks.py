@@ -90,3 +90,28 @@ def check_costs(costs: object) -> np.ndarray:
         i = int(bad[0])
         raise ValueError(f"costs must be finite and >= 0; item {i} has cost {c[i]!r}")
     return c
+
+def check_lengths(lengths: object) -> np.ndarray:
+    """Validate per-sample lengths (array or object with ``.lengths``) -> int64 array.
+
+    Errors name the first bad sample and its value as given."""
+    lens = check_sample_values(getattr(lengths, "lengths", lengths), "lengths", whole=True)
+    # The planner sums token counts in int64; a total past it would wrap without a word.
+    total = float(lens.sum(dtype=np.float64))
+    if total >= 2.0**63:
+        raise ValueError(f"lengths sum to {total:.3g} tokens, more than int64 holds; are they token counts?")
+    return lens
+
+
+def positive_int(name: str, v: object) -> int:
+    """``v`` as an int >= 1 (bools refused), else ``ValueError`` naming the setting."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def nonneg_int(name: str, v: object) -> int:
+    """``v`` as an int >= 0 (bools refused), else ``ValueError`` naming the setting."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    return int(v)

@@ -32,8 +32,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FlopsModel", "StageCostModel", "stage_features", "resolve_costs", "resolve_stage_costs",
-           "to_int_costs",
+from tokenbal._checks import check_lengths
+
+__all__ = ["FlopsModel", "StageCostModel", "stage_features", "resolve", "Resolved", "resolve_costs",
+           "resolve_stage_costs", "to_int_costs",
            "COST_NAMES", "STAGE_NAMES", "STAGE_FEATURES"]
 
 COST_NAMES = ("tokens", "flops")
@@ -168,8 +170,6 @@ def stage_features(lengths_or_index: Any, merge_size: int = 2) -> np.ndarray:
     Images come from ``.image_tokens_table`` when present (patches = placeholder tokens ·
     merge²), else a sample's ``.vision_tokens`` count as one image; bare lengths have no vision.
     """
-    from tokenbal.balance.plan import check_lengths
-
     s = check_lengths(lengths_or_index).astype(np.float64)
     n = len(s)
     out = np.zeros((n, 2, 3))
@@ -272,6 +272,31 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 CostSpec = str | FlopsModel | StageCostModel | np.ndarray | Callable[[np.ndarray], Any] | None
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A dataset's per-sample arrays, as the planner takes them (all int64, one row per sample)."""
+
+    lengths: np.ndarray               # tokens
+    costs: np.ndarray                 # what is balanced (``lengths`` for tokens)
+    stages: np.ndarray | None         # (n, K) per-stage costs, or None
+    cost_name: str                    # "tokens", "flops" or the cost model's type name
+
+
+def resolve(lengths_or_index: Any, cost: CostSpec = None, stages: Any = None, *, config: Any = None
+            ) -> Resolved:
+    """The one step from what a user passes (lengths, a :class:`tokenbal.TokenIndex`, a cost spec,
+    ``stages``) to the arrays :func:`tokenbal.balance.plan.plan_epoch` works on; the sampler, the
+    planner and the simulator all call it. ``stages`` False / None: no stage costs."""
+    lens = check_lengths(lengths_or_index)
+    tokens = cost is None or (isinstance(cost, str) and cost == "tokens")
+    costs = lens if tokens else resolve_costs(lengths_or_index, cost, config=config)
+    staged = None
+    if stages is not None and stages is not False:
+        staged = resolve_stage_costs(lengths_or_index, stages, cost, config=config)
+    name = "tokens" if tokens else (cost if isinstance(cost, str) else type(cost).__name__)
+    return Resolved(lengths=lens, costs=costs, stages=staged, cost_name=name)
+
+
 def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any = None) -> np.ndarray:
     """Per-sample int64 costs for the planner.
 
@@ -281,8 +306,6 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
     ``cost``: ``None``/``"tokens"``, ``"flops"`` (from ``config``, a transformers config; Qwen2-VL-7B
     when None), a :class:`FlopsModel`, an array, or a callable of the lengths.
     """
-    from tokenbal.balance.plan import check_lengths
-
     lens = check_lengths(lengths_or_index)
     if cost is None or (isinstance(cost, str) and cost == "tokens"):
         return lens
@@ -314,8 +337,6 @@ def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = Non
     an (n, K) array of non-negative numbers (e.g. a measured time per stage; floats are scaled
     together so the largest entry is ~1e6).
     """
-    from tokenbal.balance.plan import check_lengths
-
     lens = check_lengths(lengths_or_index)
     if stages is True and isinstance(cost, StageCostModel):
         return cost.stage_micros(lengths_or_index)

@@ -55,7 +55,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, check_lengths, check_settings, plan_epoch
+from tokenbal.balance.cost import resolve
+from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, check_settings, plan_epoch
 
 __all__ = ["TokenBalancedBatchSampler"]
 
@@ -90,21 +91,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  oversize: str = "error", verify: bool | None = None, stages: Any = None,
                  elastic: bool = False, dp_group: Any = None, device_mesh: Any = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
-        self.lengths = check_lengths(lengths_or_index)
-        if cost is None or (isinstance(cost, str) and cost == "tokens"):
-            self.costs = self.lengths
-            self.cost_name = "tokens"
-        else:
-            from tokenbal.balance.cost import resolve_costs
-
-            self.costs = resolve_costs(lengths_or_index, cost)
-            self.cost_name = cost if isinstance(cost, str) else type(cost).__name__
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
-        self.stages = None
-        if stages is not None and stages is not False:
-            from tokenbal.balance.cost import resolve_stage_costs
-
-            self.stages = resolve_stage_costs(lengths_or_index, stages, cost)
+        resolved = resolve(lengths_or_index, cost, stages)
+        self.lengths, self.costs, self.stages = resolved.lengths, resolved.costs, resolved.stages
+        self.cost_name = resolved.cost_name
         if dp_group is not None or device_mesh is not None:
             # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
             from tokenbal.parallel import resolve_dp
