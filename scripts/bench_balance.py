@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+from harness import environment_line, measure, ratio
 
 import tokenbal.plan
 from tokenbal.estimate import get_estimator
@@ -100,9 +101,49 @@ def mixture_tokens(n: int, seed: int = 0, model: str = "qwen2-vl") -> tuple[np.n
     return vision, vision + np.round(words * _TOKENS_PER_WORD).astype(np.int64) + _TEMPLATE_TOKENS
 
 
+def _previous_default_window(num_replicas: int, global_batch_size: int | None = None, *,
+                             max_tokens_per_rank: int | None = None, mean_length: float = 1.0) -> int:
+    """default_window of PLAN_VERSION 5 (128 samples per rank per window), the baseline here."""
+    import math
+
+    if max_tokens_per_rank is not None:
+        return _CURRENT_DEFAULT_WINDOW(num_replicas, max_tokens_per_rank=max_tokens_per_rank,
+                                       mean_length=mean_length)
+    R, N = int(num_replicas), int(global_batch_size)
+    return int(min(256, max(16, math.ceil(128 * R / N), math.ceil(16384 / N))))
+
+
+_CURRENT_DEFAULT_WINDOW = tokenbal.plan.default_window
+
+
+@contextlib.contextmanager
+def previous_planner() -> Iterator[None]:
+    """Plan as PLAN_VERSION 5 did: windows of 128 samples per rank, equal lengths in dataset index
+    order, and with stages the plain fill (no profile sub-windows) followed by the cross-step and
+    in-step stage refinement."""
+    names = ("default_window", "_STAGE_GROUP", "_TIE_BY_POS")
+    saved = [getattr(tokenbal.plan, k) for k in names]
+    for k, v in zip(names, (_previous_default_window, 0, 0), strict=True):
+        setattr(tokenbal.plan, k, v)
+    try:
+        yield
+    finally:
+        for k, v in zip(names, saved, strict=True):
+            setattr(tokenbal.plan, k, v)
+
+
+def _pairs_again(a, b) -> tuple[float, float]:
+    """Share of the sample pairs sharing a step in plan ``a`` that share one in plan ``b``, and the
+    share of all pairs that share a step in ``b`` (chance)."""
+    sa, sb = _step_of_sample(a), _step_of_sample(b)
+    again = _pairs(sa * (sb.max() + 1) + sb) / _pairs(sa)
+    return again, _pairs(sb) / (len(sb) * (len(sb) - 1) / 2)
+
+
 def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
     """Qwen2-VL-7B FLOPs split into vision tower and LLM: FSDP waits for the slowest rank in each, so
-    a step takes Σ_stage max_rank. Plans on the summed FLOPs, then with ``stages``."""
+    a step takes Σ_stage max_rank. Plans on the summed FLOPs, then with ``stages`` as PLAN_VERSION 5
+    did (``previous``) and as now."""
     from types import SimpleNamespace
 
     from tokenbal.cost import FlopsModel
@@ -113,10 +154,18 @@ def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
     model = FlopsModel.qwen2_vl_7b()
     parts = model.stage_token_equivalents(total, vision)
     ratios = {}
-    for name, stages in (("flops", None), ("flops + stages", True)):
-        t0 = time.process_time()
-        plan = plan_epoch(samples, R, global_batch_size=N, seed=seed, cost=model, stages=stages)
-        cpu = time.process_time() - t0
+    for name, stages, ctx in (("flops", None, contextlib.nullcontext),
+                              ("stages, previous", True, previous_planner),
+                              ("flops + stages", True, contextlib.nullcontext)):
+        with ctx():
+            t0 = time.process_time()
+            plan = plan_epoch(samples, R, global_batch_size=N, seed=seed, cost=model, stages=stages)
+            cpu = time.process_time() - t0
+            again, chance = float("nan"), float("nan")
+            if stages:
+                nxt = plan_epoch(samples, R, global_batch_size=N, seed=seed, epoch=1, cost=model,
+                                 stages=stages)
+                again, chance = _pairs_again(plan, nxt)
         r, lb = [], []
         for s in range(plan.num_steps):
             items = [plan.slot(s, q) for q in range(R)]
@@ -128,7 +177,29 @@ def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
         ratios[name] = np.array(r)
         print(f"  ({R:3d}, {N:4d}) {name:16s} Σ_stage max / ideal: mean {np.mean(r):.4f} p95 "
               f"{np.percentile(r, 95):.4f} (this plan's steps cannot go below {np.mean(lb):.4f}); "
-              f"plan CPU {cpu:.2f} s for {steps * N} samples")
+              f"plan CPU {cpu:.2f} s for {steps * N} samples"
+              + (f"; repeat {again:.4f} vs chance {chance:.5f}" if stages else ""))
+
+
+def bench_stage_plan_time(n: int, repeats: int, seed: int) -> None:
+    """CPU seconds to plan ``n`` samples on 512 ranks with stages (the issue's <= 5 s target)."""
+    from types import SimpleNamespace
+
+    from tokenbal.cost import FlopsModel
+
+    vision, total = mixture_tokens(n, seed)
+    samples = SimpleNamespace(lengths=total, vision_tokens=vision)
+    model = FlopsModel.qwen2_vl_7b()
+    epoch = iter(range(10**6))
+    out = {}
+    for name, ctx in (("previous", previous_planner), ("now", contextlib.nullcontext)):
+        with ctx():
+            t = measure(lambda: plan_epoch(samples, 512, global_batch_size=1024, seed=seed, epoch=next(epoch),
+                                           cost=model, stages=True), repeats=repeats, warmup=0)
+        out[name] = t.cpu_median
+        print(f"plan_epoch of {n} samples, 512 ranks, N=1024, flops + stages, {name}: CPU median "
+              f"{t.cpu_median:.2f} s, wall median {t.wall_median:.2f} s ({repeats} runs)")
+    print(f"previous / now CPU: {ratio(out['previous'], out['now'])}")
 
 
 POINTS = ((8, 16), (8, 64), (64, 128), (512, 1024))
@@ -250,6 +321,14 @@ def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
     lb = step_lower_bound(t, plan.step_max_item(lens))
     res["tokenbal"] = balance_summary(r)
     res["tokenbal vs LB"] = balance_summary(r / lb)
+    with previous_planner():
+        t0 = time.perf_counter()
+        prev = plan_epoch(lens, R, global_batch_size=N, seed=seed)
+        pdt = time.perf_counter() - t0
+    pt = prev.step_rank_tokens(lens)
+    res["tokenbal previous"] = balance_summary(step_balance(pt))
+    print(_row("tokenbal previous (v5)", step_balance(pt), step_lower_bound(pt, prev.step_max_item(lens)))
+          + f"   ({pdt:.2f} s)")
     print(_row("tokenbal plan_epoch", r, lb) + f"   ({dt:.2f} s)")
     if compare_exact:
         with exact_fill():
@@ -277,13 +356,10 @@ def bench_plan_time(n: int, R: int, N: int, repeats: int, seed: int) -> tuple[li
     """Wall and CPU seconds per plan. On a shared machine the CPU time (one thread) is the
     better measure of what one free core would take."""
     lens = mixture_lengths(n, seed)
-    wall, cpu = [], []
-    for e in range(repeats):
-        c0, t0 = time.process_time(), time.perf_counter()
-        plan_epoch(lens, R, global_batch_size=N, seed=seed, epoch=e)
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return wall, cpu
+    epoch = iter(range(10**6))
+    t = measure(lambda: plan_epoch(lens, R, global_batch_size=N, seed=seed, epoch=next(epoch)),
+                repeats=repeats, warmup=0)
+    return t.wall, t.cpu
 
 
 def bench_elastic(n: int, seed: int, repeats: int) -> None:
@@ -344,11 +420,15 @@ def main() -> None:
         bench_elastic(args.plan_samples, args.seed, args.repeats or 3)
         return
     if args.stages:
-        print("per-step Σ_stage max_rank / (step FLOPs / ranks), 1.000 = perfect")
+        print(environment_line())
+        print("per-step Σ_stage max_rank / (step FLOPs / ranks), 1.000 = perfect; repeat = share of the "
+              "sample pairs sharing a step in epoch 0 that share one in epoch 1")
         for R, N in POINTS:
             bench_stages(R, N, 100 if args.quick else args.steps, args.seed)
+        bench_stage_plan_time(args.plan_samples, args.repeats or 3, args.seed)
         return
     steps = 100 if args.quick else args.steps
+    print(environment_line())
     print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}; "
           "per-step max/mean of rank tokens (1.000 = perfect); 'vs LB' = max / max(mean, largest sample)")
     extra = tuple(int(w) for w in args.large_windows.split(",") if w)
@@ -357,7 +437,7 @@ def main() -> None:
             bench_point(R, N, steps, min(steps, args.baseline_steps), args.seed, extra if R == 512 else (),
                         args.compare_exact)
     repeats = args.repeats or (3 if args.quick else 5)
-    runs = [("batched fill", contextlib.nullcontext)]
+    runs = [("batched fill", contextlib.nullcontext), ("previous (v5 window)", previous_planner)]
     if args.compare_exact:
         runs.append(("exact fill", exact_fill))
     cpu_median = {}

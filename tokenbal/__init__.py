@@ -1,8 +1,8 @@
 """tokenbal: token-balanced sampling for multimodal LLM training.
 
 Everything here knows about *samples*: how many tokens each one costs (``tokenbal.estimate``),
-the on-disk token index (``tokenbal.index``), how to split work evenly (``tokenbal.partition``,
-``tokenbal.plan``) and the DataLoader facade (``tokenbal.sampler``). Heavy submodules load on
+the on-disk token index (``tokenbal.index``), how to split work evenly and the DataLoader facade
+(``tokenbal.balance``: cost, partition, plan, simulate, sampler). Heavy submodules load on
 first use so that ``import tokenbal`` stays cheap in every DataLoader worker.
 """
 
@@ -19,17 +19,17 @@ logging.getLogger("tokenbal").addHandler(logging.NullHandler())
 
 _LAZY = {
     "TokenIndex": "tokenbal.index",
-    "TokenBalancedBatchSampler": "tokenbal.sampler",
+    "TokenBalancedBatchSampler": "tokenbal.balance.sampler",
     "get_estimator": "tokenbal.estimate",
     "load_estimator": "tokenbal.estimate",
-    "partition": "tokenbal.partition",
+    "partition": "tokenbal.balance.partition",
 }
 
 if TYPE_CHECKING:
+    from tokenbal.balance.partition import partition
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
     from tokenbal.estimate import get_estimator, load_estimator
     from tokenbal.index import TokenIndex
-    from tokenbal.partition import partition
-    from tokenbal.sampler import TokenBalancedBatchSampler
 
 __all__ = ["TokenBalancedBatchSampler", "TokenIndex", "__version__", "get_estimator", "load_estimator",
            "partition"]

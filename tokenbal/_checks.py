@@ -74,3 +74,44 @@ def _show(v: object) -> str:
     if isinstance(v, (np.integer, int)):
         return str(int(v))
     return repr(float(v))  # type: ignore[arg-type]
+
+
+def check_costs(costs: object) -> np.ndarray:
+    """1-D numeric costs for the partition solvers: int64 for integers, float64 otherwise; finite and
+    >= 0, errors naming the first bad item."""
+    c = np.asarray(costs)
+    if c.ndim != 1:
+        raise ValueError(f"costs must be 1-D, got shape {c.shape}")
+    if c.size and not np.issubdtype(c.dtype, np.number):
+        raise TypeError(f"costs must be numbers, got dtype {c.dtype}")
+    c = c.astype(np.float64) if not np.issubdtype(c.dtype, np.integer) else c.astype(np.int64)
+    bad = np.flatnonzero(~np.isfinite(c) | (c < 0)) if c.dtype.kind == "f" else np.flatnonzero(c < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"costs must be finite and >= 0; item {i} has cost {c[i]!r}")
+    return c
+
+def check_lengths(lengths: object) -> np.ndarray:
+    """Validate per-sample lengths (array or object with ``.lengths``) -> int64 array.
+
+    Errors name the first bad sample and its value as given."""
+    lens = check_sample_values(getattr(lengths, "lengths", lengths), "lengths", whole=True)
+    # The planner sums token counts in int64; a total past it would wrap without a word.
+    total = float(lens.sum(dtype=np.float64))
+    if total >= 2.0**63:
+        raise ValueError(f"lengths sum to {total:.3g} tokens, more than int64 holds; are they token counts?")
+    return lens
+
+
+def positive_int(name: str, v: object) -> int:
+    """``v`` as an int >= 1 (bools refused), else ``ValueError`` naming the setting."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def nonneg_int(name: str, v: object) -> int:
+    """``v`` as an int >= 0 (bools refused), else ``ValueError`` naming the setting."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+    return int(v)

@@ -1,0 +1,27 @@
+"""Bin packing: split item costs into bins with near-equal sums.
+
+* :mod:`.solvers` — one problem (:func:`partition`: LPT, Karmarkar–Karp, CP-SAT; a swap polish;
+  first-fit decreasing for a capacity);
+* :mod:`.window` — many windows of steps × ranks at once (:func:`fill_windows`, the planner's fill);
+* :mod:`.stages` — steps of K synchronised stages (``Σ_stage max_rank``): refinement inside a step
+  and swaps between the steps of a window.
+"""
+
+from tokenbal.balance.partition.solvers import (
+    METHODS,
+    bin_loads,
+    first_fit_decreasing,
+    partition,
+    refine_partition,
+)
+from tokenbal.balance.partition.stages import (
+    refine_stages,
+    refine_stages_many,
+    stage_objective,
+    swap_stages_across_steps,
+)
+from tokenbal.balance.partition.window import fill_windows
+
+__all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
+           "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows",
+           "first_fit_decreasing"]

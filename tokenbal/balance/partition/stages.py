@@ -1,0 +1,450 @@
+"""Steps made of K synchronised stages (vision tower, then LLM, under FSDP): a step takes
+``Σ_stage max_rank``. In-step refinement (:func:`refine_stages`, :func:`refine_stages_many`) and swaps
+between the steps of a window (:func:`swap_stages_across_steps`); pure numpy, deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["stage_objective", "refine_stages", "refine_stages_many", "swap_stages_across_steps"]
+
+# refine_stages stops once a step is within this fraction of its lower bound: the last 0.1% is far
+# below the noise of any real step time and costs most of the rounds.
+_STAGE_TOLERANCE = 1e-3
+# swap_stages_across_steps: items of the following steps a bottleneck item may be swapped with.
+_SWAP_PARTNERS = 1024
+# swap_stages_across_steps, first pass (_level_window): rounds of many disjoint swaps per window.
+_LEVEL_ROUNDS = 16
+# A step's target in a stage: its mean plus 8/10 of (max - mean), i.e. only the bins near the max.
+_LEVEL_TARGET = (8, 10)
+# Candidates per round for a bin over its target in stage k: for each of its items, this many items
+# of about the same total (same bucket: 16 per octave, ~4%) with less of stage k ...
+_LEVEL_SIMILAR = 2
+# ... and every item pair with the bins that have the most room in stage k, about this many pairs.
+_LEVEL_ROOMY_PAIRS = 16
+
+
+def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
+    """``Σ_k max_b load[b, k]``: the time of a step whose K stages each end in a barrier."""
+    c = np.asarray(stage_costs, np.int64)
+    loads = np.zeros((int(num_bins), c.shape[1]), np.int64)
+    np.add.at(loads, np.asarray(bins, np.int64), c)
+    return int(loads.max(0).sum()) if num_bins else 0
+
+
+def refine_stages(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
+                  capacity: int | None = None, capacity_costs: np.ndarray | None = None,
+                  equal_counts: bool = False, max_rounds: int | None = None) -> np.ndarray:
+    """Local search for steps made of K synchronised stages (ViT, then LLM, under FSDP).
+
+    ``stage_costs`` is (n, K) int64. A step takes ``Σ_k max_b load[b, k]`` when every stage ends in a
+    collective (each FSDP layer's all-gather waits for the slowest rank), not the largest row sum: a
+    rank heavy in images and one heavy in text, equal in total, each wait for the other once.
+    Every round applies the move or swap that lowers that objective most — an item out of a bin
+    that is some stage's bottleneck, swapped with any item of another bin or moved to it — until
+    none does or the step is within 0.1% of its lower bound. Strictly decreasing, so it stops;
+    deterministic (first best in item order).
+
+    Swaps only with ``equal_counts``; a move never empties a bin; with ``capacity`` no bin's sum of
+    ``capacity_costs`` (default: the row sums) goes over it. :func:`refine_stages_many` does many
+    independent steps at once (what the planner uses).
+    """
+    c = np.asarray(stage_costs, np.int64)
+    if c.ndim != 2:
+        raise ValueError(f"stage_costs must be (n, K), got shape {c.shape}")
+    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    out = refine_stages_many(c[None], np.asarray(bins, np.int64)[None], int(num_bins), capacity=capacity,
+                             capacity_costs=tot[None], equal_counts=equal_counts, max_rounds=max_rounds)
+    return out[0]
+
+
+def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
+                       capacity: int | None = None, capacity_costs: np.ndarray | None = None,
+                       equal_counts: bool = False, max_rounds: int | None = None) -> np.ndarray:
+    """:func:`refine_stages` on G independent steps at once: ``stage_costs`` (G, M, K), ``bins``
+    (G, M) with -1 for padding (an absent item). Every round takes each unfinished step's best move
+    in one vectorised pass, so the cost is rounds × passes, not steps × rounds × numpy calls."""
+    c = np.asarray(stage_costs, np.int64)
+    bins = np.asarray(bins, np.int64).copy()
+    G, M, K = c.shape
+    R = int(num_bins)
+    if G == 0 or M < 2 or R < 2:
+        return bins
+    valid = bins >= 0
+    c = np.where(valid[:, :, None], c, 0)
+    tot = c.sum(2) if capacity_costs is None else np.where(valid, np.asarray(capacity_costs, np.int64), 0)
+    cap = None if capacity is None else int(capacity)
+    rows = np.arange(G)[:, None]
+    home_of = np.where(valid, bins, 0)
+    loads = np.zeros((G, R, K), np.int64)
+    np.add.at(loads, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), c[valid])
+    tload = np.zeros((G, R), np.int64)
+    np.add.at(tload, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), tot[valid])
+    counts = np.zeros((G, R), np.int64)
+    np.add.at(counts, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), 1)
+    # Partners: every item (a swap), then one empty pseudo-item per bin (a move).
+    pc = np.concatenate([c, np.zeros((G, R, K), np.int64)], 1)
+    pt = np.concatenate([tot, np.zeros((G, R), np.int64)], 1)
+    P = M + R
+    is_move = np.r_[np.zeros(M, bool), np.ones(R, bool)]
+    # No assignment beats the stage means or the largest item of a stage; close enough, stop.
+    bound = np.maximum(-(-c.sum(1) // R), c.max(1)).sum(1) * (1 + _STAGE_TOLERANCE)
+    active = np.flatnonzero(loads.max(1).sum(1) > bound)
+    limit = 4 * M + R if max_rounds is None else int(max_rounds)
+    never = np.iinfo(np.int64).max
+    # Chunks of steps bound the (steps, items, partners, stages) temporaries to a few tens of MB.
+    chunk = max(1, 4_000_000 // (M * P * K))
+    for _ in range(limit):
+        if not active.size:
+            break
+        still = []
+        for lo in range(0, len(active), chunk):
+            g = active[lo:lo + chunk]
+            still.append(g[_best_moves(g, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R, P,
+                                       cap, equal_counts, never)])
+        active = np.concatenate(still)
+        if active.size:
+            active = active[loads[active].max(1).sum(1) > bound[active]]
+    return bins
+
+
+def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R: int, P: int,
+                cap: int | None, equal_counts: bool, never: int) -> np.ndarray:
+    """One round of :func:`refine_stages_many` for steps ``g``: apply each step's best improving
+    move or swap in place; returns a bool mask of the steps that improved."""
+    L = loads[g]                                                    # (g, R, K)
+    n_g = len(g)
+    objective = L.max(1).sum(1)
+    # Only moving load off a stage's fullest bin can lower that stage's max.
+    is_source = np.zeros((n_g, R), bool)
+    is_source[np.arange(n_g)[:, None], L.argmax(1)] = True
+    b = bins[g]
+    home_all = np.where(valid[g], b, 0)
+    from_source = valid[g] & np.take_along_axis(is_source, home_all, 1)
+    Q = int(from_source.sum(1).max())
+    if Q == 0:
+        return np.zeros(n_g, bool)
+    sel = np.argsort(~from_source, axis=1, kind="stable")[:, :Q]   # source items first, in item order
+    sel_ok = np.take_along_axis(from_source, sel, 1)
+    home = np.take_along_axis(home_all, sel, 1)                    # (g, Q)
+    ci = np.take_along_axis(c[g], sel[:, :, None], 1)              # (g, Q, K)
+    pb = np.concatenate([home_all, np.broadcast_to(np.arange(R), (n_g, R))], 1)   # (g, P)
+    p_ok = np.concatenate([valid[g], np.ones((n_g, R), bool)], 1)
+    # The largest load of every stage outside bins a and b: the first of the top three that is
+    # neither (padding bins -1 with load 0 never exceed a real maximum).
+    order = np.argsort(-L, axis=1, kind="stable")[:, :3]
+    topv = np.take_along_axis(L, order, 1)
+    if R < 3:
+        order = np.concatenate([order, np.full((n_g, 3 - R, L.shape[2]), -1)], 1)
+        topv = np.concatenate([topv, np.zeros((n_g, 3 - R, L.shape[2]), np.int64)], 1)
+    a4 = home[:, :, None, None]
+    b4 = pb[:, None, :, None]
+    t = [order[:, i][:, None, None, :] for i in range(3)]
+    v = [topv[:, i][:, None, None, :] for i in range(3)]
+    other = np.where((t[0] != a4) & (t[0] != b4), v[0], np.where((t[1] != a4) & (t[1] != b4), v[1], v[2]))
+    d = pc[g][:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
+    La = np.take_along_axis(L, home[:, :, None], 1)[:, :, None, :]
+    Lb = np.take_along_axis(L, pb[:, :, None], 1)[:, None, :, :]
+    value = np.maximum(other, np.maximum(La + d, Lb - d)).sum(3)   # (g, Q, P)
+    ok = sel_ok[:, :, None] & p_ok[:, None, :] & (pb[:, None, :] != home[:, :, None])
+    if equal_counts:
+        ok &= ~is_move[None, None, :]
+    else:
+        ok &= ~is_move[None, None, :] | (np.take_along_axis(counts[g], home, 1) > 1)[:, :, None]
+    if cap is not None:
+        dt = pt[g][:, None, :] - np.take_along_axis(tot[g], sel, 1)[:, :, None]
+        ok &= ((np.take_along_axis(tload[g], home, 1)[:, :, None] + dt <= cap)
+               & (np.take_along_axis(tload[g], pb, 1)[:, None, :] - dt <= cap))
+    value = np.where(ok, value, never).reshape(n_g, -1)
+    best = value.argmin(1)
+    better = value[np.arange(n_g), best] < objective
+    gi = g[better]
+    u, w = np.divmod(best[better], P)
+    item = sel[better, u]
+    src = home[better, u]
+    dst = pb[better, w]
+    swap = ~is_move[w]
+    partner = np.where(swap, w, 0)
+    # Steps are distinct, so these scatters never collide.
+    bins[gi, item] = dst
+    bins[gi[swap], partner[swap]] = src[swap]
+    moved_c = c[gi, item] - np.where(swap[:, None], c[gi, partner], 0)
+    moved_t = tot[gi, item] - np.where(swap, tot[gi, partner], 0)
+    loads[gi, src] -= moved_c
+    loads[gi, dst] += moved_c
+    tload[gi, src] -= moved_t
+    tload[gi, dst] += moved_t
+    counts[gi, src] -= np.where(swap, 0, 1)
+    counts[gi, dst] += np.where(swap, 0, 1)
+    return better
+
+
+def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, window: np.ndarray,
+                             num_bins: int, *, capacity: int | None = None,
+                             capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4,
+                             level_rounds: int = _LEVEL_ROUNDS) -> tuple[np.ndarray, np.ndarray]:
+    """Swap items between bins of the groups (steps) of the same window where that lowers
+    ``Σ_group Σ_stage max_bin load``; returns the items' new ``(group, bins)``.
+
+    :func:`refine_stages_many` can only re-split the samples a step already holds. With a couple
+    of samples per rank those are fixed by the fill, which sorts by the summed cost, and the stages
+    stay unbalanced. Two passes per window:
+
+    1. ``level_rounds`` rounds of many swaps at once (:func:`_level_window`): every bin near its
+       step's maximum in some stage trades one item with a bin of any step of the window, each bin in
+       at most one swap per round, no bin above its step's maximum afterwards. Wide steps need this:
+       with hundreds of ranks, dozens of bins sit within a few percent of a stage's maximum, and the
+       maximum only drops once all of them do.
+    2. The step that is furthest above its ideal (perfectly balanced stages) gives one of its
+       bottleneck items for an item of another step, whichever swap lowers the two steps' objectives
+       most (by at least 0.1% of the step); at most ``rounds_per_group`` swaps per group
+       (:func:`_swap_window`). With few ranks this exact search finds what the first pass misses.
+
+    One item for one item: every bin keeps its item count, so every count guarantee of the plan
+    holds; with ``capacity`` no bin's sum of ``capacity_costs`` (default: the row sums) goes over
+    it. The sum of the objectives never increases. Deterministic.
+    """
+    c = np.asarray(stage_costs, np.int64)
+    group = np.asarray(group, np.int64).copy()
+    bins = np.asarray(bins, np.int64).copy()
+    window = np.asarray(window, np.int64)
+    R = int(num_bins)
+    if R < 2 or len(c) < 2:
+        return group, bins
+    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    never = np.iinfo(np.int64).max
+    order = np.argsort(window, kind="stable")
+    bounds = np.searchsorted(window[order], np.arange(int(window.max(initial=-1)) + 2))
+    for w in range(len(bounds) - 1):
+        idx = order[bounds[w]:bounds[w + 1]]
+        if len(idx) < 2:
+            continue
+        g_ids, g_local = np.unique(group[idx], return_inverse=True)
+        if len(g_ids) < 2:
+            continue
+        new_g, new_b = _level_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
+                                     int(level_rounds))
+        new_g, new_b = _swap_window(c[idx], tot[idx], new_g, new_b, len(g_ids), R, capacity,
+                                    rounds_per_group * len(g_ids), never)
+        group[idx] = g_ids[new_g]
+        bins[idx] = new_b
+    return group, bins
+
+
+def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
+                 capacity: int | None, max_rounds: int, never: int) -> tuple[np.ndarray, np.ndarray]:
+    n, K = c.shape
+    g, b = g.copy(), b.copy()
+    loads = np.zeros((G, R, K), np.int64)
+    np.add.at(loads, (g, b), c)
+    tload = np.zeros((G, R), np.int64)
+    np.add.at(tload, (g, b), tot)
+    # How far a step is from perfectly balanced stages. Not its own lower bound (largest item per
+    # stage): a step at that bound can still gain by trading the item that sets it.
+    ideal = (-(-loads.sum(1) // R)).sum(1)
+    obj = loads.max(1).sum(1)
+    # The two largest loads of every (step, stage), kept up to date for the steps a swap touches.
+    top = np.argsort(-loads, axis=1, kind="stable")[:, :2]                     # (G, 2, K)
+    topv = np.take_along_axis(loads, top, 1)
+    # Partners come from the next few steps of the window (cyclically), at most _SWAP_PARTNERS
+    # items: enough choice for a step's bottleneck, and a round costs O(partners), not O(window).
+    by_group = np.argsort(g, kind="stable")
+    pos = np.empty(n, np.int64)
+    pos[by_group] = np.arange(n)
+    starts = np.searchsorted(g[by_group], np.arange(G + 1))
+    per_group = max(1, int(np.diff(starts).max(initial=1)))
+    reach = int(min(G - 1, max(1, _SWAP_PARTNERS // per_group)))
+    stuck = np.zeros(G, bool)
+    for _ in range(max_rounds):
+        excess = np.where(stuck, -1, obj - ideal)
+        s = int(np.argmax(excess))
+        if excess[s] <= _STAGE_TOLERANCE * ideal[s]:
+            break
+        L = loads[s]
+        hot = np.zeros(R, bool)
+        hot[L.argmax(0)] = True
+        mine = by_group[starts[s]:starts[s + 1]]
+        mine = mine[hot[b[mine]]]
+        # Steps s+1 .. s+reach, cyclically: one or two runs of by_group (groups are contiguous in it).
+        end = s + 1 + reach
+        theirs = by_group[starts[s + 1]:starts[min(end, G)]]
+        if end > G:
+            theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
+        gj, bj = g[theirs], b[theirs]
+        other_j = np.where(top[gj, 0] != bj[:, None], topv[gj, 0], topv[gj, 1])          # (nj, K)
+        other_i = np.where(top[s, 0][None, :] != b[mine][:, None], topv[s, 0][None, :], topv[s, 1][None, :])
+        d = c[theirs][None, :, :] - c[mine][:, None, :]                       # step s's bin gains d
+        new_s = np.maximum(other_i[:, None, :], L[b[mine]][:, None, :] + d).sum(2)
+        new_j = np.maximum(other_j[None, :, :], loads[gj, bj][None, :, :] - d).sum(2)
+        delta = new_s - obj[s] + new_j - obj[gj][None, :]
+        if capacity is not None:
+            dt = tot[theirs][None, :] - tot[mine][:, None]
+            ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
+            delta = np.where(ok, delta, never)
+        best = int(np.argmin(delta)) if delta.size else 0
+        # A swap worth less than the tolerance of refine_stages is not worth a round: with many
+        # ranks they are many and tiny (the step's largest bin down to its second largest).
+        if not delta.size or delta.flat[best] >= -_STAGE_TOLERANCE * ideal[s]:
+            stuck[s] = True
+            continue
+        u, v = divmod(best, delta.shape[1])
+        i, j = int(mine[u]), int(theirs[v])
+        t = int(g[j])
+        for item, frm, to in ((i, (s, b[i]), (t, b[j])), (j, (t, b[j]), (s, b[i]))):
+            loads[frm] -= c[item]
+            loads[to] += c[item]
+            tload[frm] -= tot[item]
+            tload[to] += tot[item]
+        g[i], g[j] = t, s
+        b[i], b[j] = b[j], b[i]
+        # Group sizes do not change, so the two items just trade places in by_group.
+        pi, pj = pos[i], pos[j]
+        by_group[pi], by_group[pj] = j, i
+        pos[i], pos[j] = pj, pi
+        for q in (s, t):
+            order = np.argsort(-loads[q], axis=0, kind="stable")[:2]
+            top[q] = order
+            topv[q] = np.take_along_axis(loads[q], order, 0)
+            obj[q] = loads[q].max(0).sum()
+            ideal[q] = (-(-loads[q].sum(0) // R)).sum()
+        # The other step changed: it may have become improvable again.
+        stuck[t] = False
+    return g, b
+
+
+def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
+                  capacity: int | None, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rounds of many disjoint one-for-one swaps among the G·R bins of a window (any two bins, of
+    the same step or not); returns the items' new (group, bin).
+
+    A step's maximum in a stage only drops once *every* bin at it drops, and with many ranks many
+    bins are close to it, so a swap that lowers one of them gains nothing on its own: the exact
+    search of :func:`_swap_window` stops there. Here each round sets, per step and stage, a target
+    near the maximum (``_LEVEL_TARGET``) and lowers ``Σ_bins Σ_stages max(0, load - target)²``
+    instead, which every bin brought under the target lowers, with many swaps at once: for each bin
+    over a target, the best candidate swap (items of about the same total with less of that stage,
+    and the bins with the most room in it); then a subset in which no bin appears twice, so the
+    swaps do not interact. No bin may end above its step's maximum of any stage (as of the round's
+    start), hence no step's objective ever rises. Deterministic: stable sorts, ties to the first
+    candidate, and the float64 penalty is computed elementwise in a fixed order.
+    """
+    n, K = c.shape
+    nb = G * R
+    cost = np.ascontiguousarray(c.T)                     # (K, n): stage-major, one row per stage
+    home = g * R + b                                       # every item's bin
+    counts = np.bincount(home, minlength=nb)               # never changes: swaps are one for one
+    first_slot = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot_item = np.argsort(home, kind="stable")            # the items of bin 0, then of bin 1, ...
+    slot_of = np.empty(n, np.int64)
+    slot_of[slot_item] = np.arange(n)
+    loads = np.zeros((K, nb), np.int64)
+    for k in range(K):
+        np.add.at(loads[k], home, cost[k])
+    tload = np.zeros(nb, np.int64)
+    np.add.at(tload, home, tot)
+    step_of_bin = np.arange(nb) // R
+    # Swapping items of about the same total keeps the fill's balance of the totals and moves only
+    # the stages' shares: per stage, the items by (total bucket, stage cost). frexp is exact, so the
+    # buckets (16 per octave) are the same on every machine.
+    mantissa, exponent = np.frexp(c.sum(1).astype(np.float64))
+    bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
+    by_stage = [np.lexsort((cost[k], bucket)) for k in range(K)]
+    place = np.empty((K, n), np.int64)
+    for k in range(K):
+        place[k, by_stage[k]] = np.arange(n)
+    bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
+    roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
+    num, den = _LEVEL_TARGET
+    for rnd in range(rounds):
+        per_step = loads.reshape(K, G, R)
+        top = per_step.max(2)
+        mean = -(-per_step.sum(2) // R)
+        over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
+        room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
+        excess = np.maximum(over, 0).astype(np.float64)
+        penalty = (excess * excess).sum(0)
+        # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
+        shift = rnd * 40503 % 65536
+        cand_i, cand_j = [], []
+        for k in range(K):
+            src = np.flatnonzero(over[k] > 0)
+            if not src.size:
+                continue
+            src = src[np.argsort(-over[k, src], kind="stable")]
+            # Items of the same bucket with less of stage k, spread over all of them.
+            n_src = counts[src]
+            items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                              + np.arange(n_src.sum())]
+            lower = place[k, items] - bucket_first[items]
+            items, lower = items[lower > 0], lower[lower > 0]
+            offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
+                       + shift * lower[:, None] // 65536) % lower[:, None]
+            cand_i.append(np.repeat(items, _LEVEL_SIMILAR))
+            cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
+            # Every item pair with the bins that have the most room in stage k: the worst source
+            # gets the roomiest bins, the next source the next ones.
+            roomy = np.argsort(over[k], kind="stable")
+            a = np.repeat(src, roomy_bins)
+            bb = roomy[(np.arange(len(a)) + rnd * roomy_bins) % nb]
+            pairs = counts[a] * counts[bb]
+            u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
+                             np.repeat(counts[bb], pairs))
+            cand_i.append(slot_item[np.repeat(first_slot[a], pairs) + u])
+            cand_j.append(slot_item[np.repeat(first_slot[bb], pairs) + v])
+        if not cand_i:
+            break
+        i, j = np.concatenate(cand_i), np.concatenate(cand_j)
+        A, B = home[i], home[j]
+        # First the cheap test that most candidates fail (a bin would rise above its step's max),
+        # then the penalty of the rest.
+        d = [cost[k][j] - cost[k][i] for k in range(K)]    # bin A gains d, bin B loses it
+        ok = A != B
+        for k in range(K):
+            ok &= (d[k] <= room[k][A]) & (d[k] >= -room[k][B])
+        if capacity is not None:
+            dt = tot[j] - tot[i]
+            ok &= (tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)
+        ok = np.flatnonzero(ok)
+        i, j, A, B = i[ok], j[ok], A[ok], B[ok]
+        gain = -(penalty[A] + penalty[B])
+        for k in range(K):
+            xa = np.maximum(over[k][A] + d[k][ok], 0).astype(np.float64)
+            xb = np.maximum(over[k][B] - d[k][ok], 0).astype(np.float64)
+            gain += xa * xa + xb * xb
+        sel = np.flatnonzero(gain < 0)
+        if not sel.size:
+            continue
+        # Each source bin's best candidate (first in candidate order on ties) ...
+        sel = sel[np.lexsort((gain[sel], A[sel]))]
+        sel = sel[np.concatenate([[True], A[sel][1:] != A[sel][:-1]])]
+        # ... then a subset in which no bin appears twice: a candidate wins when it is the best of
+        # every candidate that touches either of its bins; a few passes over the rest.
+        rank = np.empty(len(sel), np.int64)
+        rank[np.lexsort((A[sel], gain[sel]))] = np.arange(len(sel))
+        a, bb = A[sel], B[sel]
+        alive = np.ones(len(sel), bool)
+        taken = np.zeros(nb, bool)
+        won = np.zeros(len(sel), bool)
+        for _ in range(3):
+            alive &= ~taken[a] & ~taken[bb]
+            if not alive.any():
+                break
+            best = np.full(nb, len(sel))
+            np.minimum.at(best, a[alive], rank[alive])
+            np.minimum.at(best, bb[alive], rank[alive])
+            win = alive & (best[a] == rank) & (best[bb] == rank)
+            won |= win
+            taken[a[win]] = taken[bb[win]] = True
+            alive &= ~win
+        sel = sel[won]
+        si, sj, sa, sb = i[sel], j[sel], A[sel], B[sel]
+        moved = cost[:, sj] - cost[:, si]
+        loads[:, sa] += moved
+        loads[:, sb] -= moved
+        tload[sa] += tot[sj] - tot[si]
+        tload[sb] -= tot[sj] - tot[si]
+        home[si], home[sj] = sb, sa
+        pi, pj = slot_of[si], slot_of[sj]
+        slot_item[pi], slot_item[pj] = sj, si
+        slot_of[si], slot_of[sj] = pj, pi
+    return home // R, home % R

@@ -1,0 +1,753 @@
+"""Plan one epoch: which samples every rank reads at every step.
+
+:func:`plan_epoch` is a pure function of ``(lengths, num_replicas, settings, seed, epoch)``: every
+rank calls it with the same arguments and gets the same :class:`EpochPlan` without talking to
+the others. The sampler (:mod:`tokenbal.balance.sampler`) only slices it.
+
+How a plan is made
+------------------
+1. Permute the samples with ``np.random.default_rng([seed, epoch])`` (identity if not shuffling).
+2. Cut the permutation into steps of ``global_batch_size`` samples each and group consecutive
+   steps into *windows* of ``window`` steps. (``max_tokens_per_rank`` mode instead packs the
+   epoch into budget-sized rank-steps with first-fit decreasing over chunks of ``window`` steps'
+   tokens, see ``_budget_fill``, and then continues at 4 with the whole epoch as one window.)
+3. Inside each window, decide which samples share a step and which rank gets each one with
+   :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that hold a big
+   sample with the next big ones, otherwise least-loaded rank). Balancing a whole window is what
+   makes heavy-tailed data balance: a step holding a 16k-token video gets enough other big
+   samples to keep its other ranks busy, which per-step balancing cannot arrange. In
+   ``global_batch_size`` mode the fill places ``max(2 × ranks, 64)`` samples per window per
+   round (``batch``), which keeps 1M samples on 512 ranks under a second.
+4. Shuffle the order of the steps inside each window (the fill works largest-first, and
+   without this the window would be a length curriculum) and which rank gets which bin.
+
+Guarantees (tested in tests/tokenbal/balance/test_plan.py)
+-----------------------------------------
+* Every rank has the same number of steps (``plan.num_steps``).
+* ``drop_last=False``: every sample appears exactly once. ``global_batch_size`` mode: every step
+  has exactly N samples except the last; if the last would have fewer than ``num_replicas``
+  samples it is merged into the one before (which then has N + t < N + R samples).
+* ``drop_last=True`` (``global_batch_size`` mode): the last ``n % N`` samples of this epoch's
+  permutation are left out (``plan.dropped``) and every step has exactly N samples. In
+  ``max_tokens_per_rank`` mode there is no partial step to drop and ``drop_last`` has no effect.
+* ``global_batch_size`` mode: if ``n >= num_replicas`` samples are planned, every rank gets at
+  least one sample in every step (each step has >= R samples, and the fill never gives a rank a
+  second sample while another rank of the same step has none). With ``n < R`` (and
+  ``drop_last=False``) there is one step, and ``R - n`` ranks get an empty list in it; the step
+  count is still the same everywhere. ``drop_last=True`` with ``n < N`` plans zero steps.
+* ``max_tokens_per_rank``: no rank-step ever exceeds the budget. The epoch is packed into about
+  as few rank-steps as first-fit decreasing needs (chunks of the random permutation, small samples
+  placed in random order, so step composition changes every epoch; see ``_budget_fill``), the
+  bins are dealt to steps at random, and the one step with spare rank-steps is re-spread over all
+  ranks. A rank-step is empty only when the samples are too few for the plan's ``steps × R`` rank
+  slots (e.g. samples close to the budget size, or fewer samples than ranks).
+  ``plan.num_empty`` counts them.
+  Samples over the budget follow ``oversize``: ``"error"`` (default, lists them), ``"skip"``
+  (left out, ``plan.skipped``) or ``"alone"`` (each alone in a rank-step of extra steps).
+* ``grad_accum=k``: every rank has exactly k micro-batches in every step. The step is planned
+  over R·k virtual ranks, so micro-batch j of every rank is balanced against the others (each
+  micro-batch runs its own FSDP collectives) and the budget of ``max_tokens_per_rank`` holds per
+  micro-batch. With ``global_batch_size >= R·k`` no micro-batch is empty.
+* ``cost=``: the planner balances any integer cost per sample (:mod:`tokenbal.balance.cost`), e.g. FLOPs
+  as token-equivalents; the guarantees above hold for it unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from bisect import bisect_left, insort
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenbal._checks import check_lengths
+from tokenbal._checks import nonneg_int as _nonneg_int
+from tokenbal._checks import positive_int as _positive_int
+from tokenbal.balance.cost import resolve
+from tokenbal.balance.partition import fill_windows
+
+logger = logging.getLogger("tokenbal")
+
+__all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
+
+# Metrics and the simulator live in tokenbal.balance.simulate (which imports this module); these names
+# are still reachable here for code written against the old single-file planner.
+_SIMULATE_NAMES = ("step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
+                   "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
+                   "Simulation")
+
+
+def __getattr__(name: str) -> object:
+    if name in _SIMULATE_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module("tokenbal.balance.simulate"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+# Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
+PLAN_VERSION = 6
+# global_batch_size mode: the window fill places up to this many items per rank per window in
+# one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
+# scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
+# max/mean: exact 1.0085 / 1.0215; R/4 items per round 1.0091 / 1.0219; R 1.0093 / 1.0233;
+# 2R 1.0096 / 1.0253 (seeds 1-3: <= 1.0097 / 1.0276). Rounds cost about the same whatever their
+# size (one pass over every bin of a window), so 2R plans 1M samples 4.7-6.6x faster than exact.
+# At least _BATCH_MIN items per round: with 8 ranks, 2R = 16 is no faster than the exact loop
+# for 1M samples (~2.3 s), 64 takes ~0.9 s at the same balance ((8, 16): 1.0019 / 1.0057 vs exact
+# 1.0017 / 1.0060; (8, 64): 1.0003 / 1.0011 vs 1.0002 / 1.0011).
+_BATCH_PER_RANK = 2
+# Token mode: bins a chunk's first-fit leaves below this fill are packed again, _REPACK_FAN chunks'
+# worth together, then _REPACK_FAN of those groups, ... (see _budget_fill).
+_REPACK_BELOW = 0.99
+_REPACK_FAN = 8
+# Token mode: items up to budget / _SMALL_ITEM are packed after the others, in random order.
+_SMALL_ITEM = 32
+_BATCH_MIN = 64
+# Stage mode (count mode, grad_accum 1): the items of a window (of _STAGE_WINDOW × the default
+# window's steps) are ordered by their stage shares and cut into sub-windows of _STAGE_GROUP steps,
+# each filled on its own (see _profile_fill). Measured with scripts/bench_balance.py --stages.
+_STAGE_GROUP = 32
+_STAGE_WINDOW = 2
+_CROSS_MAX_RANKS = 64
+# Stage mode: the share key gets a random offset of up to this fraction, so samples of nearby
+# shares (not only equal ones) trade sub-windows from epoch to epoch.
+_STAGE_JITTER = 0.1
+# Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
+_TIE_BY_POS = 1
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Steps × ranks × micro-batches lists of dataset indices, stored flat.
+
+    Micro-batch ``j`` of (step s, rank r) is ``indices[offsets[m]:offsets[m + 1]]`` with
+    ``m = (s * num_replicas + r) * grad_accum + j``, in ascending dataset index order. With
+    ``grad_accum == 1`` a micro-batch is the rank-step.
+    """
+
+    num_replicas: int
+    indices: np.ndarray                 # int64, every planned sample once
+    offsets: np.ndarray                 # int64, num_steps * num_replicas * grad_accum + 1
+    dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # drop_last tail
+    grad_accum: int = 1
+    skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # oversize="skip"
+
+    @property
+    def num_steps(self) -> int:
+        return (len(self.offsets) - 1) // (self.num_replicas * self.grad_accum)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.indices)
+
+    def slot(self, step: int, rank: int) -> np.ndarray:
+        """All of (step, rank)'s samples (its micro-batches one after the other)."""
+        i = (step * self.num_replicas + rank) * self.grad_accum
+        return self.indices[self.offsets[i]:self.offsets[i + self.grad_accum]]
+
+    def micro(self, step: int, rank: int, j: int) -> np.ndarray:
+        i = (step * self.num_replicas + rank) * self.grad_accum + j
+        return self.indices[self.offsets[i]:self.offsets[i + 1]]
+
+    def rank_steps(self, rank: int, start: int = 0) -> list[list[int]]:
+        """Rank ``rank``'s dataset indices for steps ``start, start + 1, ...``."""
+        if not 0 <= rank < self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas}), got {rank}")
+        return [self.slot(s, rank).tolist() for s in range(start, self.num_steps)]
+
+    def micro_counts(self) -> np.ndarray:
+        """(num_steps, num_replicas, grad_accum) number of samples per micro-batch."""
+        return np.diff(self.offsets).reshape(self.num_steps, self.num_replicas, self.grad_accum)
+
+    def counts(self) -> np.ndarray:
+        """(num_steps, num_replicas) number of samples per rank-step."""
+        return self.micro_counts().sum(2)
+
+    @property
+    def num_empty(self) -> int:
+        """Empty micro-batches (rank-steps when ``grad_accum == 1``)."""
+        return int((self.micro_counts() == 0).sum())
+
+    def step_max_item(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps,) largest single sample of each step (for :func:`step_lower_bound`)."""
+        lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
+        per_step = self.num_replicas * self.grad_accum
+        step_of = np.repeat(np.arange(len(self.offsets) - 1) // per_step, np.diff(self.offsets))
+        out = np.zeros(self.num_steps, np.int64)
+        np.maximum.at(out, step_of, lens[self.indices])
+        return out
+
+    def micro_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps, num_replicas, grad_accum) int64 tokens per micro-batch."""
+        lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
+        csum = np.concatenate([[0], np.cumsum(lens[self.indices])])
+        return (csum[self.offsets[1:]] - csum[self.offsets[:-1]]).reshape(
+            self.num_steps, self.num_replicas, self.grad_accum)
+
+    def step_rank_tokens(self, lengths: np.ndarray) -> np.ndarray:
+        """(num_steps, num_replicas) int64 tokens per rank-step for the given per-sample lengths."""
+        return self.micro_tokens(lengths).sum(2)
+
+
+def default_window(num_replicas: int, global_batch_size: int | None = None, *,
+                   max_tokens_per_rank: int | None = None, mean_length: float = 1.0) -> int:
+    """Steps per balancing window when the caller does not choose.
+
+    ``global_batch_size`` mode: at least 16 steps, enough for ~512 samples per rank and ~16k
+    samples in a window. Measured (scripts/bench_balance.py, docs/bench/balance.md): with 2
+    samples per rank per step, balance improves with the window because the fill can build the
+    steps that hold giant samples out of other big samples from more steps (64 ranks, N=128:
+    window 32 -> mean max/mean 1.016, 128 -> 1.004; 512 ranks, N=1024: window 64 -> 1.010 / p95
+    1.025, 256 -> 1.002 / 1.006). Planning time grows linearly with the window (a round is a pass
+    over a window's bins; a window of W steps needs ~W·N / 2R rounds): 1M samples on 512 ranks
+    take ~2.7 s CPU at 256 steps, ~1 s at 64. Capped at 256 steps. With ``stages`` (and
+    ``grad_accum=1``) :func:`plan_epoch` pools twice this many steps (see ``_profile_fill``).
+
+    ``max_tokens_per_rank`` mode: the window is the chunk of the permutation that first-fit
+    decreasing packs on its own (``_budget_fill``): up to 16 steps, kept near 4096 samples, so
+    which samples can share a step is redrawn every epoch.
+    """
+    R = int(num_replicas)
+    if max_tokens_per_rank is not None:
+        per_step = R * max_tokens_per_rank / max(mean_length, 1.0)
+        return int(min(16, max(1, round(4096 / per_step))))
+    if global_batch_size is None:
+        raise ValueError("give global_batch_size or max_tokens_per_rank")
+    N = int(global_batch_size)
+    return int(min(256, max(16, math.ceil(512 * R / N), math.ceil(16384 / N))))
+
+
+def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int | None = None,
+               max_tokens_per_rank: int | None = None, seed: int = 0, epoch: int = 0,
+               shuffle: bool = True, drop_last: bool = False, window: int | None = None,
+               grad_accum: int = 1, cost: object = None, oversize: str = "error",
+               stages: object = None) -> EpochPlan:
+    """Plan one epoch for ``num_replicas`` ranks. See the module docstring for the guarantees.
+
+    ``lengths``: per-sample non-negative integer costs (tokens), or an object with ``.lengths``.
+    Exactly one of ``global_batch_size`` (samples per step, all ranks together, >= num_replicas
+    × grad_accum) and ``max_tokens_per_rank`` (budget per rank per step, per micro-batch when
+    ``grad_accum > 1``) must be given. ``window``: steps balanced together (default
+    :func:`default_window`); 1 means per-step balancing only.
+
+    ``cost``: what to balance (:func:`tokenbal.balance.cost.resolve_costs`: ``"tokens"``, ``"flops"``, a
+    FlopsModel, an array or a callable); the budget of ``max_tokens_per_rank`` is then in those
+    (token-equivalent) units. ``grad_accum=k``: every rank gets exactly k micro-batches per step,
+    and micro-batch j is balanced across ranks and against the other micro-batches (the step is
+    planned over R·k virtual ranks). ``oversize`` (token mode, samples over the budget):
+    ``"error"`` lists them, ``"skip"`` leaves them out (``plan.skipped``), ``"alone"`` gives each
+    its own micro-batch in extra steps (one per rank, at random places in the epoch; the last
+    such step may leave ranks empty).
+
+    ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
+    FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
+    and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
+    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) each step is made of
+    samples of similar stage shares: a window's samples are ordered by their share of each stage and
+    cut into sub-windows of 32 steps that are filled on their own, and the steps are then shuffled
+    over the whole window (``_profile_fill``). Then samples are swapped one for one between
+    micro-steps of the same window (up to 64 ranks), and moved and swapped between the ranks of
+    each micro-step, while that lowers
+    ``Σ_stage max_rank`` (:func:`tokenbal.balance.partition.swap_stages_across_steps`,
+    :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
+    every guarantee above stay the same.
+    """
+    resolved = resolve(lengths, cost, stages)
+    lens, stages = resolved.costs, resolved.stages
+    k = _positive_int("grad_accum", grad_accum)
+    if oversize not in ("error", "skip", "alone"):
+        raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
+    R, N, B, window = check_settings(lens, num_replicas, global_batch_size, max_tokens_per_rank, window,
+                                     grad_accum=k, oversize=oversize)
+    rng = np.random.default_rng([_nonneg_int("seed", seed), _nonneg_int("epoch", epoch)])
+    n = len(lens)
+    perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)
+    big = np.zeros(0, np.int64)
+    if B is not None and oversize != "error":
+        over = lens[perm] > B
+        big, perm = perm[over], perm[~over]
+    profile = False
+    R_user, R = R, R * k      # plan k micro-batches per rank as R·k virtual ranks
+
+    if N is not None:
+        caps, kept = _count_steps(n, N, R, drop_last)
+        dropped = np.sort(perm[kept:])
+        perm = perm[:kept]
+        # Stages with one micro-batch per step: steps are built from items of similar stage shares
+        # (_profile_fill), out of a larger pool. With grad_accum > 1 the plain fill is kept (its
+        # per-micro-batch sample counts are what the stage refinement preserves).
+        profile = stages is not None and k == 1 and _STAGE_GROUP > 0
+        W = min(window or default_window(R, N) * (_STAGE_WINDOW if profile else 1), max(1, len(caps)))
+        if window is None and len(caps):
+            # Equal windows of >= W steps: a short last window (few steps to spread its giants
+            # over) was the worst-balanced part of an epoch.
+            W = -(-len(caps) // max(1, len(caps) // W))
+        step_win = np.arange(len(caps)) // W
+        G = int(step_win[-1]) + 1 if len(caps) else 0
+        cap2d = np.zeros((G, W), np.int64)
+        cap2d[step_win, np.arange(len(caps)) % W] = caps
+        win_of_item = np.repeat(step_win, caps)
+        if profile:
+            perm, steps_in_win, step_w, rank_w = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                               min(_STAGE_GROUP, W), rng if shuffle else None)
+        else:
+            steps_in_win, step_w, rank_w, _ = _fill(lens, perm, win_of_item, cap2d, R, None, False, shuffle)
+    else:
+        assert B is not None
+        caps = None
+        dropped = np.zeros(0, np.int64)
+        W = window or default_window(R, max_tokens_per_rank=B,
+                                     mean_length=float(lens.mean()) if n else 1.0)
+        # One window: the whole epoch is packed at once; its steps are shuffled below.
+        steps_in_win, step_w, rank_w = _budget_fill(lens, perm, R, B, W, rng if shuffle else None)
+        win_of_item = np.zeros(len(perm), np.int64)
+
+    # Step order inside a window: random when shuffling (the fill puts big seeds in the first
+    # steps), else by the smallest dataset index in the step so an unshuffled run reads forward.
+    G, Wmax = len(steps_in_win), (int(steps_in_win.max()) if len(steps_in_win) else 0)
+    exists = np.arange(Wmax)[None, :] < steps_in_win[:, None]
+    if shuffle:
+        key = rng.random((G, Wmax))
+    else:
+        key = np.full((G, Wmax), np.inf)
+        np.minimum.at(key, (win_of_item, step_w), perm.astype(np.float64))
+    key[~exists] = np.inf
+    if caps is not None and len(caps) and caps[-1] != N:
+        # The one step whose size differs from N (the tail) stays the last step of the epoch.
+        key[-1, (len(caps) - 1) % Wmax] = np.finfo(np.float64).max
+    order = np.argsort(key, axis=1, kind="stable")
+    new_pos = np.empty_like(order)
+    np.put_along_axis(new_pos, order, np.arange(Wmax)[None, :].repeat(G, 0), axis=1)
+    win_start = np.concatenate([[0], np.cumsum(steps_in_win)])
+    step = win_start[win_of_item] + new_pos[win_of_item, step_w]
+    S = int(win_start[-1])
+    rank = rank_w
+    if shuffle:
+        # Which rank gets which bin: the fill gives bin 0 the biggest seed of every step; a
+        # random mapping keeps that from always landing on rank 0.
+        rank_map = np.argsort(rng.random((S, R)), axis=1)
+        rank = rank_map[step, rank_w]
+
+    if stages is not None:
+        if B is not None:
+            # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
+            win_of_item = step // W
+        # After the profile fill, swaps across steps gain little at many ranks and cost the most
+        # there (docs/bench/balance.md); with few ranks they still pay.
+        step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
+                                    lens if B is not None else None, B,
+                                    cross=not profile or R_user <= _CROSS_MAX_RANKS)
+    slot = step * R + rank
+    if B is not None and oversize == "alone" and big.size:
+        slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
+                                            rng, shuffle)
+    order = _argsort_keys(slot, perm)
+    offsets = np.zeros(S * R + 1, np.int64)
+    np.cumsum(np.bincount(slot, minlength=S * R), out=offsets[1:])
+    skipped = np.sort(big) if oversize == "skip" else np.zeros(0, np.int64)
+    if skipped.size:
+        # Counted, never silent: the plan keeps the list (plan.skipped) and the log says how many.
+        logger.info("epoch %d: %d sample(s) over max_tokens_per_rank left out (oversize='skip'), "
+                    "e.g. %s", epoch, skipped.size, skipped[:5].tolist())
+    return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
+                     dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
+
+
+def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
+                   vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
+                   cross: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
+    swaps between the micro-steps of a window (:func:`tokenbal.balance.partition.swap_stages_across_steps`),
+    then moves and swaps inside each (:func:`tokenbal.balance.partition.refine_stages_many`). Returns the new
+    (step, virtual rank) of every item."""
+    from tokenbal.balance.partition import refine_stages_many, swap_stages_across_steps
+
+    if not len(perm):
+        return step, vrank
+    c = stages[perm]
+    cap_costs = None if lens is None else lens[perm]
+    group, bins = step * k + vrank % k, vrank // k
+    if cross:
+        group, bins = swap_stages_across_steps(c, group, bins, window, R, capacity=budget,
+                                               capacity_costs=cap_costs)
+    step, vrank = group // k, bins * k + group % k
+    group = step * k + vrank % k
+    order = np.argsort(group, kind="stable")
+    counts = np.bincount(group, minlength=S * k)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    col = np.arange(len(order)) - starts[group[order]]
+    M = int(counts.max())
+    bins = np.full((S * k, M), -1, np.int64)
+    bins[group[order], col] = vrank[order] // k
+    costs = np.zeros((S * k, M, stages.shape[1]), np.int64)
+    costs[group[order], col] = stages[perm[order]]
+    cap_costs = None
+    if lens is not None:
+        cap_costs = np.zeros((S * k, M), np.int64)
+        cap_costs[group[order], col] = lens[perm[order]]
+    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs)
+    out = vrank.copy()
+    out[order] = new[group[order], col] * k + group[order] % k
+    return step, out
+
+
+def _insert_alone_steps(slot: np.ndarray, perm: np.ndarray, S: int, R: int, big: np.ndarray,
+                        rng: np.random.Generator, shuffle: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """Extra steps holding the oversize samples, one per (virtual) rank, mixed into the epoch."""
+    E = -(-len(big) // R)
+    pos = np.sort(rng.choice(S + E, E, replace=False)) if shuffle else np.arange(S, S + E)
+    is_extra = np.zeros(S + E, bool)
+    is_extra[pos] = True
+    new_of_old = np.flatnonzero(~is_extra)          # old step s -> new step
+    old_step, r = np.divmod(slot, R)
+    j = np.arange(len(big))
+    slot = np.concatenate([new_of_old[old_step] * R + r, pos[j // R] * R + j % R])
+    return slot, np.concatenate([perm, big]), S + E
+
+
+def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size: object,
+                   max_tokens_per_rank: object, window: object = None, *, grad_accum: int = 1,
+                   oversize: str = "error") -> tuple[int, int | None, int | None, int | None]:
+    """Validate planning settings against (checked) lengths without planning.
+
+    Returns ``(num_replicas, global_batch_size, max_tokens_per_rank, window)`` as ints/None.
+    Raises ``ValueError`` for N < R, a sample over the token budget (listing them), etc.
+    """
+    R = _positive_int("num_replicas", num_replicas)
+    if (global_batch_size is None) == (max_tokens_per_rank is None):
+        raise ValueError("give exactly one of global_batch_size and max_tokens_per_rank")
+    W = None if window is None else _positive_int("window", window)
+    if global_batch_size is not None:
+        N = _positive_int("global_batch_size", global_batch_size)
+        if N < R * grad_accum:
+            what = f"num_replicas={R}" if grad_accum == 1 else f"num_replicas × grad_accum = {R * grad_accum}"
+            raise ValueError(
+                f"global_batch_size={N} is smaller than {what}: every step would leave "
+                f"{R * grad_accum - N} {'ranks' if grad_accum == 1 else 'micro-batches'} without a "
+                f"sample. Use global_batch_size >= {R * grad_accum} (or max_tokens_per_rank).")
+        return R, N, None, W
+    B = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+    over = np.flatnonzero(lengths > B)
+    if over.size and oversize == "error":
+        shown = ", ".join(f"{i} ({lengths[i]} tokens)" for i in over[:10].tolist())
+        more = f" and {over.size - 10} more" if over.size > 10 else ""
+        raise ValueError(f"{over.size} sample(s) exceed max_tokens_per_rank={B} on their own: "
+                         f"{shown}{more}. Raise the budget, filter them out, or pass "
+                         "oversize='skip' / 'alone'.")
+    return R, None, B, W
+
+
+
+
+def _count_steps(n: int, N: int, R: int, drop_last: bool) -> tuple[np.ndarray, int]:
+    """Items per step and how many samples are kept, for global_batch_size mode."""
+    if drop_last:
+        S = n // N
+        return np.full(S, N, np.int64), S * N
+    if n == 0:
+        return np.zeros(0, np.int64), 0
+    S = -(-n // N)
+    caps = np.full(S, N, np.int64)
+    caps[-1] = n - (S - 1) * N
+    if S > 1 and caps[-1] < R:
+        # A last step with fewer samples than ranks would leave ranks empty: merge it.
+        caps = caps[:-1].copy()
+        caps[-1] += n - S * N + N
+    return caps, n
+
+
+def _sorted_windows(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, G: int,
+                    shuffled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Lay the windows' items out as rows sorted by length desc, then (``shuffled``) by position in
+    the permutation, else by dataset index."""
+    key = lens[perm]
+
+    # Equal lengths in permutation order: the fill is a function of the costs alone, so breaking
+    # ties by dataset index would give equal-length samples the same places every epoch.
+    tie = np.arange(len(perm)) if shuffled and _TIE_BY_POS else perm
+    order = _argsort_keys(win_of_item, int(key.max(initial=0)) - key, tie)
+    counts = np.bincount(win_of_item, minlength=G)
+    start = np.concatenate([[0], np.cumsum(counts)])
+    w_sorted = win_of_item[order]
+    pos = np.arange(len(order)) - start[w_sorted]
+    M = int(counts.max()) if G else 0
+    return order, w_sorted, pos, M
+
+
+def _argsort_keys(*keys: np.ndarray) -> np.ndarray:
+    """Lexicographic argsort, first key most significant, all keys int >= 0, the last key unique
+    (both callers end with the permutation), so every packed value is distinct.
+
+    Packs the keys into one int64 when they fit (one argsort is ~5x faster than np.lexsort on a
+    million items); falls back to lexsort otherwise. Distinct values make the order independent
+    of the sort's stability, so the faster unstable sort gives the same answer (~2x on 1M).
+    """
+    if not len(keys[0]):
+        return np.zeros(0, np.int64)
+    packed = np.zeros(len(keys[0]), np.int64)
+    span = 1
+    for k in reversed(keys):
+        top = int(k.max()) + 1
+        if span * top >= 2**62:
+            return np.lexsort(keys[::-1])
+        packed += k.astype(np.int64) * span
+        span *= top
+    return np.argsort(packed)
+
+
+def _scaled(lens_sorted: np.ndarray, M: int) -> tuple[np.ndarray, int]:
+    # Cost' = tokens * C + 1 with C > items per window: loads then compare by (tokens, item count),
+    # every item costs >= 1 (so an empty rank is always the least loaded), and a token budget B
+    # maps exactly to load' <= B * C + C - 1.
+    C = M + 1
+    if lens_sorted.size and int(lens_sorted.max()) * max(M, 1) >= (np.iinfo(np.int64).max >> 2) // C:
+        raise ValueError("lengths too large to plan exactly in int64 (tokens × window size overflow)")
+    return lens_sorted * C + 1, C
+
+
+def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np.ndarray, R: int,
+          capacity: int | None, force_nonempty: bool, shuffled: bool = False
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Run the window fill; returns (steps per window, step-in-window, rank, failed windows).
+
+    Steps left without any sample (possible only in token mode) are squeezed out, so the steps
+    of window g are always numbered 0 .. steps[g] - 1.
+    """
+    G = cap2d.shape[0]
+    order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G, shuffled)
+    x, C = _scaled(lens[perm[order]], M)
+    costs = np.zeros((G, M), np.int64)
+    costs[w_sorted, pos] = x
+    # A bin never holds more than its whole window, so clamping the budget there changes nothing
+    # and keeps the scaled budget inside int64.
+    cap_scaled = None if capacity is None else min(capacity, int(x.sum()) // C + 1) * C + C - 1
+    # Count mode places max(_BATCH_PER_RANK * R, _BATCH_MIN) items per window per round (a few %
+    # of a window's items at a time); token mode keeps the exact one-at-a-time fill (its windows
+    # are small). _BATCH_PER_RANK = 0 selects the exact fill everywhere (benchmarks, tests).
+    batch = 1
+    if capacity is None and not force_nonempty and _BATCH_PER_RANK > 0:
+        batch = max(int(_BATCH_PER_RANK * R), _BATCH_MIN)
+    s2d, r2d, failed = fill_windows(costs, cap2d, R, capacity=cap_scaled, force_nonempty=force_nonempty,
+                                    batch=batch)
+    step_w = np.full(len(perm), -1, np.int64)
+    rank_w = np.full(len(perm), -1, np.int64)
+    step_w[order] = s2d[w_sorted, pos]
+    rank_w[order] = r2d[w_sorted, pos]
+    placed = step_w >= 0
+    used = np.zeros(cap2d.shape, bool)
+    used[win_of_item[placed], step_w[placed]] = True
+    renum = np.cumsum(used, axis=1) - 1
+    step_w[placed] = renum[win_of_item[placed], step_w[placed]]
+    return used.sum(1), step_w, rank_w, failed
+
+
+def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
+                  cap2d: np.ndarray, R: int, group: int, rng: np.random.Generator | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage mode's fill: steps made of samples with similar stage shares.
+
+    With a couple of samples per rank, no split of a step balances every stage when its samples
+    differ in kind: a rank holding one long text waits in the language model for nothing in the
+    vision tower, and a rank holding the step's only image the other way round (``Σ_stage max``
+    pays both). So inside every window the samples are ordered by their share of stage 0, then of
+    stage 1, ... (ties in permutation order), and the window's steps are cut into sub-windows of
+    ``group`` steps, filled one after the other along that order: sub-window j gets the next
+    ``Σ caps`` samples, and :func:`tokenbal.balance.partition.fill_windows` balances their totals as in the
+    plain plan. Which samples share a window is random (the permutation), and so are the small
+    ones' steps inside a sub-window; the caller shuffles the steps over the whole window, so the
+    sub-windows do not form a curriculum. Returns (perm reordered, steps per window, step in the
+    window, rank) aligned with the returned perm.
+    """
+    G, W = cap2d.shape
+    sp = stages[perm]
+    tot = np.maximum(sp.sum(1), 1)
+    shares = [(sp[:, j] << 20) // tot for j in range(sp.shape[1] - 1)]
+    if rng is not None and _STAGE_JITTER > 0:
+        jit = int(_STAGE_JITTER * (1 << 20))
+        shares = [x + rng.integers(0, jit, len(x)) for x in shares]
+    order = _argsort_keys(win_of_item, *shares, np.arange(len(perm)))
+    perm = perm[order]
+    nsub = -(-W // group)
+    cap_sub = np.zeros((G, nsub * group), np.int64)
+    cap_sub[:, :W] = cap2d
+    cap_sub = cap_sub.reshape(G * nsub, group)
+    sub_of_step = np.arange(G * nsub * group).reshape(G, -1)[:, :W] // group
+    caps_flat = cap2d.reshape(-1)
+    sub = np.repeat(sub_of_step.reshape(-1), caps_flat)
+    # Sub-window (g, j) holds steps j·group .. of window g; items fill the steps in caps order.
+    _, step_w, rank_w, _ = _fill(lens, perm, sub, cap_sub, R, None, False, rng is not None)
+    step_w = (sub % nsub) * group + step_w
+    return perm, (cap2d > 0).sum(1), step_w, rank_w
+
+
+def _token_windows(lens_perm: np.ndarray, window_tokens: int) -> np.ndarray:
+    """Window id per item (in permutation order): a new window every ``window_tokens`` tokens."""
+    if lens_perm.size == 0:
+        return np.zeros(0, np.int64)
+    start_tok = np.cumsum(lens_perm) - lens_perm
+    win = start_tok // window_tokens
+    # A short last window would plan a thin last step: fold it into the one before.
+    last = int(win[-1])
+    if last > 0 and int(lens_perm[win == last].sum()) * 2 < window_tokens:
+        win[win == last] = last - 1
+    return win.astype(np.int64)
+
+
+def _budget_fill(lens: np.ndarray, perm: np.ndarray, R: int, B: int, W: int,
+                 rng: np.random.Generator | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token-budget mode: pack the epoch into as few rank-steps of ``B`` tokens as first-fit
+    decreasing finds, then deal the bins out to steps. Returns (steps, step, rank) per item of
+    ``perm`` for one window holding the whole epoch (the caller shuffles its steps and ranks).
+
+    1. *Chunks*: ``perm`` (random) is cut into chunks of ``W`` steps' worth of tokens and each
+       chunk is packed on its own (:func:`_pack_chunk`: first-fit decreasing, equal sizes in
+       ``perm`` order, then the small samples best-fit in ``perm`` order). Which samples may share
+       a bin is thus redrawn every epoch; one sorted epoch would pack the same samples together
+       every time.
+    2. *Repack*: the bins left under 99 % full (a chunk's last ones) are emptied and packed again,
+       ``_REPACK_FAN`` chunks together, then ``_REPACK_FAN`` of those groups, ... up to one group,
+       so chunking costs next to no bins.
+    3. *Steps*: S = ceil(bins / R). The R·S − bins spare rank-steps go into one *light step* with
+       the R lightest-but-spare bins: their samples are re-spread over all R ranks (LPT under the
+       budget), so that step is short instead of leaving ranks empty; if its samples are fewer than
+       R, the smallest samples of multi-sample bins elsewhere fill its empty ranks. The other bins
+       go to the other steps in random order (``rng``; in bin order without it).
+    """
+    n = len(perm)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    x = lens[perm]
+    chunk = _token_windows(x, max(1, W * R * B))
+    pos = np.arange(n)
+    bins, nb, group = _pack_groups(x, chunk, pos, B)
+    load = np.bincount(bins, weights=x, minlength=nb)
+    while True:
+        partial = load < _REPACK_BELOW * B
+        if partial.sum() < 2:
+            break
+        # Each level pools the partial bins of _REPACK_FAN groups of the level below.
+        top = group[partial] // _REPACK_FAN
+        again = partial[bins]
+        keep = np.cumsum(~partial) - 1
+        nk = int((~partial).sum())
+        sel = np.flatnonzero(again)
+        b, m, g = _pack_groups(x[sel], group[bins[sel]] // _REPACK_FAN, pos[sel], B)
+        bins = keep[bins]
+        bins[sel] = b + nk
+        group = np.concatenate([group[~partial] // _REPACK_FAN, g])
+        nb = nk + m
+        load = np.bincount(bins, weights=x, minlength=nb)
+        if top.min() == top.max():
+            break
+    S = max(1, -(-nb // R))
+    light_n = nb - (S - 1) * R                      # bins of the light step, 1..R
+    by_load = np.lexsort((np.arange(nb), load))
+    light = np.zeros(nb, bool)
+    light[by_load[:light_n]] = True
+    full = np.flatnonzero(~light)
+    if rng is not None:
+        full = full[rng.permutation(len(full))]
+    slot_of_bin = np.empty(nb, np.int64)
+    slot_of_bin[full] = np.arange(len(full))
+    slot = slot_of_bin[bins]
+    in_light = light[bins]
+    li = np.flatnonzero(in_light)
+    light_slot = _spread(x[li], R, B, bins[li])
+    slot[li] = (S - 1) * R + light_slot
+    slot = _fill_light_step(slot, x, S, R)
+    return np.array([S], np.int64), slot // R, slot % R
+
+
+def _pack_groups(x: np.ndarray, group: np.ndarray, pos: np.ndarray, B: int
+                 ) -> tuple[np.ndarray, int, np.ndarray]:
+    """First-fit decreasing inside every group of items (``group`` non-decreasing); returns (bin
+    per item, number of bins, group per bin)."""
+    order = np.argsort(group, kind="stable")
+    g = group[order]
+    bins = np.empty(len(x), np.int64)
+    bin_group = []
+    nb = 0
+    bounds = np.flatnonzero(np.diff(g)) + 1
+    for lo, hi in zip(np.r_[0, bounds].tolist(), np.r_[bounds, len(g)].tolist(), strict=True):
+        idx = order[lo:hi]
+        b, m = _pack_chunk(x[idx], pos[idx], B)
+        bins[idx] = b + nb
+        bin_group.append(np.full(m, g[lo], np.int64))
+        nb += m
+    return bins, nb, np.concatenate(bin_group) if bin_group else np.zeros(0, np.int64)
+
+
+def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int]:
+    """Bins for one chunk: first-fit decreasing for the items above ``B / _SMALL_ITEM``, then the
+    small ones best-fit (into the fullest bin they fit) in ``pos`` order, i.e. at random.
+
+    FFD alone ends every chunk with bins of its smallest items in size order, and those bins float
+    up the repack levels together, so the same tiny samples would share a step every epoch. Small
+    items fill the gaps about as tightly in any order; taken at random they land next to random
+    neighbours."""
+    from tokenbal.balance.partition import first_fit_decreasing
+
+    small = x <= B // _SMALL_ITEM
+    bins = np.empty(len(x), np.int64)
+    big = np.flatnonzero(~small)
+    b, nb = first_fit_decreasing(x[big], B, tiebreak=pos[big])
+    bins[big] = b
+    tiny = np.flatnonzero(small)
+    if not tiny.size:
+        return bins, nb
+    tiny = tiny[np.argsort(pos[tiny], kind="stable")]
+    M = len(x) + 1
+    # key = room * M + bin: the first key >= size * M is the fullest bin with room (lowest id on ties).
+    room = B - np.bincount(b, weights=x[big], minlength=nb).astype(np.int64)
+    keys = sorted((room * M + np.arange(nb)).tolist())
+    out = []
+    for v in x[tiny].tolist():
+        j = bisect_left(keys, v * M)
+        if j < len(keys):
+            k = keys.pop(j)
+            r, q = divmod(k, M)
+        else:
+            r, q = B, nb
+            nb += 1
+        out.append(q)
+        insort(keys, (r - v) * M + q)
+    bins[tiny] = out
+    return bins, nb
+
+
+def _spread(x: np.ndarray, R: int, B: int, bins: np.ndarray) -> np.ndarray:
+    """Rank (0..R-1) for each of the light step's samples: LPT over R ranks within the budget, or
+    the bins they came in (renumbered) when LPT cannot keep the budget."""
+    from tokenbal.balance.partition import partition
+
+    try:
+        return partition(x, R, "lpt", capacity=B)
+    except ValueError:
+        return np.unique(bins, return_inverse=True)[1].astype(np.int64)
+
+
+def _fill_light_step(slot: np.ndarray, x: np.ndarray, S: int, R: int) -> np.ndarray:
+    """Give each empty rank of the last (light) step the smallest sample of a bin that has more
+    than one, never emptying a bin: only samples too few for S·R rank-steps leave a rank empty."""
+    counts = np.bincount(slot, minlength=S * R)
+    empty = np.flatnonzero(counts[(S - 1) * R:] == 0) + (S - 1) * R
+    if not empty.size:
+        return slot
+    cand = np.flatnonzero(counts[slot] > 1)
+    cand = cand[np.lexsort((cand, x[cand]))].tolist()
+    spare = {}
+    slot = slot.copy()
+    it = iter(empty.tolist())
+    target = next(it, None)
+    for i in cand:
+        if target is None:
+            break
+        s = int(slot[i])
+        left = spare.setdefault(s, int(counts[s]) - 1)
+        if left == 0:
+            continue
+        spare[s] = left - 1
+        slot[i] = target
+        target = next(it, None)
+    return slot

@@ -1,0 +1,395 @@
+"""``TokenBalancedBatchSampler``: the torch ``Sampler`` facade over :func:`tokenbal.balance.plan.plan_epoch`.
+
+Every rank builds the same sampler from the same lengths; each plans the whole epoch locally (no
+communication) and yields only its own slice::
+
+    sampler = TokenBalancedBatchSampler(index, global_batch_size=256)   # rank/world from torch.distributed
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
+    for epoch in range(start_epoch, num_epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader: ...
+        # checkpoint: sampler.state_dict() -> {seed, epoch, cursor, fingerprint, ...}
+
+Options: ``cost=`` (what to balance, :mod:`tokenbal.balance.cost`), ``stages=`` (also balance the vision
+tower and the language model separately, since FSDP synchronises the ranks in each),
+``grad_accum=k`` (each step is k batches — micro-batches — on every rank, all balanced; ``len``
+and ``cursor`` count batches),
+``oversize=`` (token-budget mode: ``"error"``, ``"skip"``, ``"alone"``).
+Works as ``DataLoader(batch_sampler=...)`` and with torchdata's ``StatefulDataLoader``.
+
+Cross-rank check (``verify``): the first iteration of each epoch, and the first after a
+``load_state_dict``, all-gathers a hash of the plan and its inputs together with the resume cursor,
+and raises on every rank, naming the ranks and what differs, if any rank disagrees — one small
+collective instead of samples trained twice or never, or a hang when ranks resume at different
+steps. ``verify=None`` (default) does this whenever torch.distributed is initialised and the
+sampler's ranks are the process group's (``num_replicas`` / ``rank`` taken from it or equal to
+it); ``verify=True`` requires it; ``verify=False`` turns it off (e.g. when only some processes of
+the group iterate a sampler: every rank of the group must iterate it, or the collective waits).
+
+Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
+step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
+``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
+ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
+:meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
+``state_dict()`` counts the batches the loop has *received*, and a resume from it neither skips
+nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
+does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
+
+Elastic resume (``elastic=True``): a checkpoint made with another world size (or global batch
+size, token budget, ``grad_accum``, window) resumes mid-epoch too. The samples the checkpointed
+steps consumed are replayed from the old setup's plan, and the rest of the epoch is planned afresh
+for the new one, still without communication: every sample is used once in the epoch across the
+change, and later epochs are planned for the new setup as usual. The resumed epoch then starts at
+cursor 0 of that remainder (``len`` counts its batches). Every rank must load a state saved at the
+same step (they are in lockstep, so any rank's state will do). The data and the rest of the setup
+(lengths, cost, stages, shuffle, drop_last, oversize) must match, as without ``elastic``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from tokenbal.balance.cost import resolve
+from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, check_settings, plan_epoch
+
+__all__ = ["TokenBalancedBatchSampler"]
+
+_STATE_VERSION = 1
+# Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
+_ADDED_LATER = {"stages": 0}
+# What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
+_ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
+
+
+class TokenBalancedBatchSampler(Sampler[list[int]]):
+    """Yields, per optimizer step, this rank's list of dataset indices.
+
+    ``lengths_or_index``: 1-D non-negative integer token counts, or any object with a
+    ``.lengths`` attribute (e.g. :class:`tokenbal.TokenIndex`). ``num_replicas`` / ``rank``
+    default to ``torch.distributed``'s world size / rank; under tensor / sequence parallelism pass
+    ``dp_group=`` (a ProcessGroup) or ``device_mesh=`` (see :mod:`tokenbal.parallel` for which mesh
+    dimension is used) so that the ranks of one SP/TP group get the same batches. Exactly one of
+    ``global_batch_size`` (samples per step over all ranks, >= num_replicas) and
+    ``max_tokens_per_rank``.
+
+    Every rank yields ``len(self)`` steps; each sample is used once per epoch (see
+    :mod:`tokenbal.balance.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
+    only when there are fewer samples than ranks (or the token budget forces it); the collate
+    function must then produce a dummy batch so the rank still joins the collectives.
+    """
+
+    def __init__(self, lengths_or_index: Any, num_replicas: int | None = None, rank: int | None = None,
+                 global_batch_size: int | None = None, max_tokens_per_rank: int | None = None,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
+                 oversize: str = "error", verify: bool | None = None, stages: Any = None,
+                 elastic: bool = False, dp_group: Any = None, device_mesh: Any = None) -> None:
+        # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
+        # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
+        resolved = resolve(lengths_or_index, cost, stages)
+        self.lengths, self.costs, self.stages = resolved.lengths, resolved.costs, resolved.stages
+        self.cost_name = resolved.cost_name
+        if dp_group is not None or device_mesh is not None:
+            # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
+            from tokenbal.parallel import resolve_dp
+
+            num_replicas, rank = resolve_dp(num_replicas, rank, dp_group, device_mesh)
+        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1:
+            raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
+        self.grad_accum = int(grad_accum)
+        if oversize not in ("error", "skip", "alone"):
+            raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
+        self.oversize = oversize
+        # None: check across ranks whenever a process group holds this sampler's ranks.
+        self.verify = None if verify is None else bool(verify)
+        self.elastic = bool(elastic)
+        self._verified: set[tuple[int, int]] = set()
+        # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
+        _, self.global_batch_size, self.max_tokens_per_rank, self.window = check_settings(
+            self.costs, self.num_replicas, global_batch_size, max_tokens_per_rank, window,
+            grad_accum=self.grad_accum, oversize=oversize)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self.cursor = 0
+        self._finished_here = False
+        self._plans: dict[tuple, EpochPlan] = {}
+        self._lengths_digest: str | None = None
+        # Earlier setups of the current epoch (elastic resume): their fingerprints and how many
+        # batches each consumed, oldest first. Empty unless an elastic resume happened this epoch.
+        self._segments: list[dict[str, Any]] = []
+        # track(): (epoch, cursor) of the batches the training loop has received; the cursor at
+        # which the current iteration started (track() counts from there).
+        self._consumed: tuple[int, int] | None = None
+        self._iter_start = (0, 0)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        """The whole epoch's plan (all ranks), cached for the current (seed, epoch). After an
+        elastic resume, the current epoch's plan covers only the samples its earlier setups left."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        segments = self._segments if epoch == self.epoch else []
+        key = (self.seed, epoch, json.dumps(segments, sort_keys=True))
+        if key not in self._plans:
+            if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = self._replan(segments, self.fingerprint(), epoch)
+        return self._plans[key]
+
+    def _replan(self, segments: list[dict[str, Any]], setup: dict[str, Any], epoch: int) -> EpochPlan:
+        """``epoch`` planned under ``setup`` (a fingerprint) for the samples that ``segments`` —
+        earlier setups of the epoch with the batches each consumed, oldest first — left over."""
+        if not segments:
+            return self._plan_subset(None, setup, epoch)
+        remaining = np.arange(len(self.costs))
+        for seg in segments:
+            old = self._plan_subset(remaining, seg["fingerprint"], epoch)
+            remaining = np.setdiff1d(remaining, _consumed(old, seg["cursor"]), assume_unique=True)
+        return self._plan_subset(remaining, setup, epoch)
+
+    def _plan_subset(self, subset: np.ndarray | None, setup: dict[str, Any], epoch: int) -> EpochPlan:
+        """Plan ``subset`` (dataset indices, ascending; None: all) under ``setup``'s step settings
+        (a fingerprint) with this sampler's seed and the rest of its settings."""
+        R, k = int(setup["num_replicas"]), int(setup["grad_accum"])
+        if subset is not None and subset.size == 0:
+            return EpochPlan(R, np.zeros(0, np.int64), np.zeros(1, np.int64), grad_accum=k)
+        costs = self.costs if subset is None else self.costs[subset]
+        stages = self.stages if self.stages is None or subset is None else self.stages[subset]
+        plan = plan_epoch(
+            costs, R, global_batch_size=setup["global_batch_size"],
+            max_tokens_per_rank=setup["max_tokens_per_rank"], seed=self.seed, epoch=epoch,
+            shuffle=self.shuffle, drop_last=self.drop_last, window=setup["window"], grad_accum=k,
+            oversize=self.oversize, stages=stages)
+        if subset is None:
+            return plan
+        # Positions in the subset -> dataset indices; ascending, so every list stays sorted.
+        return EpochPlan(R, subset[plan.indices], plan.offsets, dropped=subset[plan.dropped],
+                         grad_accum=k, skipped=subset[plan.skipped])
+
+    def plan_hash(self, epoch: int | None = None) -> str:
+        """sha256 of the epoch's whole plan (all ranks) and of the inputs it came from (the
+        fingerprint: lengths that differ by one token can give the same plan this epoch but not
+        the next). Equal on every rank iff the ranks agree."""
+        plan = self.plan(epoch)
+        h = hashlib.sha256(json.dumps(self.fingerprint(), sort_keys=True).encode())
+        for a in (plan.indices, plan.offsets, plan.dropped, plan.skipped):
+            h.update(np.ascontiguousarray(a, "<i8").tobytes())
+        h.update(f"{plan.num_replicas}/{plan.grad_accum}".encode())
+        return h.hexdigest()
+
+    def _verify_plan(self) -> None:
+        """All-gather the plan hash and the cursor (once per epoch, and again after a load) and
+        raise on every rank if any differs."""
+        key = (self.seed, self.epoch)
+        if self.verify is False or key in self._verified:
+            return
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            if self.verify:
+                raise RuntimeError("verify=True needs an initialised torch.distributed process group")
+            return
+        if self.verify is None and (self.num_replicas, self.rank) != (dist.get_world_size(), dist.get_rank()):
+            return   # not the group's ranks (e.g. a sampler for another rank): nothing to compare with
+        mine = {"hash": self.plan_hash(), "rank": self.rank, "fingerprint": self.fingerprint(),
+                "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "segments": self._segments}
+        views: list[Any] = [None] * dist.get_world_size()
+        # Every rank reaches this collective at the same point (first iteration of each epoch or
+        # after a load), and every rank raises after it, so a mismatch is an error everywhere.
+        dist.all_gather_object(views, mine)
+        problems = _disagreements(views)
+        if problems:
+            raise RuntimeError("TokenBalancedBatchSampler ranks disagree (each rank must build the sampler "
+                               "from the same lengths and settings, and resume from the same checkpoint "
+                               "step):\n  " + "\n  ".join(problems))
+        self._verified.add(key)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate. A new epoch starts at step 0; re-selecting the current one
+        keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.cursor = 0
+            self._finished_here = False
+            self._segments = []
+            self._consumed = None
+
+    def __len__(self) -> int:
+        """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
+        return self.plan().num_steps * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[int]]:
+        plan = self.plan()
+        self._verify_plan()
+        total = plan.num_steps * self.grad_accum
+        if self.cursor >= total and self._finished_here:
+            # An epoch this sampler finished, iterated again without set_epoch: replay it, like
+            # DistributedSampler. (After load_state_dict at the end of an epoch nothing is left.)
+            self.cursor = 0
+        self._finished_here = False
+        self._iter_start, self._consumed = (self.epoch, self.cursor), None
+        k = self.grad_accum
+        while self.cursor < total:
+            # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
+            step, j = divmod(self.cursor, k)
+            batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
+            self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
+            yield batch
+        self._finished_here = True
+
+    def track(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """Iterate ``loader`` (a DataLoader over this sampler, or anything yielding its batches in
+        order, e.g. a ``DevicePrefetcher`` around one) and count the batches it hands to the
+        training loop, so that :meth:`state_dict` saves the step the loop reached rather than the
+        one the DataLoader's workers (or a prefetcher) have read ahead to::
+
+            for batch in sampler.track(DevicePrefetcher(loader)):   # track outermost
+                train_step(batch)
+                if time_to_checkpoint:
+                    save(sampler.state_dict())   # resumes right after this batch
+
+        A DataLoader yields its batches in the sampler's order (``in_order=True``, the default), so
+        the n-th batch received is the n-th the sampler handed out in this iteration.
+        """
+        if hasattr(loader, "batch_sampler") and loader.batch_sampler is not self:
+            raise ValueError("track() needs a DataLoader built with batch_sampler=this sampler")
+        if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
+            raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
+                             "arrive in any order, so a count cannot say which ones were trained")
+        received = 0
+        for batch in loader:
+            # By now the sampler's iteration has started, so _iter_start is this iteration's.
+            received += 1
+            epoch, start = self._iter_start
+            self._consumed = (epoch, start + received)
+            yield batch
+
+    # -- checkpointing --------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the plan depends on besides (seed, epoch); a resume must match all of it."""
+        if self._lengths_digest is None:
+            h = hashlib.sha256(self.costs.astype("<i8").tobytes())
+            if self.stages is not None:
+                h.update(b"stages" + np.ascontiguousarray(self.stages, "<i8").tobytes())
+            self._lengths_digest = h.hexdigest()[:16]
+        return {"plan_version": PLAN_VERSION, "num_samples": int(len(self.lengths)),
+                "lengths_sha256": self._lengths_digest, "num_replicas": self.num_replicas,
+                "global_batch_size": self.global_batch_size,
+                "max_tokens_per_rank": self.max_tokens_per_rank, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "window": self.window, "grad_accum": self.grad_accum,
+                "oversize": self.oversize, "cost": self.cost_name,
+                "stages": 0 if self.stages is None else int(self.stages.shape[1])}
+
+    def state_dict(self) -> dict[str, Any]:
+        cursor = self.cursor
+        if self._consumed is not None and self._consumed[0] == self.epoch:
+            cursor = self._consumed[1]   # under track(): what the loop received, not what was prefetched
+        state = {"version": _STATE_VERSION, "seed": self.seed, "epoch": self.epoch,
+                 "cursor": cursor, "fingerprint": self.fingerprint()}
+        if self._segments:
+            state["segments"] = [dict(seg) for seg in self._segments]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore seed, epoch and cursor. Raises ``ValueError`` naming every setting that differs
+        from the checkpoint (world size, lengths, batch size, ...), since any of them changes the
+        plan — except, with ``elastic=True``, the step settings (world size, batch size, token
+        budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
+        missing = [k for k in ("seed", "epoch", "cursor", "fingerprint") if k not in state]
+        if missing:
+            raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
+        saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, self.fingerprint()
+        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
+        elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
+        if changed and not elastic:
+            diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
+                     for k in changed]
+            hint = ""
+            if set(changed) <= set(_ELASTIC_KEYS):
+                hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
+                        "re-plans the rest of the epoch for this setup)")
+            raise ValueError("cannot resume: the checkpoint was made with a different plan setup "
+                             "(the remaining steps would not match):\n  " + "\n  ".join(diffs) + hint)
+        segments = [{"fingerprint": {**_ADDED_LATER, **seg["fingerprint"]}, "cursor": int(seg["cursor"])}
+                    for seg in state.get("segments", [])]
+        cursor = int(state["cursor"])
+        if elastic:
+            segments.append({"fingerprint": saved, "cursor": cursor})
+        if elastic:
+            cursor = 0
+        previous = (self.seed, self.epoch, self._segments)
+        self.seed, self.epoch, self._segments = int(state["seed"]), int(state["epoch"]), segments
+        try:
+            # Every setup's cursor must lie inside its own plan, or the replay is meaningless.
+            for n, seg in enumerate(segments):
+                batches = self._replan(segments[:n], seg["fingerprint"], self.epoch).num_steps * int(
+                    seg["fingerprint"]["grad_accum"])
+                if not 0 <= seg["cursor"] <= batches:
+                    raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} "
+                                     f"batches (setup {n} of the checkpoint)")
+            steps = self.plan().num_steps * self.grad_accum
+            if not 0 <= cursor <= steps:
+                raise ValueError(f"cursor {cursor} is outside epoch {self.epoch}'s {steps} batches")
+        except ValueError:
+            self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
+            raise
+        self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
+        self.cursor = cursor
+        self._finished_here = False
+        self._consumed = None
+
+
+def _disagreements(views: list[dict[str, Any]]) -> list[str]:
+    """One line per rank whose plan or cursor differs from rank 0's, naming what differs."""
+    ref = views[0]
+    lines = []
+    for v in views[1:]:
+        if (v["hash"], v["cursor"]) == (ref["hash"], ref["cursor"]):
+            continue
+        diff = [f"{k} (rank {ref['rank']}: {ref[k]!r}, rank {v['rank']}: {v[k]!r})"
+                for k in ("seed", "epoch", "cursor") if v[k] != ref[k]]
+        diff += [k for k in ref["fingerprint"] if v["fingerprint"].get(k) != ref["fingerprint"][k]]
+        if v["segments"] != ref["segments"]:
+            diff.append("segments (the elastic resume history of the checkpoint)")
+        lines.append(f"rank {v['rank']} differs from rank {ref['rank']}"
+                     + (f" in: {', '.join(diff)}" if diff else " (same settings: a planner bug)"))
+    return lines
+
+
+def _consumed(plan: EpochPlan, cursor: int) -> np.ndarray:
+    """Dataset indices every rank was handed in the first ``cursor`` batches of ``plan`` (ranks move
+    in lockstep: batch ``i`` is micro-batch ``i % k`` of step ``i // k`` on every rank)."""
+    k, R = plan.grad_accum, plan.num_replicas
+    steps, micro = divmod(int(cursor), k)
+    parts = [plan.indices[:plan.offsets[steps * R * k]]]
+    if micro and steps < plan.num_steps:
+        parts += [plan.micro(steps, r, j) for r in range(R) for j in range(micro)]
+    return np.concatenate(parts)
+
+
+def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    if num_replicas is None or rank is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("num_replicas and rank must be given when torch.distributed is not "
+                             "initialised")
+        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+        rank = dist.get_rank() if rank is None else rank
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
+    return int(num_replicas), int(rank)

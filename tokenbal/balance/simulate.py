@@ -1,0 +1,183 @@
+"""Balance metrics and the simulator: what a plan buys against DistributedSampler-style sharding and
+per-step partitioning (verl's Karmarkar–Karp, LPT), on the same samples (``tokenbal plan simulate``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenbal._checks import check_lengths
+from tokenbal._checks import nonneg_int as _nonneg_int
+from tokenbal._checks import positive_int as _positive_int
+from tokenbal.balance.cost import resolve
+from tokenbal.balance.partition import partition
+from tokenbal.balance.plan import EpochPlan, check_settings, plan_epoch
+
+__all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
+           "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
+           "Simulation"]
+
+
+def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
+    """Per-step max/mean of rank tokens (1.0 = perfect). Steps with no tokens count as 1.0."""
+    t = np.asarray(step_rank_tokens, np.float64)
+    mean = t.mean(1)
+    return np.divide(t.max(1), mean, out=np.ones(len(t)), where=mean > 0)
+
+
+def step_stage_balance(step_rank_stage: np.ndarray) -> np.ndarray:
+    """Per-step ``Σ_stage max_rank / (step total / ranks)`` from (steps, ranks, stages) costs: the step
+    time when every stage waits for its slowest rank (FSDP: vision tower, then LLM), over the ideal."""
+    t = np.asarray(step_rank_stage, np.float64)
+    mean = t.sum((1, 2)) / t.shape[1]
+    return np.divide(t.max(1).sum(1), mean, out=np.ones(len(t)), where=mean > 0)
+
+
+def plan_stage_costs(plan: EpochPlan, stage_costs: np.ndarray) -> np.ndarray:
+    """(steps, ranks · grad_accum, stages) cost of every micro-batch, for :func:`step_stage_balance`
+    (micro-batch j of every rank is its own synchronised group, so each is a column)."""
+    c = np.asarray(stage_costs, np.int64)
+    per = [plan.micro_tokens(c[:, k]) for k in range(c.shape[1])]      # (S, R, k) each
+    out = np.stack(per, -1)                                              # (S, R, k, K)
+    if plan.grad_accum == 1:
+        return out[:, :, 0, :]
+    # Σ over micro-steps of Σ_stage max_rank: fold the micro index into the stage axis.
+    return out.reshape(plan.num_steps, plan.num_replicas, -1)
+
+
+def step_lower_bound(step_rank_tokens: np.ndarray, step_max_item: np.ndarray) -> np.ndarray:
+    """Per-step ideal max/mean: max(mean, largest sample) / mean. No split of that step's samples
+    over the ranks can do better, so ``step_balance / step_lower_bound`` is the planner's own slack."""
+    t = np.asarray(step_rank_tokens, np.float64)
+    mean = t.mean(1)
+    ideal = np.maximum(mean, np.asarray(step_max_item, np.float64))
+    return np.divide(ideal, mean, out=np.ones(len(t)), where=mean > 0)
+
+
+def count_sharded_step_tokens(lengths: np.ndarray, num_replicas: int, global_batch_size: int,
+                              seed: int = 0) -> np.ndarray:
+    """(steps, ranks) tokens of ``DistributedSampler``-style sharding: a seeded permutation, rank r
+    takes every R-th sample, then ``global_batch_size // R`` consecutive samples per step (the
+    baseline tokenbal replaces; same structure as torch's, numpy permutation)."""
+    lens = check_lengths(lengths)
+    R = int(num_replicas)
+    per_rank = max(1, int(global_batch_size) // R)
+    perm = np.random.default_rng(seed).permutation(len(lens))
+    rows = len(perm) // R
+    steps = rows // per_rank
+    t = lens[perm[:steps * per_rank * R]].reshape(steps, per_rank, R)
+    return t.sum(1)
+
+
+def per_step_partition_tokens(lengths: np.ndarray, num_replicas: int, global_batch_size: int,
+                              method: str = "kk", seed: int = 0, max_steps: int | None = None,
+                              equal_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per-step rebalancing (what verl does with Karmarkar–Karp each step): a seeded permutation cut
+    into steps of N samples, each step partitioned over the ranks on its own.
+
+    Returns ``((steps, ranks) tokens, (steps,) largest sample per step)``."""
+    lens = check_lengths(lengths)
+    R, N = int(num_replicas), int(global_batch_size)
+    perm = np.random.default_rng(seed).permutation(len(lens))
+    S = len(perm) // N if max_steps is None else min(len(perm) // N, int(max_steps))
+    out = np.zeros((S, R), np.int64)
+    big = np.zeros(S, np.int64)
+    for s in range(S):
+        c = lens[perm[s * N:(s + 1) * N]]
+        out[s] = np.bincount(partition(c, R, method=method, equal_counts=equal_counts), weights=c,
+                             minlength=R).astype(np.int64)
+        big[s] = c.max(initial=0)
+    return out, big
+
+
+def balance_summary(ratios: np.ndarray) -> dict[str, float]:
+    """mean / p95 / max of per-step max/mean ratios."""
+    r = np.asarray(ratios, np.float64)
+    if not r.size:
+        return {"mean": 1.0, "p95": 1.0, "max": 1.0}
+    return {"mean": float(r.mean()), "p95": float(np.percentile(r, 95)), "max": float(r.max())}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What ``tokenbal plan simulate`` prints: per-step max/mean of rank costs per method."""
+
+    num_samples: int
+    world_size: int
+    global_batch_size: int
+    grad_accum: int
+    cost: str
+    plan_seconds: float
+    ratios: dict[str, np.ndarray]          # method -> per-step max/mean
+    # method -> per-step Σ_stage max_rank / ideal, when simulated with stages
+    stage_ratios: dict[str, np.ndarray] = field(default_factory=dict)
+    stage_plan_seconds: float = float("nan")
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {name: balance_summary(r) for name, r in self.ratios.items()}
+
+    def table(self) -> str:
+        lines = [f"{self.num_samples} samples, {self.world_size} ranks, global batch {self.global_batch_size}"
+                 f", grad_accum {self.grad_accum}, cost {self.cost}; per-step max/mean over ranks "
+                 "(1.000 = perfect)",
+                 f"{'method':<34}{'mean':>8}{'p95':>8}{'max':>8}{'steps':>8}"]
+        for name, r in self.ratios.items():
+            s = balance_summary(r)
+            lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+        lines.append(f"tokenbal plan time: {self.plan_seconds:.3f} s")
+        if self.stage_ratios:
+            lines.append("per-step Σ_stage max_rank / ideal (vision tower, then LLM, each waiting for its "
+                         "slowest rank under FSDP)")
+            for name, r in self.stage_ratios.items():
+                s = balance_summary(r)
+                lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+            lines.append(f"tokenbal + stages plan time: {self.stage_plan_seconds:.3f} s")
+        return "\n".join(lines)
+
+
+def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_accum: int = 1,
+             cost: object = None, seed: int = 0, baseline_steps: int | None = 500,
+             stages: object = None) -> Simulation:
+    """Compare DistributedSampler-style sharding, per-step LPT and KK (verl) and tokenbal's plan on
+    the same samples. Balance is measured on the cost being balanced (tokens by default).
+    ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick.
+    ``stages`` (as in :func:`plan_epoch`): also report the per-step stage time over its ideal for
+    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``."""
+    resolved = resolve(lengths, cost, stages)
+    c = resolved.costs
+    # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
+    R, N = _positive_int("world_size", world_size), _positive_int("global_batch_size", global_batch_size)
+    k = _positive_int("grad_accum", grad_accum)
+    check_settings(c, R, N, None, grad_accum=k)
+    seed = _nonneg_int("seed", seed)
+    if baseline_steps is not None:
+        baseline_steps = _nonneg_int("baseline_steps", baseline_steps)
+    ratios: dict[str, np.ndarray] = {}
+    ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
+    for method, equal in (("lpt", False), ("kk", True)):
+        t, _ = per_step_partition_tokens(c, R, N, method=method, seed=seed, max_steps=baseline_steps,
+                                         equal_counts=equal)
+        ratios[f"per-step {method.upper()}" + (" (equal counts, verl)" if equal else "")] = step_balance(t)
+    t0 = time.perf_counter()
+    plan = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k)
+    dt = time.perf_counter() - t0
+    ratios["tokenbal"] = step_balance(plan.step_rank_tokens(c))
+    if k > 1:
+        ratios["tokenbal micro-batches"] = step_balance(plan.micro_tokens(c).reshape(plan.num_steps, -1))
+    name = resolved.cost_name
+    stage_ratios: dict[str, np.ndarray] = {}
+    stage_dt = float("nan")
+    if resolved.stages is not None:
+        sc = resolved.stages
+        sharded = np.stack([count_sharded_step_tokens(sc[:, j], R, N, seed) for j in range(sc.shape[1])], -1)
+        stage_ratios["DistributedSampler"] = step_stage_balance(sharded)
+        stage_ratios["tokenbal"] = step_stage_balance(plan_stage_costs(plan, sc))
+        t0 = time.perf_counter()
+        staged = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k, stages=sc)
+        stage_dt = time.perf_counter() - t0
+        stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
+    return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
+                      plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt)
