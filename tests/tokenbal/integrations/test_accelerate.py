@@ -20,7 +20,7 @@ def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_acc
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate
+    from collate.train.tiny import TinyVLDataset, pad_collate
     from tokenbal import TokenBalancedBatchSampler
     from tokenbal.integrations.accelerate import prepare_loader
 
@@ -31,7 +31,7 @@ def _run(rank: int, world: int, ckpt: str, resume: bool, tiny_vl: bool, grad_acc
     acc = Accelerator(cpu=True, gradient_accumulation_steps=grad_accum,
                       kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     if tiny_vl:
-        from tests.helpers.hf_tiny import tiny_qwen2_vl
+        from collate.train.tiny import tiny_qwen2_vl
 
         model = tiny_qwen2_vl()
     else:

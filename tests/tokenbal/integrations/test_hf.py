@@ -28,7 +28,7 @@ class Crash(Exception):
 def _train(rank: int, world: int, out_dir: str, resume: str | None) -> dict:
     from transformers import TrainerCallback, TrainingArguments
 
-    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
     from tokenbal.integrations.hf import TokenBalancedTrainer
 
     ds = TinyVLDataset(N)
@@ -110,7 +110,7 @@ def test_trainer_exactly_once_epochs_and_mid_epoch_resume(tmp_path):
 def test_trainer_rejects_mismatched_settings(tmp_path):
     from transformers import TrainingArguments
 
-    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
     from tokenbal.integrations.hf import TokenBalancedTrainer
 
     ds = TinyVLDataset(8)
@@ -148,7 +148,7 @@ def test_mixin_serves_trl_sft_trainer(tmp_path):
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
-    from tests.helpers.hf_tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
     from tokenbal.integrations.hf import TokenBalancingMixin
 
     seen: list[list[int]] = []

@@ -1,5 +1,6 @@
-"""A tiny random Qwen2-VL and a small image+text dataset for the Trainer / accelerate tests and the
-example: deterministic from a seed, so every rank builds the same data."""
+"""A tiny random Qwen2-VL and a synthetic image+text dataset that runs anywhere (CPU, no
+downloads): what ``examples/train_hf_trainer.py`` trains and the Trainer / accelerate tests check.
+Deterministic from a seed, so every rank builds the same model and data."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import torch
 
 VOCAB = 128
 IMG, VID, VSTART, VEND = 120, 121, 122, 123
-PATCH_DIM = 3 * 2 * 14 * 14
+PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal patch * patch * patch of Qwen2-VL's tower input
 
 
 def tiny_qwen2_vl(seed: int = 0):
+    """A one-layer Qwen2-VL (text and tower) with random weights from ``seed``."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     config = Qwen2VLConfig(
@@ -29,18 +31,26 @@ def tiny_qwen2_vl(seed: int = 0):
 
 
 class TinyVLDataset(torch.utils.data.Dataset):
-    """``n`` samples of 4-40 text tokens; every third one also has a 4x4-patch image (4 tokens)."""
+    """``n`` samples of ``4 .. max_text - 1`` text tokens; every third one also has one image.
 
-    def __init__(self, n: int, seed: int = 0) -> None:
+    The image is ``side x side`` patches: 4 when ``image_sides`` is None, else drawn from
+    ``range(*image_sides)`` times 2 (so the 2x2 merge divides it). Each item carries
+    ``sample_idx``, its position in the dataset.
+    """
+
+    def __init__(self, n: int, seed: int = 0, max_text: int = 40,
+                 image_sides: tuple[int, int] | None = None) -> None:
         g = torch.Generator().manual_seed(seed)
         self.items = []
         for i in range(n):
-            ids = torch.randint(0, 100, (int(torch.randint(4, 40, (1,), generator=g)),), generator=g).tolist()
-            item = {"sample_idx": i}
+            n_text = int(torch.randint(4, max_text, (1,), generator=g))
+            ids = torch.randint(0, 100, (n_text,), generator=g).tolist()
+            item: dict = {"sample_idx": i}
             if i % 3 == 0:
-                ids = ids[:2] + [VSTART] + [IMG] * 4 + [VEND] + ids[2:]
-                item["pixel_values"] = torch.randn(16, PATCH_DIM, generator=g)
-                item["image_grid_thw"] = torch.tensor([[1, 4, 4]])
+                side = 4 if image_sides is None else int(torch.randint(*image_sides, (1,), generator=g)) * 2
+                ids = ids[:2] + [VSTART] + [IMG] * (side * side // 4) + [VEND] + ids[2:]
+                item["pixel_values"] = torch.randn(side * side, PATCH_DIM, generator=g)
+                item["image_grid_thw"] = torch.tensor([[1, side, side]])
             item["input_ids"] = torch.tensor(ids)
             labels = item["input_ids"].clone()
             labels[labels == IMG] = -100
@@ -54,6 +64,7 @@ class TinyVLDataset(torch.utils.data.Dataset):
         return self.items[i]
 
     def lengths(self) -> np.ndarray:
+        """Tokens per sample, in dataset order: what the token-balanced sampler balances."""
         return np.array([len(it["input_ids"]) for it in self.items], dtype=np.int64)
 
     def loss_tokens(self, i: int) -> int:
