@@ -17,7 +17,12 @@ import torch
 from torch.utils.data import get_worker_info
 
 from collate.anyres import AnyresLayout, TileLayout, collate_anyres
-from collate.positions import as_grid, glm4v_token_types, packed_glm4v_positions, packed_mrope_positions
+from collate.positions import (
+    as_grid,
+    glm4v_token_types,
+    packed_glm4v_positions,
+    packed_mrope_positions_and_slots,
+)
 from collate.vision import tower_fields, window_in_merged_tokens
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
@@ -372,8 +377,9 @@ class PackedCollator:
             img_per, vid_per = np.append(img_per, 0), np.append(vid_per, 0)
             n += 1
         seq_lens = [x.shape[0] for x in ids_list]
+        lens = np.array(seq_lens, dtype=np.int64)
         cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=cu[1:])
+        np.cumsum(lens, out=cu[1:])
         total = int(cu[-1])
         if total > np.iinfo(np.int32).max:
             raise ValueError(f"packed length {total} does not fit cu_seqlens int32")
@@ -384,12 +390,13 @@ class PackedCollator:
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
         num_loss_tokens = int(np.count_nonzero(labels[1:] != self.ignore_index))
-        text_pos = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], seq_lens)
+        text_pos = np.arange(total, dtype=np.int64)
+        text_pos -= np.repeat(cu[:-1], lens)
 
         img_grids = _cat_grids(vision["image_grid_thw"])
         vid_grids = _cat_grids(vision["video_grid_thw"])
         sec_all = np.concatenate(seconds) if seconds else None
-        token_types = None
+        slots = None
         if self.mrope_style == "glm4v":
             video_start, video_end = self.video_span_token_ids  # type: ignore[misc]
             token_types = glm4v_token_types(input_ids, cu, image_token_id=self.image_token_id,  # type: ignore[arg-type]
@@ -401,8 +408,10 @@ class PackedCollator:
                 spatial_merge_size=self.spatial_merge_size, image_start_token_id=self.vision_start_token_id,
                 video_token_id=self.video_token_id, token_types=token_types)
             position_ids = torch.from_numpy(pos[:, None, :])
+            # GLM-4V's images, then its video frames (both the image token; told apart by span).
+            slots = np.concatenate([np.flatnonzero(token_types == kind) for kind in (1, 2)])
         elif self.rope == "mrope":
-            pos = packed_mrope_positions(
+            pos, slots = packed_mrope_positions_and_slots(
                 input_ids,
                 cu,
                 img_grids,
@@ -422,7 +431,7 @@ class PackedCollator:
             position_ids = torch.from_numpy(text_pos[None, :].copy())
 
         grids = [g for g in (img_grids, vid_grids) if g is not None]
-        tower = self._tower_fields(np.concatenate(grids), input_ids, token_types) if grids else {}
+        tower = self._tower_fields(np.concatenate(grids), slots) if grids else {}
         if self.anyres is not None:
             tower = collate_anyres(anyres_parts, input_ids, self.image_token_id, self.video_token_id)
         pixels = tower.pop("pixel_values", None)
@@ -457,22 +466,15 @@ class PackedCollator:
         token = next(t for t in range(4) if t not in vision)
         return [{"input_ids": np.array([token], np.int64), "labels": np.array([self.ignore_index], np.int64)}]
 
-    def _tower_fields(self, grids: np.ndarray, input_ids: np.ndarray,
-                      token_types: np.ndarray | None = None) -> dict[str, Any]:
+    def _tower_fields(self, grids: np.ndarray, slots: np.ndarray | None) -> dict[str, Any]:
         """The vision tower's inputs derived from the batch's grids (images then videos: the order
-        the packed model feeds them) and, for M-RoPE models, where each vision feature goes."""
+        the packed model feeds them) and, for M-RoPE models, where each vision feature goes
+        (``slots``: the placeholders' row indices, image ones then video ones, found and checked
+        against every sample's grids by the positions)."""
         if self.rope != "mrope":
             return tower_fields(grids)
         fields = tower_fields(grids, self.spatial_merge_size, self.vision_window)
-        # packed_mrope_positions has checked every sample's placeholder count against its grids.
-        if token_types is not None:  # GLM-4V: images, then video frames (both the image token)
-            fields["vision_token_index"] = torch.from_numpy(np.concatenate(
-                [np.flatnonzero(token_types == kind) for kind in (1, 2)]))
-            return fields
-        slots = [np.flatnonzero(input_ids == self.image_token_id)]
-        if self.video_token_id is not None:
-            slots.append(np.flatnonzero(input_ids == self.video_token_id))
-        fields["vision_token_index"] = torch.from_numpy(np.concatenate(slots))
+        fields["vision_token_index"] = torch.from_numpy(slots)
         return fields
 
     def _check_1d_counts(self, ids: np.ndarray, grid: np.ndarray | None, i: int) -> None:
@@ -505,10 +507,14 @@ def _np(x: Any) -> np.ndarray:
 
 
 def _int_1d(sample: dict[str, Any], i: int, field: str) -> np.ndarray:
-    if field not in sample or sample[field] is None:
+    arr = sample.get(field)
+    # The common case, a 1-D int64 numpy array, costs one type and one dtype check.
+    if type(arr) is np.ndarray and arr.dtype == np.int64 and arr.ndim == 1:
+        return arr
+    if arr is None:
         raise ValueError(f"sample {i}: field {field!r} is missing")
     try:
-        arr = _np(sample[field])
+        arr = _np(arr)
     except ValueError as e:
         raise ValueError(f"sample {i}: field {field!r}: {e}") from None
     if arr.dtype.kind not in "iu":
@@ -531,24 +537,27 @@ def _vision_pair(
     if grid is None:
         raise ValueError(f"sample {i}: field {pv_key!r} given without {grid_key!r}")
     try:
-        grid_arr = _np(grid)
+        grid_arr = grid if type(grid) is np.ndarray else _np(grid)
         if grid_arr.dtype.kind not in "iu" or grid_arr.ndim != 2 or grid_arr.shape[1] != 3:
             grid_arr = as_grid(grid_arr, grid_key)  # the general path words the error (or accepts (3,))
-        rows = grid_arr.tolist()  # a few rows: python ints beat numpy reductions on tiny arrays
-        if not rows or min(min(r) for r in rows) <= 0:
-            grid_arr = as_grid(grid_arr, grid_key)
-            rows = grid_arr.tolist()
+        # A few rows: a python loop over ints beats numpy reductions on tiny arrays.
+        patches, smallest = 0, 1
+        for t, h, w in grid_arr.tolist():
+            patches += t * h * w
+            smallest = min(smallest, t, h, w)
+        if patches == 0 or smallest <= 0:
+            grid_arr = as_grid(grid_arr, grid_key)  # raises for non-positive sizes; (0, 3) passes
     except ValueError as e:
         raise ValueError(f"sample {i}: field {grid_key!r}: {e}") from None
     pv_t = pv if isinstance(pv, torch.Tensor) else torch.from_numpy(np.asarray(pv))
-    if pv_t.device.type != "cpu":
+    if not pv_t.is_cpu:
         raise ValueError(f"sample {i}: field {pv_key!r} is on {pv_t.device}; samples must hold host data")
     if not pv_t.is_floating_point():
         raise ValueError(f"sample {i}: field {pv_key!r} must be floating point, got {pv_t.dtype}")
-    patches = sum(t * h * w for t, h, w in rows)
-    if pv_t.dim() != 2 or pv_t.shape[0] != patches:
+    shape = pv_t.shape
+    if len(shape) != 2 or shape[0] != patches:
         raise ValueError(
-            f"sample {i}: field {pv_key!r} has shape {tuple(pv_t.shape)} but {grid_key} "
+            f"sample {i}: field {pv_key!r} has shape {tuple(shape)} but {grid_key} "
             f"{grid_arr.tolist()} needs ({patches}, C*T*P*P) patches"
         )
     return pv_t, grid_arr
@@ -565,10 +574,21 @@ def _cat_pixels(key: str, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor
     if not items:
         return None
     first_i, first = items[0]
+    if len(items) == 1:
+        return first
+    dtype = first.dtype
+    tensors = [t for _, t in items]
+    # torch.cat promotes mixed dtypes silently, so those are checked here; a mismatched row width
+    # makes torch.cat raise, and only then is the sample found (per-item checks cost ~1 us each).
+    if all(t.dtype == dtype for t in tensors):
+        try:
+            return torch.cat(tensors)
+        except RuntimeError:
+            pass
     for i, t in items[1:]:
         if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
             raise ValueError(
                 f"sample {i}: field {key!r} is {t.dtype} {tuple(t.shape)}, sample {first_i} has "
                 f"{first.dtype} {tuple(first.shape)}; all samples must agree"
             )
-    return torch.cat([t for _, t in items]) if len(items) > 1 else first
+    return torch.cat(tensors)

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["mrope_positions", "packed_mrope_positions", "text_positions", "as_grid", "split_frames"]
+__all__ = ["mrope_positions", "packed_mrope_positions", "packed_mrope_positions_and_slots", "text_positions",
+           "as_grid", "split_frames", "block_token_offsets"]
 
 
 def text_positions(length: int) -> np.ndarray:
@@ -247,18 +248,55 @@ def packed_mrope_positions(
     ``second_per_grid_ts`` one entry per video row (None: 1 s each). Same rules as
     :func:`mrope_positions`; a bad sample raises ``ValueError("sample i: ...")`` with its message.
 
-    How it works without a python loop over blocks: image (video) tokens of the row, in order, are
-    consumed by the image (video) grid rows in order, so block ``b`` starts at the
-    ``cumsum(tokens)[b-1]``-th placeholder. Text positions are ``local index + shift``, where the
-    shift grows by ``advance_b - tokens_b`` after each block and restarts at every sample: a cumsum
-    of per-block deltas placed at the block ends, minus its value at the sample's first token.
+    How it works without a python loop over samples or blocks: image (video) tokens of the row, in
+    order, are consumed by the image (video) grid rows in order, so block ``b`` starts at the
+    ``cumsum(tokens)[b-1]``-th placeholder. Text positions are ``index + offset``, where the offset is
+    constant between events (a sample start resets it, a block end moves it by ``advance_b -
+    tokens_b``): a cumsum over the few events, expanded with one ``repeat``. Vision offsets inside a
+    block (frame, row, column) are nested ``repeat``s over frames and rows, without divisions.
     """
+    return packed_mrope_positions_and_slots(
+        input_ids,
+        cu_seqlens,
+        image_grid_thw,
+        video_grid_thw,
+        images_per_sample=images_per_sample,
+        videos_per_sample=videos_per_sample,
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id,
+        spatial_merge_size=spatial_merge_size,
+        second_per_grid_ts=second_per_grid_ts,
+        tokens_per_second=tokens_per_second,
+        split_video_frames=split_video_frames,
+    )[0]
+
+
+def packed_mrope_positions_and_slots(
+    input_ids: np.ndarray,
+    cu_seqlens: np.ndarray,
+    image_grid_thw: np.ndarray | None,
+    video_grid_thw: np.ndarray | None,
+    *,
+    images_per_sample: np.ndarray,
+    videos_per_sample: np.ndarray,
+    image_token_id: int,
+    video_token_id: int | None,
+    vision_start_token_id: int | None,
+    spatial_merge_size: int,
+    second_per_grid_ts: np.ndarray | None = None,
+    tokens_per_second: float | None = None,
+    split_video_frames: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`packed_mrope_positions` and the row indices of the vision placeholders (all image
+    placeholders, then all video ones, int64): where the vision tower's merged features go, which
+    the collator would otherwise find with a second scan of the row."""
     ids = input_ids
     cu = np.asarray(cu_seqlens, dtype=np.int64)
     total = ids.shape[0]
     merge = int(spatial_merge_size)
     starts = cu[:-1]
-    lens = np.diff(cu)
+    n_samples = starts.shape[0]
     img = np.zeros((0, 3), np.int64) if image_grid_thw is None else image_grid_thw
     vid = np.zeros((0, 3), np.int64) if video_grid_thw is None else video_grid_thw
     img_per = np.asarray(images_per_sample, dtype=np.int64)
@@ -287,13 +325,14 @@ def packed_mrope_positions(
         seconds = np.ones(vid.shape[0], np.float32) if second_per_grid_ts is None else second_per_grid_ts
         intervals = _intervals(np.asarray(seconds), tokens_per_second)
     if split_video_frames and vid.shape[0]:
-        owner = np.repeat(np.arange(lens.shape[0]), vid_per)
-        vid_per = np.bincount(owner, weights=vid[:, 0], minlength=lens.shape[0]).astype(np.int64)
+        owner = np.repeat(np.arange(n_samples), vid_per)
+        vid_per = np.bincount(owner, weights=vid[:, 0], minlength=n_samples).astype(np.int64)
         vid = split_frames(vid)
 
-    blocks = []  # per kind: first token index, token count, grid, is-video
-    kinds = ((img, img_per, image_token_id, False), (vid, vid_per, video_token_id, True))
-    for grid, per, tok, video in kinds:
+    firsts, counts, grids, slots = [], [], [], []  # per kind with grids
+    n_images = 0
+    kinds = ((img, img_per, image_token_id), (vid, vid_per, video_token_id))
+    for kind, (grid, per, tok) in enumerate(kinds):
         if grid.shape[0] == 0:
             if tok is not None and (ids == tok).any():
                 fail()
@@ -304,65 +343,115 @@ def packed_mrope_positions(
         where = np.flatnonzero(ids == tok)
         # Per sample: placeholders found == placeholders the sample's grids need.
         found = np.diff(np.searchsorted(where, cu))
-        need = np.concatenate(([0], np.cumsum(n_tok)))
-        grid_cu = np.concatenate(([0], np.cumsum(per)))
+        need = np.zeros(n_tok.shape[0] + 1, np.int64)
+        np.cumsum(n_tok, out=need[1:])
+        grid_cu = np.zeros(per.shape[0] + 1, np.int64)
+        np.cumsum(per, out=grid_cu[1:])
         if grid_cu[-1] != grid.shape[0] or not np.array_equal(found, need[grid_cu[1:]] - need[grid_cu[:-1]]):
             fail()
         first = where[need[:-1]]
         if not np.array_equal(where[need[1:] - 1] - first + 1, n_tok):  # each block one contiguous run
             fail()
-        blocks.append((first, n_tok, grid, video))
+        firsts.append(first)
+        counts.append(n_tok)
+        grids.append(grid)
+        slots.append(where)
+        if kind == 0:
+            n_images = grid.shape[0]
     pos = np.empty((3, total), dtype=np.int64)
-    local = np.arange(total, dtype=np.int64) - np.repeat(starts, lens)
-    if not blocks:
-        pos[:] = local
-        return pos
+    if not firsts:
+        pos[:] = np.arange(total, dtype=np.int64) - np.repeat(starts, np.diff(cu))
+        return pos, np.zeros(0, np.int64)
 
-    begin = np.concatenate([b[0] for b in blocks])
-    n_tok = np.concatenate([b[1] for b in blocks])
-    grid = np.concatenate([b[2] for b in blocks])
-    is_video = np.concatenate([np.full(b[0].shape[0], b[3]) for b in blocks])
+    one = len(firsts) == 1  # the common case: images only (or videos only), no concatenation
+    begin = firsts[0] if one else np.concatenate(firsts)
+    n_tok = counts[0] if one else np.concatenate(counts)
+    grid = grids[0] if one else np.concatenate(grids)
+    where = slots[0] if one else np.concatenate(slots)  # block order = token order inside each block
+    n_blocks = begin.shape[0]
+    is_video = np.zeros(n_blocks, dtype=bool)
+    if vid.shape[0]:
+        is_video[n_images:] = True
     if vision_start_token_id is not None:
-        prev_ok = (local[begin] > 0) & (ids[np.maximum(begin - 1, 0)] == vision_start_token_id)
-        if not prev_ok.all():
+        # A block at a sample's first token has no start token before it (and at index 0 of the
+        # row ids[-1] would wrap): the first test catches both.
+        owner = np.searchsorted(cu, begin, side="right") - 1
+        if (begin == starts[owner]).any() or not (ids[begin - 1] == vision_start_token_id).all():
             fail()
     gt, gh, gw = grid[:, 0], grid[:, 1] // merge, grid[:, 2] // merge
     t_last = gt - 1
     if intervals is not None:
-        vid_rows = np.flatnonzero(is_video)
         t_last = t_last.copy()
-        t_last[vid_rows] = ((gt[vid_rows] - 1).astype(np.float32) * intervals).astype(np.int64)
+        t_last[n_images:] = ((gt[n_images:] - 1).astype(np.float32) * intervals).astype(np.int64)
     # Image: transformers 5.24's start + max(h, w)/merge. Video: original "max so far + 1".
-    advance = np.where(is_video, np.maximum(t_last, np.maximum(gh, gw) - 1) + 1, np.maximum(gh, gw))
-    delta = np.zeros(total + 1, dtype=np.int64)
-    delta[begin + n_tok] = advance - n_tok  # block ends are distinct: blocks are disjoint and non-empty
-    shift = np.cumsum(delta[:total])
-    shift -= np.repeat(shift[starts], lens)
-    text = local + shift
+    hw_max = np.maximum(gh, gw)
+    advance = np.where(is_video, np.maximum(t_last, hw_max - 1) + 1, hw_max)
+
+    # Text: position = index + offset; the offset changes only at events. Block ends are listed
+    # before sample starts so that, where both fall on one index, the stable sort keeps the block
+    # with the sample it belongs to.
+    ev_pos = np.concatenate((begin + n_tok, starts))
+    ev_delta = np.zeros(ev_pos.shape[0], np.int64)
+    ev_delta[:n_blocks] = advance - n_tok
+    order = np.argsort(ev_pos, kind="stable")
+    ev_pos = ev_pos[order]
+    acc = np.cumsum(ev_delta[order])
+    is_start = order >= n_blocks
+    sample_of = np.cumsum(is_start) - 1
+    offset = acc - acc[is_start][sample_of] - starts[sample_of]
+    seg = np.empty_like(ev_pos)
+    seg[:-1] = ev_pos[1:] - ev_pos[:-1]
+    seg[-1] = total - ev_pos[-1]
+    text = np.repeat(offset, seg)
+    text += np.arange(total, dtype=np.int64)
     pos[:] = text
 
-    # Vision tokens: index j inside its block -> (t, h, w) offsets, added to the block's start.
-    block_of = np.repeat(np.arange(begin.shape[0]), n_tok)
-    block_first = np.concatenate(([0], np.cumsum(n_tok)[:-1]))
-    j = np.arange(block_of.shape[0], dtype=np.int64) - block_first[block_of]
-    hw = (gh * gw)[block_of]
-    w_b = gw[block_of]
-    t_idx = j // hw
-    rem = j - t_idx * hw
-    h_idx = rem // w_b
-    w_idx = rem - h_idx * w_b
+    t_scale = None
     if intervals is not None:
-        iv = np.zeros(begin.shape[0], np.float32)
-        iv[is_video] = intervals
-        tok_iv = iv[block_of]
-        scaled = is_video[block_of]
-        t_idx[scaled] = (t_idx[scaled].astype(np.float32) * tok_iv[scaled]).astype(np.int64)
-    where = begin[block_of] + j
-    start = text[begin][block_of]
-    pos[0, where] = start + t_idx
-    pos[1, where] = start + h_idx
-    pos[2, where] = start + w_idx
-    return pos
+        t_scale = np.full(n_blocks, np.nan, np.float32)
+        t_scale[n_images:] = intervals
+    t_off, h_off, w_off = block_token_offsets(gt, gh, gw, t_scale)
+    start = np.repeat(text[begin], n_tok)
+    t_off += start
+    h_off += start
+    w_off += start
+    pos[0, where] = t_off
+    pos[1, where] = h_off
+    pos[2, where] = w_off
+    return pos, where
+
+
+def block_token_offsets(
+    gt: np.ndarray, gh: np.ndarray, gw: np.ndarray, t_scale: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(frame, row, column) of every merged token of blocks ``(gt, gh, gw)`` (int64, in merged
+    tokens), laid out block after block, frame-major then row-major (the placeholder order).
+
+    ``t_scale`` (float32 per block, NaN = unscaled) turns a frame index ``k`` into ``floor(k * scale)``
+    in float32, Qwen2.5-VL's video time steps. Built with nested ``repeat`` over frames and rows,
+    since integer division over every token costs more than the few small arrays this needs.
+    """
+    n_blocks = gt.shape[0]
+    frame_block = np.repeat(np.arange(n_blocks), gt)
+    frame_gh, frame_gw = gh[frame_block], gw[frame_block]
+    t = _segment_arange(gt)
+    if t_scale is not None:
+        scale = t_scale[frame_block]
+        scaled = ~np.isnan(scale)
+        t[scaled] = (t[scaled].astype(np.float32) * scale[scaled]).astype(np.int64)
+    t_off = np.repeat(t, frame_gh * frame_gw)
+    row_gw = np.repeat(frame_gw, frame_gh)
+    h_off = np.repeat(_segment_arange(frame_gh), row_gw)
+    w_off = _segment_arange(row_gw)
+    return t_off, h_off, w_off
+
+
+def _segment_arange(lengths: np.ndarray) -> np.ndarray:
+    """``concat(arange(l) for l in lengths)`` as int64, with one arange and one repeat."""
+    ends = np.cumsum(lengths)
+    out = np.arange(int(ends[-1]) if ends.shape[0] else 0, dtype=np.int64)
+    out -= np.repeat(ends - lengths, lengths)
+    return out
 
 
 def _raise_first_error(

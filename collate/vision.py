@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from collate.positions import block_token_offsets
+
 __all__ = ["frame_seqlens", "tower_fields", "vision_rotary_positions", "vision_window_index",
            "window_in_merged_tokens"]
 
@@ -93,15 +95,18 @@ def vision_rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
     ``transformers.vision_utils.get_vision_position_ids`` returns).
     """
     g = _check_grids(grids, merge)
-    out = np.empty((int(g.prod(1).sum()), 2), dtype=np.int64)
-    start = 0
-    for t, h, w in g.tolist():
-        # The grid's rows of ``out`` as (frame, block row, block column, row in block, column in
-        # block, coordinate): two broadcast assignments, no temporaries.
-        block = out[start:start + t * h * w].reshape(t, h // merge, w // merge, merge, merge, 2)
-        block[..., 0] = np.arange(h).reshape(h // merge, 1, merge, 1)
-        block[..., 1] = np.arange(w).reshape(1, w // merge, 1, merge)
-        start += t * h * w
+    # Patch (row, column) = merged token (row, column) * merge + (a, c), its place inside the merge
+    # block; the merged tokens' offsets are the placeholder layout M-RoPE uses, for all grids at
+    # once. Repeating whole (row, column) pairs and adding one tiled flat pattern keeps every numpy
+    # loop long (a broadcast over the merge axes would run inner loops of ``merge`` elements).
+    _, rows, cols = block_token_offsets(g[:, 0], g[:, 1] // merge, g[:, 2] // merge)
+    pairs = np.empty((rows.shape[0], 2), dtype=np.int64)
+    np.multiply(rows, merge, out=pairs[:, 0])
+    np.multiply(cols, merge, out=pairs[:, 1])
+    out = np.repeat(pairs, merge * merge, axis=0)
+    inner = np.arange(merge, dtype=np.int64)
+    pattern = np.stack(np.meshgrid(inner, inner, indexing="ij"), axis=-1).reshape(-1)
+    out.reshape(-1)[:] += np.tile(pattern, rows.shape[0])
     return out
 
 

@@ -11,24 +11,32 @@ and times, on the same samples:
    memcpy), and with real-size pixel rows (1176 floats per patch) next to a bare ``torch.cat`` of
    the same pixel tensors, the memcpy floor no collator can beat.
 
-Prints medians over ``--repeat`` runs and the ratios. No GPU needed.
+Prints medians over ``--repeat`` runs and the ratios (timings: ``scripts/harness.py``). No GPU
+needed. ``--baseline-tree DIR`` (e.g. a checkout of main) times ``packed_mrope_positions`` and the
+collate call with that tree's ``collate`` in a subprocess right after ours, on the same batch, and
+prints the speed-ups.
 
     python scripts/bench_collate.py [--samples 64] [--tokens 32768] [--repeat 30] [--seed 0]
+        [--baseline-tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import pathlib
-import statistics
+import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
+from harness import environment_line, measure, ratio
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+# ``--tree DIR`` (used by --baseline-tree) imports another checkout's collate instead of this one's.
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv else None
+sys.path.insert(0, _TREE or str(pathlib.Path(__file__).resolve().parents[1]))
 
 from collate import PackedCollator  # noqa: E402
 from collate.positions import mrope_positions, packed_mrope_positions  # noqa: E402
@@ -97,16 +105,16 @@ def mrope_positions_of(s: dict) -> np.ndarray:
 TIMES: dict[str, float] = {}
 
 
+CPU: dict[str, float] = {}
+
+
 def median_ms(fn: Callable[[], object], repeat: int, name: str = "") -> float:
-    """Median wall time in ms; the minimum goes to TIMES[name] (less sensitive to a shared machine)."""
-    fn()  # warm-up (imports, allocator)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    TIMES[name] = min(times) * 1e3
-    return statistics.median(times) * 1e3
+    """Median wall time in ms; the minimum goes to TIMES[name] (less sensitive to a shared machine),
+    the median CPU time to CPU[name]."""
+    t = measure(fn, repeats=repeat, warmup=1)  # warm-up: imports, allocator
+    TIMES[name] = t.wall_min * 1e3
+    CPU[name] = t.cpu_median * 1e3
+    return t.ms
 
 
 def tiny_qwen2vl():
@@ -150,14 +158,60 @@ def hf_inputs(samples: list[dict]) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
+def core_timings(args: argparse.Namespace) -> dict[str, float]:
+    """Median wall / CPU ms of the packed positions and of the collate call (small pixel rows)."""
+    small = make_samples(args.samples, args.tokens, args.seed, feat=8)
+    cfg, _ = tiny_qwen2vl()
+    coll = PackedCollator.from_config(cfg, pin_memory=False)
+    cu = np.concatenate(([0], np.cumsum([len(s["input_ids"]) for s in small])))
+    ids = np.concatenate([s["input_ids"] for s in small])
+    img = np.concatenate([s["image_grid_thw"] for s in small if "image_grid_thw" in s])
+    vid = np.concatenate([s["video_grid_thw"] for s in small if "video_grid_thw" in s])
+    per_img = np.array([len(s.get("image_grid_thw", ())) for s in small])
+    per_vid = np.array([len(s.get("video_grid_thw", ())) for s in small])
+
+    def positions() -> None:
+        packed_mrope_positions(ids, cu, img, vid, images_per_sample=per_img, videos_per_sample=per_vid,
+                               image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS,
+                               spatial_merge_size=MERGE)
+
+    out = {}
+    for name, fn in (("positions", positions), ("collate", lambda: coll(small))):
+        t = measure(fn, repeats=args.repeat, warmup=2)
+        out[name + "_wall"], out[name + "_cpu"] = t.ms, t.cpu_median * 1e3
+    return out
+
+
+def compare_with_tree(args: argparse.Namespace) -> None:
+    ours = core_timings(args)
+    cmd = [sys.executable, os.path.abspath(__file__), "--json", "--tree", os.path.abspath(args.baseline_tree),
+           "--samples", str(args.samples), "--tokens", str(args.tokens), "--repeat", str(args.repeat),
+           "--seed", str(args.seed)]
+    base = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    print(f"\nthis tree vs {args.baseline_tree} (run right after, same batch), ms, medians")
+    print(f"  {'':<10}{'base wall':>10}{'ours wall':>11}{'speed-up':>10}{'base CPU':>11}{'ours CPU':>11}"
+          f"{'speed-up':>10}")
+    for name in ("positions", "collate"):
+        bw, ow, bc, oc = base[name + "_wall"], ours[name + "_wall"], base[name + "_cpu"], ours[name + "_cpu"]
+        print(f"  {name:<10}{bw:>10.2f}{ow:>11.2f}{ratio(bw, ow):>10}{bc:>11.2f}{oc:>11.2f}"
+              f"{ratio(bc, oc):>10}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--baseline-tree", help="a checkout whose collate to time right after ours")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # read at import time, see _TREE
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # for --baseline-tree
     args = ap.parse_args()
     torch.set_num_threads(1)  # a DataLoader worker runs collate on one core
+    if args.json:
+        print(json.dumps(core_timings(args)))
+        return 0
+    print(environment_line())
 
     small = make_samples(args.samples, args.tokens, args.seed, feat=8)
     total = sum(len(s["input_ids"]) for s in small)
@@ -265,6 +319,9 @@ def main() -> int:
         f"  collate / bare cat with real pixel rows   : {t_coll_big / t_cat:8.2f}x"
         f" {m['coll_big'] / m['cat']:7.2f}x"
     )
+    print(f"  CPU ms (median): collate small {CPU['coll']:.2f}, packed positions {CPU['packed']:.2f}")
+    if args.baseline_tree:
+        compare_with_tree(args)
     return 0
 
 

@@ -21,21 +21,28 @@ prose (``/usr/share/common-licenses``) and the other half of the stdlib modules.
 vocabulary size and domain: real bytes per token, the heuristic's total error (sum of estimates /
 sum of true counts - 1) and the spread of its per-sample relative error, plus both counters' speed.
 
+``--baseline-tree DIR`` (e.g. a checkout of main) re-runs the ``image_tokens_batch`` timings with
+that tree's ``tokenbal`` in a subprocess right after ours (same sizes, same machine) and prints
+the per-family speed-up, per CPU-second and per wall second. Timings use ``scripts/harness.py``.
+
     python scripts/bench_estimate.py [--n 1000000] [--processor 100] [--helper 20000]
-        [--repeats 5] [--vocab 32000,64000] [--skip-vision] [--skip-text]
+        [--repeats 5] [--vocab 32000,64000] [--skip-vision] [--skip-text] [--baseline-tree DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 
 import numpy as np
+from harness import environment_line, measure, ratio
 
 from tokenbal.estimate import HeuristicTextCounter, TextTokenCounter, estimator_names, get_estimator
 
@@ -45,13 +52,42 @@ HUB_QWEN2 = dict(min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size
 def _median_time(fn, repeats: int) -> tuple[float, float]:
     """Median (wall seconds, CPU seconds of this process) over ``repeats`` calls. On a shared
     machine the CPU time is the steadier number (it does not count waiting for a core)."""
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return statistics.median(wall), statistics.median(cpu)
+    t = measure(fn, repeats=repeats, warmup=0)
+    return t.wall_median, t.cpu_median
+
+
+def _sizes(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.integers(64, 4097, n), rng.integers(64, 4097, n)
+
+
+def batch_rates(n: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per family: (images per wall second, images per CPU second) of ``image_tokens_batch``."""
+    w, h = _sizes(n)
+    out = {}
+    for name in estimator_names():
+        est = get_estimator(name)
+        est.image_tokens_batch(w[:1000], h[:1000])  # warm-up (caches, lazy imports)
+        t = measure(lambda est=est: est.image_tokens_batch(w, h), repeats=repeats, warmup=1)
+        out[name] = (n / t.wall_median, n / t.cpu_median)
+    return out
+
+
+def compare_with_tree(tree: str, n: int, repeats: int, ours: dict[str, tuple[float, float]]) -> None:
+    """The same timings with ``tree``'s tokenbal, in a subprocess, and the speed-ups."""
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    cmd = [sys.executable, os.path.abspath(__file__), "--rates-json", "--n", str(n),
+           "--repeats", str(repeats)]
+    base = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
+    print(f"\n== image_tokens_batch: this tree vs {tree} (run right after, same sizes) ==")
+    print(f"{'family':<18}{'base /CPU-s':>12}{'ours /CPU-s':>12}{'speed-up':>9}"
+          f"{'base /wall-s':>13}{'ours /wall-s':>13}{'speed-up':>9}")
+    for name, (wall, cpu) in ours.items():
+        if name not in base:
+            continue
+        bw, bc = base[name]
+        print(f"{name:<18}{_rate(bc):>12}{_rate(cpu):>12}{ratio(1 / bc, 1 / cpu):>9}"
+              f"{_rate(bw):>13}{_rate(wall):>13}{ratio(1 / bw, 1 / wall):>9}")
 
 
 def _rate(x: float) -> str:
@@ -61,23 +97,22 @@ def _rate(x: float) -> str:
     return f"{x:.1f}"
 
 
-def bench_vision(n: int, n_proc: int, n_helper: int, repeats: int) -> None:
+def bench_vision(n: int, n_proc: int, n_helper: int, repeats: int, baseline_tree: str | None = None) -> None:
     from PIL import Image
     from transformers import Qwen2VLImageProcessorPil
 
-    rng = np.random.default_rng(0)
-    w = rng.integers(64, 4097, n)
-    h = rng.integers(64, 4097, n)
+    w, h = _sizes(n)
     print(f"== vision: image_tokens_batch on {n:,} random sizes (sides uniform in 64..4096 px), "
           f"median of {repeats} ==")
     print(f"{'family':<18}{'wall s':>9}{'images/s':>11}{'CPU s':>9}{'images/CPU-s':>14}")
-    rates, cpu_rates = {}, {}
-    for name in estimator_names():
-        est = get_estimator(name)
-        est.image_tokens_batch(w[:1000], h[:1000])  # warm-up (caches, lazy imports)
-        t, c = _median_time(lambda est=est: est.image_tokens_batch(w, h), repeats)
-        rates[name], cpu_rates[name] = n / t, n / c
-        print(f"{name:<18}{t:>9.4f}{_rate(n / t):>11}{c:>9.4f}{_rate(n / c):>14}")
+    both = batch_rates(n, repeats)
+    rates = {k: v[0] for k, v in both.items()}
+    cpu_rates = {k: v[1] for k, v in both.items()}
+    for name, (r, c) in both.items():
+        print(f"{name:<18}{n / r:>9.4f}{_rate(r):>11}{n / c:>9.4f}{_rate(c):>14}"
+              f"{'' if c >= 5e6 else '   below 5M/CPU-s'}")
+    if baseline_tree:
+        compare_with_tree(baseline_tree, n, repeats, both)
 
     est = get_estimator("qwen2-vl")
     want = est.image_tokens_batch(w, h)
@@ -208,10 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", default="32000,64000", help="BPE vocabulary sizes, comma-separated")
     ap.add_argument("--skip-vision", action="store_true")
     ap.add_argument("--skip-text", action="store_true")
+    ap.add_argument("--baseline-tree", help="a tree whose tokenbal to time right after ours")
+    ap.add_argument("--rates-json", action="store_true", help=argparse.SUPPRESS)  # for --baseline-tree
     a = ap.parse_args(argv)
-    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, cpus {os.cpu_count()}")
+    if a.rates_json:
+        print(json.dumps(batch_rates(a.n, a.repeats)))
+        return
+    print(environment_line())
     if not a.skip_vision:
-        bench_vision(a.n, a.processor, a.helper, a.repeats)
+        bench_vision(a.n, a.processor, a.helper, a.repeats, a.baseline_tree)
     if not a.skip_text:
         bench_text([int(v) for v in a.vocab.split(",")])
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
 
 LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # (h, w), v1.6
 ONEVISION_PINPOINTS = tuple((384 * i, 384 * j) for i in range(1, 7) for j in range(1, 7))
@@ -43,6 +44,7 @@ def _select_best_np(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndarray
     return _select_best_sweep(h, w, pinpoints)
 
 
+@lru_cache(maxsize=32)
 def _as_grid(pinpoints: tuple) -> tuple[int, int, int] | None:
     """(c, a, b) when ``pinpoints`` is every (c*i, c*j), 1 <= i <= a, 1 <= j <= b (OneVision's 36)."""
     c = min(min(p) for p in pinpoints)
@@ -87,16 +89,46 @@ def _select_best_sweep(h: np.ndarray, w: np.ndarray, pinpoints) -> tuple[np.ndar
     # area - eff >= 0, so eff * K - waste = eff * (K + 1) - area is increasing in both; strict >
     # keeps the first pinpoint on ties.
     K = max(ph * pw for ph, pw in pinpoints) + 1
+    if K * (K + 1) >= 2**53:  # keys beyond float64's integers: the int64 sweep
+        return _select_best_sweep_int(h, w, pinpoints, K)
     best = np.zeros(h.shape, dtype=np.int64)  # index into pinpoints
+    wf, hf = w.astype(np.float64), h.astype(np.float64)
+    # The image area may round in float64, but min(eff, area) only picks it when it is at most a
+    # pinpoint's area (< K), where it is exact.
+    area = wf * hf
+    best_key = np.full(h.shape, -np.inf)
+    scale, side, key = np.empty_like(wf), np.empty_like(wf), np.empty_like(wf)
+    for k, (ph, pw) in enumerate(pinpoints):
+        np.divide(pw, wf, out=scale)
+        np.divide(ph, hf, out=side)
+        np.minimum(scale, side, out=scale)
+        # int() of a positive float is trunc(); the truncated sides are at most the pinpoint's, so
+        # their product, the key and every step here are exact float64 integers (< 2**53).
+        np.multiply(wf, scale, out=key)
+        np.trunc(key, out=key)
+        np.multiply(hf, scale, out=side)
+        np.trunc(side, out=side)
+        key *= side
+        np.minimum(key, area, out=key)
+        key *= K + 1
+        key -= ph * pw
+        # copyto(where=) instead of boolean-mask assignment: same result, several times cheaper
+        np.copyto(best, k, where=key > best_key)
+        np.maximum(best_key, key, out=best_key)
+    table = np.asarray(pinpoints, dtype=np.int64)
+    return table[best, 0], table[best, 1]
+
+
+def _select_best_sweep_int(h: np.ndarray, w: np.ndarray, pinpoints, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_select_best_sweep` with int64 keys, for pinpoints too large for float64 keys."""
+    best = np.zeros(h.shape, dtype=np.int64)
     best_key = np.full(h.shape, np.iinfo(np.int64).min)
     area = w * h
     wf, hf = w.astype(np.float64), h.astype(np.float64)
     for k, (ph, pw) in enumerate(pinpoints):
         scale = np.minimum(pw / wf, ph / hf)
-        # int() truncates; products are positive so astype's truncation is the same
         eff = np.minimum((wf * scale).astype(np.int64) * (hf * scale).astype(np.int64), area)
         key = eff * (K + 1) - ph * pw
-        # copyto(where=) instead of boolean-mask assignment: same result, several times cheaper
         np.copyto(best, k, where=key > best_key)
         np.maximum(best_key, key, out=best_key)
     table = np.asarray(pinpoints, dtype=np.int64)
@@ -171,10 +203,15 @@ class LlavaNextEstimator:
 
     def image_tokens_batch(self, widths, heights) -> np.ndarray:
         w, h = pair_dims(widths, heights)
+        return chunked(self._tokens_np, w, h)
+
+    def _tokens_np(self, w: np.ndarray, h: np.ndarray, offset: int) -> np.ndarray:
         g = self.grid_side
         bh, bw = _select_best_np(h, w, self.pinpoints)
         rows, cols = _unpadded_np(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
-        return (g * g + rows * cols + rows).astype(np.int64)
+        rows *= cols + 1
+        rows += g * g
+        return rows
 
     def replace(self, **overrides) -> LlavaNextEstimator:
         return _replace(self, overrides)
@@ -238,16 +275,20 @@ class LlavaOneVisionEstimator:
         g = self.grid_side
         if as_dim(images_in_sample, "images_in_sample") > 1:
             return np.full(w.shape, g * g + 1, dtype=np.int64)
+        return chunked(self._tokens_np, w, h)
+
+    def _tokens_np(self, w: np.ndarray, h: np.ndarray, offset: int) -> np.ndarray:
+        g = self.grid_side
         bh, bw = _select_best_np(h, w, self.pinpoints)
-        rows, cols = _unpadded_np(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
-        ratio = np.sqrt(rows * cols / (self.max_num_views * g * g))
-        big = ratio > 1.1
-        # np.floor_divide on floats follows Python's float // (same divmod algorithm)
-        r_small = np.floor_divide(rows, np.where(big, ratio, 1.0)).astype(np.int64)
-        c_small = np.floor_divide(cols, np.where(big, ratio, 1.0)).astype(np.int64)
-        feats = np.where(big, r_small * c_small, rows * cols)
-        newlines = np.where(big, r_small, rows)
-        return (g * g + feats + newlines).astype(np.int64)
+        cur_h, cur_w = g * (bh // self.crop_size), g * (bw // self.crop_size)
+        rows, cols = _unpadded_np(h, w, cur_h, cur_w)
+        # rows <= cur_h and cols <= cur_w take few values, so the downsampling step is a table.
+        max_cols = g * max(pw for _, pw in self.pinpoints) // self.crop_size
+        table = _downsampled_tokens(g, self.max_num_views, g * max(ph for ph, _ in self.pinpoints)
+                                    // self.crop_size, max_cols)
+        rows *= max_cols + 1
+        rows += cols
+        return table[rows]
 
     def video_tokens(self, num_frames: int, width: int, height: int, fps: float | None = None) -> int:
         """``<video>`` tokens: frames are resized to 384^2 and pooled 27 -> 14 per side, plus one
@@ -262,6 +303,24 @@ class LlavaOneVisionEstimator:
 
     def replace(self, **overrides) -> LlavaOneVisionEstimator:
         return _replace(self, overrides)
+
+
+@lru_cache(maxsize=8)
+def _downsampled_tokens(g: int, max_num_views: int, max_rows: int, max_cols: int) -> np.ndarray:
+    """OneVision's tokens for every unpadded grid (rows, cols), rows <= max_rows, cols <= max_cols,
+    flat at ``rows * (max_cols + 1) + cols``: base view + features + newlines after the optional
+    bilinear downsampling (the same float arithmetic as :meth:`LlavaOneVisionEstimator._single`)."""
+    rows, cols = np.divmod(np.arange((max_rows + 1) * (max_cols + 1), dtype=np.int64), max_cols + 1)
+    ratio = np.sqrt(rows * cols / (max_num_views * g * g))
+    big = ratio > 1.1
+    # np.floor_divide on floats follows Python's float // (same divmod algorithm)
+    r_small = np.floor_divide(rows, np.where(big, ratio, 1.0)).astype(np.int64)
+    c_small = np.floor_divide(cols, np.where(big, ratio, 1.0)).astype(np.int64)
+    feats = np.where(big, r_small * c_small, rows * cols)
+    newlines = np.where(big, r_small, rows)
+    table = (g * g + feats + newlines).astype(np.int64)
+    table.flags.writeable = False  # shared by every call through the cache
+    return table
 
 
 def _check_video_frames(est) -> None:

@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
 from tokenbal.estimate.tiles import sweep_np
 
 CROP = 448  # transformers hardcodes the 256 + 16 global-view tokens for this crop / patch size
@@ -124,6 +124,9 @@ class Phi4MultimodalEstimator:
     def image_tokens_batch(self, widths, heights) -> np.ndarray:
         """Vectorised :meth:`image_tokens`; identical values, int64."""
         w, h = pair_dims(widths, heights)
+        return chunked(self._tokens_np, w, h)
+
+    def _tokens_np(self, w: np.ndarray, h: np.ndarray, offset: int) -> np.ndarray:
         gw = np.ceil(w / float(CROP)).astype(np.int64)
         gh = np.ceil(h / float(CROP)).astype(np.int64)
         over = gw * gh > self.dynamic_hd
@@ -137,7 +140,9 @@ class Phi4MultimodalEstimator:
         # scalar path's min(new_h, th) is new_h, and 0 <= pad < PATCH gives pad // PATCH == 0.
         if new_h.size and min(int(new_h.min()), int(new_w.min())) < MIN_SIDE:
             i = int(np.flatnonzero((new_h < MIN_SIDE) | (new_w < MIN_SIDE))[0])
-            raise ValueError(f"element {i}: {_extreme(int(w[i]), int(h[i]), int(new_w[i]), int(new_h[i]))}")
+            raise ValueError(
+                f"element {offset + i}: {_extreme(int(w[i]), int(h[i]), int(new_w[i]), int(new_h[i]))}"
+            )
         rows = MASK * gh - (th - new_h) // PATCH
         cols = MASK * gw - (tw - new_w) // PATCH
         hr, hc = (rows + 1) >> 1, (cols + 1) >> 1
