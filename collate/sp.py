@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from collate.fields import SP_ROUTING
 from collate.packing import IGNORE_INDEX, PackedBatch
 from collate.vision import frame_seqlens
 
@@ -66,9 +67,7 @@ class SPBatch(PackedBatch):
 
 
 _SP_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SPBatch))
-# The keys an SP slice adds to a packed batch that the model wrapper consumes (shift_labels goes on
-# to transformers' loss).
-SP_KEYS = ("sp_rank", "sp_size", "vision_sp_send_index", "vision_sp_send_counts", "vision_sp_recv_counts")
+SP_KEYS = SP_ROUTING  # the keys an SP slice adds for the model wrapper (collate.fields)
 
 
 def assign_grids(patches: np.ndarray, home: np.ndarray, sp_size: int) -> np.ndarray:

@@ -43,43 +43,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from collate.fields import CONSUMED_BY_WRAPPER, SP_ROUTING, VISION_PLAN
 from collate.ops import apply_mrope, varlen_attention
 from collate.ops.attention import segment_ends
 from collate.ops.ulysses import all_to_all_rows, ulysses_attention, ulysses_kv_heads
 
 PACKED_KWARG = "tokenbal_packed"
 
-# The collator's precomputed vision-tower inputs (collate.vision) and feature slots.
-VISION_KEYS = (
-    "vision_cu_seqlens",
-    "vision_cu_seqlens_list",
-    "vision_max_seqlen",
-    "vision_position_ids",
-    "vision_token_index",
-    "vision_window_index",
-    "vision_cu_window_seqlens",
-    "vision_cu_window_seqlens_list",
-    "vision_max_window_seqlen",
-)
-
-# An SP slice's routing plan (collate.sp.shard_batch); ``shift_labels`` stays for transformers' loss.
-SP_KEYS = ("sp_rank", "sp_size", "sp_padding", "vision_sp_send_index", "vision_sp_send_counts",
-           "vision_sp_recv_counts")
-
-# Batch keys the wrapper takes out of a packed call (never passed into transformers). ``position_ids``
-# is also taken, and handed back to HF as the packed ids. ``second_per_grid_ts`` only feeds HF's own
-# position computation (Qwen2.5-VL), which the precomputed positions replace.
-CONSUMED_KEYS = (
-    "cu_seqlens",
-    "cu_seqlens_list",
-    "max_seqlen",
-    "seq_lens",
-    "text_position_ids",
-    "num_loss_tokens",
-    "second_per_grid_ts",
-    *VISION_KEYS,
-    *SP_KEYS,
-)
+# Field names live in collate.fields; these are the names this module has always exported.
+VISION_KEYS = VISION_PLAN
+SP_KEYS = (*SP_ROUTING, "sp_padding")
+CONSUMED_KEYS = CONSUMED_BY_WRAPPER
 
 PREV_FORWARD = "_tokenbal_prev_forward"
 ENABLED = "_tokenbal_packed_enabled"
