@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
-import time
 from collections.abc import Iterator
+from functools import partial
 
 import numpy as np
-from harness import environment_line, measure, ratio
+from harness import environment_line, measure, ratio, timed
 
 import tokenbal.plan
 from tokenbal.estimate import get_estimator
@@ -158,9 +158,8 @@ def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
                               ("stages, previous", True, previous_planner),
                               ("flops + stages", True, contextlib.nullcontext)):
         with ctx():
-            t0 = time.process_time()
-            plan = plan_epoch(samples, R, global_batch_size=N, seed=seed, cost=model, stages=stages)
-            cpu = time.process_time() - t0
+            plan, _, cpu = timed(partial(plan_epoch, samples, R, global_batch_size=N, seed=seed,
+                                                  cost=model, stages=stages))
             again, chance = float("nan"), float("nan")
             if stages:
                 nxt = plan_epoch(samples, R, global_batch_size=N, seed=seed, epoch=1, cost=model,
@@ -237,9 +236,7 @@ def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats
     over = int((lens > budget).sum())
     lens = lens[lens <= budget]
     tot = int(lens.sum())
-    t0 = time.process_time()
-    trl_bins = _trl_bfd_bins(lens, budget)
-    trl_cpu = time.process_time() - t0
+    trl_bins, _, trl_cpu = timed(lambda: _trl_bfd_bins(lens, budget))
     assert int(trl_bins.sum()) == tot and trl_bins.max() <= budget
     lower = -(-tot // budget)
     print(f"{len(lens)} samples ({over} over the budget left out), {tot} tokens, budget {budget}: "
@@ -251,9 +248,9 @@ def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats
     for R in ranks:
         cpu = []
         for _ in range(repeats):
-            t0 = time.process_time()
-            plan = plan_epoch(lens, R, max_tokens_per_rank=budget, seed=seed, epoch=0)
-            cpu.append(time.process_time() - t0)
+            plan, _, seconds = timed(partial(plan_epoch, lens, R, max_tokens_per_rank=budget, seed=seed,
+                                                       epoch=0))
+            cpu.append(seconds)
         S = plan.num_steps
         t = plan.step_rank_tokens(lens)
         assert t.max() <= budget and len(plan.indices) == len(lens)
@@ -313,18 +310,14 @@ def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
         r = step_balance(t)
         res[name] = balance_summary(r)
         print(_row(name, r, step_lower_bound(t, big)))
-    t0 = time.perf_counter()
-    plan = plan_epoch(lens, R, global_batch_size=N, seed=seed)
-    dt = time.perf_counter() - t0
+    plan, dt, _ = timed(lambda: plan_epoch(lens, R, global_batch_size=N, seed=seed))
     t = plan.step_rank_tokens(lens)
     r = step_balance(t)
     lb = step_lower_bound(t, plan.step_max_item(lens))
     res["tokenbal"] = balance_summary(r)
     res["tokenbal vs LB"] = balance_summary(r / lb)
     with previous_planner():
-        t0 = time.perf_counter()
-        prev = plan_epoch(lens, R, global_batch_size=N, seed=seed)
-        pdt = time.perf_counter() - t0
+        prev, pdt, _ = timed(lambda: plan_epoch(lens, R, global_batch_size=N, seed=seed))
     pt = prev.step_rank_tokens(lens)
     res["tokenbal previous"] = balance_summary(step_balance(pt))
     print(_row("tokenbal previous (v5)", step_balance(pt), step_lower_bound(pt, prev.step_max_item(lens)))
@@ -332,18 +325,14 @@ def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
     print(_row("tokenbal plan_epoch", r, lb) + f"   ({dt:.2f} s)")
     if compare_exact:
         with exact_fill():
-            t0 = time.perf_counter()
-            plan = plan_epoch(lens, R, global_batch_size=N, seed=seed)
-            dt = time.perf_counter() - t0
+            plan, dt, _ = timed(lambda: plan_epoch(lens, R, global_batch_size=N, seed=seed))
         t = plan.step_rank_tokens(lens)
         r = step_balance(t)
         res["tokenbal exact fill"] = balance_summary(r)
         print(_row("tokenbal exact fill", r, step_lower_bound(t, plan.step_max_item(lens)))
               + f"   ({dt:.2f} s)")
     for W in windows:
-        t0 = time.perf_counter()
-        plan = plan_epoch(lens, R, global_batch_size=N, seed=seed, window=W)
-        dt = time.perf_counter() - t0
+        plan, dt, _ = timed(partial(plan_epoch, lens, R, global_batch_size=N, seed=seed, window=W))
         t = plan.step_rank_tokens(lens)
         r = step_balance(t)
         res[f"tokenbal window={W}"] = balance_summary(r)
@@ -366,7 +355,6 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
     """An elastic resume half-way through an epoch of ``n`` samples, 512 -> 384 ranks (2 samples per
     rank and step both times): the time ``load_state_dict`` + the re-plan take, and the remainder's
     balance next to a fresh 384-rank plan of the whole epoch."""
-    import time
 
     from tokenbal import TokenBalancedBatchSampler
 
@@ -377,10 +365,12 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
     times = []
     for _ in range(repeats):
         new = TokenBalancedBatchSampler(lens, 384, 0, global_batch_size=768, seed=seed, elastic=True)
-        t = time.process_time()
-        new.load_state_dict(state)
-        plan = new.plan()
-        times.append(time.process_time() - t)
+        def resume(new=new):
+            new.load_state_dict(state)
+            return new.plan()
+
+        plan, _, seconds = timed(resume)
+        times.append(seconds)
     fresh = TokenBalancedBatchSampler(lens, 384, 0, global_batch_size=768, seed=seed).plan()
 
     def balance(p) -> float:

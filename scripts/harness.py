@@ -13,6 +13,9 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ def measure(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> Timi
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return Timing(wall=wall, cpu=cpu)
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
+    """One call of ``fn`` for benchmarks that need its result: ``(result, wall s, CPU s)``."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def ratio(baseline: float, ours: float) -> str:
