@@ -382,6 +382,6 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
 
 @pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine
 def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
-    from tests.dist_utils import run_ranks
+    from tests.helpers.dist_utils import run_ranks
 
     assert min(run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)) > 30
