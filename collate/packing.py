@@ -473,7 +473,8 @@ class PackedCollator:
         against every sample's grids by the positions)."""
         if self.rope != "mrope":
             return tower_fields(grids)
-        fields = tower_fields(grids, self.spatial_merge_size, self.vision_window)
+        # The positions have checked the grids against spatial_merge_size (or raised).
+        fields = tower_fields(grids, self.spatial_merge_size, self.vision_window, checked=True)
         fields["vision_token_index"] = torch.from_numpy(slots)
         return fields
 
