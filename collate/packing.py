@@ -18,12 +18,13 @@ from torch.utils.data import get_worker_info
 
 from collate.anyres import AnyresLayout, TileLayout, collate_anyres
 from collate.positions import (
+    _arange,
     as_grid,
     glm4v_token_types,
     packed_glm4v_positions,
     packed_mrope_positions_and_slots,
 )
-from collate.vision import _arange, tower_fields, window_in_merged_tokens
+from collate.vision import tower_fields, window_in_merged_tokens
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
 
@@ -602,8 +603,9 @@ def _gather_checked(
     patches = grid_all.prod(axis=1)
     if not (grid_all > 0).all():
         return None
-    starts = np.zeros(len(counts), dtype=np.int64)
-    np.cumsum(counts[:-1], out=starts[1:])
+    starts = np.array(counts, dtype=np.int64)
+    np.cumsum(starts, out=starts)
+    starts -= counts
     rows = np.array([p.shape[0] if p.dim() == 2 else -1 for p in pvs], dtype=np.int64)
     if not np.array_equal(rows, np.add.reduceat(patches, starts)):
         return None

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from collate.positions import _arange
+
 __all__ = ["frame_seqlens", "tower_fields", "vision_rotary_positions", "vision_window_index",
            "window_in_merged_tokens"]
 
@@ -155,20 +157,6 @@ def _band_table(merge: int, rows: int, width: int) -> np.ndarray:
     if rows * width <= _TABLE_MIN:
         _TABLES[merge] = table
     return table
-
-
-_ARANGE = np.arange(0, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """``np.arange(n)`` int64, as a read-only view of one cached array (grown when needed): the
-    collator needs several per batch and building one costs a pass over the row."""
-    global _ARANGE
-    if _ARANGE.shape[0] < n:
-        grown = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
-        grown.flags.writeable = False
-        _ARANGE = grown
-    return _ARANGE[:n]
 
 
 def vision_window_index(grids: np.ndarray, merge: int, window: int) -> tuple[np.ndarray, np.ndarray]:
