@@ -18,6 +18,7 @@ from torch.utils.data import get_worker_info
 
 from collate.anyres import AnyresLayout, TileLayout, collate_anyres
 from collate.positions import (
+    _arange,
     as_grid,
     glm4v_token_types,
     packed_glm4v_positions,
@@ -306,96 +307,89 @@ class PackedCollator:
         if len(samples) == 0:
             return self(self._dummy_samples())
         n = len(samples)
-        ids_list, labels_list = [], []
-        vision: dict[str, list[Any]] = {k: [] for k in _VISION_KEYS}
-        img_per = np.zeros(n, dtype=np.int64)
-        vid_per = np.zeros(n, dtype=np.int64)
-        seconds: list[np.ndarray] = []
-        any_seconds = False
+        ids_list: list[np.ndarray] = []
+        labels_list: list[np.ndarray] = []
+        seq_lens: list[int] = []
+        img_items: list[tuple[int, Any, Any]] = []
+        vid_items: list[tuple[int, Any, Any]] = []
+        sec_items: list[tuple[int, Any]] = []
         anyres_parts = []
-        # Per sample only validation and gathering; all arithmetic runs once on the packed row below.
+        # Per sample only gathering and the checks that cost one attribute read; the vision fields
+        # are checked for all samples at once below, and all arithmetic runs once on the packed row.
         for i, sample in enumerate(samples):
-            ids = _int_1d(sample, i, "input_ids")
-            if ids.shape[0] == 0:
+            get = sample.get
+            ids = get("input_ids")
+            if type(ids) is not np.ndarray or ids.dtype != np.int64 or ids.ndim != 1:
+                ids = _int_1d(sample, i, "input_ids")
+            length = ids.shape[0]
+            if length == 0:
                 raise ValueError(f"sample {i}: field 'input_ids' is empty")
-            if sample.get("labels") is not None:
-                labels = _int_1d(sample, i, "labels")
-                if labels.shape[0] != ids.shape[0]:
+            labels = get("labels")
+            if labels is None:
+                labels = ids
+            else:
+                if type(labels) is not np.ndarray or labels.dtype != np.int64 or labels.ndim != 1:
+                    labels = _int_1d(sample, i, "labels")
+                if labels.shape[0] != length:
                     raise ValueError(
                         f"sample {i}: field 'labels' has length {labels.shape[0]}, "
-                        f"input_ids has {ids.shape[0]}"
+                        f"input_ids has {length}"
                     )
-            else:
-                labels = ids
-            mask = sample.get("attention_mask")
+            mask = get("attention_mask")
             if mask is not None and not bool((_np(mask) != 0).all()):
                 raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
+            ids_list.append(ids)
+            labels_list.append(labels)
+            seq_lens.append(length)
             if self.anyres is not None:
                 part = self.anyres.take(sample, i, ids, self.image_token_id, self.video_token_id)
                 anyres_parts.append(part)
-                ids_list.append(ids)
-                labels_list.append(labels)
                 continue
-
-            img_pv, img_grid = _vision_pair(sample, i, "pixel_values", "image_grid_thw")
-            vid_pv, vid_grid = _vision_pair(sample, i, "pixel_values_videos", "video_grid_thw")
-            n_vid = 0 if vid_grid is None else vid_grid.shape[0]
-            sec = sample.get("second_per_grid_ts")
+            pv, grid = get("pixel_values"), get("image_grid_thw")
+            if pv is not None or grid is not None:
+                img_items.append((i, pv, grid))
+            pv, grid = get("pixel_values_videos"), get("video_grid_thw")
+            if pv is not None or grid is not None:
+                vid_items.append((i, pv, grid))
+            sec = get("second_per_grid_ts")
             if sec is not None:
-                any_seconds = True
-                sec_arr = _np(sec).reshape(-1)
-                if sec_arr.dtype.kind not in "iuf":
-                    raise ValueError(
-                        f"sample {i}: field 'second_per_grid_ts' must be numeric, got dtype {sec_arr.dtype}"
-                    )
-                if sec_arr.shape[0] != n_vid:
-                    raise ValueError(
-                        f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
-                        f"{n_vid} videos"
-                    )
-                seconds.append(sec_arr.astype(np.float32))
-            elif n_vid:
-                seconds.append(np.ones(n_vid, dtype=np.float32))  # transformers' default: 1 s per grid
-            if self.rope == "1d":
-                self._check_1d_counts(ids, img_grid, i)
-            ids_list.append(ids)
-            labels_list.append(labels)
-            if img_grid is not None:
-                img_per[i] = img_grid.shape[0]
-                vision["pixel_values"].append((i, img_pv))
-                vision["image_grid_thw"].append((i, img_grid))
-            if vid_grid is not None:
-                vid_per[i] = n_vid
-                vision["pixel_values_videos"].append((i, vid_pv))
-                vision["video_grid_thw"].append((i, vid_grid))
+                sec_items.append((i, sec))
 
-        sp_padding = -sum(x.shape[0] for x in ids_list) % self.sp_size
+        img_grids, img_per, pixels = _gather_vision(img_items, n, "pixel_values", "image_grid_thw")
+        vid_grids, vid_per, videos = _gather_vision(vid_items, n, "pixel_values_videos", "video_grid_thw")
+        any_seconds = bool(sec_items)
+        sec_all = _seconds(sec_items, vid_per) if any_seconds else None
+        if self.rope == "1d" and self.image_token_id is not None:
+            for i, _, grid in img_items:
+                self._check_1d_counts(ids_list[i], as_grid(grid), i)
+
+        total = sum(seq_lens)
+        sp_padding = -total % self.sp_size
         if sp_padding:
             # A segment of its own: causal attention inside it only, positions from 0, no loss.
             ids_list.append(np.full(sp_padding, self.sp_pad_token_id, dtype=np.int64))
             labels_list.append(np.full(sp_padding, self.ignore_index, dtype=np.int64))
+            seq_lens.append(sp_padding)
             img_per, vid_per = np.append(img_per, 0), np.append(vid_per, 0)
             n += 1
-        seq_lens = [x.shape[0] for x in ids_list]
+            total += sp_padding
+        if total > _INT32_MAX:
+            raise ValueError(f"packed length {total} does not fit cu_seqlens int32")
         lens = np.array(seq_lens, dtype=np.int64)
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        total = int(cu[-1])
-        if total > np.iinfo(np.int32).max:
-            raise ValueError(f"packed length {total} does not fit cu_seqlens int32")
 
-        input_ids = np.concatenate(ids_list)
-        labels = np.concatenate(labels_list)  # concatenate copies, so the sample's labels are untouched
+        # One buffer for both rows; concatenate copies, so the samples' arrays are untouched.
+        rows = np.empty((2, total), dtype=np.int64)
+        np.concatenate(ids_list, out=rows[0])
+        np.concatenate(labels_list, out=rows[1])
+        input_ids, labels = rows[0], rows[1]
         # No token may learn to predict the first token of the next sample: HF shifts labels left
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
         num_loss_tokens = int(np.count_nonzero(labels[1:] != self.ignore_index))
-        text_pos = np.arange(total, dtype=np.int64)
-        text_pos -= np.repeat(cu[:-1], lens)
+        text_pos = _arange(total) - np.repeat(cu[:-1], lens)
 
-        img_grids = _cat_grids(vision["image_grid_thw"])
-        vid_grids = _cat_grids(vision["video_grid_thw"])
-        sec_all = np.concatenate(seconds) if seconds else None
         slots = None
         if self.mrope_style == "glm4v":
             video_start, video_end = self.video_span_token_ids  # type: ignore[misc]
@@ -434,20 +428,19 @@ class PackedCollator:
         tower = self._tower_fields(np.concatenate(grids), slots) if grids else {}
         if self.anyres is not None:
             tower = collate_anyres(anyres_parts, input_ids, self.image_token_id, self.video_token_id)
-        pixels = tower.pop("pixel_values", None)
-        pixels = _cat_pixels("pixel_values", vision["pixel_values"]) if pixels is None else pixels
-        videos = tower.pop("pixel_values_videos", None)
-        if videos is None:
-            videos = _cat_pixels("pixel_values_videos", vision["pixel_values_videos"])
+        if "pixel_values" in tower:
+            pixels = tower.pop("pixel_values")
+        if "pixel_values_videos" in tower:
+            videos = tower.pop("pixel_values_videos")
 
         batch = PackedBatch(
-            input_ids=torch.from_numpy(input_ids[None, :]),
-            labels=torch.from_numpy(labels[None, :]),
+            input_ids=torch.from_numpy(rows[0:1]),
+            labels=torch.from_numpy(rows[1:2]),
             position_ids=position_ids,
             text_position_ids=torch.from_numpy(text_pos[None, :]),
             cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
             cu_seqlens_list=cu[1:].tolist(),
-            max_seqlen=max(seq_lens),
+            max_seqlen=int(lens.max()),
             seq_lens=seq_lens,
             num_loss_tokens=num_loss_tokens,
             pixel_values=pixels,
@@ -473,7 +466,8 @@ class PackedCollator:
         against every sample's grids by the positions)."""
         if self.rope != "mrope":
             return tower_fields(grids)
-        fields = tower_fields(grids, self.spatial_merge_size, self.vision_window)
+        # The positions have checked the grids against spatial_merge_size (or raised).
+        fields = tower_fields(grids, self.spatial_merge_size, self.vision_window, checked=True)
         fields["vision_token_index"] = torch.from_numpy(slots)
         return fields
 
@@ -490,7 +484,7 @@ class PackedCollator:
             )
 
 
-_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _opt_int(x: Any) -> int | None:
@@ -563,11 +557,83 @@ def _vision_pair(
     return pv_t, grid_arr
 
 
-def _cat_grids(items: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
+def _gather_vision(
+    items: list[tuple[int, Any, Any]], n: int, pv_key: str, grid_key: str
+) -> tuple[np.ndarray | None, np.ndarray, torch.Tensor | None]:
+    """All samples' ``(grids (k, 3) int64, grid rows per sample (n,), pixel rows)`` of one kind.
+
+    The common case (numpy grids, host float tensors, every sample consistent) is checked on the
+    concatenated arrays; anything else goes through :func:`_vision_pair` sample by sample, which
+    words the error of the first bad sample (or converts the unusual input types).
+    """
+    per = np.zeros(n, dtype=np.int64)
     if not items:
-        return None
+        return None, per, None
+    grids = [g for _, _, g in items]
+    pvs = [p for _, p, _ in items]
+    fast = all(type(g) is np.ndarray for g in grids) and all(type(p) is torch.Tensor for p in pvs)
+    if fast:
+        try:
+            out = _gather_checked(items, grids, pvs, pv_key, per)
+        except (ValueError, RuntimeError):
+            out = None
+        if out is not None:
+            return out
+        per[:] = 0
+    pairs = [(i, *_vision_pair({pv_key: p, grid_key: g}, i, pv_key, grid_key)) for i, p, g in items]
+    for i, _, grid in pairs:
+        per[i] = grid.shape[0]
     # A fresh array even for one sample: the batch must not alias (and later mutate) sample data.
-    return np.concatenate([g for _, g in items]).astype(np.int64, copy=False)
+    grid_all = np.concatenate([g for _, _, g in pairs]).astype(np.int64, copy=False)
+    return grid_all, per, _cat_pixels(pv_key, [(i, p) for i, p, _ in pairs])
+
+
+def _gather_checked(
+    items: list[tuple[int, Any, Any]], grids: list[np.ndarray], pvs: list[torch.Tensor], pv_key: str,
+    per: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, torch.Tensor] | None:
+    """:func:`_gather_vision` for numpy grids and tensors; None where a sample needs the slow path."""
+    counts = [g.shape[0] if g.ndim == 2 else 0 for g in grids]
+    if 0 in counts:
+        return None
+    grid_all = np.concatenate(grids)  # a copy: the batch must not alias sample data
+    if grid_all.ndim != 2 or grid_all.shape[1] != 3 or grid_all.dtype.kind not in "iu":
+        return None
+    grid_all = grid_all.astype(np.int64, copy=False)
+    patches = grid_all.prod(axis=1)
+    if not (grid_all > 0).all():
+        return None
+    starts = np.array(counts, dtype=np.int64)
+    np.cumsum(starts, out=starts)
+    starts -= counts
+    rows = np.array([p.shape[0] if p.dim() == 2 else -1 for p in pvs], dtype=np.int64)
+    if not np.array_equal(rows, np.add.reduceat(patches, starts)):
+        return None
+    pixels = _cat_pixels(pv_key, [(i, p) for (i, _, _), p in zip(items, pvs, strict=True)])
+    if pixels is None or not pixels.is_cpu or not pixels.is_floating_point() or pixels.dim() != 2:
+        return None
+    per[[i for i, _, _ in items]] = counts
+    return grid_all, per, pixels
+
+
+def _seconds(items: list[tuple[int, Any]], vid_per: np.ndarray) -> np.ndarray:
+    """``second_per_grid_ts`` of every video (float32), transformers' default 1 s per grid for
+    videos of samples that give none."""
+    out = np.ones(int(vid_per.sum()), dtype=np.float32)
+    ends = np.cumsum(vid_per)
+    for i, sec in items:
+        sec_arr = _np(sec).reshape(-1)
+        if sec_arr.dtype.kind not in "iuf":
+            raise ValueError(
+                f"sample {i}: field 'second_per_grid_ts' must be numeric, got dtype {sec_arr.dtype}"
+            )
+        if sec_arr.shape[0] != vid_per[i]:
+            raise ValueError(
+                f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
+                f"{vid_per[i]} videos"
+            )
+        out[ends[i] - vid_per[i] : ends[i]] = sec_arr
+    return out
 
 
 def _cat_pixels(key: str, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor | None:

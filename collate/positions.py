@@ -25,6 +25,20 @@ __all__ = ["mrope_positions", "packed_mrope_positions", "packed_mrope_positions_
            "as_grid", "split_frames", "block_token_offsets"]
 
 
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` int64, as a read-only view of one cached array (grown when needed): the
+    collator needs several per batch and building one costs a pass over the row."""
+    global _ARANGE
+    if _ARANGE.shape[0] < n:
+        grown = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
+        grown.flags.writeable = False
+        _ARANGE = grown
+    return _ARANGE[:n]
+
+
 def text_positions(length: int) -> np.ndarray:
     """1-D positions ``0 .. length-1`` (int64) for one sample."""
     if length < 0:
@@ -403,7 +417,7 @@ def packed_mrope_positions_and_slots(
     seg[:-1] = ev_pos[1:] - ev_pos[:-1]
     seg[-1] = total - ev_pos[-1]
     text = np.repeat(offset, seg)
-    text += np.arange(total, dtype=np.int64)
+    text += _arange(total)
     pos[:] = text
 
     t_scale = None
@@ -449,9 +463,7 @@ def block_token_offsets(
 def _segment_arange(lengths: np.ndarray) -> np.ndarray:
     """``concat(arange(l) for l in lengths)`` as int64, with one arange and one repeat."""
     ends = np.cumsum(lengths)
-    out = np.arange(int(ends[-1]) if ends.shape[0] else 0, dtype=np.int64)
-    out -= np.repeat(ends - lengths, lengths)
-    return out
+    return _arange(int(ends[-1]) if ends.shape[0] else 0) - np.repeat(ends - lengths, lengths)
 
 
 def _raise_first_error(

@@ -19,18 +19,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from collate.positions import block_token_offsets
+from collate.positions import _arange
 
 __all__ = ["frame_seqlens", "tower_fields", "vision_rotary_positions", "vision_window_index",
            "window_in_merged_tokens"]
 
 
-def tower_fields(grids: np.ndarray, merge: int | None = None, window: int | None = None) -> dict[str, Any]:
+def tower_fields(grids: np.ndarray, merge: int | None = None, window: int | None = None, *,
+                 checked: bool = False) -> dict[str, Any]:
     """The ``vision_*`` fields of :class:`collate.PackedBatch` for these grids (host tensors, ints, lists).
 
     Always the per-frame attention segments (``vision_cu_seqlens`` with its host ends list and
     ``vision_max_seqlen``); with ``merge`` (Qwen-VL towers) the rotary ``vision_position_ids``; with
-    ``window`` as well (Qwen2.5-VL) the window order and segments.
+    ``window`` as well (Qwen2.5-VL) the window order and segments. ``checked=True``: the caller has
+    already verified that every ``h`` and ``w`` is a positive multiple of ``merge`` (the collator's
+    positions do), so the rotary ids skip that pass.
     """
     g = np.asarray(grids, dtype=np.int64).reshape(-1, 3)
     frames = frame_seqlens(g)
@@ -40,7 +43,8 @@ def tower_fields(grids: np.ndarray, merge: int | None = None, window: int | None
                                   vision_max_seqlen=int(frames.max(initial=0)))
     if merge is None:
         return fields
-    fields["vision_position_ids"] = torch.from_numpy(vision_rotary_positions(g, merge))
+    rotary = _rotary_positions(g, merge) if checked else vision_rotary_positions(g, merge)
+    fields["vision_position_ids"] = torch.from_numpy(rotary)
     if window is not None:
         window_index, windows = vision_window_index(g, merge, window)
         window_cu = _cumulative(windows)
@@ -94,20 +98,65 @@ def vision_rotary_positions(grids: np.ndarray, merge: int) -> np.ndarray:
     block, every frame of a grid repeating its image's ids (what
     ``transformers.vision_utils.get_vision_position_ids`` returns).
     """
-    g = _check_grids(grids, merge)
-    # Patch (row, column) = merged token (row, column) * merge + (a, c), its place inside the merge
-    # block; the merged tokens' offsets are the placeholder layout M-RoPE uses, for all grids at
-    # once. Repeating whole (row, column) pairs and adding one tiled flat pattern keeps every numpy
-    # loop long (a broadcast over the merge axes would run inner loops of ``merge`` elements).
-    _, rows, cols = block_token_offsets(g[:, 0], g[:, 1] // merge, g[:, 2] // merge)
-    pairs = np.empty((rows.shape[0], 2), dtype=np.int64)
-    np.multiply(rows, merge, out=pairs[:, 0])
-    np.multiply(cols, merge, out=pairs[:, 1])
-    out = np.repeat(pairs, merge * merge, axis=0)
-    inner = np.arange(merge, dtype=np.int64)
-    pattern = np.stack(np.meshgrid(inner, inner, indexing="ij"), axis=-1).reshape(-1)
-    out.reshape(-1)[:] += np.tile(pattern, rows.shape[0])
+    return _rotary_positions(_check_grids(grids, merge), merge)
+
+
+def _rotary_positions(g: np.ndarray, merge: int) -> np.ndarray:
+    """:func:`vision_rotary_positions` of grids already checked (``(n, 3)`` int64, h and w positive
+    multiples of ``merge``)."""
+    if g.shape[0] == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    mm = merge * merge
+    lh, lw = g[:, 1] // merge, g[:, 2] // merge
+    # One "band" = one row of merge blocks of one frame: lw * merge² patches. Patch q of the band of
+    # block row r sits at (r * merge + q // merge % merge, q // merge² * merge + q % merge), whatever
+    # the band's width, so every band reads a prefix of row r of one small table: the whole output
+    # is one gather, indexed by a ramp per band (no division over the patches).
+    frames_lh = np.repeat(lh, g[:, 0])  # block rows of every frame, grid after grid
+    band_len = np.repeat(np.repeat(lw * mm, g[:, 0]), frames_lh)
+    band_ends = np.cumsum(band_len)
+    total = int(band_ends[-1])
+    band_row = _arange(band_len.shape[0]) - np.repeat(np.cumsum(frames_lh) - frames_lh, frames_lh)
+    width, rows = int(lw.max()) * mm, int(lh.max())
+    if rows * width <= max(total, _TABLE_MIN):
+        table = _band_table(merge, rows, width)
+        stride = table.shape[1]
+        local = _arange(total) - np.repeat(band_ends - band_len - band_row * stride, band_len)
+        # np.take: plain indexing copies 2-element rows ~10x slower.
+        return np.take(table.reshape(-1, 2), local, axis=0)
+    # A table larger than the output (very uneven grids): one band row, the block rows added after.
+    q = np.arange(width, dtype=np.int64)
+    band = np.stack((q // merge % merge, q // mm * merge + q % merge), axis=1)
+    out = np.take(band, _arange(total) - np.repeat(band_ends - band_len, band_len), axis=0)
+    out[:, 0] += np.repeat(band_row * merge, band_len)
     return out
+
+
+# Band tables up to this many entries (1 MiB) are kept per merge size and reused by later batches;
+# a larger one is built for its batch only, and only when the batch's output is larger still.
+_TABLE_MIN = 1 << 16
+_TABLES: dict[int, np.ndarray] = {}
+
+
+def _band_table(merge: int, rows: int, width: int) -> np.ndarray:
+    """``(R, W, 2)`` int64 with ``R >= rows``, ``W >= width``, read-only: entry ``[r, q]`` is the
+    (row, column) of patch ``q`` of a band in block row ``r``."""
+    table = _TABLES.get(merge)
+    if table is not None:
+        if table.shape[0] >= rows and table.shape[1] >= width:
+            return table
+        grown = max(rows, table.shape[0]), max(width, table.shape[1])
+        if grown[0] * grown[1] <= _TABLE_MIN:
+            rows, width = grown
+    mm = merge * merge
+    q = np.arange(width, dtype=np.int64)
+    table = np.empty((rows, width, 2), dtype=np.int64)
+    table[:, :, 0] = (q // merge % merge)[None, :] + np.arange(rows, dtype=np.int64)[:, None] * merge
+    table[:, :, 1] = (q // mm * merge + q % merge)[None, :]
+    table.flags.writeable = False
+    if rows * width <= _TABLE_MIN:
+        _TABLES[merge] = table
+    return table
 
 
 def vision_window_index(grids: np.ndarray, merge: int, window: int) -> tuple[np.ndarray, np.ndarray]:

@@ -514,3 +514,64 @@ def test_boundary_invariants(seqs):
         )
         tp = b.text_position_ids[0]
         assert (tp[starts] == 0).all() and int(tp.max()) == max(lens) - 1
+
+
+def _ok_fast() -> dict:
+    """A valid sample in the types the collator checks batch-wide (numpy ids and grids, torch pixel
+    rows); the errors below must be the same ones the per-sample path words."""
+    return {
+        "input_ids": np.array([1, VS, IMG, IMG, VE], np.int64),
+        "pixel_values": torch.zeros(8, FEAT),
+        "image_grid_thw": np.array([[1, 2, 4]], np.int64),
+    }
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"pixel_values": torch.zeros(16, FEAT)}, r"sample 1: field 'pixel_values' has shape \(16, 8\)"),
+        ({"pixel_values": torch.zeros(8, FEAT, 1)}, r"sample 1: field 'pixel_values' has shape \(8, 8, 1\)"),
+        ({"pixel_values": torch.zeros(8, FEAT, dtype=torch.int64)},
+         r"sample 1: field 'pixel_values' must be floating"),
+        ({"pixel_values": torch.zeros(8, FEAT, dtype=torch.float64)}, r"'pixel_values' is torch.float64"),
+        ({"pixel_values": torch.zeros(8, FEAT + 1)},
+         r"sample 1: field 'pixel_values' is torch.float32 \(8, 9\)"),
+        ({"image_grid_thw": np.array([[1, -2, -4]], np.int64)},
+         r"sample 1: field 'image_grid_thw'.*positive"),
+        ({"image_grid_thw": np.array([[1.0, 2.0, 4.0]])}, r"sample 1: field 'image_grid_thw'.*integer"),
+        ({"image_grid_thw": np.array([[1, 4, 4]], np.int64), "pixel_values": torch.zeros(16, FEAT)},
+         r"sample 1: 2 image placeholder tokens in input_ids but image_grid_thw"),
+    ],
+)
+def test_errors_name_sample_and_field_batch_checked(change, match):
+    bad = {**_ok_fast(), **change}
+    with pytest.raises(ValueError, match=match):
+        collator()([_ok_fast(), bad])
+
+
+def test_batch_checked_vision_equals_per_sample_path():
+    """Torch pixel rows with numpy grids (checked on the concatenation) and numpy pixel rows with
+    list grids (checked sample by sample) give the same batch; a (3,) grid and int32 grids too."""
+    rng = np.random.default_rng(3)
+    fast = [make_sample(rng, n_images=k, n_videos=k % 2) for k in (0, 1, 2, 3, 1)]
+    for s in fast:
+        for key in ("pixel_values", "pixel_values_videos"):
+            if key in s:
+                s[key] = torch.as_tensor(s[key])
+    slow = [{k: (v.numpy() if isinstance(v, torch.Tensor) else v.tolist() if k.endswith("grid_thw") else v)
+             for k, v in s.items()} for s in fast]
+    odd = [dict(s) for s in fast]
+    odd[1]["image_grid_thw"] = odd[1]["image_grid_thw"][0]  # one image as a (3,) grid
+    odd[2]["image_grid_thw"] = odd[2]["image_grid_thw"].astype(np.int32)
+    a, b, c = collator()(fast), collator()(slow), collator()(odd)
+    for other in (b, c):
+        for key in a.keys():
+            x, y = a[key], other[key]
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), key
+            else:
+                assert x == y, key
+    assert a.image_grid_thw.dtype == torch.int64
+    # The batch's grids are copies: writing into them leaves the samples' grids alone.
+    a.image_grid_thw.fill_(0)
+    assert fast[1]["image_grid_thw"].min() > 0

@@ -95,3 +95,33 @@ def test_rotary_positions_equal_per_grid_loop(grids):
                             want.append((bh * MERGE + a, bw * MERGE + c))
     got = vision_rotary_positions(g, MERGE)
     np.testing.assert_array_equal(got, np.asarray(want, np.int64).reshape(-1, 2))
+
+
+def _rotary_loop(g: np.ndarray, merge: int) -> np.ndarray:
+    want = [(bh * merge + a, bw * merge + c)
+            for t, h, w in g.tolist() for _ in range(t)
+            for bh in range(h // merge) for bw in range(w // merge)
+            for a in range(merge) for c in range(merge)]
+    return np.asarray(want, np.int64).reshape(-1, 2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 9), st.integers(1, 9)), max_size=5),
+                min_size=1, max_size=3),
+       st.integers(1, 3), st.booleans())
+def test_rotary_positions_cached_table_equal_fresh(batches, merge, small_tables):
+    """The rotary ids read one band table cached per merge size and grown across batches; whatever
+    the batches before (and with the table cache off: the one-band path), the ids are the loop's."""
+    import collate.vision as vision
+
+    saved = vision._TABLES.copy(), vision._TABLE_MIN
+    vision._TABLES.clear()
+    vision._TABLE_MIN = 0 if small_tables else saved[1]
+    try:
+        for grids in batches:
+            g = np.asarray(grids, np.int64).reshape(-1, 3) * [1, merge, merge]
+            np.testing.assert_array_equal(vision.vision_rotary_positions(g, merge), _rotary_loop(g, merge))
+    finally:
+        vision._TABLES.clear()
+        vision._TABLES.update(saved[0])
+        vision._TABLE_MIN = saved[1]
