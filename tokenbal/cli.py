@@ -137,20 +137,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from tokenbal.profile import format_compare, format_report, profile_run, write_timeline
+    import json
+
+    from tokenbal import profile
 
     if args.compare:
-        runs = [profile_run(d) for d in args.compare]
-        print(format_compare(*runs))
+        runs = [profile.profile_run(d) for d in args.compare]
+        print(json.dumps(profile.compare_as_dict(*runs), indent=1) if args.json
+              else profile.format_compare(*runs))
     elif args.trace_dir:
-        runs = [profile_run(args.trace_dir)]
-        print(format_report(runs[0]))
+        runs = [profile.profile_run(args.trace_dir)]
+        print(json.dumps(profile.profile_as_dict(runs[0]), indent=1) if args.json
+              else profile.format_report(runs[0]))
     else:
         raise ValueError("give a trace folder, or --compare A B")
     if args.hta:
         print(_hta_summary(args.compare or [args.trace_dir]))
     if args.timeline:
-        write_timeline(runs, args.timeline)
+        profile.write_timeline(runs, args.timeline)
         print(f"timeline written to {args.timeline}")
     return 0
 
@@ -348,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--compare", nargs=2, metavar=("A", "B"),
                       help="two runs side by side, e.g. DistributedSampler (A) vs tokenbal (B)")
     prof.add_argument("--timeline", metavar="PNG", help="write a per-rank step / wait timeline")
+    prof.add_argument("--json", action="store_true",
+                      help="print every table (per rank and step, collectives, verdict, notes) as JSON "
+                           "instead of text, for scripts and CI")
     prof.add_argument("--hta", action="store_true",
                       help="also print Holistic Trace Analysis' temporal breakdown and comm/comp overlap "
                            "(GPU traces only)")

@@ -1,4 +1,4 @@
-"""Per-rank, per-step breakdown of a distributed run's traces, and the collectives' arrival skew.
+"""Per-rank, per-step breakdown of a distributed run's traces, and when each rank reached each collective.
 
 Definitions (those of Holistic Trace Analysis where it has one, so numbers compare):
 - compute: time the device runs non-communication kernels (host-only traces: time the training
@@ -7,9 +7,9 @@ Definitions (those of Holistic Trace Analysis where it has one, so numbers compa
 - exposed communication: communication not overlapped by compute; overlap ratio =
   1 - exposed / communication (HTA's "comm/comp overlap");
 - idle: step time covered by neither.
-Arrival skew of one collective: every rank leaves a blocking collective at about the same moment,
-so the rank that arrived first spent the longest in it; ``max(duration) - min(duration)`` over
-ranks is how long the earliest rank waited for the latest, without comparing clocks across hosts.
+Arrival skew of one collective: how much later the last rank reached it than the first, from each
+rank's own timeline (``tokenbal.profile.arrival``); the waits it causes are split into unequal
+work (the sampler's business) and arrival jitter (not).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenbal.profile import arrival
+from tokenbal.profile.arrival import collective_kind, event_bytes
 from tokenbal.profile.intervals import as_intervals, clip, overlap, total, union
 from tokenbal.profile.traces import Trace, step_windows
 
@@ -27,7 +29,6 @@ _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _COMM_NAME = re.compile(r"nccl|hccl|hcom|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|"
                         r"send_?recv", re.I)
 _HOST_COMM = re.compile(r"^(gloo|mpi|ucc):")          # host-side collective execution (CPU process groups)
-_LAUNCH = re.compile(r"^(c10d::|record_param_comms|nccl:|hccl:|c10d_)")
 _HOST_READ_OPS = {"aten::_local_scalar_dense"}       # .item(), a scalar read back to the host
 _SYNC_CALLS = re.compile(r"^(cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy|"
                          r"cuStreamSynchronize|cuCtxSynchronize|aclrtSynchronize\w*|aclrtMemcpy)$")
@@ -37,38 +38,6 @@ _COPY_OPS = {"aten::cat", "aten::slice", "aten::split", "aten::split_with_sizes"
              "aten::stack", "aten::chunk", "aten::gather"}
 _ROTARY_FRAME = re.compile(r"rotary|rotate_half|rope", re.I)
 _FUSED_FRAME = re.compile(r"collate/ops/|apply_mrope|liger|npu_rotary|triton", re.I)
-
-_DTYPE_BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4,
-                "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1, "Float": 4, "BFloat16": 2,
-                "Half": 2, "Long": 8, "Int": 4, "Double": 8, "Byte": 1, "Bool": 1}
-
-
-def collective_kind(name: str) -> str:
-    """``gloo:all_reduce``, ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``, ``hcom_allGather_`` → one name."""
-    flat = re.sub(r"[^a-z]", "", name.lower())
-    for key, kind in (("reducescatter", "reduce_scatter"), ("allgather", "all_gather"),
-                      ("allreduce", "all_reduce"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"),
-                      ("barrier", "barrier"), ("sendrecv", "send_recv"), ("send", "send"), ("recv", "recv"),
-                      ("reduce", "reduce"), ("gather", "gather"), ("scatter", "scatter")):
-        if key in flat:
-            return kind
-    return "other"
-
-
-def _event_bytes(e: dict) -> int | None:
-    args = e.get("args") or {}
-    nelems = args.get("In msg nelems")
-    if nelems is not None:
-        return int(nelems) * _DTYPE_BYTES.get(str(args.get("dtype")), 4)
-    dims, types = args.get("Input Dims"), args.get("Input type")
-    if not dims:
-        return None
-    out = 0
-    for d, t in zip(dims, types or [], strict=False):
-        if isinstance(d, list) and all(isinstance(x, int) for x in d):
-            out += int(np.prod(d, dtype=np.int64)) * _DTYPE_BYTES.get(str(t), 4)
-    return out or None
-
 
 @dataclass
 class RankStep:
@@ -87,10 +56,16 @@ class RankStep:
     sync_gap_s: float = 0.0       # device idle right after those syncs / copies
     rope_copy_s: float = 0.0      # slice / cat / index copies inside rotary-embedding code
     other_copy_s: float = 0.0     # the same ops elsewhere (or everywhere, without Python stacks)
+    wait_s: float = 0.0           # waiting in collectives for a later rank (where it was not hidden)
+    unequal_work_wait_s: float = 0.0   # the part of wait_s that the later rank's extra work explains
 
     @property
     def overlap(self) -> float:
         return 1.0 - self.exposed_comm_s / self.comm_s if self.comm_s > 0 else float("nan")
+
+    @property
+    def jitter_wait_s(self) -> float:
+        return self.wait_s - self.unequal_work_wait_s
 
 
 @dataclass
@@ -104,6 +79,12 @@ class CollectiveStats:
     last_arrivals: dict[int, int]  # per rank: how often it was the last to arrive
 
 
+def _nanmean(values) -> float:
+    arr = np.asarray(list(values), dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    return float(arr.mean()) if len(arr) else float("nan")
+
+
 @dataclass
 class RunProfile:
     """What `tokenbal profile` reports about one run."""
@@ -115,6 +96,8 @@ class RunProfile:
     device: bool                  # device kernels in the traces (else a host-only, e.g. gloo CPU, run)
     has_python_stacks: bool
     notes: list[str] = field(default_factory=list)
+    arrival_source: str = ""      # which timeline the arrivals were read from (arrival.FROM_*)
+    work_from_shapes: bool = False  # unequal work judged by operator sizes (else operator time)
 
     def per_step(self) -> dict[int, list[RankStep]]:
         out: dict[int, list[RankStep]] = defaultdict(list)
@@ -123,25 +106,25 @@ class RunProfile:
         return dict(sorted(out.items()))
 
     def mean_step_s(self) -> float:
-        return float(np.mean([max(r.step_s for r in rs) for rs in self.per_step().values()])) if self.steps \
-            else float("nan")
+        return _nanmean(max(r.step_s for r in rs) for rs in self.per_step().values())
 
     def straggler_wait_s(self) -> float:
         """Per step, the mean over ranks of the time spent waiting in collectives for a later rank,
-        counted only where it was not overlapped by compute (it cannot exceed the rank's exposed
-        communication). Without collectives: the mean gap to the slowest rank's compute."""
-        per_step = self.per_step()
-        if not per_step:
-            return float("nan")
+        counted only where it was not hidden (behind compute on a device; host-only traces: the
+        training thread's time outside operators). Without collectives: the mean gap to the
+        slowest rank's compute."""
         if not self.collectives:
-            return float(np.mean([(max(r.compute_s for r in rs) - np.array([r.compute_s for r in rs])).mean()
-                                  for rs in per_step.values()]))
-        waits = []
-        for rank in self.ranks:
-            waited = sum(c.waited_s.get(rank, 0.0) for c in self.collectives) / len(per_step)
-            exposed = float(np.mean([s.exposed_comm_s for s in self.steps if s.rank == rank]))
-            waits.append(min(waited, exposed))
-        return float(np.mean(waits))
+            return _nanmean((max(r.compute_s for r in rs) - np.array([r.compute_s for r in rs])).mean()
+                            for rs in self.per_step().values())
+        return self.mean("wait_s")
+
+    def unequal_work_s(self) -> float:
+        """The part of :meth:`straggler_wait_s` explained by the later ranks' extra work."""
+        return self.mean("unequal_work_wait_s") if self.collectives else self.straggler_wait_s()
+
+    def jitter_s(self) -> float:
+        """The rest of the wait: ranks arriving late without more work to do."""
+        return max(0.0, self.straggler_wait_s() - self.unequal_work_s())
 
     def compute_imbalance(self) -> float:
         """Mean over steps of max / mean compute across ranks (1.0 = balanced)."""
@@ -153,7 +136,7 @@ class RunProfile:
         return float(np.mean(ratios)) if ratios else float("nan")
 
     def mean(self, attr: str) -> float:
-        return float(np.mean([getattr(s, attr) for s in self.steps])) if self.steps else float("nan")
+        return _nanmean(getattr(s, attr) for s in self.steps)
 
 
 def _nest(events: list[dict]) -> dict[int, int | None]:
@@ -233,7 +216,7 @@ def _compute_comm(trace: Trace) -> tuple[np.ndarray, np.ndarray, list[dict], boo
     collectives = [e for e in trace.events if _HOST_COMM.match(e.get("name", ""))]
     compute = as_intervals((e["ts"], e["ts"] + e["dur"]) for e in trace.events
                            if e.get("cat") == "cpu_op" and e.get("tid") == trace.main_tid
-                           and not _LAUNCH.match(e.get("name", "")))
+                           and not arrival.LAUNCH.match(e.get("name", "")))
     comm = as_intervals((e["ts"], e["ts"] + e["dur"]) for e in collectives)
     return compute, comm, collectives, False
 
@@ -247,7 +230,9 @@ def _device_gap(device_busy: np.ndarray, start: float, end: float) -> float:
     return max(0.0, (stop - start) - overlap(device_busy, as_intervals([(start, stop)]))) * 1e-6
 
 
-def _rank_steps(trace: Trace, steps: list[int]) -> tuple[list[RankStep], list[dict], bool, bool]:
+def _rank_steps(trace: Trace, steps: list[int]) -> tuple[list[RankStep], list[dict], list[arrival.Call],
+                                                      bool, bool, bool]:
+    """(steps, collective events, calls with arrivals, on a device, Python stacks, operator shapes)."""
     windows = step_windows(trace)
     compute, comm, collectives, on_device = _compute_comm(trace)
     device_busy = union(np.concatenate([compute, comm])) if on_device else np.zeros((0, 2))
@@ -280,10 +265,28 @@ def _rank_steps(trace: Trace, steps: list[int]) -> tuple[list[RankStep], list[di
                             sync_calls=len(inside(syncs)), h2d_copies=len(inside(h2d)),
                             sync_gap_s=gaps if on_device else 0.0, rope_copy_s=rope, other_copy_s=other))
     in_steps = [e for e in collectives if any(windows[s][0] <= e["ts"] < windows[s][1] for s in steps)]
-    return out, in_steps, on_device, stacks
+    if on_device:
+        calls, shapes = arrival.device_calls(windows, steps, collectives, compute), False
+    else:
+        calls, shapes = arrival.host_calls(trace, windows, steps, collectives)
+    return out, in_steps, calls, on_device, stacks, shapes
 
 
-def _collective_stats(per_rank: dict[int, list[dict]], notes: list[str]) -> list[CollectiveStats]:
+def _stats(kind: str, rows: list[arrival.Matched], ranks: list[int]) -> CollectiveStats:
+    skews = np.array([m.skew_s for m in rows])
+    sizes = [m.bytes for m in rows]
+    return CollectiveStats(
+        kind=kind, count=len(rows), bytes=sum(sizes) if sizes and all(s is not None for s in sizes) else None,
+        skew_median_s=float(np.median(skews)) if len(rows) else 0.0,
+        skew_max_s=float(skews.max()) if len(rows) else 0.0,
+        waited_s={r: float(sum(m.waited_s[r] for m in rows)) for r in ranks},
+        last_arrivals={r: sum(m.last == r for m in rows) for r in ranks})
+
+
+def _by_durations(per_rank: dict[int, list[dict]], steps: list[int], windows: dict[int, dict],
+                  notes: list[str]) -> list[arrival.Matched]:
+    """The fallback: each collective's duration read as how long the rank waited in it (the rank
+    that arrived first stayed longest). Unequal work is not told apart here."""
     kinds: dict[str, dict[int, list[dict]]] = defaultdict(dict)
     for rank, events in per_rank.items():
         by_kind: dict[str, list[dict]] = defaultdict(list)
@@ -298,19 +301,35 @@ def _collective_stats(per_rank: dict[int, list[dict]], notes: list[str]) -> list
         if len(set(counts.values())) > 1:
             notes.append(f"{kind}: ranks issued different numbers of calls in the profiled steps {counts} "
                          "(a rank skipped a collective: the signature of a hang)")
-        n = min(counts.values())
-        durs = np.array([[by_rank[r][i]["dur"] for i in range(n)] for r in ranks]) * 1e-6 if n else \
-            np.zeros((len(ranks), 0))
-        skew = durs.max(axis=0) - durs.min(axis=0) if n else np.zeros(0)
-        waited = durs - durs.min(axis=0, keepdims=True) if n else durs
-        last = np.argmin(durs, axis=0) if n else np.zeros(0, dtype=int)
-        sizes = [_event_bytes(e) for e in by_rank[ranks[0]][:n]] if n else []
-        out.append(CollectiveStats(
-            kind=kind, count=n, bytes=sum(sizes) if sizes and all(s is not None for s in sizes) else None,
-            skew_median_s=float(np.median(skew)) if n else 0.0, skew_max_s=float(skew.max()) if n else 0.0,
-            waited_s={r: float(waited[i].sum()) for i, r in enumerate(ranks)},
-            last_arrivals={r: int((last == i).sum()) for i, r in enumerate(ranks)}))
+        for i in range(min(counts.values())):
+            row = {r: by_rank[r][i] for r in ranks}
+            took = {r: e["dur"] * 1e-6 for r, e in row.items()}
+            first = windows[ranks[0]]
+            ts = row[ranks[0]]["ts"]
+            step = next((s for s in steps if first[s][0] <= ts < first[s][1]), steps[0])
+            out.append(arrival.Matched(step=step, kind=kind,
+                                       arrival_s={r: max(took.values()) - d for r, d in took.items()},
+                                       waited_s={r: d - min(took.values()) for r, d in took.items()},
+                                       unequal_work_s=dict.fromkeys(ranks, 0.0),
+                                       bytes=event_bytes(row[ranks[0]])))
     return out
+
+
+def _charge_waits(steps: list[RankStep], matched: list[arrival.Matched], device: bool) -> None:
+    """Each rank-step's wait for later ranks, counted where it was not hidden: behind compute on a
+    device (its exposed communication), or, host-only, while its training thread ran operators."""
+    waited: dict[tuple[int, int], float] = defaultdict(float)
+    unequal: dict[tuple[int, int], float] = defaultdict(float)
+    for m in matched:
+        for r, w in m.waited_s.items():
+            waited[r, m.step] += w
+            unequal[r, m.step] += m.unequal_work_s[r]
+    for s in steps:
+        w = waited.get((s.rank, s.step), 0.0)
+        cap = s.exposed_comm_s if device else max(0.0, s.step_s - s.compute_s)
+        kept = min(w, cap)
+        s.wait_s = kept
+        s.unequal_work_wait_s = unequal.get((s.rank, s.step), 0.0) * (kept / w if w > 0 else 0.0)
 
 
 def analyze(traces: list[Trace], source: str = "") -> RunProfile:
@@ -324,17 +343,38 @@ def analyze(traces: list[Trace], source: str = "") -> RunProfile:
         raise ValueError(f"{source}: the ranks' traces share no ProfilerStep#N: were they taken in one run?")
     if any(set(w) != set(common) for w in windows.values()):
         notes.append(f"only the {len(common)} steps every rank profiled are compared")
-    steps, collectives = [], {}
-    on_device = stacks = False
+    steps, collectives, calls = [], {}, {}
+    on_device = stacks = shapes = False
     for t in traces:
-        rank_steps, coll, dev, st = _rank_steps(t, common)
+        rank_steps, coll, rank_calls, dev, st, sh = _rank_steps(t, common)
         steps += rank_steps
         collectives[t.rank] = coll
+        calls[t.rank] = rank_calls
         on_device |= dev
         stacks |= st
+        shapes |= sh
     if not stacks:
         notes.append("no Python stacks in the traces (profile with with_stack=True): copy operators are "
                      "counted but cannot be attributed to rotary-embedding code")
-    return RunProfile(source=source, ranks=[t.rank for t in traces], steps=steps,
-                      collectives=_collective_stats(collectives, notes), device=on_device,
-                      has_python_stacks=stacks, notes=notes)
+    ranks = [t.rank for t in traces]
+    if all(calls.values()):
+        source_name = arrival.FROM_KERNELS if on_device else arrival.FROM_LAUNCHES
+        matched = arrival.match(calls, common, notes)
+        if not on_device and not shapes:
+            notes.append("no operator shapes in the traces (profile with record_shapes=True): unequal work "
+                         "is judged by operator time, which a loaded host also stretches")
+    elif any(collectives.values()):
+        source_name = arrival.FROM_DURATIONS
+        matched = _by_durations(collectives, common, windows, notes)
+        notes.append("arrivals read from the collectives' durations (no launches on the training thread): "
+                     "on a loaded host these under-read the wait, and unequal work is not told apart")
+    else:
+        source_name, matched = "", []
+    _charge_waits(steps, matched, on_device)
+    by_kind: dict[str, list[arrival.Matched]] = defaultdict(list)
+    for m in matched:
+        by_kind[m.kind].append(m)
+    return RunProfile(source=source, ranks=ranks, steps=steps,
+                      collectives=[_stats(k, by_kind[k], ranks) for k in sorted(by_kind)], device=on_device,
+                      has_python_stacks=stacks, notes=notes, arrival_source=source_name,
+                      work_from_shapes=shapes and not on_device)

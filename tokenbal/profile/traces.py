@@ -36,13 +36,36 @@ _TRACE_PATTERNS = ("*.json", "*.json.gz")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 
+class NotATrace(ValueError):
+    """A file in a trace folder that is not a profiler trace (a config, a metrics file): skipped."""
+
+
 def _read_json(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             return json.load(f)
     except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not a readable profiler trace ({e})") from e
+        if _looks_like_trace(path):
+            raise ValueError(f"{path}: a damaged or truncated profiler trace ({e}); re-export it, or move "
+                             "it out of the folder") from e
+        raise NotATrace(f"{path}: not JSON ({e})") from e
+
+
+def _looks_like_trace(path: str) -> bool:
+    """Whether the file's first bytes are those of a Chrome / Kineto trace."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4096)
+    except (OSError, EOFError):
+        return path.endswith(".gz")      # a gzip that will not open was written as a trace
+    return any(key in head for key in (b'"traceEvents"', b'"schemaVersion"', b'"ph"'))
+
+
+def _events_list(data) -> bool:
+    """A bare Chrome event list (torch_npu's trace_view.json): dicts with a phase."""
+    return isinstance(data, list) and all(isinstance(e, dict) and "ph" in e for e in data[:100])
 
 
 def _npu_rank(trace_view: str) -> int | None:
@@ -90,8 +113,11 @@ def _main_thread(events: list[dict]) -> object:
 
 def load_trace(path: str, rank: int | None = None) -> Trace:
     """Read one trace file; ``rank`` overrides what the file says."""
-    data = _read_json(path)
-    if isinstance(data, list):          # torch_npu trace_view.json: a bare event list
+    return _to_trace(path, _read_json(path), rank)
+
+
+def _to_trace(path: str, data, rank: int | None) -> Trace:
+    if _events_list(data):              # torch_npu trace_view.json: a bare event list
         raw, meta, layout = data, {}, "npu"
         found = _npu_rank(path)
     elif isinstance(data, dict) and isinstance(data.get("traceEvents"), list):
@@ -99,15 +125,22 @@ def load_trace(path: str, rank: int | None = None) -> Trace:
         meta = {k: v for k, v in data.items() if k != "traceEvents"}
         found = (meta.get("distributedInfo") or {}).get("rank")
     else:
-        raise ValueError(f"{path}: not a Chrome/Kineto trace (no traceEvents list)")
+        what = "an object without a traceEvents list" if isinstance(data, dict) else type(data).__name__
+        raise NotATrace(f"{path}: JSON, but not a profiler trace ({what})")
     events = []
     process_names = {}
     for e in raw:
+        if not isinstance(e, dict):
+            continue
         if e.get("ph") == "M" and e.get("name") == "process_name":
             process_names[e.get("pid")] = (e.get("args") or {}).get("name", "")
         if e.get("ph") == "X" and "ts" in e:
-            e["ts"] = float(e["ts"])
-            e["dur"] = float(e.get("dur", 0.0))
+            try:
+                e["ts"] = float(e["ts"])
+                e["dur"] = float(e.get("dur", 0.0))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"{path}: a damaged profiler trace (event {e.get('name')!r} has ts "
+                                 f"{e.get('ts')!r}, dur {e.get('dur')!r}: {err})") from err
             events.append(e)
     if rank is None:
         rank = found if found is not None else _rank_from_name(path)
@@ -118,23 +151,38 @@ def load_trace(path: str, rank: int | None = None) -> Trace:
                  main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names)
 
 
-def load_traces(trace_dir: str) -> list[Trace]:
+def load_traces(trace_dir: str, skipped: list[str] | None = None) -> list[Trace]:
     """Every rank's trace under ``trace_dir`` (searched recursively), sorted by rank.
 
     One trace per rank: when a rank has several (several ``tensorboard_trace_handler`` cycles),
-    the newest file is taken.
+    the newest file is taken. Files that are not traces (other JSON beside them) are skipped, each
+    with a line in ``skipped``; a damaged trace raises ``ValueError`` naming it.
     """
     files = _trace_files(trace_dir)
+    wanted = "*.json, *.json.gz or ASCEND_PROFILER_OUTPUT/trace_view.json"
     if not files:
-        raise FileNotFoundError(f"{trace_dir}: no profiler traces (*.json, *.json.gz or "
-                                "ASCEND_PROFILER_OUTPUT/trace_view.json) found")
-    by_rank: dict[int, Trace] = {}
-    single = len(files) == 1
+        raise FileNotFoundError(f"{trace_dir}: no profiler traces ({wanted}) found")
+    skipped = [] if skipped is None else skipped
+    loaded = []
     for path in files:
-        trace = load_trace(path, rank=0 if single and _rank_from_name(path) is None else None)
+        try:
+            loaded.append((path, _read_json(path)))
+        except NotATrace as e:
+            skipped.append(f"skipped {e}")
+    by_rank: dict[int, Trace] = {}
+    single = len(loaded) == 1
+    for path, data in loaded:
+        try:
+            trace = _to_trace(path, data, rank=0 if single and _rank_from_name(path) is None else None)
+        except NotATrace as e:
+            skipped.append(f"skipped {e}")
+            continue
         old = by_rank.get(trace.rank)
         if old is None or os.path.getmtime(path) > os.path.getmtime(old.path):
             by_rank[trace.rank] = trace
+    if not by_rank:
+        raise FileNotFoundError(f"{trace_dir}: no profiler traces ({wanted}) among {len(files)} JSON files: "
+                                + "; ".join(skipped))
     return [by_rank[r] for r in sorted(by_rank)]
 
 
