@@ -332,8 +332,14 @@ def _charge_waits(steps: list[RankStep], matched: list[arrival.Matched], device:
         s.unequal_work_wait_s = unequal.get((s.rank, s.step), 0.0) * (kept / w if w > 0 else 0.0)
 
 
-def analyze(traces: list[Trace], source: str = "") -> RunProfile:
-    """Break every rank's profiled steps down, and match collectives across ranks."""
+def analyze(traces: list[Trace], source: str = "", arrivals: str = "auto") -> RunProfile:
+    """Break every rank's profiled steps down, and match collectives across ranks.
+
+    ``arrivals="durations"`` forces the fallback (collective durations) even where the training
+    thread's launches are there: for comparing the two readings of one run.
+    """
+    if arrivals not in ("auto", "durations"):
+        raise ValueError(f"arrivals must be 'auto' or 'durations', not {arrivals!r}")
     if not traces:
         raise ValueError(f"{source or 'traces'}: no traces to analyse")
     windows = {t.rank: step_windows(t) for t in traces}
@@ -357,7 +363,7 @@ def analyze(traces: list[Trace], source: str = "") -> RunProfile:
         notes.append("no Python stacks in the traces (profile with with_stack=True): copy operators are "
                      "counted but cannot be attributed to rotary-embedding code")
     ranks = [t.rank for t in traces]
-    if all(calls.values()):
+    if arrivals == "auto" and all(calls.values()):
         source_name = arrival.FROM_KERNELS if on_device else arrival.FROM_LAUNCHES
         matched = arrival.match(calls, common, notes)
         if not on_device and not shapes:
@@ -366,8 +372,9 @@ def analyze(traces: list[Trace], source: str = "") -> RunProfile:
     elif any(collectives.values()):
         source_name = arrival.FROM_DURATIONS
         matched = _by_durations(collectives, common, windows, notes)
-        notes.append("arrivals read from the collectives' durations (no launches on the training thread): "
-                     "on a loaded host these under-read the wait, and unequal work is not told apart")
+        notes.append("arrivals read from the collectives' durations"
+                     + (" (no launches on the training thread)" if arrivals == "auto" else "")
+                     + ": on a loaded host these under-read the wait, and unequal work is not told apart")
     else:
         source_name, matched = "", []
     _charge_waits(steps, matched, on_device)

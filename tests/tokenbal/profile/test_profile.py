@@ -5,80 +5,21 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.profiler import ProfilerActivity, profile, schedule
 
 from tests.helpers.dist_utils import run_ranks
+from tests.helpers.stragglers import STEPS, late, straggler_rank, trace_steps
 from tokenbal.cli import main
 from tokenbal.profile import collective_kind, format_report, load_traces, profile_run, verdict
 from tokenbal.profile.intervals import as_intervals, total, union
 
 # numpy's "Mean of empty slice" (a mean over no steps or no communication) is a bug here, not a warning
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
-
-STEPS = 4
-
-
-def _trace_steps(path: str, step_fn, steps: int = STEPS, with_stack: bool = False) -> None:
-    """Run ``step_fn`` once as the profiler's warm-up, then ``steps`` traced ProfilerStep#N steps."""
-    plan = schedule(wait=0, warmup=1, active=steps, repeat=1)
-    with profile(activities=[ProfilerActivity.CPU], schedule=plan,
-                 with_stack=with_stack, record_shapes=True,
-                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
-        for _ in range(steps + 1):
-            step_fn()
-            prof.step()
-
-
-def _matmuls(n: int, x: torch.Tensor) -> torch.Tensor:
-    for _ in range(n):
-        x = x @ x
-        x = x / x.norm()
-    return x
-
-
-BASE, EXTRA = 40, 400            # 64x64 matmuls before each all_reduce; the late rank's extra work
-
-
-def _late(pattern: str, rank: int, world_size: int, step: int) -> bool:
-    return {"constant": rank == world_size - 1, "alternating": rank == step % world_size,
-            "none": False}[pattern]
-
-
-def _straggler_rank(rank, world_size, out_dir, pattern, how):
-    """Each step: work, all_reduce, a little work, broadcast. The late rank does EXTRA more matmuls
-    (how="work") or sleeps as long instead (how="sleep": late, but with the same work). Every rank
-    writes down how long it worked between resuming and each launch: the ground truth."""
-    x, y = torch.randn(64, 64), torch.randn(256)
-    worked: dict[tuple[int, int], float] = {}
-    step_no = [0]
-
-    def step():
-        s = step_no[0]
-        t0 = time.perf_counter()
-        _matmuls(BASE, x)
-        if _late(pattern, rank, world_size, s):
-            if how == "work":
-                _matmuls(EXTRA, x)
-            else:
-                time.sleep(0.05)
-        worked[s, 0] = time.perf_counter() - t0
-        dist.all_reduce(y)
-        t1 = time.perf_counter()
-        _matmuls(4, x)
-        worked[s, 1] = time.perf_counter() - t1
-        dist.broadcast(y, src=0)
-        step_no[0] += 1
-
-    _trace_steps(os.path.join(out_dir, f"rank{rank}.json"), step)
-    return worked
 
 
 @pytest.fixture
@@ -94,7 +35,7 @@ def cpu_hog():
     (2, "constant", "work"), (2, "alternating", "work"), (2, "none", "work"), (2, "alternating", "sleep"),
     (4, "alternating", "work"), (4, "none", "work")])
 def test_stragglers_against_the_work_each_rank_recorded(tmp_path, cpu_hog, world_size, pattern, how):
-    worked = run_ranks(_straggler_rank, world_size, str(tmp_path), pattern, how,
+    worked = run_ranks(straggler_rank, world_size, str(tmp_path), pattern, how,
                        timeout=240, collective_timeout=120)
     p = profile_run(str(tmp_path))
     assert p.ranks == list(range(world_size)) and len(p.per_step()) == STEPS
@@ -111,7 +52,7 @@ def test_stragglers_against_the_work_each_rank_recorded(tmp_path, cpu_hog, world
     true_skew = np.median(truth[:, 0].max(axis=1) - truth[:, 0].min(axis=1))
     assert abs(reduce.skew_median_s - true_skew) <= 0.10 * true_skew
     assert abs(p.straggler_wait_s() - true_wait) <= 0.15 * true_wait
-    late = {r: sum(_late(pattern, r, world_size, s) for s in profiled) for r in range(world_size)}
+    late = {r: sum(late(pattern, r, world_size, s) for s in profiled) for r in range(world_size)}
     assert reduce.last_arrivals == late
     rows = verdict(p)
     if how == "work":
@@ -136,7 +77,7 @@ def _host_read_step(read: bool):
 def test_a_scalar_read_in_the_step_is_found(tmp_path):
     for name, read in (("with_read", True), ("without", False)):
         os.makedirs(tmp_path / name)
-        _trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read))
+        trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read))
     with_read, without = profile_run(str(tmp_path / "with_read")), profile_run(str(tmp_path / "without"))
     assert [s.host_reads for s in with_read.steps] == [1] * STEPS
     assert [s.host_reads for s in without.steps] == [0] * STEPS
@@ -167,7 +108,7 @@ def _fused_rope_step():
 def test_rope_copies_are_found_in_slice_rotate_concat_only(tmp_path):
     for name, make in (("hf", _hf_rope_step), ("fused", _fused_rope_step)):
         os.makedirs(tmp_path / name)
-        _trace_steps(str(tmp_path / name / "rank0.json"), make(), with_stack=True)
+        trace_steps(str(tmp_path / name / "rank0.json"), make(), with_stack=True)
     hf, fused = profile_run(str(tmp_path / "hf")), profile_run(str(tmp_path / "fused"))
     assert hf.has_python_stacks and fused.has_python_stacks
     assert all(s.rope_copy_s > 0 for s in hf.steps)
@@ -175,7 +116,7 @@ def test_rope_copies_are_found_in_slice_rotate_concat_only(tmp_path):
 
 
 def test_copies_without_python_stacks_are_not_attributed(tmp_path):
-    _trace_steps(str(tmp_path / "rank0.json"), _hf_rope_step(), with_stack=False)
+    trace_steps(str(tmp_path / "rank0.json"), _hf_rope_step(), with_stack=False)
     p = profile_run(str(tmp_path))
     assert not p.has_python_stacks
     assert all(s.rope_copy_s == 0 and s.other_copy_s > 0 for s in p.steps)
@@ -218,7 +159,7 @@ def test_torch_npu_export_layout(tmp_path):
 def test_cli_report_compare_and_timeline(tmp_path, capsys):
     for name, read in (("a", True), ("b", False)):
         os.makedirs(tmp_path / name)
-        _trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read), steps=2)
+        trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read), steps=2)
     png = tmp_path / "timeline.png"
     assert main(["profile", str(tmp_path / "a")]) == 0
     assert "verdict" in capsys.readouterr().out
@@ -241,7 +182,7 @@ def test_damaged_trace_names_the_file(tmp_path):
 
 
 def test_other_files_in_the_folder_are_skipped_and_named(tmp_path, capsys):
-    _trace_steps(str(tmp_path / "rank0.json"), _host_read_step(True), steps=2)
+    trace_steps(str(tmp_path / "rank0.json"), _host_read_step(True), steps=2)
     (tmp_path / "config.json").write_text(json.dumps({"lr": 1e-4, "model": "qwen2-vl"}))
     (tmp_path / "metrics.json").write_text(json.dumps([0.5, 0.25, 0.125]))
     (tmp_path / "notes.json").write_text("not json at all")
@@ -269,7 +210,7 @@ def test_other_files_in_the_folder_are_skipped_and_named(tmp_path, capsys):
 def test_json_output_has_every_table(tmp_path, capsys):
     for name, read in (("a", True), ("b", False)):
         os.makedirs(tmp_path / name)
-        _trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read), steps=2)
+        trace_steps(str(tmp_path / name / "rank0.json"), _host_read_step(read), steps=2)
     assert main(["profile", str(tmp_path / "a"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ranks"] == [0] and len(out["steps"]) == 2
