@@ -52,7 +52,9 @@ class ShardReaders:
             self.open.move_to_end(shard)
             return h
         if is_url(shard):
-            import fsspec
+            from tokenbal._extras import require
+
+            fsspec = require("fsspec", "remote (URL) shards")
 
             protocol = shard.split("://", 1)[0]
             fs = self.filesystems.get(protocol)
