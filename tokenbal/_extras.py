@@ -43,3 +43,16 @@ def require(module: str, needed_for: str) -> ModuleType:
         _, dist = EXTRAS[top]
         raise MissingExtraError(f"{needed_for} need {dist}, which is not installed: "
                                 f"{install_hint(top)}") from e
+
+
+def fsspec_filesystem(protocol: str, **storage_options):
+    """``fsspec.filesystem(protocol, ...)``, with a missing fsspec or protocol backend (aiohttp for
+    http(s)://, s3fs for s3://, ...) as a :class:`MissingExtraError` that says what to install."""
+    fsspec = require("fsspec", "remote (URL) sources")
+    try:
+        return fsspec.filesystem(protocol, **storage_options)
+    except ImportError as e:
+        how = ("pip install 'tokenbal[remote]'" if protocol in ("http", "https")
+               else "install the package fsspec names (s3fs for s3://, gcsfs for gs://, adlfs for az://)")
+        raise MissingExtraError(f"{protocol}:// sources need an fsspec backend that is not installed "
+                                f"({e}): {how}") from e

@@ -223,6 +223,16 @@ def test_url_sources_without_fsspec_name_the_extra(tmp_path, capsys, monkeypatch
     assert code == 1 and err.endswith("pip install 'tokenbal[remote]'\n") and err.count("\n") == 1
 
 
+def test_url_sources_without_their_fsspec_backend_say_what_to_install(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("fsspec")
+    _block(monkeypatch, "gcsfs")
+    code, _, err = run(["index", "build", "gs://bucket/data-000.tar", "--out", str(tmp_path / "i"), "-q"],
+                       capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("tokenbal: error: gs:// sources need an fsspec backend that is not installed")
+    assert "gcsfs for gs://" in err
+
+
 # --- the console: a closed pipe ----------------------------------------------------------------------
 
 def test_stats_into_a_closed_pipe_exits_quietly(clean):

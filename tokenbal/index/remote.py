@@ -98,9 +98,7 @@ _FS: dict[tuple, Any] = {}
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for ``url``; filesystems are shared per process."""
-    from tokenbal._extras import require
-
-    fsspec = require("fsspec", "remote (URL) sources")
+    from tokenbal._extras import fsspec_filesystem
 
     protocol = url.split("://", 1)[0]
     opts = dict(storage_options or {})
@@ -108,7 +106,7 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]
     with _FS_LOCK:
         fs = _FS.get(key)
         if fs is None:
-            fs = _FS[key] = fsspec.filesystem(protocol, **opts)
+            fs = _FS[key] = fsspec_filesystem(protocol, **opts)
     return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
 
 
