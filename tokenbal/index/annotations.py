@@ -85,11 +85,14 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
             return _file_error(scan, "corrupt", f"annotation file {path} holds a {type(data).__name__}, "
                                                 "expected a list of records")
         records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
-    for key, where, rec in _keyed_by_id(list(records)):
+    ids: dict[str, str | None] = {}   # place key -> the record's own id
+    for key, where, rec in records:   # one pass, records not kept: a JSONL file streams
         scan.n_members += 1
+        ids[key] = _record_id(rec)
         sample = _record(rec, key, where, root, scan, prefix, exif)
         if sample is not None:
             scan.samples.append(sample)
+    _key_by_id(scan, ids)
     if scan.n_members == 0:
         _file_error(scan, "empty", f"annotation file {path} holds no records")
     return scan
@@ -106,20 +109,24 @@ def _record_id(rec: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _keyed_by_id(records: list[tuple[str, str, object]]) -> list[tuple[str, str, object]]:
-    """``(key, where, record)`` with each key replaced by the record's id where that id is unique in
-    the file; repeated ids keep every one of their records on its place key, so that which record
-    gets the id never depends on order."""
-    ids = [_record_id(rec) for _, _, rec in records]
+def _key_by_id(scan: ShardScan, ids: dict[str, str | None]) -> None:
+    """Re-key the scanned samples and errors of a file by their records' ids (``ids``: place key ->
+    id), where an id is unique in the file; every record of a repeated id keeps its place key, so
+    which record gets the id never depends on order."""
     seen: dict[str, int] = {}
-    for i in ids:
+    for i in ids.values():
         if i is not None:
             seen[i] = seen.get(i, 0) + 1
-    ids = [i if i is not None and seen[i] == 1 else None for i in ids]
-    # An id spelled like another record's place key ("train.jsonl:7") would collide with it.
-    places = {key for (key, _, _), i in zip(records, ids, strict=True) if i is None}
-    return [(i if i is not None and i not in places else key, where, rec)
-            for (key, where, rec), i in zip(records, ids, strict=True)]
+    chosen = {key: i for key, i in ids.items() if i is not None and seen[i] == 1}
+    # An id spelled like another record's place key ("train.jsonl:7", maybe a line that is not
+    # JSON, so not in ``ids``) would collide with it.
+    places = {key for key in ids if key not in chosen}
+    places |= {e["key"] for e in scan.errors if e["key"] not in ids}
+    chosen = {key: i for key, i in chosen.items() if i not in places}
+    for s in scan.samples:
+        s.key = chosen.get(s.key, s.key)
+    for e in scan.errors:
+        e["key"] = chosen.get(e["key"], e["key"])
 
 
 def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:
