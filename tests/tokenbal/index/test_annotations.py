@@ -149,12 +149,14 @@ def test_record_ids_are_keys_unique_within_a_file(tmp_path):
         {"id": "bad", "image": "missing.jpg", "text": "x"},   # an error keeps its record's id too
     ]
     jsonl = tmp_path / "t.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    lines = [json.dumps(r) for r in rows] + ["{not json", json.dumps({"id": "t.jsonl:11", "text": "y"})]
+    jsonl.write_text("\n".join(lines) + "\n")
     js = tmp_path / "t.json"
     js.write_text(json.dumps([{"id": "dup", "text": "one"}, {"id": "dup", "text": "two"},
                               {"id": "u", "text": "3"}]))
     idx = TokenIndex.open(build_index([str(jsonl), str(js)], tmp_path / "idx", progress=False).out)
     assert list(idx.keys) == ["000000033471", "7", "t.jsonl:3", "t.jsonl:4", "t.jsonl:5", "t.jsonl:6",
-                              "t.jsonl:7", "t.jsonl:8", "t.jsonl:9", "t.json[0]", "t.json[1]", "u"]
-    assert [e["key"] for e in idx.errors] == ["bad"]
-    assert len(set(idx.keys[:9])) == 9
+                              "t.jsonl:7", "t.jsonl:8", "t.jsonl:9", "t.jsonl:12", "t.json[0]", "t.json[1]",
+                              "u"]
+    assert [e["key"] for e in idx.errors] == ["bad", "t.jsonl:11"]   # line 11 is not JSON
+    assert len(set(idx.keys[:10]) | {"bad", "t.jsonl:11"}) == 12
