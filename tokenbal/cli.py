@@ -1,10 +1,11 @@
 """The ``tokenbal`` command line: ``index build|stats|verify``, ``plan simulate``, ``profile``, ``demo``.
 
 Exit status: 0 done; 1 the work ran but failed a check (a build over ``--max-bad-shards`` /
-``--max-bad-samples``, ``verify`` found problems, a missing optional dependency, an OS error such as
-a full disk); 2 a usage error or bad input (an unknown option value, a missing file, a malformed
-``KEY=VALUE``), printed as one ``... error: ...`` line (with the usage for command-line mistakes),
-never a traceback. Output cut short by its reader (``| head``) ends quietly.
+``--max-bad-samples``, ``verify`` found problems, a missing optional dependency, another build
+holding the index folder, a killed scan worker, an OS error such as a full disk); 2 a usage error
+or bad input (an unknown option value, a missing file, a malformed ``KEY=VALUE``), printed as one
+``... error: ...`` line (with the usage for command-line mistakes), never a traceback. Output cut
+short by its reader (``| head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -485,8 +486,10 @@ def _main(argv: Sequence[str] | None) -> int:
         raise      # main's: not an error of this command
     except MissingExtraError:
         return _report(args, 1)
-    except (ValueError, FileNotFoundError, IndexBuildError):
+    except (ValueError, FileNotFoundError):
         return _report(args, 2)   # bad input: what the message names must be fixed
+    except IndexBuildError:
+        return _report(args, 1)   # another build holds the folder, a scan worker was killed
     except KeyboardInterrupt:
         print("tokenbal: interrupted", file=sys.stderr)
         return 130

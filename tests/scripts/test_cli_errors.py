@@ -104,7 +104,7 @@ def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
                           "--global-batch-size", "512"], capsys)
     assert code == 2 and out == ""
     assert err.strip() == ("tokenbal: error: 512 ranks but only 12 samples: every step would leave at least "
-                           "500 ranks without a sample; simulate at most 12 (data-parallel) ranks, or a "
+                           "500 rank(s) without a sample; simulate at most 12 (data-parallel) ranks, or a "
                            "larger index")
 
 
@@ -167,6 +167,32 @@ def test_build_refuses_to_replace_an_index_of_other_settings(clean, tmp_path, ca
     # Same settings: an ordinary incremental build.
     code, out_text, _ = run([*args, "--model", "internvl"], capsys)
     assert code == 0 and "2 unchanged shards reused" in out_text
+
+
+def test_a_second_build_of_one_folder_is_one_line_exit_1(clean, tmp_path, capsys):
+    import threading
+
+    from tokenbal.index.build import _BuildLock
+
+    corpus, _ = clean
+    out = str(tmp_path / "idx")
+    held, done = threading.Event(), threading.Event()
+
+    def hold():   # another build in progress: a thread of this process holds the folder's lock
+        with _BuildLock(os.path.abspath(out)):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(60)
+        code, _, err = run(["index", "build", *corpus.shards, "--out", out, "-q"], capsys)
+    finally:
+        done.set()
+        holder.join(60)
+    assert code == 1 and err.startswith(f"tokenbal: error: another build is writing the index {out}")
+    assert err.count("\n") == 1
 
 
 def test_stats_names_referenced_images_and_stored_members(clean, capsys):

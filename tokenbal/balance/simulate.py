@@ -192,7 +192,9 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     the same samples. Balance is measured on the cost being balanced (tokens by default).
     ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick.
     ``stages`` (as in :func:`plan_epoch`): also report the per-step stage time over its ideal for
-    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``."""
+    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``.
+    Raises ``ValueError`` when there are fewer samples than ranks (every method would leave ranks
+    idle in every step). ``Simulation.notes`` says why the methods' step counts differ."""
     resolved = resolve(lengths, cost, stages)
     c = resolved.costs
     # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
@@ -205,7 +207,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     if len(c) < R:
         # Every method would leave ranks idle in every step; its ratios would compare nothing.
         raise ValueError(f"{R} ranks but only {len(c)} samples: every step would leave at least {R - len(c)} "
-                         f"ranks without a sample; simulate at most {len(c)} (data-parallel) ranks, or a "
+                         f"rank(s) without a sample; simulate at most {len(c)} (data-parallel) ranks, or a "
                          "larger index")
     ratios: dict[str, np.ndarray] = {}
     ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
