@@ -1,27 +1,50 @@
-"""The ``tokenbal`` command line: ``index build|stats|verify``, ``plan simulate``, ``profile``, ``demo``."""
+"""The ``tokenbal`` command line: ``index build|stats|verify``, ``plan simulate``, ``profile``, ``demo``.
+
+Exit status: 0 done; 1 the work ran but failed a check (a build over ``--max-bad-shards`` /
+``--max-bad-samples``, ``verify`` found problems, a missing optional dependency, another build
+holding the index folder, a killed scan worker, an OS error such as a full disk); 2 a usage error
+or bad input (an unknown option value, a missing file, a malformed ``KEY=VALUE``), printed as one
+``... error: ...`` line (with the usage for command-line mistakes), never a traceback. Output cut
+short by its reader (``| head``) ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+
+
+class UsageError(Exception):
+    """Options that do not go together (argparse checks each option on its own); printed with the
+    sub-command's usage, exit 2."""
 
 
 def _remote_options(args: argparse.Namespace):
     from tokenbal.index.remote import RemoteOptions
 
-    return RemoteOptions(storage_options=dict(_parse_override(o) for o in args.storage_option),
+    return RemoteOptions(storage_options=dict(args.storage_option),
                          mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8))
 
 
 def _cmd_index_build(args: argparse.Namespace) -> int:
+    from tokenbal.estimate.vision import get_estimator
     from tokenbal.index import build_index
     from tokenbal.index.merge import parse_part
     from tokenbal.index.parquet import ParquetOptions
 
-    overrides = dict(_parse_override(o) for o in args.estimator_option)
-    part = parse_part(args.part) if args.part else None
+    try:
+        get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
+    except ValueError:
+        raise UsageError(f"argument --model: unknown model {args.model!r}; valid: "
+                         f"{', '.join(_model_names())}") from None
+    overrides = dict(args.estimator_option)
+    try:
+        part = parse_part(args.part) if args.part else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None   # it names --part
     out = args.out
     if part is not None:   # one --out for every part of a launcher: {i} / {n} tell them apart
         out = out.replace("{i}", str(part[0])).replace("{n}", str(part[1]))
@@ -32,9 +55,13 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
                          estimator_overrides=overrides, progress=not args.quiet,
                          incremental=not args.rebuild, remote=_remote_options(args),
                          parquet=parquet, part=part, exif=args.exif,
-                         keep_unlisted=not args.drop_unlisted)
+                         keep_unlisted=not args.drop_unlisted,
+                         on_other_rules="rescan" if args.rebuild else "error")
     print(report.summary())
-    return 0 if report.num_samples > 0 or report.num_errors == 0 else 1
+    problems = report.limit_problems(args.max_bad_shards, args.max_bad_samples)
+    for line in problems:
+        print(f"tokenbal index build: error: {line}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _cmd_index_stats(args: argparse.Namespace) -> int:
@@ -71,25 +98,20 @@ def _cmd_index_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan_simulate(args: argparse.Namespace) -> int:
+    from tokenbal.balance.simulate import simulate
     from tokenbal.index import TokenIndex
-    from tokenbal.plan import simulate
 
+    if args.stages and args.cost != "flops":
+        raise UsageError("--stages needs --cost flops (it splits each sample's FLOPs into vision tower "
+                         "and LLM)")
+    if args.model_config and args.cost != "flops":
+        raise UsageError(f"--model-config is used by --cost flops only (this run balances {args.cost}); "
+                         "add --cost flops, or drop --model-config")
+    replicas = _dp_replicas(args.world_size, args.sp_size)
     index = TokenIndex.open(args.index)
     cost = None if args.cost == "tokens" else args.cost
-    config = None
-    if args.cost == "flops" and args.model_config:
-        import json
-
-        with open(args.model_config) as f:
-            config = json.load(f)
-    if config is not None:
-        from tokenbal.cost import FlopsModel
-
-        cost = FlopsModel.from_config(config)
-    if args.stages and args.cost != "flops":
-        raise SystemExit("--stages needs --cost flops (it splits each sample's FLOPs into vision tower "
-                         "and LLM)")
-    replicas = _dp_replicas(args.world_size, args.sp_size)
+    if args.model_config:
+        cost = _flops_model(args.model_config)
     if args.sp_size > 1:
         # SP peers share one packed row: the plan balances the data-parallel groups, each S devices.
         print(f"sequence parallel size {args.sp_size}: balancing {replicas} data-parallel groups of "
@@ -105,8 +127,29 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
 
 def _dp_replicas(world_size: int, sp_size: int) -> int:
     if sp_size < 1 or world_size % sp_size:
-        raise SystemExit(f"--sp-size {sp_size} must divide --world-size {world_size}")
+        raise UsageError(f"--sp-size {sp_size} must divide --world-size {world_size}")
     return world_size // sp_size
+
+
+def _flops_model(path: str):
+    import json
+
+    from tokenbal.balance.cost import FlopsModel
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-config {path} is not valid JSON: {e}") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--model-config {path}: no such file") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model-config {path} holds a {type(config).__name__}, not a config object")
+    try:
+        return FlopsModel.from_config(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--model-config {path} is not a model config tokenbal can read "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def _write_plot(sim, path: str) -> None:
@@ -150,7 +193,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         print(json.dumps(profile.profile_as_dict(runs[0]), indent=1) if args.json
               else profile.format_report(runs[0]))
     else:
-        raise ValueError("give a trace folder, or --compare A B")
+        raise UsageError("give a trace folder, or --compare A B")
     if args.hta:
         print(_hta_summary(args.compare or [args.trace_dir]))
     if args.timeline:
@@ -179,9 +222,11 @@ def _hta_summary(dirs: Sequence[str]) -> str:
 
 
 def _parse_override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE as an int, float, true / false, or the string; an argparse type, so a
+    malformed one is a usage error that argparse prefixes with the option's own name."""
     key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--estimator-option expects KEY=VALUE, got {text!r}")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     for cast in (int, float):
         try:
             return key, cast(value)
@@ -190,8 +235,28 @@ def _parse_override(text: str) -> tuple[str, object]:
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
 
+_parse_override.__name__ = "KEY=VALUE"   # argparse names the type in "invalid KEY=VALUE value"
+
+
+def _sample_limit(text: str) -> int | float:
+    """``--max-bad-samples``: a count (``0``, ``25``) or a share of the samples seen (``0.5%``)."""
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0 <= share <= 1:
+                raise ValueError
+            return share
+        value = int(text)
+        if value < 0:
+            raise ValueError
+        return value
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count >= 0 or a percentage such as 1%, got {text!r}") \
+            from None
+
+
 def _add_remote_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_parse_override,
                    help="fsspec option for remote URLs, e.g. endpoint_url=http://... (repeatable); "
                         "credentials come from the store's usual environment / config files")
 
@@ -248,18 +313,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="estimator (model family), one of: " + ", ".join(_model_names())
                             + "; default qwen2-vl")
     build.add_argument("--out", required=True, help="index folder to write")
-    build.add_argument("--workers", type=int, default=1, help="processes scanning shards in parallel")
+    build.add_argument("--workers", type=_POSITIVE, default=1, help="processes scanning shards in parallel")
     build.add_argument("--tokenizer", default=None,
                        help="local tokenizer folder or tokenizer.json for exact text counts "
                             "(default: a calibrated bytes-per-token heuristic)")
     build.add_argument("--image-root", default=None,
                        help="folder that image paths in JSON/JSONL annotations are relative to")
     build.add_argument("--estimator-option", action="append", default=[], metavar="KEY=VALUE",
+                       type=_parse_override,
                        help="override an estimator setting, e.g. max_pixels=1003520 (repeatable)")
     build.add_argument("--rebuild", action="store_true",
                        help="rescan every shard and index exactly SOURCES; by default an existing index at "
                             "--out built with the same rules keeps its shards (unchanged ones without a "
-                            "rescan, even those SOURCES does not name) and new shards are appended")
+                            "rescan, even those SOURCES does not name) and new shards are appended, and one "
+                            "built with other rules (--model, --estimator-option, --tokenizer, --exif, "
+                            "--image-root, Parquet columns) is refused, naming each difference")
+    build.add_argument("--max-bad-shards", type=_NON_NEGATIVE, default=0, metavar="N",
+                       help="exit 1 (after writing the index) when more than N shards could not be indexed "
+                            "(missing, unreadable, corrupt, empty); they are named on stderr (default 0)")
+    build.add_argument("--max-bad-samples", type=_sample_limit, default=None, metavar="N|P%",
+                       help="exit 1 when more than N samples (or P%% of the samples seen) were bad; by "
+                            "default bad samples are listed in errors.jsonl and counted in the summary "
+                            "without failing the build, unless no sample at all was indexed")
     build.add_argument("--drop-unlisted", action="store_true",
                        help="index exactly SOURCES: drop the existing index's shards that SOURCES does not "
                             "name (unchanged ones are still reused without a rescan)")
@@ -281,17 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--remote-read", choices=["auto", "ranges", "whole"], default="auto",
                        help="remote tar shards: ranged reads of headers and image heads (auto: unless the "
                             "server ignores ranges), or download each whole object")
-    build.add_argument("--inflight", type=int, default=8,
+    build.add_argument("--inflight", type=_POSITIVE, default=8,
                        help="remote shards scanned at once per worker process (default 8)")
     build.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    build.set_defaults(func=_cmd_index_build)
+    build.set_defaults(func=_cmd_index_build, command_parser=build)
 
     merge = isub.add_parser("merge", help="join part indexes (build --part) into one index",
                             description="Join the part indexes of one split into the index a single "
                                         "machine would have built (same rows, order and errors).")
     merge.add_argument("out", help="index folder to write")
     merge.add_argument("parts", nargs="+", help="part index folders (all parts of one split)")
-    merge.set_defaults(func=_cmd_index_merge)
+    merge.set_defaults(func=_cmd_index_merge, command_parser=merge)
 
     export = isub.add_parser("export", help="write key / length / vision / text tokens as a table",
                              description="Export per-sample tokens (key, shard, length, vision_tokens, "
@@ -299,18 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="folder to write lengths.{parquet,jsonl,npy} into")
     export.add_argument("--index", required=True, help="index folder")
     export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet")
-    export.set_defaults(func=_cmd_index_export)
+    export.set_defaults(func=_cmd_index_export, command_parser=export)
 
     stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
     stats.add_argument("dir", help="index folder")
     stats.add_argument("--plot", default=None, metavar="PNG",
                        help="also write a histogram of vision / text tokens per sample to this PNG")
-    stats.set_defaults(func=_cmd_index_stats)
+    stats.set_defaults(func=_cmd_index_stats, command_parser=stats)
 
     verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)")
     verify.add_argument("dir", help="index folder")
     _add_remote_args(verify)
-    verify.set_defaults(func=_cmd_index_verify)
+    verify.set_defaults(func=_cmd_index_verify, command_parser=verify)
 
     plan = sub.add_parser("plan", help="simulate the balance of an epoch plan")
     psub = plan.add_subparsers(dest="plan_command", required=True)
@@ -336,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
     sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
-    sim.set_defaults(func=_cmd_plan_simulate)
+    sim.set_defaults(func=_cmd_plan_simulate, command_parser=sim)
 
     prof = sub.add_parser(
         "profile", help="read every rank's profiler trace and name the bottleneck",
@@ -358,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--hta", action="store_true",
                       help="also print Holistic Trace Analysis' temporal breakdown and comm/comp overlap "
                            "(GPU traces only)")
-    prof.set_defaults(func=_cmd_profile)
+    prof.set_defaults(func=_cmd_profile, command_parser=prof)
 
     demo = sub.add_parser(
         "demo", help="run the whole path on synthetic data, on CPU",
@@ -378,36 +453,66 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL, GLM-4.1V) "
                            "to train randomly initialised instead of the tiny Qwen2-VL")
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_cmd_demo, command_parser=demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tokenbal ARGS``; returns the exit status (argparse's own usage errors, ``--help`` and
+    ``--version`` raise ``SystemExit`` as argparse does)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()   # inside the try: a closed pipe surfaces here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`tokenbal index stats DIR | head`): stop quietly. Python's recipe:
+        # point stdout at devnull so that the flush at exit does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):   # stdout is not a real file (captured): nothing to flush
+            pass
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from tokenbal._extras import MissingExtraError
+    from tokenbal.index.build import IndexBuildError
+
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="tokenbal: %(levelname)s: %(message)s")
     logging.getLogger("tokenbal").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    if getattr(args, "model", None) is not None:
-        from tokenbal.estimate.vision import get_estimator
-
-        try:
-            get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
-        except ValueError:
-            print(f"tokenbal: error: unknown --model {args.model!r}; valid: {', '.join(_model_names())}",
-                  file=sys.stderr)
-            return 2
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tokenbal: error: {e}", file=sys.stderr)
+    except UsageError as e:
+        args.command_parser.print_usage(sys.stderr)
+        print(f"{args.command_parser.prog}: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        from tokenbal.index.build import IndexBuildError
+    except BrokenPipeError:
+        raise      # main's: not an error of this command
+    except MissingExtraError:
+        return _report(args, 1)
+    except (ValueError, FileNotFoundError):
+        return _report(args, 2)   # bad input: what the message names must be fixed
+    except IndexBuildError:
+        return _report(args, 1)   # another build holds the folder, a scan worker was killed
+    except KeyboardInterrupt:
+        print("tokenbal: interrupted", file=sys.stderr)
+        return 130
+    except OSError:
+        return _report(args, 1)   # the environment: permissions, a full disk, a network failure
 
-        if not isinstance(e, IndexBuildError):
-            raise
-        print(f"tokenbal: error: {e}", file=sys.stderr)
-        return 2
+
+def _report(args: argparse.Namespace, code: int) -> int:
+    """One ``tokenbal: error:`` line for the exception being handled (its traceback with -v)."""
+    e = sys.exc_info()[1]
+    if args.verbose:
+        import traceback
+
+        traceback.print_exc()
+    print(f"tokenbal: error: {e}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

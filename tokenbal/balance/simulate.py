@@ -115,6 +115,9 @@ class Simulation:
     # method -> per-step Σ_stage max_rank / ideal, when simulated with stages
     stage_ratios: dict[str, np.ndarray] = field(default_factory=dict)
     stage_plan_seconds: float = float("nan")
+    # Why the methods' step counts differ (dropped tails, a merged last step, the baseline cap), and
+    # methods with no step at all: printed under the table so that 6 vs 7 steps is not a mystery.
+    notes: tuple[str, ...] = ()
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {name: balance_summary(r) for name, r in self.ratios.items()}
@@ -123,19 +126,63 @@ class Simulation:
         lines = [f"{self.num_samples} samples, {self.world_size} ranks, global batch {self.global_batch_size}"
                  f", grad_accum {self.grad_accum}, cost {self.cost}; per-step max/mean over ranks "
                  "(1.000 = perfect)",
+                 *(f"note: {n}" for n in self.notes),
                  f"{'method':<34}{'mean':>8}{'p95':>8}{'max':>8}{'steps':>8}"]
-        for name, r in self.ratios.items():
-            s = balance_summary(r)
-            lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+        lines += [_row(name, r) for name, r in self.ratios.items()]
         lines.append(f"tokenbal plan time: {self.plan_seconds:.3f} s")
         if self.stage_ratios:
             lines.append("per-step Σ_stage max_rank / ideal (vision tower, then LLM, each waiting for its "
                          "slowest rank under FSDP)")
-            for name, r in self.stage_ratios.items():
-                s = balance_summary(r)
-                lines.append(f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}")
+            lines += [_row(name, r) for name, r in self.stage_ratios.items()]
             lines.append(f"tokenbal + stages plan time: {self.stage_plan_seconds:.3f} s")
         return "\n".join(lines)
+
+
+def _row(name: str, r: np.ndarray) -> str:
+    if not len(r):   # no step at all: a ratio of 1.000 would read as perfect balance
+        return f"{name:<34}{'n/a':>8}{'n/a':>8}{'n/a':>8}{0:8d}"
+    s = balance_summary(r)
+    return f"{name:<34}{s['mean']:8.3f}{s['p95']:8.3f}{s['max']:8.3f}{len(r):8d}"
+
+
+def step_count_notes(num_samples: int, world_size: int, global_batch_size: int, plan_step_sizes: np.ndarray,
+                     baseline_steps: int | None) -> tuple[str, ...]:
+    """Why the simulated methods have different step counts, worded for ``Simulation.table``.
+
+    DistributedSampler-style sharding gives each rank ``n // R`` samples and ``N // R`` of them per
+    step, dropping the incomplete tail (``drop_last``, as training loaders do); the per-step LPT/KK
+    baselines cut the permutation into full steps of ``N``; tokenbal plans every sample, its last step
+    partial (merged into the one before when it would leave ranks empty)."""
+    n, R, N = int(num_samples), int(world_size), int(global_batch_size)
+    per_rank = max(1, N // R)
+    ds_steps = (n // R) // per_rank
+    ds_dropped = n - ds_steps * per_rank * R
+    kk_steps = n // N
+    sizes = [int(x) for x in plan_step_sizes]
+    notes = []
+    if N % R:
+        notes.append(f"DistributedSampler takes {N} // {R} = {per_rank} samples per rank per step "
+                     f"(a global batch of {per_rank * R}, not {N})")
+    if ds_steps == 0 or kk_steps == 0:
+        notes.append(f"n/a: {n} samples do not fill one step of {N if kk_steps == 0 else per_rank * R} "
+                     "samples, and the baselines drop an incomplete step")
+    kk_dropped = n - kk_steps * N
+    if ds_dropped or kk_dropped or len(sizes) not in (ds_steps, kk_steps):
+        why = []
+        if ds_dropped:
+            why.append(f"DistributedSampler drops the last {ds_dropped} of {n} samples (drop_last)")
+        if kk_dropped:
+            why.append(f"per-step LPT/KK drop the last {kk_dropped} (they cut the epoch into full steps "
+                       f"of {N})")
+        plan = (f"tokenbal plans every sample: {len(sizes)} step(s)"
+                + (f", the last with {sizes[-1]} samples" if sizes and sizes[-1] != N else ""))
+        if sizes and len(sizes) < -(-n // N):
+            plan += f" (a last step of {n % N} samples, fewer than the {R} ranks, is merged into it)"
+        notes.append(f"step counts differ: {'; '.join(why + [plan])}")
+    if baseline_steps is not None and kk_steps > baseline_steps:
+        notes.append(f"per-step LPT/KK: only the first {baseline_steps} of their {kk_steps} steps are "
+                     "simulated (--baseline-steps)")
+    return tuple(notes)
 
 
 def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_accum: int = 1,
@@ -145,7 +192,9 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     the same samples. Balance is measured on the cost being balanced (tokens by default).
     ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick.
     ``stages`` (as in :func:`plan_epoch`): also report the per-step stage time over its ideal for
-    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``."""
+    DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``.
+    Raises ``ValueError`` when there are fewer samples than ranks (every method would leave ranks
+    idle in every step). ``Simulation.notes`` says why the methods' step counts differ."""
     resolved = resolve(lengths, cost, stages)
     c = resolved.costs
     # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
@@ -155,6 +204,11 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     seed = _nonneg_int("seed", seed)
     if baseline_steps is not None:
         baseline_steps = _nonneg_int("baseline_steps", baseline_steps)
+    if len(c) < R:
+        # Every method would leave ranks idle in every step; its ratios would compare nothing.
+        raise ValueError(f"{R} ranks but only {len(c)} samples: every step would leave at least {R - len(c)} "
+                         f"rank(s) without a sample; simulate at most {len(c)} (data-parallel) ranks, or a "
+                         "larger index")
     ratios: dict[str, np.ndarray] = {}
     ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
     for method, equal in (("lpt", False), ("kk", True)):
@@ -179,5 +233,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
         staged = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k, stages=sc)
         stage_dt = time.perf_counter() - t0
         stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
+    notes = step_count_notes(len(c), R, N, plan.counts().sum(1), baseline_steps)
     return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
-                      plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt)
+                      plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt,
+                      notes=notes)

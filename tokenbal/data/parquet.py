@@ -19,6 +19,12 @@ from typing import Any
 from torch.utils.data import Dataset
 
 
+def _is_parquet(path: str) -> bool:
+    from tokenbal.index.parquet import is_parquet
+
+    return is_parquet(path)
+
+
 class IndexedParquetDataset(Dataset):
     """Map-style dataset over a ``TokenIndex`` built from ``.parquet`` sources.
 
@@ -70,7 +76,9 @@ class IndexedParquetDataset(Dataset):
         return len(self.index)
 
     def _file(self, path: str):
-        import pyarrow.parquet as pq
+        from tokenbal._extras import require
+
+        pq = require("pyarrow.parquet", "Parquet-backed datasets")
 
         if os.getpid() != self._pid:   # a forked DataLoader worker: do not share open files
             self._reset()
@@ -93,8 +101,14 @@ class IndexedParquetDataset(Dataset):
 
     def locate(self, i: int) -> tuple[str, int, int]:
         """``(file, row group, row in group)`` of sample ``i``."""
+        path = self.index.shard(i)
+        if not _is_parquet(path):   # a tar / annotation sample (the index may mix sources)
+            from tokenbal.data.indexed import SampleReadError
+
+            raise SampleReadError(f"sample {i} ({self.index.keys[i]!r}) comes from {path}, not a Parquet "
+                                  "file: read it with tokenbal.data.IndexedShardDataset")
         (m,) = self.index.members(i)
-        return self.index.shard(i), m.offset, m.size
+        return path, m.offset, m.size
 
     def __getitem__(self, i: int) -> dict:
         i = int(i)

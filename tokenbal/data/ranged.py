@@ -52,12 +52,12 @@ class ShardReaders:
             self.open.move_to_end(shard)
             return h
         if is_url(shard):
-            import fsspec
+            from tokenbal._extras import fsspec_filesystem
 
             protocol = shard.split("://", 1)[0]
             fs = self.filesystems.get(protocol)
             if fs is None:
-                fs = fsspec.filesystem(protocol, **self.storage_options)
+                fs = fsspec_filesystem(protocol, **self.storage_options)
                 self.filesystems[protocol] = fs
             h = ("url", fs, shard)
         else:

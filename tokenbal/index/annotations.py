@@ -11,7 +11,12 @@ list of records. A record is an object with:
   tokens; a record with neither is an error.
 
 Every image size comes from the file's header (``read_image_size``), exactly as for tar members.
-A sample's key is ``<file name>:<line>`` (JSONL, 1-based line) or ``<file name>[<index>]`` (JSON).
+A sample's key is the record's own ``id`` (a non-empty string, or an integer, as a string: the LLaVA
+/ ShareGPT layout), so exports and errors join back to the dataset. Keys stay unique within a file:
+a record without a usable ``id``, and every record whose ``id`` occurs more than once in its file,
+is keyed by its place instead, ``<file name>:<line>`` (JSONL, 1-based line) or
+``<file name>[<index>]`` (JSON). (Across files, as across tar shards, keys may repeat; rows are
+told apart by their index position and shard.)
 Its members are its image files: offset 0, size the file size, the path kept in the index.
 
 Errors, one per record, naming the file and line (or index): invalid JSON on that line, a record
@@ -80,14 +85,48 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
             return _file_error(scan, "corrupt", f"annotation file {path} holds a {type(data).__name__}, "
                                                 "expected a list of records")
         records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
-    for key, where, rec in records:
+    ids: dict[str, str | None] = {}   # place key -> the record's own id
+    for key, where, rec in records:   # one pass, records not kept: a JSONL file streams
         scan.n_members += 1
+        ids[key] = _record_id(rec)
         sample = _record(rec, key, where, root, scan, prefix, exif)
         if sample is not None:
             scan.samples.append(sample)
+    _key_by_id(scan, ids)
     if scan.n_members == 0:
         _file_error(scan, "empty", f"annotation file {path} holds no records")
     return scan
+
+
+def _record_id(rec: object) -> str | None:
+    """A record's own ``id`` as a key, or None when it has none usable (absent, empty, not a string
+    or integer: a float or a dict would not survive a round trip as the same key)."""
+    value = rec.get("id") if isinstance(rec, dict) else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    return value if isinstance(value, str) and value else None
+
+
+def _key_by_id(scan: ShardScan, ids: dict[str, str | None]) -> None:
+    """Re-key the scanned samples and errors of a file by their records' ids (``ids``: place key ->
+    id), where an id is unique in the file; every record of a repeated id keeps its place key, so
+    which record gets the id never depends on order."""
+    seen: dict[str, int] = {}
+    for i in ids.values():
+        if i is not None:
+            seen[i] = seen.get(i, 0) + 1
+    chosen = {key: i for key, i in ids.items() if i is not None and seen[i] == 1}
+    # An id spelled like another record's place key ("train.jsonl:7", maybe a line that is not
+    # JSON, so not in ``ids``) would collide with it.
+    places = {key for key in ids if key not in chosen}
+    places |= {e["key"] for e in scan.errors if e["key"] not in ids}
+    chosen = {key: i for key, i in chosen.items() if i not in places}
+    for s in scan.samples:
+        s.key = chosen.get(s.key, s.key)
+    for e in scan.errors:
+        e["key"] = chosen.get(e["key"], e["key"])
 
 
 def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -59,6 +59,11 @@ class IndexBuildError(RuntimeError):
     """A build could not finish (another build holds the folder, a scan worker died); names why."""
 
 
+class OtherRulesError(ValueError):
+    """``out`` holds an index built with other token rules (model, estimator options, tokenizer,
+    ...) and the build was asked not to replace such an index silently; names every difference."""
+
+
 class VisionEstimator(Protocol):
     """What the index needs from ``tokenbal.estimate.get_estimator(...)``."""
     name: str
@@ -87,6 +92,41 @@ class BuildReport:
     seconds: float
     num_reused: int = 0        # shards taken unchanged from the index already at ``out``
     num_kept: int = 0          # shards of the index at ``out`` kept although SOURCES did not name them
+    bad_shards: list[dict] = field(default_factory=list)   # {"path", "status", "reason"} per bad shard
+
+    @property
+    def num_bad_samples(self) -> int:
+        return self.num_errors - self.num_bad_shards
+
+    def limit_problems(self, max_bad_shards: int | None = 0, max_bad_samples: int | float | None = None
+                       ) -> list[str]:
+        """Why this build should count as failed (a CI job's exit status), one line each; [] if it
+        should not. ``max_bad_shards``: shards allowed to fail (``None``: any number).
+        ``max_bad_samples``: bad samples allowed, a count (int) or a fraction (float in [0, 1)) of
+        the samples seen (indexed + bad); ``None``: any number. A build that indexed no sample at
+        all while something failed always counts as failed."""
+        out = []
+        if max_bad_shards is not None and self.num_bad_shards > max_bad_shards:
+            shown = "; ".join(f"{s['path']} ({s['status']}: {s['reason']})" for s in self.bad_shards[:5])
+            more = f"; and {len(self.bad_shards) - 5} more" if len(self.bad_shards) > 5 else ""
+            out.append(f"{self.num_bad_shards} of {self.num_shards} shards could not be indexed (allowed: "
+                       f"{max_bad_shards}, --max-bad-shards): {shown}{more}")
+        bad = self.num_bad_samples
+        if max_bad_samples is not None and bad:
+            seen = self.num_samples + bad
+            allowed = (int(max_bad_samples * seen) if isinstance(max_bad_samples, float)
+                       else int(max_bad_samples))
+            if bad > allowed:
+                share = (f"{max_bad_samples:.2%} of {seen} = {allowed}" if isinstance(max_bad_samples, float)
+                         else str(allowed))
+                out.append(f"{bad} of {seen} samples could not be indexed (allowed: {share}, "
+                           f"--max-bad-samples)")
+        if not out and self.num_samples == 0 and self.num_errors:
+            out.append("no sample was indexed")
+        if out:
+            out.append(f"every error is listed in {os.path.join(self.out, ERRORS)}; the index was written "
+                       "without them")
+        return out
 
     def summary(self) -> str:
         good = self.num_shards - self.num_bad_shards
@@ -133,7 +173,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
                 incremental: bool = True, remote: RemoteOptions | None = None,
                 parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None,
                 exif: str = "transpose", keep_unlisted: bool = True,
-                checkpoint_seconds: float = 10.0) -> BuildReport:
+                checkpoint_seconds: float = 10.0, on_other_rules: str = "rescan") -> BuildReport:
     """Index the webdataset tar shards and JSON/JSONL annotation files named by ``sources`` into ``out``.
 
     ``sources``: paths, globs, brace patterns (``data-{000..099}.tar``); a missing one raises
@@ -151,7 +191,9 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     after the old ones (so the rows of unchanged samples keep their numbers). Shards of the existing
     index that ``sources`` does not name are kept (``keep_unlisted=True``, so naming only new shards
     adds them) or dropped (``keep_unlisted=False``: the index holds exactly ``sources``). Different
-    rules, or ``incremental=False``, rescan everything and index exactly ``sources``. The new index
+    rules, or ``incremental=False``, rescan everything and index exactly ``sources``;
+    ``on_other_rules="error"`` (what ``tokenbal index build`` passes unless ``--rebuild``) refuses
+    the first case instead, raising ``OtherRulesError`` that names each setting both ways. The new index
     replaces the old one atomically (readers holding the old one keep it, ``tokenbal.index.store``);
     any other non-empty folder at ``out`` is refused.
     Resume: the folder being written keeps a checkpoint of its finished shards at least every
@@ -160,7 +202,10 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     the checkpoint is; the next build of ``out`` (same rules) copies them instead of rescanning.
     One build per ``out`` at a time: a second raises ``IndexBuildError`` naming the holder.
     Bad samples and shards never stop the build: they are listed in ``errors.jsonl`` and counted in
-    the returned report.
+    the returned report (``BuildReport.limit_problems`` says whether they exceed a limit).
+    A missing optional dependency (pyarrow for Parquet, fsspec for URLs, PyAV for videos) raises
+    ``tokenbal._extras.MissingExtraError`` naming the pip extra, before any scan where it is known
+    up front.
 
     Sources may be URLs (``s3://``, ``https://``, any fsspec protocol; ``remote`` says how they are
     read, ``tokenbal.index.remote``) and ``.parquet`` files (``parquet`` names the columns,
@@ -176,7 +221,11 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         raise ValueError(f"workers must be >= 1, got {workers}")
     if exif not in EXIF_POLICIES:
         raise ValueError(f"exif must be one of {', '.join(EXIF_POLICIES)}, got {exif!r}")
+    if on_other_rules not in ("rescan", "error"):
+        raise ValueError(f"on_other_rules must be 'rescan' or 'error', got {on_other_rules!r}")
+    _require_extras([sources] if isinstance(sources, str) else sources)
     paths = expand_sources(sources, remote)
+    _require_extras(paths)
     if part is not None:
         positions, paths = select_part(paths, part)
     if image_root is not None:
@@ -213,6 +262,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     with _BuildLock(out), _sigterm_as_exit():
         # An interrupted build's finished shards first (its .partial, then what dead builds left
         # in their folders), then the last complete index.
+        if incremental and on_other_rules == "error":
+            _refuse_other_rules(out, meta)
         leftovers = _recover_leftovers(out)
         olds = [] if not incremental else [
             idx for idx in (_reusable_index(partial_path(out), meta),
@@ -241,7 +292,75 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
                        num_samples=totals.num_samples, num_errors=totals.num_errors,
                        num_images=totals.num_images, total_tokens=totals.total_tokens,
                        seconds=time.perf_counter() - t0, num_reused=len(jobs) - len(scan_paths),
-                       num_kept=kept)
+                       num_kept=kept, bad_shards=[{"path": s["path"], "status": s["status"],
+                                                   "reason": s.get("reason")}
+                                                  for s in totals.shards if s["status"] != "ok"])
+
+
+def _require_extras(paths: Sequence[str]) -> None:
+    """Fail before any work when a source needs an optional dependency that is not installed (rather
+    than one error per file, or a traceback from the first worker)."""
+    from tokenbal._extras import require
+
+    if any(is_url(p) for p in paths):
+        require("fsspec", "remote (URL) sources")
+    if any(is_parquet(p) for p in paths):
+        require("pyarrow.parquet", "Parquet sources")
+
+
+# The settings a user chooses, as (label, manifest lookup); what differs among them is named when a
+# build refuses to replace an index. Other parts of ``_rules`` (the video pipeline's version, member
+# stamps) change with tokenbal itself: a difference there only means a rescan.
+_USER_RULES = (
+    ("model", lambda m: m["estimator"].get("model", m["estimator"]["name"])),
+    ("text counter", lambda m: m["text_counter"]["name"]),
+    ("--image-root", lambda m: m.get("image_root")),
+    ("Parquet columns", lambda m: m.get("parquet")),
+    ("--exif", lambda m: m.get("exif", "ignore")),
+)
+
+
+def rules_differences(built: dict, meta: dict) -> list[str]:
+    """The user-chosen token settings in which the index manifest ``built`` and a build's ``meta``
+    differ, each as ``"NAME: index A, this build B"`` (estimator options one by one)."""
+    new = json.loads(json.dumps(meta, default=_jsonable))
+    out = []
+    for label, get in _USER_RULES:
+        try:
+            have = get(built)
+        except (KeyError, TypeError):
+            have = "<unknown>"
+        want = get(new)
+        if have != want and not (label == "model" and _rules(built)[:3] == _rules(new)[:3]):
+            out.append(f"{label}: index {have!r}, this build {want!r}")
+    have_cfg, want_cfg = built.get("estimator", {}).get("config", {}), new["estimator"]["config"]
+    if built.get("estimator", {}).get("name") == new["estimator"]["name"]:
+        for k in sorted(set(have_cfg) | set(want_cfg)):
+            a, b = have_cfg.get(k, "<absent>"), want_cfg.get(k, "<absent>")
+            if a != b:
+                out.append(f"{k}: index {a!r}, this build {b!r}")
+    return out
+
+
+def _refuse_other_rules(out: str, meta: dict) -> None:
+    """Raise ``OtherRulesError`` when ``out`` holds a readable index whose user-chosen token settings
+    differ from ``meta``'s: replacing it would rescan everything and could drop shards (it keeps only
+    what this build names), which must not happen by accident."""
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        return
+    try:
+        built = TokenIndex.open(out)
+        manifest = built.manifest
+        built.release()
+    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as before
+        return
+    differences = rules_differences(manifest, meta)
+    if differences:
+        n = len(manifest.get("shards", []))
+        raise OtherRulesError(
+            f"--out {out} holds an index of {manifest.get('num_samples', '?')} samples from {n} shards "
+            f"built with other settings ({'; '.join(differences)}); pass --rebuild "
+            "(build_index(incremental=False)) to replace it with this build, or choose another --out")
 
 
 def write_index(out: str | os.PathLike, results: Iterable[ShardResult], meta: dict,

@@ -41,8 +41,10 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
     cols = {"length": np.asarray(idx.lengths), "vision_tokens": np.asarray(idx.vision_tokens),
             "text_tokens": np.asarray(idx.text_tokens)}
     if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        from tokenbal._extras import require
+
+        pa = require("pyarrow", "Parquet exports (the default --format; jsonl and npy need nothing)")
+        pq = require("pyarrow.parquet", "Parquet exports (the default --format; jsonl and npy need nothing)")
 
         path = os.path.join(out_dir, "lengths.parquet")
         table = pa.table({"key": pa.array(keys, pa.string()), "shard": pa.array(shards, pa.string()),
@@ -86,7 +88,9 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
                                     "(lengths.parquet / lengths.jsonl / lengths.npy)")
         path = os.path.join(path, found[0])
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        from tokenbal._extras import require
+
+        pq = require("pyarrow.parquet", "reading a Parquet export")
 
         t = pq.read_table(path, columns=["key", *COLUMNS])
         return t.column("key").to_pylist(), {c: t.column(c).to_numpy().astype(np.int64) for c in COLUMNS}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from tokenbal._extras import MissingExtraError
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
@@ -78,7 +79,9 @@ def resolve_columns(names: list[str], opts: ParquetOptions) -> tuple[str | None,
 def open_parquet(path: str, remote=None):
     """``(pyarrow.parquet.ParquetFile, size, fingerprint, extra manifest fields)`` for a local path or
     a URL (``remote``: ``tokenbal.index.remote.RemoteOptions``)."""
-    import pyarrow.parquet as pq
+    from tokenbal._extras import require
+
+    pq = require("pyarrow.parquet", "Parquet sources")
 
     from tokenbal.index import remote as rm
 
@@ -125,6 +128,8 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
                     scan.samples.append(sample)
         if scan.n_members == 0:
             _file_error(scan, "empty", f"Parquet file {path} holds no rows")
+    except MissingExtraError:
+        raise   # no pyarrow: not this file's fault, and every other file would fail the same way
     except FileNotFoundError as e:
         _file_error(scan, "missing", f"Parquet file not found: {path}: {e}")
     except ValueError as e:   # a named column that is absent, no usable column

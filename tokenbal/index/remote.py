@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenbal._extras import MissingExtraError
 from tokenbal.data.tar import header_stamp, walk_members
 from tokenbal.index.imagesize import _TAIL, FIRST_READ, PREFIX_BYTES
 from tokenbal.index.scan import (
@@ -97,7 +98,7 @@ _FS: dict[tuple, Any] = {}
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for ``url``; filesystems are shared per process."""
-    import fsspec
+    from tokenbal._extras import fsspec_filesystem
 
     protocol = url.split("://", 1)[0]
     opts = dict(storage_options or {})
@@ -105,7 +106,7 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]
     with _FS_LOCK:
         fs = _FS.get(key)
         if fs is None:
-            fs = _FS[key] = fsspec.filesystem(protocol, **opts)
+            fs = _FS[key] = fsspec_filesystem(protocol, **opts)
     return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
 
 
@@ -140,7 +141,7 @@ def with_retries(fn: Callable[[], Any], url: str, what: str, opts: RemoteOptions
     for attempt in range(opts.retries + 1):
         try:
             return fn()
-        except _NoRanges:
+        except (_NoRanges, MissingExtraError):
             raise
         except Exception as e:
             # fsspec's HTTP info() reports any failure as FileNotFoundError; its cause says which.

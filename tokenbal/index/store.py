@@ -610,9 +610,13 @@ def index_stats(path: str | os.PathLike, plot: str | os.PathLike | None = None) 
         f"  estimator: {m['estimator']['name']}   text counter: {m['text_counter']['name']}",
     ]
     n_img = np.diff(np.asarray(idx._cols["image_start"]))
-    lines.append(f"  images: {int(n_img.sum())}   members: {m['num_members']}   "
-                 f"samples with 0 / 1 / 2+ images: {int((n_img == 0).sum())} / "
-                 f"{int((n_img == 1).sum())} / {int((n_img >= 2).sum())}")
+    # Two different counts, named so they cannot be read as one: images the samples reference (a
+    # Parquet row or an annotation record may hold several, the same file twice) and the stored items
+    # the index points into (a tar sample's text / JSON members count too).
+    lines.append(f"  images referenced: {int(n_img.sum())}   samples with 0 / 1 / 2+ images: "
+                 f"{int((n_img == 0).sum())} / {int((n_img == 1).sum())} / {int((n_img >= 2).sum())}")
+    lines.append(f"  stored members: {m['num_members']} (tar members of any kind, files named by annotation "
+                 "records, one per Parquet row)")
     if len(idx) == 0:
         lines.append("  no samples indexed")
         return "\n".join(lines)

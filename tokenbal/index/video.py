@@ -136,11 +136,10 @@ def _header_listed(f) -> bool:
 
 
 def _av():
-    try:
-        import av
-    except ImportError as e:
-        raise ImportError("video samples need PyAV: pip install 'tokenbal[video]' (the av package)") from e
-    return av
+    from tokenbal._extras import require
+
+    # A MissingExtraError, not a per-sample error: every video would fail the same way.
+    return require("av", "video samples")
 
 
 def _open(f, header_only: bool = False):

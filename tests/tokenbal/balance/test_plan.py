@@ -388,9 +388,9 @@ def test_simulate_stages_reports_the_step_time_of_both_stages(index_dir, capsys)
             if line[:34].strip() in ("DistributedSampler", "tokenbal", "tokenbal + stages")}
     assert len(rows) == 3
     assert 1.0 <= rows["tokenbal + stages"][0] <= rows["tokenbal"][0] < rows["DistributedSampler"][0]
-    with pytest.raises(SystemExit, match="--cost flops"):
-        main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
-              "--stages"])
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "4", "--global-batch-size", "8",
+                 "--stages"]) == 2
+    assert "tokenbal plan simulate: error: --stages needs --cost flops" in capsys.readouterr().err
 
 
 def test_simulate_sp_size_balances_data_parallel_groups(index_dir, capsys):
@@ -408,6 +408,6 @@ def test_simulate_sp_size_balances_data_parallel_groups(index_dir, capsys):
         return [line for line in text.splitlines() if "plan time" not in line]
 
     assert rows(table) == rows(dp_only)
-    with pytest.raises(SystemExit, match="--sp-size 3 must divide --world-size 8"):
-        main(["plan", "simulate", "--index", index_dir, "--world-size", "8", "--sp-size", "3",
-              "--global-batch-size", "8"])
+    assert main(["plan", "simulate", "--index", index_dir, "--world-size", "8", "--sp-size", "3",
+                 "--global-batch-size", "8"]) == 2
+    assert "error: --sp-size 3 must divide --world-size 8" in capsys.readouterr().err

@@ -49,8 +49,8 @@ def ann(tmp_path):
     js = tmp_path / "extra.json"
     js.write_text(json.dumps([{"image": str(root / "b/y.jpg"), "text": "absolute path"},
                               {"image": "b/x.webp", "caption": "a caption"}]))
-    expected = {   # key -> (image sizes, text)
-        "train.jsonl:1": ([(640, 480)], "\nWhat is it?\nA cat."),
+    expected = {   # key -> (image sizes, text); a record's own id is its key (lines 1 and 13)
+        "1": ([(640, 480)], "\nWhat is it?\nA cat."),
         "train.jsonl:2": ([(640, 480), (129, 77)], "\n\nWhat is it?\nA cat."),
         "train.jsonl:4": ([(300, 1000)], "Describe.\nTall."),
         "train.jsonl:5": ([(28, 28)], "Small?\nYes."),
@@ -58,7 +58,7 @@ def ann(tmp_path):
         "extra.json[0]": ([(28, 28)], "absolute path"),
         "extra.json[1]": ([(129, 77)], "a caption"),
     }
-    images = {"train.jsonl:1": ["a/cat.jpg"], "train.jsonl:2": ["a/cat.jpg", "b/x.webp"],
+    images = {"1": ["a/cat.jpg"], "train.jsonl:2": ["a/cat.jpg", "b/x.webp"],
               "train.jsonl:4": ["a/dog.png"], "train.jsonl:5": ["b/y.jpg"], "train.jsonl:6": [],
               "extra.json[0]": [str(root / "b/y.jpg")], "extra.json[1]": ["b/x.webp"]}
     bad = {
@@ -69,7 +69,7 @@ def ann(tmp_path):
         "train.jsonl:11": f"{jsonl}:11: image 0 'broken.jpg' at {root / 'broken.jpg'} is not a readable "
                           "image",
         "train.jsonl:12": f"{jsonl}:12: 'image' must be a path or a list of paths",
-        "train.jsonl:13": f"{jsonl}:13: has neither images nor text",
+        "x": f"{jsonl}:13: has neither images nor text",
     }
     return dict(root=str(root), jsonl=str(jsonl), json=str(js), expected=expected, images=images, bad=bad)
 
@@ -90,7 +90,7 @@ def test_annotation_records_are_indexed_exactly(tmp_path, ann):
         for m in members:   # each member is the image file itself
             full = os.path.join(ann["root"], m.name)
             assert (m.shard, m.offset, m.size) == (full, 0, os.path.getsize(full))
-        assert idx.shard(i) == (ann["jsonl"] if key.startswith("train") else ann["json"])
+        assert idx.shard(i) == (ann["json"] if key.startswith("extra") else ann["jsonl"])
     # The tar sample in the same index keeps its tar members.
     (m,) = [m for m in idx.members(len(idx) - 1) if m.name.endswith(".jpg")]
     assert m.shard == shard and m.name == "t0.jpg"
@@ -107,7 +107,7 @@ def test_image_root_defaults_to_the_annotation_folder_and_bad_files(tmp_path, an
     # not where the images are, so each image record is an error naming the path it looked at.
     idx = TokenIndex.open(build_index([ann["jsonl"]], tmp_path / "idx", progress=False).out)
     assert list(idx.keys) == ["train.jsonl:6"]
-    reason = {e["key"]: e["reason"] for e in idx.errors}["train.jsonl:1"]
+    reason = {e["key"]: e["reason"] for e in idx.errors}["1"]
     assert f"not found at {tmp_path / 'a/cat.jpg'}" in reason
     notlist = tmp_path / "bad.json"
     notlist.write_text(json.dumps({"data": []}))
@@ -132,3 +132,31 @@ def test_cli_image_root(tmp_path, ann, capsys):
     assert main(["index", "build", ann["jsonl"], "--image-root", str(tmp_path / "nope"), "--out", out,
                  "-q"]) == 2
     assert "nope is not a folder" in capsys.readouterr().err
+
+
+def test_record_ids_are_keys_unique_within_a_file(tmp_path):
+    (tmp_path / "a.jpg").write_bytes(image_bytes("jpg", 64, 48))
+    rows = [
+        {"id": "000000033471", "image": "a.jpg", "conversations": [{"from": "human", "value": "<image>hi"}]},
+        {"id": 7, "text": "an integer id"},
+        {"id": "dup", "text": "first of two"},
+        {"id": "dup", "text": "second of two"},     # both fall back to their line: neither wins by order
+        {"text": "no id"},
+        {"id": "", "text": "empty id"},
+        {"id": 1.5, "text": "a float is not a key"},
+        {"id": True, "text": "nor a bool"},
+        {"id": "t.jsonl:5", "text": "spelled like the place key of line 5"},
+        {"id": "bad", "image": "missing.jpg", "text": "x"},   # an error keeps its record's id too
+    ]
+    jsonl = tmp_path / "t.jsonl"
+    lines = [json.dumps(r) for r in rows] + ["{not json", json.dumps({"id": "t.jsonl:11", "text": "y"})]
+    jsonl.write_text("\n".join(lines) + "\n")
+    js = tmp_path / "t.json"
+    js.write_text(json.dumps([{"id": "dup", "text": "one"}, {"id": "dup", "text": "two"},
+                              {"id": "u", "text": "3"}]))
+    idx = TokenIndex.open(build_index([str(jsonl), str(js)], tmp_path / "idx", progress=False).out)
+    assert list(idx.keys) == ["000000033471", "7", "t.jsonl:3", "t.jsonl:4", "t.jsonl:5", "t.jsonl:6",
+                              "t.jsonl:7", "t.jsonl:8", "t.jsonl:9", "t.jsonl:12", "t.json[0]", "t.json[1]",
+                              "u"]
+    assert [e["key"] for e in idx.errors] == ["bad", "t.jsonl:11"]   # line 11 is not JSON
+    assert len(set(idx.keys[:10]) | {"bad", "t.jsonl:11"}) == 12

@@ -307,8 +307,11 @@ def test_rerun_rescans_changed_shards_drops_unlisted_and_respects_rules(tmp_path
     other = build_index(corpus.shards[:2], out, estimator_overrides={"max_pixels": 200704}, progress=False)
     assert other.num_reused == 0
     capsys.readouterr()
-    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q", "--drop-unlisted"]) == 0
-    assert "1 unchanged shards reused, 1 scanned" not in capsys.readouterr().out   # rules changed above
+    # The CLI does not replace an index of other rules silently: it names the setting both ways.
+    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q", "--drop-unlisted"]) == 2
+    assert "max_pixels: index 200704, this build 12845056" in capsys.readouterr().err
+    assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q", "--rebuild"]) == 0
+    assert "reused" not in capsys.readouterr().out   # rules changed above: everything rescanned
     assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "-q"]) == 0
     assert "2 unchanged shards reused, 0 scanned" in capsys.readouterr().out
     assert main(["index", "build", *corpus.shards[:2], "--out", str(out), "--rebuild", "-q"]) == 0

@@ -83,7 +83,8 @@ def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "tokenbal.cli", "index", "build", os.path.join(corpus.root, "data-*.tar"),
-           "--part", "env", "--out", str(tmp_path / "parts" / "part-{i}-of-{n}"), "-q"]
+           "--part", "env", "--out", str(tmp_path / "parts" / "part-{i}-of-{n}"), "-q",
+           "--max-bad-shards", "1"]   # the corpus's truncated shard: one part's build fails it otherwise
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     parts = sorted(str(p) for p in (tmp_path / "parts").iterdir())

@@ -1,0 +1,273 @@
+"""The CLI a newcomer meets (issue 31): every mistake is one ``error:`` line with the right exit status,
+never a traceback; a build's exit status says whether shards or samples failed; an index of other
+settings is not replaced by accident; a missing optional dependency names its pip extra.
+
+Each case here is a row of the "CLI errors" table in docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.corpus import Sample, make_corpus, write_shard
+from tests.helpers.paths import REPO
+from tokenbal.cli import main
+from tokenbal.index import TokenIndex, build_index
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    """``tokenbal ARGS`` in this process: (exit status, stdout, stderr), argparse's SystemExit too."""
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """A clean 3-shard corpus and its qwen2-vl index."""
+    root = tmp_path_factory.mktemp("clean")
+    corpus = make_corpus(root / "data", n_shards=3, samples_per_shard=4, bad=False)
+    return corpus, build_index(corpus.shards, root / "idx", progress=False).out
+
+
+# --- usage errors: argparse style, exit 2 ---------------------------------------------------------
+
+@pytest.mark.parametrize("extra, message", [
+    (["--estimator-option", "max_pixels"],
+     "argument --estimator-option: expected KEY=VALUE, got 'max_pixels'"),
+    (["--storage-option", "anon"], "argument --storage-option: expected KEY=VALUE, got 'anon'"),
+    (["--estimator-option", "=3"], "argument --estimator-option: expected KEY=VALUE, got '=3'"),
+    (["--model", "qwen9-vl"], "argument --model: unknown model 'qwen9-vl'; valid: "),
+    (["--part", "3"], "--part expects I/N"),
+    (["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    (["--max-bad-samples", "lots"], "argument --max-bad-samples: expected a count >= 0 or a percentage"),
+    (["--max-bad-shards", "-1"], "argument --max-bad-shards: must be an integer >= 0"),
+])
+def test_build_usage_errors(clean, tmp_path, capsys, extra, message):
+    corpus, _ = clean
+    code, out, err = run(["index", "build", *corpus.shards, "--out", str(tmp_path / "i"), "-q", *extra],
+                         capsys)
+    assert code == 2 and message in err and "tokenbal index build: error:" in err
+    assert err.startswith("usage: tokenbal index build")
+    assert not (tmp_path / "i").exists()
+    if extra[0] == "--model":
+        assert "qwen2-vl" in err and "internvl" in err     # the valid names, listed
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--stages"], "tokenbal plan simulate: error: --stages needs --cost flops"),
+    (["--model-config", "config.json"], "tokenbal plan simulate: error: --model-config is used by --cost "
+                                        "flops only"),
+    (["--world-size", "8", "--sp-size", "3"], "error: --sp-size 3 must divide --world-size 8"),
+])
+def test_simulate_usage_errors(clean, capsys, extra, message):
+    _, index = clean
+    code, _, err = run(["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size",
+                        "8", *extra], capsys)
+    assert code == 2 and message in err
+
+
+def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
+    _, index = clean
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    common = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4",
+              "--cost", "flops"]
+    code, _, err = run([*common, "--model-config", str(bad)], capsys)
+    assert code == 2 and err.startswith(f"tokenbal: error: --model-config {bad} is not valid JSON")
+    code, _, err = run([*common, "--model-config", str(tmp_path / "none.json")], capsys)
+    assert code == 2 and "no such file" in err
+    bad.write_text(json.dumps({"hidden_size": 64}))
+    code, _, err = run([*common, "--model-config", str(bad)], capsys)
+    assert code == 2 and "is not a model config tokenbal can read" in err
+
+
+def test_profile_without_a_folder_is_a_usage_error(capsys):
+    code, _, err = run(["profile"], capsys)
+    assert code == 2 and "tokenbal profile: error: give a trace folder, or --compare A B" in err
+
+
+# --- plan simulate: ranks beyond the samples, step counts explained -------------------------------
+
+def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
+    _, index = clean
+    code, out, err = run(["plan", "simulate", "--index", index, "--world-size", "512",
+                          "--global-batch-size", "512"], capsys)
+    assert code == 2 and out == ""
+    assert err.strip() == ("tokenbal: error: 512 ranks but only 12 samples: every step would leave at least "
+                           "500 rank(s) without a sample; simulate at most 12 (data-parallel) ranks, or a "
+                           "larger index")
+
+
+def test_simulate_says_why_step_counts_differ(clean, capsys):
+    _, index = clean
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "4", "--global-batch-size",
+                        "8"], capsys)
+    assert code == 0
+    assert ("note: step counts differ: DistributedSampler drops the last 4 of 12 samples (drop_last); "
+            "per-step LPT/KK drop the last 4 (they cut the epoch into full steps of 8); tokenbal plans every "
+            "sample: 2 step(s), the last with 4 samples") in out
+    # A global batch larger than the index: the baselines have no step, shown as n/a, not 1.000.
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "4", "--global-batch-size",
+                        "16"], capsys)
+    assert code == 0
+    rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()}
+    assert rows["DistributedSampler"] == ["n/a", "n/a", "n/a", "0"] == rows["per-step LPT"]
+    assert rows["tokenbal"][-1] == "1" and "note: n/a: 12 samples do not fill one step of 16" in out
+
+
+# --- index build: exit status, other settings ------------------------------------------------------
+
+def test_build_exit_status_counts_bad_shards_and_samples(tmp_path, capsys):
+    # 2 good shards (one with 2 bad samples) and a truncated one
+    corpus = make_corpus(tmp_path / "data", n_shards=2, samples_per_shard=4)
+    (truncated,) = corpus.bad_shards
+    args = ["index", "build", *corpus.shards, "-q"]
+    code, out, err = run([*args, "--out", str(tmp_path / "a")], capsys)
+    assert code == 1 and out.startswith(f"indexed {len(corpus.good)} samples")
+    assert ("tokenbal index build: error: 1 of 3 shards could not be indexed (allowed: 0, "
+            f"--max-bad-shards): {truncated} (truncated: ") in err
+    assert "the index was written without them" in err
+    assert len(TokenIndex.open(tmp_path / "a")) == len(corpus.good)    # written all the same
+    # Bad samples do not fail a build by default; --max-bad-samples makes them.
+    assert run([*args, "--out", str(tmp_path / "b"), "--max-bad-shards", "1"], capsys)[0] == 0
+    code, _, err = run([*args, "--out", str(tmp_path / "c"), "--max-bad-shards", "1",
+                        "--max-bad-samples", "1"], capsys)
+    assert code == 1 and f"2 of {len(corpus.good) + 2} samples could not be indexed (allowed: 1" in err
+    assert truncated not in err
+    assert run([*args, "--out", str(tmp_path / "d"), "--max-bad-shards", "1", "--max-bad-samples", "25%"],
+               capsys)[0] == 0
+
+
+def test_build_refuses_to_replace_an_index_of_other_settings(clean, tmp_path, capsys):
+    corpus, _ = clean
+    out = str(tmp_path / "idx")
+    args = ["index", "build", *corpus.shards[:2], "--out", out, "-q"]
+    assert run(args, capsys)[0] == 0
+    before = TokenIndex.open(out).build_id
+    code, _, err = run([*args[:3], corpus.shards[2], *args[4:], "--model", "internvl"], capsys)
+    assert code == 2
+    assert err.startswith(f"tokenbal: error: --out {out} holds an index of 8 samples from 2 shards built "
+                          "with other settings (model: index 'qwen2-vl', this build 'internvl'); pass "
+                          "--rebuild")
+    code, _, err = run([*args, "--estimator-option", "max_pixels=200704"], capsys)
+    assert code == 2 and "max_pixels: index 12845056, this build 200704" in err
+    assert TokenIndex.open(out).build_id == before                 # untouched
+    assert run([*args, "--model", "internvl", "--rebuild"], capsys)[0] == 0
+    assert TokenIndex.open(out).manifest["estimator"]["model"] == "internvl"
+    # Same settings: an ordinary incremental build.
+    code, out_text, _ = run([*args, "--model", "internvl"], capsys)
+    assert code == 0 and "2 unchanged shards reused" in out_text
+
+
+def test_a_second_build_of_one_folder_is_one_line_exit_1(clean, tmp_path, capsys):
+    import threading
+
+    from tokenbal.index.build import _BuildLock
+
+    corpus, _ = clean
+    out = str(tmp_path / "idx")
+    held, done = threading.Event(), threading.Event()
+
+    def hold():   # another build in progress: a thread of this process holds the folder's lock
+        with _BuildLock(os.path.abspath(out)):
+            held.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(60)
+        code, _, err = run(["index", "build", *corpus.shards, "--out", out, "-q"], capsys)
+    finally:
+        done.set()
+        holder.join(60)
+    assert code == 1 and err.startswith(f"tokenbal: error: another build is writing the index {out}")
+    assert err.count("\n") == 1
+
+
+def test_stats_names_referenced_images_and_stored_members(clean, capsys):
+    _, index = clean
+    code, out, _ = run(["index", "stats", index], capsys)
+    assert code == 0
+    assert "images referenced: " in out and "stored members: " in out
+    assert "  images: " not in out and "  members: " not in out
+
+
+# --- missing optional dependencies: one line naming the extra --------------------------------------
+
+def _block(monkeypatch, *modules: str) -> None:
+    for name in modules:   # None in sys.modules: `import name` raises ImportError, as when not installed
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_parquet_build_and_export_without_pyarrow_name_the_extra(clean, tmp_path, capsys, monkeypatch):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    _, index = clean
+    pq.write_table(pa.table({"text": ["a caption"]}), tmp_path / "t.parquet")
+    _block(monkeypatch, "pyarrow", "pyarrow.parquet")
+    code, out, err = run(["index", "build", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "i"), "-q"],
+                         capsys)
+    assert code == 1 and out == "" and not (tmp_path / "i").exists()
+    assert err == ("tokenbal: error: Parquet sources need pyarrow, which is not installed: "
+                   "pip install 'tokenbal[parquet]'\n")
+    code, _, err = run(["index", "export", str(tmp_path / "x"), "--index", index], capsys)
+    assert code == 1 and err.count("\n") == 1 and "pip install 'tokenbal[parquet]'" in err
+    code, _, _ = run(["index", "export", str(tmp_path / "x"), "--index", index, "--format", "jsonl"], capsys)
+    assert code == 0
+
+
+def test_video_build_without_av_names_the_extra(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("av")
+    from tests.helpers.videos import write_video
+
+    clip = write_video(str(tmp_path / "c.mp4"), 4, 64, 48)
+    with open(clip, "rb") as f:
+        shard = write_shard(tmp_path / "v.tar", [Sample("v0", caption="a clip", raw=[("mp4", f.read())])])
+    _block(monkeypatch, "av")
+    code, _, err = run(["index", "build", shard, "--out", str(tmp_path / "i"), "-q"], capsys)
+    assert code == 1
+    assert err == ("tokenbal: error: video samples need av (PyAV), which is not installed: "
+                   "pip install 'tokenbal[video]'\n")
+
+
+def test_url_sources_without_fsspec_name_the_extra(tmp_path, capsys, monkeypatch):
+    _block(monkeypatch, "fsspec")
+    code, _, err = run(["index", "build", "s3://bucket/data-{000..003}.tar", "--out", str(tmp_path / "i"),
+                        "-q"], capsys)
+    assert code == 1 and err.endswith("pip install 'tokenbal[remote]'\n") and err.count("\n") == 1
+
+
+def test_url_sources_without_their_fsspec_backend_say_what_to_install(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("fsspec")
+    _block(monkeypatch, "gcsfs")
+    code, _, err = run(["index", "build", "gs://bucket/data-000.tar", "--out", str(tmp_path / "i"), "-q"],
+                       capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("tokenbal: error: gs:// sources need an fsspec backend that is not installed")
+    assert "gcsfs for gs://" in err
+
+
+# --- the console: a closed pipe ----------------------------------------------------------------------
+
+def test_stats_into_a_closed_pipe_exits_quietly(clean):
+    _, index = clean
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # `tokenbal index stats DIR | head -0`: the reader is gone before the first line is written.
+    proc = subprocess.Popen([sys.executable, "-m", "tokenbal.cli", "index", "stats", index], env=env,
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
