@@ -32,7 +32,7 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
                          estimator_overrides=overrides, progress=not args.quiet,
                          incremental=not args.rebuild, remote=_remote_options(args),
                          parquet=parquet, part=part, exif=args.exif,
-                         keep_unlisted=not args.drop_unlisted)
+                         keep_unlisted=not args.drop_unlisted, processor=args.processor)
     print(report.summary())
     return 0 if report.num_samples > 0 or report.num_errors == 0 else 1
 
@@ -242,7 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "or .json/.jsonl annotation files")
     build.add_argument("--model", default="qwen2-vl",
                        help="estimator (model family), one of: " + ", ".join(_model_names())
-                            + "; default qwen2-vl")
+                            + "; or a checkpoint / processor folder (its processor configs); "
+                              "default qwen2-vl")
+    build.add_argument("--processor", default=None, metavar="DIR",
+                       help="checkpoint or processor folder: estimator, tokenizer and chat template from "
+                            "it, so rows with messages / conversations count what its apply_chat_template "
+                            "gives "
+                            "(template tokens included); replaces --model and --tokenizer")
     build.add_argument("--out", required=True, help="index folder to write")
     build.add_argument("--workers", type=int, default=1, help="processes scanning shards in parallel")
     build.add_argument("--tokenizer", default=None,
@@ -375,12 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_folder(model: str) -> bool:
+    import os
+
+    return os.path.isdir(model)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="tokenbal: %(levelname)s: %(message)s")
     logging.getLogger("tokenbal").setLevel(logging.INFO if args.verbose else logging.WARNING)
-    if getattr(args, "model", None) is not None:
+    if getattr(args, "model", None) is not None and not _is_folder(args.model):
         from tokenbal.estimate.vision import get_estimator
 
         try:

@@ -62,6 +62,7 @@ class ScannedSample:
     paths: list[str] | None = None           # annotation sources: "name\0absolute path" per member
     videos: list | None = None               # tokenbal.index.videoindex.SampleVideo per video member
     stamps: list[tuple[int, int]] | None = None   # (header checksum, mtime) per member; -1 unknown
+    chat: list | None = None                 # chat turns for a processor's template (index/text.py)
 
 
 @dataclass
