@@ -46,10 +46,11 @@ LLAMA_STYLE = (
 PLAIN_STYLE = (
     "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
     "{% set rest = messages[1:] %}{% else %}{% set sys = '' %}{% set rest = messages %}{% endif %}"
-    "{% for m in rest %}{% if m['role'] == 'user' %}USER: {% if loop.first and sys %}{{ sys if sys is string else sys[0]['text'] }}\n{% endif %}"
-    "{% else %}ASSISTANT: {% endif %}{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in "
-    "m['content'] %}{% if c['type'] == 'image' %}<|image_pad|>{% else %}{{ c['text'] }} {% endif %}{% endfor "
-    "%}{% endif %}{{ '</s>' if m['role'] == 'assistant' else '\n' }}{% endfor %}"
+    "{% for m in rest %}{% if m['role'] == 'user' %}USER: {% if loop.first and sys %}"
+    "{{ sys if sys is string else sys[0]['text'] }}\n{% endif %}{% else %}ASSISTANT: {% endif %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|image_pad|>{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}"
+    "{{ '</s>' if m['role'] == 'assistant' else '\n' }}{% endfor %}"
 )
 
 TEMPLATES = {"qwen2-vl": QWEN2_VL, "llama-style": LLAMA_STYLE, "plain-style": PLAIN_STYLE}
