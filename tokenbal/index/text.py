@@ -37,17 +37,22 @@ class SampleTextError(ValueError):
 def text_pieces(ext: str, data: bytes) -> list[str] | None:
     """Text pieces of one text member (``ext`` lower case). ``None`` for a JSON with no known
     text field; raises ``SampleTextError`` for bytes that are not UTF-8 or not valid JSON."""
+    return member_text(ext, data)[0]
+
+
+def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | None]:
+    """``(text_pieces(ext, data), chat_messages(its JSON))`` from one parse of the member."""
     try:
         s = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SampleTextError(f"not valid UTF-8 ({e})") from None
     if ext.rsplit(".", 1)[-1] == "txt":
-        return [s]
+        return [s], None
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise SampleTextError(f"not valid JSON ({e})") from None
-    return json_text(obj)
+    return json_text(obj), chat_messages(obj)
 
 
 def json_text(obj: object) -> list[str] | None:

@@ -139,3 +139,29 @@ def test_load_estimator_reads_a_processor_folder(setup):
     # preprocessor_config.json (transformers' lookup order)
     assert {k: load_estimator(folder).config[k] for k in keys} == {
         k: estimator_from_processor(proc).config[k] for k in keys}
+
+
+def test_tar_json_messages_through_the_template(setup, tmp_path):
+    """webdataset samples: a .json member with messages (image parts without paths) + image members."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    proc, folder = setup
+    rows = cp.chat_rows(12, seed=13)
+    shard = tmp_path / "data-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, row in enumerate(rows):
+            members = [(f"{i:04d}.json", json.dumps({"messages": row["messages"]}).encode())]
+            members += [(f"{i:04d}.{j}.png", b) for j, b in enumerate(row["images"])]
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert main(["index", "build", str(shard), "--processor", str(folder), "--out", str(tmp_path / "idx"),
+                 "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    want = [cp.oracle_length(proc, {"messages": r["messages"],
+                                    "images": [Image.open(io.BytesIO(b)) for b in r["images"]]}) for r in rows]
+    np.testing.assert_array_equal(idx.lengths, want)
