@@ -45,7 +45,8 @@ class ChatCountError(ValueError):
 
 class ChatTokenCounter:
     """Counts ``len(processor.apply_chat_template([conv], images=[imgs], tokenize=True,
-    return_dict=True)["input_ids"][0])`` from the images' sizes.
+    return_dict=True)["input_ids"][0])`` from the images' sizes (for a tokenizer, text-only:
+    ``len(tokenizer.apply_chat_template(conv, tokenize=True))``).
 
     Build it with :meth:`from_processor` (a loaded transformers processor) or
     :meth:`from_pretrained` (a checkpoint / processor folder). ``count(conversations, sizes)``:
@@ -81,8 +82,14 @@ class ChatTokenCounter:
         from tokenbal.estimate.vision import estimator_from_processor
 
         tokenizer = getattr(processor, "tokenizer", None)
+        is_tokenizer = hasattr(processor, "apply_chat_template") and hasattr(processor, "get_vocab")
+        if tokenizer is None and is_tokenizer:
+            # A tokenizer (text-only model): its apply_chat_template never adds special tokens
+            return cls(processor, _processor_template(processor), estimator, None,
+                       normalize=_tokenizer_normalize, add_special_tokens=False,
+                       source=type(processor).__name__)
         if tokenizer is None:
-            raise TypeError(f"{type(processor).__name__} has no tokenizer; pass a transformers processor")
+            raise TypeError(f"{type(processor).__name__} is neither a transformers processor nor a tokenizer")
         template = _processor_template(processor)
         if estimator is None and getattr(processor, "image_processor", None) is not None:
             estimator = estimator_from_processor(processor)
@@ -332,6 +339,13 @@ def _plain(value: Any) -> bool:
     if type(value) is list:
         return all(_plain(v) for v in value)
     return value is None or type(value) in (str, int, float, bool)
+
+
+def _tokenizer_normalize(conversations: list) -> tuple[list, bool]:
+    # what a tokenizer's apply_chat_template does: objects to dicts, None values of a message dropped
+    from transformers.utils.chat_template_utils import _normalize_chat_messages
+
+    return [_normalize_chat_messages(c) for c in conversations], True
 
 
 def _openai_image(part: Any) -> Any:

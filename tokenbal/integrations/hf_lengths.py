@@ -42,11 +42,17 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
                     images: str | None = "images", num_proc: int | None = None,
                     cache: bool = True) -> np.ndarray:
     """Token count of every row of ``dataset`` under ``processor`` (int64, in row order); see the
-    module docstring. ``images=None`` (or a dataset without that column) takes the images named in
-    the messages' image parts. ``num_proc`` > 1 counts a ``datasets.Dataset`` in that many
-    processes (``Dataset.map``). Raises ``ValueError`` naming the row for a row the processor would
-    reject (placeholders and images disagree) or whose image header cannot be read."""
+    module docstring. ``processor`` may also be a tokenizer (text-only rows, counted as its
+    ``apply_chat_template(messages, tokenize=True)``). ``images=None`` (or a dataset without that
+    column) takes the images named in the messages' image parts. ``num_proc`` > 1 counts a
+    ``datasets.Dataset`` in that many processes (``Dataset.map``). Raises ``ValueError`` naming the
+    row for a row the processor would reject (placeholders and images disagree) or whose image
+    header cannot be read."""
     counter = ChatTokenCounter.from_processor(processor)
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"dataset_lengths needs a map-style dataset (len and indexing), got "
+                        f"{type(dataset).__name__}; for an IterableDataset, index it offline "
+                        "(tokenbal index build --processor DIR)")
     if _is_hf_dataset(dataset):
         return _dataset_lengths_hf(dataset, counter, messages, images, num_proc, cache)
     return _rows_lengths(dataset, counter, messages, images)

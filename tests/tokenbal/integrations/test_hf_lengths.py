@@ -242,3 +242,14 @@ def test_trainer_computes_lengths(ds, tok, tmp_path, monkeypatch):
     with_length = sub.add_column("length", given_lengths.tolist())
     t = TokenBalancedTrainer(model=model, args=args, train_dataset=with_length, processing_class=proc)
     np.testing.assert_array_equal(t.tokenbal_token_lengths, given_lengths)
+
+
+def test_a_tokenizer_counts_text_rows(rows):
+    """A text-only model's tokenizer as the processing class: its own apply_chat_template count."""
+    tok = cp.tokenizer()
+    tok.chat_template = cp.QWEN2_VL
+    text_rows = [{"messages": r["messages"]} for r in rows[:40] if not r["images"]]
+    want = [len(tok.apply_chat_template(r["messages"], tokenize=True, return_dict=False)) for r in text_rows]
+    np.testing.assert_array_equal(dataset_lengths(datasets.Dataset.from_list(text_rows), tok, cache=False), want)
+    with pytest.raises(TypeError, match="map-style"):
+        dataset_lengths(iter(text_rows), tok)
