@@ -163,5 +163,6 @@ def test_tar_json_messages_through_the_template(setup, tmp_path):
                  "-q"]) == 0
     idx = TokenIndex.open(tmp_path / "idx")
     want = [cp.oracle_length(proc, {"messages": r["messages"],
-                                    "images": [Image.open(io.BytesIO(b)) for b in r["images"]]}) for r in rows]
+                                    "images": [Image.open(io.BytesIO(b)) for b in r["images"]]})
+            for r in rows]
     np.testing.assert_array_equal(idx.lengths, want)

@@ -250,6 +250,7 @@ def test_a_tokenizer_counts_text_rows(rows):
     tok.chat_template = cp.QWEN2_VL
     text_rows = [{"messages": r["messages"]} for r in rows[:40] if not r["images"]]
     want = [len(tok.apply_chat_template(r["messages"], tokenize=True, return_dict=False)) for r in text_rows]
-    np.testing.assert_array_equal(dataset_lengths(datasets.Dataset.from_list(text_rows), tok, cache=False), want)
+    got = dataset_lengths(datasets.Dataset.from_list(text_rows), tok, cache=False)
+    np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="map-style"):
         dataset_lengths(iter(text_rows), tok)
