@@ -42,12 +42,17 @@ def _photo(w: int, h: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _rows(n: int, min_side: int, max_side: int, seed: int) -> list[dict]:
+def _rows(n: int, min_side: int, max_side: int, seed: int, text_only: bool = False) -> list[dict]:
     from tests.helpers import chat_processors as cp
 
     rows = cp.chat_rows(n, seed=seed)
     rng = random.Random(seed)
     for i, row in enumerate(rows):   # photo-sized images instead of the tests' tiny ones
+        if text_only:
+            row["images"] = []
+            for m in row["messages"]:
+                kept = [c for c in m["content"] if c["type"] != "image"]
+                m["content"] = kept or [{"type": "text", "text": "x"}]
         row["images"] = [_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side), i * 7 + j)
                          for j in range(len(row["images"]))]
     return rows
@@ -61,6 +66,7 @@ def main() -> None:
     ap.add_argument("--min-side", type=int, default=256)
     ap.add_argument("--max-side", type=int, default=1600)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--text-only", action="store_true", help="no images: the template and tokenizer alone")
     args = ap.parse_args()
 
     import tempfile
@@ -72,7 +78,7 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     proc = cp.processor(cp.QWEN2_VL, min_pixels=3136, max_pixels=args.max_pixels)
-    rows = _rows(args.rows, args.min_side, args.max_side, args.seed)
+    rows = _rows(args.rows, args.min_side, args.max_side, args.seed, args.text_only)
     ds = cp.hf_dataset(rows)
     n_images = sum(len(r["images"]) for r in rows)
     print(environment_line())
