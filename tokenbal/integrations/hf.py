@@ -34,8 +34,9 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
 ``token_lengths``: a :class:`~tokenbal.TokenIndex` (its ``.lengths``) or a 1-D array, one entry per
 ``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's ``length``
 column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
-``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``, ``window=``, ``max_tokens_per_rank=``,
-``dp_group=``, ``device_mesh=``, ``seed=`` (default ``data_seed`` or ``seed``), ...).
+``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
+``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
+``data_seed`` or ``seed``), ...).
 """
 
 from __future__ import annotations
