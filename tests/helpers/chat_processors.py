@@ -11,7 +11,8 @@ import random
 from pathlib import Path
 
 SPECIAL = ["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-           "<|image_pad|>", "<|video_pad|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+           "<|image_pad|>", "<|video_pad|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<image>"]
 
 WORDS = ("the quick brown fox jumps over a lazy dog describe this picture please what is in image colour "
          "cat sky tree token balance rank step pack sample 多模态 émigré 🙂 count 12345 and or").split()
@@ -168,3 +169,21 @@ def oracle_length(proc, row: dict, messages: str = "messages", images: str = "im
     """The processor's own count, the expression ``dataset_lengths`` promises to equal."""
     return len(proc.apply_chat_template([row[messages]], images=[row[images]] or None, tokenize=True,
                                         return_dict=True)["input_ids"][0])
+
+
+# LLaVA-NeXT style (written for these tests): "<image>" placeholders before the turn's text.
+LLAVA_NEXT = (
+    "{% for m in messages %}{{ m['role'] | upper }}: {% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ eos_token if m['role'] == 'assistant' else '\n' }}{% endfor %}"
+)
+
+
+def llava_next_processor(template: str = LLAVA_NEXT, tok=None):
+    """The real ``LlavaNextProcessor`` (336-px crops, CLS dropped) over ``tokenizer()``."""
+    from tests.helpers.processors import llava_next_processor as build
+
+    proc = build(tok or tokenizer())
+    proc.chat_template = template
+    return proc

@@ -36,7 +36,8 @@ import numpy as np
 
 # processor class name -> the placeholder its template renders, for folders read without the
 # processor class (``from_pretrained``); a loaded processor says it itself (``processor.image_token``).
-_FAMILY_IMAGE_TOKEN = {family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")}
+_FAMILY_IMAGE_TOKEN = {**{family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")},
+                       "llava-next": "<image>"}
 
 
 class ChatCountError(ValueError):

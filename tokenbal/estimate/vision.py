@@ -229,6 +229,7 @@ _PROCESSOR_FAMILIES = {
     "Qwen2_5_VLProcessor": "qwen2.5-vl",
     "Qwen3VLProcessor": "qwen3-vl",
     "Qwen3VLMoeProcessor": "qwen3-vl",
+    "LlavaNextProcessor": "llava-next",
 }
 
 
@@ -245,8 +246,9 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     """The estimator of a loaded transformers processor, from its own image (and video) processor
     settings, read exactly as :func:`load_estimator` reads them from the files the processor would
     save (``image_processor.to_dict()``): no setting is retyped. Families: the Qwen-VL processors
-    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``); others raise
-    ``ValueError`` naming the class."""
+    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) and ``LlavaNextProcessor``
+    (patch size and feature strategy from the processor itself); others raise ``ValueError``
+    naming the class."""
     name = type(processor).__name__
     family = _PROCESSOR_FAMILIES.get(name)
     if family is None:
@@ -255,8 +257,17 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     image_proc = getattr(processor, "image_processor", None)
     if image_proc is None:
         raise ValueError(f"{name} has no image_processor")
-    video_proc = getattr(processor, "video_processor", None)
     image = image_proc.to_dict()
+    if family == "llava-next":
+        strategy = getattr(processor, "vision_feature_select_strategy", "default")
+        extra = getattr(processor, "num_additional_image_tokens", 1)
+        if (strategy, extra) != ("default", 1):   # the estimator models the CLS-dropping checkpoints
+            raise ValueError(f"{name}: vision_feature_select_strategy={strategy!r} with "
+                             f"num_additional_image_tokens={extra} is not modelled (only 'default' with 1)")
+        cfg = {"vision_config": {"patch_size": processor.patch_size},
+               "vision_feature_select_strategy": strategy}
+        return get_estimator(family, **{**_llava_settings(family, cfg, image), **overrides})
+    video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
     return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
 

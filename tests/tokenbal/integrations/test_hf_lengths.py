@@ -78,11 +78,14 @@ def test_equals_processor_on_every_row(ds, tok, template, tmp_path, monkeypatch)
     assert any(r[0] == "system" for r in roles) and any(len(r) >= 6 for r in roles)
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
-def test_other_qwen_processors(rows, tok, family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "llava-next"])
+def test_other_processors(rows, tok, family, tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
-    small = cp.hf_dataset(rows[:30])
-    proc = cp.processor(cp.QWEN2_VL, family=family, tok=tok, max_pixels=32 * 32 * 80)
+    small = cp.hf_dataset(rows[:30 if family != "llava-next" else 16])
+    if family == "llava-next":   # "<image>" placeholders, anyres crops: a different replacement rule
+        proc = cp.llava_next_processor(tok=tok)
+    else:
+        proc = cp.processor(cp.QWEN2_VL, family=family, tok=tok, max_pixels=32 * 32 * 80)
     want = [cp.oracle_length(proc, small[i]) for i in range(len(small))]
     np.testing.assert_array_equal(dataset_lengths(small, proc), want)
 
