@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-# processor class name -> the placeholder its template renders, for folders read without the
+# estimator family -> the placeholder its processor's template renders, for folders read without the
 # processor class (``from_pretrained``); a loaded processor says it itself (``processor.image_token``).
 _FAMILY_IMAGE_TOKEN = {**{family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")},
                        "llava-next": "<image>"}
@@ -68,6 +68,7 @@ class ChatTokenCounter:
 
         self._template_vars = _get_template_variables(chat_template)
         self._backend = _fast_backend(tokenizer)
+        self._backend_checked = False
         # The shortcut (count the placeholder once, add n_i - 1) holds when the placeholder is an
         # added token: the tokenizer cuts the text around added tokens before anything else.
         added = set(getattr(tokenizer, "get_added_vocab", dict)())
@@ -141,7 +142,8 @@ class ChatTokenCounter:
         token, estimator settings (for caches and index manifests)."""
         if self._fingerprint is None:
             h = hashlib.sha256()
-            vocab = self._backend.to_str() if self._backend is not None else json.dumps(
+            backend = _fast_backend(self.tokenizer)
+            vocab = backend.to_str() if backend is not None else json.dumps(
                 sorted(self.tokenizer.get_vocab().items()))
             special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True)
             for part in (vocab, self.chat_template, special, str(self.image_token),
@@ -263,6 +265,8 @@ class ChatTokenCounter:
             if not len(rows):
                 continue
             batch = [texts[i] for i in rows]
+            if self._backend is not None and not self._backend_checked:
+                self._check_backend(batch[:8], bool(flag))
             if self._backend is not None:
                 encs = self._backend.encode_batch_fast(batch, add_special_tokens=bool(flag))
                 out[rows] = [len(e.ids) for e in encs]
@@ -270,6 +274,16 @@ class ChatTokenCounter:
                 ids = self.tokenizer(batch, add_special_tokens=bool(flag))["input_ids"]
                 out[rows] = [len(x) for x in ids]
         return out
+
+    def _check_backend(self, texts: list[str], flag: bool) -> None:
+        """Counting through the ``tokenizers`` backend skips the transformers wrapper; the first
+        texts are counted both ways, and a tokenizer whose wrapper changes the count (Python-side
+        preprocessing) is used through the wrapper from then on."""
+        self._backend_checked = True
+        fast = [len(e.ids) for e in self._backend.encode_batch_fast(texts, add_special_tokens=flag)]
+        slow = [len(x) for x in self.tokenizer(texts, add_special_tokens=flag)["input_ids"]]
+        if fast != slow:
+            self._backend = None
 
     def __repr__(self) -> str:
         est = getattr(self.estimator, "name", None)
