@@ -35,11 +35,12 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
     from tokenbal.index.merge import parse_part
     from tokenbal.index.parquet import ParquetOptions
 
-    try:
-        get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
-    except ValueError:
-        raise UsageError(f"argument --model: unknown model {args.model!r}; valid: "
-                         f"{', '.join(_model_names())}") from None
+    if not _is_folder(args.model):
+        try:
+            get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
+        except ValueError:
+            raise UsageError(f"argument --model: unknown model {args.model!r} (and no such folder); valid: "
+                             f"{', '.join(_model_names())}") from None
     overrides = dict(args.estimator_option)
     try:
         part = parse_part(args.part) if args.part else None
@@ -55,7 +56,7 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
                          estimator_overrides=overrides, progress=not args.quiet,
                          incremental=not args.rebuild, remote=_remote_options(args),
                          parquet=parquet, part=part, exif=args.exif,
-                         keep_unlisted=not args.drop_unlisted,
+                         keep_unlisted=not args.drop_unlisted, processor=args.processor,
                          on_other_rules="rescan" if args.rebuild else "error")
     print(report.summary())
     problems = report.limit_problems(args.max_bad_shards, args.max_bad_samples)
@@ -311,7 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "or .json/.jsonl annotation files")
     build.add_argument("--model", default="qwen2-vl",
                        help="estimator (model family), one of: " + ", ".join(_model_names())
-                            + "; default qwen2-vl")
+                            + "; or a checkpoint / processor folder (its processor configs); "
+                              "default qwen2-vl")
+    build.add_argument("--processor", default=None, metavar="DIR",
+                       help="checkpoint or processor folder: estimator, tokenizer and chat template from "
+                            "it, so rows with messages / conversations count what its apply_chat_template "
+                            "gives (template tokens included); replaces --model and --tokenizer")
     build.add_argument("--out", required=True, help="index folder to write")
     build.add_argument("--workers", type=_POSITIVE, default=1, help="processes scanning shards in parallel")
     build.add_argument("--tokenizer", default=None,
@@ -455,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
     return parser
+
+
+def _is_folder(model: str) -> bool:
+    import os
+
+    return os.path.isdir(model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

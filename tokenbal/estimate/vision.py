@@ -186,16 +186,22 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
     """
     d = Path(model_dir)
     cfg = _read_json(d / "config.json")
+    image, video = _processor_dicts(d)
     if cfg is None:
-        raise FileNotFoundError(f"{str(d)!r} has no config.json")
-    model_type = str(cfg.get("model_type", ""))
-    family = _ALIASES.get(model_type)
+        # A processor folder (processor.save_pretrained): the family comes from its processor class.
+        family = _family_from_processor_files(d, image)
+        if family is None:
+            raise FileNotFoundError(f"{str(d)!r} has no config.json, and no processor_class / "
+                                    "image_processor_type in its processor configs names a known family")
+        cfg, model_type = {}, family
+    else:
+        model_type = str(cfg.get("model_type", ""))
+        family = _ALIASES.get(model_type)
     if family is None:
         raise ValueError(
             f"{str(d / 'config.json')!r}: model_type {model_type!r} has no estimator; "
             f"known: {sorted(set(_ALIASES))}"
         )
-    image, video = _processor_dicts(d)
     if family == "internvl" and model_type == "internvl_chat":  # original (remote-code) checkpoint
         settings = _internvl_chat_settings(cfg)
     elif image is None:
@@ -213,6 +219,57 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
     else:
         settings = _llava_settings(family, cfg, image)
     return get_estimator(family, **{**settings, **overrides})
+
+
+# transformers processor classes -> estimator family (the processors whose image placeholders are
+# ``image_token`` repeated ``est.image_tokens(w, h)`` times, so the counts of
+# ``tokenbal.estimate.chat`` are exact for them).
+_PROCESSOR_FAMILIES = {
+    "Qwen2VLProcessor": "qwen2-vl",
+    "Qwen2_5_VLProcessor": "qwen2.5-vl",
+    "Qwen3VLProcessor": "qwen3-vl",
+    "Qwen3VLMoeProcessor": "qwen3-vl",
+    "LlavaNextProcessor": "llava-next",
+}
+
+
+def _family_from_processor_files(d: Path, image: dict | None) -> str | None:
+    names = [(_read_json(d / "processor_config.json") or {}).get("processor_class"),
+             (image or {}).get("processor_class")]
+    for name in names:
+        if name in _PROCESSOR_FAMILIES:
+            return _PROCESSOR_FAMILIES[name]
+    return None
+
+
+def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
+    """The estimator of a loaded transformers processor, from its own image (and video) processor
+    settings, read exactly as :func:`load_estimator` reads them from the files the processor would
+    save (``image_processor.to_dict()``): no setting is retyped. Families: the Qwen-VL processors
+    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) and ``LlavaNextProcessor``
+    (patch size and feature strategy from the processor itself); others raise ``ValueError``
+    naming the class."""
+    name = type(processor).__name__
+    family = _PROCESSOR_FAMILIES.get(name)
+    if family is None:
+        raise ValueError(f"no tokenbal estimator for {name}; supported processors: "
+                         f"{', '.join(sorted(_PROCESSOR_FAMILIES))}")
+    image_proc = getattr(processor, "image_processor", None)
+    if image_proc is None:
+        raise ValueError(f"{name} has no image_processor")
+    image = image_proc.to_dict()
+    if family == "llava-next":
+        strategy = getattr(processor, "vision_feature_select_strategy", "default")
+        extra = getattr(processor, "num_additional_image_tokens", 1)
+        if (strategy, extra) != ("default", 1):   # the estimator models the CLS-dropping checkpoints
+            raise ValueError(f"{name}: vision_feature_select_strategy={strategy!r} with "
+                             f"num_additional_image_tokens={extra} is not modelled (only 'default' with 1)")
+        cfg = {"vision_config": {"patch_size": processor.patch_size},
+               "vision_feature_select_strategy": strategy}
+        return get_estimator(family, **{**_llava_settings(family, cfg, image), **overrides})
+    video_proc = getattr(processor, "video_processor", None)
+    video = video_proc.to_dict() if video_proc is not None else None
+    return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
 
 
 def _internvl_chat_settings(cfg: dict) -> dict:

@@ -47,7 +47,7 @@ import stat
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
-from tokenbal.index.text import SampleTextError, join_text, json_text
+from tokenbal.index.text import SampleTextError, chat_messages, join_text, json_text
 from tokenbal.index.video import VideoError, probe_video
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
@@ -160,6 +160,7 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     try:
         images = _image_paths(rec)
         pieces = json_text(rec)
+        chat = chat_messages(rec)
         video_refs = video_parts(rec)
     except (SampleTextError, ValueError) as e:
         return fail(str(e))
@@ -222,7 +223,7 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     if not images and not video_refs and not join_text(pieces or []).strip():
         return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),
-                         paths=paths, videos=videos or None, stamps=stamps)
+                         paths=paths, videos=videos or None, stamps=stamps, chat=chat)
 
 
 def _image_paths(rec: dict) -> list[str]:

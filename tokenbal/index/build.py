@@ -173,7 +173,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
                 incremental: bool = True, remote: RemoteOptions | None = None,
                 parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None,
                 exif: str = "transpose", keep_unlisted: bool = True,
-                checkpoint_seconds: float = 10.0, on_other_rules: str = "rescan") -> BuildReport:
+                checkpoint_seconds: float = 10.0, on_other_rules: str = "rescan",
+                processor: str | os.PathLike | None = None) -> BuildReport:
     """Index the webdataset tar shards and JSON/JSONL annotation files named by ``sources`` into ``out``.
 
     ``sources``: paths, globs, brace patterns (``data-{000..099}.tar``); a missing one raises
@@ -211,8 +212,13 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     read, ``tokenbal.index.remote``) and ``.parquet`` files (``parquet`` names the columns,
     ``tokenbal.index.parquet``). ``part=(i, n)`` indexes only part ``i`` of ``n`` of the shards
     (``tokenbal.index.merge``), for builds spread over machines.
+
+    ``processor``: a checkpoint or processor folder (``processor.save_pretrained``): the estimator
+    comes from its processor configs, text from its tokenizer, and records with chat turns
+    (``messages``, or LLaVA ``conversations``) are counted through its chat template, so each
+    sample's length is what the processor's ``apply_chat_template`` gives
+    (``tokenbal.estimate.chat``). ``model`` may also be such a folder (estimator only).
     """
-    from tokenbal.estimate import get_estimator, get_text_counter
     from tokenbal.estimate.video import video_pipeline
     from tokenbal.index.imagesize import EXIF_POLICIES
 
@@ -236,17 +242,27 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
             raise FileNotFoundError(f"--image-root {image_root} is not a folder")
     overrides = dict(estimator_overrides or {})
     # Built here as well as in the workers: a bad model name or option fails before any scanning.
+    if processor is not None:
+        if tokenizer is not None:
+            raise ValueError("give --tokenizer or --processor, not both (the processor has its tokenizer)")
+        processor = os.path.abspath(os.fspath(processor))
     try:
-        est = get_estimator(model, **overrides)
+        est = make_estimator(model, overrides, processor)
     except TypeError as e:   # an unknown --estimator-option: a usage error, reported as such
         raise ValueError(f"estimator {model!r}: {e}") from e
-    counter = get_text_counter(tokenizer)
+    counter = make_text_counter(tokenizer, processor)
+    folder = processor if processor is not None else (model if os.path.isdir(str(model)) else None)
+    if folder is not None:
+        # The manifest names a family and settings that rebuild this estimator (readers call
+        # get_estimator(model, **overrides)), not the folder, which may move.
+        model, overrides = _recordable(est, folder)
     out = os.path.abspath(os.fspath(out))
     _check_out(out)
     meta = {
         "estimator": {"name": est.name, "model": model, "overrides": overrides,
                       "config": est.config, "wrapper_tokens": int(est.wrapper_tokens)},
-        "text_counter": {"name": counter.name, "tokenizer": tokenizer},
+        "text_counter": {"name": counter.name, "tokenizer": tokenizer,
+                         **({"processor": processor} if processor else {})},
         "exif": exif,
         "image_sizes": ("from headers, after EXIF orientation (PIL.ImageOps.exif_transpose)"
                         if exif == "transpose" else "from headers, as stored: EXIF orientation ignored"),
@@ -275,7 +291,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         jobs, kept = _plan_jobs(paths, olds, keep_from, remote)
         scan_paths = [p for p, src in jobs if src is None]
         scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root,
-                                 exif, remote, parquet)
+                                 exif, remote, parquet, processor)
 
         def results() -> Iterator[ShardResult]:
             for p, src in jobs:
@@ -554,6 +570,44 @@ def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
             writer.close()
 
 
+def make_estimator(model: str, overrides: dict, processor: str | None = None) -> VisionEstimator:
+    """The vision estimator of a build: a processor / checkpoint folder's own settings
+    (``processor``, or ``model`` naming a folder), else the family ``model`` with ``overrides``."""
+    from tokenbal.estimate import get_estimator, load_estimator
+
+    folder = processor if processor is not None else (model if os.path.isdir(str(model)) else None)
+    if folder is not None:
+        return load_estimator(folder, **overrides)
+    return get_estimator(model, **overrides)
+
+
+def _recordable(est: VisionEstimator, folder: str) -> tuple[str, dict]:
+    """``(family, settings)`` with ``get_estimator(family, **settings)`` equal to ``est``."""
+    from tokenbal.estimate import get_estimator
+
+    settings = {k: v for k, v in est.config.items() if k not in ("estimator", "family", "name")}
+    try:
+        same = get_estimator(est.name, **settings).config == est.config
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        raise ValueError(f"the {est.name} estimator read from {folder} cannot be recorded in the index "
+                         f"manifest; pass --model {est.name} with --estimator-option settings instead")
+    return est.name, settings
+
+
+def make_text_counter(tokenizer: str | None, processor: str | None = None) -> TextCounter:
+    """The text counter of a build: the processor folder's tokenizer and chat template
+    (``processor``), else ``tokenbal.estimate.get_text_counter(tokenizer)``."""
+    if processor is not None:
+        from tokenbal.estimate.chat import ProcessorTextCounter
+
+        return ProcessorTextCounter.from_pretrained(processor)
+    from tokenbal.estimate import get_text_counter
+
+    return get_text_counter(tokenizer)
+
+
 def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
                 image_root: str | None = None, exif: str = "ignore", remote: RemoteOptions | None = None,
                 parquet: ParquetOptions | None = None) -> ShardResult:
@@ -678,6 +732,18 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
 
     errors = list(scan.errors)
     samples = plan_sample_videos(scan.samples, est, counter, scan.path, errors)
+    chat_text: dict[str, int] = {}
+    if hasattr(counter, "count_chat_text") and any(s.chat is not None for s in samples):
+        # Through the processor's chat template; a record it would reject is an error, not a wrong count.
+        chats = [s for s in samples if s.chat is not None]
+        counts, bad = _chat_text(counter, chats)
+        for k, s in enumerate(chats):
+            if k in bad:
+                errors.append({"shard": scan.path, "key": s.key, "reason": f"sample {s.key!r}: {bad[k]}"})
+            else:
+                chat_text[s.key] = int(counts[k])
+        dropped = {chats[k].key for k in bad}
+        samples = [s for s in samples if s.key not in dropped]
     wh = np.array([wh for s in samples for wh in s.image_sizes], dtype=np.int64).reshape(-1, 2)
     per_image = np.zeros(len(wh), np.int64)
     if len(wh):
@@ -714,9 +780,12 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         vision += video_tokens
         video = {"video_counts": counts, "video_info": info, "video_params": params}
     text = np.zeros(n, np.int64)
-    nonempty = [i for i, s in enumerate(samples) if s.text]
-    if nonempty:
-        text[nonempty] = np.asarray(counter.count_batch([samples[i].text for i in nonempty]), np.int64)
+    for i, s in enumerate(samples):
+        if s.chat is not None and s.key in chat_text:
+            text[i] = chat_text[s.key]
+    plain = [i for i, s in enumerate(samples) if s.text and s.key not in chat_text]
+    if plain:
+        text[plain] = np.asarray(counter.count_batch([samples[i].text for i in plain]), np.int64)
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
@@ -737,6 +806,31 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         member_stamps=stamps)
 
 
+def _chat_text(counter, samples: list) -> tuple[np.ndarray, dict[int, str]]:
+    """Text tokens of samples with chat turns under the processor's template, and the reasons of the
+    ones that cannot be counted (by position in ``samples``; their text entry is 0)."""
+    from tokenbal.estimate.chat import ChatCountError
+
+    bad: dict[int, str] = {}
+    for k, s in enumerate(samples):
+        if s.videos:
+            bad[k] = "has a video: counting videos through the processor's chat template is not supported"
+    good = [k for k in range(len(samples)) if k not in bad]
+    out = np.zeros(len(samples), np.int64)
+    try:
+        out[good] = counter.count_chat_text([samples[k].chat for k in good],
+                                            [samples[k].image_sizes for k in good])
+    except Exception:  # noqa: BLE001 - one bad record (or a template error on it): find it, count the rest
+        for k in good:
+            try:
+                out[k] = counter.count_chat_text([samples[k].chat], [samples[k].image_sizes])[0]
+            except ChatCountError as e:
+                bad[k] = str(e).split(": ", 1)[-1]
+            except Exception as e:  # noqa: BLE001 - the template raised on this record
+                bad[k] = f"the chat template cannot render it: {type(e).__name__}: {e}"
+    return out, bad
+
+
 # --- parallel scan ------------------------------------------------------------------------------
 
 _WORKER: dict = {}
@@ -744,13 +838,11 @@ _WORKER: dict = {}
 
 def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
                  exif: str = "ignore", remote: RemoteOptions | None = None,
-                 parquet: ParquetOptions | None = None) -> None:
-    from tokenbal.estimate import get_estimator, get_text_counter
-
+                 parquet: ParquetOptions | None = None, processor: str | None = None) -> None:
     # The parent handles Ctrl-C / SIGTERM and stops the pool; a worker must not die on its own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER["est"] = get_estimator(model, **overrides)
-    _WORKER["counter"] = get_text_counter(tokenizer)
+    _WORKER["est"] = make_estimator(model, overrides, processor)
+    _WORKER["counter"] = make_text_counter(tokenizer, processor)
     _WORKER["image_root"] = image_root
     _WORKER["exif"] = exif
     _WORKER["remote"], _WORKER["parquet"] = remote, parquet
@@ -770,7 +862,8 @@ def _worker_index_shards(paths: list[str]) -> list[ShardResult]:
 def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter: TextCounter,
                    model: str, overrides: dict, tokenizer: str | None,
                    image_root: str | None, exif: str = "ignore", remote: RemoteOptions | None = None,
-                   parquet: ParquetOptions | None = None) -> Iterator[ShardResult]:
+                   parquet: ParquetOptions | None = None,
+                   processor: str | None = None) -> Iterator[ShardResult]:
     inflight = (remote or RemoteOptions()).inflight if any(is_url(p) for p in paths) else 1
     if workers == 1 or len(paths) <= 1:
         yield from threaded_map(lambda p: index_shard(p, est, counter, image_root, exif, remote, parquet),
@@ -784,7 +877,8 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
     # the executor and every pending result raises, where Pool waits for that result forever.
     n = min(workers, len(paths))
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                               initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet))
+                               initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet,
+                                         processor))
     # One task per shard; remote shards go ``inflight`` to a task, scanned by threads in the worker
     # so that requests stay in flight. Tasks come back in shard order: the index is identical
     # whatever the number of workers.

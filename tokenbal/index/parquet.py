@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from tokenbal._extras import MissingExtraError
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
-from tokenbal.index.text import SampleTextError, join_text, json_text
+from tokenbal.index.text import SampleTextError, chat_messages, join_text, json_text
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ROW_EXT = "row"
@@ -221,6 +221,7 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
             wh = (wh[1], wh[0])
         sizes.append(wh)
     pieces: list[str] | None = None
+    chat = None
     try:
         if messages is not None:
             turns = messages
@@ -229,6 +230,7 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
                     and "content" not in turns[0]:
                 kind = "conversations"
             pieces = json_text({kind: turns})
+            chat = chat_messages({kind: turns})
         elif text is not None:
             if not isinstance(text, str):
                 raise SampleTextError(f"text is {type(text).__name__}, not a string")
@@ -238,4 +240,4 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
     if not sizes and not pieces:
         return fail("has neither images nor text")
     return ScannedSample(key=key, members=[(ROW_EXT, rg, row)], image_sizes=sizes,
-                         text=join_text(pieces or []))
+                         text=join_text(pieces or []), chat=chat)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from tokenbal.data.tar import TarMember, header_stamp, walk_members
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
-from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, text_pieces
+from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text
 from tokenbal.index.video import VideoError, probe_video
 
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
@@ -62,6 +62,7 @@ class ScannedSample:
     paths: list[str] | None = None           # annotation sources: "name\0absolute path" per member
     videos: list | None = None               # tokenbal.index.videoindex.SampleVideo per video member
     stamps: list[tuple[int, int]] | None = None   # (header checksum, mtime) per member; -1 unknown
+    chat: list | None = None                 # chat turns for a processor's template (index/text.py)
 
 
 @dataclass
@@ -328,6 +329,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"sample {key!r}: {reason}"})
 
+    chat: list | None = None
     seen: set[str] = set()
     members, sizes, pieces, videos = [], [], [], []
     has_text_member = False
@@ -351,9 +353,11 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
                 scan.n_full_reads += full
             elif kind == "text":
                 has_text_member = True
-                got = text_pieces(ext.lower(), pread_exact(fd, ti.size, ti.offset_data))
+                got, turns = member_text(ext.lower(), pread_exact(fd, ti.size, ti.offset_data))
                 if got is not None:
                     pieces.extend(got)
+                if turns is not None:
+                    chat = turns if chat is None else chat + turns   # two JSON members: both, in order
             elif kind == "video":
                 videos.append(_probe_member(fd, ti, len(members) - 1))
         except VideoError as e:
@@ -373,7 +377,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     if not sizes and not videos and not text.strip():
         return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=text,
-                         videos=videos or None, stamps=[(ti.chksum, ti.mtime) for ti in run])
+                         videos=videos or None, stamps=[(ti.chksum, ti.mtime) for ti in run], chat=chat)
 
 
 def _probe_member(fd: int, ti: AnyMember, position: int):

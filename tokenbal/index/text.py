@@ -14,7 +14,12 @@ Rules (one place, so that the builder and the tests agree):
   count as 0 text tokens). A sample with images and no text member at all is fine (0 text tokens).
 * The sample's text is the pieces of all its text members in member order, joined with "\\n", with
   the ``<image>`` / ``<video>`` placeholders removed: the vision token count already covers them.
-* Chat-template tokens (role headers, turn separators, system prompt) are not counted yet.
+* Chat-template tokens (role headers, turn separators, system prompt) are counted only when the
+  index is built with a processor (``tokenbal index build --processor DIR``): then a record's
+  ``messages`` (or ``conversations``, as :func:`chat_messages` converts them) are rendered with the
+  processor's chat template and tokenized with its tokenizer
+  (``tokenbal.estimate.chat.ChatTokenCounter``), so ``lengths`` equal the processor's
+  ``apply_chat_template`` counts. Without a processor the joined text above is counted as is.
 """
 
 from __future__ import annotations
@@ -32,17 +37,22 @@ class SampleTextError(ValueError):
 def text_pieces(ext: str, data: bytes) -> list[str] | None:
     """Text pieces of one text member (``ext`` lower case). ``None`` for a JSON with no known
     text field; raises ``SampleTextError`` for bytes that are not UTF-8 or not valid JSON."""
+    return member_text(ext, data)[0]
+
+
+def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | None]:
+    """``(text_pieces(ext, data), chat_messages(its JSON))`` from one parse of the member."""
     try:
         s = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SampleTextError(f"not valid UTF-8 ({e})") from None
     if ext.rsplit(".", 1)[-1] == "txt":
-        return [s]
+        return [s], None
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise SampleTextError(f"not valid JSON ({e})") from None
-    return json_text(obj)
+    return json_text(obj), chat_messages(obj)
 
 
 def json_text(obj: object) -> list[str] | None:
@@ -110,3 +120,35 @@ def _field(obj: object, name: str, where: str) -> str:
         label = f"{where}.{name}" if where else f"'{name}'"
         raise SampleTextError(f"{label} is {type(value).__name__}, not a string")
     return value
+
+
+# LLaVA ``from`` names -> chat roles (the mapping LLaMA-Factory / trl conversions use)
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def chat_messages(obj: object) -> list[dict] | None:
+    """The conversation a chat template renders for a parsed JSON record: its ``messages`` as they
+    are, or its LLaVA ``conversations`` as ``{"role", "content"}`` turns, each ``<image>`` in a
+    value becoming an ``{"type": "image"}`` part in place (the text around it kept verbatim).
+    ``None`` for a record with neither (its text is counted plain). Raises ``SampleTextError`` for
+    malformed turns."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("messages"), list):
+        return obj["messages"]
+    if "conversations" not in obj:
+        return None
+    out = []
+    for i, turn in enumerate(_as_list(obj["conversations"], "conversations")):
+        value = _field(turn, "value", f"conversations[{i}]")
+        role = _ROLES.get(str(turn.get("from", "")).lower())
+        if role is None:
+            raise SampleTextError(f"conversations[{i}].from is {turn.get('from')!r}; known: {sorted(_ROLES)}")
+        parts: list[dict] = []
+        for k, piece in enumerate(value.split("<image>")):
+            if k:
+                parts.append({"type": "image"})
+            if piece or "<image>" not in value:   # a turn without images keeps its (even empty) text
+                parts.append({"type": "text", "text": piece})   # verbatim, newlines kept
+        out.append({"role": role, "content": parts})
+    return out

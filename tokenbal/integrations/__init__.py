@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TokenBalancedTrainer", "TokenBalancingMixin", "prepare_loader"]
+__all__ = ["TokenBalancedTrainer", "TokenBalancingMixin", "dataset_lengths", "prepare_loader"]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: transformers / accelerate are imported only when an adapter is asked for.
-    if name in ("TokenBalancedTrainer", "TokenBalancingMixin"):
+    if name in ("TokenBalancedTrainer", "TokenBalancingMixin", "dataset_lengths"):
         from tokenbal.integrations import hf
 
         return getattr(hf, name)

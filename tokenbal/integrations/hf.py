@@ -32,9 +32,11 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
     class MySFT(TokenBalancingMixin, SFTTrainer): pass
 
 ``token_lengths``: a :class:`~tokenbal.TokenIndex` (its ``.lengths``) or a 1-D array, one entry per
-``train_dataset`` item, in dataset order. ``sampler_options``: any further
-``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``, ``window=``, ``max_tokens_per_rank=``,
-``dp_group=``, ``device_mesh=``, ``seed=`` (default ``data_seed`` or ``seed``), ...).
+``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's ``length``
+column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
+``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
+``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
+``data_seed`` or ``seed``), ...).
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ import os
 from functools import partial
 from typing import Any
 
+from tokenbal.integrations.hf_lengths import dataset_lengths as dataset_lengths
 from tokenbal.sampler import TokenBalancedBatchSampler
 
-__all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin"]  # noqa: F822 (lazy)
+__all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin",  # noqa: F822 (lazy)
+           "dataset_lengths"]
 
 logger = logging.getLogger("tokenbal")
 
@@ -59,10 +63,7 @@ class TokenBalancingMixin:
 
     def __init__(self, *args: Any, token_lengths: Any = None, sampler_options: dict[str, Any] | None = None,
                  **kwargs: Any) -> None:
-        if token_lengths is None:
-            raise TypeError(f"{type(self).__name__} needs token_lengths= (a TokenIndex or an array with one "
-                            "token count per train_dataset item)")
-        self.tokenbal_token_lengths = token_lengths
+        self.tokenbal_token_lengths = token_lengths   # None: computed once the Trainer has its dataset
         self.tokenbal_sampler_options = dict(sampler_options or {})
         if self.tokenbal_sampler_options.get("elastic"):
             raise ValueError("elastic=True is not supported under the Trainer: its resume skips the batches "
@@ -70,6 +71,8 @@ class TokenBalancingMixin:
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
         self._tokenbal_resume: str | None = None
         super().__init__(*args, **kwargs)
+        self.tokenbal_token_lengths = _lengths_for(self.train_dataset, self.processing_class, token_lengths,
+                                                   type(self).__name__)
         if not self.args.average_tokens_across_devices:
             logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
                            "hold different numbers of tokens, so each rank's own token mean would weight "
@@ -198,6 +201,32 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str) -> Any:
+    """The token lengths the sampler plans with: ``token_lengths`` when given; else the dataset's
+    ``length`` column (transformers' convention); else ``len(input_ids)`` of a tokenized dataset;
+    else :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
+    if token_lengths is not None:
+        return token_lengths
+    if train_dataset is None:
+        return None   # no training; get_train_dataloader raises if it is ever asked for
+    from tokenbal.integrations.hf_lengths import lengths_column
+
+    names = list(getattr(train_dataset, "column_names", None) or [])
+    for column, what in (("length", "the dataset's 'length' column"),
+                         ("input_ids", "len(input_ids) of the tokenized dataset")):
+        found = lengths_column(train_dataset, column)
+        if found is not None:
+            logger.info("tokenbal: token lengths from %s", what)
+            return found
+    if hasattr(processing_class, "apply_chat_template") and "messages" in names:
+        logger.info("tokenbal: computing token lengths with dataset_lengths (chat template + image tokens of "
+                    "the processor)")
+        return dataset_lengths(train_dataset, processing_class)
+    raise TypeError(f"{who} needs token lengths: pass token_lengths= (a TokenIndex or one count per "
+                    "train_dataset item), give the dataset a 'length' or 'input_ids' column, or pass "
+                    "processing_class=<processor> with a datasets.Dataset of 'messages' (and 'images') rows")
 
 
 def _make_callback(trainer: TokenBalancingMixin) -> Any:

@@ -1,0 +1,168 @@
+"""``tokenbal index build --processor DIR``: the index's lengths equal the processor's own
+``apply_chat_template`` counts (chat template included) for JSONL and Parquet rows with messages;
+``--model DIR`` takes the estimator from the folder; records the processor rejects are errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("pyarrow")
+
+from tests.helpers import chat_processors as cp  # noqa: E402
+from tokenbal import TokenIndex  # noqa: E402
+from tokenbal.cli import main  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("proc")
+    proc = cp.processor(cp.QWEN2_VL)
+    return proc, cp.save_folder(proc, d / "qwen")
+
+
+def _jsonl_records(rows, folder):
+    """Qwen-VL style records: the image paths inside the messages' image parts."""
+    out = []
+    for i, row in enumerate(rows):
+        files = []
+        for j, b in enumerate(row["images"]):
+            f = folder / f"{i}_{j}.png"
+            f.write_bytes(b)
+            files.append(str(f))
+        it = iter(files)
+
+        def part(c, it=it):
+            return ({"type": "image", "image": next(it)} if c["type"] == "image"
+                    else {"type": "text", "text": c["text"]})
+
+        msgs = [{"role": m["role"], "content": [part(c) for c in m["content"]]} for m in row["messages"]]
+        out.append({"messages": msgs})
+    return out
+
+
+def test_jsonl_lengths_equal_processor(setup, tmp_path):
+    proc, folder = setup
+    records = _jsonl_records(cp.chat_rows(40, seed=11), tmp_path)
+    src = tmp_path / "train.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in records))
+    assert main(["index", "build", str(src), "--processor", str(folder), "--out", str(tmp_path / "idx"),
+                 "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    want = [len(proc.apply_chat_template([r["messages"]], tokenize=True, return_dict=True)["input_ids"][0])
+            for r in records]
+    np.testing.assert_array_equal(idx.lengths, want)
+    # vision = placeholders + wrappers of each image, text = the template and the words
+    assert (idx.text_tokens > 0).all() and idx.vision_tokens.sum() > 0
+    assert idx.manifest["text_counter"]["processor"] == str(folder)
+    # without the processor the same index is short by the template's tokens (the issue's bug)
+    assert main(["index", "build", str(src), "--model", str(folder), "--tokenizer", str(folder),
+                 "--out", str(tmp_path / "plain"), "-q"]) == 0
+    plain = TokenIndex.open(tmp_path / "plain")
+    np.testing.assert_array_equal(plain.vision_tokens, idx.vision_tokens)   # --model DIR: same estimator
+    assert (plain.lengths < idx.lengths).all()
+
+
+def test_parquet_lengths_equal_processor(setup, tmp_path):
+    import datasets
+
+    proc, folder = setup
+    rows = cp.chat_rows(40, seed=12)
+    ds = cp.hf_dataset(rows)
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    assert main(["index", "build", str(tmp_path / "train.parquet"), "--processor", str(folder),
+                 "--out", str(tmp_path / "idx"), "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    want = [cp.oracle_length(proc, ds[i]) for i in range(len(ds))]
+    np.testing.assert_array_equal(idx.lengths, want)
+    # and the same numbers as dataset_lengths on the datasets.Dataset
+    from tokenbal.integrations.hf import dataset_lengths
+
+    reread = datasets.Dataset.from_parquet(str(tmp_path / "train.parquet"))
+    np.testing.assert_array_equal(dataset_lengths(reread, proc, cache=False), want)
+
+
+def test_llava_conversations_and_rejected_records(setup, tmp_path):
+    proc, folder = setup
+    img = tmp_path / "a.png"
+    img.write_bytes(cp.image_bytes(300, 200))
+    records = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nWhat is this?"},
+                                             {"from": "gpt", "value": "A square."}]},
+        {"conversations": [{"from": "human", "value": "text only"}, {"from": "gpt", "value": "yes"}]},
+        # two image parts, one image: the processor raises on it, so it is an error, not a count
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}, {"type": "image"}]}]},
+    ]
+    src = tmp_path / "llava.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in records))
+    assert main(["index", "build", str(src), "--processor", str(folder), "--out", str(tmp_path / "idx"),
+                 "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    from PIL import Image
+
+    from tokenbal.index.text import chat_messages
+
+    def oracle(r):
+        images = [[Image.open(img)] if "image" in r else []]
+        return len(proc.apply_chat_template([chat_messages(r)], images=images, tokenize=True,
+                                            return_dict=True)["input_ids"][0])
+
+    want = [oracle(r) for r in records[:2]]
+    np.testing.assert_array_equal(idx.lengths, want)
+    assert len(idx.errors) == 1 and "image placeholder" in idx.errors[0]["reason"]
+    assert idx.errors[0]["key"] == "llava.jsonl:3"
+    with pytest.raises(ValueError, match="not both"):
+        from tokenbal.index import build_index
+
+        build_index([str(src)], tmp_path / "x", processor=folder, tokenizer=str(folder), progress=False)
+
+
+def test_load_estimator_reads_a_processor_folder(setup):
+    from tokenbal.estimate import estimator_from_processor, load_estimator
+
+    proc, folder = setup
+    keys = ("estimator", "min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size")
+    # image settings only: this processor has no video processor, the folder's videos read
+    # preprocessor_config.json (transformers' lookup order)
+    assert {k: load_estimator(folder).config[k] for k in keys} == {
+        k: estimator_from_processor(proc).config[k] for k in keys}
+
+
+def test_tar_json_messages_through_the_template(setup, tmp_path):
+    """webdataset samples: a .json member with messages (image parts without paths) + image members."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    proc, folder = setup
+    rows = cp.chat_rows(12, seed=13)
+    shard = tmp_path / "data-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, row in enumerate(rows):
+            members = [(f"{i:04d}.json", json.dumps({"messages": row["messages"]}).encode())]
+            members += [(f"{i:04d}.{j}.png", b) for j, b in enumerate(row["images"])]
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    assert main(["index", "build", str(shard), "--processor", str(folder), "--out", str(tmp_path / "idx"),
+                 "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    want = [cp.oracle_length(proc, {"messages": r["messages"],
+                                    "images": [Image.open(io.BytesIO(b)) for b in r["images"]]})
+            for r in rows]
+    np.testing.assert_array_equal(idx.lengths, want)

@@ -1,0 +1,345 @@
+"""``dataset_lengths``: each row's exact token count under a transformers processor, without
+running the processor on pixels.
+
+For every row ``r`` the result is ``len(processor.apply_chat_template([r[messages]],
+images=[r[images]] or None, tokenize=True, return_dict=True)["input_ids"][0])``:
+:class:`tokenbal.estimate.chat.ChatTokenCounter` renders the processor's chat template with
+transformers' own machinery, tokenizes the rendered texts in batches with the processor's
+tokenizer, and adds each image's placeholder tokens from the tokenbal estimator built from the
+processor's own image-processor settings (min / max pixels, patch and merge sizes).
+
+Images are never decoded: a ``datasets.Dataset`` is read as Arrow (``with_format("arrow")``), so an
+``Image()`` column, decoded or ``Image(decode=False)``, gives its stored bytes / path, and only the
+image header is parsed (``tokenbal.index.imagesize``, EXIF orientation applied as ``datasets``'
+decoder applies it). Other sequences of row dicts may hold PIL images (their ``.size``, as the
+processor sees them), ``{"bytes", "path"}`` dicts, paths or bytes.
+
+Results of a ``datasets.Dataset`` are cached under its cache folder (``<cache dir>/tokenbal-lengths-
+<key>.npy``; in-memory datasets: ``$TOKENBAL_CACHE`` or ``~/.cache/tokenbal/lengths``), keyed by the
+dataset's ``_fingerprint``, the column names and the counter's fingerprint (vocabulary, chat
+template, special tokens, estimator settings), so a changed dataset or processor is recounted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter, content_images
+
+logger = logging.getLogger("tokenbal")
+
+CACHE_VERSION = 1      # bump when the counting rules change, so old cache files are not reused
+BATCH_ROWS = 1000
+
+
+def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
+                    images: str | None = "images", num_proc: int | None = None,
+                    cache: bool = True) -> np.ndarray:
+    """Token count of every row of ``dataset`` under ``processor`` (int64, in row order); see the
+    module docstring. ``processor`` may also be a tokenizer (text-only rows, counted as its
+    ``apply_chat_template(messages, tokenize=True)``). ``images=None`` (or a dataset without that
+    column) takes the images named in the messages' image parts. ``num_proc`` > 1 counts a
+    ``datasets.Dataset`` in that many processes (``Dataset.map``). Raises ``ValueError`` naming the
+    row for a row the processor would reject (placeholders and images disagree) or whose image
+    header cannot be read."""
+    counter = ChatTokenCounter.from_processor(processor)
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"dataset_lengths needs a map-style dataset (len and indexing), got "
+                        f"{type(dataset).__name__}; for an IterableDataset, index it offline "
+                        "(tokenbal index build --processor DIR)")
+    if _is_hf_dataset(dataset):
+        return _dataset_lengths_hf(dataset, counter, messages, images, num_proc, cache)
+    return _rows_lengths(dataset, counter, messages, images)
+
+
+# -- datasets.Dataset ------------------------------------------------------------------------------
+
+def _is_hf_dataset(obj: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(obj, datasets.Dataset)
+
+
+def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, images: str | None,
+                        num_proc: int | None, cache: bool) -> np.ndarray:
+    if messages not in ds.column_names:
+        raise ValueError(f"dataset has no {messages!r} column (columns: {', '.join(ds.column_names)}); "
+                         "pass messages=<column of chat turns>")
+    image_col = images if images is not None and images in ds.column_names else None
+    key = hashlib.sha256("\0".join([str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col),
+                                    counter.fingerprint]).encode()).hexdigest()[:24]
+    path = _cache_file(ds, key) if cache else None
+    if path is not None and os.path.isfile(path):
+        try:
+            cached = np.load(path)
+            if cached.shape == (len(ds),) and cached.dtype == np.int64:
+                return cached
+        except (OSError, ValueError):
+            pass   # a damaged cache file is recomputed and replaced
+    columns = [messages] + ([image_col] if image_col else [])
+    table_ds = ds.select_columns(columns).with_format("arrow")
+    if num_proc and num_proc > 1 and len(ds) > 1:
+        out = table_ds.map(_MapCount(counter, messages, image_col), batched=True, batch_size=BATCH_ROWS,
+                           with_indices=True, num_proc=int(num_proc), remove_columns=columns,
+                           keep_in_memory=True, new_fingerprint=f"tokenbal-lengths-{key}")
+        lengths = np.asarray(out.with_format("numpy")["tokenbal_length"], dtype=np.int64)
+    else:
+        parts = [_count_table(counter, table_ds[a:a + BATCH_ROWS], messages, image_col, a)
+                 for a in range(0, len(ds), BATCH_ROWS)]
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if path is not None:
+        _save(path, lengths)
+    return lengths
+
+
+class _MapCount:
+    """The ``Dataset.map`` function of ``num_proc`` > 1 (a class, so it pickles to the workers)."""
+
+    def __init__(self, counter: ChatTokenCounter, messages: str, image_col: str | None) -> None:
+        self.counter, self.messages, self.image_col = counter, messages, image_col
+
+    def __call__(self, table: Any, indices: list[int]) -> dict:
+        first = int(indices[0]) if len(indices) else 0
+        return {"tokenbal_length": _count_table(self.counter, table, self.messages, self.image_col, first)}
+
+
+def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
+                 first_row: int) -> np.ndarray:
+    convs = table.column(messages).to_pylist()
+    for r, conv in enumerate(convs):
+        if not isinstance(conv, list) or not conv:
+            raise ValueError(f"row {first_row + r}: {messages!r} is {type(conv).__name__}, not a non-empty "
+                             "list of chat turns")
+    if image_col is not None:
+        sizes = _arrow_sizes(table.column(image_col), first_row, image_col)
+    else:
+        sizes = [[_image_size(im, first_row + r, f"{messages} image part {j}")
+                  for j, im in enumerate(content_images(conv))] for r, conv in enumerate(convs)]
+    try:
+        return counter.count(convs, sizes, first_row)
+    except ChatCountError:
+        raise
+    except Exception as e:   # the template raising on a row: find the row, name it
+        raise _row_error(counter, convs, sizes, first_row, e) from e
+
+
+def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
+               error: Exception) -> Exception:
+    for r, conv in enumerate(convs):
+        try:
+            counter.count([conv], [sizes[r]], first_row + r)
+        except Exception as e:  # noqa: BLE001 - re-raised below with the row named
+            return ValueError(f"row {first_row + r}: {type(e).__name__}: {e}")
+    return error
+
+
+def _cache_file(ds: Any, key: str) -> str | None:
+    files = [f.get("filename") for f in (getattr(ds, "cache_files", None) or []) if f.get("filename")]
+    folder = os.path.dirname(files[0]) if files else os.environ.get("TOKENBAL_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tokenbal", "lengths")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(folder, os.W_OK):
+        return None
+    return os.path.join(folder, f"tokenbal-lengths-{key}.npy")
+
+
+def _save(path: str, lengths: np.ndarray) -> None:
+    # Atomic: a reader never sees half a file, and two writers of the same key write the same data.
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tokenbal-lengths-", suffix=".npy", dir=os.path.dirname(path))
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, lengths)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("tokenbal: could not cache lengths at %s: %s", path, e)
+
+
+# -- any sequence of row dicts ---------------------------------------------------------------------
+
+def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None) -> np.ndarray:
+    n = len(rows)
+    out = []
+    for a in range(0, n, BATCH_ROWS):
+        convs, sizes = [], []
+        for r in range(a, min(n, a + BATCH_ROWS)):
+            row = rows[r]
+            if not isinstance(row, dict) or messages not in row:
+                raise ValueError(f"row {r}: has no {messages!r} field")
+            conv = row[messages]
+            value = row.get(images) if images is not None else None
+            if value is None:
+                sizes.append([_image_size(im, r, f"{messages} image part {j}")
+                              for j, im in enumerate(content_images(conv))])
+            else:
+                sizes.append(_row_sizes(value, r, images))
+            convs.append(conv)
+        out.append(counter.count(convs, sizes, a))
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+# -- image sizes from headers ----------------------------------------------------------------------
+
+def _arrow_sizes(column: Any, first_row: int, field: str) -> list[list[tuple[int, int]]]:
+    """Per row, ``(width, height)`` of the images of an Arrow images column: a list of / one
+    ``{bytes, path}`` struct (datasets' ``Image()``), binary or path string. Only each value's
+    first KiBs and last bytes leave Arrow (``_ArrowImage``), unless its header lies further in."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from tokenbal.index.imagesize import FIRST_READ
+
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        offsets, valid, flat = arr.offsets.to_pylist(), arr.is_valid().to_pylist(), arr.flatten()
+    else:   # one image per row
+        offsets, valid, flat = list(range(len(arr) + 1)), arr.is_valid().to_pylist(), arr
+    if pa.types.is_struct(flat.type):
+        names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
+        data = pc.struct_field(flat, "bytes") if "bytes" in names else None
+        paths = pc.struct_field(flat, "path").to_pylist() if "path" in names else [None] * len(flat)
+    elif pa.types.is_binary(flat.type) or pa.types.is_large_binary(flat.type):
+        data, paths = flat, [None] * len(flat)
+    elif pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
+        data, paths = None, flat.to_pylist()
+    else:
+        raise ValueError(f"images column {field!r} has Arrow type {arr.type}; expected datasets' Image() "
+                         "(a {bytes, path} struct), a list of them, binary or path strings")
+    if data is not None:
+        heads = pc.binary_slice(data, 0, FIRST_READ).to_pylist()
+        tails = pc.binary_slice(data, -64).to_pylist()
+        lengths = pc.binary_length(data).to_pylist()
+    out = []
+    for r in range(len(offsets) - 1):
+        row = []
+        if valid[r]:
+            for k, j in enumerate(range(offsets[r], offsets[r + 1])):
+                if data is not None and heads[j] is not None:
+                    image: Any = _ArrowImage(heads[j], tails[j], lengths[j], data, j)
+                elif paths[j]:
+                    image = paths[j]
+                else:
+                    raise ValueError(f"row {first_row + r}: image {field}[{k}] has neither bytes nor a path")
+                row.append(_image_size(image, first_row + r, f"{field}[{k}]"))
+        out.append(row)
+    return out
+
+
+class _ArrowImage:
+    """One image value inside an Arrow array, read through ``pread``: its first KiBs and last bytes
+    are already in hand; any other range copies the whole value out of Arrow once."""
+
+    def __init__(self, head: bytes, tail: bytes, size: int, data: Any, j: int) -> None:
+        self.head, self.tail, self.size, self._data, self._j, self._full = head, tail, size, data, j, None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        if offset + n <= len(self.head):
+            return self.head[offset:offset + n]
+        if offset >= self.size - len(self.tail):
+            start = offset - (self.size - len(self.tail))
+            return self.tail[start:start + n]
+        if self._full is None:
+            self._full = self._data[self._j].as_py()
+        return self._full[offset:offset + n]
+
+
+def _row_sizes(value: Any, row: int, field: str) -> list[tuple[int, int]]:
+    """``(width, height)`` of each image of one row's images value (a list, or one image)."""
+    if value is None:
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [_image_size(im, row, f"{field}[{j}]") for j, im in enumerate(items)]
+
+
+def _image_size(image: Any, row: int, where: str) -> tuple[int, int]:
+    from tokenbal.index.imagesize import ImageSizeError
+
+    try:
+        size = getattr(image, "size", None)
+        if isinstance(size, tuple) and len(size) == 2 and hasattr(image, "mode"):   # a PIL image
+            return int(size[0]), int(size[1])
+        if isinstance(image, dict):
+            data, path = image.get("bytes"), image.get("path")
+            if data is not None:
+                return _bytes_size(data)
+            if path:
+                return _path_size(path)
+            raise ValueError("has neither bytes nor a path")
+        if isinstance(image, _ArrowImage):
+            from tokenbal.index.imagesize import read_image_size
+
+            return read_image_size(image, 0, image.size, exif="transpose")[0]
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            return _bytes_size(bytes(image))
+        if isinstance(image, (str, os.PathLike)):
+            return _path_size(os.fspath(image))
+        raise ValueError(f"is a {type(image).__name__}, not a PIL image, {{bytes, path}} dict, path or bytes")
+    except (ImageSizeError, OSError, ValueError) as e:
+        raise ValueError(f"row {row}: image {where}: {e}") from e
+
+
+class _Bytes:
+    """In-memory bytes behind the ``pread`` interface ``tokenbal.index.imagesize`` reads through."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self.data[offset:offset + n]
+
+
+def _bytes_size(data: bytes) -> tuple[int, int]:
+    from tokenbal.index.imagesize import read_image_size
+
+    (w, h), _ = read_image_size(_Bytes(data), 0, len(data), exif="transpose")
+    return w, h
+
+
+def _path_size(path: str) -> tuple[int, int]:
+    if "://" in path:
+        raise ValueError(f"{path!r} is a URL; only local image paths are read")
+    from tokenbal.index.imagesize import read_image_size
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        (w, h), _ = read_image_size(fd, 0, os.fstat(fd).st_size, exif="transpose")
+    finally:
+        os.close(fd)
+    return w, h
+
+
+def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
+    """Per-row lengths from a column of a ``datasets.Dataset``, int64, or ``None`` without one: a
+    number column is taken as is (transformers' ``length`` convention), a list column (``input_ids``)
+    gives each list's length. A missing value raises naming the row."""
+    names = getattr(dataset, "column_names", None)
+    if not _is_hf_dataset(dataset) or not names or column not in names:
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = dataset.with_format("arrow", columns=[column])[:].column(column).combine_chunks()
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        values = pc.list_value_length(values)
+    elif not (pa.types.is_integer(values.type) or pa.types.is_floating(values.type)):
+        raise ValueError(f"dataset column {column!r} has type {values.type}, not token counts")
+    if values.null_count:
+        row = int(np.flatnonzero(~np.asarray(values.is_valid()))[0])
+        raise ValueError(f"row {row}: dataset column {column!r} is missing")
+    out = np.asarray(values.to_numpy(zero_copy_only=False))
+    if out.dtype.kind == "f" and not np.all(out == np.floor(out)):
+        raise ValueError(f"dataset column {column!r} holds non-integer lengths")
+    return out.astype(np.int64)
+
+
+__all__ = ["dataset_lengths", "lengths_column"]
