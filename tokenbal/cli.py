@@ -39,8 +39,8 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
         try:
             get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
         except ValueError:
-            raise UsageError(f"argument --model: unknown model {args.model!r} (and no such folder); valid: "
-                             f"{', '.join(_model_names())}") from None
+            raise UsageError(f"argument --model: unknown model {args.model!r}; valid: "
+                             f"{', '.join(_model_names())} (or a checkpoint / processor folder)") from None
     overrides = dict(args.estimator_option)
     try:
         part = parse_part(args.part) if args.part else None
