@@ -177,6 +177,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     if exif not in EXIF_POLICIES:
         raise ValueError(f"exif must be one of {', '.join(EXIF_POLICIES)}, got {exif!r}")
     paths = expand_sources(sources, remote)
+    expanded = paths
     if part is not None:
         positions, paths = select_part(paths, part)
     if image_root is not None:
@@ -209,7 +210,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     if any(is_parquet(p) for p in paths):
         meta["parquet"] = (parquet or ParquetOptions()).as_meta()
     if part is not None:
-        meta["part"] = part_meta(part, positions, paths)
+        # The whole list this part split, with each shard's identity: the merge checks the parts agree.
+        meta["part"] = part_meta(part, positions, paths, expanded)
     with _BuildLock(out), _sigterm_as_exit():
         # An interrupted build's finished shards first (its .partial, then what dead builds left
         # in their folders), then the last complete index.
@@ -497,8 +499,8 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
 
 
 def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
-    if entry.get("fingerprint") is None:
-        return False     # missing / unreadable at the last build: look again
+    if entry.get("fingerprint") is None or read_failed(entry):
+        return False     # missing / unreadable at the last build (perhaps a passing store error): look again
     if is_url(entry["path"]):
         return remote_unchanged(entry, remote or RemoteOptions())
     try:
@@ -508,6 +510,17 @@ def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
                 and shard_fingerprint(entry["path"], st.st_size) == entry["fingerprint"])
     except OSError:
         return False
+
+
+# Statuses that say a read failed (the file was missing, an I/O error, a remote read out of retries),
+# not what the bytes hold; "corrupt" / "truncated" / "empty" are verdicts on the bytes themselves.
+READ_FAILURE_STATUSES = ("missing", "unreadable")
+
+
+def read_failed(entry: dict) -> bool:
+    """Whether the build could not read (all of) the shard of manifest ``entry``: such a shard is
+    rescanned by the next build and reported by ``verify`` (``store.failed_shards``)."""
+    return entry.get("status") in READ_FAILURE_STATUSES or bool(entry.get("n_read_failures"))
 
 
 def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
@@ -601,7 +614,8 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
-             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads, **scan.extra}
+             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads,
+             "n_read_failures": scan.n_read_failures, **scan.extra}
     paths = None
     if any(s.paths for s in samples):
         paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
