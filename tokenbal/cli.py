@@ -11,7 +11,8 @@ from collections.abc import Sequence
 def _remote_options(args: argparse.Namespace):
     from tokenbal.index.remote import RemoteOptions
 
-    timeouts = {k: getattr(args, k) for k in ("timeout", "total_timeout") if getattr(args, k, None) is not None}
+    timeouts = {k: getattr(args, k) for k in ("timeout", "total_timeout")
+                if getattr(args, k, None) is not None}
     return RemoteOptions(storage_options=dict(_parse_override(o) for o in args.storage_option),
                          mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8),
                          **{k: (None if v <= 0 else v) for k, v in timeouts.items()})
@@ -50,7 +51,6 @@ def _cmd_index_stats(args: argparse.Namespace) -> int:
 
 def _cmd_index_verify(args: argparse.Namespace) -> int:
     from tokenbal.index import verify_index
-
     from tokenbal.index.store import failed_shards, read_manifest
 
     problems = verify_index(args.dir, remote=_remote_options(args), allow_failed=args.allow_failed)

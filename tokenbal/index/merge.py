@@ -108,7 +108,9 @@ def check_split(idxs: Sequence) -> None:
         got = [e[0] for e in idx.manifest["part"]["expanded"]]
         if got == ref_list:
             continue
-        only_ref, only_got = [p for p in ref_list if p not in set(got)], [p for p in got if p not in set(ref_list)]
+        got_set, ref_set = set(got), set(ref_list)
+        only_ref = [p for p in ref_list if p not in got_set]
+        only_got = [p for p in got if p not in ref_set]
         what = []
         if only_got:
             what.append(f"only {label[id(idx)]} saw {_names(only_got)}")
@@ -123,11 +125,13 @@ def check_split(idxs: Sequence) -> None:
     # Each local shard's (size, mtime) as every part saw it, and as the part that indexed it read it.
     seen: dict[str, tuple] = {}
     changed: list[str] = []
+    named: set[str] = set()
     for idx in idxs:
         for path, size, mtime in idx.manifest["part"]["expanded"]:
             if size is None:
                 continue
-            if path in seen and seen[path][:2] != (size, mtime) and path not in changed:
+            if path in seen and seen[path][:2] != (size, mtime) and path not in named:
+                named.add(path)
                 changed.append(f"{path} (size {seen[path][0]}, mtime_ns {seen[path][1]} for {seen[path][2]}; "
                                f"size {size}, mtime_ns {mtime} for {label[id(idx)]})")
             seen.setdefault(path, (size, mtime, label[id(idx)]))
@@ -136,8 +140,8 @@ def check_split(idxs: Sequence) -> None:
             path, had = entry["path"], seen.get(entry["path"])
             if had is None or entry.get("fingerprint") is None:
                 continue
-            if (entry.get("size"), entry.get("mtime_ns")) != had[:2] and not any(c.startswith(path + " ")
-                                                                                 for c in changed):
+            if (entry.get("size"), entry.get("mtime_ns")) != had[:2] and path not in named:
+                named.add(path)
                 changed.append(f"{path} (indexed by {label[id(idx)]} at size {entry.get('size')}, mtime_ns "
                                f"{entry.get('mtime_ns')}; {had[2]} saw size {had[0]}, mtime_ns {had[1]})")
     if changed:
@@ -149,7 +153,8 @@ def check_split(idxs: Sequence) -> None:
             owner.setdefault(path, []).append(label[id(idx)])
     doubled = [f"{p} (in {' and '.join(who)})" for p, who in owner.items() if len(who) > 1]
     missing = [p for p in ref_list if p not in owner]
-    foreign = [p for p in owner if p not in set(ref_list)]
+    listed = set(ref_list)
+    foreign = [p for p in owner if p not in listed]
     problems = []
     if doubled:
         problems.append(f"{len(doubled)} shard(s) in more than one part: {_names(doubled, 3)}")

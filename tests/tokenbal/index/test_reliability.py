@@ -409,3 +409,69 @@ def test_a_fifo_as_a_shard_is_an_error_not_a_hang(tmp_path):
     assert glob.glob(str(tmp_path / ".idx*")) == []
 
 
+
+
+# --- issue 33: damage verify used to miss; a killed build's workers --------------------------------
+
+@pytest.fixture
+def small_index(tmp_path):
+    shards = [write_shard(tmp_path / f"s{j}.tar", [Sample(f"k{j}-{i}", images=[("png", 32, 24)],
+                                                          caption="a few words here") for i in range(4)])
+              for j in range(2)]
+    out = tmp_path / "idx"
+    build_index(shards, out, progress=False)
+    assert verify_index(out) == []
+    return out
+
+
+def _poke(file, row: int, value) -> None:
+    """Overwrite one value of an index column in place (a flipped bit, a hand edit)."""
+    arr = np.load(file, mmap_mode="r+")
+    arr[row] = value
+    arr.flush()
+    del arr
+
+
+def test_a_flipped_bit_in_lengths_is_named_by_verify(small_index, capsys):
+    file = small_index / "lengths.npy"
+    want = int(np.load(file)[5])
+    _poke(file, 5, want ^ (1 << 4))
+    (problem,) = verify_index(small_index)
+    assert problem.startswith(f"index damaged: {file}: 1 sample(s) whose length is not vision_tokens + "
+                              f"text_tokens (first: sample 5: {want ^ 16} != ")
+    assert main(["index", "verify", str(small_index)]) == 1
+    assert "up to date" not in capsys.readouterr().out
+
+
+def test_an_out_of_range_shard_id_is_named_by_verify_and_the_reader(small_index):
+    file = small_index / "shard_id.npy"
+    _poke(file, 6, 7)
+    (problem,) = verify_index(small_index)
+    assert problem == f"index damaged: {file}: 1 shard id(s) outside 0..1 (first: sample 6: 7)"
+    idx = TokenIndex.open(small_index)
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged: sample 6 has shard id 7"):
+        idx.shard(6)
+    with pytest.raises(IndexDamagedError, match="shard_id.npy is damaged"):
+        IndexedShardDataset(idx, decode=None)[6]
+    assert IndexedShardDataset(idx, decode=None)[5]["__key__"] == "k1-1"   # the others still read
+
+
+def test_a_non_monotonic_member_start_is_named_not_blamed_on_the_shard(small_index):
+    file = small_index / "member_start.npy"
+    _poke(file, 3, 1)   # sample 2 now spans members 4..1, sample 3 members 1..8
+    problems = verify_index(small_index)
+    assert problems == [f"index damaged: {file}: not monotonic: 1 place(s) where it goes down "
+                        "(first: row 3: 4 -> 1)"]
+    idx = TokenIndex.open(small_index)
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged: sample 2 spans rows 4..1"):
+        IndexedShardDataset(idx, decode=None)[2]
+    # Other CSR columns and tables are checked the same way.
+    _poke(file, 3, 6)
+    _poke(small_index / "image_start.npy", 0, 1)
+    _poke(small_index / "member_ext.npy", 0, 9)
+    problems = verify_index(small_index)
+    starts = f"index damaged: {small_index / 'image_start.npy'}: starts at 1"
+    assert any(p.startswith(starts) for p in problems)
+    assert any(str(small_index / "member_ext.npy") in p and "extension id(s) outside" in p for p in problems)
+    with pytest.raises(IndexDamagedError, match="member_ext.npy is damaged"):
+        TokenIndex.open(small_index).members(0)
