@@ -13,6 +13,7 @@ are ever deleted from an index folder; other files there are carried over to eac
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import glob
 import json
@@ -21,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -639,9 +641,11 @@ _WORKER: dict = {}
 
 def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
                  exif: str = "ignore", remote: RemoteOptions | None = None,
-                 parquet: ParquetOptions | None = None) -> None:
+                 parquet: ParquetOptions | None = None, parent: int | None = None) -> None:
     from tokenbal.estimate import get_estimator, get_text_counter
 
+    if parent is not None:
+        die_with_parent(parent)
     # The parent handles Ctrl-C / SIGTERM and stops the pool; a worker must not die on its own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["est"] = get_estimator(model, **overrides)
@@ -649,6 +653,36 @@ def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root:
     _WORKER["image_root"] = image_root
     _WORKER["exif"] = exif
     _WORKER["remote"], _WORKER["parquet"] = remote, parquet
+
+
+_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+
+
+def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process when process ``parent`` dies, however it dies: a build killed by SIGKILL
+    cannot stop its scan workers, and a worker left behind keeps the build's stdout open (so
+    ``tokenbal index build ... | cat`` never ends) and blocks on its result pipe forever.
+
+    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``). Everywhere,
+    and as a second line where prctl is unavailable: a daemon thread that exits the process once it
+    has been re-parented (``os.getppid()`` no longer ``parent``), checked every ``poll_s`` seconds.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:   # it died before the watch was set up
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tokenbal-parent-watch").start()
 
 
 def _worker_index_shard(path: str) -> ShardResult:
@@ -679,7 +713,8 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
     # the executor and every pending result raises, where Pool waits for that result forever.
     n = min(workers, len(paths))
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-                               initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet))
+                               initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet,
+                                         os.getpid()))
     # One task per shard; remote shards go ``inflight`` to a task, scanned by threads in the worker
     # so that requests stay in flight. Tasks come back in shard order: the index is identical
     # whatever the number of workers.

@@ -475,3 +475,47 @@ def test_a_non_monotonic_member_start_is_named_not_blamed_on_the_shard(small_ind
     assert any(str(small_index / "member_ext.npy") in p and "extension id(s) outside" in p for p in problems)
     with pytest.raises(IndexDamagedError, match="member_ext.npy is damaged"):
         TokenIndex.open(small_index).members(0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # a zombie has ended
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def test_scan_workers_die_with_a_sigkilled_build_and_a_pipe_to_cat_ends(tmp_path):
+    """The reproduction: ``tokenbal index build ... | cat`` with a worker busy on a shard; SIGKILL the
+    build: its workers used to live on (blocked on their result pipe), holding the pipe open, and
+    ``cat`` never ended."""
+    corpus = make_corpus(tmp_path / "data", n_shards=2, samples_per_shard=2, seed=4, bad=False)
+    hang = write_shard(tmp_path / "data" / "hang.tar", [Sample("h0", caption="x y z")])
+    out = str(tmp_path / "idx")
+    cmd = (f"{sys.executable} -m tests.helpers.index_kill --pool {out} {hang} {' '.join(corpus.shards)}"
+           " | cat")
+    pipeline = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(hang + ".pid") or pipeline.poll() is not None,
+                 "a worker to start on hang.tar")
+        assert pipeline.poll() is None
+        with open(out + ".ready") as f:
+            build_pid = int(f.read())
+        with open(hang + ".pid") as f:
+            worker_pid = int(f.read())
+        os.kill(build_pid, signal.SIGKILL)
+        try:
+            pipeline.wait(GUARD)
+        except subprocess.TimeoutExpired:
+            pytest.fail("`index build | cat` did not end after the build was SIGKILLed")
+        wait_for(lambda: _gone(worker_pid), "the scan worker to die with the build")
+    finally:
+        if pipeline.poll() is None:
+            os.killpg(pipeline.pid, signal.SIGKILL)
