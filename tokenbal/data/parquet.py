@@ -76,12 +76,12 @@ class IndexedParquetDataset(Dataset):
             self._reset()
         pf = self._files.get(path)
         if pf is None:
-            from tokenbal.index.remote import RemoteOptions, filesystem, is_url, with_retries
+            from tokenbal.index.remote import RemoteOptions, RetryingFile, is_url, object_info
 
             if is_url(path):
+                # Each ranged read retried, with deadlines (as the index build reads the file).
                 opts = RemoteOptions(storage_options=self.storage_options)
-                fs, inner = filesystem(path, opts.storage_options)
-                pf = pq.ParquetFile(with_retries(lambda: fs.open(inner, "rb"), path, "open", opts))
+                pf = pq.ParquetFile(RetryingFile(path, object_info(path, opts)["size"], opts))
             else:
                 pf = pq.ParquetFile(path)
             self._files[path] = pf

@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
+from tokenbal.index.remote import RemoteReadError
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import SampleTextError, join_text, json_text
 
@@ -86,8 +87,8 @@ def open_parquet(path: str, remote=None):
         opts = remote or rm.RemoteOptions()
         info = rm.object_info(path, opts)
         fp = rm.RemoteFile(path, info["size"], opts).fingerprint()
-        fs, inner = rm.filesystem(path, opts.storage_options)
-        f = rm.with_retries(lambda: fs.open(inner, "rb"), path, "open", opts)
+        # Every ranged read of the footer and column chunks retried (fsspec's file retries none).
+        f = rm.RetryingFile(path, info["size"], opts)
         extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
         return pq.ParquetFile(f), info["size"], fp, extra
     size = os.path.getsize(path)
@@ -127,6 +128,9 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
             _file_error(scan, "empty", f"Parquet file {path} holds no rows")
     except FileNotFoundError as e:
         _file_error(scan, "missing", f"Parquet file not found: {path}: {e}")
+    except (RemoteReadError, TimeoutError, PermissionError) as e:
+        # A read that failed, not the file's bytes: a read failure (rescanned by the next build).
+        _file_error(scan, "unreadable", f"cannot read Parquet file {path}: {e}")
     except ValueError as e:   # a named column that is absent, no usable column
         _file_error(scan, "corrupt", f"Parquet file {path}: {e}")
     except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid & co: a damaged file, one error

@@ -340,6 +340,59 @@ class RemoteFile:
         return "blake2b:" + h.hexdigest()
 
 
+class RetryingFile:
+    """A read-only, seekable file over ranged reads of one remote object, every read retried with
+    the deadlines of ``with_retries`` (fsspec's own file object retries nothing: a passing 503 in
+    the middle of a Parquet row group failed the file). It keeps only the last block it fetched
+    (at least ``opts.chunk`` bytes), not the object: pyarrow reads Parquet footers and column
+    chunks through it (``tokenbal.index.parquet``, ``tokenbal.data.parquet``)."""
+
+    def __init__(self, url: str, size: int, opts: RemoteOptions) -> None:
+        self.url, self.size, self.opts = url, size, opts
+        self.fs, self.path = filesystem(url, opts.storage_options)
+        self.pos, self.closed = 0, False
+        self._start, self._block = 0, b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.size - self.pos
+        n = max(0, min(n, self.size - self.pos))
+        if n == 0:
+            return b""
+        rel = self.pos - self._start
+        if not (0 <= rel and rel + n <= len(self._block)):
+            end = min(self.size, self.pos + max(n, self.opts.chunk))
+            data = with_retries(store_call(self.fs, "cat_file", self.path, start=self.pos, end=end), self.url,
+                                f"bytes {self.pos}..{end}", self.opts)
+            if len(data) != end - self.pos:
+                raise RemoteReadError(f"{self.url}: asked for bytes {self.pos}..{end} of a {self.size}-byte "
+                                      f"object and got {len(data)}; the object changed or the server ignores "
+                                      "byte ranges")
+            self._start, self._block, rel = self.pos, data, 0
+        out = self._block[rel:rel + n]
+        self.pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.size + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed, self._block = True, b""
+
+
 class _RemoteFileObj:
     """A seekable file object over ``RemoteFile`` for ``tarfile`` (the fallback listing)."""
 
