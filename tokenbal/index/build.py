@@ -236,9 +236,14 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
             for old in olds:   # done copying: the old version may go once replaced
                 old.release()
 
-        # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
-        with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
-            totals = _write_index(out, stream, meta, checkpoint_seconds)
+        # closing(): on an error the worker pool shuts down now, not when the traceback is freed; and
+        # scanned.close() on success too (its last shard taken, the pool generator is still suspended
+        # until something closes it), so no pool thread outlives the build.
+        try:
+            with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
+                totals = _write_index(out, stream, meta, checkpoint_seconds)
+        finally:
+            scanned.close()
         for folder in leftovers:
             _remove_owned(folder)
     return BuildReport(out=out, num_shards=len(jobs), num_bad_shards=totals.num_bad_shards,
@@ -748,11 +753,18 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
                 yield from result
     finally:
         procs = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)   # shutdown() forgets it
         pool.shutdown(wait=False, cancel_futures=True)
         # A scan in flight when the build stops (Ctrl-C, SIGTERM, an error) must not outlive it.
         for proc in procs:
             with contextlib.suppress(Exception):
                 proc.terminate()
+        # Wait (bounded) for the executor's manager thread to finish its cleanup: on Python < 3.12 a
+        # manager thread still closing its wakeup pipe at interpreter exit races concurrent.futures'
+        # exit hook, which then writes to the closed pipe ("OSError: [Errno 9] Bad file descriptor"
+        # printed by a build that exits 0).
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(30)
 
 
 def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iterator[ShardResult]:

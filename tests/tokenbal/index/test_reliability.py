@@ -519,3 +519,14 @@ def test_scan_workers_die_with_a_sigkilled_build_and_a_pipe_to_cat_ends(tmp_path
     finally:
         if pipeline.poll() is None:
             os.killpg(pipeline.pid, signal.SIGKILL)
+
+
+def test_a_pool_build_leaves_no_executor_thread_to_race_interpreter_exit(tmp_path):
+    """The racing build that exited 0 printing ``OSError: [Errno 9] Bad file descriptor``: Python
+    3.11's concurrent.futures exit hook wakes an executor manager thread that may be closing that
+    very pipe. The build now returns only after its manager thread has ended (no race left)."""
+    from concurrent.futures.process import _ExecutorManagerThread
+
+    corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=2, seed=6, bad=False)
+    build_index(corpus.shards, tmp_path / "idx", workers=2, progress=False)
+    assert not [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread) and t.is_alive()]
