@@ -81,9 +81,10 @@ class IndexedParquetDataset(Dataset):
             if is_url(path):
                 # Each ranged read retried, with deadlines (as the index build reads the file).
                 opts = RemoteOptions(storage_options=self.storage_options)
-                pf = pq.ParquetFile(RetryingFile(path, object_info(path, opts)["size"], opts))
-            else:
-                pf = pq.ParquetFile(path)
+                pf = pq.ParquetFile(RetryingFile(path, object_info(path, opts)["size"], opts),
+                                    page_checksum_verification=True)
+            else:   # page CRCs checked where the file has them, as the index build does
+                pf = pq.ParquetFile(path, page_checksum_verification=True)
             self._files[path] = pf
             while len(self._files) > self.max_open_files:
                 self._files.popitem(last=False)

@@ -90,9 +90,12 @@ def open_parquet(path: str, remote=None):
         # Every ranged read of the footer and column chunks retried (fsspec's file retries none).
         f = rm.RetryingFile(path, info["size"], opts)
         extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
-        return pq.ParquetFile(f), info["size"], fp, extra
+        return pq.ParquetFile(f, page_checksum_verification=True), info["size"], fp, extra
     size = os.path.getsize(path)
-    return pq.ParquetFile(path), size, shard_fingerprint(path, size), {}
+    # Page CRCs, where the writer stored them (pyarrow's write_page_checksum=True), are checked: a
+    # flipped bit in a text page is an error, not a silently different row length. Files written
+    # without them are read unchecked (docs/remote-and-parquet.md).
+    return pq.ParquetFile(path, page_checksum_verification=True), size, shard_fingerprint(path, size), {}
 
 
 def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,

@@ -211,3 +211,25 @@ def test_remote_parquet_reads_are_retried_and_a_lasting_failure_is_a_read_failur
         assert entry["status"] == "unreadable" and url in entry["reason"]
         assert any(p.startswith(f"shard failed at build time: {url}")
                    for p in verify_index(tmp_path / "down", remote=FAST))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_flipped_bit_in_a_text_page_is_an_error_when_the_file_has_page_checksums(tmp_path, checksums):
+    """Issue 33: Parquet's pages carry a CRC only when the writer stores one (pyarrow's
+    write_page_checksum=True; not the default). With it, the build checks it: a flipped bit in a
+    text value is a file error. Without it nothing can tell (documented): the row's text changes."""
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    pq.write_table(pa.table({"text": [text, "another row"]}), tmp_path / "t.parquet", compression="none",
+                   write_page_checksum=checksums)
+    data = bytearray((tmp_path / "t.parquet").read_bytes())
+    at = data.index(b"lazy dog")
+    data[at] ^= 0x01                               # "lazy" -> "mazy"
+    (tmp_path / "t.parquet").write_bytes(bytes(data))
+    report = build_index([str(tmp_path / "t.parquet")], tmp_path / "i", progress=False)
+    idx = TokenIndex.open(tmp_path / "i")
+    if checksums:
+        (err,) = idx.errors
+        assert report.num_samples == 0 and err["key"] is None and "t.parquet" in err["reason"]
+        assert "CRC" in err["reason"] or "checksum" in err["reason"].lower()
+    else:
+        assert report.num_samples == 2 and idx.errors == []
