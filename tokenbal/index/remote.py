@@ -556,7 +556,10 @@ def expand_url(pattern: str, opts: RemoteOptions) -> list[str]:
     if not glob.has_magic(pattern):
         return [pattern]
     fs, path = filesystem(pattern, opts.storage_options)
-    found = with_retries(store_call(fs, "glob", path), pattern, "a listing", opts)
+    # A listing pages through the store inside one call (many requests for a large bucket): only the
+    # total deadline applies to it.
+    found = with_retries(store_call(fs, "glob", path), pattern, "a listing",
+                         dataclasses.replace(opts, timeout=None))
     protocol = pattern.split("://", 1)[0]
     urls = [p if "://" in p else f"{protocol}://{p}" for p in found]
     return sorted(urls)
