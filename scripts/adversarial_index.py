@@ -144,7 +144,7 @@ def trial_remote(rng: random.Random, work: str, corpus, clean: dict) -> str:
         build_index(urls, out, progress=False, remote=FAST)
         if content(TokenIndex.open(out), rename) != clean or verify_index(out, remote=FAST):
             return "MISSED: the rebuild against the healthy store is not the clean index"
-    return f"503 rate {rate}: {first}; healthy rebuild equals the clean one"
+    return f"{first}; healthy rebuild equals the clean one (503 rate {rate})"
 
 
 def trial_merge(rng: random.Random, work: str, corpus, clean: dict) -> str:
@@ -251,7 +251,7 @@ def main() -> None:
                 tally[kind][_category(outcome)] += 1
     for kind, counts in tally.items():
         n = counts["survived"] + counts["missed"]
-        kinds = ", ".join(f"{c} x{k}" for k, c in sorted(counts.items()) if k not in ("survived", "missed"))
+        kinds = "; ".join(f"{k}: {c}" for k, c in sorted(counts.items()) if k not in ("survived", "missed"))
         print(f"{kind}: {n} trials, {counts['survived']} survived, {counts['missed']} missed ({kinds})")
     print(json.dumps({k: dict(v) for k, v in tally.items()}))
 
@@ -262,7 +262,7 @@ def _category(outcome: str) -> str:
 
     head = re.sub(r" byte \d+/\d+", "", outcome.split(" (")[0])
     head = re.sub(r"/\S+", "", head)
-    return re.sub(r"\d+(\.\d+)?", "N", head).replace(" :", ":").strip()
+    return re.sub(r"\d+(\.\d+)?", "N", head).strip()
 
 
 if __name__ == "__main__":

@@ -410,6 +410,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenbal: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        from tokenbal.index.remote import RemoteReadError
+
+        if not isinstance(e, RemoteReadError):
+            raise
+        print(f"tokenbal: error: {e}", file=sys.stderr)   # a store that failed or stalled: names the URL
+        return 1
     except RuntimeError as e:
         from tokenbal.index.build import IndexBuildError
 

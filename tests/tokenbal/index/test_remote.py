@@ -303,3 +303,10 @@ def test_cli_build_against_a_store_that_stalls_reads_ends_naming_the_url(tmp_pat
         (entry,) = TokenIndex.open(out).manifest["shards"]
         assert entry["status"] == "unreadable" and url in entry["reason"]
         assert "no answer within" in entry["reason"]
+    with stalled_server() as (base, _):                    # nothing answers: the source check fails
+        url = f"{base}/data-000.tar"
+        run = subprocess.run([sys.executable, "-m", "tokenbal.cli", "index", "build", url, "--out",
+                              str(tmp_path / "j"), "-q", "--timeout", "0.5", "--total-timeout", "4"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and "Traceback" not in run.stderr
+        assert f"tokenbal: error: {url}: cannot read object info" in run.stderr
