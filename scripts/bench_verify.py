@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 import numpy as np
-from harness import environment_line, measure, ratio
+from harness import Timing, environment_line, measure, ratio
 
 from tokenbal.index import TokenIndex
 from tokenbal.index.build import ShardResult, write_index
@@ -64,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--lookups", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--baseline-rev", default="df34147", help="git revision of the unchecked reader")
     args = ap.parse_args()
     print(environment_line())
@@ -85,8 +86,13 @@ def main() -> None:
                 index.members(i)
                 index.shard(i)
 
-        new_t = measure(lambda: lookups(idx), repeats=5, warmup=1)
-        old_t = measure(lambda: lookups(old), repeats=5, warmup=1)
+        # Interleaved (A B A B ...), so that the load of a shared machine drifts over both alike.
+        lookups(idx), lookups(old)
+        new_w, old_w = [], []
+        for _ in range(args.repeats):
+            new_w += measure(lambda: lookups(idx), repeats=1, warmup=0).wall
+            old_w += measure(lambda: lookups(old), repeats=1, warmup=0).wall
+        new_t, old_t = Timing(wall=new_w, cpu=new_w), Timing(wall=old_w, cpu=old_w)
         def view(index, i):
             return index.shard(i), [(m.name, m.shard, m.offset, m.size) for m in index.members(i)]
 
