@@ -167,10 +167,14 @@ def stalled_server(answer_head: bool = False) -> Iterator[tuple[str, threading.E
                 return
             release.wait()
 
+    sock.settimeout(0.1)   # accept() wakes up to see the release (closing a socket does not wake it)
+
     def accept() -> None:
         while not release.is_set():
             try:
                 conn, _ = sock.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
             conns.append(conn)
@@ -182,5 +186,5 @@ def stalled_server(answer_head: bool = False) -> Iterator[tuple[str, threading.E
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", release
     finally:
         release.set()
-        sock.close()
         t.join(10)
+        sock.close()
