@@ -217,6 +217,13 @@ def trial_damage(rng: random.Random, work: str, index: str, clean: dict, shards_
     return f"MISSED: {where}: a changed value passes open, verify and the reader"
 
 
+TRIALS = {"kill": lambda rng, work, corpus, clean, _: trial_kill(rng, work, corpus, clean),
+          "remote": lambda rng, work, corpus, clean, _: trial_remote(rng, work, corpus, clean),
+          "merge": lambda rng, work, corpus, clean, _: trial_merge(rng, work, corpus, clean),
+          "damage": lambda rng, work, corpus, clean, index: trial_damage(rng, work, index, clean,
+                                                                         corpus.root)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=10, help="trials per kind")
@@ -235,16 +242,12 @@ def main() -> None:
             for t in range(args.trials):
                 work = tempfile.mkdtemp(dir=tmp, prefix=f"{kind}-{t}-")
                 t0 = time.monotonic()
-                if kind == "kill":
-                    outcome = trial_kill(rng, work, corpus, clean)
-                elif kind == "remote":
-                    outcome = trial_remote(rng, work, corpus, clean)
-                elif kind == "merge":
-                    outcome = trial_merge(rng, work, corpus, clean)
-                elif kind == "damage":
-                    outcome = trial_damage(rng, work, clean_out, clean, corpus.root)
-                else:
+                if kind not in TRIALS:
                     raise SystemExit(f"unknown kind {kind!r}")
+                try:
+                    outcome = TRIALS[kind](rng, work, corpus, clean, clean_out)
+                except Exception as e:  # noqa: BLE001 - an error no check expected is a finding
+                    outcome = f"MISSED: unexpected {type(e).__name__}: {e}"
                 shutil.rmtree(work, ignore_errors=True)
                 print(f"{kind} {t}: {outcome} ({time.monotonic() - t0:.1f}s)", flush=True)
                 tally[kind]["missed" if outcome.startswith("MISSED") else "survived"] += 1

@@ -98,8 +98,10 @@ def _load_column(file: str, dtype, tail: tuple[int, ...]) -> np.ndarray:
         arr = np.load(file, mmap_mode="r")
     except FileNotFoundError:
         raise IndexDamagedError(f"index file missing: {file} (rebuild the index)") from None
-    except (ValueError, OSError, EOFError) as e:   # a cut header or body: numpy's words, no file name
-        raise IndexDamagedError(f"index file {file} is damaged ({e}); rebuild the index") from None
+    except Exception as e:  # noqa: BLE001 - a cut or flipped header or body: numpy's words, no file name
+        # (ValueError, OSError, EOFError; a flipped bit in the header dict even tokenize.TokenError)
+        raise IndexDamagedError(f"index file {file} is damaged ({type(e).__name__}: {e}); rebuild the "
+                                "index") from None
     if arr.dtype != dtype or arr.shape[1:] != tail:
         raise IndexDamagedError(f"index file {file} has dtype {arr.dtype} shape {arr.shape}, "
                                 f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")

@@ -530,3 +530,17 @@ def test_a_pool_build_leaves_no_executor_thread_to_race_interpreter_exit(tmp_pat
     corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=2, seed=6, bad=False)
     build_index(corpus.shards, tmp_path / "idx", workers=2, progress=False)
     assert not [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread) and t.is_alive()]
+
+
+def test_a_flipped_bit_in_a_column_header_is_named(small_index):
+    """Found by scripts/adversarial_index.py: a flipped byte in a ``.npy`` header dict made numpy raise
+    ``tokenize.TokenError`` (not a ValueError), which escaped ``TokenIndex.open`` unnamed."""
+    file = small_index / "lengths.npy"
+    data = bytearray(file.read_bytes())
+    at = data.index(b"(8,)")
+    data[at + 3] = ord("(")                            # 'shape': (8,( }
+    file.write_bytes(bytes(data))
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged .TokenError"):
+        TokenIndex.open(small_index)
+    (problem,) = verify_index(small_index)
+    assert problem.startswith("index damaged:") and str(file) in problem
