@@ -544,3 +544,30 @@ def test_a_flipped_bit_in_a_column_header_is_named(small_index):
         TokenIndex.open(small_index)
     (problem,) = verify_index(small_index)
     assert problem.startswith("index damaged:") and str(file) in problem
+
+
+def test_a_sample_whose_image_could_not_be_read_is_retried_by_the_next_build(tmp_path):
+    """The sample-level half of "failed shards are never unchanged": an annotation record whose image
+    read fails (here a symlink loop: ELOOP, an I/O error rather than a verdict on bytes) leaves the
+    file's other samples indexed, marks the file's entry (``n_read_failures``), makes ``verify``
+    report it, and the next build rescans the file although it did not change."""
+    root = tmp_path / "images"
+    root.mkdir()
+    (root / "ok.png").write_bytes(image_bytes("png", 64, 48))
+    os.symlink("loop.png", root / "loop.png")            # open() fails with ELOOP
+    conv = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A picture."}]
+    ann = tmp_path / "train.jsonl"
+    ann.write_text("\n".join(json.dumps({"image": name, "conversations": conv})
+                             for name in ("ok.png", "loop.png")) + "\n")
+    out = tmp_path / "idx"
+    first = build_index([str(ann)], out, image_root=str(root), progress=False)
+    idx = TokenIndex.open(out)
+    assert first.num_samples == 1 and "loop.png" in idx.errors[0]["reason"]
+    assert idx.manifest["shards"][0]["n_read_failures"] == 1
+    assert verify_index(out) == [f"shard partly failed at build time: {ann} (1 sample(s) could not be read, "
+                                 "listed in errors.jsonl); rebuild the index to retry them"]
+    assert verify_index(out, allow_failed=True) == []
+    os.remove(root / "loop.png")
+    (root / "loop.png").write_bytes(image_bytes("png", 32, 32))   # the image is readable again
+    again = build_index([str(ann)], out, image_root=str(root), progress=False)
+    assert (again.num_reused, again.num_samples) == (0, 2) and verify_index(out) == []
