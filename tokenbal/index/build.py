@@ -668,7 +668,9 @@ def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
     cannot stop its scan workers, and a worker left behind keeps the build's stdout open (so
     ``tokenbal index build ... | cat`` never ends) and blocks on its result pipe forever.
 
-    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``). Everywhere,
+    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``; strictly, at
+    the end of the parent *thread* that started the worker: the build's own thread, which outlives
+    its pool, since ``ProcessPoolExecutor`` starts workers from ``submit``). Everywhere,
     and as a second line where prctl is unavailable: a daemon thread that exits the process once it
     has been re-parented (``os.getppid()`` no longer ``parent``), checked every ``poll_s`` seconds.
     """
