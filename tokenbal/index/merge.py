@@ -25,7 +25,7 @@ from collections.abc import Sequence
 # The part selection is shared with the build; re-exported here, where it is documented.
 from tokenbal.index.parts import check_part, parse_part, part_meta, select_part
 
-__all__ = ["check_part", "merge_indexes", "parse_part", "part_meta", "select_part"]
+__all__ = ["check_part", "check_split", "merge_indexes", "parse_part", "part_meta", "select_part"]
 
 
 def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False):
@@ -33,7 +33,8 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
 
     Raises ``ValueError`` naming the problem when the parts are not one complete set: a folder that is
     not a part index, parts of different builds (sources, token rules or part counts differ), a part
-    missing or given twice. Returns the ``BuildReport`` of the merged index.
+    missing or given twice, parts that split different shard lists or saw a shard changed, shards in
+    two parts or in none (``check_split``). Returns the ``BuildReport`` of the merged index.
     """
     import time
 
