@@ -94,7 +94,9 @@ def trial_kill(rng: random.Random, work: str, corpus, clean: dict) -> str:
         workers.update(_children(proc.pid))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        outcome = "killed"
+        # children: the scan workers and multiprocessing's resource tracker, once the pool started
+        outcome = (f"killed with {len(workers)} child process(es)" if workers
+                   else "killed before the pool started")
         end = time.monotonic() + 30
         while any(_alive(p) for p in workers) and time.monotonic() < end:
             time.sleep(0.1)
