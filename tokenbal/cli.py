@@ -25,8 +25,11 @@ class UsageError(Exception):
 def _remote_options(args: argparse.Namespace):
     from tokenbal.index.remote import RemoteOptions
 
+    timeouts = {k: getattr(args, k) for k in ("timeout", "total_timeout")
+                if getattr(args, k, None) is not None}
     return RemoteOptions(storage_options=dict(args.storage_option),
-                         mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8))
+                         mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8),
+                         **{k: (None if v <= 0 else v) for k, v in timeouts.items()})
 
 
 def _cmd_index_build(args: argparse.Namespace) -> int:
@@ -76,10 +79,14 @@ def _cmd_index_stats(args: argparse.Namespace) -> int:
 
 def _cmd_index_verify(args: argparse.Namespace) -> int:
     from tokenbal.index import verify_index
+    from tokenbal.index.store import failed_shards, read_manifest
 
-    problems = verify_index(args.dir, remote=_remote_options(args))
+    problems = verify_index(args.dir, remote=_remote_options(args), allow_failed=args.allow_failed)
     for p in problems:
         print(p)
+    if args.allow_failed and not any(p.startswith("index damaged") for p in problems):
+        for line in failed_shards(read_manifest(args.dir)):
+            print(f"note (--allow-failed): {line}")
     print("index is up to date" if not problems else f"{len(problems)} problem(s) found")
     return 1 if problems else 0
 
@@ -260,6 +267,12 @@ def _add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_parse_override,
                    help="fsspec option for remote URLs, e.g. endpoint_url=http://... (repeatable); "
                         "credentials come from the store's usual environment / config files")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="remote reads: seconds one request may take before it is retried (default 60; "
+                        "0: no limit)")
+    p.add_argument("--total-timeout", type=float, default=None, metavar="SECONDS",
+                   help="remote reads: seconds one read may take, retries included, before it fails naming "
+                        "the URL (default 600; 0: no limit)")
 
 
 def _model_names() -> list[str]:
@@ -390,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)")
     verify.add_argument("dir", help="index folder")
+    verify.add_argument("--allow-failed", action="store_true",
+                        help="do not fail on shards the build could not read (missing, unreadable, a remote "
+                             "read out of retries); they are still listed")
     _add_remote_args(verify)
     verify.set_defaults(func=_cmd_index_verify, command_parser=verify)
 

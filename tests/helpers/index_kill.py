@@ -5,7 +5,8 @@ process, a checkpoint after every shard) and, when it reaches shard number ``HAN
 writes its pid to ``OUT.ready`` and waits there forever: a deterministic point at which the test
 sends SIGKILL / SIGTERM from outside. ``scan_or_hang`` is a stand-in for the build's worker function
 (picklable by reference, so spawn-started pool workers run it): it waits forever on a shard named
-``hang*.tar``, after writing that worker's pid next to it.
+``hang*.tar``, after writing that worker's pid next to it. ``python -m tests.helpers.index_kill --pool
+OUT SHARD...`` runs the CLI build with two such workers (``pool_main``).
 """
 
 from __future__ import annotations
@@ -31,9 +32,24 @@ def scan_or_hang(path: str):
     return build.index_shard(path, w["est"], w["counter"], w["image_root"], w["exif"])
 
 
+def pool_main(argv: list[str]) -> None:
+    """``--pool OUT SHARD...``: the CLI's ``index build --workers 2`` with ``scan_or_hang`` as the
+    worker function; its own pid goes to ``OUT.ready`` first (the test SIGKILLs it)."""
+    from tokenbal.cli import main as cli
+    from tokenbal.index import build
+
+    out, shards = argv[0], argv[1:]
+    build._worker_index_shard = scan_or_hang
+    with open(out + ".ready", "w") as f:
+        f.write(str(os.getpid()))
+    sys.exit(cli(["index", "build", *shards, "--out", out, "--workers", "2"]))
+
+
 def main(argv: list[str]) -> None:
     from tokenbal.index import build
 
+    if argv[0] == "--pool":
+        return pool_main(argv[1:])
     out, hang_at, shards = argv[0], int(argv[1]), argv[2:]
     real, calls = build.index_shard, []
 

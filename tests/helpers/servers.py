@@ -75,7 +75,9 @@ class RangeHandler(SimpleHTTPRequestHandler):
         return n
 
     def _injected(self, n: int) -> bool:
-        if n in self.server.fail_at:
+        fail_if = self.server.fail_if
+        if n in self.server.fail_at or (fail_if is not None and self.command == "GET"
+                                        and fail_if(self.path, self.headers.get("Range"))):
             self.server.failed += 1
             self.send_error(503, "injected failure")
             return True
@@ -88,16 +90,19 @@ class RangeHandler(SimpleHTTPRequestHandler):
 
 @contextmanager
 def serve(root: str, *, latency: float = 0.0, fail_at=(), deny=(), honour_range: bool = True,
-          handler: type[RangeHandler] = RangeHandler) -> Iterator[tuple[str, ThreadingHTTPServer]]:
+          handler: type[RangeHandler] = RangeHandler,
+          fail_if=None) -> Iterator[tuple[str, ThreadingHTTPServer]]:
     """An HTTP server for ``root`` on 127.0.0.1 (a free port), in a thread; yields its base URL and
     the server (``requests``: the GETs' paths and Range headers, ``n``: requests counted,
-    ``failed``: injected 503s)."""
+    ``failed``: injected 503s). ``fail_if(path, range_header)``: GETs it is true for are answered
+    503 (settable later as ``server.fail_if``; None: none)."""
     make = lambda *a, **kw: handler(*a, directory=root, **kw)  # noqa: E731
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), make)
     httpd.daemon_threads = True
     httpd.requests, httpd.honour_range = [], honour_range
     httpd.lock, httpd.n, httpd.failed = threading.Lock(), 0, 0
     httpd.latency, httpd.fail_at, httpd.deny = latency, set(fail_at), tuple(deny)
+    httpd.fail_if = fail_if
     t = threading.Thread(target=httpd.serve_forever, daemon=True)
     t.start()
     try:
@@ -134,3 +139,52 @@ def moto_s3(monkeypatch, bucket: str = "corpus"):
         yield endpoint, client
     finally:
         server.stop()
+
+
+@contextmanager
+def stalled_server(answer_head: bool = False) -> Iterator[tuple[str, threading.Event]]:
+    """A loopback TCP server that accepts every connection and never answers (a store that hangs);
+    with ``answer_head``, HEAD requests are answered (a 4 MiB object) and only GETs hang. Yields its
+    base URL and an event that releases the hung connections (set on exit)."""
+    import socket
+
+    release = threading.Event()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    conns: list = []
+
+    def handle(conn) -> None:
+        with conn:
+            conn.settimeout(30)
+            try:
+                head = conn.recv(65536)
+            except OSError:
+                return
+            if answer_head and head.startswith(b"HEAD "):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4194304\r\nAccept-Ranges: bytes\r\n"
+                             b"Content-Type: application/x-tar\r\nConnection: close\r\n\r\n")
+                return
+            release.wait()
+
+    sock.settimeout(0.1)   # accept() wakes up to see the release (closing a socket does not wake it)
+
+    def accept() -> None:
+        while not release.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", release
+    finally:
+        release.set()
+        t.join(10)
+        sock.close()

@@ -84,14 +84,15 @@ class IndexedParquetDataset(Dataset):
             self._reset()
         pf = self._files.get(path)
         if pf is None:
-            from tokenbal.index.remote import RemoteOptions, filesystem, is_url, with_retries
+            from tokenbal.index.remote import RemoteOptions, RetryingFile, is_url, object_info
 
             if is_url(path):
+                # Each ranged read retried, with deadlines (as the index build reads the file).
                 opts = RemoteOptions(storage_options=self.storage_options)
-                fs, inner = filesystem(path, opts.storage_options)
-                pf = pq.ParquetFile(with_retries(lambda: fs.open(inner, "rb"), path, "open", opts))
-            else:
-                pf = pq.ParquetFile(path)
+                pf = pq.ParquetFile(RetryingFile(path, object_info(path, opts)["size"], opts),
+                                    page_checksum_verification=True)
+            else:   # page CRCs checked where the file has them, as the index build does
+                pf = pq.ParquetFile(path, page_checksum_verification=True)
             self._files[path] = pf
             while len(self._files) > self.max_open_files:
                 self._files.popitem(last=False)

@@ -3,7 +3,7 @@
 Used by :class:`tokenbal.data.indexed.IndexedShardDataset` (one positional read per member). Local
 shards are read with ``os.pread`` on a descriptor opened ``O_NONBLOCK`` (a FIFO in a shard's place
 fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` with the index build's retry
-policy (:func:`tokenbal.index.remote.with_retries`).
+policy and deadlines (:func:`tokenbal.index.remote.with_retries`).
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ class ShardReaders:
         kind, h, path = self._handle(shard)
         if kind == "url":
             # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
-            from tokenbal.index.remote import RemoteOptions, with_retries
+            # Each request has the build's deadlines too (RemoteOptions' timeout / total_timeout):
+            # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
+            from tokenbal.index.remote import RemoteOptions, store_call, with_retries
 
-            return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
+            return with_retries(store_call(h, "cat_file", shard, start=offset, end=offset + n), shard,
                                 f"bytes {offset}..{offset + n}", RemoteOptions())
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)

@@ -176,6 +176,7 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         except FileNotFoundError:
             return fail(f"image {j} {rel!r} not found at {full}")
         except OSError as e:
+            scan.n_read_failures += 1   # an I/O error, not the file's bytes: a rebuild retries it
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
         try:
             st = os.fstat(fd)
@@ -186,6 +187,7 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         except ImageSizeError as e:
             return fail(f"image {j} {rel!r} at {full} is not a readable image: {e}")
         except OSError as e:
+            scan.n_read_failures += 1
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
         finally:
             os.close(fd)

@@ -13,6 +13,7 @@ are ever deleted from an index folder; other files there are carried over to eac
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import glob
 import json
@@ -21,6 +22,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -232,6 +234,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     _require_extras([sources] if isinstance(sources, str) else sources)
     paths = expand_sources(sources, remote)
     _require_extras(paths)
+    expanded = paths
     if part is not None:
         positions, paths = select_part(paths, part)
     if image_root is not None:
@@ -274,7 +277,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     if any(is_parquet(p) for p in paths):
         meta["parquet"] = (parquet or ParquetOptions()).as_meta()
     if part is not None:
-        meta["part"] = part_meta(part, positions, paths)
+        # The whole list this part split, with each shard's identity: the merge checks the parts agree.
+        meta["part"] = part_meta(part, positions, paths, expanded)
     with _BuildLock(out), _sigterm_as_exit():
         # An interrupted build's finished shards first (its .partial, then what dead builds left
         # in their folders), then the last complete index.
@@ -299,9 +303,14 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
             for old in olds:   # done copying: the old version may go once replaced
                 old.release()
 
-        # closing(): on an error the worker pool shuts down now, not when the traceback is freed.
-        with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
-            totals = _write_index(out, stream, meta, checkpoint_seconds)
+        # closing(): on an error the worker pool shuts down now, not when the traceback is freed; and
+        # scanned.close() on success too (its last shard taken, the pool generator is still suspended
+        # until something closes it), so no pool thread outlives the build.
+        try:
+            with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
+                totals = _write_index(out, stream, meta, checkpoint_seconds)
+        finally:
+            scanned.close()
         for folder in leftovers:
             _remove_owned(folder)
     return BuildReport(out=out, num_shards=len(jobs), num_bad_shards=totals.num_bad_shards,
@@ -670,8 +679,8 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
 
 
 def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
-    if entry.get("fingerprint") is None:
-        return False     # missing / unreadable at the last build: look again
+    if entry.get("fingerprint") is None or read_failed(entry):
+        return False     # missing / unreadable at the last build (perhaps a passing store error): look again
     if is_url(entry["path"]):
         return remote_unchanged(entry, remote or RemoteOptions())
     try:
@@ -681,6 +690,17 @@ def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
                 and shard_fingerprint(entry["path"], st.st_size) == entry["fingerprint"])
     except OSError:
         return False
+
+
+# Statuses that say a read failed (the file was missing, an I/O error, a remote read out of retries),
+# not what the bytes hold; "corrupt" / "truncated" / "empty" are verdicts on the bytes themselves.
+READ_FAILURE_STATUSES = ("missing", "unreadable")
+
+
+def read_failed(entry: dict) -> bool:
+    """Whether the build could not read (all of) the shard of manifest ``entry``: such a shard is
+    rescanned by the next build and reported by ``verify`` (``store.failed_shards``)."""
+    return entry.get("status") in READ_FAILURE_STATUSES or bool(entry.get("n_read_failures"))
 
 
 def _result_from_index(idx: TokenIndex, path: str) -> ShardResult:
@@ -789,7 +809,8 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
-             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads, **scan.extra}
+             "end_of_members": scan.end_of_members, "n_full_reads": scan.n_full_reads,
+             "n_read_failures": scan.n_read_failures, **scan.extra}
     paths = None
     if any(s.paths for s in samples):
         paths = [p for s in samples for p in (s.paths or [""] * len(s.members))]
@@ -838,7 +859,10 @@ _WORKER: dict = {}
 
 def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
                  exif: str = "ignore", remote: RemoteOptions | None = None,
-                 parquet: ParquetOptions | None = None, processor: str | None = None) -> None:
+                 parquet: ParquetOptions | None = None, processor: str | None = None,
+                 parent: int | None = None) -> None:
+    if parent is not None:
+        die_with_parent(parent)
     # The parent handles Ctrl-C / SIGTERM and stops the pool; a worker must not die on its own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER["est"] = make_estimator(model, overrides, processor)
@@ -846,6 +870,38 @@ def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root:
     _WORKER["image_root"] = image_root
     _WORKER["exif"] = exif
     _WORKER["remote"], _WORKER["parquet"] = remote, parquet
+
+
+_PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
+
+
+def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """End this process when process ``parent`` dies, however it dies: a build killed by SIGKILL
+    cannot stop its scan workers, and a worker left behind keeps the build's stdout open (so
+    ``tokenbal index build ... | cat`` never ends) and blocks on its result pipe forever.
+
+    Linux: the kernel sends SIGKILL at the parent's death (``prctl(PR_SET_PDEATHSIG)``; strictly, at
+    the end of the parent *thread* that started the worker: the build's own thread, which outlives
+    its pool, since ``ProcessPoolExecutor`` starts workers from ``submit``). Everywhere,
+    and as a second line where prctl is unavailable: a daemon thread that exits the process once it
+    has been re-parented (``os.getppid()`` no longer ``parent``), checked every ``poll_s`` seconds.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:   # it died before the watch was set up
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tokenbal-parent-watch").start()
 
 
 def _worker_index_shard(path: str) -> ShardResult:
@@ -878,7 +934,7 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
     n = min(workers, len(paths))
     pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
                                initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet,
-                                         processor))
+                                         processor, os.getpid()))
     # One task per shard; remote shards go ``inflight`` to a task, scanned by threads in the worker
     # so that requests stay in flight. Tasks come back in shard order: the index is identical
     # whatever the number of workers.
@@ -912,11 +968,18 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
                 yield from result
     finally:
         procs = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)   # shutdown() forgets it
         pool.shutdown(wait=False, cancel_futures=True)
         # A scan in flight when the build stops (Ctrl-C, SIGTERM, an error) must not outlive it.
         for proc in procs:
             with contextlib.suppress(Exception):
                 proc.terminate()
+        # Wait (bounded) for the executor's manager thread to finish its cleanup: on Python < 3.12 a
+        # manager thread still closing its wakeup pipe at interpreter exit races concurrent.futures'
+        # exit hook, which then writes to the closed pipe ("OSError: [Errno 9] Bad file descriptor"
+        # printed by a build that exits 0).
+        if manager is not None and manager is not threading.current_thread():
+            manager.join(30)
 
 
 def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iterator[ShardResult]:

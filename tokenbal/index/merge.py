@@ -3,8 +3,12 @@
 
 Part ``i`` of ``n`` takes every ``n``-th shard of the expanded source list, starting at ``i`` (strided,
 so that parts get shards from all over the list when shard sizes drift along it). Each part index
-records its part and every shard's position in the full list; the merge checks that the parts are
-``0..n-1`` of the same sources and token rules, exactly once each, then writes the shards in list order
+records its part, every shard's position in the full list and that full list itself as the part
+expanded it, each local shard with its size and mtime then. The merge checks that the parts are
+``0..n-1`` of the same sources and token rules, exactly once each, that every part expanded the same
+list (a shard added, removed or rewritten between the parts' builds would otherwise be indexed twice
+or not at all: the error names those shards), and that the parts' shards are disjoint and cover that
+list exactly; then it writes the shards in list order
 with their rows, errors and manifest entries unchanged, so the merged index equals a one-machine
 build of the same sources (same lengths, keys, members, errors, order; only ``created`` differs).
 
@@ -21,7 +25,7 @@ from collections.abc import Sequence
 # The part selection is shared with the build; re-exported here, where it is documented.
 from tokenbal.index.parts import check_part, parse_part, part_meta, select_part
 
-__all__ = ["check_part", "merge_indexes", "parse_part", "part_meta", "select_part"]
+__all__ = ["check_part", "check_split", "merge_indexes", "parse_part", "part_meta", "select_part"]
 
 
 def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False):
@@ -29,7 +33,8 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
 
     Raises ``ValueError`` naming the problem when the parts are not one complete set: a folder that is
     not a part index, parts of different builds (sources, token rules or part counts differ), a part
-    missing or given twice. Returns the ``BuildReport`` of the merged index.
+    missing or given twice, parts that split different shard lists or saw a shard changed, shards in
+    two parts or in none (``check_split``). Returns the ``BuildReport`` of the merged index.
     """
     import time
 
@@ -63,6 +68,7 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     if absent:
         raise ValueError(f"merge: part(s) {', '.join(f'{i}/{n}' for i in absent)} missing; "
                          f"got {len(seen)} of {n}")
+    check_split(idxs)
     jobs = []
     for idx in idxs:
         positions = idx.manifest["part"]["positions"]
@@ -77,3 +83,86 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
                        num_bad_shards=writer.num_bad_shards, num_samples=writer.num_samples,
                        num_errors=writer.num_errors, num_images=writer.num_images,
                        total_tokens=writer.total_tokens, seconds=time.perf_counter() - t0)
+
+
+def _names(paths, limit: int = 5) -> str:
+    paths = list(paths)
+    shown = ", ".join(paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def check_split(idxs: Sequence) -> None:
+    """Raise ``ValueError`` unless the part indexes ``idxs`` (one per part, checked to be ``0..n-1``)
+    split one shard list: every part expanded the same list, saw each local shard with the same size
+    and mtime, and the parts' shards are disjoint with that list as their union. The error names the
+    shards missing, doubled or changed, and says which part saw what."""
+    label = {id(idx): f"part {idx.manifest['part']['index']}/{idx.manifest['part']['count']} ({idx.path})"
+             for idx in idxs}
+    for idx in idxs:
+        if "expanded" not in idx.manifest["part"]:
+            raise ValueError(f"merge: {label[id(idx)]} was built by a tokenbal that did not record the shard "
+                             "list it split, so the merge cannot check that no shard is lost or doubled; "
+                             "rebuild the parts with this version")
+    ref = min(idxs, key=lambda idx: idx.manifest["part"]["index"])
+    ref_list = [e[0] for e in ref.manifest["part"]["expanded"]]
+    for idx in idxs:
+        got = [e[0] for e in idx.manifest["part"]["expanded"]]
+        if got == ref_list:
+            continue
+        got_set, ref_set = set(got), set(ref_list)
+        only_ref = [p for p in ref_list if p not in got_set]
+        only_got = [p for p in got if p not in ref_set]
+        what = []
+        if only_got:
+            what.append(f"only {label[id(idx)]} saw {_names(only_got)}")
+        if only_ref:
+            what.append(f"only {label[id(ref)]} saw {_names(only_ref)}")
+        if not what:
+            what.append("the same shards in another order")
+        raise ValueError(f"merge: the parts split different shard lists ({label[id(ref)]}: {len(ref_list)} "
+                         f"shards, {label[id(idx)]}: {len(got)}): {'; '.join(what)}. The sources changed "
+                         "between the parts' builds, so merging would lose or double shards; rebuild every "
+                         "part over the same shards")
+    # Each local shard's (size, mtime) as every part saw it, and as the part that indexed it read it.
+    seen: dict[str, tuple] = {}
+    changed: list[str] = []
+    named: set[str] = set()
+    for idx in idxs:
+        for path, size, mtime in idx.manifest["part"]["expanded"]:
+            if size is None:
+                continue
+            if path in seen and seen[path][:2] != (size, mtime) and path not in named:
+                named.add(path)
+                changed.append(f"{path} (size {seen[path][0]}, mtime_ns {seen[path][1]} for {seen[path][2]}; "
+                               f"size {size}, mtime_ns {mtime} for {label[id(idx)]})")
+            seen.setdefault(path, (size, mtime, label[id(idx)]))
+    for idx in idxs:
+        for entry in idx.manifest["shards"]:
+            path, had = entry["path"], seen.get(entry["path"])
+            if had is None or entry.get("fingerprint") is None:
+                continue
+            if (entry.get("size"), entry.get("mtime_ns")) != had[:2] and path not in named:
+                named.add(path)
+                changed.append(f"{path} (indexed by {label[id(idx)]} at size {entry.get('size')}, mtime_ns "
+                               f"{entry.get('mtime_ns')}; {had[2]} saw size {had[0]}, mtime_ns {had[1]})")
+    if changed:
+        raise ValueError(f"merge: {len(changed)} shard(s) changed between the parts' builds: "
+                         f"{_names(changed, 3)}; the parts describe different data: rebuild them")
+    owner: dict[str, list[str]] = {}
+    for idx in idxs:
+        for path in idx.shard_paths:
+            owner.setdefault(path, []).append(label[id(idx)])
+    doubled = [f"{p} (in {' and '.join(who)})" for p, who in owner.items() if len(who) > 1]
+    missing = [p for p in ref_list if p not in owner]
+    listed = set(ref_list)
+    foreign = [p for p in owner if p not in listed]
+    problems = []
+    if doubled:
+        problems.append(f"{len(doubled)} shard(s) in more than one part: {_names(doubled, 3)}")
+    if missing:
+        problems.append(f"{len(missing)} shard(s) of the list in no part: {_names(missing)}")
+    if foreign:
+        problems.append(f"{len(foreign)} shard(s) not in the list the parts split: {_names(foreign)}")
+    if problems:
+        raise ValueError(f"merge: the parts do not cover their {len(ref_list)} shards exactly once: "
+                         f"{'; '.join(problems)}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tokenbal._extras import MissingExtraError
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
+from tokenbal.index.remote import RemoteReadError
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import SampleTextError, chat_messages, join_text, json_text
 
@@ -89,12 +90,15 @@ def open_parquet(path: str, remote=None):
         opts = remote or rm.RemoteOptions()
         info = rm.object_info(path, opts)
         fp = rm.RemoteFile(path, info["size"], opts).fingerprint()
-        fs, inner = rm.filesystem(path, opts.storage_options)
-        f = rm.with_retries(lambda: fs.open(inner, "rb"), path, "open", opts)
+        # Every ranged read of the footer and column chunks retried (fsspec's file retries none).
+        f = rm.RetryingFile(path, info["size"], opts)
         extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
-        return pq.ParquetFile(f), info["size"], fp, extra
+        return pq.ParquetFile(f, page_checksum_verification=True), info["size"], fp, extra
     size = os.path.getsize(path)
-    return pq.ParquetFile(path), size, shard_fingerprint(path, size), {}
+    # Page CRCs, where the writer stored them (pyarrow's write_page_checksum=True), are checked: a
+    # flipped bit in a text page is an error, not a silently different row length. Files written
+    # without them are read unchecked (docs/remote-and-parquet.md).
+    return pq.ParquetFile(path, page_checksum_verification=True), size, shard_fingerprint(path, size), {}
 
 
 def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
@@ -132,6 +136,9 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
         raise   # no pyarrow: not this file's fault, and every other file would fail the same way
     except FileNotFoundError as e:
         _file_error(scan, "missing", f"Parquet file not found: {path}: {e}")
+    except (RemoteReadError, TimeoutError, PermissionError) as e:
+        # A read that failed, not the file's bytes: a read failure (rescanned by the next build).
+        _file_error(scan, "unreadable", f"cannot read Parquet file {path}: {e}")
     except ValueError as e:   # a named column that is absent, no usable column
         _file_error(scan, "corrupt", f"Parquet file {path}: {e}")
     except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid & co: a damaged file, one error

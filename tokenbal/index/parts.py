@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["check_part", "parse_part", "part_meta", "select_part"]
+__all__ = ["check_part", "parse_part", "part_meta", "select_part", "shard_identity"]
 
 
 def parse_part(text: str, environ: dict | None = None) -> tuple[int, int]:
@@ -48,5 +48,25 @@ def select_part(paths: Sequence[str], part: tuple[int, int]) -> tuple[list[int],
     return positions, [paths[p] for p in positions]
 
 
-def part_meta(part: tuple[int, int], positions: Sequence[int], paths: Sequence[str]) -> dict:
-    return {"index": part[0], "count": part[1], "positions": dict(zip(paths, positions, strict=True))}
+def part_meta(part: tuple[int, int], positions: Sequence[int], paths: Sequence[str],
+              expanded: Sequence[str] | None = None) -> dict:
+    """The ``part`` record of a part index's manifest: which part, each of its shards' position in
+    the full list and, with ``expanded``, that full list as this part saw it, each shard with its
+    identity then (``shard_identity``), so that the merge can prove the parts split one list."""
+    meta = {"index": part[0], "count": part[1], "positions": dict(zip(paths, positions, strict=True))}
+    if expanded is not None:
+        meta["expanded"] = [[p, *shard_identity(p)] for p in expanded]
+    return meta
+
+
+def shard_identity(path: str) -> tuple[int | None, int | None]:
+    """``(size, mtime_ns)`` of a local shard from one ``stat`` (``None`` for a URL or a file that
+    cannot be stat'ed: the build reports it); two parts that saw different values for one shard
+    were built over different contents."""
+    if "://" in path and not path.startswith("file://"):
+        return None, None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None, None
+    return st.st_size, st.st_mtime_ns

@@ -16,7 +16,11 @@ same index rows, byte for byte, including the fingerprint. What is read:
 
 Transient errors (timeouts, connection resets, HTTP 408 / 429 / 5xx) are retried with exponential
 backoff (``RETRIES`` times); a permanent one (missing object, access denied, other 4xx) ends the
-shard with a shard-level error naming the URL, as for a local shard.
+shard with a shard-level error naming the URL, as for a local shard. Every request has a deadline
+(``timeout``, 60 s; on fsspec's async stores the request is cancelled) and every read, retries and
+back-off included, another (``total_timeout``, 600 s): a store that accepts connections and never
+answers ends in a ``RemoteReadError`` naming the URL, not a hang. A shard that failed this way is
+recorded as unreadable; the next build rescans it and ``verify`` reports it until then.
 
 The manifest entry of a remote shard also records what the store says about the object: ``etag``
 and ``remote_mtime`` where available. ``verify`` (and an incremental build) trusts an unchanged
@@ -26,7 +30,9 @@ ETag, else compares size and fingerprint, as for local files.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
+import inspect
 import os
 import random
 import tarfile
@@ -58,6 +64,8 @@ CHUNK = 8 * 1024
 INFLIGHT = 8
 RETRIES = 4
 BACKOFF_S = 0.2
+TIMEOUT_S = 60.0         # one request
+TOTAL_TIMEOUT_S = 600.0  # one read, retries and back-off included
 READ_MODES = ("auto", "ranges", "whole")
 
 
@@ -75,6 +83,8 @@ class RemoteOptions:
     inflight: int = INFLIGHT
     retries: int = RETRIES
     backoff_s: float = BACKOFF_S
+    timeout: float | None = TIMEOUT_S               # seconds per request; None: no limit
+    total_timeout: float | None = TOTAL_TIMEOUT_S   # seconds per read, retries included; None: no limit
 
     def __post_init__(self) -> None:
         if self.mode not in READ_MODES:
@@ -82,6 +92,10 @@ class RemoteOptions:
         if self.chunk < 1024 or self.inflight < 1 or self.retries < 0:
             raise ValueError(f"bad remote options: chunk={self.chunk} (>= 1024), inflight={self.inflight} "
                              f"(>= 1), retries={self.retries} (>= 0)")
+        for name in ("timeout", "total_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"bad remote options: {name}={value} (> 0 seconds, or None for no limit)")
 
 
 class RemoteReadError(OSError):
@@ -134,13 +148,71 @@ def _transient_cause(cause: BaseException | None) -> bool:
                                  "ClientPayloadError", "ServerTimeoutError")
 
 
-def with_retries(fn: Callable[[], Any], url: str, what: str, opts: RemoteOptions) -> Any:
+class store_call:   # noqa: N801 - used like a function: store_call(fs, "cat_file", path, start=0, end=9)
+    """``fs.<method>(*args, **kwargs)`` as ``with_retries`` runs it: given each attempt's deadline.
+    On fsspec's async filesystems (HTTP, S3, GCS, ...) the deadline goes to fsspec's ``sync``, which
+    cancels the request when it passes; on others the call runs in a thread that is abandoned."""
+
+    def __init__(self, fs: Any, method: str, *args: Any, **kwargs: Any) -> None:
+        self.fs, self.method, self.args, self.kwargs = fs, method, args, kwargs
+
+    def __call__(self, timeout: float | None = None) -> Any:
+        fn = getattr(self.fs, self.method)
+        if timeout is None:
+            return fn(*self.args, **self.kwargs)
+        # fsspec mirrors an async store's coroutine ``_<method>`` as a sync wrapper whose ``timeout``
+        # keyword is fsspec.asyn.sync's (a cancelling wait_for); only then is it passed down.
+        if inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None)):
+            try:
+                return fn(*self.args, timeout=timeout, **self.kwargs)
+            except TimeoutError as e:   # fsspec's FSTimeoutError: say how long was waited
+                raise TimeoutError(f"no answer within {timeout:g} s") from e
+        return _call_with_deadline(lambda: fn(*self.args, **self.kwargs), timeout)
+
+
+def _call_with_deadline(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` in a daemon thread; ``TimeoutError`` if it has not returned after ``timeout`` seconds
+    (the thread is left to finish on its own: a blocking call cannot be interrupted from outside)."""
+    box: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="tokenbal-remote-call").start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
+
+def with_retries(fn: Callable[..., Any], url: str, what: str, opts: RemoteOptions) -> Any:
     """``fn()``, retried on transient errors with exponential backoff (jittered). A missing object
     stays a ``FileNotFoundError`` and a denied one a ``PermissionError``; every other final failure
-    is a ``RemoteReadError`` naming ``url``, what was read and how many attempts were made."""
+    is a ``RemoteReadError`` naming ``url``, what was read and how many attempts were made.
+
+    Deadlines: each attempt gets ``opts.timeout`` seconds (a ``store_call`` is handed it; any other
+    ``fn`` runs in a thread that is waited for that long), and all attempts together, back-off
+    included, ``opts.total_timeout``; an attempt past its deadline is a transient error."""
+    deadline = None if opts.total_timeout is None else time.monotonic() + opts.total_timeout
     for attempt in range(opts.retries + 1):
+        limit = opts.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteReadError(f"{url}: cannot read {what}: no answer within the total timeout of "
+                                      f"{opts.total_timeout:g} s ({attempt} attempts)")
+            limit = left if limit is None else min(limit, left)
         try:
-            return fn()
+            if isinstance(fn, store_call):
+                return fn(limit)
+            return fn() if limit is None else _call_with_deadline(fn, limit)
         except (_NoRanges, MissingExtraError):
             raise
         except Exception as e:
@@ -156,7 +228,10 @@ def with_retries(fn: Callable[[], Any], url: str, what: str, opts: RemoteOptions
                 shown = cause if cause is not None else e
                 raise RemoteReadError(f"{url}: cannot read {what}{tries}: {type(shown).__name__}: "
                                       f"{shown}") from e
-            time.sleep(opts.backoff_s * (2 ** attempt) * (1 + 0.25 * random.random()))
+            pause = opts.backoff_s * (2 ** attempt) * (1 + 0.25 * random.random())
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            time.sleep(pause)
     raise AssertionError("unreachable")
 
 
@@ -164,7 +239,7 @@ def object_info(url: str, opts: RemoteOptions) -> dict:
     """Size and identity of a remote object: ``{"size", "etag", "remote_mtime"}`` (None when the store
     does not say)."""
     fs, path = filesystem(url, opts.storage_options)
-    info = with_retries(lambda: fs.info(path), url, "object info", opts)
+    info = with_retries(store_call(fs, "info", path), url, "object info", opts)
     if info.get("size") is None:
         raise RemoteReadError(f"{url}: the server does not report the object's size")
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
@@ -193,7 +268,7 @@ class RemoteFile:
         end = min(end, self.size)
         if end <= start:
             return b""
-        data = with_retries(lambda: self.fs.cat_file(self.path, start=start, end=end), self.url,
+        data = with_retries(store_call(self.fs, "cat_file", self.path, start=start, end=end), self.url,
                             f"bytes {start}..{end}", self.opts)
         with self._lock:
             self.requests += 1
@@ -266,6 +341,59 @@ class RemoteFile:
         return "blake2b:" + h.hexdigest()
 
 
+class RetryingFile:
+    """A read-only, seekable file over ranged reads of one remote object, every read retried with
+    the deadlines of ``with_retries`` (fsspec's own file object retries nothing: a passing 503 in
+    the middle of a Parquet row group failed the file). It keeps only the last block it fetched
+    (at least ``opts.chunk`` bytes), not the object: pyarrow reads Parquet footers and column
+    chunks through it (``tokenbal.index.parquet``, ``tokenbal.data.parquet``)."""
+
+    def __init__(self, url: str, size: int, opts: RemoteOptions) -> None:
+        self.url, self.size, self.opts = url, size, opts
+        self.fs, self.path = filesystem(url, opts.storage_options)
+        self.pos, self.closed = 0, False
+        self._start, self._block = 0, b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.size - self.pos
+        n = max(0, min(n, self.size - self.pos))
+        if n == 0:
+            return b""
+        rel = self.pos - self._start
+        if not (0 <= rel and rel + n <= len(self._block)):
+            end = min(self.size, self.pos + max(n, self.opts.chunk))
+            data = with_retries(store_call(self.fs, "cat_file", self.path, start=self.pos, end=end), self.url,
+                                f"bytes {self.pos}..{end}", self.opts)
+            if len(data) != end - self.pos:
+                raise RemoteReadError(f"{self.url}: asked for bytes {self.pos}..{end} of a {self.size}-byte "
+                                      f"object and got {len(data)}; the object changed or the server ignores "
+                                      "byte ranges")
+            self._start, self._block, rel = self.pos, data, 0
+        out = self._block[rel:rel + n]
+        self.pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.size + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed, self._block = True, b""
+
+
 class _RemoteFileObj:
     """A seekable file object over ``RemoteFile`` for ``tarfile`` (the fallback listing)."""
 
@@ -329,7 +457,9 @@ def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exi
     fs, path = filesystem(url, opts.storage_options)
     with tempfile.TemporaryDirectory(prefix="tokenbal-shard-") as tmp:
         local = os.path.join(tmp, "shard.tar")
-        with_retries(lambda: fs.get_file(path, local), url, "the whole object", opts)
+        # One download: no per-request deadline (a large object takes long); the total one holds.
+        whole = dataclasses.replace(opts, timeout=None)
+        with_retries(store_call(fs, "get_file", path, local), url, "the whole object", whole)
         got = scan_shard(local, prefix, exif)
     got.path, got.extra, got.mtime_ns = url, scan.extra, 0
     if got.size != scan.size:
@@ -427,7 +557,10 @@ def expand_url(pattern: str, opts: RemoteOptions) -> list[str]:
     if not glob.has_magic(pattern):
         return [pattern]
     fs, path = filesystem(pattern, opts.storage_options)
-    found = with_retries(lambda: fs.glob(path), pattern, "a listing", opts)
+    # A listing pages through the store inside one call (many requests for a large bucket): only the
+    # total deadline applies to it.
+    found = with_retries(store_call(fs, "glob", path), pattern, "a listing",
+                         dataclasses.replace(opts, timeout=None))
     protocol = pattern.split("://", 1)[0]
     urls = [p if "://" in p else f"{protocol}://{p}" for p in found]
     return sorted(urls)

@@ -77,6 +77,9 @@ class ShardScan:
     end_of_members: int = 0
     n_full_reads: int = 0                    # images whose header did not fit in the read prefix
     headers_digest: str | None = None        # hash of every member's name, range and stamp
+    # Samples left out because a read failed (an I/O error, a remote read that ran out of retries),
+    # not because of their bytes: such a shard is never reused as "unchanged" (a rebuild retries it).
+    n_read_failures: int = 0
     samples: list[ScannedSample] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     extra: dict = field(default_factory=dict)   # more manifest entry fields (remote: etag, ...)
@@ -367,6 +370,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
         except SampleTextError as e:
             return fail(f"member {ti.name!r}: {e}")
         except OSError as e:
+            scan.n_read_failures += 1
             return fail(f"cannot read member {ti.name!r}: {e}")
     if has_text_member and not pieces:   # only JSON members, none with a known text field
         return fail("no text found: its JSON has none of conversations / messages / text / caption")

@@ -98,8 +98,10 @@ def _load_column(file: str, dtype, tail: tuple[int, ...]) -> np.ndarray:
         arr = np.load(file, mmap_mode="r")
     except FileNotFoundError:
         raise IndexDamagedError(f"index file missing: {file} (rebuild the index)") from None
-    except (ValueError, OSError, EOFError) as e:   # a cut header or body: numpy's words, no file name
-        raise IndexDamagedError(f"index file {file} is damaged ({e}); rebuild the index") from None
+    except Exception as e:  # noqa: BLE001 - a cut or flipped header or body: numpy's words, no file name
+        # (ValueError, OSError, EOFError; a flipped bit in the header dict even tokenize.TokenError)
+        raise IndexDamagedError(f"index file {file} is damaged ({type(e).__name__}: {e}); rebuild the "
+                                "index") from None
     if arr.dtype != dtype or arr.shape[1:] != tail:
         raise IndexDamagedError(f"index file {file} has dtype {arr.dtype} shape {arr.shape}, "
                                 f"expected {np.dtype(dtype)} (*, {', '.join(map(str, tail))})")
@@ -247,6 +249,28 @@ class TokenIndex:
                                                 "rebuild the index") from None
         return out
 
+    def _damaged(self, file: str, what: str) -> IndexDamagedError:
+        return IndexDamagedError(f"index file {os.path.join(self.path, file)} is damaged: {what}; "
+                                 "run `tokenbal index verify` and rebuild the index")
+
+    def _shard_id(self, i: int) -> int:
+        """Sample ``i``'s row in the manifest's shard list, checked (a damaged ``shard_id.npy`` is
+        named, not a bare IndexError)."""
+        sid = int(self._cols["shard_id"][i])
+        if not 0 <= sid < len(self.shard_paths):
+            raise self._damaged("shard_id.npy", f"sample {i} has shard id {sid}, the manifest lists "
+                                                     f"{len(self.shard_paths)} shards")
+        return sid
+
+    def _span(self, name: str, i: int, total: int) -> tuple[int, int]:
+        """Sample ``i``'s rows ``[a, b)`` in the table that CSR column ``name`` points into, checked."""
+        col = self._cols[name]
+        a, b = int(col[i]), int(col[i + 1])
+        if not 0 <= a <= b <= total:
+            raise self._damaged(f"{name}.npy", f"sample {i} spans rows {a}..{b} of a {total}-row table "
+                                               "(the column must rise from 0 to the table's length)")
+        return a, b
+
     def member_stamps(self, i: int) -> list[tuple[int, int]] | None:
         """(header checksum, mtime) of each member of sample ``i`` (see ``OPTIONAL_COLUMNS``), or
         ``None`` for an index built without them."""
@@ -254,12 +278,12 @@ class TokenIndex:
         if "member_chksum" not in c:
             return None
         i = _check_row(i, len(self))
-        a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
+        a, b = self._span("member_start", i, len(c["member_ext"]))
         return list(zip(c["member_chksum"][a:b].tolist(), c["member_mtime"][a:b].tolist(), strict=True))
 
     def shard(self, i: int) -> str:
         """Absolute path of the shard (or annotation file) holding sample ``i``."""
-        return self.shard_paths[int(self._cols["shard_id"][_check_row(i, len(self))])]
+        return self.shard_paths[self._shard_id(_check_row(i, len(self)))]
 
     def members(self, i: int) -> list[Member]:
         """Every member of sample ``i`` (images, text and others), in tar order.
@@ -271,8 +295,9 @@ class TokenIndex:
         """
         i = _check_row(i, len(self))
         c = self._cols
-        a, b = int(c["member_start"][i]), int(c["member_start"][i + 1])
-        key, shard = self.keys[i], self.shard_paths[int(c["shard_id"][i])]
+        a, b = self._span("member_start", i, len(c["member_ext"]))
+        key, shard = self.keys[i], self.shard_paths[self._shard_id(i)]
+        exts = self._exts
         poff = c["member_path_offsets"][a:b + 1].tolist()
         out = []
         for j, (e, o, size) in enumerate(zip(c["member_ext"][a:b].tolist(), c["member_offset"][a:b].tolist(),
@@ -280,8 +305,11 @@ class TokenIndex:
             if poff[j + 1] > poff[j]:
                 name, _, file = self._member_paths[a + j].partition("\0")
                 out.append(Member(name, file, o, size))
+            elif 0 <= e < len(exts):
+                out.append(Member(f"{key}.{exts[e]}", shard, o, size))
             else:
-                out.append(Member(f"{key}.{self._exts[e]}", shard, o, size))
+                raise self._damaged("member_ext.npy", f"member {a + j} (of sample {i}) has extension id "
+                                                      f"{e}, the manifest lists {len(exts)} extensions")
         return out
 
     @cached_property
@@ -324,7 +352,7 @@ class TokenIndex:
     def image_sizes(self, i: int) -> list[tuple[int, int]]:
         """(width, height) of each image of sample ``i``, in member order."""
         i = _check_row(i, len(self))
-        a, b = int(self._cols["image_start"][i]), int(self._cols["image_start"][i + 1])
+        a, b = self._span("image_start", i, len(self._cols["image_size"]))
         return [(int(w), int(h)) for w, h in self._cols["image_size"][a:b]]
 
 
@@ -460,7 +488,96 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
+def failed_shards(manifest: dict) -> list[str]:
+    """``verify``'s lines for the shards the build could not read (missing, unreadable, a remote read
+    out of retries: ``build.read_failed``), so their samples are absent from the index. Each is
+    rescanned by the next build; verify reports them until then."""
+    out = []
+    for entry in manifest.get("shards", []):
+        status, n_failed = entry.get("status"), int(entry.get("n_read_failures") or 0)
+        if status in ("missing", "unreadable"):
+            out.append(f"shard failed at build time: {entry['path']} ({status}: {entry.get('reason')}); "
+                       "none of its samples are indexed: rebuild the index to retry it")
+        elif n_failed:
+            out.append(f"shard partly failed at build time: {entry['path']} ({n_failed} sample(s) could not "
+                       "be read, listed in errors.jsonl); rebuild the index to retry them")
+    return out
+
+
+def _first_rows(bad: np.ndarray) -> tuple[int, int]:
+    rows = np.flatnonzero(bad)
+    return len(rows), int(rows[0]) if len(rows) else -1
+
+
+def index_problems(idx: TokenIndex) -> list[str]:
+    """The index's own invariants, one line per broken one, naming the file: what a flipped bit or a
+    hand edit breaks and the reader would otherwise misread (a length that is not vision + text, a
+    shard id past the manifest's shards, CSR offsets that do not rise, ...). Reads every column once."""
+    out: list[str] = []
+    c = idx._cols
+    f = lambda name: os.path.join(idx.path, name)  # noqa: E731
+    n, n_shards = len(idx), len(idx.shard_paths)
+    lengths, vision, text = (np.asarray(c[k], np.int64) for k in ("lengths", "vision_tokens", "text_tokens"))
+    bad, first = _first_rows(lengths != vision + text)
+    if bad:
+        out.append(f"index damaged: {f('lengths.npy')}: {bad} sample(s) whose length is not vision_tokens + "
+                   f"text_tokens (first: sample {first}: {int(lengths[first])} != {int(vision[first])} + "
+                   f"{int(text[first])})")
+    for name, col in (("vision_tokens", vision), ("text_tokens", text)):
+        bad, first = _first_rows(col < 0)
+        if bad:
+            out.append(f"index damaged: {f(name + '.npy')}: {bad} negative count(s) (first: sample {first}: "
+                       f"{int(col[first])})")
+    sid = np.asarray(c["shard_id"], np.int64)
+    bad, first = _first_rows((sid < 0) | (sid >= n_shards))
+    if bad:
+        out.append(f"index damaged: {f('shard_id.npy')}: {bad} shard id(s) outside 0..{n_shards - 1} "
+                   f"(first: sample {first}: {int(sid[first])})")
+    elif n:
+        bad, first = _first_rows(np.diff(sid) < 0)
+        counts = np.bincount(sid, minlength=n_shards)
+        want = np.array([int(e.get("n_samples", -1)) for e in idx.manifest["shards"]], np.int64)
+        if bad:
+            out.append(f"index damaged: {f('shard_id.npy')}: shard ids go down at sample {first + 1} "
+                       f"({int(sid[first])} -> {int(sid[first + 1])}); rows are grouped by shard")
+        elif (counts != want).any():
+            k = int(np.flatnonzero(counts != want)[0])
+            out.append(f"index damaged: {f('shard_id.npy')}: shard {k} ({idx.shard_paths[k]}) has "
+                       f"{int(counts[k])} rows, {MANIFEST} says {int(want[k])} samples")
+    tables = {"key_offsets": None, "member_start": "member_ext", "image_start": "image_size",
+              "member_path_offsets": None, "video_start": "video_info"}
+    for name in tables:
+        if name not in c:
+            continue
+        col = np.asarray(c[name], np.int64)
+        if len(col) and col[0] != 0:
+            out.append(f"index damaged: {f(name + '.npy')}: starts at {int(col[0])}, not 0")
+        bad, first = _first_rows(np.diff(col) < 0)
+        if bad:
+            out.append(f"index damaged: {f(name + '.npy')}: not monotonic: {bad} place(s) where it goes down "
+                       f"(first: row {first + 1}: {int(col[first])} -> {int(col[first + 1])})")
+    ext = np.asarray(c["member_ext"], np.int64)
+    bad, first = _first_rows((ext < 0) | (ext >= len(idx._exts)))
+    if bad:
+        out.append(f"index damaged: {f('member_ext.npy')}: {bad} extension id(s) outside "
+                   f"0..{len(idx._exts) - 1} (first: member {first}: {int(ext[first])})")
+    offset, size = np.asarray(c["member_offset"], np.int64), np.asarray(c["member_size"], np.int64)
+    bad, first = _first_rows((offset < 0) | (size < 0))
+    if bad:
+        out.append(f"index damaged: member_offset.npy / member_size.npy: {bad} negative value(s) "
+                   f"(first: member {first})")
+    wh = np.asarray(c["image_size"], np.int64)
+    bad, first = _first_rows((wh <= 0).any(axis=1) if len(wh) else np.zeros(0, bool))
+    if bad:
+        out.append(f"index damaged: {f('image_size.npy')}: {bad} image(s) with a side <= 0 "
+                   f"(first: image {first}: {wh[first].tolist()})")
+    if not out and int(lengths.sum()) != int(idx.manifest.get("total_tokens", -1)):
+        out.append(f"index damaged: {f(MANIFEST)}: total_tokens {idx.manifest.get('total_tokens')} but "
+                   f"lengths.npy sums to {int(lengths.sum())}")
+    return out
+
+
+def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = False) -> list[str]:
     """Problems that make the index at ``path`` stale or unusable, one line each, naming the file;
     [] if none.
 
@@ -476,6 +593,9 @@ def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
     A remote shard (URL) is checked through its store (``tokenbal.index.remote.remote_problems``,
     ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint; its
     member headers are not re-listed here (the reader still compares each member's stamp).
+    The index's own invariants are checked too (``index_problems``: lengths = vision + text, ids in
+    range, offsets monotonic), and a shard the build could not read (missing, unreadable, a remote
+    read out of retries) is a problem (``failed_shards``) unless ``allow_failed``.
     """
     from tokenbal.index.scan import headers_digest, list_shard_members, regular_file_stat
 
@@ -493,6 +613,11 @@ def verify_index(path: str | os.PathLike, remote=None) -> list[str]:
             idx.errors   # noqa: B018 - parse errors.jsonl too
         except (IndexDamagedError, OSError) as e:
             return [f"index damaged: {e}"]
+        damage = index_problems(idx)
+        if damage:   # the shard checks below read the same columns: stop at the damage
+            return damage
+    if not allow_failed:
+        problems.extend(failed_shards(manifest))
     for sid, entry in enumerate(manifest["shards"]):
         shard = entry["path"]
         if "://" in shard and not shard.startswith("file://"):

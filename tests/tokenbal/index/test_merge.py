@@ -125,3 +125,61 @@ def test_join_refuses_duplicate_keys(tmp_path):
     export_index(tmp_path / "i", tmp_path / "x", "jsonl")
     with pytest.raises(ValueError, match="more than once"):
         lengths_for_keys(tmp_path / "x", ["k"])
+
+
+# --- issue 33: the parts must split one shard list --------------------------------------------------
+
+def _small_corpus(root, n):
+    return make_corpus(root, n_shards=n, samples_per_shard=2, bad=False)
+
+
+def test_a_shard_added_between_the_parts_builds_is_named_not_lost_or_doubled(tmp_path):
+    """The reproduction: part 0/2 built over 4 shards, a 5th appears in the middle of the glob, part 1/2
+    built over 5: the merge used to exit 0 with one shard twice and two missing."""
+    corpus = _small_corpus(tmp_path / "shards", 4)
+    src = os.path.join(corpus.root, "data-*.tar")
+    build_index([src], tmp_path / "p0", progress=False, part=(0, 2))
+    extra = make_corpus(tmp_path / "more", n_shards=1, samples_per_shard=2, bad=False, seed=3).shards[0]
+    added = os.path.join(corpus.root, "data-0015.tar")     # sorts between data-001 and data-002
+    os.rename(extra, added)
+    build_index([src], tmp_path / "p1", progress=False, part=(1, 2))
+    with pytest.raises(ValueError, match="split different shard lists") as e:
+        merge_indexes(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
+    assert f"only part 1/2 ({tmp_path / 'p1'}) saw {added}" in str(e.value)
+    assert not os.path.exists(tmp_path / "m")
+    assert main(["index", "merge", str(tmp_path / "m"), str(tmp_path / "p0"), str(tmp_path / "p1")]) != 0
+
+
+def test_a_shard_rewritten_between_the_parts_builds_is_named(tmp_path):
+    corpus = _small_corpus(tmp_path / "shards", 4)
+    src = os.path.join(corpus.root, "data-*.tar")
+    build_index([src], tmp_path / "p0", progress=False, part=(0, 2))
+    # data-000 is part 0's; part 1 sees it rewritten (same list, another size and mtime).
+    with open(corpus.shards[0], "ab") as f:
+        f.write(b"\0" * 1024)
+    os.utime(corpus.shards[0], ns=(1, 1))
+    build_index([src], tmp_path / "p1", progress=False, part=(1, 2))
+    with pytest.raises(ValueError, match=r"1 shard\(s\) changed between the parts' builds: "
+                                         + corpus.shards[0].replace(".", r"\.")):
+        merge_indexes(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
+
+
+def test_parts_that_overlap_or_leave_a_gap_are_refused(tmp_path):
+    corpus = _small_corpus(tmp_path / "shards", 4)
+    src = os.path.join(corpus.root, "data-*.tar")
+    build_index([src], tmp_path / "p0", progress=False, part=(0, 2))
+    # A part 0 passed off as part 1 (a launcher that gave two machines the same rank, then a rename):
+    # its shard list agrees, but it holds part 0's shards again.
+    build_index([src], tmp_path / "p1", progress=False, part=(0, 2))
+    file = tmp_path / "p1" / "manifest.json"
+    m = json.loads(file.read_text())
+    m["part"]["index"] = 1
+    file.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match=r"2 shard\(s\) in more than one part: .*2 shard\(s\) of the list in "
+                                         r"no part: .*data-001\.tar, .*data-003\.tar"):
+        merge_indexes(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
+    # A part from before the shard list was recorded cannot be checked: refused, naming it.
+    del m["part"]["expanded"]
+    file.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="did not record the shard list"):
+        merge_indexes(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])

@@ -162,3 +162,74 @@ def test_parquet_images_follow_the_index_exif_policy(tmp_path):
         assert [idx.image_sizes(i)[0] for i in range(len(idx))] == sizes
         ds = IndexedParquetDataset(idx, decode_images="pil")
         assert [ds[i]["images"][0].size for i in range(len(ds))] == sizes
+
+
+def test_remote_parquet_reads_are_retried_and_a_lasting_failure_is_a_read_failure(data, tmp_path):
+    """Issue 33: a passing 503 on a column-chunk read (after the footer) used to fail the file as
+    "corrupt"; now each ranged read is retried, and a failure that lasts is "unreadable" (rescanned
+    by the next build, reported by verify)."""
+    pytest.importorskip("aiohttp")
+    import threading
+
+    from tests.helpers.servers import FAST, serve
+    from tokenbal.index import verify_index
+
+    _, samples = data
+    root, samples = tmp_path / "files", samples[:11]
+    root.mkdir()
+    # Large enough (incompressible filler) that column chunks are read apart from the footer's read.
+    rng = random.Random(0)
+    pq.write_table(pa.table({
+        "images": pa.array([[{"bytes": b, "path": None} for b in _image_bytes(s)] for s in samples],
+                           pa.list_(IMAGE)),
+        "messages": [s.messages for s in samples],
+        "filler": [rng.randbytes(40_000) for _ in samples]}), root / "a.parquet", row_group_size=4)
+    size = (root / "a.parquet").stat().st_size
+    footer = size - 8 - pq.ParquetFile(root / "a.parquet").metadata.serialized_size
+    lock, seen, mode = threading.Lock(), [0], ["every other"]
+
+    def column_chunks(path, rng):   # the reads of row groups' column chunks, not footer / fingerprint
+        if not path.endswith("a.parquet") or rng is None or not 0 < int(rng[6:].split("-")[0]) < footer:
+            return False
+        with lock:
+            seen[0] += 1
+            return mode[0] == "always" or seen[0] % 2 == 1
+
+    build_index([str(root / "a.parquet")], tmp_path / "local", progress=False)
+    local = TokenIndex.open(tmp_path / "local")
+    with serve(str(root), fail_if=column_chunks) as (base, httpd):
+        url = f"{base}/a.parquet"
+        build_index([url], tmp_path / "remote", progress=False, remote=FAST)
+        remote = TokenIndex.open(tmp_path / "remote")
+        assert httpd.failed > 0 and remote.errors == []
+        np.testing.assert_array_equal(np.asarray(remote.lengths), np.asarray(local.lengths))
+        row = IndexedParquetDataset(remote)[6]          # the reader retries too
+        assert row["messages"] == samples[6].messages
+        mode[0] = "always"
+        build_index([url], tmp_path / "down", progress=False, remote=FAST)
+        (entry,) = TokenIndex.open(tmp_path / "down").manifest["shards"]
+        assert entry["status"] == "unreadable" and url in entry["reason"]
+        assert any(p.startswith(f"shard failed at build time: {url}")
+                   for p in verify_index(tmp_path / "down", remote=FAST))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_flipped_bit_in_a_text_page_is_an_error_when_the_file_has_page_checksums(tmp_path, checksums):
+    """Issue 33: Parquet's pages carry a CRC only when the writer stores one (pyarrow's
+    write_page_checksum=True; not the default). With it, the build checks it: a flipped bit in a
+    text value is a file error. Without it nothing can tell (documented): the row's text changes."""
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    pq.write_table(pa.table({"text": [text, "another row"]}), tmp_path / "t.parquet", compression="none",
+                   write_page_checksum=checksums)
+    data = bytearray((tmp_path / "t.parquet").read_bytes())
+    at = data.index(b"lazy dog")
+    data[at] ^= 0x01                               # "lazy" -> "mazy"
+    (tmp_path / "t.parquet").write_bytes(bytes(data))
+    report = build_index([str(tmp_path / "t.parquet")], tmp_path / "i", progress=False)
+    idx = TokenIndex.open(tmp_path / "i")
+    if checksums:
+        (err,) = idx.errors
+        assert report.num_samples == 0 and err["key"] is None and "t.parquet" in err["reason"]
+        assert "CRC" in err["reason"] or "checksum" in err["reason"].lower()
+    else:
+        assert report.num_samples == 2 and idx.errors == []

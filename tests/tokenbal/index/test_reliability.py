@@ -409,3 +409,165 @@ def test_a_fifo_as_a_shard_is_an_error_not_a_hang(tmp_path):
     assert glob.glob(str(tmp_path / ".idx*")) == []
 
 
+
+
+# --- issue 33: damage verify used to miss; a killed build's workers --------------------------------
+
+@pytest.fixture
+def small_index(tmp_path):
+    shards = [write_shard(tmp_path / f"s{j}.tar", [Sample(f"k{j}-{i}", images=[("png", 32, 24)],
+                                                          caption="a few words here") for i in range(4)])
+              for j in range(2)]
+    out = tmp_path / "idx"
+    build_index(shards, out, progress=False)
+    assert verify_index(out) == []
+    return out
+
+
+def _poke(file, row: int, value) -> None:
+    """Overwrite one value of an index column in place (a flipped bit, a hand edit)."""
+    arr = np.load(file, mmap_mode="r+")
+    arr[row] = value
+    arr.flush()
+    del arr
+
+
+def test_a_flipped_bit_in_lengths_is_named_by_verify(small_index, capsys):
+    file = small_index / "lengths.npy"
+    want = int(np.load(file)[5])
+    _poke(file, 5, want ^ (1 << 4))
+    (problem,) = verify_index(small_index)
+    assert problem.startswith(f"index damaged: {file}: 1 sample(s) whose length is not vision_tokens + "
+                              f"text_tokens (first: sample 5: {want ^ 16} != ")
+    assert main(["index", "verify", str(small_index)]) == 1
+    assert "up to date" not in capsys.readouterr().out
+
+
+def test_an_out_of_range_shard_id_is_named_by_verify_and_the_reader(small_index):
+    file = small_index / "shard_id.npy"
+    _poke(file, 6, 7)
+    (problem,) = verify_index(small_index)
+    assert problem == f"index damaged: {file}: 1 shard id(s) outside 0..1 (first: sample 6: 7)"
+    idx = TokenIndex.open(small_index)
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged: sample 6 has shard id 7"):
+        idx.shard(6)
+    with pytest.raises(IndexDamagedError, match="shard_id.npy is damaged"):
+        IndexedShardDataset(idx, decode=None)[6]
+    assert IndexedShardDataset(idx, decode=None)[5]["__key__"] == "k1-1"   # the others still read
+
+
+def test_a_non_monotonic_member_start_is_named_not_blamed_on_the_shard(small_index):
+    file = small_index / "member_start.npy"
+    _poke(file, 3, 1)   # sample 2 now spans members 4..1, sample 3 members 1..8
+    problems = verify_index(small_index)
+    assert problems == [f"index damaged: {file}: not monotonic: 1 place(s) where it goes down "
+                        "(first: row 3: 4 -> 1)"]
+    idx = TokenIndex.open(small_index)
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged: sample 2 spans rows 4..1"):
+        IndexedShardDataset(idx, decode=None)[2]
+    # Other CSR columns and tables are checked the same way.
+    _poke(file, 3, 6)
+    _poke(small_index / "image_start.npy", 0, 1)
+    _poke(small_index / "member_ext.npy", 0, 9)
+    problems = verify_index(small_index)
+    starts = f"index damaged: {small_index / 'image_start.npy'}: starts at 1"
+    assert any(p.startswith(starts) for p in problems)
+    assert any(str(small_index / "member_ext.npy") in p and "extension id(s) outside" in p for p in problems)
+    with pytest.raises(IndexDamagedError, match="member_ext.npy is damaged"):
+        TokenIndex.open(small_index).members(0)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # a zombie has ended
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+def test_scan_workers_die_with_a_sigkilled_build_and_a_pipe_to_cat_ends(tmp_path):
+    """The reproduction: ``tokenbal index build ... | cat`` with a worker busy on a shard; SIGKILL the
+    build: its workers used to live on (blocked on their result pipe), holding the pipe open, and
+    ``cat`` never ended."""
+    corpus = make_corpus(tmp_path / "data", n_shards=2, samples_per_shard=2, seed=4, bad=False)
+    hang = write_shard(tmp_path / "data" / "hang.tar", [Sample("h0", caption="x y z")])
+    out = str(tmp_path / "idx")
+    cmd = (f"{sys.executable} -m tests.helpers.index_kill --pool {out} {hang} {' '.join(corpus.shards)}"
+           " | cat")
+    pipeline = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(hang + ".pid") or pipeline.poll() is not None,
+                 "a worker to start on hang.tar")
+        assert pipeline.poll() is None
+        with open(out + ".ready") as f:
+            build_pid = int(f.read())
+        with open(hang + ".pid") as f:
+            worker_pid = int(f.read())
+        os.kill(build_pid, signal.SIGKILL)
+        try:
+            pipeline.wait(GUARD)
+        except subprocess.TimeoutExpired:
+            pytest.fail("`index build | cat` did not end after the build was SIGKILLed")
+        wait_for(lambda: _gone(worker_pid), "the scan worker to die with the build")
+    finally:
+        if pipeline.poll() is None:
+            os.killpg(pipeline.pid, signal.SIGKILL)
+
+
+def test_a_pool_build_leaves_no_executor_thread_to_race_interpreter_exit(tmp_path):
+    """The racing build that exited 0 printing ``OSError: [Errno 9] Bad file descriptor``: Python
+    3.11's concurrent.futures exit hook wakes an executor manager thread that may be closing that
+    very pipe. The build now returns only after its manager thread has ended (no race left)."""
+    from concurrent.futures.process import _ExecutorManagerThread
+
+    corpus = make_corpus(tmp_path / "data", n_shards=3, samples_per_shard=2, seed=6, bad=False)
+    build_index(corpus.shards, tmp_path / "idx", workers=2, progress=False)
+    assert not [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread) and t.is_alive()]
+
+
+def test_a_flipped_bit_in_a_column_header_is_named(small_index):
+    """Found by scripts/adversarial_index.py: a flipped byte in a ``.npy`` header dict made numpy raise
+    ``tokenize.TokenError`` (not a ValueError), which escaped ``TokenIndex.open`` unnamed."""
+    file = small_index / "lengths.npy"
+    data = bytearray(file.read_bytes())
+    at = data.index(b"(8,)")
+    data[at + 3] = ord("(")                            # 'shape': (8,( }
+    file.write_bytes(bytes(data))
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged .TokenError"):
+        TokenIndex.open(small_index)
+    (problem,) = verify_index(small_index)
+    assert problem.startswith("index damaged:") and str(file) in problem
+
+
+def test_a_sample_whose_image_could_not_be_read_is_retried_by_the_next_build(tmp_path):
+    """The sample-level half of "failed shards are never unchanged": an annotation record whose image
+    read fails (here a symlink loop: ELOOP, an I/O error rather than a verdict on bytes) leaves the
+    file's other samples indexed, marks the file's entry (``n_read_failures``), makes ``verify``
+    report it, and the next build rescans the file although it did not change."""
+    root = tmp_path / "images"
+    root.mkdir()
+    (root / "ok.png").write_bytes(image_bytes("png", 64, 48))
+    os.symlink("loop.png", root / "loop.png")            # open() fails with ELOOP
+    conv = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A picture."}]
+    ann = tmp_path / "train.jsonl"
+    ann.write_text("\n".join(json.dumps({"image": name, "conversations": conv})
+                             for name in ("ok.png", "loop.png")) + "\n")
+    out = tmp_path / "idx"
+    first = build_index([str(ann)], out, image_root=str(root), progress=False)
+    idx = TokenIndex.open(out)
+    assert first.num_samples == 1 and "loop.png" in idx.errors[0]["reason"]
+    assert idx.manifest["shards"][0]["n_read_failures"] == 1
+    assert verify_index(out) == [f"shard partly failed at build time: {ann} (1 sample(s) could not be read, "
+                                 "listed in errors.jsonl); rebuild the index to retry them"]
+    assert verify_index(out, allow_failed=True) == []
+    os.remove(root / "loop.png")
+    (root / "loop.png").write_bytes(image_bytes("png", 32, 32))   # the image is readable again
+    again = build_index([str(ann)], out, image_root=str(root), progress=False)
+    assert (again.num_reused, again.num_samples) == (0, 2) and verify_index(out) == []

@@ -195,3 +195,119 @@ def test_retry_rules():
     fn, calls = failing([TimeoutError("slow")] * 10)
     with pytest.raises(RemoteReadError, match=r"http://x/y: cannot read info \(after 5 attempts\)"):
         with_retries(fn, "http://x/y", "info", FAST)
+
+
+# --- issue 33: transient failures are not permanent; a stalled store is an error, not a hang --------
+
+MIB = 1 << 20
+
+
+def _middle_shard(root) -> tuple[str, int]:
+    """A shard > 2 MiB whose middle samples' headers lie outside the fingerprint's first / last MiB:
+    a failure there comes after the fingerprint was taken. Returns (path, number of samples)."""
+    from tests.helpers.corpus import good_sample
+
+    rng = random.Random(7)
+    samples = [Sample("a", caption="head", raw=[("bin", b"\0" * (3 * MIB // 2))])]
+    samples += [good_sample(f"m{i}", rng, "caption") for i in range(6)]
+    samples.append(Sample("z", caption="tail", raw=[("bin", b"\0" * (3 * MIB // 2))]))
+    return write_shard(os.path.join(root, "big.tar"), samples), len(samples)
+
+
+def test_a_shard_that_failed_on_a_passing_store_error_is_rescanned_and_reported(tmp_path):
+    import threading
+
+    from tokenbal.cli import main as cli
+
+    path, n = _middle_shard(tmp_path)
+    size = os.path.getsize(path)
+    down = threading.Event()
+    down.set()
+
+    def middle(_, rng):   # 503 for every read that starts past the first MiB and before the last
+        return down.is_set() and rng is not None and MIB <= int(rng[6:].split("-")[0]) < size - MIB
+
+    with serve(str(tmp_path), fail_if=middle) as (base, httpd):
+        url, out = f"{base}/big.tar", tmp_path / "index"
+        first = build_index([url], out, progress=False, remote=FAST)
+        (entry,) = TokenIndex.open(out).manifest["shards"]
+        # What the issue saw: a fingerprint recorded for a shard whose scan ran out of retries.
+        assert entry["status"] == "unreadable" and entry["fingerprint"] is not None
+        assert first.num_samples == 0 and first.num_bad_shards == 1 and url in entry["reason"]
+        problems = verify_index(out, remote=FAST)
+        assert problems == [f"shard failed at build time: {url} (unreadable: {entry['reason']}); none of its "
+                            "samples are indexed: rebuild the index to retry it"]
+        assert cli(["index", "verify", str(out)]) == 1
+        assert cli(["index", "verify", str(out), "--allow-failed"]) == 0
+        down.clear()                                      # the store is healthy again
+        again = build_index([url], out, progress=False, remote=FAST)
+        assert (again.num_reused, again.num_samples, again.num_bad_shards) == (0, n, 0)
+        assert verify_index(out, remote=FAST) == []
+
+
+def _bounded(fn, seconds: float):
+    """Run ``fn()`` in a thread; fail the test (instead of hanging it) if it has not ended in time."""
+    import threading
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(_outcome(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: a stalled store hangs it"
+    return box[0]
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return e
+
+
+def test_a_store_that_accepts_and_never_answers_ends_in_an_error_naming_the_url(tmp_path):
+    from tests.helpers.servers import stalled_server
+    from tokenbal.index.remote import RemoteReadError
+
+    opts = RemoteOptions(timeout=0.5, total_timeout=3, retries=1, backoff_s=0.01)
+    with stalled_server() as (base, _):
+        url = f"{base}/data-000.tar"
+        got = _bounded(lambda: build_index([url], tmp_path / "i", progress=False, remote=opts), 60)
+        assert isinstance(got, RemoteReadError), got
+        assert url in str(got) and "no answer within 0.5 s" in str(got)
+        # The reader's requests have the same deadlines (RemoteOptions' defaults there).
+        from tokenbal.data.ranged import ShardReaders
+        from tokenbal.index import remote as rm
+
+        slow = rm.RemoteOptions(timeout=0.5, total_timeout=2, retries=0)
+        fs = ShardReaders(1, None)._handle(url)[1]
+        call = rm.store_call(fs, "cat_file", url, start=0, end=10)
+        got = _bounded(lambda: rm.with_retries(call, url, "bytes 0..10", slow), 30)
+        assert isinstance(got, RemoteReadError) and url in str(got)
+
+
+@pytest.mark.slow   # a CLI process; the in-process test above covers the deadlines in the fast suite
+def test_cli_build_against_a_store_that_stalls_reads_ends_naming_the_url(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import paths
+    from tests.helpers.servers import stalled_server
+
+    env = {**os.environ, "PYTHONPATH": str(paths.REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with stalled_server(answer_head=True) as (base, _):   # HEAD answers (4 MiB), every GET hangs
+        url, out = f"{base}/data-000.tar", tmp_path / "i"
+        run = subprocess.run([sys.executable, "-m", "tokenbal.cli", "index", "build", url, "--out", str(out),
+                              "-q", "--timeout", "0.5", "--total-timeout", "4"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, run.stderr[-2000:]
+        assert "0/1 shards" in run.stdout and "1 bad shards" in run.stdout
+        (entry,) = TokenIndex.open(out).manifest["shards"]
+        assert entry["status"] == "unreadable" and url in entry["reason"]
+        assert "no answer within" in entry["reason"]
+    with stalled_server() as (base, _):                    # nothing answers: the source check fails
+        url = f"{base}/data-000.tar"
+        run = subprocess.run([sys.executable, "-m", "tokenbal.cli", "index", "build", url, "--out",
+                              str(tmp_path / "j"), "-q", "--timeout", "0.5", "--total-timeout", "4"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and "Traceback" not in run.stderr
+        assert f"tokenbal: error: {url}: cannot read object info" in run.stderr
