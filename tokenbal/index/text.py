@@ -15,6 +15,13 @@ Rules (one place, so that the builder and the tests agree):
 * The sample's text is the pieces of all its text members in member order, joined with "\\n", with
   the ``<image>`` / ``<video>`` placeholders removed: the vision token count already covers them.
 * Chat-template tokens (role headers, turn separators, system prompt) are not counted yet.
+
+Placeholders against images (one check for every source kind: tar samples, JSON / JSONL records,
+Parquet rows): a sample's image placeholders are its ``<image>`` strings plus its ``{"type":
+"image"}`` message parts (the chat template writes one placeholder for each). When it has any, they
+must be exactly one per image, or the processor fails or pairs text and images wrongly: the sample
+is an error naming both counts (``placeholder_mismatch``). A sample with no placeholder at all is
+fine (the images go first, as most processors do without one).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import json
 
 TEXT_EXTS = frozenset({"txt", "json"})
 PLACEHOLDERS = ("<image>", "<video>")
+IMAGE_PLACEHOLDER = "<image>"
 
 
 class SampleTextError(ValueError):
@@ -32,17 +40,46 @@ class SampleTextError(ValueError):
 def text_pieces(ext: str, data: bytes) -> list[str] | None:
     """Text pieces of one text member (``ext`` lower case). ``None`` for a JSON with no known
     text field; raises ``SampleTextError`` for bytes that are not UTF-8 or not valid JSON."""
+    return text_member(ext, data)[0]
+
+
+def text_member(ext: str, data: bytes) -> tuple[list[str] | None, int]:
+    """:func:`text_pieces` of one text member and its ``{"type": "image"}`` message parts (a JSON
+    member's; 0 for ``.txt``): the image placeholders that are not ``<image>`` strings."""
     try:
         s = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SampleTextError(f"not valid UTF-8 ({e})") from None
     if ext.rsplit(".", 1)[-1] == "txt":
-        return [s]
+        return [s], 0
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise SampleTextError(f"not valid JSON ({e})") from None
-    return json_text(obj)
+    return json_text(obj), image_parts(obj)
+
+
+def image_parts(obj: object) -> int:
+    """How many ``{"type": "image"}`` parts the ``messages`` contents of a JSON sample hold (with or
+    without an ``image`` path; what a chat template turns into one image placeholder each)."""
+    turns = obj.get("messages") if isinstance(obj, dict) else None
+    if not isinstance(turns, list):
+        return 0
+    return sum(1 for t in turns if isinstance(t, dict) and isinstance(t.get("content"), list)
+               for part in t["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+def placeholder_mismatch(pieces: list[str] | None, parts: int, n_images: int, holder: str) -> str | None:
+    """The error of a sample whose image placeholders (``<image>`` in ``pieces`` plus ``parts``
+    image message parts) are not one per image; ``None`` when they are, or when it has none.
+    ``holder`` names what holds the images in the message ("the record", "the sample", "the row")."""
+    found = sum(p.count(IMAGE_PLACEHOLDER) for p in pieces or []) + parts
+    if not found or found == n_images:
+        return None
+    what = f"{found} <image> placeholder(s)" if not parts else \
+        f"{found} image placeholder(s) ({found - parts} <image>, {parts} image message part(s))"
+    return (f"its text has {what} but {holder} {n_images} image(s); the processor would pair text "
+            "and images wrongly")
 
 
 def json_text(obj: object) -> list[str] | None:
