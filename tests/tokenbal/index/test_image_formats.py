@@ -10,6 +10,7 @@ import os
 import struct
 import zlib
 
+import numpy as np
 from PIL import Image, ImageOps
 
 from tests.helpers.corpus import Sample, image_bytes, write_shard
@@ -56,6 +57,28 @@ def _png_chunk(kind: bytes, data: bytes) -> bytes:
 def _png_with(chunk: bytes, after_pixels: bool) -> bytes:
     png = _encode("PNG")
     return png[:-12] + chunk + png[-12:] if after_pixels else png[:33] + chunk + png[33:]
+
+
+def _encode_photo_png() -> bytes:
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    im.save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _rechunk(png: bytes, size: int) -> bytes:
+    """``png`` with its pixel data in IDAT chunks of ``size`` bytes."""
+    pos, before, idat = 8, [], b""
+    while png[pos + 4:pos + 8] != b"IEND":
+        n = int.from_bytes(png[pos:pos + 4], "big")
+        if png[pos + 4:pos + 8] == b"IDAT":
+            idat += png[pos + 8:pos + 8 + n]
+        else:
+            before.append(png[pos:pos + 12 + n])
+        pos += 12 + n
+    chunks = [_png_chunk(b"IDAT", idat[i:i + size]) for i in range(0, len(idat), size)]
+    return png[:8] + b"".join(before) + b"".join(chunks) + png[pos:]
 
 
 def _oracle(data: bytes) -> tuple[int, int]:
@@ -153,6 +176,15 @@ def _orientation_cases() -> list[tuple[str, bytes]]:
                                                                 + zlib.compress(profile)), False)),
                   (f"TIFF xmp={o}", _encode("TIFF", tiffinfo={700: XMP_ATTR % o})),
                   (f"TIFF tag={o} xmp=6", _encode("TIFF", tiffinfo={274: o, 700: XMP_ATTR % 6}))]
+    # Photo-sized PNGs: the metadata after the pixel data is found from the tail (IDAT chunks of
+    # 8 KiB as libpng writes them, Pillow's 64 KiB ones, and one IDAT larger than the tail window).
+    for idat in (8192, 65536, 1 << 22):
+        png = _rechunk(_encode_photo_png(), idat)
+        for o in (6, 8):
+            exif = _png_chunk(b"eXIf", _exif(o)[6:]) + _png_chunk(b"tEXt", b"date:create\0" + b"2020")
+            xmp = _png_chunk(b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + XMP_ATTR % o)
+            cases += [(f"large PNG idat={idat} eXIf={o} after", png[:-12] + exif + png[-12:]),
+                      (f"large PNG idat={idat} iTXt xmp={o} after", png[:-12] + xmp + png[-12:])]
     # libwebp keeps an XMP chunk only when the VP8X flags announce it: one that does not is ignored.
     unflagged = bytearray(_encode("WEBP", xmp=XMP_ATTR % 6, lossless=True))
     unflagged[20] &= ~0x04
