@@ -1,9 +1,11 @@
 """Image width/height from the first bytes of a file, without decoding pixels.
 
-* JPEG / PNG / GIF / BMP / TIFF …: Pillow's lazy ``Image.open(...).size`` on a prefix of the member
-  (the first 4 KiB, then 64 KiB). Pillow reads only the header there, in ~10-20 µs whatever the
-  image size. When the prefix is not enough (a JPEG whose SOF marker sits behind a large ICC/EXIF
-  segment, a TIFF whose IFD is at the end) the whole member is read and opened again.
+* PNG / GIF / BMP / TIFF / AVIF / JPEG 2000 / every other format Pillow opens (``IMAGE_EXTS``):
+  Pillow's lazy ``Image.open(...).size`` on a prefix of the member (the first 4 KiB, then 64 KiB).
+  Pillow reads only the header there, in ~10-20 µs whatever the image size. When the prefix is not
+  enough (a JPEG whose SOF marker sits behind a large ICC/EXIF segment, a TIFF whose IFD is at the
+  end, an AVIF, which libavif parses whole) the whole member is read and opened again. A HEIC /
+  HEIF / JPEG XL file Pillow has no opener for is an error naming the format (``unopened_format``).
 * WebP: parsed by hand from the first 30 bytes (VP8 / VP8L / VP8X chunk). Pillow's WebP ``open``
   builds a full animation decoder, costs time proportional to the file size and fails on a prefix.
 * JPEG: parsed by hand (``jpeg_size``, ~2 µs instead of Pillow's ~40 µs, the largest per-sample cost
@@ -14,16 +16,18 @@
 
 EXIF orientation: ``read_image_size(..., exif="transpose")`` (the index default) reports the size
 after ``PIL.ImageOps.exif_transpose``, as transformers' ``load_image`` and tokenbal's reader see the
-image: orientations 5-8 swap width and height. The orientation tag is read by hand from a JPEG's APP1
-segment (no Pillow call, no extra read unless the segment is cut by the prefix) and from a WebP's
-EXIF chunk (one small read per chunk header) and from a PNG's ``eXIf`` chunk before its pixel data
-(one after it is not seen); a TIFF's size from Pillow is already the oriented one; GIF / BMP / PNM
-carry none. ``"ignore"``
-reports the size as stored.
+image: orientations 5-8 swap width and height. The orientation is the one Pillow's ``getexif`` gives
+``exif_transpose``: the EXIF tag, else an XMP ``tiff:Orientation`` (see "orientation" below for where
+each format keeps them). It is read by hand from a JPEG's APP1 segments (from the same walk that
+reads the size), a WebP's EXIF / XMP chunks (one small read per chunk header) and a PNG's metadata
+chunks before its pixel data and after it (found from the tail); other formats ask Pillow's lazy
+open. ``"ignore"`` reports the size as stored.
 
-End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a GIF
-without its trailer, a WebP shorter than its RIFF header says) is an ``ImageSizeError``: its header
-is intact, so its size reads fine, but it cannot be decoded. It costs one 32-byte read of the tail.
+End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a WebP
+shorter than its RIFF header says) is an ``ImageSizeError``: its header is intact, so its size reads
+fine, but it cannot be decoded. It costs one 32-byte read of the tail. A GIF has no length field and
+its data may end in the trailer byte by chance, so its blocks are walked to the trailer (one whole
+read per GIF).
 """
 
 from __future__ import annotations
@@ -310,9 +314,9 @@ def _check_gif_blocks(data: bytes) -> None:
 # format keeps the two is Pillow's reader's business, mirrored here: JPEG (first APP1 Exif, last APP1
 # XMP), WebP (first EXIF / XMP chunk, when the VP8X flags announce it), PNG (eXIf, a tEXt "exif",
 # "Raw profile type exif", "XML:com.adobe.xmp" text; the last of each, before the pixel data and
-# after it, since exif_transpose decodes the image first: after it, in the last PNG_TAIL_WINDOW
-# bytes) are read by hand; any other format is opened by Pillow itself on the bytes that gave its
-# size (its whole member when those were cut).
+# after it, since exif_transpose decodes the image first: ``_png_after_pixels``) are read by hand;
+# any other format is opened by Pillow itself on the bytes that gave its size (its whole member
+# when Pillow found those cut).
 
 ORIENTATION_TAG = 0x0112
 _XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')   # PIL.Image.Image.getexif's pattern

@@ -314,3 +314,24 @@ def test_plain_dataloader_re_iteration_continues_after_what_was_handed_out_and_w
         _first_pass(loader, 3)
         s.set_epoch(1)
         assert len(list(loader)) == len(s)
+
+
+@pytest.mark.slow   # ~20 DataLoader worker start-ups
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(20, 160), gbs=st.sampled_from([2, 4, 8]), grad_accum=st.integers(1, 2),
+       workers=st.integers(0, 3), prefetch=st.sampled_from([1, 2, 4]),
+       breaks=st.lists(st.integers(1, 80), max_size=3), seed=st.integers(0, 99))
+def test_breaks_anywhere_under_track_see_every_sample_once(n, gbs, grad_accum, workers, prefetch, breaks,
+                                                           seed):
+    lengths = lengths_for(n)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=gbs, grad_accum=grad_accum, seed=seed)
+    kw = {"prefetch_factor": prefetch} if workers else {}
+    loader = DataLoader(IndexDataset(n), batch_sampler=s, num_workers=workers, **kw)
+    seen, done = [], 0
+    for stop in sorted({b for b in breaks if b < len(s)}) + [None]:
+        for batch in s.track(loader):
+            seen += batch["idx"].tolist()
+            done += 1
+            if done == stop:
+                break
+    assert sorted(seen) == list(range(n))
