@@ -394,9 +394,10 @@ def _pillow_exif_tag(tiff: bytes) -> Any:
 
 def _pillow_orientation(fd, offset: int, size: int, head: bytes) -> Any:
     """Pillow's own answer from a lazy ``Image.open`` (no pixels decoded): on ``head``, then on the
-    whole member if Pillow found metadata cut off (it warns, e.g. a TIFF tag whose data lies further)."""
-    data = head
-    while True:
+    usual prefix and the whole member while Pillow finds metadata cut off (it warns, e.g. a TIFF tag
+    whose data lies further)."""
+    for n in [len(head)] + [n for n in (PREFIX_BYTES, size) if len(head) < n <= size]:
+        data = head if n == len(head) else pread_exact(fd, n, offset)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
@@ -410,9 +411,8 @@ def _pillow_orientation(fd, offset: int, size: int, head: bytes) -> Any:
             except Exception as e:
                 error = e
         cut = [w for w in caught if issubclass(w.category, UserWarning)]   # "Truncated File Read"
-        if (error is None and not cut) or len(data) >= size:
+        if error is None and not cut:
             break
-        data = pread_exact(fd, size, offset)
     if error is not None:
         raise ImageSizeError(f"Pillow cannot read its orientation ({type(error).__name__}: {error}), so "
                              "PIL.ImageOps.exif_transpose (transformers' load_image) fails on it")
