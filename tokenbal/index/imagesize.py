@@ -261,6 +261,14 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
     return (w, h), full
 
 
+def tail_bytes(name: str) -> int:
+    """How many bytes at the end of the image member ``name`` the scan reads (a remote scan fetches
+    them with the heads): the end marker's 32, a PNG's metadata window (``_png_after_pixels``), a
+    GIF's whole member (its blocks are walked)."""
+    ext = name.rsplit(".", 1)[-1].lower()
+    return PNG_TAIL_WINDOW // 4 if ext in ("png", "apng") else (1 << 62) if ext == "gif" else _TAIL
+
+
 def _check_end(head: bytes, tail: bytes, size: int) -> None:
     """Raise ``ImageSizeError`` for an image whose end marker is missing (cut short)."""
     if head[:3] == b"\xff\xd8\xff":
