@@ -108,10 +108,12 @@ class IndexedSamples(torch.utils.data.Dataset):
 
         from PIL import Image
 
+        from tokenbal.index.imagesize import IMAGE_EXTS  # the extensions the index counted as images
+
         raw = self.reader.read_raw(i)
         text = raw["txt"].decode("utf-8") if "txt" in raw else ""
         images = [Image.open(io.BytesIO(data)).convert("RGB") for ext, data in raw.items()
-                  if not ext.startswith("__") and ext.rsplit(".", 1)[-1] in ("jpg", "jpeg", "png", "webp")]
+                  if not ext.startswith("__") and ext.rsplit(".", 1)[-1] in IMAGE_EXTS]
         ids: list[int] = []
         labels: list[int] = []
         sample: dict = {}

@@ -11,16 +11,17 @@ CODEC_OF = {"mp4": "h264", "mov": "mpeg4", "mkv": "h264", "webm": "libvpx-vp9", 
 
 def write_video(path: str, n: int, width: int, height: int, fps: float | Fraction = 30, *,
                 codec: str | None = None, gaps_ms: list[int] | None = None, rotation: int = 0,
-                noise: bool = False) -> str:
+                noise: bool = False, faststart: bool = False) -> str:
     """``n`` frames of ``width`` x ``height`` at ``fps``; ``gaps_ms`` (cycled) makes the frame
     timestamps irregular (variable frame rate); ``rotation`` sets a display matrix (mp4 / mov);
-    ``noise`` moving random texture (a realistic bitrate, hence decode cost) instead of a ramp."""
+    ``noise`` moving random texture (a realistic bitrate, hence decode cost) instead of a ramp;
+    ``faststart`` writes an mp4's ``moov`` box before its ``mdat`` (as streaming sites serve them)."""
     import av
 
     ext = path.rsplit(".", 1)[-1]
     codec = codec or CODEC_OF[ext]
     rate = fps if isinstance(fps, Fraction) else Fraction(fps).limit_denominator(1001)
-    out = av.open(path, "w")
+    out = av.open(path, "w", options={"movflags": "faststart"} if faststart else None)
     try:
         s = out.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = width, height, "yuv420p"

@@ -35,6 +35,14 @@ ahead of the training loop (``prefetch_factor × num_workers``), so iterate the 
 nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
 does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
 
+Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
+no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
+``tokenbal.integrations.accelerate.prepare_loader``) the new iteration continues at the first batch
+the loop did not receive. A plain DataLoader cannot say what the loop received, so the new
+iteration continues after the last batch *handed out* and warns (``RuntimeWarning``): with
+``num_workers=0`` that is the same batch; with workers, the batches they had prefetched are
+skipped for the rest of the epoch.
+
 Elastic resume (``elastic=True``): a checkpoint made with another world size (or global batch
 size, token budget, ``grad_accum``, window) resumes mid-epoch too. The samples the checkpointed
 steps consumed are replayed from the old setup's plan, and the rest of the epoch is planned afresh
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -130,6 +139,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # which the current iteration started (track() counts from there).
         self._consumed: tuple[int, int] | None = None
         self._iter_start = (0, 0)
+        # An iteration has started handing out this epoch's batches and not reached its end (so a
+        # new one after it may follow a DataLoader that read ahead: see __iter__).
+        self._handing_out = False
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -224,6 +236,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self._finished_here = False
             self._segments = []
             self._consumed = None
+            self._handing_out = False
 
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
@@ -233,12 +246,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         plan = self.plan()
         self._verify_plan()
         total = plan.num_steps * self.grad_accum
+        self._continue_where_the_loop_stopped(total)
         if self.cursor >= total and self._finished_here:
             # An epoch this sampler finished, iterated again without set_epoch: replay it, like
             # DistributedSampler. (After load_state_dict at the end of an epoch nothing is left.)
             self.cursor = 0
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
+        self._handing_out = True
         k = self.grad_accum
         while self.cursor < total:
             # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
@@ -247,6 +262,33 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             yield batch
         self._finished_here = True
+        self._handing_out = False
+
+    def _continue_where_the_loop_stopped(self, total: int) -> None:
+        """A new iteration after one that stopped early (a ``break`` for an eval or an OOM retry)
+        starts at the first batch the training loop did not receive, when that is known.
+
+        A DataLoader with workers asks the sampler for ``prefetch_factor x num_workers`` batches
+        ahead of the loop, and drops them when its iterator is abandoned; continuing at the cursor
+        (batches handed out) would skip them for the rest of the epoch. Under :meth:`track` (or
+        ``tokenbal.integrations.accelerate.prepare_loader``) the received count is known, and the
+        cursor goes back to it. Without it the sampler cannot tell what was received (with
+        ``num_workers=0`` the two are equal): it continues at the cursor and warns."""
+        consumed = self._consumed
+        if consumed is not None and consumed[0] == self.epoch and consumed[1] < self.cursor:
+            self.cursor = consumed[1]
+            self._finished_here = False
+        elif consumed is None and self._handing_out and self._iter_start[0] == self.epoch \
+                and self._iter_start[1] < self.cursor < total:
+            warnings.warn(
+                f"TokenBalancedBatchSampler: a new iteration of epoch {self.epoch} continues at batch "
+                f"{self.cursor} of {total}, after the last batch the previous iteration handed out "
+                "before it stopped early. If that was a DataLoader with workers, the batches they had "
+                "prefetched but the loop never received (up to prefetch_factor x num_workers) are "
+                "skipped this epoch; iterate through sampler.track(loader) to continue at the first "
+                "batch not received (with num_workers=0 nothing is skipped)",
+                RuntimeWarning, stacklevel=3)
+        self._handing_out = False
 
     def track(self, loader: Iterable[Any]) -> Iterator[Any]:
         """Iterate ``loader`` (a DataLoader over this sampler, or anything yielding its batches in
@@ -272,8 +314,15 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             # By now the sampler's iteration has started, so _iter_start is this iteration's.
             received += 1
             epoch, start = self._iter_start
-            self._consumed = (epoch, start + received)
+            self.mark_received(epoch, start + received)
             yield batch
+
+    def mark_received(self, epoch: int, batches: int) -> None:
+        """Record that the training loop has received the first ``batches`` batches of ``epoch``
+        (what :meth:`track` does per batch; for a wrapper that counts batches itself, such as
+        ``tokenbal.integrations.accelerate.TokenBalancedLoader``). :meth:`state_dict` then saves
+        that position, and a new iteration after an early stop continues from it."""
+        self._consumed = (int(epoch), int(batches))
 
     # -- checkpointing --------------------------------------------------------------------------
 
@@ -349,6 +398,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.cursor = cursor
         self._finished_here = False
         self._consumed = None
+        self._handing_out = False
 
 
 def _disagreements(views: list[dict[str, Any]]) -> list[str]:

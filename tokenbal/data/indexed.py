@@ -55,16 +55,18 @@ class SampleReadError(RuntimeError):
     """
 
 
-class _ExifImageHandler:
-    """webdataset's ``imagehandler(spec)`` with ``PIL.ImageOps.exif_transpose`` applied after opening,
-    as transformers' ``load_image`` does; the same outputs (PIL / numpy / torch, modes, dtypes)."""
+class _ImageHandler:
+    """webdataset's ``imagehandler(spec)`` for every image extension the index counts
+    (``tokenbal.index.imagesize.IMAGE_EXTS``: AVIF, JPEG 2000, TIFF, GIF ..., not only webdataset's
+    JPEG / PNG / PNM), with ``PIL.ImageOps.exif_transpose`` applied after opening when ``transpose``
+    (as transformers' ``load_image`` does); the same outputs (PIL / numpy / torch, modes, dtypes)."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, transpose: bool = True) -> None:
         from webdataset import autodecode
 
         if spec not in autodecode.imagespecs:
             raise ValueError(f"unknown image spec {spec!r}; known: {', '.join(autodecode.imagespecs)}")
-        self.spec = spec
+        self.spec, self.transpose = spec, transpose
         self.atype, self.etype, self.mode = autodecode.imagespecs[spec]
 
     def __call__(self, key: str, data: bytes) -> Any:
@@ -79,7 +81,9 @@ class _ExifImageHandler:
         with io.BytesIO(data) as stream:
             img = Image.open(stream)
             img.load()
-        img = ImageOps.exif_transpose(img).convert(self.mode.upper())
+        if self.transpose:
+            img = ImageOps.exif_transpose(img)
+        img = img.convert(self.mode.upper())
         if self.atype == "pil":
             return img
         arr = np.asarray(img)
@@ -105,8 +109,8 @@ def _decoded_size(value: Any) -> tuple[int, int] | None:
 
 def _make_decoder(decode: Any, exif: str = "ignore") -> Callable[[dict], dict] | None:
     """``None`` (raw bytes), an image spec string ("pil", "rgb8", ...), a handler, a list of
-    those (as in ``wds.decode(*args)``), or a ready ``webdataset.autodecode.Decoder``. With
-    ``exif="transpose"`` the image spec strings decode through ``_ExifImageHandler``."""
+    those (as in ``wds.decode(*args)``), or a ready ``webdataset.autodecode.Decoder``. The image
+    spec strings decode through ``_ImageHandler``, with the EXIF transpose when ``exif="transpose"``."""
     if decode is None:
         return None
     from webdataset import autodecode
@@ -117,7 +121,7 @@ def _make_decoder(decode: Any, exif: str = "ignore") -> Callable[[dict], dict] |
     handlers = []
     for s in specs:
         if isinstance(s, str):
-            handlers.append(_ExifImageHandler(s) if exif == "transpose" else autodecode.imagehandler(s))
+            handlers.append(_ImageHandler(s, transpose=exif == "transpose"))
         elif callable(s):
             handlers.append(s)
         else:

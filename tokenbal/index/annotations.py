@@ -47,7 +47,14 @@ import stat
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
-from tokenbal.index.text import SampleTextError, chat_messages, join_text, json_text
+from tokenbal.index.text import (
+    SampleTextError,
+    chat_messages,
+    image_parts,
+    join_text,
+    json_text,
+    placeholder_mismatch,
+)
 from tokenbal.index.video import VideoError, probe_video
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
@@ -218,10 +225,9 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         paths.append(f"{rel}\0{full}")
         stamps.append((-1, vst.st_mtime_ns))
     # Text against media last: a record whose image or video file is bad says that first.
-    placeholders = sum(p.count("<image>") for p in pieces or [])
-    if placeholders and placeholders != len(images):
-        return fail(f"its text has {placeholders} <image> placeholder(s) but the record names {len(images)} "
-                    f"image(s); the processor would pair text and images wrongly")
+    mismatch = placeholder_mismatch(pieces, image_parts(rec), len(images), "the record names")
+    if mismatch:
+        return fail(mismatch)
     if not images and not video_refs and not join_text(pieces or []).strip():
         return fail("its text is empty and it has no image or video: it would be a 0-token sample")
     return ScannedSample(key=key, members=members, image_sizes=sizes, text=join_text(pieces or []),

@@ -1,9 +1,11 @@
 """Image width/height from the first bytes of a file, without decoding pixels.
 
-* JPEG / PNG / GIF / BMP / TIFF …: Pillow's lazy ``Image.open(...).size`` on a prefix of the member
-  (the first 4 KiB, then 64 KiB). Pillow reads only the header there, in ~10-20 µs whatever the
-  image size. When the prefix is not enough (a JPEG whose SOF marker sits behind a large ICC/EXIF
-  segment, a TIFF whose IFD is at the end) the whole member is read and opened again.
+* PNG / GIF / BMP / TIFF / AVIF / JPEG 2000 / every other format Pillow opens (``IMAGE_EXTS``):
+  Pillow's lazy ``Image.open(...).size`` on a prefix of the member (the first 4 KiB, then 64 KiB).
+  Pillow reads only the header there, in ~10-20 µs whatever the image size. When the prefix is not
+  enough (a JPEG whose SOF marker sits behind a large ICC/EXIF segment, a TIFF whose IFD is at the
+  end, an AVIF, which libavif parses whole) the whole member is read and opened again. A HEIC /
+  HEIF / JPEG XL file Pillow has no opener for is an error naming the format (``unopened_format``).
 * WebP: parsed by hand from the first 30 bytes (VP8 / VP8L / VP8X chunk). Pillow's WebP ``open``
   builds a full animation decoder, costs time proportional to the file size and fails on a prefix.
 * JPEG: parsed by hand (``jpeg_size``, ~2 µs instead of Pillow's ~40 µs, the largest per-sample cost
@@ -14,28 +16,45 @@
 
 EXIF orientation: ``read_image_size(..., exif="transpose")`` (the index default) reports the size
 after ``PIL.ImageOps.exif_transpose``, as transformers' ``load_image`` and tokenbal's reader see the
-image: orientations 5-8 swap width and height. The orientation tag is read by hand from a JPEG's APP1
-segment (no Pillow call, no extra read unless the segment is cut by the prefix) and from a WebP's
-EXIF chunk (one small read per chunk header) and from a PNG's ``eXIf`` chunk before its pixel data
-(one after it is not seen); a TIFF's size from Pillow is already the oriented one; GIF / BMP / PNM
-carry none. ``"ignore"``
-reports the size as stored.
+image: orientations 5-8 swap width and height. The orientation is the one Pillow's ``getexif`` gives
+``exif_transpose``: the EXIF tag, else an XMP ``tiff:Orientation`` (see "orientation" below for where
+each format keeps them). It is read by hand from a JPEG's APP1 segments (from the same walk that
+reads the size), a WebP's EXIF / XMP chunks (one small read per chunk header) and a PNG's metadata
+chunks before its pixel data and after it (found from the tail); other formats ask Pillow's lazy
+open. ``"ignore"`` reports the size as stored.
 
-End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a GIF
-without its trailer, a WebP shorter than its RIFF header says) is an ``ImageSizeError``: its header
-is intact, so its size reads fine, but it cannot be decoded. It costs one 32-byte read of the tail.
+End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a WebP
+shorter than its RIFF header says) is an ``ImageSizeError``: its header is intact, so its size reads
+fine, but it cannot be decoded. It costs one 32-byte read of the tail. A GIF has no length field and
+its data may end in the trailer byte by chance, so its blocks are walked to the trailer (one whole
+read per GIF).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
+import warnings
+import zlib
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-# Extensions (last dot-component, lower case) whose members are images.
-IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff",
-                        "ppm", "pgm", "pbm", "pnm"})
+# Extensions (last dot-component, lower case) whose members are images: one set for the index scan
+# and the reader. Every format the installed Pillow opens by itself (the test compares it with
+# ``PIL.Image.registered_extensions()``), less the ones it opens only through an outside program or
+# a stub handler (EPS, WMF, HDF5, GRIB, BUFR), MPEG (a video here) and PDF / Palm (save only); plus
+# HEIC / HEIF / JPEG XL, which it opens only with a plugin (pillow-heif, ...): without one such a
+# member is a counted error naming its format, never a sample that silently lost its image.
+PILLOW_EXTS = frozenset({
+    "jpg", "jpeg", "jpe", "jfif", "mpo", "png", "apng", "webp", "gif", "bmp", "dib", "tif", "tiff",
+    "ppm", "pgm", "pbm", "pnm", "pfm", "avif", "avifs", "jp2", "j2k", "jpc", "jpf", "jpx", "j2c",
+    "ico", "cur", "icns", "tga", "icb", "vda", "vst", "qoi", "psd", "pcx", "dcx", "sgi", "rgb", "rgba",
+    "bw", "ras", "xbm", "xpm", "dds", "blp", "ftc", "ftu", "fli", "flc", "gbr", "msp", "pcd", "pxr",
+    "fit", "fits", "im", "iim"})
+PLUGIN_EXTS = frozenset({"heic", "heif", "heics", "heifs", "hif", "jxl"})
+IMAGE_EXTS = PILLOW_EXTS | PLUGIN_EXTS
 PREFIX_BYTES = 64 * 1024
 FIRST_READ = 4 * 1024
 EXIF_POLICIES = ("transpose", "ignore")
@@ -91,16 +110,19 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
     return _jpeg_header(data)[0]
 
 
-def _jpeg_header(data: bytes) -> tuple[tuple[int, int] | None, bytes | None]:
-    """``jpeg_size``, plus the first APP1 Exif payload met on the way (the orientation's source:
-    the walk reads it for free)."""
+_JPEG_XMP = b"http://ns.adobe.com/xap/1.0/\x00"   # the APP1 XMP signature of Pillow's JPEG reader
+
+
+def _jpeg_header(data: bytes) -> tuple[tuple[int, int] | None, bytes | None, bytes | None]:
+    """``jpeg_size``, plus the orientation's sources met on the way (the walk reads them for free):
+    the first APP1 Exif payload and the last APP1 XMP packet, the ones Pillow's reader keeps."""
     if data[:3] != b"\xff\xd8\xff":
-        return None, None
+        return None, None, None
     n = len(data)
-    pos, size, exif = 2, None, None
+    pos, size, exif, xmp = 2, None, None, None
     while pos + 4 <= n:
         if data[pos] != 0xFF:
-            return None, None                # junk between segments: Pillow skips it, we don't
+            return None, None, None              # junk between segments: Pillow skips it, we don't
         marker = data[pos + 1]
         if 0xD0 <= marker <= 0xD7 or marker == 0xD8:
             pos += 2                         # standalone markers
@@ -108,35 +130,37 @@ def _jpeg_header(data: bytes) -> tuple[tuple[int, int] | None, bytes | None]:
         length = (data[pos + 2] << 8) | data[pos + 3]
         end = pos + 2 + length
         if length < 2 or end > n:
-            return None, None                      # cut by the prefix (or broken): Pillow decides
+            return None, None, None                    # cut by the prefix (or broken): Pillow decides
         if marker == 0xDA:                   # start of scan: Pillow stops reading here
             if size is None or size[0] <= 0 or size[1] <= 0:
-                return None, None
+                return None, None, None
             limit = Image.MAX_IMAGE_PIXELS
             if limit is not None and size[0] * size[1] > 2 * limit:
-                return None, None                  # Pillow raises DecompressionBombError
-            return size, exif
+                return None, None, None                # Pillow raises DecompressionBombError
+            return size, exif, xmp
         if marker in _SOF:
             seg = data[pos + 4:end]
             if len(seg) < 6 or seg[0] != 8 or seg[5] not in (1, 3, 4):
-                return None, None                  # Pillow: "cannot handle ..." errors
+                return None, None, None                # Pillow: "cannot handle ..." errors
             size = ((seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2])
         elif marker == 0xDB:
             seg, i = data[pos + 4:end], 0
             while i < len(seg):              # Pillow rejects a table cut short
                 i += 1 + (64 if seg[i] < 16 else 128)
                 if i > len(seg):
-                    return None, None
+                    return None, None, None
         elif 0xE0 <= marker <= 0xEF:
             if marker == 0xE1 and exif is None and data.startswith(b"Exif\0\0", pos + 4):
                 exif = data[pos + 10:end]
+            elif marker == 0xE1 and data.startswith(_JPEG_XMP, pos + 4):
+                xmp = data[pos + 4 + len(_JPEG_XMP):end]
             for app, head, need in _APP_MIN:
                 if marker == app and data.startswith(head, pos + 4) and length - 2 < need:
-                    return None, None
+                    return None, None, None
         elif marker not in _SKIP:
-            return None, None                      # EOI before a scan, JPG-n, reserved markers
+            return None, None, None                    # EOI before a scan, JPG-n, reserved markers
         pos = end
-    return None, None
+    return None, None, None
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -150,7 +174,12 @@ def image_size(data: bytes) -> tuple[int, int]:
                 wh = im.size
         # Pillow signals malformed input with many exception types (UnidentifiedImageError,
         # SyntaxError, struct.error, DecompressionBombError, ...): any of them means "no size".
-        except UnidentifiedImageError:
+        except UnidentifiedImageError as e:
+            name = unopened_format(data)
+            if name is not None:
+                why = str(e) if "support not installed" in str(e) else "no opener for it is registered"
+                raise ImageSizeError(f"{name} image, which the installed Pillow cannot open ({why}; "
+                                     f"{_PLUGIN_HINT.get(name, 'install a Pillow plugin for it')})") from None
             # Pillow's own message names a BytesIO object; the first bytes say more.
             raise ImageSizeError(f"not a known image format (starts with {data[:16]!r})") from None
         except Exception as e:
@@ -159,6 +188,29 @@ def image_size(data: bytes) -> tuple[int, int]:
     if w <= 0 or h <= 0:
         raise ImageSizeError(f"image header gives a size of {w}x{h}")
     return w, h
+
+
+_HEVC_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs"})
+_PLUGIN_HINT = {"HEIC": "pillow-heif provides one: pillow_heif.register_heif_opener()",
+                "HEIF": "pillow-heif provides one: pillow_heif.register_heif_opener()",
+                "AVIF": "a Pillow built with libavif opens it", "JPEG XL": "a JPEG XL plugin provides one"}
+
+
+def unopened_format(data: bytes) -> str | None:
+    """The name of the image format of ``data`` from its signature, for the formats Pillow may not
+    open (HEIC / HEIF / AVIF in an ISO-BMFF ``ftyp`` box, JPEG XL); ``None`` for anything else."""
+    if data[4:8] == b"ftyp":
+        end = min(len(data), int.from_bytes(data[:4], "big"))
+        brands = {data[8:12]} | {data[i:i + 4] for i in range(16, end - 3, 4)}
+        if brands & _HEVC_BRANDS:
+            return "HEIC"
+        if brands & {b"avif", b"avis"}:
+            return "AVIF"
+        if brands & {b"mif1", b"msf1"}:
+            return "HEIF"
+    if data[:2] == b"\xff\x0a" or data[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+        return "JPEG XL"
+    return None
 
 
 def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
@@ -179,9 +231,9 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
     for n in sorted({min(size, FIRST_READ, prefix), min(size, prefix)}):
         head = pread_exact(fd, n, offset)
         if exif == "transpose" and head[:3] == b"\xff\xd8\xff":
-            wh, exif_block = _jpeg_header(head)     # the size and the orientation from one walk
+            wh, exif_block, xmp = _jpeg_header(head)     # the size and the orientation from one walk
             if wh is not None:
-                found, orientation = (wh, False), tiff_orientation(exif_block) if exif_block else 1
+                found, orientation = (wh, False), pillow_orientation(exif_block, xmp)
                 break
         try:
             found = image_size(head), False
@@ -197,12 +249,24 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
     n_tail = min(size, _TAIL)
     tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
     _check_end(head, tail, size)
+    if head[:4] == b"GIF8":
+        # A GIF has no length field and its LZW data can end in 0x3B, so the tail alone cannot
+        # tell a trailer from a cut: its block structure is walked (GIFs are rare and small).
+        _check_gif_blocks(head if len(head) == size else pread_exact(fd, size, offset))
     (w, h), full = found
     if exif == "transpose" and orientation is None:
         orientation = exif_orientation(fd, offset, size, head)
     if exif == "transpose" and orientation in (5, 6, 7, 8):
         w, h = h, w
     return (w, h), full
+
+
+def tail_bytes(name: str) -> int:
+    """How many bytes at the end of the image member ``name`` the scan reads (a remote scan fetches
+    them with the heads): the end marker's 32, a PNG's metadata window (``_png_after_pixels``), a
+    GIF's whole member (its blocks are walked)."""
+    ext = name.rsplit(".", 1)[-1].lower()
+    return PNG_TAIL_WINDOW // 4 if ext in ("png", "apng") else (1 << 62) if ext == "gif" else _TAIL
 
 
 def _check_end(head: bytes, tail: bytes, size: int) -> None:
@@ -214,96 +278,297 @@ def _check_end(head: bytes, tail: bytes, size: int) -> None:
     elif head[:8] == b"\x89PNG\r\n\x1a\n":
         if b"IEND" not in tail:
             raise ImageSizeError(f"PNG cut short: no IEND chunk at its end ({size} bytes in all)")
-    elif head[:4] in (b"GIF8",):
-        if not tail.rstrip(b"\0").endswith(b";"):
-            raise ImageSizeError(f"GIF cut short: no trailer byte (0x3B) at its end ({size} bytes in all)")
     elif head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         riff = int.from_bytes(head[4:8], "little") + 8
         if riff > size:
             raise ImageSizeError(f"WebP cut short: its RIFF header says {riff} bytes, the member has {size}")
 
 
-def exif_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
-    """The EXIF orientation (1-8; 1 when absent) of the image at ``[offset, offset + size)`` of
-    ``fd``, whose first bytes are ``head``: the value ``PIL.ImageOps.exif_transpose`` acts on."""
+def _check_gif_blocks(data: bytes) -> None:
+    """Raise ``ImageSizeError`` unless the GIF's blocks (extensions and images, each a run of
+    length-prefixed sub-blocks) reach its trailer byte. Stray bytes between blocks are skipped as
+    Pillow's reader skips them."""
+    pos = 13
+    if len(data) >= 13 and data[10] & 0x80:
+        pos += 3 * (2 << (data[10] & 7))           # global colour table
+    while pos < len(data):
+        byte = data[pos]
+        if byte == 0x3B:
+            return
+        if byte == 0x21:                           # extension: introducer, label, sub-blocks
+            pos += 2
+        elif byte == 0x2C:                         # image: descriptor, local table, LZW code size
+            if pos + 10 > len(data):
+                break
+            flags = data[pos + 9]
+            pos += 10 + (3 * (2 << (flags & 7)) if flags & 0x80 else 0) + 1
+        else:
+            pos += 1
+            continue
+        while pos < len(data) and data[pos]:
+            pos += 1 + data[pos]
+        if pos >= len(data):
+            break
+        pos += 1                                   # the block terminator
+    raise ImageSizeError(f"GIF cut short: its blocks end at byte {min(pos, len(data))} of {len(data)} "
+                         "without the trailer (0x3B)")
+
+
+# -- orientation: the value PIL.ImageOps.exif_transpose acts on ------------------------------------
+#
+# exif_transpose loads the image, then takes ``Image.getexif().get(0x0112, 1)``: the EXIF tag when
+# IFD0 holds it (whatever its value), else the first ``tiff:Orientation`` digit of the XMP packet
+# (Pillow's own pattern below), else 1; it transposes for 2-8 (5-8 swap width and height). Where each
+# format keeps the two is Pillow's reader's business, mirrored here: JPEG (first APP1 Exif, last APP1
+# XMP), WebP (first EXIF / XMP chunk, when the VP8X flags announce it), PNG (eXIf, a tEXt "exif",
+# "Raw profile type exif", "XML:com.adobe.xmp" text; the last of each, before the pixel data and
+# after it, since exif_transpose decodes the image first: ``_png_after_pixels``) are read by hand;
+# any other format is opened by Pillow itself on the bytes that gave its size (its whole member
+# when Pillow found those cut).
+
+ORIENTATION_TAG = 0x0112
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')   # PIL.Image.Image.getexif's pattern
+_PNG_SIG = b"\x89PNG\r\n\x1a\n"
+_PNG_TEXT = (b"tEXt", b"zTXt", b"iTXt")
+_PNG_KEYS = ("exif", "Raw profile type exif", "XML:com.adobe.xmp", "xmp")
+PNG_TAIL_WINDOW = 64 * 1024   # where a PNG's metadata after its pixel data is looked for
+
+
+def exif_orientation(fd, offset: int, size: int, head: bytes) -> Any:
+    """The orientation ``PIL.ImageOps.exif_transpose`` acts on (1 when none) for the image at
+    ``[offset, offset + size)`` of ``fd`` whose first bytes are ``head`` (at least the bytes its size
+    was read from): the size Pillow's ``Image.open`` reports is to be transposed when it is 5-8.
+    Raises ``ImageSizeError`` where Pillow's ``getexif`` (so ``exif_transpose``) fails."""
     if head[:3] == b"\xff\xd8\xff":
-        return _jpeg_orientation(fd, offset, size, head)
+        return _pillow_orientation(fd, offset, size, head)   # the rare JPEG the header walk gave up on
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _webp_orientation(fd, offset, size, head)
-    if head[:8] == b"\x89PNG\r\n\x1a\n":
-        return _png_orientation(head)
-    # TIFF: Pillow's reader already reports the oriented size, and exif_transpose leaves it as is
-    # (checked for orientations 1-8). GIF, BMP, PNM carry no EXIF.
+    if head[:8] == _PNG_SIG:
+        return _png_orientation(fd, offset, size, head)
+    return _pillow_orientation(fd, offset, size, head)
+
+
+def pillow_orientation(exif: bytes | None, xmp: bytes | None) -> Any:
+    """``Image.getexif().get(0x0112, 1)`` for an image whose EXIF block (with or without its
+    ``Exif\\0\\0`` prefix) and XMP packet are these (``None``: the image has none)."""
+    if exif:
+        tag = exif_orientation_tag(exif)
+        if tag is not None:
+            return tag
+    if xmp:
+        match = _XMP_ORIENTATION.search(xmp)
+        if match:
+            return int(match[2])
     return 1
 
 
-def _jpeg_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
-    pos = 2     # the rare path: the header walk of ``_jpeg_header`` gave up (Pillow read the size)
-    while pos + 4 <= len(head) and head[pos] == 0xFF:
-        marker = head[pos + 1]
-        if 0xD0 <= marker <= 0xD8:
-            pos += 2
-            continue
-        if marker in (0xDA, 0xD9) or marker in _SOF:
-            return 1                          # EXIF sits in an APP1 before the frame
-        length = (head[pos + 2] << 8) | head[pos + 3]
-        if marker == 0xE1:
-            seg = head[pos + 4:pos + 2 + length]
-            if len(seg) < length - 2 and pos + 2 + length <= size:
-                seg = pread_exact(fd, length - 2, offset + pos + 4)   # cut by the prefix
-            if seg[:6] == b"Exif\0\0":
-                return tiff_orientation(seg[6:])
-        pos += 2 + length
-    return 1
-
-
-def _png_orientation(head: bytes) -> int:
-    # Chunks up to the first IDAT (an eXIf after the pixel data is not looked for: Pillow itself
-    # finds it only when it decodes the whole image).
-    pos = 8
-    while pos + 8 <= len(head):
-        n = int.from_bytes(head[pos:pos + 4], "big")
-        kind = head[pos + 4:pos + 8]
-        if kind == b"eXIf":
-            return tiff_orientation(head[pos + 8:pos + 8 + n])
-        if kind in (b"IDAT", b"IEND"):
-            return 1
-        pos += 12 + n
-    return 1
-
-
-def _webp_orientation(fd: int, offset: int, size: int, head: bytes) -> int:
-    if head[12:16] != b"VP8X" or len(head) < 21 or not head[20] & 0x08:
-        return 1                              # no VP8X chunk, or its EXIF flag is off
-    pos = 12
-    while pos + 8 <= size:
-        hdr = head[pos:pos + 8] if pos + 8 <= len(head) else pread_exact(fd, 8, offset + pos)
-        n = int.from_bytes(hdr[4:8], "little")
-        if hdr[:4] == b"EXIF":
-            data = pread_exact(fd, min(n, size - pos - 8), offset + pos + 8)
-            return tiff_orientation(data[6:] if data[:6] == b"Exif\0\0" else data)
-        pos += 8 + n + (n & 1)
-    return 1
-
-
-def tiff_orientation(tiff: bytes) -> int:
-    """Orientation tag (0x0112) of IFD0 of a TIFF-structured EXIF block; 1 when absent or invalid."""
-    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
-    if order is None or len(tiff) < 8:
-        return 1
+def exif_orientation_tag(block: bytes) -> Any:
+    """The value of tag 0x0112 in IFD0 of an EXIF block as Pillow's ``Exif`` reads it; ``None`` when
+    IFD0 does not hold it. The common layouts (one SHORT / LONG entry) are read by hand; anything
+    else (another type or count, a repeated entry, an unusual TIFF header) by Pillow's ``Exif``."""
+    tiff = block[6:] if block[:6] == b"Exif\0\0" else block
+    order = {b"II*\0": "little", b"MM\0*": "big"}.get(tiff[:4])
+    if order is None:
+        return _pillow_exif_tag(tiff)
     ifd = int.from_bytes(tiff[4:8], order)
     if ifd + 2 > len(tiff):
-        return 1
+        return None                          # Pillow reads no IFD0 there: no tag
+    found = None
     for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
         p = ifd + 2 + 12 * k
         if p + 12 > len(tiff):
+            break                            # Pillow keeps the entries before a cut
+        if int.from_bytes(tiff[p:p + 2], order) != ORIENTATION_TAG:
+            continue
+        kind, count = int.from_bytes(tiff[p + 2:p + 4], order), int.from_bytes(tiff[p + 4:p + 8], order)
+        width = {3: 2, 4: 4}.get(kind)
+        if found is not None or width is None or count != 1:
+            return _pillow_exif_tag(tiff)
+        found = int.from_bytes(tiff[p + 8:p + 8 + width], order)
+    return found
+
+
+def _pillow_exif_tag(tiff: bytes) -> Any:
+    exif = Image.Exif()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # "Possibly corrupt EXIF data": Pillow skips the entry
+            exif.load(b"Exif\0\0" + tiff)
+    except Exception as e:
+        raise ImageSizeError(f"its EXIF block cannot be read by Pillow ({type(e).__name__}: {e}), so "
+                             "PIL.ImageOps.exif_transpose (transformers' load_image) fails on it") from None
+    return exif.get(ORIENTATION_TAG)
+
+
+def _pillow_orientation(fd, offset: int, size: int, head: bytes) -> Any:
+    """Pillow's own answer from a lazy ``Image.open`` (no pixels decoded): on ``head``, then on the
+    usual prefix and the whole member while Pillow finds metadata cut off (it warns, e.g. a TIFF tag
+    whose data lies further)."""
+    for n in [len(head)] + [n for n in (PREFIX_BYTES, size) if len(head) < n <= size]:
+        data = head if n == len(head) else pread_exact(fd, n, offset)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with Image.open(io.BytesIO(data)) as im:
+                    orientation = im.getexif().get(ORIENTATION_TAG, 1)
+                    # A TIFF reports the size after its own tag (Pillow swaps 5-8 at open and
+                    # rotates on load, also clearing an XMP orientation): only an XMP one is left.
+                    if im.format == "TIFF" and ORIENTATION_TAG in getattr(im, "tag_v2", {}):
+                        orientation = 1
+                error = None
+            except Exception as e:
+                error = e
+        cut = [w for w in caught if issubclass(w.category, UserWarning)]   # "Truncated File Read"
+        if error is None and not cut:
             break
-        if int.from_bytes(tiff[p:p + 2], order) == 0x0112:
-            kind = int.from_bytes(tiff[p + 2:p + 4], order)
-            width = {3: 2, 4: 4}.get(kind)
-            value = int.from_bytes(tiff[p + 8:p + 8 + width], order) if width else 1
-            return value if 1 <= value <= 8 else 1
-    return 1
+    if error is not None:
+        raise ImageSizeError(f"Pillow cannot read its orientation ({type(error).__name__}: {error}), so "
+                             "PIL.ImageOps.exif_transpose (transformers' load_image) fails on it")
+    return orientation
+
+
+def _webp_orientation(fd, offset: int, size: int, head: bytes) -> Any:
+    # libwebp's demuxer, which Pillow asks for the first EXIF / XMP chunk, keeps one only when the
+    # VP8X flags announce it (0x08 EXIF, 0x04 XMP); the simple formats (VP8 / VP8L first) have none.
+    if head[12:16] != b"VP8X" or len(head) < 21 or not head[20] & 0x0C:
+        return 1
+    want = {b"EXIF": bool(head[20] & 0x08), b"XMP ": bool(head[20] & 0x04)}
+    got: dict[bytes, bytes] = {}
+    pos = 12
+    while pos + 8 <= size and any(want[k] and k not in got for k in want):
+        hdr = head[pos:pos + 8] if pos + 8 <= len(head) else pread_exact(fd, 8, offset + pos)
+        n = int.from_bytes(hdr[4:8], "little")
+        kind = hdr[:4]
+        if want.get(kind) and kind not in got:
+            got[kind] = pread_exact(fd, min(n, size - pos - 8), offset + pos + 8)
+        pos += 8 + n + (n & 1)
+    return pillow_orientation(got.get(b"EXIF"), got.get(b"XMP "))
+
+
+def _png_orientation(fd, offset: int, size: int, head: bytes) -> Any:
+    # exif_transpose decodes the image, and Pillow then also reads the chunks after the pixel data
+    # (an animated PNG's only up to its next frame: not looked for), where e.g. ExifTool writes
+    # EXIF and XMP by default. The chunks before the first IDAT are walked (headers from ``head``,
+    # else one small read each), the ones after the last IDAT found from the file's tail.
+    info: dict[str, bytes] = {}
+    pos, animated = 8, False
+    while pos + 8 <= size:
+        hdr = head[pos:pos + 8] if pos + 8 <= len(head) else pread_exact(fd, 8, offset + pos)
+        n, kind = int.from_bytes(hdr[:4], "big"), hdr[4:8]
+        if kind in (b"IDAT", b"IEND"):
+            break
+        if kind in (b"eXIf", b"acTL", *_PNG_TEXT) and pos + 8 + n <= size:
+            end = pos + 8 + n
+            data = head[pos + 8:end] if end <= len(head) else pread_exact(fd, n, offset + pos + 8)
+            if kind == b"acTL":
+                animated = int.from_bytes(data[:4], "big") > 1
+            else:
+                _png_chunk(kind, data, info)
+        pos += 12 + n
+    if not animated and pos + 8 <= size:
+        for kind, data in _png_after_pixels(fd, offset, size, head, pos):
+            _png_chunk(kind, data, info)
+    exif = info.get("exif")
+    if exif is None and "Raw profile type exif" in info:
+        text = info["Raw profile type exif"].decode("latin-1")
+        try:
+            exif = bytes.fromhex("".join(text.split("\n")[3:]))
+        except ValueError as e:
+            raise ImageSizeError(f"its 'Raw profile type exif' text is not hex ({e}), so PIL.ImageOps."
+                                 "exif_transpose (transformers' load_image) fails on it") from None
+    return pillow_orientation(exif, info.get("XML:com.adobe.xmp") or info.get("xmp"))
+
+
+def _png_after_pixels(fd, offset: int, size: int, head: bytes, first_idat: int) -> list[tuple[bytes, bytes]]:
+    """The eXIf / text chunks between the last IDAT and IEND, in file order.
+
+    Walking every IDAT chunk header touches every page of the file (measured 14x the cost of the
+    size on a 1.8 MB PNG written in 8 KiB chunks, scripts/bench_orientation.py), so the last IDAT
+    header is searched backwards in the last PNG_TAIL_WINDOW bytes, and taken when the chunks after
+    it lead exactly to IEND (a chance ``IDAT`` inside the compressed data does not); only when no
+    IDAT header lies there (chunks larger than the window, so few of them) are the headers walked."""
+    for window in (PNG_TAIL_WINDOW // 4, PNG_TAIL_WINDOW):   # most last IDATs are under 16 KiB
+        start = max(first_idat, size - window)
+        tail = head[start:size] if size <= len(head) else pread_exact(fd, size - start, offset + start)
+        at = len(tail)
+        for _ in range(8):
+            at = tail.rfind(b"IDAT", 4, at)
+            if at < 0:
+                break
+            chunks = _png_walk_to_end(tail, at - 4 + 12 + int.from_bytes(tail[at - 4:at], "big"))
+            if chunks is not None:
+                return chunks
+        if start == first_idat:
+            break
+    chunks, pos = [], first_idat
+    while pos + 8 <= size:   # no IDAT header in the window: few, large chunks; walk them all
+        hdr = head[pos:pos + 8] if pos + 8 <= len(head) else pread_exact(fd, 8, offset + pos)
+        n, kind = int.from_bytes(hdr[:4], "big"), hdr[4:8]
+        if kind == b"IEND":
+            break
+        if kind in (b"eXIf", *_PNG_TEXT) and pos + 8 + n <= size:
+            chunks.append((kind, pread_exact(fd, n, offset + pos + 8)))
+        pos += 12 + n
+    return chunks
+
+
+def _png_walk_to_end(tail: bytes, pos: int) -> list[tuple[bytes, bytes]] | None:
+    """The metadata chunks from ``pos`` of ``tail`` on, if the chunk headers from there lead to an
+    IEND chunk (None if they do not: ``pos`` was not a chunk boundary)."""
+    chunks = []
+    while pos + 12 <= len(tail):
+        n, kind = int.from_bytes(tail[pos:pos + 4], "big"), tail[pos + 4:pos + 8]
+        if kind == b"IEND":
+            return chunks
+        if kind == b"IDAT" or not kind.isalpha() or pos + 12 + n > len(tail):
+            return None
+        if kind in (b"eXIf", *_PNG_TEXT):
+            chunks.append((kind, tail[pos + 8:pos + 8 + n]))
+        pos += 12 + n
+    return None
+
+
+def _png_chunk(kind: bytes, data: bytes, info: dict[str, bytes]) -> None:
+    if kind == b"eXIf":
+        info["exif"] = b"Exif\0\0" + data
+    else:
+        _png_text(kind, data, info)
+
+
+def _png_text(kind: bytes, data: bytes, info: dict[str, bytes]) -> None:
+    """The keys of ``_PNG_KEYS`` that Pillow's tEXt / zTXt / iTXt handlers would set (as bytes)."""
+    key, _, value = data.partition(b"\0")
+    if kind == b"zTXt":
+        if value[:1] not in (b"", b"\0"):
+            return                              # Pillow: unknown compression method (an error)
+        try:
+            value = zlib.decompress(value[1:])
+        except zlib.error:
+            value = b""
+    elif kind == b"iTXt":
+        if len(value) < 2:
+            return
+        compressed, method, rest = value[0], value[1], value[2:]
+        parts = rest.split(b"\0", 2)
+        if len(parts) < 3:
+            return
+        value = parts[2]
+        if compressed:
+            if method != 0:
+                return
+            try:
+                value = zlib.decompress(value)
+            except zlib.error:
+                return
+        if key == b"XML:com.adobe.xmp":
+            info["xmp"] = value
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return
+    name = key.decode("latin-1")
+    if name in _PNG_KEYS and (name != "exif" or kind == b"tEXt"):
+        info[name] = value
 
 
 def pread_exact(fd, n: int, offset: int) -> bytes:

@@ -19,7 +19,8 @@ Samples: a sample's key is ``<file name>:<row group>:<row in group>`` and its on
 ``(ext "row", offset = row group, size = row in group)``, which is how
 ``tokenbal.data.IndexedParquetDataset`` finds the row again. Errors, one per row, naming the file,
 row group and row: an image without bytes, an image whose header cannot be read, malformed chat
-turns, a row with neither images nor text.
+turns, a row with neither images nor text, a row whose image placeholders (``<image>``, ``{"type":
+"image"}`` parts) are not one per image (``tokenbal.index.text.placeholder_mismatch``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from tokenbal._extras import MissingExtraError
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.remote import RemoteReadError
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
-from tokenbal.index.text import SampleTextError, chat_messages, join_text, json_text
+from tokenbal.index.text import (
+    SampleTextError,
+    chat_messages,
+    image_parts,
+    join_text,
+    json_text,
+    placeholder_mismatch,
+)
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ROW_EXT = "row"
@@ -229,6 +237,7 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
         sizes.append(wh)
     pieces: list[str] | None = None
     chat = None
+    parts = 0
     try:
         if messages is not None:
             turns = messages
@@ -238,6 +247,7 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
                 kind = "conversations"
             pieces = json_text({kind: turns})
             chat = chat_messages({kind: turns})
+            parts = image_parts({kind: turns})
         elif text is not None:
             if not isinstance(text, str):
                 raise SampleTextError(f"text is {type(text).__name__}, not a string")
@@ -246,5 +256,8 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
         return fail(f"column {messages_col or 'text'!r}: {e}")
     if not sizes and not pieces:
         return fail("has neither images nor text")
+    mismatch = placeholder_mismatch(pieces, parts, len(sizes), "the row has")
+    if mismatch:
+        return fail(mismatch)
     return ScannedSample(key=key, members=[(ROW_EXT, rg, row)], image_sizes=sizes,
                          text=join_text(pieces or []), chat=chat)

@@ -46,7 +46,7 @@ from typing import Any
 
 from tokenbal._extras import MissingExtraError
 from tokenbal.data.tar import header_stamp, walk_members
-from tokenbal.index.imagesize import _TAIL, FIRST_READ, PREFIX_BYTES
+from tokenbal.index.imagesize import FIRST_READ, PREFIX_BYTES, tail_bytes
 from tokenbal.index.scan import (
     _COMPRESSED_MAGIC,
     FINGERPRINT_SPAN,
@@ -493,8 +493,9 @@ def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, ex
                 kind = member_kind(ti.name.rsplit("/", 1)[-1].split(".", 1)[-1]) if ti.isfile() else ""
                 if kind == "image":
                     want.append((ti.offset_data, ti.offset_data + min(ti.size, FIRST_READ, prefix)))
-                    # the end-marker check reads the last bytes (imagesize._check_end)
-                    want.append((ti.offset_data + ti.size - min(ti.size, _TAIL), ti.offset_data + ti.size))
+                    # the end-marker check reads the last bytes (imagesize.tail_bytes says how many)
+                    tail = min(ti.size, tail_bytes(ti.name))
+                    want.append((ti.offset_data + ti.size - tail, ti.offset_data + ti.size))
                 elif kind == "text":
                     want.append((ti.offset_data, ti.offset_data + ti.size))
         rf.prefetch(want)

@@ -21,7 +21,8 @@ Sample errors (each one recorded with shard, key and reason, never a crash): an 
 empty or not a readable image, a text member that is not UTF-8 / valid JSON or has a malformed
 schema, a JSON with no known text field, a video member that is not a readable video
 (``tokenbal.index.video.probe_video``: the reason), a sample with neither images, videos nor text
-(an empty caption with no image or video included: it would be a 0-token sample), an image cut
+(an empty caption with no image or video included: it would be a 0-token sample), a text whose image
+placeholders are not one per image (``tokenbal.index.text.placeholder_mismatch``), an image cut
 short (no end marker, ``imagesize``), non-adjacent members of a key, a duplicated member name, a
 non-regular member, a GNU sparse member (its stored bytes are not its contents, so it cannot be read
 by offset); and per member: a name with no extension or not valid UTF-8. A shard path that is not a
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 from tokenbal.data.tar import TarMember, header_stamp, walk_members
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
-from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text
+from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text, placeholder_mismatch
 from tokenbal.index.video import VideoError, probe_video
 
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
@@ -335,7 +336,7 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     chat: list | None = None
     seen: set[str] = set()
     members, sizes, pieces, videos = [], [], [], []
-    has_text_member = False
+    has_text_member, parts = False, 0
     for ti in run:
         ext = ti.name[len(key) + 1:]
         if isinstance(ti, tarfile.TarInfo) and ti.issparse():
@@ -356,7 +357,8 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
                 scan.n_full_reads += full
             elif kind == "text":
                 has_text_member = True
-                got, turns = member_text(ext.lower(), pread_exact(fd, ti.size, ti.offset_data))
+                got, turns, image_parts = member_text(ext.lower(), pread_exact(fd, ti.size, ti.offset_data))
+                parts += image_parts
                 if got is not None:
                     pieces.extend(got)
                 if turns is not None:
@@ -377,6 +379,9 @@ def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     if not sizes and not has_text_member and not videos:
         names = ", ".join(repr(ti.name) for ti in run)
         return fail(f"has neither images nor text nor a video (members: {names})")
+    mismatch = placeholder_mismatch(pieces, parts, len(sizes), "the sample has")
+    if mismatch:
+        return fail(mismatch)
     text = join_text(pieces)
     if not sizes and not videos and not text.strip():
         return fail("its text is empty and it has no image or video: it would be a 0-token sample")

@@ -20,6 +20,13 @@ Rules (one place, so that the builder and the tests agree):
   processor's chat template and tokenized with its tokenizer
   (``tokenbal.estimate.chat.ChatTokenCounter``), so ``lengths`` equal the processor's
   ``apply_chat_template`` counts. Without a processor the joined text above is counted as is.
+
+Placeholders against images (one check for every source kind: tar samples, JSON / JSONL records,
+Parquet rows): a sample's image placeholders are its ``<image>`` strings plus its ``{"type":
+"image"}`` message parts (the chat template writes one placeholder for each). When it has any, they
+must be exactly one per image, or the processor fails or pairs text and images wrongly: the sample
+is an error naming both counts (``placeholder_mismatch``). A sample with no placeholder at all is
+fine (the images go first, as most processors do without one).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 
 TEXT_EXTS = frozenset({"txt", "json"})
 PLACEHOLDERS = ("<image>", "<video>")
+IMAGE_PLACEHOLDER = "<image>"
 
 
 class SampleTextError(ValueError):
@@ -40,19 +48,44 @@ def text_pieces(ext: str, data: bytes) -> list[str] | None:
     return member_text(ext, data)[0]
 
 
-def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | None]:
-    """``(text_pieces(ext, data), chat_messages(its JSON))`` from one parse of the member."""
+def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | None, int]:
+    """``(text_pieces(ext, data), chat_messages(its JSON), image_parts(its JSON))`` from one parse of
+    the member; ``.txt`` has no chat turns and no image parts (the image placeholders that are not
+    ``<image>`` strings)."""
     try:
         s = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise SampleTextError(f"not valid UTF-8 ({e})") from None
     if ext.rsplit(".", 1)[-1] == "txt":
-        return [s], None
+        return [s], None, 0
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise SampleTextError(f"not valid JSON ({e})") from None
-    return json_text(obj), chat_messages(obj)
+    return json_text(obj), chat_messages(obj), image_parts(obj)
+
+
+def image_parts(obj: object) -> int:
+    """How many ``{"type": "image"}`` parts the ``messages`` contents of a JSON sample hold (with or
+    without an ``image`` path; what a chat template turns into one image placeholder each)."""
+    turns = obj.get("messages") if isinstance(obj, dict) else None
+    if not isinstance(turns, list):
+        return 0
+    return sum(1 for t in turns if isinstance(t, dict) and isinstance(t.get("content"), list)
+               for part in t["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+def placeholder_mismatch(pieces: list[str] | None, parts: int, n_images: int, holder: str) -> str | None:
+    """The error of a sample whose image placeholders (``<image>`` in ``pieces`` plus ``parts``
+    image message parts) are not one per image; ``None`` when they are, or when it has none.
+    ``holder`` names what holds the images in the message ("the record", "the sample", "the row")."""
+    found = sum(p.count(IMAGE_PLACEHOLDER) for p in pieces or []) + parts
+    if not found or found == n_images:
+        return None
+    what = f"{found} <image> placeholder(s)" if not parts else \
+        f"{found} image placeholder(s) ({found - parts} <image>, {parts} image message part(s))"
+    return (f"its text has {what} but {holder} {n_images} image(s); the processor would pair text "
+            "and images wrongly")
 
 
 def json_text(obj: object) -> list[str] | None:

@@ -10,7 +10,9 @@ checks every rule below against a full decode):
 
 * mp4 / mov (``mov,mp4,...`` demuxer): the sample table in ``moov`` is read by ``av.open`` and is
   exposed as ``stream.index_entries``: one entry per frame, exact (constant and variable rate,
-  B-frames). No packet is read, so only the ``moov`` box is fetched from the file.
+  B-frames). No packet is read, so only the ``moov`` box is fetched from the file, plus one header
+  read per top-level box: a file whose boxes do not tile it (a "faststart" file cut inside its
+  ``mdat``, which opens fine and fails only when the lost frames are decoded) is an error.
 * webm / mkv: ``stream.frames`` is 0 (Matroska stores no frame count) and ``index_entries`` holds
   only the cue points (keyframes). ``duration x average_rate`` is exact for constant-rate files
   (37 frames at 30 fps: 1.233 s x 30 = 37.0) but wrong for variable-rate ones (40 frames with
@@ -211,6 +213,9 @@ def probe_video(src: VideoSource) -> VideoInfo:
                 raise VideoError("video has no frame rate and no duration")
             rotation = 0
             if fmt.startswith("mov,"):
+                cut = _mp4_cut(f)
+                if cut:
+                    raise VideoError(cut)
                 rotation = _mp4_rotation(f)
             return VideoInfo(frames=frames, fps=fps, duration=duration, width=w, height=h,
                              rotation=rotation, codec=s.codec_context.name, container=fmt.split(",")[0])
@@ -270,6 +275,33 @@ def _boxes(buf: bytes, start: int, end: int):
             return
         yield kind, pos + head, pos + size
         pos += size
+
+
+def _mp4_cut(f) -> str | None:
+    """Why an mp4 / mov file is cut short or damaged, from its top-level box sizes; ``None`` if they
+    tile the file. A "faststart" file (``moov`` first) cut inside ``mdat`` opens and lists every
+    frame, and fails only when the lost frames are decoded: its ``mdat`` box says how long it was."""
+    f.seek(0, 2)
+    total = f.tell()
+    pos = 0
+    while pos + 8 <= total:
+        f.seek(pos)
+        head = f.read(16)
+        size, kind = struct.unpack_from(">I4s", head)
+        name = kind.decode("latin-1")
+        if size == 1:
+            if len(head) < 16:
+                return f"cut short: its {name!r} box header at byte {pos} is incomplete"
+            size = struct.unpack_from(">Q", head, 8)[0]
+        elif size == 0:
+            return None                      # the last box, running to the end of the file
+        if size < 8:
+            return f"damaged: its {name!r} box at byte {pos} declares {size} bytes"
+        if pos + size > total:
+            return (f"cut short: its {name!r} box at byte {pos} declares {size} bytes, but the file "
+                    f"ends at byte {total} ({pos + size - total} bytes missing)")
+        pos += size
+    return None
 
 
 def _read_moov(f) -> bytes | None:

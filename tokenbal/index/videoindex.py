@@ -222,6 +222,15 @@ def video_parts(rec: dict) -> list[tuple[str, dict]]:
     return out
 
 
+class VideoDecodeError(ValueError):
+    """A video member of a read sample does not decode; ``k`` is its member key (as webdataset's
+    ``DecodingError`` names the field), the cause is chained."""
+
+    def __init__(self, k: str, cause: BaseException) -> None:
+        super().__init__(f"video member {k!r}: {type(cause).__name__}: {cause}")
+        self.k = k
+
+
 def _member_keys(idx, i: int) -> list[str]:
     """The sample-dict key of each member of sample ``i``, as ``IndexedShardDataset.read_raw`` names
     them (tar: the extension; annotation files: the extension, numbered when there are several)."""
@@ -248,7 +257,7 @@ def decode_sample_videos(idx, sample: dict) -> dict:
     plans = video_plans(idx, i)
     if not plans:
         return sample
-    from tokenbal.index.video import VideoError, decode_frames
+    from tokenbal.index.video import decode_frames
 
     keys = _member_keys(idx, i)
     info, params = video_rows(idx, i)
@@ -260,8 +269,8 @@ def decode_sample_videos(idx, sample: dict) -> dict:
             continue       # already decoded by a user handler
         try:
             sample[k] = decode_frames(bytes(data), plan.indices)
-        except VideoError as e:
-            raise ValueError(f"video member {k!r}: {e}") from None
+        except Exception as e:   # VideoError, or FFmpeg's own (a cut or damaged stream)
+            raise VideoDecodeError(k, e) from e
         meta.append({"member": k, "fps": float(prm[0]), "frames_indices": list(plan.indices),
                      "total_num_frames": int(row[1])})
     sample["__videos__"] = meta

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tokenbal.sampler import TokenBalancedBatchSampler
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
 __all__ = ["TokenBalancedLoader", "neutralise", "prepare_loader"]
 
@@ -68,10 +68,11 @@ def neutralise(accelerator: Any, loader: Any) -> Any:
 
 class TokenBalancedLoader:
     """The prepared loader plus an exact position: it counts the batches the loop *received* (the
-    sampler itself runs ahead by accelerate's one-batch look-ahead and DataLoader prefetching), and
-    saves / restores ``(epoch, batches received)`` through ``accelerator.save_state`` /
-    ``load_state`` (it is registered with ``register_for_checkpointing``). Everything else is
-    delegated to the wrapped ``DataLoaderShard``."""
+    sampler itself runs ahead by accelerate's one-batch look-ahead and DataLoader prefetching; a new
+    iteration after a ``break`` continues at the first batch not received), and saves / restores
+    ``(epoch, batches received)`` through ``accelerator.save_state`` / ``load_state`` (it is
+    registered with ``register_for_checkpointing``). Everything else is delegated to the wrapped
+    ``DataLoaderShard``."""
 
     def __init__(self, prepared: Any, sampler: TokenBalancedBatchSampler) -> None:
         self.loader = prepared
@@ -109,8 +110,12 @@ class TokenBalancedLoader:
         self.loader.set_epoch(self._epoch)
         if self._received >= len(self.sampler):
             self._received = 0      # a finished epoch iterated again replays it (as the sampler does)
+        # Tell the sampler where the loop is: after an early stop (a break for an eval), it had run
+        # ahead by accelerate's look-ahead batch and the workers' prefetch; it continues from here.
+        self.sampler.mark_received(self._epoch, self._received)
         for batch in self.loader:
             self._received += 1
+            self.sampler.mark_received(self._epoch, self._received)
             yield batch
         # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
         self._epoch += 1

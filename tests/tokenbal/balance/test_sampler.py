@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import pytest
 import torch
@@ -244,3 +245,93 @@ def test_track_needs_its_own_loader_in_order():
     unordered = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=1, in_order=False)
     with pytest.raises(ValueError, match="in_order=True"):
         next(s.track(unordered))
+
+
+def _first_pass(batches, stop_after):
+    """The indices of the first ``stop_after`` batches of ``batches``, then a ``break`` (an eval, an
+    OOM retry) that abandons the iterator with what its workers had prefetched."""
+    seen = []
+    for n, batch in enumerate(batches):
+        seen += batch["idx"].tolist()
+        if n + 1 == stop_after:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("second_pass", ["track", "plain"])
+def test_a_new_iteration_after_a_break_under_track_continues_at_the_first_batch_not_received(second_pass):
+    # The reproduction: 200 samples, a real 2-worker DataLoader, break after 10 batches, iterate
+    # the same loader again. The workers had asked for 4 batches more than the loop received.
+    lengths = lengths_for(200)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+    loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=2)
+    seen = _first_pass(s.track(loader), 10)
+    assert s.cursor > 10, "the DataLoader ran ahead of the loop"
+    assert s.state_dict()["cursor"] == 10
+    rest = s.track(loader) if second_pass == "track" else loader
+    seen += [i for batch in rest for i in batch["idx"].tolist()]
+    assert sorted(seen) == list(range(200)), "every sample once, none skipped, none twice"
+    # The epoch is complete: the next iteration (no set_epoch) replays it from the start.
+    assert [b["idx"].tolist() for b in s.track(loader)][0] == list(s)[0]
+
+
+def test_a_break_after_the_sampler_handed_out_its_last_batch_still_continues_under_track():
+    # The sampler has finished handing out the epoch, the loop has not received all of it.
+    lengths = lengths_for(40)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=2, prefetch_factor=4)
+    seen = _first_pass(s.track(loader), len(s) - 2)
+    assert s.cursor == len(s)
+    seen += [i for batch in s.track(loader) for i in batch["idx"].tolist()]
+    assert sorted(seen) == list(range(40))
+
+
+def test_plain_dataloader_re_iteration_continues_after_what_was_handed_out_and_warns():
+    # Without track the sampler cannot know what the loop received: it continues at the cursor
+    # (batches handed out) and says so. With workers the prefetched batches are skipped this epoch;
+    # with num_workers=0 nothing is prefetched, so nothing is skipped.
+    lengths = lengths_for(200)
+    for workers in (2, 0):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+        loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=workers)
+        seen = _first_pass(loader, 10)
+        handed_out = s.cursor
+        with pytest.warns(RuntimeWarning, match=f"continues at batch {handed_out} of 50.*sampler.track"):
+            rest = [i for batch in loader for i in batch["idx"].tolist()]
+        plan = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2))
+        skipped = sorted(i for batch in plan[10:handed_out] for i in batch)
+        assert sorted(seen + rest + skipped) == list(range(200))
+        assert handed_out == (10 if workers == 0 else 14)   # 2 workers x prefetch_factor 2 ahead
+    # A complete pass, a set_epoch or a load_state_dict in between: no warning.
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=2)
+    _first_pass(loader, 10)
+    state = s.state_dict()
+    s.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(loader)) == len(s) - state["cursor"]
+        _first_pass(loader, 3)
+        s.set_epoch(1)
+        assert len(list(loader)) == len(s)
+
+
+@pytest.mark.slow   # ~20 DataLoader worker start-ups
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(20, 160), gbs=st.sampled_from([2, 4, 8]), grad_accum=st.integers(1, 2),
+       workers=st.integers(0, 3), prefetch=st.sampled_from([1, 2, 4]),
+       breaks=st.lists(st.integers(1, 80), max_size=3), seed=st.integers(0, 99))
+def test_breaks_anywhere_under_track_see_every_sample_once(n, gbs, grad_accum, workers, prefetch, breaks,
+                                                           seed):
+    lengths = lengths_for(n)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=gbs, grad_accum=grad_accum, seed=seed)
+    kw = {"prefetch_factor": prefetch} if workers else {}
+    loader = DataLoader(IndexDataset(n), batch_sampler=s, num_workers=workers, **kw)
+    seen, done = [], 0
+    for stop in sorted({b for b in breaks if b < len(s)}) + [None]:
+        for batch in s.track(loader):
+            seen += batch["idx"].tolist()
+            done += 1
+            if done == stop:
+                break
+    assert sorted(seen) == list(range(n))

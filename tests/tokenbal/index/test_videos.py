@@ -15,6 +15,7 @@ pytest.importorskip("av")
 
 from tests.helpers.corpus import Sample, write_shard  # noqa: E402
 from tests.helpers.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
+from tokenbal.data.indexed import IndexedShardDataset, SampleReadError  # noqa: E402
 from tokenbal.estimate import get_estimator, get_text_counter  # noqa: E402
 from tokenbal.estimate.video import VideoRequest, plan_video  # noqa: E402
 from tokenbal.index import TokenIndex, build_index  # noqa: E402
@@ -221,3 +222,38 @@ def test_rebuild_reuses_video_rows(shard_index, tmp_path):
                          progress=False)
     assert report.num_reused == 0
     assert "qwen-vl-utils" in TokenIndex.open(out).manifest["video_pipeline"]
+
+
+def _faststart(tmp_path) -> tuple[bytes, int]:
+    """A faststart mp4 (``moov`` before ``mdat``) and the offset of its ``mdat`` payload."""
+    data = read(write_video(str(tmp_path / "fast.mp4"), 30, 64, 36, 30, faststart=True, noise=True))
+    pos = 0
+    while data[pos + 4:pos + 8] != b"mdat":
+        pos += int.from_bytes(data[pos:pos + 4], "big")
+    assert data.index(b"moov") < pos, "the moov box comes first"
+    return data, pos + 8
+
+
+def test_a_faststart_mp4_cut_inside_mdat_is_an_index_error_naming_the_member(tmp_path):
+    data, mdat = _faststart(tmp_path)
+    cut = data[:mdat + (len(data) - mdat) // 2]
+    shard = write_shard(tmp_path / "cut.tar", [Sample("clip", caption="ok", raw=[("mp4", data)]),
+                                                Sample("cutclip", caption="bad", raw=[("mp4", cut)])])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", progress=False).out)
+    assert list(idx.keys) == ["clip"]
+    (err,) = idx.errors
+    assert err["key"] == "cutclip" and "'cutclip.mp4' is not a readable video" in err["reason"]
+    assert "cut short: its 'mdat' box at byte" in err["reason"]
+
+
+def test_a_video_that_fails_to_decode_at_read_time_names_its_member(tmp_path):
+    # The index was built from the good clip; the shard then lost its frame data in place (same
+    # size, same tar headers): the read names the member, not only the sample.
+    data, mdat = _faststart(tmp_path)
+    shard = write_shard(tmp_path / "v.tar", [Sample("clip", caption="a clip", raw=[("mp4", data)])])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", model="qwen2-vl", progress=False).out)
+    zeroed = data[:mdat] + bytes(len(data) - mdat)
+    write_shard(shard, [Sample("clip", caption="a clip", raw=[("mp4", zeroed)])])
+    named = r"cannot decode member clip\.mp4 of sample 0 in shard .*v\.tar"
+    with pytest.raises(SampleReadError, match=named):
+        IndexedShardDataset(idx, decode="pil")[0]

@@ -108,3 +108,30 @@ def test_prepare_loader_rejects_other_loaders():
 
     with pytest.raises(TypeError, match="TokenBalancedBatchSampler"):
         prepare_loader(Accelerator(cpu=True), DataLoader(list(range(4)), batch_size=2))
+
+
+def test_a_new_iteration_of_prepare_loaders_loader_after_a_break_misses_no_batch():
+    # The reproduction: a real 2-worker DataLoader through prepare_loader, break after 10 batches
+    # (an eval), iterate again. The sampler had run ahead by accelerate's look-ahead batch and the
+    # workers' prefetch (5 batches, 20 of 200 samples were lost).
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    lengths = np.random.default_rng(0).integers(10, 500, 200)
+    sampler = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=1)
+    loader = prepare_loader(Accelerator(cpu=True),
+                            DataLoader(list(range(200)), batch_sampler=sampler, num_workers=2,
+                                       collate_fn=list), register=False)
+    seen = []
+    for n, batch in enumerate(loader):
+        seen += batch
+        if n + 1 == 10:
+            break
+    assert sampler.cursor > 10 and sampler.state_dict()["cursor"] == loader.batches_received == 10
+    seen += [i for batch in loader for i in batch]
+    assert sorted(seen) == list(range(200))
+    assert loader.epoch == 1, "the completed pass moves on to the next epoch"
