@@ -178,7 +178,7 @@ def prepare(args, rank: int):
 def make_cost(args, rank: int, world: int, device: torch.device, index_dir: str, tokenizer: str, config):
     """What tokenbal balances: None (tokens), a FlopsModel, or a StageCostModel fitted here."""
     if args.cost == "flops":
-        from tokenbal.cost import FlopsModel
+        from tokenbal.balance.cost import FlopsModel
 
         return FlopsModel.from_config(config)
     if args.cost == "fitted":
@@ -311,7 +311,7 @@ def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir
     from collate.models import enable_packed
     from collate.train import calibration_batches, profile_stage_costs
     from collate.train.builders import IndexedSamples, build_model
-    from tokenbal.cost import StageCostModel, stage_features
+    from tokenbal.balance.cost import StageCostModel, stage_features
 
     dataset = IndexedSamples(index_dir, tokenizer, patch_size=_patch(config), config=config)
     n, train = len(dataset), args.train_samples or len(dataset)

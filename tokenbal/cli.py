@@ -71,8 +71,8 @@ def _cmd_index_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan_simulate(args: argparse.Namespace) -> int:
+    from tokenbal.balance.simulate import simulate
     from tokenbal.index import TokenIndex
-    from tokenbal.plan import simulate
 
     index = TokenIndex.open(args.index)
     cost = None if args.cost == "tokens" else args.cost
@@ -83,7 +83,7 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         with open(args.model_config) as f:
             config = json.load(f)
     if config is not None:
-        from tokenbal.cost import FlopsModel
+        from tokenbal.balance.cost import FlopsModel
 
         cost = FlopsModel.from_config(config)
     if args.stages and args.cost != "flops":

@@ -24,7 +24,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from collate.loss import GlobalTokenCount, global_token_mean
-    from tokenbal.wds import balanced_batches
+    from tokenbal.data.stream import balanced_batches
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     lengths = _lengths()

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from tokenbal.sampler import TokenBalancedBatchSampler
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
 __all__ = ["TokenBalancedLoader", "neutralise", "prepare_loader"]
 

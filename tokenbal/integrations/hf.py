@@ -45,7 +45,7 @@ import os
 from functools import partial
 from typing import Any
 
-from tokenbal.sampler import TokenBalancedBatchSampler
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
 __all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin"]  # noqa: F822 (lazy)
 

@@ -15,8 +15,8 @@ pytest.importorskip("aiohttp")
 from tests.helpers.corpus import Sample, write_shard  # noqa: E402
 from tests.helpers.servers import FAST, serve  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
+from tokenbal.data.indexed import IndexedShardDataset  # noqa: E402
 from tokenbal.index import RemoteOptions, TokenIndex, build_index, verify_index  # noqa: E402
-from tokenbal.wds import IndexedShardDataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
