@@ -10,6 +10,10 @@
 - the project's own code (``tokenbal``, ``collate``, ``scripts``, ``examples``, ``tests``) imports
   no deprecated or removed old path (``DEPRECATED_PATHS``, ``REMOVED_PATHS``); only the test of
   those paths does;
+- the layers of ``FORBIDDEN`` hold, lazy imports included: ``tokenbal/io`` (tar headers, byte ranges,
+  remote reads) imports nothing else of ours, and ``tokenbal/index`` never imports the readers
+  (``tokenbal/data``) or the balancing, so index/ and data/ meet only in io/ (and data/ reading a
+  ``TokenIndex``);
 - a module ``__getattr__`` only in a package front (lazy re-exports of its children's names), or
   where ``MODULE_GETATTR`` says why;
 - no module imports a private (``_name``) symbol from a sibling family file in ``collate/models/``
@@ -50,6 +54,14 @@ MODULE_GETATTR = {
 }
 # The test that checks the old paths themselves (it imports them on purpose).
 OLD_PATH_TEST = "tests/tokenbal/balance/test_layout.py"
+
+# Layers: a module under the key may not import (lazily either) a module under any of the listed
+# prefixes. tokenbal.io is the bottom: "everything of ours but tokenbal.io" is spelled by `"*"`.
+FORBIDDEN = {
+    "tokenbal.io": ("*",),
+    "tokenbal.index": ("tokenbal.data", "tokenbal.balance", "tokenbal.integrations", "collate"),
+    "tokenbal.estimate": ("tokenbal.index", "tokenbal.data", "tokenbal.balance", "tokenbal.io", "collate"),
+}
 
 # Folders whose files are siblings that must not share private names.
 SIBLING_FOLDERS = ("collate/models", "collate/ops", "collate/ops/rope", "collate/ops/attention")
@@ -252,7 +264,7 @@ def test_the_checker_sees_a_circle_and_a_clean_graph():
 
 def test_the_graph_sees_known_edges():
     eager, every = import_graph(lazy=False), import_graph()
-    assert "tokenbal.data.tar" in eager["tokenbal.index.scan"]
+    assert "tokenbal.io.tar" in eager["tokenbal.index.scan"]
     assert "collate.ops.attention.segments" in eager["collate.ops.attention.npu"]
     # the dispatcher imports its backends inside functions: an edge only counting lazy imports
     assert "collate.ops.attention.npu" not in eager["collate.ops.attention.dispatch"]
@@ -371,3 +383,19 @@ def test_module_getattr_only_in_package_fronts():
         if defines and not _is_package(name) and name not in MODULE_GETATTR:
             bad.append(name)
     assert not bad, f"module __getattr__ outside a package front (say why in MODULE_GETATTR): {bad}"
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_layers_never_import_upwards():
+    bad = []
+    for name, targets in import_graph().items():
+        for layer, forbidden in FORBIDDEN.items():
+            if not _under(name, layer):
+                continue
+            for target in targets:
+                if any(_under(target, f) for f in forbidden) or ("*" in forbidden and not _under(target, layer)):
+                    bad.append(f"{name} imports {target}")
+    assert not bad, "imports across the layers (see FORBIDDEN): " + "; ".join(sorted(bad))

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 
 def _remote_options(args: argparse.Namespace):
-    from tokenbal.index.remote import RemoteOptions
+    from tokenbal.io.remote import RemoteOptions
 
     return RemoteOptions(storage_options=dict(_parse_override(o) for o in args.storage_option),
                          mode=getattr(args, "remote_read", "auto"), inflight=getattr(args, "inflight", 8))

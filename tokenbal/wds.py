@@ -3,7 +3,7 @@
 
 The indexed path (read by byte offset from the token index) is :mod:`tokenbal.data.indexed`; the
 streaming path for shards without an index is :mod:`tokenbal.data.stream`; tar header parsing is
-:mod:`tokenbal.data.tar`.
+:mod:`tokenbal.io.tar`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import warnings
 
 from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
 from tokenbal.data.stream import BalancedBatches, agree_steps, balanced_batches
-from tokenbal.data.tar import parse_tar_header
+from tokenbal.io.tar import parse_tar_header
 
 __all__ = [
     "BalancedBatches",

@@ -7,8 +7,8 @@ import os
 import tarfile
 
 from tests.helpers.corpus import make_corpus
-from tokenbal.data.tar import walk_members
 from tokenbal.index import TokenIndex, build_index
+from tokenbal.io.tar import walk_members
 
 
 def build(root, n_shards=3, samples_per_shard=7, seed=0) -> tuple[TokenIndex, list[str]]:

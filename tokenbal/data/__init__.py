@@ -19,14 +19,14 @@ _LAZY = {
     "BalancedBatches": "tokenbal.data.stream",
     "agree_steps": "tokenbal.data.stream",
     "balanced_batches": "tokenbal.data.stream",
-    "parse_tar_header": "tokenbal.data.tar",
+    "parse_tar_header": "tokenbal.io.tar",
 }
 
 if TYPE_CHECKING:
     from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
     from tokenbal.data.parquet import IndexedParquetDataset
     from tokenbal.data.stream import BalancedBatches, agree_steps, balanced_batches
-    from tokenbal.data.tar import parse_tar_header
+    from tokenbal.io.tar import parse_tar_header
 
 __all__ = ["BalancedBatches", "IndexedParquetDataset", "IndexedShardDataset", "SampleReadError",
            "agree_steps", "balanced_batches", "parse_tar_header"]

@@ -76,7 +76,7 @@ class IndexedParquetDataset(Dataset):
             self._reset()
         pf = self._files.get(path)
         if pf is None:
-            from tokenbal.index.remote import RemoteOptions, filesystem, is_url, with_retries
+            from tokenbal.io.remote import RemoteOptions, filesystem, is_url, with_retries
 
             if is_url(path):
                 opts = RemoteOptions(storage_options=self.storage_options)

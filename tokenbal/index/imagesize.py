@@ -39,7 +39,7 @@ IMAGE_EXTS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff
 PREFIX_BYTES = 64 * 1024
 FIRST_READ = 4 * 1024
 EXIF_POLICIES = ("transpose", "ignore")
-_TAIL = 32
+TAIL_BYTES = 32            # bytes at a member's end read for the end-marker check (_check_end)
 
 
 class ImageSizeError(ValueError):
@@ -194,7 +194,7 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
         # attempt, not the prefix one, is the one worth reporting).
         head = pread_exact(fd, size, offset)
         found = image_size(head), True
-    n_tail = min(size, _TAIL)
+    n_tail = min(size, TAIL_BYTES)
     tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
     _check_end(head, tail, size)
     (w, h), full = found

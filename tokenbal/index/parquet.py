@@ -77,15 +77,16 @@ def resolve_columns(names: list[str], opts: ParquetOptions) -> tuple[str | None,
 
 def open_parquet(path: str, remote=None):
     """``(pyarrow.parquet.ParquetFile, size, fingerprint, extra manifest fields)`` for a local path or
-    a URL (``remote``: ``tokenbal.index.remote.RemoteOptions``)."""
+    a URL (``remote``: ``tokenbal.io.remote.RemoteOptions``)."""
     import pyarrow.parquet as pq
 
-    from tokenbal.index import remote as rm
+    from tokenbal.index.remote import remote_fingerprint
+    from tokenbal.io import remote as rm
 
     if rm.is_url(path):
         opts = remote or rm.RemoteOptions()
         info = rm.object_info(path, opts)
-        fp = rm.RemoteFile(path, info["size"], opts).fingerprint()
+        fp = remote_fingerprint(rm.RemoteFile(path, info["size"], opts))
         fs, inner = rm.filesystem(path, opts.storage_options)
         f = rm.with_retries(lambda: fs.open(inner, "rb"), path, "open", opts)
         extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}

@@ -17,8 +17,8 @@ from tests.helpers.corpus import Sample, corrupt_header, member_offsets, write_s
 from tests.helpers.shards import as_members, build, first_key_batch, tar_members
 from tokenbal import TokenBalancedBatchSampler
 from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
-from tokenbal.data.tar import parse_tar_header
 from tokenbal.index import TokenIndex, build_index
+from tokenbal.io.tar import parse_tar_header
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_retry_rules():
     from aiohttp import ClientResponseError, RequestInfo, ServerDisconnectedError
     from yarl import URL
 
-    from tokenbal.index.remote import RemoteReadError, with_retries
+    from tokenbal.io.remote import RemoteReadError, with_retries
 
     def failing(errors):
         calls = []

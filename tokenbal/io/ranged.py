@@ -3,7 +3,7 @@
 Used by :class:`tokenbal.data.indexed.IndexedShardDataset` (one positional read per member). Local
 shards are read with ``os.pread`` on a descriptor opened ``O_NONBLOCK`` (a FIFO in a shard's place
 fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` with the index build's retry
-policy (:func:`tokenbal.index.remote.with_retries`).
+policy (:func:`tokenbal.io.remote.with_retries`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import stat
 from collections import OrderedDict
 from typing import Any
 
+from tokenbal.io.remote import is_url
+
 __all__ = ["ShardReaders", "is_url"]
-
-
-def is_url(path: str) -> bool:
-    """Whether ``path`` is a remote URL (fsspec) rather than a local path or ``file://`` URL."""
-    return "://" in path and not path.startswith("file://")
 
 
 class ShardReaders:
@@ -81,7 +78,7 @@ class ShardReaders:
         kind, h, path = self._handle(shard)
         if kind == "url":
             # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
-            from tokenbal.index.remote import RemoteOptions, with_retries
+            from tokenbal.io.remote import RemoteOptions, with_retries
 
             return with_retries(lambda: h.cat_file(shard, start=offset, end=offset + n), shard,
                                 f"bytes {offset}..{offset + n}", RemoteOptions())
