@@ -104,9 +104,12 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
 
 
 def _dp_replicas(world_size: int, sp_size: int) -> int:
-    if sp_size < 1 or world_size % sp_size:
-        raise SystemExit(f"--sp-size {sp_size} must divide --world-size {world_size}")
-    return world_size // sp_size
+    from tokenbal.parallel import ParallelLayout
+
+    try:
+        return ParallelLayout.from_world(world_size, sp_size).dp_size
+    except ValueError:
+        raise SystemExit(f"--sp-size {sp_size} must divide --world-size {world_size}") from None
 
 
 def _write_plot(sim, path: str) -> None:
