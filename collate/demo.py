@@ -71,7 +71,7 @@ def count_sharded_steps(lengths: np.ndarray, num_replicas: int, global_batch_siz
 
 
 def tokenbal_steps(lengths: np.ndarray, num_replicas: int, global_batch_size: int, seed: int) -> np.ndarray:
-    from tokenbal.sampler import TokenBalancedBatchSampler
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
     per_rank = []
     for r in range(num_replicas):

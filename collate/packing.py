@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from collate.positions import (
     packed_mrope_positions_and_slots,
 )
 from collate.vision import tower_fields, window_in_merged_tokens
+
+if TYPE_CHECKING:
+    from tokenbal.parallel import ParallelLayout
 
 __all__ = ["PackedBatch", "PackedCollator", "IGNORE_INDEX"]
 
@@ -259,20 +262,27 @@ class PackedCollator:
                              "be plain text")
 
     @classmethod
-    def from_config(cls, hf_config: Any, **overrides: Any) -> PackedCollator:
+    def from_config(cls, hf_config: Any, layout: ParallelLayout | None = None,
+                    **overrides: Any) -> PackedCollator:
         """Build from a transformers config: Qwen2-VL / Qwen2.5-VL / Qwen3-VL -> M-RoPE, else 1-D.
 
         LLaVA / InternVL language models use plain 1-D RoPE, so anything without a Qwen-VL
         ``model_type`` gets ``rope="1d"``. ``overrides`` replace any field (e.g. ``pin_memory``).
+        ``layout`` (a :class:`tokenbal.parallel.ParallelLayout`) sets ``sp_size``.
         """
+        if layout is not None:
+            if overrides.get("sp_size", layout.sp_size) != layout.sp_size:
+                raise ValueError(f"sp_size={overrides['sp_size']} disagrees with the layout's "
+                                 f"sp_size={layout.sp_size}")
+            overrides["sp_size"] = layout.sp_size
         model_type = getattr(hf_config, "model_type", "")
         vision = getattr(hf_config, "vision_config", None)
         if model_type in _ANYRES_MODEL_TYPES + _TILE_MODEL_TYPES:
             kind = AnyresLayout if model_type in _ANYRES_MODEL_TYPES else TileLayout
-            layout = kind.from_config(hf_config)
+            crops = kind.from_config(hf_config)
             kwargs_1d: dict[str, Any] = dict(
                 rope="1d", image_token_id=int(hf_config.image_token_id),
-                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)), anyres=layout)
+                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)), anyres=crops)
             return cls(**{**kwargs_1d, **overrides})
         if model_type in _GLM_MODEL_TYPES:
             glm: dict[str, Any] = dict(

@@ -29,7 +29,7 @@ Everything here is host-side numpy on host tensors.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ import torch
 from collate.fields import SP_ROUTING
 from collate.packing import IGNORE_INDEX, PackedBatch
 from collate.vision import frame_seqlens
+
+if TYPE_CHECKING:
+    from tokenbal.parallel import ParallelLayout
 
 __all__ = ["SPBatch", "shard_batch", "SP_KEYS", "assign_grids", "sp_mesh"]
 
@@ -85,12 +88,22 @@ def assign_grids(patches: np.ndarray, home: np.ndarray, sp_size: int) -> np.ndar
     return owner
 
 
-def shard_batch(batch: PackedBatch, sp_rank: int, sp_size: int) -> SPBatch:
+def shard_batch(batch: PackedBatch, sp_rank: int | None = None, sp_size: int | None = None, *,
+                layout: ParallelLayout | None = None) -> SPBatch:
     """This SP rank's slice of ``batch`` (host tensors in, host tensors out; see the module docstring).
 
     ``sp_size=1`` returns the whole row as an :class:`SPBatch`. The row's length must be a multiple
-    of ``sp_size``: build it with ``PackedCollator(sp_size=...)``.
+    of ``sp_size``: build it with ``PackedCollator(sp_size=...)``. ``layout`` (a
+    :class:`tokenbal.parallel.ParallelLayout`) gives both, so the SP size is said once.
     """
+    if layout is not None:
+        if (sp_rank is not None and sp_rank != layout.sp_rank) or (
+                sp_size is not None and sp_size != layout.sp_size):
+            raise ValueError(f"sp_rank={sp_rank}, sp_size={sp_size} disagree with the layout's "
+                             f"sp_rank={layout.sp_rank}, sp_size={layout.sp_size}")
+        sp_rank, sp_size = layout.sp_rank, layout.sp_size
+    elif sp_rank is None or sp_size is None:
+        raise TypeError("shard_batch needs sp_rank and sp_size, or layout=")
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank={sp_rank} must lie in [0, sp_size={sp_size})")
     for name, value in batch.items():
@@ -246,10 +259,6 @@ def sp_mesh(sp_size: int, device_type: str = "cpu") -> Any:
     data-parallel group ``d``'s SP group. FSDP2 shards over the flattened mesh (all ranks); the
     sampler plans over ``mesh["dp"]`` (``num_replicas=mesh["dp"].size()``,
     ``rank=mesh["dp"].get_local_rank()``), so both SP peers get the same packed row."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from tokenbal.parallel import ParallelLayout
 
-    world = dist.get_world_size()
-    if sp_size < 1 or world % sp_size:
-        raise ValueError(f"sp_size={sp_size} must divide the world size {world}")
-    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    return ParallelLayout.init(sp_size, device_type).mesh

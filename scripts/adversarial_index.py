@@ -184,7 +184,7 @@ def trial_merge(rng: random.Random, work: str, corpus, clean: dict) -> str:
 
 
 def trial_damage(rng: random.Random, work: str, index: str, clean: dict, shards_root: str) -> str:
-    from tokenbal.wds import IndexedShardDataset, SampleReadError
+    from tokenbal.data import IndexedShardDataset, SampleReadError
 
     copy = os.path.join(work, "damaged")
     shutil.copytree(index, copy)

@@ -31,9 +31,10 @@ from functools import partial
 import numpy as np
 from harness import environment_line, measure, ratio, timed
 
-import tokenbal.plan
+import tokenbal.balance.plan
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.simulate import balance_summary, count_sharded_step_tokens, per_step_partition_tokens
 from tokenbal.estimate import get_estimator
-from tokenbal.plan import balance_summary, count_sharded_step_tokens, per_step_partition_tokens, plan_epoch
 from tokenbal.synthetic import MIXTURE
 
 VIDEO_FRACTION = 0.02
@@ -113,7 +114,7 @@ def _previous_default_window(num_replicas: int, global_batch_size: int | None = 
     return int(min(256, max(16, math.ceil(128 * R / N), math.ceil(16384 / N))))
 
 
-_CURRENT_DEFAULT_WINDOW = tokenbal.plan.default_window
+_CURRENT_DEFAULT_WINDOW = tokenbal.balance.plan.default_window
 
 
 @contextlib.contextmanager
@@ -122,14 +123,14 @@ def previous_planner() -> Iterator[None]:
     order, and with stages the plain fill (no profile sub-windows) followed by the cross-step and
     in-step stage refinement."""
     names = ("default_window", "_STAGE_GROUP", "_TIE_BY_POS")
-    saved = [getattr(tokenbal.plan, k) for k in names]
+    saved = [getattr(tokenbal.balance.plan, k) for k in names]
     for k, v in zip(names, (_previous_default_window, 0, 0), strict=True):
-        setattr(tokenbal.plan, k, v)
+        setattr(tokenbal.balance.plan, k, v)
     try:
         yield
     finally:
         for k, v in zip(names, saved, strict=True):
-            setattr(tokenbal.plan, k, v)
+            setattr(tokenbal.balance.plan, k, v)
 
 
 def _pairs_again(a, b) -> tuple[float, float]:
@@ -146,8 +147,8 @@ def bench_stages(R: int, N: int, steps: int, seed: int) -> None:
     did (``previous``) and as now."""
     from types import SimpleNamespace
 
-    from tokenbal.cost import FlopsModel
-    from tokenbal.partition import stage_objective
+    from tokenbal.balance.cost import FlopsModel
+    from tokenbal.balance.partition import stage_objective
 
     vision, total = mixture_tokens(steps * N, seed)
     samples = SimpleNamespace(lengths=total, vision_tokens=vision)
@@ -184,7 +185,7 @@ def bench_stage_plan_time(n: int, repeats: int, seed: int) -> None:
     """CPU seconds to plan ``n`` samples on 512 ranks with stages (the issue's <= 5 s target)."""
     from types import SimpleNamespace
 
-    from tokenbal.cost import FlopsModel
+    from tokenbal.balance.cost import FlopsModel
 
     vision, total = mixture_tokens(n, seed)
     samples = SimpleNamespace(lengths=total, vision_tokens=vision)
@@ -274,12 +275,12 @@ def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats
 @contextlib.contextmanager
 def exact_fill() -> Iterator[None]:
     """Plan with the exact one-item-at-a-time window fill (the baseline of the batched fill)."""
-    saved = tokenbal.plan._BATCH_PER_RANK
-    tokenbal.plan._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
+    saved = tokenbal.balance.plan._BATCH_PER_RANK
+    tokenbal.balance.plan._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
     try:
         yield
     finally:
-        tokenbal.plan._BATCH_PER_RANK = saved
+        tokenbal.balance.plan._BATCH_PER_RANK = saved
 
 
 def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
@@ -293,7 +294,7 @@ def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
 
 def bench_point(R: int, N: int, steps: int, baseline_steps: int, seed: int,
                 windows: tuple[int, ...] = (), compare_exact: bool = False) -> dict[str, dict[str, float]]:
-    from tokenbal.plan import step_balance, step_lower_bound
+    from tokenbal.balance.simulate import step_balance, step_lower_bound
 
     n = N * steps
     lens = mixture_lengths(n, seed)

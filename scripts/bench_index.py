@@ -188,7 +188,7 @@ def bench_remote(args) -> None:
     from http.server import ThreadingHTTPServer  # noqa: F401 - the server below is a ThreadingHTTPServer
 
     from tests.helpers.servers import RangeHandler, serve
-    from tokenbal.index.remote import RemoteOptions
+    from tokenbal.io.remote import RemoteOptions
 
     work = args.workdir or tempfile.mkdtemp(prefix="bench-index-remote-")
     os.makedirs(work, exist_ok=True)

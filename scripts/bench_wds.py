@@ -37,7 +37,7 @@ def drop_cache(paths: list[str]) -> None:
 
 
 def run_indexed(index, batches: list[list[int]], decode) -> int:
-    from tokenbal.wds import IndexedShardDataset
+    from tokenbal.data.indexed import IndexedShardDataset
 
     ds = IndexedShardDataset(index, decode=decode)   # fresh: opening shards is part of the cost
     n = 0

@@ -178,7 +178,7 @@ def prepare(args, rank: int):
 def make_cost(args, rank: int, world: int, device: torch.device, index_dir: str, tokenizer: str, config):
     """What tokenbal balances: None (tokens), a FlopsModel, or a StageCostModel fitted here."""
     if args.cost == "flops":
-        from tokenbal.cost import FlopsModel
+        from tokenbal.balance.cost import FlopsModel
 
         return FlopsModel.from_config(config)
     if args.cost == "fitted":
@@ -221,16 +221,16 @@ def start_profiler(trace_dir: str | None, steps: int, rank: int, device: torch.d
 
 
 def sp_layout(sp_size: int, rank: int, world: int, device: torch.device):
-    """(dp rank, dp size, sp rank, sp group or None) for ``--sp-size``: a ("dp", "sp") DeviceMesh."""
-    if sp_size == 1:
-        return rank, world, 0, None
-    from collate.sp import sp_mesh
+    """The job's :class:`tokenbal.parallel.ParallelLayout` for ``--sp-size``: a ("dp", "sp")
+    DeviceMesh with its groups, or, without SP, the plain data-parallel layout (no groups)."""
+    from tokenbal.parallel import ParallelLayout
 
     try:
-        mesh = sp_mesh(sp_size, device.type)
+        if sp_size == 1:
+            return ParallelLayout.from_world(world, 1, rank)
+        return ParallelLayout.init(sp_size, device.type)
     except ValueError as e:
         raise SystemExit(f"--sp-size: {e}") from None
-    return mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["sp"].get_local_rank(), mesh["sp"].get_group()
 
 
 def _patch(config) -> int:
@@ -251,13 +251,14 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         train_step,
     )
     from collate.train.builders import IndexedSamples, build_model, make_loader
+    from tokenbal.parallel import ParallelLayout
 
-    dp_rank, dp_size, sp_rank, sp_group = sp or (rank, world, 0, None)
-    sp_size = 1 if sp_group is None else args.sp_size
+    sp = sp or ParallelLayout.from_world(world, 1, rank)
+    dp_rank, dp_size, sp_group = sp.dp_rank, sp.dp_size, sp.sp_group
     dataset = IndexedSamples(index_dir, tokenizer, limit=args.train_samples,
                              patch_size=_patch(config), config=config)
     loader = make_loader(dataset, sampler_kind, dp_rank, dp_size, args.global_batch_size, args.seed,
-                         PackedCollator.from_config(config, sp_size=sp_size), num_workers=args.num_workers,
+                         PackedCollator.from_config(config, layout=sp), num_workers=args.num_workers,
                          cost=cost, stages=cost is not None and args.stages is not False)
     # FSDP2 over the default group: all dp x sp ranks shard the parameters.
     model = shard_qwen2_vl(enable_packed(build_model(config, args.seed).to(device), sp_group=sp_group),
@@ -278,14 +279,14 @@ def run_epoch(args, sampler_kind: str, rank: int, world: int, device: torch.devi
         if sp_group is not None:
             from collate.sp import shard_batch
 
-            batch = shard_batch(row, sp_rank, sp_size).to(device)
+            batch = shard_batch(row, layout=sp).to(device)
             row = row.to(device)
         if step == 0:  # warm-up on the first batch (allocator, lazy init); not timed
             if solo is not None:
                 solo_stage_times(solo, row)
             train_step(model, optim, batch)
         compute, vision = (float("nan"),) * 2 if solo is None else solo_stage_times(solo, row)
-        compute, vision = compute / sp_size, vision / sp_size  # an SP rank's even share of its row
+        compute, vision = compute / sp.sp_size, vision / sp.sp_size  # an SP rank's even share of its row
         synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
@@ -311,7 +312,7 @@ def fit_stage_costs(args, rank: int, world: int, device: torch.device, index_dir
     from collate.models import enable_packed
     from collate.train import calibration_batches, profile_stage_costs
     from collate.train.builders import IndexedSamples, build_model
-    from tokenbal.cost import StageCostModel, stage_features
+    from tokenbal.balance.cost import StageCostModel, stage_features
 
     dataset = IndexedSamples(index_dir, tokenizer, patch_size=_patch(config), config=config)
     n, train = len(dataset), args.train_samples or len(dataset)
@@ -392,7 +393,8 @@ def main(argv=None) -> None:
             kinds.append("identical")
         if rank == 0:
             print(f"{world} {device.type} ranks, {fsdp_settings(args, device)}, keep freed memory: {kept}"
-                  + (f", {sp[1]} data-parallel groups x sequence parallel {args.sp_size}" if sp[3] else ""))
+                  + (f", {sp.dp_size} data-parallel groups x sequence parallel {sp.sp_size}"
+                     if sp.sp_group else ""))
         cost = make_cost(args, rank, world, device, index_dir, tokenizer, config)
         repeats: dict[str, list] = {kind: [] for kind in kinds}
         # Samplers alternate epoch by epoch, so slow drift in the machine's speed hits both alike.

@@ -23,7 +23,7 @@ class UsageError(Exception):
 
 
 def _remote_options(args: argparse.Namespace):
-    from tokenbal.index.remote import RemoteOptions
+    from tokenbal.io.remote import RemoteOptions
 
     timeouts = {k: getattr(args, k) for k in ("timeout", "total_timeout")
                 if getattr(args, k, None) is not None}
@@ -134,9 +134,12 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
 
 
 def _dp_replicas(world_size: int, sp_size: int) -> int:
-    if sp_size < 1 or world_size % sp_size:
-        raise UsageError(f"--sp-size {sp_size} must divide --world-size {world_size}")
-    return world_size // sp_size
+    from tokenbal.parallel import ParallelLayout
+
+    try:
+        return ParallelLayout.from_world(world_size, sp_size).dp_size
+    except ValueError:
+        raise UsageError(f"--sp-size {sp_size} must divide --world-size {world_size}") from None
 
 
 def _flops_model(path: str):

@@ -1,4 +1,11 @@
-"""The data-parallel dimension of a job: its world size and this process's rank in it.
+"""The parallel layout of a job: the data-parallel and sequence-parallel sizes, ranks and groups.
+
+:class:`ParallelLayout` is the dp x sp split, checked once: built from a world size
+(``ParallelLayout.from_world``, for planning), a ``DeviceMesh`` (``from_mesh``) or the default
+process group (``ParallelLayout.init``, which makes the ``("dp", "sp")`` mesh), and handed to what
+needs a part of it: the sampler (``num_replicas=layout.dp_size, rank=layout.dp_rank`` or
+``device_mesh=layout.mesh``), ``PackedCollator.from_config(..., layout=)``,
+``collate.sp.shard_batch(batch, layout=)`` and the loss (``dp_group=layout.dp_group``).
 
 Under tensor, sequence or context parallelism several ranks share one batch: the sampler, the
 streaming stage and the loss's token count must use the *data-parallel* rank and size, not the
@@ -18,9 +25,10 @@ How the dimension of a ``device_mesh`` is chosen:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["dp_group_of", "resolve_dp"]
+__all__ = ["ParallelLayout", "dp_group_of", "resolve_dp"]
 
 _HSDP_DIMS = ("dp_replicate", "dp_shard")
 
@@ -43,16 +51,88 @@ def _mesh_dp(mesh: Any) -> tuple[int, int]:
                      "device_mesh=mesh['data']")
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a job's ranks split into data-parallel groups of ``sp_size`` sequence-parallel peers
+    (the peers of one group share one packed row). Ranks ``[d*S, (d+1)*S)`` form data-parallel
+    group ``d`` (row-major, as ``init_device_mesh(..., (world // S, S), ("dp", "sp"))`` lays
+    them out). The groups and mesh are None when the layout was made from numbers alone."""
+
+    dp_size: int
+    dp_rank: int = 0
+    sp_size: int = 1
+    sp_rank: int = 0
+    dp_group: Any = None
+    sp_group: Any = None
+    mesh: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "sp_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if not 0 <= self.dp_rank < self.dp_size or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"ranks out of range: dp_rank={self.dp_rank} of {self.dp_size}, "
+                             f"sp_rank={self.sp_rank} of {self.sp_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @classmethod
+    def from_world(cls, world_size: int, sp_size: int = 1, rank: int = 0) -> ParallelLayout:
+        """The layout of ``world_size`` ranks in SP groups of ``sp_size``, seen from global ``rank``;
+        ``ValueError`` unless ``sp_size`` divides ``world_size``."""
+        world_size, sp_size, rank = int(world_size), int(sp_size), int(rank)
+        if sp_size < 1 or world_size < 1 or world_size % sp_size:
+            raise ValueError(f"sp_size={sp_size} must divide the world size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world size {world_size})")
+        return cls(world_size // sp_size, rank // sp_size, sp_size, rank % sp_size)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> ParallelLayout:
+        """The layout of a ``DeviceMesh``: its ``"sp"`` dimension (size 1 without one) and its
+        data-parallel dimension, chosen as the module docstring says."""
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        sp_size, sp_rank, sp_group = 1, 0, None
+        if "sp" in names and mesh.ndim > 1:
+            sp_size, sp_rank = int(mesh.size(names.index("sp"))), int(mesh.get_local_rank("sp"))
+            sp_group = mesh.get_group("sp")
+        dp_size, dp_rank = _mesh_dp(mesh)
+        dp_group = dp_group_of(device_mesh=mesh) if mesh.ndim == 1 or "dp" in names else None
+        return cls(dp_size, dp_rank, sp_size, sp_rank, dp_group, sp_group, mesh)
+
+    @classmethod
+    def init(cls, sp_size: int = 1, device_type: str = "cpu") -> ParallelLayout:
+        """The layout of the default process group: a ``("dp", "sp")`` ``DeviceMesh`` with SP groups
+        of ``sp_size`` (checked before the mesh is made)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        cls.from_world(world, sp_size, dist.get_rank())
+        return cls.from_mesh(init_device_mesh(device_type, (world // sp_size, sp_size),
+                                              mesh_dim_names=("dp", "sp")))
+
+
 def resolve_dp(num_replicas: int | None = None, rank: int | None = None, dp_group: Any = None,
-               device_mesh: Any = None) -> tuple[int | None, int | None]:
-    """``(num_replicas, rank)`` of the data-parallel dimension given by ``dp_group`` or
-    ``device_mesh``; ``num_replicas`` / ``rank`` unchanged when neither is given. Raises
-    ``ValueError`` when both are given, or when an explicit ``num_replicas`` / ``rank`` disagrees."""
-    if dp_group is None and device_mesh is None:
+               device_mesh: Any = None,
+               layout: ParallelLayout | None = None) -> tuple[int | None, int | None]:
+    """``(num_replicas, rank)`` of the data-parallel dimension given by ``dp_group``,
+    ``device_mesh`` or ``layout``; ``num_replicas`` / ``rank`` unchanged when none is given. Raises
+    ``ValueError`` when more than one is given, or when an explicit ``num_replicas`` / ``rank``
+    disagrees."""
+    if dp_group is None and device_mesh is None and layout is None:
         return num_replicas, rank
     if dp_group is not None and device_mesh is not None:
         raise ValueError("pass dp_group or device_mesh, not both")
-    if device_mesh is not None:
+    if layout is not None and (dp_group is not None or device_mesh is not None):
+        raise ValueError("pass layout or dp_group / device_mesh, not both")
+    if layout is not None:
+        size, me = layout.dp_size, layout.dp_rank
+        source = "layout"
+    elif device_mesh is not None:
         size, me = _mesh_dp(device_mesh)
         source = "device_mesh"
     else:

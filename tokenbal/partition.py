@@ -1,5 +1,7 @@
-"""Old import path of :mod:`tokenbal.balance.partition`: the same package object under this name, so
-``from tokenbal.partition import partition`` and attribute access keep working."""
+"""``tokenbal.partition``: the public-contract path (DESIGN.md: ``from tokenbal.partition import
+partition``) of :mod:`tokenbal.balance.partition`, kept without a deprecation warning. It is the same
+package object under this name, so attribute access and pickles work under either name; the
+project's own code imports :mod:`tokenbal.balance.partition`."""
 
 import sys
 

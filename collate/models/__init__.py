@@ -13,21 +13,17 @@ from typing import Any
 
 from torch import nn
 
-from collate.models import glm4v, internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl
+from collate.models import glm4v, internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl  # noqa: F401 - see _PATCHES
+from tokenbal.estimate.families import FAMILIES
 
-# model_type -> (enable, disable). Qwen2.5-VL's text stack is Qwen2-VL's (same attention/rotary code).
+# model_type -> (enable, disable), from the family table: a family's packed file (``Family.packed``,
+# imported above) patches its transformers model types. Qwen2.5-VL shares Qwen2-VL's file (same
+# attention / rotary code); Qwen3-VL adds q/k head norms, interleaved M-RoPE and DeepStack features;
+# LLaVA-NeXT / OneVision and InternVL are 1-D RoPE language models behind crop towers; GLM-4.1V has
+# a partial pair-wise M-RoPE and one tower grid row per video frame.
 _PATCHES: dict[str, Any] = {
-    "qwen2_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
-    "qwen2_5_vl": (qwen2_vl.enable_packed, qwen2_vl.disable_packed),
-    # Qwen3-VL: q/k head norms, interleaved M-RoPE, DeepStack visual features in the first layers.
-    "qwen3_vl": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
-    "qwen3_vl_moe": (qwen3_vl.enable_packed, qwen3_vl.disable_packed),
-    # 1-D RoPE language models behind crop towers.
-    "llava_next": (llava_next.enable_packed, llava_next.disable_packed),
-    "llava_onevision": (llava_onevision.enable_packed, llava_onevision.disable_packed),
-    "internvl": (internvl.enable_packed, internvl.disable_packed),
-    # GLM-4.1V: partial pair-wise M-RoPE, one tower grid row per video frame.
-    "glm4v": (glm4v.enable_packed, glm4v.disable_packed),
+    model_type: (globals()[f.packed].enable_packed, globals()[f.packed].disable_packed)
+    for f in FAMILIES if f.packed is not None for model_type in f.model_types
 }
 
 

@@ -300,14 +300,14 @@ def make_loader(dataset, sampler_kind: str, rank: int, world_size: int, global_b
     rank-0 micro-batch of each step. That is a timing control, not training (the ranks' data is
     duplicated): perfectly balanced work with the mixture and step sizes of tokenbal's epoch, so
     its epoch / ideal is what a perfect plan would reach on this machine.
-    ``cost``: what tokenbal balances (see ``tokenbal.cost``): None for tokens, or a FlopsModel;
+    ``cost``: what tokenbal balances (see ``tokenbal.balance.cost``): None for tokens, or a FlopsModel;
     ``stages``: also balance its vision and language parts separately (needs a FlopsModel).
     """
     from types import SimpleNamespace
 
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from tokenbal.sampler import TokenBalancedBatchSampler
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
     if sampler_kind in ("tokenbal", "identical"):
         n = len(dataset)

@@ -5,7 +5,7 @@
   rank, so the time a rank spends *computing* cannot be read off its own step; the replica gives
   it, and ``wait = step time - compute`` is then what the straggler costs that rank.
 - :func:`calibration_batches` / :func:`profile_stage_costs`: timed micro-batches for
-  :meth:`tokenbal.cost.StageCostModel.fit`.
+  :meth:`tokenbal.balance.cost.StageCostModel.fit`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def calibration_batches(candidates: Sequence[int], num_batches: int, max_samples
                         ) -> list[list[int]]:
     """``num_batches`` micro-batches of 1..``max_samples`` samples drawn from ``candidates``.
 
-    Varying the batch size is what lets :meth:`tokenbal.cost.StageCostModel.fit` tell the
+    Varying the batch size is what lets :meth:`tokenbal.balance.cost.StageCostModel.fit` tell the
     per-sample cost from the per-batch constant.
     """
     import numpy as np
@@ -87,8 +87,8 @@ def profile_stage_costs(replica: nn.Module, collator, dataset, features, batches
                         repeats: int = 3):
     """Time each micro-batch of ``batches`` on ``replica`` (forward + backward, vision and language
     apart, median of ``repeats``). Returns ``(batch_features (B, 2, 3), batch_seconds (B, 2))`` for
-    :meth:`tokenbal.cost.StageCostModel.fit`; ``features`` is :func:`tokenbal.cost.stage_features`
-    of the dataset's index."""
+    :meth:`tokenbal.balance.cost.StageCostModel.fit`; ``features`` is
+    :func:`tokenbal.balance.cost.stage_features` of the dataset's index."""
     import numpy as np
 
     feats = np.zeros((len(batches), 2, 3))

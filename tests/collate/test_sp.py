@@ -179,3 +179,27 @@ def test_shard_batch_errors():
     crops = dataclasses.replace(collator(2)(samples()), image_grid_thw=None, video_grid_thw=None)
     with pytest.raises(ValueError, match="has pixels without grids"):
         shard_batch(crops, 0, 2)
+
+
+def test_a_parallel_layout_says_the_sp_size_once():
+    from transformers import Qwen2VLConfig
+
+    from tokenbal.parallel import ParallelLayout
+
+    b = collator(3)(samples())
+    for rank in range(6):
+        layout = ParallelLayout.from_world(6, 3, rank)
+        by_layout, by_args = shard_batch(b, layout=layout), shard_batch(b, layout.sp_rank, 3)
+        assert (by_layout.sp_rank, by_layout.sp_size) == (rank % 3, 3)
+        assert all(torch.equal(v, by_args[k]) if isinstance(v, torch.Tensor) else v == by_args[k]
+                   for k, v in by_layout.items())
+    with pytest.raises(ValueError, match="disagree with the layout"):
+        shard_batch(b, 0, 2, layout=ParallelLayout.from_world(6, 3))
+    with pytest.raises(TypeError, match="or layout="):
+        shard_batch(b, 0)
+    config = Qwen2VLConfig(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART)
+    layout = ParallelLayout.from_world(4, 2, 1)
+    assert PackedCollator.from_config(config, layout=layout).sp_size == 2
+    assert PackedCollator.from_config(config, layout=layout) == PackedCollator.from_config(config, sp_size=2)
+    with pytest.raises(ValueError, match="disagrees with the layout"):
+        PackedCollator.from_config(config, layout=layout, sp_size=4)

@@ -8,7 +8,7 @@ import tarfile
 
 from tests.helpers.corpus import make_corpus
 from tokenbal.index import TokenIndex, build_index
-from tokenbal.index.tarwalk import walk_members
+from tokenbal.io.tar import walk_members
 
 
 def build(root, n_shards=3, samples_per_shard=7, seed=0) -> tuple[TokenIndex, list[str]]:

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.helpers.dist_utils import run_ranks
 from tokenbal import TokenBalancedBatchSampler
-from tokenbal.parallel import resolve_dp
+from tokenbal.parallel import ParallelLayout, resolve_dp
 
 N = 40
 
@@ -24,7 +26,7 @@ def _mesh_rank(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from collate.loss import GlobalTokenCount, global_token_mean
-    from tokenbal.wds import balanced_batches
+    from tokenbal.data.stream import balanced_batches
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
     lengths = _lengths()
@@ -60,6 +62,18 @@ def _mesh_rank(rank: int, world: int) -> dict:
         except ValueError as e:
             errors.append(str(e))
     out["errors"] = errors
+    # the layout, built once: from the mesh, from the default group, from numbers; the same split
+    layout = ParallelLayout.from_mesh(mesh)
+    built = ParallelLayout.init(2, "cpu")
+    plain = ParallelLayout.from_world(world, 2, rank)
+    out["layouts"] = [(x.dp_size, x.dp_rank, x.sp_size, x.sp_rank) for x in (layout, built, plain)]
+    out["layout_groups"] = (dist.get_process_group_ranks(layout.sp_group),
+                            dist.get_process_group_ranks(layout.dp_group),
+                            dist.get_process_group_ranks(built.sp_group))
+    by_layout = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=1,
+                                          num_replicas=layout.dp_size, rank=layout.dp_rank)
+    out["by_layout"] = list(by_layout) == out["mesh"]
+    out["resolve_layout"] = resolve_dp(layout=layout)
     dist.barrier()
     return out
 
@@ -92,6 +106,11 @@ def test_dp_sp_mesh_four_ranks():
         assert [("num_replicas=4" in e) for e in r["errors"][:1]] == [True]
         assert "rank=3" in r["errors"][1] and "not both" in r["errors"][2]
         assert "['a', 'b']" in r["errors"][3]
+        # one layout whichever way it is built; its groups are the mesh's
+        dp, sp = r["dp_rank"], r["sp_rank"]
+        assert r["layouts"] == [(2, dp, 2, sp)] * 3
+        assert r["layout_groups"] == ([2 * dp, 2 * dp + 1], [sp, sp + 2], [2 * dp, 2 * dp + 1])
+        assert r["by_layout"] and r["resolve_layout"] == (2, dp)
     assert sorted(r["hsdp"][1] for r in res) == [0, 1, 2, 3]
 
 
@@ -101,3 +120,31 @@ def test_resolve_dp_without_a_process_group():
         resolve_dp(dp_group=object())
     with pytest.raises(ValueError, match="not both"):
         resolve_dp(dp_group=object(), device_mesh=object())
+
+
+@given(st.integers(1, 64), st.integers(1, 16), st.data())
+def test_layout_from_world_splits_every_rank_once(dp_size, sp_size, data):
+    world = dp_size * sp_size
+    layouts = [ParallelLayout.from_world(world, sp_size, r) for r in range(world)]
+    every = {(d, s) for d in range(dp_size) for s in range(sp_size)}
+    assert {(x.dp_rank, x.sp_rank) for x in layouts} == every
+    for r, x in enumerate(layouts):
+        assert (x.dp_size, x.sp_size, x.world_size) == (dp_size, sp_size, world)
+        assert x.dp_rank * sp_size + x.sp_rank == r          # ranks [d*S, (d+1)*S) form DP group d
+        assert resolve_dp(layout=x) == (dp_size, x.dp_rank)
+    bad_sp = data.draw(st.integers(2, 64).filter(lambda s: world % s)) if world > 1 else 2
+    with pytest.raises(ValueError, match=f"sp_size={bad_sp} must divide the world size {world}"):
+        ParallelLayout.from_world(world, bad_sp)
+
+
+def test_layout_rejects_bad_values_and_disagreeing_arguments():
+    layout = ParallelLayout.from_world(8, 2, 5)
+    assert (layout.dp_size, layout.dp_rank, layout.sp_size, layout.sp_rank) == (4, 2, 2, 1)
+    with pytest.raises(ValueError, match="rank=8"):
+        ParallelLayout.from_world(8, 2, 8)
+    with pytest.raises(ValueError, match="dp_size"):
+        ParallelLayout(0)
+    with pytest.raises(ValueError, match="disagrees with layout"):
+        resolve_dp(num_replicas=8, layout=layout)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_dp(device_mesh=object(), layout=layout)

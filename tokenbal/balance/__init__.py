@@ -14,7 +14,7 @@ Data flow, one file per step:
 * :mod:`tokenbal.balance.sampler` — the DataLoader facade (:class:`TokenBalancedBatchSampler`).
 
 Imports only go down this list (sampler → plan → partition, cost; simulate → plan); argument
-checks shared by them live in :mod:`tokenbal._checks`. The old paths (``tokenbal.partition``,
-``tokenbal.plan``, ``tokenbal.cost``, ``tokenbal.sampler``) are the same modules under their old
-names.
+checks shared by them live in :mod:`tokenbal._checks`. ``tokenbal.partition`` (the public
+contract's path) is this package's ``partition`` under its old name; the deprecated ``tokenbal.plan``,
+``tokenbal.cost`` and ``tokenbal.sampler`` warn and go in tokenbal 0.3.0.
 """

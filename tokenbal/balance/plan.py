@@ -71,20 +71,6 @@ logger = logging.getLogger("tokenbal")
 
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
-# Metrics and the simulator live in tokenbal.balance.simulate (which imports this module); these names
-# are still reachable here for code written against the old single-file planner.
-_SIMULATE_NAMES = ("step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
-                   "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
-                   "Simulation")
-
-
-def __getattr__(name: str) -> object:
-    if name in _SIMULATE_NAMES:
-        import importlib
-
-        return getattr(importlib.import_module("tokenbal.balance.simulate"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
 PLAN_VERSION = 6
 # global_batch_size mode: the window fill places up to this many items per rank per window in

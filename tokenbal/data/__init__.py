@@ -1,10 +1,9 @@
 """Reading the samples an index points at, and streaming shards without one.
 
-``tar`` parses tar headers (used by the index scan and the reader), ``ranged`` reads byte ranges of
-local or remote shards, ``indexed`` is :class:`IndexedShardDataset` (webdataset tar shards by
+``indexed`` is :class:`IndexedShardDataset` (webdataset tar shards by
 offset), ``parquet`` is :class:`IndexedParquetDataset` (rows of a Parquet-built index) and ``stream``
 is :func:`balanced_batches` (a webdataset stage for shards without an index). Names load lazily so
-that ``tokenbal.index`` can use ``tokenbal.data.tar`` without importing torch.
+that importing the package does not import torch. Tar headers and byte ranges live in ``tokenbal.io``.
 """
 
 from __future__ import annotations
@@ -19,14 +18,14 @@ _LAZY = {
     "BalancedBatches": "tokenbal.data.stream",
     "agree_steps": "tokenbal.data.stream",
     "balanced_batches": "tokenbal.data.stream",
-    "parse_tar_header": "tokenbal.data.tar",
+    "parse_tar_header": "tokenbal.io.tar",
 }
 
 if TYPE_CHECKING:
     from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
     from tokenbal.data.parquet import IndexedParquetDataset
     from tokenbal.data.stream import BalancedBatches, agree_steps, balanced_batches
-    from tokenbal.data.tar import parse_tar_header
+    from tokenbal.io.tar import parse_tar_header
 
 __all__ = ["BalancedBatches", "IndexedParquetDataset", "IndexedShardDataset", "SampleReadError",
            "agree_steps", "balanced_batches", "parse_tar_header"]

@@ -30,7 +30,7 @@ image specs (``"pil"``, ``"rgb8"``, ...) apply ``PIL.ImageOps.exif_transpose`` l
 ``load_image``, so what is read is what was counted.
 
 The streaming path for shards without an index is :mod:`tokenbal.data.stream`; tar header parsing
-is :mod:`tokenbal.data.tar`, ranged reads :mod:`tokenbal.data.ranged`.
+is :mod:`tokenbal.io.tar`, ranged reads :mod:`tokenbal.io.ranged`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from tokenbal.data.ranged import ShardReaders
-from tokenbal.data.tar import BLOCK, PLAIN_TYPES, header_stamp, name_matches, parse_tar_header
+from tokenbal.io.ranged import ShardReaders
+from tokenbal.io.tar import BLOCK, PLAIN_TYPES, header_stamp, name_matches, parse_tar_header
 
 __all__ = ["IndexedShardDataset", "SampleReadError"]
 

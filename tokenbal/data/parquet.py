@@ -84,7 +84,7 @@ class IndexedParquetDataset(Dataset):
             self._reset()
         pf = self._files.get(path)
         if pf is None:
-            from tokenbal.index.remote import RemoteOptions, RetryingFile, is_url, object_info
+            from tokenbal.io.remote import RemoteOptions, RetryingFile, is_url, object_info
 
             if is_url(path):
                 # Each ranged read retried, with deadlines (as the index build reads the file).

@@ -23,11 +23,12 @@ tile; research note §7.9).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate.base import Estimator
 
 MAX_IMAGE_SIZE = 4096  # transformers' absolute cap after the first resize
 
@@ -110,7 +111,7 @@ def tile_grid_np(w: np.ndarray, h: np.ndarray, longest_edge: int, tile: int) -> 
 
 
 @dataclass(frozen=True)
-class Idefics3Estimator:
+class Idefics3Estimator(Estimator):
     """Idefics3 / SmolVLM ``<image>`` counts; :func:`make_idefics3` gives the official defaults.
 
     Fields:
@@ -132,11 +133,10 @@ class Idefics3Estimator:
     do_image_splitting: bool = True
     split_newline_tokens: int = 1
 
+    SETTING_ALIASES = {"max_image_size": "tile_size", "image_seq_length": "image_seq_len"}
+
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{self.family}: {f.name} must be a positive int, got {v!r}")
+        self.check_field_types()
         if not isinstance(self.do_image_splitting, bool):
             raise ValueError(
                 f"{self.family}: do_image_splitting must be a bool, got {self.do_image_splitting!r}"
@@ -145,14 +145,6 @@ class Idefics3Estimator:
             raise ValueError(
                 f"{self.family}: split_newline_tokens must be 1 or 2, got {self.split_newline_tokens!r}"
             )
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        return {"estimator": self.family, **asdict(self)}
 
     @property
     def wrapper_tokens(self) -> int:
@@ -202,17 +194,6 @@ class Idefics3Estimator:
             z = np.zeros(w.shape, dtype=np.int64)
             return z, z
         return tile_grid_np(w, h, self.longest_edge, self.tile_size)
-
-    def replace(self, **overrides) -> Idefics3Estimator:
-        known = {f.name for f in fields(self)} - {"family"}
-        alias = {"max_image_size": "tile_size", "image_seq_length": "image_seq_len"}
-        mapped = {}
-        for k, v in overrides.items():
-            key = alias.get(k, k)
-            if key not in known:
-                raise TypeError(f"{self.family}: unknown setting {k!r}; known: {sorted(known | set(alias))}")
-            mapped[key] = v
-        return Idefics3Estimator(**{**asdict(self), **mapped})
 
 
 # Official hub values (research note §4.2): Idefics3-8B-Llama3 and SmolVLM-256M/500M-Instruct.

@@ -15,12 +15,13 @@ only ``<image>`` repeated.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
+from tokenbal.estimate.base import Estimator
 
 LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # (h, w), v1.6
 ONEVISION_PINPOINTS = tuple((384 * i, 384 * j) for i in range(1, 7) for j in range(1, 7))
@@ -161,8 +162,26 @@ def _unpadded_np(h, w, cur_h, cur_w):
     return np.where(wide, cut, cur_h), np.where(wide, cur_w, cut)
 
 
+class _AnyResEstimator(Estimator):
+    """The LLaVA estimators' shared identity: ``pinpoints`` (a tuple of (height, width) tuples) is
+    written to the config as lists, and taken from overrides as any pairs of ints."""
+
+    def config_fields(self) -> dict:
+        d = asdict(self)
+        d["pinpoints"] = [list(p) for p in self.pinpoints]
+        return d
+
+    def normalize_settings(self, overrides: dict) -> dict:
+        if "pinpoints" in overrides:
+            overrides = {
+                **overrides,
+                "pinpoints": tuple(tuple(int(x) for x in p) for p in overrides["pinpoints"]),
+            }
+        return overrides
+
+
 @dataclass(frozen=True)
-class LlavaNextEstimator:
+class LlavaNextEstimator(_AnyResEstimator):
     """LLaVA-NeXT v1.6 (CLIP ViT-L/14-336). Defaults = llava-hf ``llava-v1.6-*-hf`` configs:
     crop 336, patch 14, the five v1.6 pinpoints, ``vision_feature_select_strategy="default"``
     (CLS dropped: 576 base tokens). ``image_tokens`` = ``576 + rows*cols + rows``."""
@@ -179,16 +198,6 @@ class LlavaNextEstimator:
             raise ValueError(
                 f"{self.family}: crop_size {self.crop_size} is not a multiple of patch {self.patch_size}"
             )
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        d = asdict(self)
-        d["pinpoints"] = [list(p) for p in self.pinpoints]
-        return {"estimator": self.family, **d}
 
     @property
     def grid_side(self) -> int:
@@ -213,12 +222,9 @@ class LlavaNextEstimator:
         rows += g * g
         return rows
 
-    def replace(self, **overrides) -> LlavaNextEstimator:
-        return _replace(self, overrides)
-
 
 @dataclass(frozen=True)
-class LlavaOneVisionEstimator:
+class LlavaOneVisionEstimator(_AnyResEstimator):
     """LLaVA-OneVision (SigLIP-so400m/14 @ 384, 27x27 = 729 tokens per view, no CLS).
     Defaults = llava-hf ``llava-onevision-qwen2-*-ov-hf``: the 36 pinpoints (384*i, 384*j),
     ``vision_aspect_ratio="anyres_max_9"``. When a sample holds more than one image, transformers
@@ -236,16 +242,6 @@ class LlavaOneVisionEstimator:
     def __post_init__(self) -> None:
         _check_common(self)
         _check_video_frames(self)
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        d = asdict(self)
-        d["pinpoints"] = [list(p) for p in self.pinpoints]
-        return {"estimator": self.family, **d}
 
     @property
     def grid_side(self) -> int:
@@ -301,9 +297,6 @@ class LlavaOneVisionEstimator:
         pooled = math.ceil(self.grid_side / 2)
         return n * pooled * pooled + 1
 
-    def replace(self, **overrides) -> LlavaOneVisionEstimator:
-        return _replace(self, overrides)
-
 
 @lru_cache(maxsize=8)
 def _downsampled_tokens(g: int, max_num_views: int, max_rows: int, max_cols: int) -> np.ndarray:
@@ -335,10 +328,7 @@ def _frames_used(est, num_frames: int) -> int:
 
 
 def _check_common(est) -> None:
-    for f in fields(est):
-        v = getattr(est, f.name)
-        if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise ValueError(f"{est.family}: {f.name} must be a non-negative int, got {v!r}")
+    est.check_field_types(allow_zero=True)
     if est.crop_size <= 0 or est.patch_size <= 0:
         raise ValueError(f"{est.family}: crop_size and patch_size must be > 0")
     pp = est.pinpoints
@@ -351,14 +341,3 @@ def _check_common(est) -> None:
         raise ValueError(f"{est.family}: pinpoints {bad} are not multiples of crop_size {est.crop_size}")
 
 
-def _replace(est, overrides: dict):
-    known = {f.name for f in fields(est)} - {"family"}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"{est.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
-    if "pinpoints" in overrides:
-        overrides = {
-            **overrides,
-            "pinpoints": tuple(tuple(int(x) for x in p) for p in overrides["pinpoints"]),
-        }
-    return type(est)(**{**asdict(est), **overrides})

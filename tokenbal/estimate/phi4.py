@@ -17,12 +17,13 @@ The processor raises when the resized short side is below 10 px; so do we.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
+from tokenbal.estimate.base import Estimator
 from tokenbal.estimate.tiles import sweep_np
 
 CROP = 448  # transformers hardcodes the 256 + 16 global-view tokens for this crop / patch size
@@ -71,7 +72,7 @@ def _extreme(width: int, height: int, new_w: int, new_h: int) -> ValueError:
 
 
 @dataclass(frozen=True)
-class Phi4MultimodalEstimator:
+class Phi4MultimodalEstimator(Estimator):
     """Phi-4-multimodal ``<|image|>`` counts. Field: ``dynamic_hd`` (max crops, hub 36)."""
 
     family: str = "phi-4-multimodal"
@@ -81,14 +82,6 @@ class Phi4MultimodalEstimator:
         v = self.dynamic_hd
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{self.family}: dynamic_hd must be a positive int, got {v!r}")
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        return {"estimator": self.family, **asdict(self)}
 
     @property
     def wrapper_tokens(self) -> int:
@@ -147,13 +140,6 @@ class Phi4MultimodalEstimator:
         cols = MASK * gw - (tw - new_w) // PATCH
         hr, hc = (rows + 1) >> 1, (cols + 1) >> 1
         return 256 + 1 + hr * hc + hr + 16
-
-    def replace(self, **overrides) -> Phi4MultimodalEstimator:
-        known = {f.name for f in fields(self)} - {"family"}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"{self.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
-        return Phi4MultimodalEstimator(**{**asdict(self), **overrides})
 
 
 def make_phi4(**overrides) -> Phi4MultimodalEstimator:

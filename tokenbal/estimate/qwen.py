@@ -30,11 +30,12 @@ Two preprocessing pipelines exist in the wild and give different counts (researc
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate.base import PatchGridEstimator
 
 MAX_RATIO = 200  # transformers and qwen-vl-utils both refuse images more elongated than 200:1
 QVU_FRAME_FACTOR = 2  # qwen-vl-utils FRAME_FACTOR (frames are sampled in pairs)
@@ -182,7 +183,7 @@ def smart_resize_np(
 
 
 @dataclass(frozen=True)
-class QwenVLEstimator:
+class QwenVLEstimator(PatchGridEstimator):
     """Vision placeholder counts of Qwen2-VL / Qwen2.5-VL / Qwen3-VL; see the module docstring.
 
     Defaults (via :func:`qwen2_vl`, :func:`qwen3_vl`, ...) are the official hub configs, **not**
@@ -227,17 +228,14 @@ class QwenVLEstimator:
     qvu_video_max_tokens: int = 768
     qvu_model_seq_len: int = 128000
 
+    FAMILY_SETTABLE = True   # one class for the three Qwen families
+
     def __post_init__(self) -> None:
         if self.family not in QWEN_FAMILIES:
             raise ValueError(f"family must be one of {QWEN_FAMILIES}, got {self.family!r}")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{self.family}: {f.name} must be a positive int, got {v!r}")
-            if f.type == "bool" and not isinstance(v, bool):
-                raise ValueError(f"{self.family}: {f.name} must be a bool, got {v!r}")
+        self.check_field_types(bools=True)
         if not (
             isinstance(self.video_fps, (int, float))
             and not isinstance(self.video_fps, bool)
@@ -253,19 +251,7 @@ class QwenVLEstimator:
                 f"video_max_pixels={self.video_max_pixels}"
             )
 
-    # ---- identity -----------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        return {"estimator": self.family, **asdict(self)}
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
+    # ---- identity (name, config, replace), factor, image_grid, image_tokens: PatchGridEstimator ----
     @property
     def wrapper_tokens(self) -> int:
         """``<|vision_start|>`` and ``<|vision_end|>`` around each image."""
@@ -290,16 +276,6 @@ class QwenVLEstimator:
                 raise _composed_ratio_error(w0, h0, w, h)
         h, w = smart_resize(h, w, f, self.min_pixels, self.max_pixels)
         return w, h
-
-    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``image_grid_thw`` the processor emits: (1, H'/patch, W'/patch) in patches."""
-        w, h = self.resized_size(width, height)
-        return 1, h // self.patch_size, w // self.patch_size
-
-    def image_tokens(self, width: int, height: int) -> int:
-        """``<|image_pad|>`` tokens for one image (wrappers not included)."""
-        w, h = self.resized_size(width, height)
-        return (h // self.factor) * (w // self.factor)
 
     def image_tokens_batch(self, widths, heights) -> np.ndarray:
         """Vectorised :meth:`image_tokens`; identical values, int64."""
@@ -432,10 +408,6 @@ class QwenVLEstimator:
         ts = [i / src_fps for i in idx]
         return [f"<{(ts[i] + ts[i + k - 1]) / 2:.1f} seconds>" for i in range(0, len(ts), k)]
 
-    def replace(self, **overrides) -> QwenVLEstimator:
-        """A copy with some settings changed (validated like the constructor)."""
-        return _replace(self, overrides)
-
 
 QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
@@ -447,14 +419,6 @@ def _as_fps(fps: object) -> float:
     if not math.isfinite(f) or f <= 0:
         raise ValueError(f"fps must be a finite number > 0, got {fps!r}")
     return f
-
-
-def _replace(est: QwenVLEstimator, overrides: dict) -> QwenVLEstimator:
-    known = {f.name for f in fields(est)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise TypeError(f"{est.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
-    return QwenVLEstimator(**{**asdict(est), **overrides})
 
 
 def make_qwen(family: str, **overrides) -> QwenVLEstimator:
@@ -495,4 +459,4 @@ def make_qwen(family: str, **overrides) -> QwenVLEstimator:
             max_video_tokens=128000,
             processor_resize=True,
         )
-    return _replace(base, overrides) if overrides else base
+    return base.replace(**overrides) if overrides else base

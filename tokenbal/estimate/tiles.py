@@ -15,12 +15,13 @@ on a dense 333k-size scan.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate.base import Estimator
 
 
 @lru_cache(maxsize=32)
@@ -118,7 +119,7 @@ def best_grid_np(w: np.ndarray, h: np.ndarray, tile_size: int, min_tiles: int, m
 
 
 @dataclass(frozen=True)
-class TilesEstimator:
+class TilesEstimator(Estimator):
     """Tile-count estimator; :func:`make_tiles` gives InternVL's defaults.
 
     Fields: ``tile_size`` (px), ``tokens_per_tile``, ``min_tiles``/``max_tiles`` (InternVL's
@@ -136,28 +137,30 @@ class TilesEstimator:
     wrapper_tokens: int = 2
     video_frames: int | None = None
 
+    SETTING_ALIASES = {
+        "max_num": "max_tiles",
+        "min_num": "min_tiles",
+        "max_patches": "max_tiles",
+        "min_patches": "min_tiles",
+        "max_dynamic_patch": "max_tiles",
+        "min_dynamic_patch": "min_tiles",
+        "image_size": "tile_size",
+        "num_image_token": "tokens_per_tile",
+        "image_seq_length": "tokens_per_tile",
+        "num_segments": "video_frames",
+    }
+
     def __post_init__(self) -> None:
         v = self.video_frames
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{self.family}: video_frames must be None or a positive int, got {v!r}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{self.family}: {f.name} must be a non-negative int, got {v!r}")
+        self.check_field_types(allow_zero=True)
         if self.tile_size <= 0 or self.tokens_per_tile <= 0 or self.min_tiles <= 0:
             raise ValueError(f"{self.family}: tile_size, tokens_per_tile and min_tiles must be > 0")
         if self.min_tiles > self.max_tiles:
             raise ValueError(f"{self.family}: min_tiles={self.min_tiles} > max_tiles={self.max_tiles}")
         if not isinstance(self.use_thumbnail, bool):
             raise ValueError(f"{self.family}: use_thumbnail must be a bool, got {self.use_thumbnail!r}")
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        return {"estimator": self.family, **asdict(self)}
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """(columns, rows) of the tile grid (before the thumbnail)."""
@@ -205,39 +208,10 @@ class TilesEstimator:
         n = as_dim(num_frames, "num_frames")
         return n if self.video_frames is None else self.video_frames
 
-    def replace(self, **overrides) -> TilesEstimator:
-        return _replace(self, overrides)
-
-
-def _replace(est: TilesEstimator, overrides: dict) -> TilesEstimator:
-    known = {f.name for f in fields(est)}
-    # InternVL / transformers spellings of the same settings
-    alias = {
-        "max_num": "max_tiles",
-        "min_num": "min_tiles",
-        "max_patches": "max_tiles",
-        "min_patches": "min_tiles",
-        "max_dynamic_patch": "max_tiles",
-        "min_dynamic_patch": "min_tiles",
-        "image_size": "tile_size",
-        "num_image_token": "tokens_per_tile",
-        "image_seq_length": "tokens_per_tile",
-        "num_segments": "video_frames",
-    }
-    mapped: dict = {}
-    for k, v in overrides.items():
-        key = alias.get(k, k)
-        if key not in known or key == "family":
-            raise TypeError(
-                f"{est.family}: unknown setting {k!r}; known: {sorted((known - {'family'}) | set(alias))}"
-            )
-        mapped[key] = v
-    return TilesEstimator(**{**asdict(est), **mapped})
-
 
 def make_tiles(family: str = "tiles", **overrides) -> TilesEstimator:
     """InternVL 2.5 / 3 defaults (``force_image_size`` 448, ``max_dynamic_patch`` 12,
     ``use_thumbnail`` True, 256 tokens per tile, ``<img>``/``</img>``), then ``overrides``
     (``max_num=6`` etc. are accepted as aliases)."""
     base = TilesEstimator(family=family)
-    return _replace(base, overrides) if overrides else base
+    return base.replace(**overrides) if overrides else base

@@ -14,41 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from tokenbal.estimate.glm import make_glm4v
+from tokenbal.estimate.families import FAMILIES
+from tokenbal.estimate.glm4v import make_glm4v
 from tokenbal.estimate.idefics import make_idefics3
 from tokenbal.estimate.llava import LlavaNextEstimator, LlavaOneVisionEstimator
 from tokenbal.estimate.phi4 import make_phi4
 from tokenbal.estimate.qwen import QWEN_FAMILIES, make_qwen
 from tokenbal.estimate.tiles import make_tiles
 
-# accepted spellings (ours and transformers' / the original repos' ``model_type``) -> name
-_ALIASES = {
-    "qwen2-vl": "qwen2-vl",
-    "qwen2_vl": "qwen2-vl",
-    "qwen2.5-vl": "qwen2.5-vl",
-    "qwen2_5_vl": "qwen2.5-vl",
-    "qwen2.5_vl": "qwen2.5-vl",
-    "qwen3-vl": "qwen3-vl",
-    "qwen3_vl": "qwen3-vl",
-    "qwen3_vl_moe": "qwen3-vl",
-    "internvl": "internvl",
-    "internvl_chat": "internvl",
-    "llava-next": "llava-next",
-    "llava_next": "llava-next",
-    "llava-onevision": "llava-onevision",
-    "llava_onevision": "llava-onevision",
-    "tiles": "tiles",
-    "idefics3": "idefics3",
-    "smolvlm": "smolvlm",
-    "glm-4.1v": "glm-4.1v",
-    "glm4v": "glm-4.1v",
-    "glm4.1v": "glm-4.1v",
-    "glm4v_moe": "glm-4.1v",  # GLM-4.5V: same image processor class
-    "phi-4-multimodal": "phi-4-multimodal",
-    "phi4_multimodal": "phi-4-multimodal",
-    "phi4-multimodal": "phi-4-multimodal",
-}
+# accepted spellings (the keys, transformers' / the original repos' ``model_type``) -> key; the one
+# table of families and their spellings is tokenbal.estimate.families.
+_ALIASES = {name: f.key for f in FAMILIES for name in (f.key, *f.model_types, *f.aliases)}
 
+# key -> the family's estimator with its defaults, then overrides (every key of FAMILIES has one)
 _FACTORIES: dict[str, Callable[..., Any]] = {
     **{name: (lambda n: lambda **kw: make_qwen(n, **kw))(name) for name in QWEN_FAMILIES},
     "internvl": lambda **kw: make_tiles("internvl", **kw),

@@ -8,7 +8,7 @@ text) and annotation files, and writes one folder, reusing the unchanged shards 
 Remote sources (fsspec URLs): ``tokenbal.index.remote``; Parquet: ``tokenbal.index.parquet``; builds
 in parts and their merge: ``tokenbal.index.merge``; export and joins by key: ``tokenbal.index.export``.
 Layout: ``tokenbal.index.store``; sample and damage rules: ``tokenbal.index.scan`` (tar listing fast
-path: ``tokenbal.data.tar``); annotations: ``tokenbal.index.annotations``; text rules:
+path: ``tokenbal.io.tar``); annotations: ``tokenbal.index.annotations``; text rules:
 ``tokenbal.index.text``; histogram: ``tokenbal.index.plot``.
 """
 
@@ -27,7 +27,6 @@ from tokenbal.index.export import export_index, lengths_for_keys
 from tokenbal.index.merge import merge_indexes
 from tokenbal.index.parquet import ParquetOptions
 from tokenbal.index.plot import plot_token_histogram, token_histogram
-from tokenbal.index.remote import RemoteOptions
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint, split_name
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
@@ -38,6 +37,7 @@ from tokenbal.index.store import (
     index_stats,
     verify_index,
 )
+from tokenbal.io.remote import RemoteOptions
 
 __all__ = [
     "BuildReport",

@@ -36,7 +36,7 @@ import numpy as np
 from tokenbal.index.annotations import is_annotation_file, scan_annotations
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.parts import part_meta, select_part
-from tokenbal.index.remote import RemoteOptions, is_url, remote_unchanged, scan_remote_shard, threaded_map
+from tokenbal.index.remote import remote_unchanged, scan_remote_shard
 from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
@@ -53,6 +53,7 @@ from tokenbal.index.store import (
     version_path,
 )
 from tokenbal.index.videoindex import VIDEO_COLUMNS
+from tokenbal.io.remote import RemoteOptions, is_url, threaded_map
 
 PROGRESS = "progress.json"   # a checkpoint of the shards finished so far, in a folder being written
 

@@ -58,7 +58,7 @@ IMAGE_EXTS = PILLOW_EXTS | PLUGIN_EXTS
 PREFIX_BYTES = 64 * 1024
 FIRST_READ = 4 * 1024
 EXIF_POLICIES = ("transpose", "ignore")
-_TAIL = 32
+TAIL_BYTES = 32            # bytes at a member's end read for the end-marker check (_check_end)
 
 
 class ImageSizeError(ValueError):
@@ -246,7 +246,7 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
         # attempt, not the prefix one, is the one worth reporting).
         head = pread_exact(fd, size, offset)
         found = image_size(head), True
-    n_tail = min(size, _TAIL)
+    n_tail = min(size, TAIL_BYTES)
     tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
     _check_end(head, tail, size)
     if head[:4] == b"GIF8":
@@ -266,7 +266,7 @@ def tail_bytes(name: str) -> int:
     them with the heads): the end marker's 32, a PNG's metadata window (``_png_after_pixels``), a
     GIF's whole member (its blocks are walked)."""
     ext = name.rsplit(".", 1)[-1].lower()
-    return PNG_TAIL_WINDOW // 4 if ext in ("png", "apng") else (1 << 62) if ext == "gif" else _TAIL
+    return PNG_TAIL_WINDOW // 4 if ext in ("png", "apng") else (1 << 62) if ext == "gif" else TAIL_BYTES
 
 
 def _check_end(head: bytes, tail: bytes, size: int) -> None:

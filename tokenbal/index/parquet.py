@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 from tokenbal._extras import MissingExtraError
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
-from tokenbal.index.remote import RemoteReadError
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import (
     SampleTextError,
@@ -40,6 +39,7 @@ from tokenbal.index.text import (
     json_text,
     placeholder_mismatch,
 )
+from tokenbal.io.remote import RemoteReadError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 ROW_EXT = "row"
@@ -87,17 +87,18 @@ def resolve_columns(names: list[str], opts: ParquetOptions) -> tuple[str | None,
 
 def open_parquet(path: str, remote=None):
     """``(pyarrow.parquet.ParquetFile, size, fingerprint, extra manifest fields)`` for a local path or
-    a URL (``remote``: ``tokenbal.index.remote.RemoteOptions``)."""
+    a URL (``remote``: ``tokenbal.io.remote.RemoteOptions``)."""
     from tokenbal._extras import require
 
     pq = require("pyarrow.parquet", "Parquet sources")
 
-    from tokenbal.index import remote as rm
+    from tokenbal.index.remote import remote_fingerprint
+    from tokenbal.io import remote as rm
 
     if rm.is_url(path):
         opts = remote or rm.RemoteOptions()
         info = rm.object_info(path, opts)
-        fp = rm.RemoteFile(path, info["size"], opts).fingerprint()
+        fp = remote_fingerprint(rm.RemoteFile(path, info["size"], opts))
         # Every ranged read of the footer and column chunks retried (fsspec's file retries none).
         f = rm.RetryingFile(path, info["size"], opts)
         extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}

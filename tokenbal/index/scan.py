@@ -6,7 +6,7 @@ members of one key must be adjacent in the tar. A member is an image when the la
 of its extension (lower case) is an image type, so ``k.jpg``, ``k.0.jpg``, ``k.1.png`` and
 ``k.left.webp`` are all images of sample ``k``, kept in tar member order.
 
-Members are listed by ``tokenbal.data.tar`` (a raw header walk, ~5x faster than ``tarfile``)
+Members are listed by ``tokenbal.io.tar`` (a raw header walk, ~5x faster than ``tarfile``)
 whenever it can do so exactly as ``tarfile`` would; anything else, including every damaged header,
 is listed by ``tarfile`` itself, so the rules below are ``tarfile``'s behaviour plus the tail check.
 
@@ -28,7 +28,7 @@ non-regular member, a GNU sparse member (its stored bytes are not its contents, 
 by offset); and per member: a name with no extension or not valid UTF-8. A shard path that is not a
 regular file (a FIFO, a device) is status ``unreadable``, never opened for reading.
 
-Member stamps: every member's own ustar header checksum and mtime (``tokenbal.data.tar.header_stamp``) are
+Member stamps: every member's own ustar header checksum and mtime (``tokenbal.io.tar.header_stamp``) are
 kept per member and hashed, with names, offsets and sizes, into the shard's ``headers_digest``:
 ``verify`` and the reader use them to catch a member rewritten in place at the same size.
 """
@@ -42,16 +42,16 @@ import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenbal.data.tar import TarMember, header_stamp, walk_members
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
 from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text, placeholder_mismatch
 from tokenbal.index.video import VideoError, probe_video
+from tokenbal.io.tar import TarMember, header_stamp, walk_members
 
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
 VIDEO_EXTS = frozenset({"mp4", "avi", "mkv", "webm", "mov", "m4v", "flv", "mpeg", "mpg"})
 FINGERPRINT_SPAN = 1 << 20
 _EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
-_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
 @dataclass
@@ -176,29 +176,29 @@ def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore") -> S
             scan.headers_digest = headers_digest(members)
             _read_samples(path, members, scan, prefix, exif)
     except FileNotFoundError as e:
-        _shard_error(scan, "missing", f"shard not found: {e}")
+        shard_error(scan, "missing", f"shard not found: {e}")
     except OSError as e:
-        _shard_error(scan, "unreadable", f"cannot read shard: {e}")
+        shard_error(scan, "unreadable", f"cannot read shard: {e}")
     if scan.status != "ok":
         scan.samples = []
         scan.errors = [e for e in scan.errors if e["key"] is None]   # the shard error says it all
     return scan
 
 
-def _shard_error(scan: ShardScan, status: str, reason: str) -> None:
+def shard_error(scan: ShardScan, status: str, reason: str) -> None:
     scan.status, scan.reason = status, reason
     scan.errors.append({"shard": scan.path, "key": None, "reason": reason})
 
 
 def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
     if scan.size == 0:
-        _shard_error(scan, "empty", "shard is an empty (0-byte) file")
+        shard_error(scan, "empty", "shard is an empty (0-byte) file")
         return []
     with open(path, "rb") as f:
         magic = f.read(6)
-    for sig, name in _COMPRESSED_MAGIC.items():
+    for sig, name in COMPRESSED_MAGIC.items():
         if magic.startswith(sig):
-            _shard_error(scan, "corrupt", f"shard is {name}-compressed; only uncompressed tar shards can be "
+            shard_error(scan, "corrupt", f"shard is {name}-compressed; only uncompressed tar shards can be "
                                           "indexed for random access (decompress it first)")
             return []
     fd = os.open(path, os.O_RDONLY)
@@ -210,7 +210,7 @@ def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
         members, scan.end_of_members = fast
         scan.n_members = len(members)
         if not members:
-            _shard_error(scan, "empty", "shard is a valid tar with no members")
+            shard_error(scan, "empty", "shard is a valid tar with no members")
         return members
     members = _list_with_tarfile(path, scan)
     if scan.status == "ok":
@@ -237,11 +237,11 @@ def _list_with_tarfile(path: str, scan: ShardScan) -> list[AnyMember]:
     except tarfile.TarError as e:
         where = f"after member #{len(members)} ({members[-1].name!r})" if members else "at the first header"
         status = "truncated" if "unexpected end of data" in str(e) else "corrupt"
-        _shard_error(scan, status, f"shard is {status}: tarfile cannot read it {where}: {e}")
+        shard_error(scan, status, f"shard is {status}: tarfile cannot read it {where}: {e}")
         return []
     scan.n_members = len(members)
     if not members:
-        _shard_error(scan, "empty", "shard is a valid tar with no members")
+        shard_error(scan, "empty", "shard is a valid tar with no members")
     return members
 
 
@@ -262,31 +262,31 @@ def check_tail(pread: Callable[[int, int], bytes], scan: ShardScan) -> None:
             break
         if chunk.count(0) != len(chunk):
             first = pos + next(i for i, b in enumerate(chunk) if b)
-            _shard_error(scan, "corrupt",
+            shard_error(scan, "corrupt",
                          f"shard is corrupt or truncated: tarfile stopped at byte {end} after "
                          f"{scan.n_members} members, but byte {first} of {size} is not zero "
                          "(a damaged member header; the members after it are unreadable)")
             return
         pos += len(chunk)
     if size - end < _EOF_BLOCKS:
-        _shard_error(scan, "truncated",
+        shard_error(scan, "truncated",
                      f"shard is truncated: only {size - end} bytes after the last member at byte {end}, "
                      f"the end-of-archive marker needs {_EOF_BLOCKS} zero bytes")
 
 
 def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: int, exif: str) -> None:
-    runs = _group(members, scan)
+    runs = group_members(members, scan)
     fd = os.open(path, os.O_RDONLY)
     try:
         for key, run in runs:
-            sample = _read_sample(fd, key, run, scan, prefix, exif)
+            sample = read_sample(fd, key, run, scan, prefix, exif)
             if sample is not None:
                 scan.samples.append(sample)
     finally:
         os.close(fd)
 
 
-def _group(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[AnyMember]]]:
+def group_members(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[AnyMember]]]:
     """Runs of adjacent members with the same key; bad members and keys go to ``scan.errors``."""
     runs: list[tuple[str, list[AnyMember]]] = []
     for ti in members:
@@ -328,7 +328,7 @@ def _group(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[An
     return good
 
 
-def _read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
+def read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
                  prefix: int, exif: str = "ignore") -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"sample {key!r}: {reason}"})

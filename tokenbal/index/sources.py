@@ -79,10 +79,11 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
     matches nothing, and ``ValueError`` for a directory, so a typo never turns into a silently
     smaller dataset. ``.json`` / ``.jsonl`` paths are annotation files (``tokenbal.index.annotations``).
     A source with a scheme (``s3://``, ``https://``, ...) is a remote one, read through fsspec with
-    ``remote`` (``tokenbal.index.remote.RemoteOptions``): globs are listed by the store, and every URL
+    ``remote`` (``tokenbal.io.remote.RemoteOptions``): globs are listed by the store, and every URL
     must exist.
     """
     from tokenbal.index import remote as rm
+    from tokenbal.io.remote import RemoteOptions, is_url
 
     if isinstance(sources, str):
         sources = [sources]
@@ -90,9 +91,9 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
     missing: list[str] = []
     literal_urls: list[str] = []   # checked together below (globbed ones exist already)
     for source in sources:
-        for pattern in expand_braces(source if rm.is_url(source) else os.path.expanduser(source)):
-            if rm.is_url(pattern):
-                urls = rm.expand_url(pattern, remote or rm.RemoteOptions())
+        for pattern in expand_braces(source if is_url(source) else os.path.expanduser(source)):
+            if is_url(pattern):
+                urls = rm.expand_url(pattern, remote or RemoteOptions())
                 if not urls:
                     missing.append(f"{pattern} (pattern matches no object)")
                 if not glob.has_magic(pattern):
@@ -110,14 +111,14 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
             else:
                 missing.append(pattern)
     if literal_urls:
-        missing.extend(rm.missing_urls(list(dict.fromkeys(literal_urls)), remote or rm.RemoteOptions()))
+        missing.extend(rm.missing_urls(list(dict.fromkeys(literal_urls)), remote or RemoteOptions()))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise FileNotFoundError(f"{len(missing)} shard source(s) not found: {shown}")
     out: list[str] = []
     seen: set[str] = set()
     for p in paths:
-        if rm.is_url(p):
+        if is_url(p):
             if p not in seen:
                 seen.add(p)
                 out.append(p)

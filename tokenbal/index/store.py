@@ -621,7 +621,8 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
     for sid, entry in enumerate(manifest["shards"]):
         shard = entry["path"]
         if "://" in shard and not shard.startswith("file://"):
-            from tokenbal.index.remote import RemoteOptions, remote_problems
+            from tokenbal.index.remote import remote_problems
+            from tokenbal.io.remote import RemoteOptions
 
             problems.extend(remote_problems(entry, remote or RemoteOptions()))
             continue

@@ -47,8 +47,8 @@ import os
 from functools import partial
 from typing import Any
 
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
 from tokenbal.integrations.hf_lengths import dataset_lengths as dataset_lengths
-from tokenbal.sampler import TokenBalancedBatchSampler
 
 __all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin",  # noqa: F822 (lazy)
            "dataset_lengths"]

@@ -76,7 +76,7 @@ STEPS, GLOBAL_BATCH, LR = 2, 4, 0.5
 
 def _plans(world_size: int) -> list[list[list[int]]]:
     """Per step, per rank: the sample indices tokenbal's sampler assigns."""
-    from tokenbal.sampler import TokenBalancedBatchSampler
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
     lengths = np.array([len(s["input_ids"]) for s in make_samples(seed=1) + make_samples(seed=2)])
     per_rank = [list(TokenBalancedBatchSampler(lengths, num_replicas=world_size, rank=r,

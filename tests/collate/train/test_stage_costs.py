@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenbal.cost import StageCostModel, resolve_costs, resolve_stage_costs, stage_features
+from tokenbal.balance.cost import StageCostModel, resolve_costs, resolve_stage_costs, stage_features
 
 pytest.importorskip("transformers")
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from tokenbal import TokenBalancedBatchSampler
+from tokenbal.balance.cost import resolve_costs, resolve_stage_costs, to_int_costs
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.simulate import simulate
 from tokenbal.cli import main
-from tokenbal.cost import resolve_costs, resolve_stage_costs, to_int_costs
-from tokenbal.plan import plan_epoch, simulate
 
 BIG = 2**64 - 1
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.partition import first_fit_decreasing
-from tokenbal.plan import plan_epoch
+from tokenbal.balance.partition import first_fit_decreasing
+from tokenbal.balance.plan import plan_epoch
 
 FAST = settings(max_examples=60, deadline=None)
 

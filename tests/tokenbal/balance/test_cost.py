@@ -3,8 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.cost import FlopsModel, resolve_costs, to_int_costs
-from tokenbal.plan import plan_epoch, step_balance
+from tokenbal.balance.cost import FlopsModel, resolve_costs, to_int_costs
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.simulate import step_balance
 
 
 def test_tokens_is_the_default_and_returns_the_lengths():

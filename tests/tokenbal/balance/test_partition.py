@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.partition import METHODS, bin_loads, fill_windows, partition
+from tokenbal.balance.partition import METHODS, bin_loads, fill_windows, partition
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -267,7 +267,7 @@ def test_cpsat_is_deterministic_and_honours_capacity():
 
 
 def test_refine_fixes_a_bad_start_and_keeps_counts_with_equal_counts():
-    from tokenbal.partition import refine_partition
+    from tokenbal.balance.partition import refine_partition
 
     c = np.array([9, 8, 7, 1, 1, 1])
     bad = np.array([0, 0, 0, 1, 1, 1])

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from tokenbal.balance.plan import EpochPlan, plan_epoch
+from tokenbal.balance.simulate import step_balance
 from tokenbal.cli import main
-from tokenbal.plan import EpochPlan, plan_epoch, step_balance
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -197,7 +198,7 @@ def test_balance_on_heavy_tailed_mixture_beats_count_sharding(R, N):
 def test_batched_fill_balances_about_as_well_as_the_exact_fill(R, N, monkeypatch):
     # The batched window fill (many items per round) must stay close to the exact one-at-a-time
     # rule it approximates: within 25% of its imbalance (+0.001), mean and p95.
-    import tokenbal.plan as plan_mod
+    import tokenbal.balance.plan as plan_mod
 
     lengths = mixture_lengths()
     batched = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1).step_rank_tokens(lengths))

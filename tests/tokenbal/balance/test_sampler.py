@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.helpers.lengths import lengths_for
 from tokenbal import TokenBalancedBatchSampler
-from tokenbal.plan import plan_epoch
+from tokenbal.balance.plan import plan_epoch
 
 
 def samplers(lengths, R, **kw):

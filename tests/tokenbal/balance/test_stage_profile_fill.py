@@ -1,11 +1,12 @@
-"""Stage mode's profile fill (tokenbal.plan._profile_fill): steps are built from samples of similar
+"""Stage mode's profile fill (tokenbal.balance.plan._profile_fill): steps are built from samples of similar
 stage shares, out of windows of a random permutation. These tests pin its contracts: every sample
 once, the plain plan's step sizes, determinism, steps in random order (no curriculum by kind) and
 step composition redrawn every epoch."""
 
 import numpy as np
 
-from tokenbal.plan import plan_epoch, plan_stage_costs, step_stage_balance
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.simulate import plan_stage_costs, step_stage_balance
 
 R, N, STEPS = 4, 8, 300
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.cost import FlopsModel, resolve_costs, resolve_stage_costs
-from tokenbal.partition import partition, refine_stages, refine_stages_many, stage_objective
-from tokenbal.plan import plan_epoch
-from tokenbal.sampler import TokenBalancedBatchSampler
+from tokenbal.balance.cost import FlopsModel, resolve_costs, resolve_stage_costs
+from tokenbal.balance.partition import partition, refine_stages, refine_stages_many, stage_objective
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
 
 def _brute_force_best(c: np.ndarray, num_bins: int, counts: np.ndarray | None = None) -> int:
@@ -193,7 +193,7 @@ def test_many_steps_at_once_equal_one_at_a_time(num_bins, groups, seed):
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_step_stage_balance_is_the_stage_objective_over_the_ideal(grad_accum):
-    from tokenbal.plan import plan_stage_costs, step_stage_balance
+    from tokenbal.balance.simulate import plan_stage_costs, step_stage_balance
 
     c = _mixture(300, 3)
     plan = plan_epoch(c.sum(1), 4, global_batch_size=32, seed=1, grad_accum=grad_accum)
@@ -204,7 +204,7 @@ def test_step_stage_balance_is_the_stage_objective_over_the_ideal(grad_accum):
 
 
 def test_swaps_across_steps_fix_what_no_split_inside_a_step_can():
-    from tokenbal.partition import swap_stages_across_steps
+    from tokenbal.balance.partition import swap_stages_across_steps
 
     # Each step holds one image-heavy and one text-heavy sample, one per rank: inside a step nothing
     # helps (100 + 100 each), but trading the text of step 0 for the image of step 1 gives 100 + 100.
@@ -219,7 +219,7 @@ def test_swaps_across_steps_fix_what_no_split_inside_a_step_can():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 5), st.integers(2, 6), st.integers(1, 4), st.integers(0, 2**32 - 1), st.booleans())
 def test_swaps_across_steps_keep_counts_windows_and_capacity(num_bins, steps, per_bin, seed, capped):
-    from tokenbal.partition import swap_stages_across_steps
+    from tokenbal.balance.partition import swap_stages_across_steps
 
     rng = np.random.default_rng(seed)
     n = steps * num_bins * per_bin
@@ -296,7 +296,7 @@ def _objectives(c: np.ndarray, group: np.ndarray, bins: np.ndarray, num_bins: in
 @given(st.integers(2, 12), st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**32 - 1),
        st.booleans(), st.sampled_from([(0, 4), (8, 0), (8, 4)]))
 def test_cross_step_passes_keep_every_guarantee(num_bins, steps, per_bin, stages, seed, capped, passes):
-    from tokenbal.partition import swap_stages_across_steps
+    from tokenbal.balance.partition import swap_stages_across_steps
 
     # Both passes on their own and together: the leveling rounds (many disjoint swaps, any two bins
     # of a window) and the exact search; uneven bins (some empty) and 1-3 stages.
@@ -333,7 +333,7 @@ def test_cross_step_passes_keep_every_guarantee(num_bins, steps, per_bin, stages
 
 
 def test_many_ranks_need_the_leveling_rounds():
-    from tokenbal.partition import swap_stages_across_steps
+    from tokenbal.balance.partition import swap_stages_across_steps
 
     # 64 ranks, 2 samples per rank: several bins of every step are far above the language mean, so
     # one swap lowers the maximum little and the exact search alone stalls; the leveling rounds lower

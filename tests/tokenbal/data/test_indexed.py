@@ -16,8 +16,9 @@ from PIL import Image
 from tests.helpers.corpus import Sample, corrupt_header, member_offsets, write_shard
 from tests.helpers.shards import as_members, build, first_key_batch, tar_members
 from tokenbal import TokenBalancedBatchSampler
+from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
 from tokenbal.index import TokenIndex, build_index
-from tokenbal.wds import IndexedShardDataset, SampleReadError, parse_tar_header
+from tokenbal.io.tar import parse_tar_header
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tests.helpers.shards import as_members, build, first_key_batch, tar_members
 
 def _read_epoch(rank, world, index_path, epoch):
     from tokenbal import TokenBalancedBatchSampler, TokenIndex
-    from tokenbal.wds import IndexedShardDataset
+    from tokenbal.data.indexed import IndexedShardDataset
 
     idx = TokenIndex.open(index_path)
     sampler = TokenBalancedBatchSampler(idx, global_batch_size=6, seed=11)   # rank/world from dist
@@ -39,7 +39,7 @@ def tokens(sample):
 def _stream(rank, world, shards, budget):
     import webdataset as wds
 
-    from tokenbal.wds import agree_steps, balanced_batches
+    from tokenbal.data.stream import agree_steps, balanced_batches
 
     mine = shards[:2] if rank == 0 else shards[2:]          # unequal: 2 shards vs 1
     # Each rank's own count from a dry pass over its finite stream; one all_reduce(MIN) agrees.

@@ -14,7 +14,7 @@ pytest.importorskip("aiohttp")
 from tests.helpers.servers import serve  # noqa: E402
 from tests.helpers.shards import as_members, build, first_key_batch, tar_members  # noqa: E402
 from tokenbal import TokenBalancedBatchSampler  # noqa: E402
-from tokenbal.wds import IndexedShardDataset, SampleReadError  # noqa: E402
+from tokenbal.data.indexed import IndexedShardDataset, SampleReadError  # noqa: E402
 
 
 @pytest.fixture(scope="module")

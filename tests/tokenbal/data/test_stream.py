@@ -10,7 +10,7 @@ import torch
 import webdataset as wds
 
 from tests.helpers.corpus import make_corpus
-from tokenbal.wds import agree_steps, balanced_batches
+from tokenbal.data.stream import agree_steps, balanced_batches
 
 
 def _samples(n, seed=0):

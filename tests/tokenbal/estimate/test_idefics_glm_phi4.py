@@ -298,7 +298,7 @@ def test_glm_equals_real_processor_full_grid():
 
 
 def test_glm_smart_resize_dense_and_worked_numbers():
-    from tokenbal.estimate.glm import smart_resize_3d_np
+    from tokenbal.estimate.glm4v import smart_resize_3d_np
 
     hs, ws = np.meshgrid(np.arange(1, 161), np.arange(1, 161), indexing="ij")
     hs, ws = hs.ravel(), ws.ravel()

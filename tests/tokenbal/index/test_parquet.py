@@ -96,7 +96,7 @@ def test_indexed_parquet_dataset_returns_rows(data, tmp_path):
     assert batch[0]["conversations"] == samples[12].conversations
     pil = IndexedParquetDataset(tmp_path / "pq", columns=["image"], decode_images="pil")
     assert pil[13]["image"].size == samples[13].image_sizes[0]
-    from tokenbal.wds import IndexedShardDataset, SampleReadError
+    from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
 
     with pytest.raises(SampleReadError, match="IndexedParquetDataset"):
         IndexedShardDataset(tmp_path / "pq", decode=None)[0]

@@ -23,10 +23,10 @@ import tokenbal
 import tokenbal.index.build as build_mod
 from tests.helpers.corpus import Sample, image_bytes, make_corpus, rotated_jpeg, write_shard
 from tokenbal.cli import main
+from tokenbal.data.indexed import IndexedShardDataset, SampleReadError
 from tokenbal.index import TokenIndex, build_index, verify_index
 from tokenbal.index.build import IndexBuildError
 from tokenbal.index.store import IndexDamagedError
-from tokenbal.wds import IndexedShardDataset, SampleReadError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tokenbal.__file__)))
 GUARD = 180   # seconds: a hang guard for waits on other processes, never an assertion on speed

@@ -15,8 +15,8 @@ pytest.importorskip("aiohttp")
 from tests.helpers.corpus import Sample, write_shard  # noqa: E402
 from tests.helpers.servers import FAST, serve  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
+from tokenbal.data.indexed import IndexedShardDataset  # noqa: E402
 from tokenbal.index import RemoteOptions, TokenIndex, build_index, verify_index  # noqa: E402
-from tokenbal.wds import IndexedShardDataset  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,7 @@ def test_retry_rules():
     from aiohttp import ClientResponseError, RequestInfo, ServerDisconnectedError
     from yarl import URL
 
-    from tokenbal.index.remote import RemoteReadError, with_retries
+    from tokenbal.io.remote import RemoteReadError, with_retries
 
     def failing(errors):
         calls = []
@@ -266,7 +266,7 @@ def _outcome(fn):
 
 def test_a_store_that_accepts_and_never_answers_ends_in_an_error_naming_the_url(tmp_path):
     from tests.helpers.servers import stalled_server
-    from tokenbal.index.remote import RemoteReadError
+    from tokenbal.io.remote import RemoteReadError
 
     opts = RemoteOptions(timeout=0.5, total_timeout=3, retries=1, backoff_s=0.01)
     with stalled_server() as (base, _):
@@ -275,8 +275,8 @@ def test_a_store_that_accepts_and_never_answers_ends_in_an_error_naming_the_url(
         assert isinstance(got, RemoteReadError), got
         assert url in str(got) and "no answer within 0.5 s" in str(got)
         # The reader's requests have the same deadlines (RemoteOptions' defaults there).
-        from tokenbal.data.ranged import ShardReaders
-        from tokenbal.index import remote as rm
+        from tokenbal.io.ranged import ShardReaders
+        from tokenbal.io import remote as rm
 
         slow = rm.RemoteOptions(timeout=0.5, total_timeout=2, retries=0)
         fs = ShardReaders(1, None)._handle(url)[1]

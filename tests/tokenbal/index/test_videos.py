@@ -125,8 +125,8 @@ def test_dataset_decodes_the_sampled_frames(shard_index):
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     from transformers.video_utils import VideoMetadata
 
+    from tokenbal.data.indexed import IndexedShardDataset
     from tokenbal.index.video import decode_frames
-    from tokenbal.wds import IndexedShardDataset
 
     _, idx, f = shard_index
     est = get_estimator("qwen3-vl")
@@ -185,8 +185,8 @@ def test_annotation_videos_with_clip_fields(files, tmp_path):
     assert "fps" in errs["train.jsonl:6"]
     assert "audio-only" in errs["train.jsonl:7"]
     # read back through the dataset: the clip's sampled frames
+    from tokenbal.data.indexed import IndexedShardDataset
     from tokenbal.index.video import decode_frames
-    from tokenbal.wds import IndexedShardDataset
 
     s = IndexedShardDataset(idx, decode="rgb8")[1]
     (meta,) = s["__videos__"]

@@ -1,4 +1,4 @@
-"""The lean PyTorch backend (rope_cpu.py) against the plain reference formula (rope_reference.py).
+"""The lean PyTorch backend (rope/cpu.py) against the plain reference formula (rope/reference.py).
 
 Tolerances: fp32 2e-5 absolute; bf16/fp16 one rounding step of the reference; gradients 2e-5.
 test_rope.py additionally checks this backend (the CPU default of ``apply_mrope``) against an

@@ -1,6 +1,6 @@
 """Compile the Triton M-RoPE kernel for an NVIDIA target ahead of time, with no GPU.
 
-The interpreter tests (test_rope_triton.py) check the numbers; this checks that the same kernel
+The interpreter tests (test_triton.py) check the numbers; this checks that the same kernel
 goes through Triton's real compiler down to PTX for sm_90 (front-end typing, constexpr use,
 loop-carried pointers), and that ``tl.sin``/``tl.cos`` lower to libdevice's precise
 ``__nv_sinf``/``__nv_cosf``, not the ``sin.approx``/``cos.approx`` instructions, which lose accuracy
@@ -30,7 +30,7 @@ def _compile(io: str, interleaved: bool, partial: bool, conjugate: bool, cc: int
     mod = importlib.import_module("collate.ops.rope.triton")
     fn = mod._mrope_kernel
     if type(fn).__name__ != "JITFunction":
-        pytest.skip("rope_triton was imported in interpreter mode")
+        pytest.skip("rope/triton.py was imported in interpreter mode")
     const = dict(
         NUM_Q_HEADS=28, NUM_K_HEADS=4, INTERLEAVED=interleaved, CONJUGATE=conjugate, HAS_SCALE=conjugate,
         BLOCK_T=16,

@@ -1,6 +1,6 @@
 """The compiled Triton M-RoPE kernel on a CUDA GPU against the PyTorch reference (skipped without one).
 
-Same checks as test_rope_triton.py (which runs the kernel in Triton's interpreter on CPU), at model
+Same checks as test_triton.py (which runs the kernel in Triton's interpreter on CPU), at model
 sizes and with positions up to 2**17 to catch an approximate sin/cos lowering on the device.
 """
 

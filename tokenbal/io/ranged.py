@@ -3,7 +3,7 @@
 Used by :class:`tokenbal.data.indexed.IndexedShardDataset` (one positional read per member). Local
 shards are read with ``os.pread`` on a descriptor opened ``O_NONBLOCK`` (a FIFO in a shard's place
 fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` with the index build's retry
-policy and deadlines (:func:`tokenbal.index.remote.with_retries`).
+policy and deadlines (:func:`tokenbal.io.remote.with_retries`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ import stat
 from collections import OrderedDict
 from typing import Any
 
+from tokenbal.io.remote import is_url
+
 __all__ = ["ShardReaders", "is_url"]
-
-
-def is_url(path: str) -> bool:
-    """Whether ``path`` is a remote URL (fsspec) rather than a local path or ``file://`` URL."""
-    return "://" in path and not path.startswith("file://")
 
 
 class ShardReaders:
@@ -83,7 +80,7 @@ class ShardReaders:
             # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
             # Each request has the build's deadlines too (RemoteOptions' timeout / total_timeout):
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
-            from tokenbal.index.remote import RemoteOptions, store_call, with_retries
+            from tokenbal.io.remote import RemoteOptions, store_call, with_retries
 
             return with_retries(store_call(h, "cat_file", shard, start=offset, end=offset + n), shard,
                                 f"bytes {offset}..{offset + n}", RemoteOptions())

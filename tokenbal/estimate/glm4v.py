@@ -11,11 +11,12 @@ modelled (frame de-duplication and timestamps; see docs/estimators.md).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate.base import PatchGridEstimator
 from tokenbal.estimate.qwen import MAX_RATIO, smart_resize_3d
 
 
@@ -66,7 +67,7 @@ def smart_resize_3d_np(
 
 
 @dataclass(frozen=True)
-class Glm4vEstimator:
+class Glm4vEstimator(PatchGridEstimator):
     """GLM-4.1V image placeholder counts; :func:`make_glm4v` gives the defaults.
 
     Fields: ``patch_size`` (14), ``merge_size`` (2), ``temporal_patch_size`` (2, also the frame
@@ -82,24 +83,9 @@ class Glm4vEstimator:
     max_pixels: int = 9633792
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{self.family}: {f.name} must be a positive int, got {v!r}")
+        self.check_field_types()
         if self.min_pixels > self.max_pixels:
             raise ValueError(f"{self.family}: min_pixels={self.min_pixels} > max_pixels={self.max_pixels}")
-
-    @property
-    def name(self) -> str:
-        return self.family
-
-    @property
-    def config(self) -> dict:
-        return {"estimator": self.family, **asdict(self)}
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
 
     @property
     def wrapper_tokens(self) -> int:
@@ -116,29 +102,12 @@ class Glm4vEstimator:
         h2, w2 = smart_resize_3d(t, h, w, t, self.factor, self.min_pixels, self.max_pixels)
         return w2, h2
 
-    def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
-        """``image_grid_thw`` the processor emits: (1, H'/patch, W'/patch)."""
-        w, h = self.resized_size(width, height)
-        return 1, h // self.patch_size, w // self.patch_size
-
-    def image_tokens(self, width: int, height: int) -> int:
-        """``<|image|>`` tokens for one image (wrappers not included)."""
-        w, h = self.resized_size(width, height)
-        return (h // self.factor) * (w // self.factor)
-
     def image_tokens_batch(self, widths, heights) -> np.ndarray:
         """Vectorised :meth:`image_tokens`; identical values, int64."""
         w, h = pair_dims(widths, heights)
         t, f = self.temporal_patch_size, self.factor
         h2, w2 = smart_resize_3d_np(t, h, w, t, f, self.min_pixels, self.max_pixels)
         return (h2 // f) * (w2 // f)
-
-    def replace(self, **overrides) -> Glm4vEstimator:
-        known = {f.name for f in fields(self)} - {"family"}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"{self.family}: unknown setting(s) {unknown}; known: {sorted(known)}")
-        return Glm4vEstimator(**{**asdict(self), **overrides})
 
 
 def make_glm4v(**overrides) -> Glm4vEstimator:

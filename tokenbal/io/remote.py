@@ -1,0 +1,394 @@
+"""Remote objects behind any fsspec URL (``s3://``, ``gs://``, ``https://``, ...): how they are read
+(``RemoteOptions``), transient errors retried with backoff (``with_retries``), one filesystem per
+process and protocol (``filesystem``), object size and identity (``object_info``), and ranged reads
+with a segment cache (``RemoteFile``); a seekable, retried file over one object (``RetryingFile``), and
+per-request and total deadlines (``RemoteOptions.timeout`` / ``total_timeout``), so a store that
+accepts connections and never answers ends in an error naming the URL.
+
+Shared by the index build (:mod:`tokenbal.index.remote` scans remote shards) and the readers
+(:mod:`tokenbal.io.ranged`, :mod:`tokenbal.data.parquet`), so both retry the same errors the same way.
+Transient errors (timeouts, connection resets, HTTP 408 / 429 / 5xx) are retried with exponential
+backoff (``RETRIES`` times); a permanent one (missing object, access denied, other 4xx) is raised
+at once, naming the URL.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenbal._extras import MissingExtraError
+
+CHUNK = 8 * 1024
+INFLIGHT = 8
+RETRIES = 4
+BACKOFF_S = 0.2
+TIMEOUT_S = 60.0         # one request
+TOTAL_TIMEOUT_S = 600.0  # one read, retries and back-off included
+READ_MODES = ("auto", "ranges", "whole")
+
+
+def is_url(path: str) -> bool:
+    """A remote source: ``scheme://...`` other than ``file://``."""
+    return "://" in path and not path.startswith("file://")
+
+
+@dataclass
+class RemoteOptions:
+    """How remote sources are read; the build passes one to every worker."""
+    storage_options: dict = field(default_factory=dict)   # fsspec.filesystem(...) keyword arguments
+    mode: str = "auto"           # auto | ranges | whole
+    chunk: int = CHUNK
+    inflight: int = INFLIGHT
+    retries: int = RETRIES
+    backoff_s: float = BACKOFF_S
+    timeout: float | None = TIMEOUT_S               # seconds per request; None: no limit
+    total_timeout: float | None = TOTAL_TIMEOUT_S   # seconds per read, retries included; None: no limit
+
+    def __post_init__(self) -> None:
+        if self.mode not in READ_MODES:
+            raise ValueError(f"remote read mode must be one of {READ_MODES}, got {self.mode!r}")
+        if self.chunk < 1024 or self.inflight < 1 or self.retries < 0:
+            raise ValueError(f"bad remote options: chunk={self.chunk} (>= 1024), inflight={self.inflight} "
+                             f"(>= 1), retries={self.retries} (>= 0)")
+        for name in ("timeout", "total_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"bad remote options: {name}={value} (> 0 seconds, or None for no limit)")
+
+
+class RemoteReadError(OSError):
+    """A read of a remote object failed for good; the message names the URL."""
+
+
+class RangesIgnored(Exception):  # noqa: N818 - a signal to fall back to a whole download, not a failure
+    """The server answered a ranged read with the whole object."""
+
+
+_FS_LOCK = threading.Lock()
+_FS: dict[tuple, Any] = {}
+
+
+def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path inside it)`` for ``url``; filesystems are shared per process."""
+    from tokenbal._extras import fsspec_filesystem
+
+    protocol = url.split("://", 1)[0]
+    opts = dict(storage_options or {})
+    key = (os.getpid(), protocol, repr(sorted(opts.items())))
+    with _FS_LOCK:
+        fs = _FS.get(key)
+        if fs is None:
+            fs = _FS[key] = fsspec_filesystem(protocol, **opts)
+    return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+
+
+def _permanent(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotImplementedError,
+                      ValueError, TypeError, RangesIgnored)):
+        return True
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):
+        return True
+    return False
+
+
+def _transient_cause(cause: BaseException | None) -> bool:
+    """Whether the error behind a FileNotFoundError was a passing one (a 5xx, a timeout, a reset):
+    only then is the object retried rather than reported missing."""
+    if cause is None:
+        return False
+    status = getattr(cause, "status", None)
+    if isinstance(status, int):
+        return status >= 500 or status in (408, 429)
+    if isinstance(cause, OSError):   # aiohttp's connection errors are OSErrors too
+        return not isinstance(cause, (FileNotFoundError, PermissionError, IsADirectoryError))
+    return type(cause).__name__ in ("ClientConnectionError", "ClientOSError", "ServerDisconnectedError",
+                                 "ClientPayloadError", "ServerTimeoutError")
+
+
+class store_call:   # noqa: N801 - used like a function: store_call(fs, "cat_file", path, start=0, end=9)
+    """``fs.<method>(*args, **kwargs)`` as ``with_retries`` runs it: given each attempt's deadline.
+    On fsspec's async filesystems (HTTP, S3, GCS, ...) the deadline goes to fsspec's ``sync``, which
+    cancels the request when it passes; on others the call runs in a thread that is abandoned."""
+
+    def __init__(self, fs: Any, method: str, *args: Any, **kwargs: Any) -> None:
+        self.fs, self.method, self.args, self.kwargs = fs, method, args, kwargs
+
+    def __call__(self, timeout: float | None = None) -> Any:
+        fn = getattr(self.fs, self.method)
+        if timeout is None:
+            return fn(*self.args, **self.kwargs)
+        # fsspec mirrors an async store's coroutine ``_<method>`` as a sync wrapper whose ``timeout``
+        # keyword is fsspec.asyn.sync's (a cancelling wait_for); only then is it passed down.
+        if inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None)):
+            try:
+                return fn(*self.args, timeout=timeout, **self.kwargs)
+            except TimeoutError as e:   # fsspec's FSTimeoutError: say how long was waited
+                raise TimeoutError(f"no answer within {timeout:g} s") from e
+        return _call_with_deadline(lambda: fn(*self.args, **self.kwargs), timeout)
+
+
+def _call_with_deadline(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` in a daemon thread; ``TimeoutError`` if it has not returned after ``timeout`` seconds
+    (the thread is left to finish on its own: a blocking call cannot be interrupted from outside)."""
+    box: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="tokenbal-remote-call").start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    ok, value = box[0]
+    if ok:
+        return value
+    raise value
+
+
+def with_retries(fn: Callable[..., Any], url: str, what: str, opts: RemoteOptions) -> Any:
+    """``fn()``, retried on transient errors with exponential backoff (jittered). A missing object
+    stays a ``FileNotFoundError`` and a denied one a ``PermissionError``; every other final failure
+    is a ``RemoteReadError`` naming ``url``, what was read and how many attempts were made.
+
+    Deadlines: each attempt gets ``opts.timeout`` seconds (a ``store_call`` is handed it; any other
+    ``fn`` runs in a thread that is waited for that long), and all attempts together, back-off
+    included, ``opts.total_timeout``; an attempt past its deadline is a transient error."""
+    deadline = None if opts.total_timeout is None else time.monotonic() + opts.total_timeout
+    for attempt in range(opts.retries + 1):
+        limit = opts.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RemoteReadError(f"{url}: cannot read {what}: no answer within the total timeout of "
+                                      f"{opts.total_timeout:g} s ({attempt} attempts)")
+            limit = left if limit is None else min(limit, left)
+        try:
+            if isinstance(fn, store_call):
+                return fn(limit)
+            return fn() if limit is None else _call_with_deadline(fn, limit)
+        except (RangesIgnored, MissingExtraError):
+            raise
+        except Exception as e:
+            # fsspec's HTTP info() reports any failure as FileNotFoundError; its cause says which.
+            cause = e.__cause__ if isinstance(e, FileNotFoundError) and e.__cause__ is not None else None
+            status = getattr(cause, "status", None)
+            if status in (401, 403):
+                raise PermissionError(f"{url}: access denied (HTTP {status})") from e
+            if isinstance(e, (FileNotFoundError, PermissionError)) and not _transient_cause(cause):
+                raise
+            if (cause is None and _permanent(e)) or attempt == opts.retries:
+                tries = f" (after {attempt + 1} attempts)" if attempt else ""
+                shown = cause if cause is not None else e
+                raise RemoteReadError(f"{url}: cannot read {what}{tries}: {type(shown).__name__}: "
+                                      f"{shown}") from e
+            pause = opts.backoff_s * (2 ** attempt) * (1 + 0.25 * random.random())
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+def object_info(url: str, opts: RemoteOptions) -> dict:
+    """Size and identity of a remote object: ``{"size", "etag", "remote_mtime"}`` (None when the store
+    does not say)."""
+    fs, path = filesystem(url, opts.storage_options)
+    info = with_retries(store_call(fs, "info", path), url, "object info", opts)
+    if info.get("size") is None:
+        raise RemoteReadError(f"{url}: the server does not report the object's size")
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    mtime = info.get("LastModified") or info.get("Last-Modified") or info.get("mtime") or info.get("updated")
+    return {"size": int(info["size"]), "etag": None if etag is None else str(etag).strip('"'),
+            "remote_mtime": None if mtime is None else str(mtime)}
+
+
+class RemoteFile:
+    """Ranged reads of one object with a cache of the fetched segments (kept for one shard scan).
+
+    ``pread(n, offset)`` serves from the cache, else fetches ``[offset, offset + max(n, chunk))``;
+    ``prefetch(ranges)`` fetches many ranges at once, coalesced, ``inflight`` requests at a time.
+    """
+
+    def __init__(self, url: str, size: int, opts: RemoteOptions) -> None:
+        self.url, self.size, self.opts = url, size, opts
+        self.fs, self.path = filesystem(url, opts.storage_options)
+        self._starts: list[int] = []
+        self._segs: list[bytes] = []
+        self.requests = 0
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        end = min(end, self.size)
+        if end <= start:
+            return b""
+        data = with_retries(store_call(self.fs, "cat_file", self.path, start=start, end=end), self.url,
+                            f"bytes {start}..{end}", self.opts)
+        with self._lock:
+            self.requests += 1
+            self.bytes_read += len(data)
+        if len(data) > end - start:
+            raise RangesIgnored
+        if len(data) < end - start:
+            raise RemoteReadError(f"{self.url}: asked for bytes {start}..{end} of a {self.size}-byte object "
+                                  f"and got {len(data)}; the object changed or was cut short during the scan")
+        return data
+
+    def _add(self, start: int, data: bytes) -> None:
+        with self._lock:
+            j = bisect.bisect_left(self._starts, start)
+            self._starts.insert(j, start)
+            self._segs.insert(j, data)
+
+    def _cached(self, n: int, offset: int) -> bytes | None:
+        # Segments are few per shard; look at those starting at or before offset, latest first.
+        j = bisect.bisect_right(self._starts, offset)
+        for k in range(j - 1, max(-1, j - 9), -1):
+            s, seg = self._starts[k], self._segs[k]
+            if offset + n <= s + len(seg):
+                return seg[offset - s:offset - s + n]
+        return None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the object)."""
+        n = max(0, min(n, self.size - offset))
+        if n == 0:
+            return b""
+        got = self._cached(n, offset)
+        if got is not None:
+            return got
+        data = self._fetch(offset, offset + max(n, self.opts.chunk))
+        self._add(offset, data)
+        return data[:n]
+
+    def prefetch(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """Fetch every ``(start, end)`` not already cached: adjacent ones (gaps under ``chunk``) in one
+        request, ``inflight`` requests at a time."""
+        todo = sorted((s, min(e, self.size)) for s, e in ranges
+                      if e > s and self._cached(min(e, self.size) - s, s) is None)
+        merged: list[list[int]] = []
+        for s, e in todo:
+            if merged and s <= merged[-1][1] + self.opts.chunk:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        if not merged:
+            return
+        if len(merged) == 1 or self.opts.inflight == 1:
+            for s, e in merged:
+                self._add(s, self._fetch(s, e))
+            return
+        with ThreadPoolExecutor(min(self.opts.inflight, len(merged))) as pool:
+            for (s, _), data in zip(merged, pool.map(lambda r: self._fetch(*r), merged), strict=True):
+                self._add(s, data)
+
+
+class RetryingFile:
+    """A read-only, seekable file over ranged reads of one remote object, every read retried with
+    the deadlines of ``with_retries`` (fsspec's own file object retries nothing: a passing 503 in
+    the middle of a Parquet row group failed the file). It keeps only the last block it fetched
+    (at least ``opts.chunk`` bytes), not the object: pyarrow reads Parquet footers and column
+    chunks through it (``tokenbal.index.parquet``, ``tokenbal.data.parquet``)."""
+
+    def __init__(self, url: str, size: int, opts: RemoteOptions) -> None:
+        self.url, self.size, self.opts = url, size, opts
+        self.fs, self.path = filesystem(url, opts.storage_options)
+        self.pos, self.closed = 0, False
+        self._start, self._block = 0, b""
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.size - self.pos
+        n = max(0, min(n, self.size - self.pos))
+        if n == 0:
+            return b""
+        rel = self.pos - self._start
+        if not (0 <= rel and rel + n <= len(self._block)):
+            end = min(self.size, self.pos + max(n, self.opts.chunk))
+            data = with_retries(store_call(self.fs, "cat_file", self.path, start=self.pos, end=end), self.url,
+                                f"bytes {self.pos}..{end}", self.opts)
+            if len(data) != end - self.pos:
+                raise RemoteReadError(f"{self.url}: asked for bytes {self.pos}..{end} of a {self.size}-byte "
+                                      f"object and got {len(data)}; the object changed or the server ignores "
+                                      "byte ranges")
+            self._start, self._block, rel = self.pos, data, 0
+        out = self._block[rel:rel + n]
+        self.pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.size + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed, self._block = True, b""
+
+
+class RemoteFileObject:
+    """A seekable file object over ``RemoteFile`` for ``tarfile`` (the fallback listing)."""
+
+    def __init__(self, rf: RemoteFile) -> None:
+        self.rf, self.pos = rf, 0
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.rf.size - self.pos
+        data = self.rf.pread(n, self.pos)
+        self.pos += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.rf.size + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+
+def threaded_map(fn: Callable[[str], Any], items: Sequence[str], inflight: int) -> Iterator[Any]:
+    """``map(fn, items)`` in order, ``inflight`` calls at a time (remote scans wait on the network)."""
+    if inflight <= 1 or len(items) <= 1:
+        yield from map(fn, items)
+        return
+    from collections import deque
+
+    # A bounded window of futures: results are taken in order, at most 2 * inflight held at once.
+    with ThreadPoolExecutor(min(inflight, len(items))) as pool:
+        window: deque = deque()
+        for item in items:
+            window.append(pool.submit(fn, item))
+            if len(window) >= 2 * inflight:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
