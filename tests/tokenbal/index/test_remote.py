@@ -275,8 +275,8 @@ def test_a_store_that_accepts_and_never_answers_ends_in_an_error_naming_the_url(
         assert isinstance(got, RemoteReadError), got
         assert url in str(got) and "no answer within 0.5 s" in str(got)
         # The reader's requests have the same deadlines (RemoteOptions' defaults there).
-        from tokenbal.io.ranged import ShardReaders
         from tokenbal.io import remote as rm
+        from tokenbal.io.ranged import ShardReaders
 
         slow = rm.RemoteOptions(timeout=0.5, total_timeout=2, retries=0)
         fs = ShardReaders(1, None)._handle(url)[1]
