@@ -4,7 +4,7 @@
 ``write_timeline``. Pure Python + numpy over the JSON the profilers write; no torch needed.
 """
 
-from tokenbal.profile.analyze import CollectiveStats, RankStep, RunProfile, analyze, collective_kind
+from tokenbal.profile.analysis import CollectiveStats, RankStep, RunProfile, analyze, collective_kind
 from tokenbal.profile.report import VerdictRow, format_compare, format_report, verdict, write_timeline
 from tokenbal.profile.traces import Trace, load_trace, load_traces, step_windows
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenbal.profile.analyze import RunProfile
+from tokenbal.profile.analysis import RunProfile
 
 
 @dataclass
