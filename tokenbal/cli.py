@@ -130,21 +130,21 @@ def _write_plot(sim, path: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     # The demo drives the whole path (index → sampler → collator → model), so it needs the
     # `collate` layer; it is the one place the CLI reaches it, lazily.
+    from collate.demo import MODEL_CLASSES, run_demo
+
     if args.model_config is not None:
         # Fail before minutes of data generation, not after them.
         import json
 
         try:
             with open(args.model_config) as f:
-                model_type = json.load(f).get("model_type")
+                raw = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"--model {args.model_config}: not a readable config.json ({e})") from None
-        from collate.train.builders import MODEL_CLASSES
-
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
         if model_type not in MODEL_CLASSES:
             raise ValueError(f"--model {args.model_config}: model_type {model_type!r} is not one the demo "
                              f"trains; valid: {', '.join(sorted(MODEL_CLASSES))}")
-    from collate.demo import run_demo
 
     return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed,
                     repeats=args.repeats, model=args.model_config)
