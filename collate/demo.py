@@ -296,8 +296,10 @@ def run_demo(workdir: str | None = None, train_samples: int = 32, ranks: int = 2
               f"the same {train_samples} samples with each sampler, {global_batch_size} per step, {repeats} "
               "times each, alternating")
         order = alternating_order(("distributed", "tokenbal"), repeats)
+        # A hang guard, not a speed limit: on the 2-core VM at load ~18 the default training ran past
+        # 600 s, and a demo that dies of a slow machine tells a newcomer nothing.
         per_rank = run_ranks(_train_rank, ranks, paths, order, train_samples, global_batch_size, seed,
-                             model, timeout=600)
+                             model, timeout=1800)
         epochs: dict[str, list[list]] = {"distributed": [], "tokenbal": []}
         for n, kind in enumerate(order):
             epochs[kind].append([r for rank_epochs in per_rank for r in rank_epochs[n]])
