@@ -115,8 +115,9 @@ def test_annotations_and_parquet_rows(tmp_path, processor, ckpt):
                                                    {"from": "gpt", "value": "on the mat"}]},
             {"text": "a bird in the tall green tree"}]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    build_index([str(tmp_path / "train.jsonl")], tmp_path / "ann", model="qwen2-vl", tokenizer=ckpt,
-                progress=False)
+    (tmp_path / "train.json").write_text(json.dumps(recs[::-1]))     # a .json list: keys file[i]
+    build_index([str(tmp_path / "train.jsonl"), str(tmp_path / "train.json")], tmp_path / "ann",
+                model="qwen2-vl", tokenizer=ckpt, progress=False)
     rows = {"images": [[{"bytes": image_bytes("jpg", 50, 70, seed=3), "path": None}], []],
             "messages": [[{"role": "user", "content": "<image>what is it"},
                           {"role": "assistant", "content": "a dog"}],
@@ -126,10 +127,11 @@ def test_annotations_and_parquet_rows(tmp_path, processor, ckpt):
                 progress=False)
     from tokenbal.data import IndexedParquetDataset
 
-    for source in (IndexedShardDataset(tmp_path / "ann"), IndexedParquetDataset(tmp_path / "pq")):
+    pq_ds = IndexedParquetDataset(tmp_path / "pq")
+    for source in (IndexedShardDataset(tmp_path / "ann"), pq_ds):
         ds = ProcessorDataset(source, processor, strict=True)
         got = [len(ds[i]["input_ids"]) for i in range(len(ds))]
-        assert got == list(source.index.lengths) and len(got) == 2
+        assert got == list(source.index.lengths) and len(got) == (4 if source is not pq_ds else 2)
 
 
 def test_mismatches_are_named(tmp_path, processor, ckpt, caplog):
