@@ -37,6 +37,7 @@ none), it returns the same processor class without its video processor (images a
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -102,16 +103,27 @@ def _processor_class(path: str | os.PathLike) -> Any:
     return None
 
 
+@functools.cache
 def _without_video(cls: Any) -> Any:
-    """``cls`` with ``video_processor`` dropped from its sub-processors (loaded and checked)."""
+    """``cls`` with ``video_processor`` dropped from its sub-processors (loaded and checked); one
+    class per ``cls``, and its instances pickle (DataLoader workers under spawn)."""
 
     class NoVideo(cls):
         @classmethod
         def get_attributes(klass) -> list[str]:
             return [a for a in super().get_attributes() if a != "video_processor"]
 
+        def __reduce__(self):
+            return _rebuild_without_video, (cls, self.__dict__)
+
     NoVideo.__name__ = NoVideo.__qualname__ = cls.__name__
     return NoVideo
+
+
+def _rebuild_without_video(cls: Any, state: dict) -> Any:
+    obj = object.__new__(_without_video(cls))
+    obj.__dict__.update(state)
+    return obj
 
 
 def _image_span(processor: Any) -> str:

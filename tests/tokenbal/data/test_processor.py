@@ -95,6 +95,17 @@ def test_token_counts_equal_the_index_and_the_processor(tar_index, processor, ca
     assert ds.length_mismatches == 0
 
 
+def test_a_processor_without_video_pickles(processor, tar_index):
+    import pickle
+
+    # Without torchvision (this venv) load_processor leaves the video processor out; the dataset must
+    # still reach DataLoader workers started with spawn.
+    original = ProcessorDataset(IndexedShardDataset(tar_index), processor)
+    ds = pickle.loads(pickle.dumps(original))
+    assert type(ds.processor).__name__ == type(processor).__name__
+    assert list(ds[0]["input_ids"]) == list(original[0]["input_ids"])
+
+
 def test_a_batch_collates(tar_index, processor, ckpt):
     from transformers import AutoConfig
 
