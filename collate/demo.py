@@ -204,8 +204,9 @@ def bound_verdict(baseline: dict, balanced: dict) -> str:
     steps = ("" if baseline["steps"] == balanced["steps"] else
              f" (DistributedSampler {baseline['steps']} steps, tokenbal {balanced['steps']}: it packs the "
              "same samples into steps of equal total tokens, not of equal sample counts)")
-    return (f"the busiest rank held {baseline['max_over_mean']:.2f}x the mean rank's tokens with "
-            f"DistributedSampler and {balanced['max_over_mean']:.2f}x with tokenbal (ranks idle for "
+    return (f"summed over the epoch's steps, the busiest rank held {baseline['max_over_mean']:.2f}x the "
+            f"mean rank's tokens with DistributedSampler and {balanced['max_over_mean']:.2f}x with tokenbal "
+            f"(ranks idle for "
             f"{baseline['idle']:.0%} vs {balanced['idle']:.0%} of the token slots){steps}; where step time "
             f"follows the busiest rank's tokens, that is {gain:.2f}x less straggling")
 
@@ -311,7 +312,7 @@ def run_demo(workdir: str | None = None, train_samples: int = 32, ranks: int = 2
             rows.append([kind, f"{s['step_over_ideal']:.2f}", waits, f"{s['token_max_over_mean']:.2f}",
                          str(s["steps"]), " / ".join(f"{c:.2f}" for c in s["compute_s"]),
                          f"{s['epoch_s']:.2f} s"])
-        _print_table(["sampler", "epoch / ideal", "wait per rank", "tokens max/mean", "steps",
+        _print_table(["sampler", "epoch / ideal", "wait per rank", "tokens max/mean per step", "steps",
                       "compute per rank (s)", "epoch time (median)"], rows)
         print("  (compute = this rank's forward+backward timed alone on an unsharded replica; ideal = each "
               "step's total compute spread evenly; wait = share of the epoch spent waiting for other ranks)")
