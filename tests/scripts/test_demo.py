@@ -140,7 +140,7 @@ def test_the_verdict_reads_no_clock():
         assert t == {"steps": 2, "max_over_mean": 1.0, "idle": 0.0}
         text = bound_verdict(b, t)
         assert "1.33x the mean rank's tokens with DistributedSampler and 1.00x with tokenbal" in text
-        assert "25% vs 0%" in text and "1.33x less straggling" in text and "steps" not in text
+        assert "25% vs 0%" in text and "1.33x less straggling" in text and " steps, tokenbal " not in text
     three = token_bound(records([[100, 100, 100], [100, 100, 100]], 1.0))
     assert "DistributedSampler 2 steps, tokenbal 3" in bound_verdict(b, three)
 
