@@ -16,7 +16,7 @@ $(VENV)/.torch:
 	touch $@
 
 $(VENV)/.installed: $(VENV)/.torch pyproject.toml
-	$(PY) -m pip install -q -e ".[hf]"
+	$(PY) -m pip install -q -e ".[hf,plot]"
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.torch pyproject.toml

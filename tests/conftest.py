@@ -22,3 +22,16 @@ def s3(monkeypatch):
 
     with moto_s3(monkeypatch) as (endpoint, client):
         yield endpoint, client
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_ckpt(tmp_path_factory):
+    """A tiny local Qwen2-VL checkpoint folder (tokenizer trained on the corpus words, official image
+    processor sizes, a random tiny model): ``tests.helpers.processors.qwen2_vl_checkpoint``, built
+    once per session for the ProcessorDataset and README Quick start tests."""
+    pytest.importorskip("transformers")
+    from tests.helpers.corpus import WORDS
+    from tests.helpers.processors import qwen2_vl_checkpoint
+
+    return qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2vl") / "Qwen2-VL-2B-Instruct",
+                               [" ".join(WORDS)] * 20, model=True)

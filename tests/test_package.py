@@ -97,3 +97,59 @@ def test_trainer_example_runs(tmp_path):
     r = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "trained 4 steps" in r.stdout
+
+
+# Each snippet imports in a different order, then checks that a package attribute named like one of
+# its submodules *is* that submodule (the name must not mean a function after one order and a module
+# after another).
+_IMPORT_ORDERS = [
+    "import tokenbal",
+    "import tokenbal.partition; import tokenbal",
+    "from tokenbal.partition import partition; import tokenbal",
+    "from tokenbal import partition",
+    "import tokenbal.balance.partition; import tokenbal",
+    "import tokenbal.profile.analysis as a; import tokenbal.profile",
+]
+_CHECK = """
+import sys, types, tokenbal, tokenbal.profile
+assert isinstance(tokenbal.partition, types.ModuleType), tokenbal.partition
+assert tokenbal.partition is sys.modules["tokenbal.partition"]
+assert len(tokenbal.partition.partition([3, 2, 1], 2)) == 3
+from tokenbal.partition import partition
+assert callable(partition) and not isinstance(partition, types.ModuleType)
+for pkg in (tokenbal, tokenbal.profile):
+    for name in getattr(pkg, "__all__", ()):
+        sub = sys.modules.get(pkg.__name__ + "." + name)
+        if sub is not None:
+            assert getattr(pkg, name) is sub, (pkg.__name__, name, getattr(pkg, name))
+"""
+
+
+@pytest.mark.parametrize("first", _IMPORT_ORDERS)
+def test_submodule_names_mean_the_module_in_every_import_order(first):
+    r = subprocess.run([sys.executable, "-c", f"{first}\n{_CHECK}"], env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _shadowed(pkg) -> list[str]:
+    """Public names of ``pkg`` that are also the names of its submodules (unless declared modules)."""
+    import pkgutil
+
+    subs = {m.name for m in pkgutil.iter_modules(pkg.__path__)}
+    names = set(getattr(pkg, "__all__", ())) | set(getattr(pkg, "_LAZY", {}))
+    return [f"{pkg.__name__}.{n}" for n in sorted(subs & names) if n not in getattr(pkg, "_SUBMODULES", {})]
+
+
+def test_no_public_name_shadows_a_submodule():
+    # A public name equal to a submodule's name is the clash above waiting to happen: list them all.
+    import importlib
+    import pkgutil
+
+    clashes = []
+    for top in ("tokenbal", "collate"):
+        clashes += _shadowed(importlib.import_module(top))
+        for info in pkgutil.walk_packages([str(ROOT / top)], prefix=top + "."):
+            if info.ispkg:
+                clashes += _shadowed(importlib.import_module(info.name))
+    assert not clashes, f"public names that are also submodules: {clashes}"

@@ -22,11 +22,13 @@ _LAZY = {
     "TokenBalancedBatchSampler": "tokenbal.balance.sampler",
     "get_estimator": "tokenbal.estimate",
     "load_estimator": "tokenbal.estimate",
-    "partition": "tokenbal.balance.partition",
 }
+# Names that are modules: ``tokenbal.partition`` is the module whatever the import order, never the
+# function inside it (``from tokenbal.partition import partition`` is the contract's spelling).
+_SUBMODULES = {"partition": "tokenbal.partition"}
 
 if TYPE_CHECKING:
-    from tokenbal.balance.partition import partition
+    from tokenbal import partition
     from tokenbal.balance.sampler import TokenBalancedBatchSampler
     from tokenbal.estimate import get_estimator, load_estimator
     from tokenbal.index import TokenIndex
@@ -38,4 +40,6 @@ __all__ = ["TokenBalancedBatchSampler", "TokenIndex", "__version__", "get_estima
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
     raise AttributeError(f"module 'tokenbal' has no attribute {name!r}")

@@ -184,10 +184,24 @@ def _write_plot(sim, path: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     # The demo drives the whole path (index → sampler → collator → model), so it needs the
     # `collate` layer; it is the one place the CLI reaches it, lazily.
-    from collate.demo import run_demo
+    from collate.demo import MODEL_CLASSES, run_demo
+
+    if args.model_config is not None:
+        # Fail before minutes of data generation, not after them.
+        import json
+
+        try:
+            with open(args.model_config) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--model {args.model_config}: not a readable config.json ({e})") from None
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+        if model_type not in MODEL_CLASSES:
+            raise ValueError(f"--model {args.model_config}: model_type {model_type!r} is not one the demo "
+                             f"trains; valid: {', '.join(sorted(MODEL_CLASSES))}")
 
     return run_demo(workdir=args.workdir, train_samples=args.train_samples, ranks=args.ranks, seed=args.seed,
-                    repeats=args.repeats, model=args.model)
+                    repeats=args.repeats, model=args.model_config)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -474,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="epochs per sampler, alternating between the two, for the speed-up and its noise "
                            "(default 2)")
     demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
-    demo.add_argument("--model", default=None,
+    # dest model_config: --model of the other commands is an estimator name, checked as one in main().
+    demo.add_argument("--model", dest="model_config", metavar="CONFIG.json", default=None,
                       help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL, GLM-4.1V) "
                            "to train randomly initialised instead of the tiny Qwen2-VL")
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)

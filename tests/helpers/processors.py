@@ -115,3 +115,47 @@ def phi4_token_counter():
         return int(out["num_img_tokens"][0])
 
     return count
+
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen2_vl_checkpoint(path, corpus_text: list[str], model: bool = False) -> str:
+    """A local Qwen2-VL checkpoint folder at ``path``, the way ``hf download`` leaves one: a byte-level
+    BPE ``tokenizer.json`` trained on ``corpus_text`` (with Qwen's vision special tokens), the official
+    ``preprocessor_config.json`` sizes (min_pixels 3136, max_pixels 12845056, patch 14, merge 2),
+    ``processor_config.json`` naming ``Qwen2VLProcessor``, and with ``model=True`` a tiny random
+    ``Qwen2VLForConditionalGeneration`` (``config.json`` + weights) whose token ids are the tokenizer's.
+    Nothing is downloaded. Returns the folder."""
+    import json
+    import os
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+
+    os.makedirs(path, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus_text, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=QWEN_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(path)
+    with open(os.path.join(path, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "Qwen2VLProcessor"}, f)
+    if model:
+        import torch
+        from transformers import Qwen2VLForConditionalGeneration
+
+        from tests.helpers.tiny_qwen2_vl import tiny_config
+
+        cfg = tiny_config()
+        ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+        cfg.text_config.vocab_size = len(tok)
+        cfg.image_token_id, cfg.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+        cfg.vision_start_token_id, cfg.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+        torch.manual_seed(0)
+        Qwen2VLForConditionalGeneration(cfg).save_pretrained(path)
+    return str(path)

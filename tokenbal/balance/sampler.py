@@ -4,6 +4,7 @@ Every rank builds the same sampler from the same lengths; each plans the whole e
 communication) and yields only its own slice::
 
     sampler = TokenBalancedBatchSampler(index, global_batch_size=256)   # rank/world from torch.distributed
+                                                                        # (1 process: world 1, rank 0)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=...)
     for epoch in range(start_epoch, num_epochs):
         sampler.set_epoch(epoch)
@@ -81,7 +82,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
     ``lengths_or_index``: 1-D non-negative integer token counts, or any object with a
     ``.lengths`` attribute (e.g. :class:`tokenbal.TokenIndex`). ``num_replicas`` / ``rank``
-    default to ``torch.distributed``'s world size / rank; under tensor / sequence parallelism pass
+    default to ``torch.distributed``'s world size / rank, or to ``1`` / ``0`` (one process) when no
+    process group is initialised; under tensor / sequence parallelism pass
     ``dp_group=`` (a ProcessGroup) or ``device_mesh=`` (see :mod:`tokenbal.parallel` for which mesh
     dimension is used) so that the ranks of one SP/TP group get the same batches. Exactly one of
     ``global_batch_size`` (samples per step over all ranks, >= num_replicas) and
@@ -433,11 +435,17 @@ def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int
     if num_replicas is None or rank is None:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("num_replicas and rank must be given when torch.distributed is not "
-                             "initialised")
-        num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
-        rank = dist.get_rank() if rank is None else rank
+        if dist.is_available() and dist.is_initialized():
+            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+            rank = dist.get_rank() if rank is None else rank
+        elif num_replicas is None and rank is None:
+            # One process (a notebook, a single-device run): the whole epoch is this rank's.
+            num_replicas, rank = 1, 0
+        else:
+            # Half a pair would silently make this process rank 0 of N (or a rank of a world of 1).
+            given, missing = ("num_replicas", "rank") if rank is None else ("rank", "num_replicas")
+            raise ValueError(f"{given} given without {missing} and torch.distributed is not initialised: "
+                             f"pass both, or neither for one process (num_replicas=1, rank=0)")
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:

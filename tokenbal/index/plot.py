@@ -1,10 +1,11 @@
 """``tokenbal index stats DIR --plot out.png``: a histogram of tokens per sample by modality, drawn
-with Pillow (no plotting library needed).
+with matplotlib (the ``plot`` extra).
 
 Bins are powers of two (``[1, 2)``, ``[2, 4)``, … up to the largest count), because token counts
 span four orders of magnitude (a 60-token caption next to a 16,000-token document scan); samples
 with 0 tokens of a modality (text-only samples have 0 vision tokens) get their own first bin.
-Vision bars are blue, text bars orange, side by side in each bin; the y axis is linear.
+Vision bars are blue, text bars orange, side by side in each bin (a legend says which); the y axis
+is samples, linear.
 """
 
 from __future__ import annotations
@@ -45,34 +46,22 @@ def token_histogram(vision_tokens: np.ndarray, text_tokens: np.ndarray) -> Token
 def plot_token_histogram(vision_tokens: np.ndarray, text_tokens: np.ndarray, out: str | os.PathLike,
                          title: str = "tokens per sample", width: int = 960,
                          height: int = 540) -> TokenHistogram:
-    """Draw the histogram as a PNG at ``out``; returns the counts drawn."""
-    from PIL import Image, ImageDraw
+    """Draw the histogram as a PNG at ``out`` (matplotlib, the ``plot`` extra); returns the counts."""
+    from tokenbal.plot import pyplot, rgb, save
 
     hist = token_histogram(vision_tokens, text_tokens)
-    im = Image.new("RGB", (width, height), "white")
-    d = ImageDraw.Draw(im)
-    left, right, top, bottom = 70, 20, 40, 90
-    plot_w, plot_h = width - left - right, height - top - bottom
-    peak = int(max(hist.vision.max(initial=0), hist.text.max(initial=0), 1))
-    d.text((left, 10), f"{title} (n={len(np.asarray(vision_tokens)):,}): vision (blue) / text (orange)",
-           fill="black")
-    d.line([(left, top), (left, top + plot_h), (left + plot_w, top + plot_h)], fill="black")
-    for frac in (0.0, 0.5, 1.0):
-        y = top + plot_h - round(frac * plot_h)
-        d.text((5, y - 6), f"{round(frac * peak):,}", fill="black")
-        d.line([(left - 4, y), (left, y)], fill="black")
-    n = len(hist.labels)
-    slot = plot_w / n
-    bar = max(1, int(slot * 0.4))
-    for i, label in enumerate(hist.labels):
-        x0 = left + int(i * slot) + max(1, int(slot * 0.1))
-        for j, (count, rgb) in enumerate(((hist.vision[i], VISION_RGB), (hist.text[i], TEXT_RGB))):
-            h = round(int(count) / peak * plot_h)
-            if h:
-                d.rectangle([x0 + j * bar, top + plot_h - h, x0 + (j + 1) * bar - 1, top + plot_h - 1],
-                            fill=rgb)
-        # Every bin labelled, on two alternating rows so that neighbouring labels do not overlap.
-        d.text((x0, top + plot_h + 6 + 14 * (i % 2)), label, fill="black")
-    d.text((left, height - 30), "tokens per sample (power-of-two bins)", fill="black")
-    im.save(os.fspath(out), format="PNG")
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(width / 100, height / 100), dpi=100, layout="constrained")
+    x = np.arange(len(hist.labels))
+    ax.bar(x - 0.2, hist.vision, width=0.4, color=rgb(VISION_RGB), label="vision tokens")
+    ax.bar(x + 0.2, hist.text, width=0.4, color=rgb(TEXT_RGB), label="text tokens")
+    ax.set_xticks(x, hist.labels, rotation=45, ha="right")
+    ax.set_xlabel("tokens per sample (power-of-two bins)")
+    ax.set_ylabel("samples")
+    ax.set_title(f"{title} (n={len(np.asarray(vision_tokens)):,})")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.grid(True, axis="y", color="0.9")
+    ax.set_axisbelow(True)
+    ax.legend(loc="best")
+    save(fig, out)
     return hist

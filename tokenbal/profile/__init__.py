@@ -5,7 +5,7 @@
 over the JSON the profilers write; no torch needed.
 """
 
-from tokenbal.profile.analyze import CollectiveStats, RankStep, RunProfile, analyze, collective_kind
+from tokenbal.profile.analysis import CollectiveStats, RankStep, RunProfile, analyze, collective_kind
 from tokenbal.profile.export import compare_as_dict, profile_as_dict
 from tokenbal.profile.report import VerdictRow, format_compare, format_report, verdict, write_timeline
 from tokenbal.profile.traces import Trace, load_trace, load_traces, step_windows

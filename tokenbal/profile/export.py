@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
-from tokenbal.profile.analyze import RunProfile
+from tokenbal.profile.analysis import RunProfile
 from tokenbal.profile.report import verdict
 
 SCHEMA = 1

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from tokenbal.profile.analyze import RunProfile
+from tokenbal.profile.analysis import RunProfile
 
 
 @dataclass
@@ -126,27 +127,38 @@ def format_compare(a: RunProfile, b: RunProfile) -> str:
     return "\n".join(lines)
 
 
-def write_timeline(profiles: list[RunProfile], path: str) -> None:
-    """A PNG: one row per (run, rank), one bar per step — blue compute, orange exposed wait, grey idle."""
-    from PIL import Image, ImageDraw
+def write_timeline(profiles: list[RunProfile], path: str) -> Any:
+    """A PNG (matplotlib, the ``plot`` extra): one row per (run, rank), one bar per step along a
+    time axis in seconds -- blue compute, orange exposed communication / wait, grey idle. Returns
+    the (closed) matplotlib Figure."""
+    from tokenbal.plot import pyplot, save
 
+    plt = pyplot()
     rows = [(p, r) for p in profiles for r in p.ranks]
-    totals = [sum(s.step_s for s in p.steps if s.rank == r) for p, r in rows]
-    span = max(totals) if totals and max(totals) > 0 else 1.0
-    left, width, row_h = 260, 900, 22
-    img = Image.new("RGB", (left + width + 20, row_h * len(rows) + 40), "white")
-    draw = ImageDraw.Draw(img)
-    scale = width / span
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.35 * max(len(rows), 1)), dpi=100, layout="constrained")
+    colors = {"compute": (0.16, 0.35, 0.67), "exposed communication / wait": (1.0, 0.63, 0.35),
+              "idle": (0.78, 0.78, 0.78)}
     for y, (p, r) in enumerate(rows):
-        top, bottom = y * row_h + 4, y * row_h + row_h - 2
-        draw.text((4, top), f"{p.source[-30:]} rank {r}", fill="black")
-        x = float(left)
+        x = 0.0
         for s in sorted((s for s in p.steps if s.rank == r), key=lambda s: s.step):
-            draw.rectangle([x, top, x + s.step_s * scale, bottom], fill=(200, 200, 200), outline="white")
-            draw.rectangle([x, top, x + min(s.compute_s, s.step_s) * scale, bottom], fill=(40, 90, 170))
-            wait_end = min(s.step_s, s.compute_s + s.exposed_comm_s)
-            draw.rectangle([x + s.compute_s * scale, top, x + wait_end * scale, bottom], fill=(255, 160, 90))
-            x += s.step_s * scale
-    draw.text((left, row_h * len(rows) + 10), f"0 .. {span:.2f} s  blue: compute  orange: exposed "
-              "communication / wait  grey: idle", fill="black")
-    img.save(path)
+            compute = min(s.compute_s, s.step_s)
+            wait = max(0.0, min(s.step_s, s.compute_s + s.exposed_comm_s) - compute)
+            idle = max(0.0, s.step_s - compute - wait)
+            for (name, color), (start, length) in zip(colors.items(), ((x, compute), (x + compute, wait),
+                                                                       (x + compute + wait, idle)),
+                                                      strict=True):
+                if length > 0:
+                    ax.barh(y, length, left=start, height=0.8, color=color, edgecolor="white",
+                            linewidth=0.5, label=name)
+            x += s.step_s
+    ax.set_yticks(range(len(rows)), [f"{p.source[-30:]} rank {r}" for p, r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the first profiled step (s)")
+    ax.set_title("per-rank steps: compute, exposed communication / wait, idle")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(True, axis="x", color="0.9")
+    ax.set_axisbelow(True)
+    save(fig, path)
+    return fig

@@ -63,9 +63,17 @@ def test_epochs_differ_and_the_same_epoch_repeats():
     assert list(s) == e0
 
 
-def test_requires_world_when_torch_distributed_is_not_initialised():
-    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
-        TokenBalancedBatchSampler(lengths_for(), global_batch_size=8)
+def test_one_process_defaults_when_torch_distributed_is_not_initialised():
+    # Neither given: one process owns the whole epoch, exactly as num_replicas=1, rank=0 would.
+    s = TokenBalancedBatchSampler(lengths_for(), global_batch_size=8)
+    assert (s.num_replicas, s.rank) == (1, 0)
+    assert list(s) == list(TokenBalancedBatchSampler(lengths_for(), 1, 0, global_batch_size=8))
+    assert sorted(i for step in s for i in step) == list(range(len(lengths_for())))
+    # Half a pair is ambiguous (rank 0 of 4 would silently train a quarter of the data).
+    with pytest.raises(ValueError, match="num_replicas given without rank and torch.distributed is not"):
+        TokenBalancedBatchSampler(lengths_for(), 4, global_batch_size=8)
+    with pytest.raises(ValueError, match="rank given without num_replicas"):
+        TokenBalancedBatchSampler(lengths_for(), rank=1, global_batch_size=8)
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 4\)"):
         TokenBalancedBatchSampler(lengths_for(), 4, 4, global_batch_size=8)
     with pytest.raises(ValueError, match="exactly one of"):

@@ -52,8 +52,8 @@ def test_stragglers_against_the_work_each_rank_recorded(tmp_path, cpu_hog, world
     true_skew = np.median(truth[:, 0].max(axis=1) - truth[:, 0].min(axis=1))
     assert abs(reduce.skew_median_s - true_skew) <= 0.10 * true_skew
     assert abs(p.straggler_wait_s() - true_wait) <= 0.15 * true_wait
-    late = {r: sum(late(pattern, r, world_size, s) for s in profiled) for r in range(world_size)}
-    assert reduce.last_arrivals == late
+    expected_last = {r: sum(late(pattern, r, world_size, s) for s in profiled) for r in range(world_size)}
+    assert reduce.last_arrivals == expected_last
     rows = verdict(p)
     if how == "work":
         assert rows[0].bottleneck.startswith("stragglers (unequal work")

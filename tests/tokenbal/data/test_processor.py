@@ -1,0 +1,170 @@
+"""ProcessorDataset: indexed samples (tar shards, JSONL annotations, Parquet rows) tokenized by a real
+transformers Qwen2-VL processor (built locally) have exactly the index's token counts, and collate."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from tests.helpers.corpus import Sample, image_bytes, write_shard
+
+pytest.importorskip("transformers")
+
+from collate import PackedCollator  # noqa: E402
+from tokenbal.data import IndexedShardDataset, ProcessorDataset, load_processor  # noqa: E402
+from tokenbal.index import TokenIndex, build_index  # noqa: E402
+
+
+def samples() -> list[Sample]:
+    """Every text layout the index reads: caption, LLaVA turns with and without <image>, messages with
+    image parts, several images, text only, image only; small images so the test stays fast."""
+    chat = [{"from": "human", "value": "<image>\nwhat is the cat on?"}, {"from": "gpt", "value": "a red mat"}]
+    two = [{"from": "human", "value": "<image> and <image>\nsame bird?"}, {"from": "gpt", "value": "no"}]
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                         {"type": "text", "text": "the tall green tree"}]},
+            {"role": "assistant", "content": "near an old house"}]
+    return [
+        Sample("a/0", images=[("jpg", 64, 48)], caption="a cat sits on the red mat", seed=1),
+        Sample("a/1", images=[("png", 28, 28)], conversations=chat, seed=2),
+        Sample("a/2", images=[("webp", 17, 200), ("jpg", 90, 30)], conversations=two, seed=3),
+        Sample("a/3", images=[("jpg", 40, 40), ("png", 56, 84)], messages=msgs, seed=4),
+        Sample("a/4", caption="the dog looks at a bird under grey clouds " * 3, seed=5),
+        Sample("a/5", images=[("jpg", 120, 64)], seed=6),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ckpt(qwen2_vl_ckpt):
+    return qwen2_vl_ckpt
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    return load_processor(ckpt)
+
+
+@pytest.fixture(scope="module")
+def tar_index(tmp_path_factory, ckpt):
+    root = tmp_path_factory.mktemp("tar")
+    shard = write_shard(root / "data-000.tar", samples())
+    build_index([shard], root / ".tokindex", model="qwen2-vl", tokenizer=ckpt, progress=False)
+    return TokenIndex.open(root / ".tokindex")
+
+
+def _oracle_ids(processor, sample: Sample) -> list[int]:
+    """What the processor itself gives for the sample's images and text, built from the test's own
+    description of the sample (images first unless the text places them)."""
+    import io
+
+    from PIL import Image
+
+    images = [Image.open(io.BytesIO(image_bytes(f, w, h, seed=sample.seed * 31 + k))).convert("RGB")
+              for k, (f, w, h) in enumerate(sample.images)]
+    span = "<|vision_start|><|image_pad|><|vision_end|>"
+    pieces = ([sample.caption] if sample.caption else []) + [t["value"] for t in sample.conversations or []]
+    for m in sample.messages or []:
+        c = m["content"]
+        pieces += [c] if isinstance(c, str) else [p["text"] for p in c if p["type"] == "text"]
+    text = "\n".join(pieces)
+    text = text.replace("<image>", span) if "<image>" in text else span * len(images) + text
+    out = processor(text=[text], images=images or None, add_special_tokens=False)
+    return list(out["input_ids"][0])
+
+
+def test_token_counts_equal_the_index_and_the_processor(tar_index, processor, caplog):
+    ds = ProcessorDataset(IndexedShardDataset(tar_index, decode="pil"), processor, strict=True)
+    assert ds.exact_lengths
+    by_key = {s.key: s for s in samples()}
+    for i in range(len(ds)):
+        item = ds[i]
+        assert len(item["input_ids"]) == tar_index.lengths[i], tar_index.keys[i]
+        assert list(item["input_ids"]) == _oracle_ids(processor, by_key[tar_index.keys[i]])
+        n_img = len(by_key[tar_index.keys[i]].images)
+        if n_img:
+            assert item["image_grid_thw"].shape == (n_img, 3)
+            merged = int(item["image_grid_thw"].prod(-1).sum()) // 4
+            pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            assert int((item["input_ids"] == pad).sum()) == merged
+            # vision tokens and their wrappers carry no loss, every text token does
+            assert int((item["labels"] == -100).sum()) == merged + 2 * n_img
+        else:
+            assert "pixel_values" not in item and (item["labels"] == item["input_ids"]).all()
+    assert ds.length_mismatches == 0
+
+
+def test_a_processor_without_video_pickles(processor, tar_index):
+    import pickle
+
+    # Without torchvision (this venv) load_processor leaves the video processor out; the dataset must
+    # still reach DataLoader workers started with spawn.
+    original = ProcessorDataset(IndexedShardDataset(tar_index), processor)
+    ds = pickle.loads(pickle.dumps(original))
+    assert type(ds.processor).__name__ == type(processor).__name__
+    assert list(ds[0]["input_ids"]) == list(original[0]["input_ids"])
+
+
+def test_a_batch_collates(tar_index, processor, ckpt):
+    from transformers import AutoConfig
+
+    ds = ProcessorDataset(IndexedShardDataset(tar_index), ckpt)     # a checkpoint folder works too
+    items = ds.__getitems__([5, 0, 3, 4])
+    b = PackedCollator.from_config(AutoConfig.from_pretrained(ckpt))(items)
+    assert b.seq_lens == [int(tar_index.lengths[i]) for i in (5, 0, 3, 4)]
+    assert b["image_grid_thw"].shape[0] == 4
+    assert b["pixel_values"].shape[0] == int(b["image_grid_thw"].prod(-1).sum())
+
+
+def test_annotations_and_parquet_rows(tmp_path, processor, ckpt):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "img.png").write_bytes(image_bytes("png", 64, 48, seed=9))
+    recs = [{"image": "img.png", "conversations": [{"from": "human", "value": "<image>\nthe cat?"},
+                                                   {"from": "gpt", "value": "on the mat"}]},
+            {"text": "a bird in the tall green tree"}]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    (tmp_path / "train.json").write_text(json.dumps(recs[::-1]))     # a .json list: keys file[i]
+    build_index([str(tmp_path / "train.jsonl"), str(tmp_path / "train.json")], tmp_path / "ann",
+                model="qwen2-vl", tokenizer=ckpt, progress=False)
+    rows = {"images": [[{"bytes": image_bytes("jpg", 50, 70, seed=3), "path": None}], []],
+            "messages": [[{"role": "user", "content": "<image>what is it"},
+                          {"role": "assistant", "content": "a dog"}],
+                         [{"role": "user", "content": "grey clouds"}]]}
+    pq.write_table(pa.table(rows), tmp_path / "train.parquet")
+    build_index([str(tmp_path / "train.parquet")], tmp_path / "pq", model="qwen2-vl", tokenizer=ckpt,
+                progress=False)
+    from tokenbal.data import IndexedParquetDataset
+
+    pq_ds = IndexedParquetDataset(tmp_path / "pq")
+    for source in (IndexedShardDataset(tmp_path / "ann"), pq_ds):
+        ds = ProcessorDataset(source, processor, strict=True)
+        got = [len(ds[i]["input_ids"]) for i in range(len(ds))]
+        assert got == list(source.index.lengths) and len(got) == (4 if source is not pq_ds else 2)
+
+
+def test_mismatches_are_named(tmp_path, processor, ckpt, caplog):
+    # The index counted images at other processor settings: every image sample disagrees.
+    shard = write_shard(tmp_path / "d.tar", samples()[:2])
+    build_index([shard], tmp_path / "idx", model="qwen2-vl", tokenizer=ckpt, progress=False,
+                estimator_overrides={"min_pixels": 112 * 112})
+    idx = TokenIndex.open(tmp_path / "idx")
+    with pytest.raises(ValueError, match=r"sample 0 \(key 'a/0'.*the processor gave \d+ tokens, the index "
+                                         r"counted \d+"):
+        ProcessorDataset(IndexedShardDataset(idx), processor, strict=True)[0]
+    ds = ProcessorDataset(IndexedShardDataset(idx), processor)
+    with caplog.at_level(logging.WARNING, logger="tokenbal"):
+        for i in range(len(ds)):
+            ds[i]
+    assert ds.length_mismatches == 2 and sum("the index counted" in r.message for r in caplog.records) == 1
+
+
+def test_placeholders_must_match_the_images(processor, tar_index):
+    ds = ProcessorDataset(IndexedShardDataset(tar_index), processor)
+    with pytest.raises(ValueError, match=r"sample 1 \(key 'k'.*2 <image> placeholders for 1 images"):
+        ds.tokenize({"__index__": 1, "__key__": "k", "__shard__": "s.tar", "txt": "<image><image> hi",
+                     "jpg": __import__("PIL.Image").Image.new("RGB", (32, 32))})
+    with pytest.raises(ValueError, match="has a video"):
+        ds.tokenize({"__index__": 1, "__key__": "k", "__shard__": "s.tar", "mp4": np.zeros((2, 4, 4, 3))})
