@@ -86,7 +86,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -113,6 +113,15 @@ _CROSS_MAX_RANKS = 64
 # Stage mode: the share key gets a random offset of up to this fraction, so samples of nearby
 # shares (not only equal ones) trade sub-windows from epoch to epoch.
 _STAGE_JITTER = 0.1
+# Stage mode: sizes are multiplied by up to 1 + this at random before the composition sorts them.
+_COMPOSE_JITTER = 0.3
+# Stage mode (compose): at most this many rounds of the in-step refinement after the cross-step
+# swaps. At (512, 1024) on 4 random mixtures: 16 rounds 1.0972 / 1.0815 / 1.0924 / 1.0991 in 5.6 s,
+# unlimited 1.0939 / 1.0740 / 1.0924 / 1.0984 in 9.7 s (scripts/bench_balance.py --mixtures).
+_REFINE_ROUNDS = 16
+# Stage mode: compose steps by stage-cost vectors (_compose_fill, PLAN_VERSION 7); 0: version 6's
+# profile fill (_profile_fill), kept for comparison.
+_STAGE_COMPOSE = 1
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1
 
@@ -243,12 +252,13 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
-    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) each step is made of
-    samples of similar stage shares: a window's samples are ordered by their share of each stage and
-    cut into sub-windows of 32 steps that are filled on their own, and the steps are then shuffled
-    over the whole window (``_profile_fill``). Then samples are swapped one for one between
-    micro-steps of the same window (up to 64 ranks), and moved and swapped between the ranks of
-    each micro-step, while that lowers
+    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) which samples share
+    a step is chosen by their stage-cost vectors: per window, several sorted orders (by total, by
+    dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the one with the
+    lowest floor is kept (``_compose_fill``, :func:`tokenbal.balance.partition.compose.compose_steps`);
+    each step is split largest first over its ranks and the steps are shuffled over the window. Then
+    samples are swapped one for one between micro-steps of the same window, and moved and swapped
+    between the ranks of each micro-step, while that lowers
     ``Σ_stage max_rank`` (:func:`tokenbal.balance.partition.swap_stages_across_steps`,
     :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
@@ -288,7 +298,10 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         cap2d = np.zeros((G, W), np.int64)
         cap2d[step_win, np.arange(len(caps)) % W] = caps
         win_of_item = np.repeat(step_win, caps)
-        if profile:
+        if profile and _STAGE_COMPOSE:
+            perm, steps_in_win, step_w, rank_w = _compose_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                               rng if shuffle else None)
+        elif profile:
             perm, steps_in_win, step_w, rank_w = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
                                                                min(_STAGE_GROUP, W), rng if shuffle else None)
         else:
@@ -333,11 +346,13 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         if B is not None:
             # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
             win_of_item = step // W
-        # After the profile fill, swaps across steps gain little at many ranks and cost the most
-        # there (docs/bench/balance.md); with few ranks they still pay.
+        # After version 6's profile fill, swaps across steps gained little at many ranks; after the
+        # composition they level the split at every scale (issue 32, docs/bench/balance.md), and
+        # with _REFINE_ROUNDS the in-step pass after them stays cheap.
         step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
                                     lens if B is not None else None, B,
-                                    cross=not profile or R_user <= _CROSS_MAX_RANKS)
+                                    cross=not profile or _STAGE_COMPOSE or R_user <= _CROSS_MAX_RANKS,
+                                    rounds=_REFINE_ROUNDS if profile and _STAGE_COMPOSE else None)
     slot = step * R + rank
     if B is not None and oversize == "alone" and big.size:
         slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
@@ -356,7 +371,7 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
                    vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
-                   cross: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                   cross: bool = True, rounds: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
     swaps between the micro-steps of a window (:func:`tokenbal.balance.partition.swap_stages_across_steps`),
     then moves and swaps inside each (:func:`tokenbal.balance.partition.refine_stages_many`). Returns the new
@@ -386,7 +401,8 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     if lens is not None:
         cap_costs = np.zeros((S * k, M), np.int64)
         cap_costs[group[order], col] = lens[perm[order]]
-    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs)
+    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs,
+                             max_rounds=rounds)
     out = vrank.copy()
     out[order] = new[group[order], col] * k + group[order] % k
     return step, out
@@ -540,6 +556,24 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     renum = np.cumsum(used, axis=1) - 1
     step_w[placed] = renum[win_of_item[placed], step_w[placed]]
     return used.sum(1), step_w, rank_w, failed
+
+
+def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
+                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage mode's fill: first which samples share a step, by their stage-cost vectors
+    (:func:`tokenbal.balance.partition.compose.compose_steps`: per window the sorted order with the
+    lowest floor), then each step split over the ranks on its own (the window fill with one step per
+    window: largest first into the least loaded rank). Returns (perm reordered, steps per window,
+    step in the window, rank) aligned with the returned perm."""
+    from tokenbal.balance.partition.compose import compose_steps
+
+    G, W = cap2d.shape
+    order, step_w, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
+    perm = perm[order]
+    one = win_of_item * W + step_w                      # every step its own window of one step
+    _, _, rank_w, _ = _fill(lens, perm, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
+    return perm, (cap2d > 0).sum(1), step_w, rank_w
 
 
 def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
