@@ -439,7 +439,8 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
     model = "square" if model_name == "square" else FlopsModel.qwen2_vl_7b()
     print(f"stage costs: {model_name}; figure = Σ_steps Σ_stages max_rank / (Σ cost / ranks); "
           "floor = Σ_steps Σ_stages max(largest, sum / ranks) of a composition; LG = length-grouped "
-          f"composition (random 50-step mega-batches sorted by cost); now = PLAN_VERSION {PLAN_VERSION}, v6 = {V6_COMMIT}")
+          f"composition (random 50-step mega-batches sorted by cost); now = PLAN_VERSION {PLAN_VERSION}, "
+          f"v6 = {V6_COMMIT}")
     for R, N, steps in points:
         goal = GOALS.get(R, 1.06)
         rows = []
