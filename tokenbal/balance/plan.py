@@ -122,6 +122,8 @@ _REFINE_ROUNDS = 16
 # Stage mode: compose steps by stage-cost vectors (_compose_fill, PLAN_VERSION 7); 0: version 6's
 # profile fill (_profile_fill), kept for comparison.
 _STAGE_COMPOSE = 1
+# Stage mode (compose): per window, also try version 6's profile fill and keep the better split.
+_COMPOSE_WITH_FILL = 1
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1
 
@@ -253,12 +255,15 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
     planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) which samples share
-    a step is chosen by their stage-cost vectors: per window, several sorted orders (by total, by
-    dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the one with the
-    lowest floor is kept (``_compose_fill``, :func:`tokenbal.balance.partition.compose.compose_steps`);
-    each step is split largest first over its ranks and the steps are shuffled over the window. Then
-    samples are swapped one for one between micro-steps of the same window, and moved and swapped
-    between the ranks of each micro-step, while that lowers
+    a step is chosen by their stage-cost vectors (``_compose_fill``): per window, several sorted orders
+    (by total, by dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the
+    one with the lowest floor is kept (:func:`tokenbal.balance.partition.compose.compose_steps`), each
+    step split largest first over its ranks; version 6's profile fill (samples ordered by stage share,
+    32-step sub-windows filled on the total) is the other candidate; both are refined (samples swapped
+    one for one between the steps of the window, then moved and swapped between the ranks of each
+    step, while that lowers ``Σ_stage max_rank``) and each window keeps the faster one; the steps are
+    then shuffled over the window. Otherwise samples are swapped one for one between micro-steps of
+    the same window, and moved and swapped between the ranks of each micro-step, while that lowers
     ``Σ_stage max_rank`` (:func:`tokenbal.balance.partition.swap_stages_across_steps`,
     :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
@@ -342,17 +347,15 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank_map = np.argsort(rng.random((S, R)), axis=1)
         rank = rank_map[step, rank_w]
 
-    if stages is not None:
+    if stages is not None and not (profile and _STAGE_COMPOSE):    # the composition refined already
         if B is not None:
             # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
             win_of_item = step // W
-        # After version 6's profile fill, swaps across steps gained little at many ranks; after the
-        # composition they level the split at every scale (issue 32, docs/bench/balance.md), and
-        # with _REFINE_ROUNDS the in-step pass after them stays cheap.
+        # After the profile fill, swaps across steps gain little at many ranks and cost the most
+        # there (docs/bench/balance.md); with few ranks they still pay.
         step, rank = _refine_stages(stages, perm, win_of_item, step, rank, S, R_user, k,
                                     lens if B is not None else None, B,
-                                    cross=not profile or _STAGE_COMPOSE or R_user <= _CROSS_MAX_RANKS,
-                                    rounds=_REFINE_ROUNDS if profile and _STAGE_COMPOSE else None)
+                                    cross=not profile or R_user <= _CROSS_MAX_RANKS)
     slot = step * R + rank
     if B is not None and oversize == "alone" and big.size:
         slot, perm, S = _insert_alone_steps(slot, perm, S, R, big[np.argsort(-lens[big], kind="stable")],
@@ -561,19 +564,54 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
 def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
                   cap2d: np.ndarray, R: int, rng: np.random.Generator | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage mode's fill: first which samples share a step, by their stage-cost vectors
-    (:func:`tokenbal.balance.partition.compose.compose_steps`: per window the sorted order with the
-    lowest floor), then each step split over the ranks on its own (the window fill with one step per
-    window: largest first into the least loaded rank). Returns (perm reordered, steps per window,
-    step in the window, rank) aligned with the returned perm."""
+    """Stage mode's fill: which samples share a step, chosen by their stage-cost vectors, per window
+    the better (lower stage time of its first split) of two ways:
+
+    * sorted: :func:`tokenbal.balance.partition.compose.compose_steps` (the sorted order with the
+      lowest floor), each step then split on its own (the window fill with one step per window:
+      largest first into the least loaded rank);
+    * filled: version 6's profile fill (:func:`_profile_fill`), which builds steps and their split
+      together and so splits better where sorted steps cannot be cut into equal bins.
+
+    Returns (perm reordered, steps per window, step in the window, rank) aligned with the returned perm.
+    """
     from tokenbal.balance.partition.compose import compose_steps
 
     G, W = cap2d.shape
-    order, step_w, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
-    perm = perm[order]
-    one = win_of_item * W + step_w                      # every step its own window of one step
-    _, _, rank_w, _ = _fill(lens, perm, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
-    return perm, (cap2d > 0).sum(1), step_w, rank_w
+    order, step_a, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
+    perm_a = perm[order]
+    one = win_of_item * W + step_a                      # every step its own window of one step
+    _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
+    candidates = [(perm_a, step_a, rank_a)]
+    if _COMPOSE_WITH_FILL:
+        perm_b, _, step_b, rank_b = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                  min(_STAGE_GROUP, W), rng)
+        candidates.append((perm_b, step_b, rank_b))
+    best = None
+    base = win_of_item * W
+    for p, st, rk in candidates:
+        # The stage refinement (swaps across the window's steps, then inside each) depends on which
+        # samples share a window and a step, not on the steps' order or the ranks' labels, so it runs
+        # here, before the caller shuffles both; each window keeps the candidate that ends faster.
+        st, rk = _refine_stages(stages, p, win_of_item, base + st, rk, G * W, R, 1, None, None,
+                                cross=True, rounds=_REFINE_ROUNDS)
+        st = st - base
+        t = _split_time(stages[p], win_of_item, st, rk, G, W, R)
+        if best is None:
+            best = [p, st, rk, t]
+            continue
+        b = (t < best[3])[win_of_item]                  # windows occupy the same positions in all
+        best = [np.where(b, p, best[0]), np.where(b, st, best[1]), np.where(b, rk, best[2]),
+                np.minimum(t, best[3])]
+    return best[0], (cap2d > 0).sum(1), best[1], best[2]
+
+
+def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
+                R: int) -> np.ndarray:
+    """(G,) Σ_steps Σ_stages max_rank of each window for items ``c`` at (window, step, rank)."""
+    loads = np.zeros((G * W * R, c.shape[1]), np.float64)
+    np.add.at(loads, (win * W + step_w) * R + rank, c)
+    return loads.reshape(G, W, R, -1).max(2).sum((1, 2))
 
 
 def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,

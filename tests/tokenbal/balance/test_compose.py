@@ -42,5 +42,6 @@ def test_composition_keeps_windows_and_caps_and_never_loses_to_sorting_by_total(
 
 def test_steps_floor_is_largest_or_mean_per_stage():
     c = np.array([[10, 0], [1, 1], [1, 1], [0, 8]], np.int64)
-    # step 0 = items 0, 1 (2 ranks): vision max(10, 11/2), language max(1, 1/2); step 1: max(1, .5) + max(8, 4.5)
+    # step 0 = items 0, 1 (2 ranks): vision max(10, 11/2) + language max(1, 1/2);
+    # step 1: max(1, 1/2) + max(8, 9/2)
     assert np.allclose(steps_floor(c, np.array([0, 2]), 2), [11.0, 9.0])

@@ -9,7 +9,8 @@ which is what a length-grouped sampler does on the summed cost; but which order 
 on the mixture (by total, by the dominant stage, by stage share), so :func:`compose_steps` makes
 several candidate orders of every window, computes each one's floor (cheap: per step a sum and a
 max) and keeps, per window, the order with the lowest floor. The split inside the steps comes
-after (``tokenbal.balance.plan``).
+after; the planner (``tokenbal.balance.plan._compose_fill``) also refines version 6's profile fill
+of the same window and keeps, per window, whichever ends with the lower stage time.
 
 Candidates (every one sorted largest first inside its groups, jittered so that samples of nearly
 equal size trade places from epoch to epoch):
@@ -86,6 +87,7 @@ def compose_steps(stage_costs: np.ndarray, window: np.ndarray, caps: np.ndarray,
     step_win = np.repeat(np.arange(G), W)[exists]
     starts = np.concatenate([[0], np.cumsum(step_caps)[:-1]])
     step_in_win = (np.cumsum(caps > 0, axis=1) - 1).reshape(-1)[exists]
+    step = np.repeat(step_in_win, step_caps)
     full_step = np.repeat(caps.max(1, initial=0), np.bincount(window, minlength=G))   # per item
     win_span = int(window.max()) + 1
     orders, floors = [], []
@@ -103,7 +105,6 @@ def compose_steps(stage_costs: np.ndarray, window: np.ndarray, caps: np.ndarray,
     chosen = np.argmin(np.stack(floors), axis=0)           # first candidate on ties
     pos_win = window                                        # windows occupy the same positions
     order = np.stack(orders)[chosen[pos_win], np.arange(n)]
-    step = np.repeat(step_in_win, step_caps)
     return order, step, chosen
 
 
@@ -131,3 +132,4 @@ def _grouped_order(window: np.ndarray, group: np.ndarray, key: np.ndarray, full_
     tail = np.where(rem, kmax - 1 - key[o], 0)
     o2 = np.lexsort((tail, rem, window[o]))
     return o[o2]
+
