@@ -386,7 +386,7 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
 # --- Issue 32: stage balance on random mixtures, the version-6 planner in the same run -------------
 
 V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as merged for issue 24)
-MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 8))   # (R, N, steps)
+MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
 
 
