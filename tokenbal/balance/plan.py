@@ -116,8 +116,9 @@ _STAGE_JITTER = 0.1
 # Stage mode: sizes are multiplied by up to 1 + this at random before the composition sorts them.
 _COMPOSE_JITTER = 0.3
 # Stage mode (compose): at most this many rounds of the in-step refinement after the cross-step
-# swaps. At (512, 1024) on 4 random mixtures: 16 rounds 1.0972 / 1.0815 / 1.0924 / 1.0991 in 5.6 s,
-# unlimited 1.0939 / 1.0740 / 1.0924 / 1.0984 in 9.7 s (scripts/bench_balance.py --mixtures).
+# swaps. At (512, 1024) on 4 random mixtures (sorted composition alone, before the profile-fill
+# candidate was added): 16 rounds 1.0972 / 1.0815 / 1.0924 / 1.0991 in 5.6 s, unlimited 1.0939 /
+# 1.0740 / 1.0924 / 1.0984 in 9.7 s.
 _REFINE_ROUNDS = 16
 # Stage mode: compose steps by stage-cost vectors (_compose_fill, PLAN_VERSION 7); 0: version 6's
 # profile fill (_profile_fill), kept for comparison.
@@ -571,8 +572,9 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
 def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
                   cap2d: np.ndarray, R: int, rng: np.random.Generator | None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage mode's fill: which samples share a step, chosen by their stage-cost vectors, per window
-    the better (lower stage time of its first split) of two ways:
+    """Stage mode's fill: which samples share a step, chosen by their stage-cost vectors; per window
+    the better of two ways, judged by the stage time after both are refined here (cross-step
+    leveling and swaps, then in-step moves; the caller skips its own refinement):
 
     * sorted: :func:`tokenbal.balance.partition.compose.compose_steps` (the sorted order with the
       lowest floor), each step then split on its own (the window fill with one step per window:
@@ -581,6 +583,8 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
       together and so splits better where sorted steps cannot be cut into equal bins.
 
     Returns (perm reordered, steps per window, step in the window, rank) aligned with the returned perm.
+    Costs two refinements: 1M samples on 512 ranks plan in ~41 s CPU (version 6: ~7 s), see
+    docs/bench/balance.md.
     """
     from tokenbal.balance.partition.compose import compose_steps
 
