@@ -384,6 +384,140 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
           f"(a fresh 384-rank plan of the whole epoch: {balance(fresh):.4f})")
 
 
+# --- Issue 32: stage balance on random mixtures, the version-6 planner in the same run -------------
+
+V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as merged for issue 24)
+MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
+GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
+
+
+def planner_at(commit: str = V6_COMMIT):
+    """``plan_epoch`` of tokenbal/balance at ``commit``, loaded from this repository's git objects into
+    a private package (``_tokenbal_v<commit>``): the previous planner runs next to the current one in
+    one process without a second checkout. Only tokenbal/balance's planning modules are taken; they
+    import ``tokenbal._checks`` from the current tree (unchanged since)."""
+    import importlib
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    name = f"_tokenbal_v{commit}"
+    if name not in sys.modules:
+        tmp = Path(tempfile.mkdtemp(prefix="tokenbal-planner-"))
+        files = ["cost.py", "plan.py", "partition/__init__.py", "partition/solvers.py", "partition/window.py",
+                 "partition/stages.py"]
+        for f in files:
+            text = subprocess.run(["git", "-C", str(root), "show", f"{commit}:tokenbal/balance/{f}"],
+                                  check=True, capture_output=True, text=True).stdout
+            out = tmp / name / "balance" / f
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text.replace("tokenbal.balance.", f"{name}.balance."))
+        (tmp / name / "__init__.py").write_text("")
+        (tmp / name / "balance" / "__init__.py").write_text("")
+        sys.path.insert(0, str(tmp))
+    return importlib.import_module(f"{name}.balance.plan").plan_epoch
+
+
+def _steps_of(plan, n: int) -> np.ndarray:
+    out = np.full(n, -1, np.int64)
+    out[plan.indices] = _step_of_sample(plan)[plan.indices]
+    return out
+
+
+def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int) -> None:
+    """Worst / median over random mixture draws (tokenbal.balance.mixtures) of the epoch's stage figure
+    Σ_steps Σ_stages max_rank / ideal: the plan now, PLAN_VERSION 6 (same process), and the floors of
+    their compositions and of a length-grouped composition (HF's 50-step mega-batches)."""
+    from tokenbal.balance.cost import FlopsModel
+    from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
+    from tokenbal.balance.plan import PLAN_VERSION
+    from tokenbal.balance.plan import plan_epoch as plan_now
+    from tokenbal.balance.simulate import composition_floor, epoch_stage_figure, length_grouped_steps
+
+    plan_v6 = planner_at()
+    model = "square" if model_name == "square" else FlopsModel.qwen2_vl_7b()
+    print(f"stage costs: {model_name}; figure = Σ_steps Σ_stages max_rank / (Σ cost / ranks); "
+          "floor = Σ_steps Σ_stages max(largest, sum / ranks) of a composition; LG = length-grouped "
+          f"composition (random 50-step mega-batches sorted by cost); now = PLAN_VERSION {PLAN_VERSION}, "
+          f"v6 = {V6_COMMIT}")
+    for R, N, steps in points:
+        goal = GOALS.get(R, 1.06)
+        rows = []
+        for d in range(draws):
+            s = draw_samples(random_mixture(d), steps * N, d)
+            c = stage_costs(s, model)
+            row = {"lg": composition_floor(length_grouped_steps(c, N, d), c, R)}
+            for name, fn in (("now", plan_now), ("v6", plan_v6)):
+                try:
+                    plan, _, cpu = timed(partial(fn, s.lengths, R, global_batch_size=N, seed=d, cost=c.sum(1),
+                                                 stages=c))
+                except ValueError as e:          # v6 overflows int64 on some windows of large costs
+                    row[name], row[name + " floor"], row[name + " cpu"] = float("nan"), float("nan"), 0.0
+                    print(f"    ({R}, {N}) draw {d}: {name} failed: {e}")
+                    continue
+                row[name] = epoch_stage_figure(plan, c)
+                row[name + " floor"] = composition_floor(_steps_of(plan, len(c)), c, R)
+                row[name + " cpu"] = cpu
+                if d < repeat_draws:
+                    nxt = fn(s.lengths, R, global_batch_size=N, seed=d, epoch=1, cost=c.sum(1), stages=c)
+                    row[name + " repeat"], row["chance"] = _pairs_again(plan, nxt)
+            row["target"] = max(goal, row["lg"])
+            rows.append(row)
+            print(f"    ({R}, {N}) draw {d}: now {row['now']:.4f} (floor {row['now floor']:.4f}, "
+                  f"{row['now cpu']:.2f} s) | v6 {row['v6']:.4f} (floor {row['v6 floor']:.4f}, "
+                  f"{row['v6 cpu']:.2f} s) | LG floor {row['lg']:.4f} | target {row['target']:.4f}",
+                  flush=True)
+
+        def col(k: str, rows: list = rows) -> np.ndarray:
+            return np.array([r[k] for r in rows])
+
+        over_now = col("now") / col("target")
+        over_v6 = col("v6") / col("target")
+        print(f"  ({R}, {N}), {steps} steps, {draws} draws, goal {goal}: now worst "
+              f"{np.nanmax(col('now')):.4f} "
+              f"median {np.nanmedian(col('now')):.4f}; v6 worst {np.nanmax(col('v6')):.4f} median "
+              f"{np.nanmedian(col('v6')):.4f}; LG floor worst {col('lg').max():.4f} median "
+              f"{np.median(col('lg')):.4f}; figure / max(goal, LG floor): now worst "
+              f"{np.nanmax(over_now):.4f} "
+              f"({int((over_now <= 1).sum())}/{draws} <= 1), v6 worst {np.nanmax(over_v6):.4f} "
+              f"({int((over_v6 <= 1).sum())}/{draws}); plan CPU median now "
+              f"{np.median(col('now cpu')):.2f} s, "
+              f"v6 {np.median(col('v6 cpu')):.2f} s")
+        if repeat_draws:
+            rep = rows[:repeat_draws]
+            print(f"  ({R}, {N}) step mates meeting again next epoch (draws 0..{repeat_draws - 1}): now "
+                  f"{np.mean([r['now repeat'] for r in rep]):.4f}, v6 "
+                  f"{np.nanmean([r.get('v6 repeat', np.nan) for r in rep]):.4f}, chance "
+                  f"{np.mean([r['chance'] for r in rep]):.5f}")
+
+
+def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool) -> None:
+    """CPU seconds (and this process's peak RSS) to plan ``n`` samples of mixture ``seed`` on ``R``
+    ranks, 2 samples per rank per step, tokens or square stage costs; with ``previous`` v6 too."""
+    import resource
+
+    from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
+    from tokenbal.balance.plan import plan_epoch as plan_now
+
+    s = draw_samples(random_mixture(seed), n, seed)
+    kw = {}
+    if stages:
+        c = stage_costs(s)
+        kw = {"cost": c.sum(1), "stages": c}
+        del c
+    lengths = s.lengths
+    del s
+    runs = [("now", plan_now)] + ([("v6", planner_at())] if previous else [])
+    for name, fn in runs:
+        _, _, cpu = timed(partial(fn, lengths, R, global_batch_size=2 * R, seed=seed, **kw))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        mode = "stages" if stages else "tokens"
+        print(f"plan_epoch {name}: {n} samples, {R} ranks, N={2 * R}, {mode}: CPU "
+              f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400, help="steps per (R, N) point for tokenbal")
@@ -403,7 +537,27 @@ def main() -> None:
                     help="only an elastic resume (512 -> 384 ranks half-way through --plan-samples)")
     ap.add_argument("--budget", action="store_true",
                     help="only token-budget mode (max_tokens_per_rank=16384) next to trl's BFD pack_dataset")
+    ap.add_argument("--mixtures", type=int, default=0, metavar="DRAWS",
+                    help="issue 32: stage balance over DRAWS random mixtures at every scale, v6 in the "
+                    "same run")
+    ap.add_argument("--mixture-cost", default="square", choices=("square", "flops"))
+    ap.add_argument("--mixture-points", default="", help="R values to run (default all), e.g. 8,64")
+    ap.add_argument("--repeat-draws", type=int, default=3, help="draws whose next epoch is planned too")
+    ap.add_argument("--plan-scale", default="", metavar="N,R,MODE",
+                    help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages")
+    ap.add_argument("--with-v6", action="store_true", help="--plan-scale: time the v6 planner too")
     args = ap.parse_args()
+    if args.mixtures:
+        keep = {int(x) for x in args.mixture_points.split(",") if x}
+        pts = tuple(p for p in MIXTURE_POINTS if not keep or p[0] in keep)
+        print(environment_line())
+        bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws)
+        return
+    if args.plan_scale:
+        n, R, mode = args.plan_scale.split(",")
+        print(environment_line())
+        bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, args.with_v6)
+        return
     if args.budget:
         bench_budget(20_000, 16_384, (1, 8, 64), args.seed, args.repeats or 3)
         return

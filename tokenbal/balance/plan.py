@@ -72,7 +72,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -99,6 +99,23 @@ _CROSS_MAX_RANKS = 64
 # Stage mode: the share key gets a random offset of up to this fraction, so samples of nearby
 # shares (not only equal ones) trade sub-windows from epoch to epoch.
 _STAGE_JITTER = 0.1
+# Stage mode: sizes are multiplied by up to 1 + this at random before the composition sorts them.
+_COMPOSE_JITTER = 0.3
+# Stage mode (compose): at most this many rounds of the in-step refinement after the cross-step
+# swaps. At (512, 1024) on 4 random mixtures (sorted composition alone, before the profile-fill
+# candidate was added): 16 rounds 1.0972 / 1.0815 / 1.0924 / 1.0991 in 5.6 s, unlimited 1.0939 /
+# 1.0740 / 1.0924 / 1.0984 in 9.7 s.
+_REFINE_ROUNDS = 16
+# Stage mode: compose steps by stage-cost vectors (_compose_fill, PLAN_VERSION 7); 0: version 6's
+# profile fill (_profile_fill), kept for comparison.
+_STAGE_COMPOSE = 1
+# Stage mode (compose): per window, also try version 6's profile fill and keep the better split.
+_COMPOSE_WITH_FILL = 1
+# Stage mode (compose): leveling rounds of the cross-step swaps (16 elsewhere). At (512, 1024), 40
+# steps, on the 4 random mixtures that missed their target with 16 (figure / target): 16 rounds
+# 1.0407 / 1.0238 / 1.0309 / 1.0238 in 5.9 s, 32: 1.0368 / 1.0197 / 1.0187 / 1.0187 in 7.1 s,
+# 48: 1.0358 / 1.0179 / 1.0168 / 1.0137 in 8.5 s, 96: 1.0275 / 1.0166 / 1.0102 / 1.0069 in 12.9 s.
+_COMPOSE_LEVEL_ROUNDS = 32
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1
 
@@ -229,12 +246,16 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     ``stages``: per-sample costs of K stages that each end in a synchronisation of the ranks (under
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
-    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) each step is made of
-    samples of similar stage shares: a window's samples are ordered by their share of each stage and
-    cut into sub-windows of 32 steps that are filled on their own, and the steps are then shuffled
-    over the whole window (``_profile_fill``). Then samples are swapped one for one between
-    micro-steps of the same window (up to 64 ranks), and moved and swapped between the ranks of
-    each micro-step, while that lowers
+    planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) which samples share
+    a step is chosen by their stage-cost vectors (``_compose_fill``): per window, several sorted orders
+    (by total, by dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the
+    one with the lowest floor is kept (:func:`tokenbal.balance.partition.compose.compose_steps`), each
+    step split largest first over its ranks; version 6's profile fill (samples ordered by stage share,
+    32-step sub-windows filled on the total) is the other candidate; both are refined (samples swapped
+    one for one between the steps of the window, then moved and swapped between the ranks of each
+    step, while that lowers ``Σ_stage max_rank``) and each window keeps the faster one; the steps are
+    then shuffled over the window. Otherwise samples are swapped one for one between micro-steps of
+    the same window, and moved and swapped between the ranks of each micro-step, while that lowers
     ``Σ_stage max_rank`` (:func:`tokenbal.balance.partition.swap_stages_across_steps`,
     :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
@@ -274,7 +295,10 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         cap2d = np.zeros((G, W), np.int64)
         cap2d[step_win, np.arange(len(caps)) % W] = caps
         win_of_item = np.repeat(step_win, caps)
-        if profile:
+        if profile and _STAGE_COMPOSE:
+            perm, steps_in_win, step_w, rank_w = _compose_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                               rng if shuffle else None)
+        elif profile:
             perm, steps_in_win, step_w, rank_w = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
                                                                min(_STAGE_GROUP, W), rng if shuffle else None)
         else:
@@ -315,7 +339,7 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         rank_map = np.argsort(rng.random((S, R)), axis=1)
         rank = rank_map[step, rank_w]
 
-    if stages is not None:
+    if stages is not None and not (profile and _STAGE_COMPOSE):    # the composition refined already
         if B is not None:
             # Token mode plans one window; stage swaps stay among W consecutive (shuffled) steps.
             win_of_item = step // W
@@ -342,7 +366,8 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
                    vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
-                   cross: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                   cross: bool = True, rounds: int | None = None, level_rounds: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
     swaps between the micro-steps of a window (:func:`tokenbal.balance.partition.swap_stages_across_steps`),
     then moves and swaps inside each (:func:`tokenbal.balance.partition.refine_stages_many`). Returns the new
@@ -355,8 +380,9 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     cap_costs = None if lens is None else lens[perm]
     group, bins = step * k + vrank % k, vrank // k
     if cross:
+        more = {} if level_rounds is None else {"level_rounds": level_rounds}
         group, bins = swap_stages_across_steps(c, group, bins, window, R, capacity=budget,
-                                               capacity_costs=cap_costs)
+                                               capacity_costs=cap_costs, **more)
     step, vrank = group // k, bins * k + group % k
     group = step * k + vrank % k
     order = np.argsort(group, kind="stable")
@@ -372,7 +398,8 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     if lens is not None:
         cap_costs = np.zeros((S * k, M), np.int64)
         cap_costs[group[order], col] = lens[perm[order]]
-    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs)
+    new = refine_stages_many(costs, bins, R, capacity=budget, capacity_costs=cap_costs,
+                             max_rounds=rounds)
     out = vrank.copy()
     out[order] = new[group[order], col] * k + group[order] % k
     return step, out
@@ -526,6 +553,62 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     renum = np.cumsum(used, axis=1) - 1
     step_w[placed] = renum[win_of_item[placed], step_w[placed]]
     return used.sum(1), step_w, rank_w, failed
+
+
+def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
+                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage mode's fill: which samples share a step, chosen by their stage-cost vectors; per window
+    the better of two ways, judged by the stage time after both are refined here (cross-step
+    leveling and swaps, then in-step moves; the caller skips its own refinement):
+
+    * sorted: :func:`tokenbal.balance.partition.compose.compose_steps` (the sorted order with the
+      lowest floor), each step then split on its own (the window fill with one step per window:
+      largest first into the least loaded rank);
+    * filled: version 6's profile fill (:func:`_profile_fill`), which builds steps and their split
+      together and so splits better where sorted steps cannot be cut into equal bins.
+
+    Returns (perm reordered, steps per window, step in the window, rank) aligned with the returned perm.
+    Costs two refinements: 1M samples on 512 ranks plan in ~41 s CPU (version 6: ~7 s), see
+    docs/bench/balance.md.
+    """
+    from tokenbal.balance.partition.compose import compose_steps
+
+    G, W = cap2d.shape
+    order, step_a, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
+    perm_a = perm[order]
+    one = win_of_item * W + step_a                      # every step its own window of one step
+    _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
+    candidates = [(perm_a, step_a, rank_a)]
+    if _COMPOSE_WITH_FILL:
+        perm_b, _, step_b, rank_b = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
+                                                  min(_STAGE_GROUP, W), rng)
+        candidates.append((perm_b, step_b, rank_b))
+    best = None
+    base = win_of_item * W
+    for p, st, rk in candidates:
+        # The stage refinement (swaps across the window's steps, then inside each) depends on which
+        # samples share a window and a step, not on the steps' order or the ranks' labels, so it runs
+        # here, before the caller shuffles both; each window keeps the candidate that ends faster.
+        st, rk = _refine_stages(stages, p, win_of_item, base + st, rk, G * W, R, 1, None, None,
+                                cross=True, rounds=_REFINE_ROUNDS, level_rounds=_COMPOSE_LEVEL_ROUNDS)
+        st = st - base
+        t = _split_time(stages[p], win_of_item, st, rk, G, W, R)
+        if best is None:
+            best = [p, st, rk, t]
+            continue
+        b = (t < best[3])[win_of_item]                  # windows occupy the same positions in all
+        best = [np.where(b, p, best[0]), np.where(b, st, best[1]), np.where(b, rk, best[2]),
+                np.minimum(t, best[3])]
+    return best[0], (cap2d > 0).sum(1), best[1], best[2]
+
+
+def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
+                R: int) -> np.ndarray:
+    """(G,) Σ_steps Σ_stages max_rank of each window for items ``c`` at (window, step, rank)."""
+    loads = np.zeros((G * W * R, c.shape[1]), np.float64)
+    np.add.at(loads, (win * W + step_w) * R + rank, c)
+    return loads.reshape(G, W, R, -1).max(2).sum((1, 2))
 
 
 def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,

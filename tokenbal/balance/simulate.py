@@ -18,7 +18,7 @@ from tokenbal.balance.plan import EpochPlan, check_settings, plan_epoch
 
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
-           "Simulation"]
+           "Simulation", "epoch_stage_figure", "composition_floor", "length_grouped_steps"]
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -237,3 +237,59 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
                       plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt,
                       notes=notes)
+
+
+def epoch_stage_figure(plan: EpochPlan, stage_costs: np.ndarray) -> float:
+    """The epoch's stage time over its ideal: ``Σ_steps Σ_stages max_rank / (Σ cost / ranks)``.
+
+    Unlike the mean of :func:`step_stage_balance`, expensive steps weigh by what they cost, so this
+    is what an epoch of FSDP training (each stage waiting for its slowest rank) takes over perfect.
+    ``stage_costs`` may be float (the exact costs a plan was made from after rounding)."""
+    c = np.asarray(stage_costs, np.float64)
+    if c.ndim == 1:
+        c = c[:, None]
+    R = plan.num_replicas * plan.grad_accum
+    slot = np.repeat(np.arange(len(plan.offsets) - 1), np.diff(plan.offsets))
+    loads = np.zeros((len(plan.offsets) - 1, c.shape[1]))
+    np.add.at(loads, slot, c[plan.indices])
+    total = c[plan.indices].sum()
+    return float(loads.reshape(-1, R, c.shape[1]).max(1).sum() / (total / R)) if total > 0 else 1.0
+
+
+def composition_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
+    """What the best split of given steps could reach: ``Σ_steps Σ_stages max(largest sample,
+    stage sum / ranks)`` over the ideal. ``step_of_item``: step per sample (-1: not planned)."""
+    c = np.asarray(stage_costs, np.float64)
+    if c.ndim == 1:
+        c = c[:, None]
+    step = np.asarray(step_of_item, np.int64)
+    keep = step >= 0
+    step, c = step[keep], c[keep]
+    S = int(step.max(initial=-1)) + 1
+    R = int(num_ranks)
+    sums = np.zeros((S, c.shape[1]))
+    big = np.zeros((S, c.shape[1]))
+    np.add.at(sums, step, c)
+    np.maximum.at(big, step, c)
+    total = c.sum()
+    return float(np.maximum(big, sums / R).sum() / (total / R)) if total > 0 else 1.0
+
+
+def length_grouped_steps(costs: np.ndarray, global_batch_size: int, seed: int = 0, mega_steps: int = 50
+                         ) -> np.ndarray:
+    """Step per sample of a length-grouped composition, the way transformers' ``LengthGroupedSampler``
+    groups: a seeded permutation cut into mega-batches of ``mega_steps`` steps, each sorted by cost
+    (largest first) and cut into steps of ``global_batch_size``; the last partial step is dropped
+    (-1). The baseline a stage planner's step composition is compared against."""
+    c = np.asarray(costs, np.float64)
+    if c.ndim == 2:
+        c = c.sum(1)
+    N = int(global_batch_size)
+    n = len(c)
+    perm = np.random.default_rng(seed).permutation(n)
+    mega = np.arange(n) // (N * int(mega_steps))
+    order = perm[np.lexsort((-c[perm], mega))]
+    out = np.full(n, -1, np.int64)
+    S = n // N
+    out[order[:S * N]] = np.arange(S * N) // N
+    return out
