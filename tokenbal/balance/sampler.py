@@ -168,7 +168,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             costs, R, global_batch_size=setup["global_batch_size"],
             max_tokens_per_rank=setup["max_tokens_per_rank"], seed=self.seed, epoch=epoch,
             shuffle=self.shuffle, drop_last=self.drop_last, window=setup["window"], grad_accum=k,
-            oversize=self.oversize, stages=stages)
+            oversize=self.oversize, stages=stages,
+            cost="padded" if self.cost_name == "padded" else None)   # costs are resolved; padded composes them
         if subset is None:
             return plan
         # Positions in the subset -> dataset indices; ascending, so every list stays sorted.

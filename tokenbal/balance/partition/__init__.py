@@ -4,7 +4,8 @@
   first-fit decreasing for a capacity);
 * :mod:`.window` — many windows of steps × ranks at once (:func:`fill_windows`, the planner's fill);
 * :mod:`.stages` — steps of K synchronised stages (``Σ_stage max_rank``): refinement inside a step
-  and swaps between the steps of a window.
+  and swaps between the steps of a window;
+* :mod:`.padded` — steps for padding collators (``cost="padded"``: ``count × longest`` per micro-batch).
 """
 
 from tokenbal.balance.partition.solvers import (
