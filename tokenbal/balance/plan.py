@@ -265,8 +265,9 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         from tokenbal.balance.partition.padded import check_padded, plan_epoch_padded
 
         check_padded(N, stages)
-        return plan_epoch_padded(lens, R, N, seed=_nonneg_int("seed", seed), epoch=_nonneg_int("epoch", epoch),
-                                 shuffle=shuffle, drop_last=drop_last, window=window, grad_accum=k)
+        return plan_epoch_padded(lens, R, N, seed=_nonneg_int("seed", seed),
+                                 epoch=_nonneg_int("epoch", epoch), shuffle=shuffle, drop_last=drop_last,
+                                 window=window, grad_accum=k)
     rng = np.random.default_rng([_nonneg_int("seed", seed), _nonneg_int("epoch", epoch)])
     n = len(lens)
     perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)

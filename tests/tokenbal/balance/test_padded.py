@@ -60,14 +60,15 @@ def test_plan_guarantees(R, per_device, k, kind, seed, drop_last):
     N = R * per_device * k
     n = int(rng.integers(1, min(2000, 12 * N)))
     lens = _mixture(kind, n, rng)
-    plan = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, cost="padded", seed=seed, drop_last=drop_last)
+    opts = dict(global_batch_size=N, grad_accum=k, cost="padded", seed=seed, drop_last=drop_last)
+    plan = plan_epoch(lens, R, **opts)
     assert sorted(plan.indices.tolist() + plan.dropped.tolist()) == list(range(n))   # every sample once
     counts = plan.counts().sum(1)
     if plan.num_steps:
         assert (counts[:-1] == N).all() and (counts[-1] == N if drop_last else counts[-1] >= min(n, R * k))
     if n >= R * k:
         assert plan.num_empty == 0
-    again = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, cost="padded", seed=seed, drop_last=drop_last)
+    again = plan_epoch(lens, R, **opts)
     assert np.array_equal(plan.indices, again.indices) and np.array_equal(plan.offsets, again.offsets)
 
 
@@ -83,7 +84,8 @@ def test_beats_batch_rebalance_on_random_mixtures(R, per_device, k, kind, seed):
     N = R * per_device * k
     n = int(rng.integers(8 * N, max(8 * N + 1, min(600, 24 * N))))
     lens = _mixture(kind, n, rng)
-    ours = padded_summary(plan_epoch(lens, R, global_batch_size=N, grad_accum=k, cost="padded", seed=seed), lens)
+    plan = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, cost="padded", seed=seed)
+    ours = padded_summary(plan, lens)
     theirs = padded_summary(batch_rebalance_plan(lens, R, per_device, k, seed=seed), lens)
     assert ours["sum_max_padded"] <= theirs["sum_max_padded"]
     if per_device >= 2:

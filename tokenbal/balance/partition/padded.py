@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PADDED_COST", "min_max_padded_split", "plan_padded", "plan_epoch_padded", "check_padded", "padded_micro_tokens", "padded_summary",
-           "batch_rebalance_plan", "distributed_sampler_plan"]
+__all__ = ["PADDED_COST", "min_max_padded_split", "plan_padded", "plan_epoch_padded", "check_padded",
+           "padded_micro_tokens", "padded_summary", "batch_rebalance_plan", "distributed_sampler_plan"]
 
 PADDED_COST = "padded"
 
