@@ -58,18 +58,29 @@ class TokenBalancingMixin:
     """Mix in before a ``transformers.Trainer`` subclass; see the module docstring."""
 
     def __init__(self, *args: Any, token_lengths: Any = None, sampler_options: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
-        if token_lengths is None:
-            raise TypeError(f"{type(self).__name__} needs token_lengths= (a TokenIndex or an array with one "
-                            "token count per train_dataset item)")
-        self.tokenbal_token_lengths = token_lengths
+                 packed: bool = False, max_tokens_per_rank: int | None = None, **kwargs: Any) -> None:
+        from tokenbal.integrations.trainer_support import configure_logging
+
+        bound = _bind_trainer_args(super(), args, kwargs)
         self.tokenbal_sampler_options = dict(sampler_options or {})
+        if max_tokens_per_rank is not None:
+            if self.tokenbal_sampler_options.setdefault("max_tokens_per_rank", max_tokens_per_rank) != \
+                    max_tokens_per_rank:
+                raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} disagrees with sampler_options' "
+                                 f"{self.tokenbal_sampler_options['max_tokens_per_rank']}")
         if self.tokenbal_sampler_options.get("elastic"):
             raise ValueError("elastic=True is not supported under the Trainer: its resume skips the batches "
                              "of the checkpoint's plan; resume with the same world size and batch settings")
+        self.tokenbal_packed = bool(packed)
+        self.tokenbal_token_lengths = token_lengths
+        if self.tokenbal_packed:
+            kwargs = _wire_packed(self, bound, args, kwargs)
+            args = ()
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
         self._tokenbal_resume: str | None = None
         super().__init__(*args, **kwargs)
+        configure_logging()   # after the Trainer set transformers' verbosity from args.log_level
+        self.tokenbal_token_lengths = _train_lengths(token_lengths, self.train_dataset, self.processing_class)
         if not self.args.average_tokens_across_devices:
             logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
                            "hold different numbers of tokens, so each rank's own token mean would weight "
@@ -105,6 +116,9 @@ class TokenBalancingMixin:
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
             opts.setdefault("global_batch_size", int(args.per_device_train_batch_size) * int(dp) * ga)
+            if not self.tokenbal_packed and opts.get("cost") is None and opts.get("stages") is None:
+                # A padding collator runs every micro-batch at count x longest sample: plan for that.
+                opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
         opts.setdefault("drop_last", bool(args.dataloader_drop_last))
         return opts
@@ -127,7 +141,13 @@ class TokenBalancingMixin:
             import datasets
         except ImportError:
             datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if self.tokenbal_packed:
+            from tokenbal.integrations.trainer_support import IndexedDataset
+
+            # The packed collator takes what it needs (raw chat rows included) and checks every
+            # sample's tokens against the plan's lengths, so it sees whole rows and their index.
+            dataset = IndexedDataset(dataset)
+        elif datasets is not None and isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
@@ -135,6 +155,7 @@ class TokenBalancingMixin:
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")
         sampler = self.tokenbal_sampler
+        _log_plan(sampler, self.tokenbal_packed)
         if self._tokenbal_resume is not None:
             self._load_sampler_state(self._tokenbal_resume)
             self._tokenbal_resume = None
@@ -161,6 +182,16 @@ class TokenBalancingMixin:
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- checkpoints -----------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # transformers 5.x: a Qwen-VL checkpoint's saved names differ from the model's, and the
+        # Trainer's plain load_state_dict restores none of them (trainer_support.load_checkpoint_weights).
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            from tokenbal.integrations.trainer_support import load_checkpoint_weights
+
+            if load_checkpoint_weights(self.model if model is None else model, resume_from_checkpoint):
+                return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _sampler_state_at(self, global_step: int) -> dict[str, Any]:
         """The sampler state after ``global_step`` optimizer steps (not the sampler's own cursor,
@@ -198,6 +229,79 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+def _bind_trainer_args(parent: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer arguments by name (``model``, ``train_dataset``, ...), however they were passed."""
+    import inspect
+
+    try:
+        sig = inspect.signature(parent.__init__)
+        named = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out: dict[str, Any] = {}
+    for name, value in named.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            return dict(kwargs)   # cannot name them: only what was passed by keyword
+        else:
+            out[name] = value
+    return out
+
+
+def _train_lengths(token_lengths: Any, dataset: Any, processor: Any) -> Any:
+    """``token_lengths`` if given; else the dataset's ``length`` column (transformers'
+    ``length_column_name`` convention); else computed with ``dataset_lengths`` when it is available."""
+    if token_lengths is not None:
+        return token_lengths
+    columns = getattr(dataset, "column_names", None) or []
+    if "length" in columns:
+        import numpy as np
+
+        return np.asarray(dataset["length"], dtype=np.int64)
+    compute = globals().get("dataset_lengths")
+    if compute is not None and processor is not None and dataset is not None:
+        return compute(dataset, processor)
+    raise TypeError("TokenBalancedTrainer needs token lengths: token_lengths= (a TokenIndex or an array with "
+                    "one token count per train_dataset item) or a 'length' column in train_dataset")
+
+
+def _wire_packed(trainer: Any, bound: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``packed=True``: the model patched for packed rows (``enable_packed``), the collator a
+    :class:`collate.PackedCollator` for its config behind per-sample processing and the length check.
+    Returns the Trainer's keyword arguments with the collator in place."""
+    from collate import PackedCollator
+    from collate.models import enable_packed
+    from tokenbal.integrations.trainer_support import PackedTrainCollator
+
+    model = bound.get("model")
+    if model is None or not hasattr(model, "config"):
+        raise ValueError("packed=True needs the model instance (model=...), to patch it and read its config")
+    enable_packed(model)
+    kwargs = {**bound}
+    collator = kwargs.get("data_collator")
+    if collator is None:
+        collator = PackedCollator.from_config(model.config)
+    budget = trainer.tokenbal_sampler_options.get("max_tokens_per_rank")
+    # The lengths are known once the Trainer holds its dataset: read them from the sampler when used.
+    kwargs["data_collator"] = PackedTrainCollator(collator, lambda: trainer.tokenbal_sampler.lengths, budget,
+                                                  kwargs.get("processing_class"))
+    return kwargs
+
+
+def _log_plan(sampler: TokenBalancedBatchSampler, packed: bool) -> None:
+    """One info line on what the plan does (visible with log_level="info" or TOKENBAL_VERBOSITY=info)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    plan = sampler.plan()
+    mode = (f"max_tokens_per_rank={sampler.max_tokens_per_rank}" if sampler.max_tokens_per_rank is not None
+            else f"global_batch_size={sampler.global_batch_size}")
+    logger.info("tokenbal: %d samples, %d steps per epoch on %d ranks (%s, grad_accum %d, cost %s, %s)",
+                len(sampler.lengths), plan.num_steps, sampler.num_replicas, mode, sampler.grad_accum,
+                sampler.cost_name, "packed rows" if packed else "padded batches")
 
 
 def _make_callback(trainer: TokenBalancingMixin) -> Any:
