@@ -181,6 +181,18 @@ class TokenBalancingMixin:
         self._tokenbal_resume = resume_from_checkpoint or None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if self.tokenbal_packed and _is_trl(self):
+            # trl's SFTTrainer computes its loss through a fused LM-head forward that calls the
+            # backbone directly, past the packed model's entry point (cu_seqlens, M-RoPE ids): use
+            # the Trainer's loss, i.e. the model's own forward. trl's token-accuracy / entropy
+            # metrics are then not logged.
+            from transformers import Trainer
+
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -229,6 +241,10 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+def _is_trl(trainer: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
 
 
 def _bind_trainer_args(parent: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -196,7 +196,10 @@ class PackedTrainCollator:
                     logger.warning("tokenbal: token lengths differ from the collated samples (sample %d: "
                                    "planned %d, real %d); the plan is balanced on the planned numbers",
                                    i, p, r)
-        return self.packer(samples)
+        batch = self.packer(samples)
+        # A plain dict: trainers edit their inputs (trl's compute_loss sets use_cache), and the
+        # Trainer moves a mapping's tensors to the device itself; host fields pass through unchanged.
+        return dict(batch.items()) if hasattr(batch, "items") else batch
 
 
 # -- checkpoint weights ---------------------------------------------------------------------------
