@@ -155,7 +155,9 @@ class TokenBalancingMixin:
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")
         sampler = self.tokenbal_sampler
-        _log_plan(sampler, self.tokenbal_packed)
+        if not getattr(self, "_tokenbal_logged", False):
+            self._tokenbal_logged = True
+            _log_plan(sampler, self.tokenbal_packed)
         if self._tokenbal_resume is not None:
             self._load_sampler_state(self._tokenbal_resume)
             self._tokenbal_resume = None

@@ -62,7 +62,7 @@ def configure_logging() -> int:
     own = [h for h in tb.handlers if not isinstance(h, logging.NullHandler)]
     if not own and not logging.getLogger().handlers:
         handler = _TrainerHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[tokenbal] %(levelname)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))   # messages say "tokenbal: "
         tb.addHandler(handler)
     if env or any(isinstance(h, _TrainerHandler) for h in tb.handlers):
         tb.setLevel(level)
