@@ -108,3 +108,27 @@ def test_padded_cost_in_the_sampler_and_its_errors():
         plan_epoch(lens, 2, max_tokens_per_rank=10_000, cost="padded")
     ds = padded_summary(distributed_sampler_plan(lens, 2, 4), lens)
     assert padded_summary(plan, lens)["sum_max_padded"] < ds["sum_max_padded"]
+
+
+def test_plan_simulate_padded_shows_batch_rebalance(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tokenbal.cli import main
+    from tokenbal.index import build_index
+    from tokenbal.synthetic import make_samples, write_shards
+
+    samples = [s for s in make_samples(160, seed=5) if s.kind in ("text_short", "text_long", "icon")]
+    shards = write_shards(samples, str(tmp_path / "shards"), samples_per_shard=128)
+    index = str(build_index(shards, tmp_path / "idx", progress=False).out)
+    assert main(["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "8",
+                 "--padded"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method") and "Σ max padded" in line)
+    rows = {line[:34].strip(): line[34:].split() for line in lines[start + 1:start + 5]}
+    assert set(rows) == {"DistributedSampler", "batch_rebalance (transformers)", "tokenbal (cost tokens)",
+                         "tokenbal (cost padded)"}
+    ours, theirs = rows["tokenbal (cost padded)"], rows["batch_rebalance (transformers)"]
+    assert int(ours[0]) <= int(theirs[0]) and float(ours[1]) <= float(theirs[1])
+    with pytest.raises(ValueError, match="divisible"):
+        from tokenbal.balance.partition.padded import padded_comparison
+
+        padded_comparison(np.arange(1, 50), 2, 7)

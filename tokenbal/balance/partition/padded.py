@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["PADDED_COST", "min_max_padded_split", "plan_padded", "plan_epoch_padded", "check_padded",
-           "padded_micro_tokens", "padded_summary", "batch_rebalance_plan", "distributed_sampler_plan"]
+           "padded_micro_tokens", "padded_summary", "padded_comparison", "batch_rebalance_plan",
+           "distributed_sampler_plan"]
 
 PADDED_COST = "padded"
 
@@ -306,6 +307,38 @@ def padded_summary(plan: Any, lengths: np.ndarray) -> dict[str, float]:
             "padded_over_real": float(padded.sum() / max(1, real.sum())),
             "peak_padded": int(padded.max(initial=0)),
             "real_max_over_mean": float(ratio.mean()) if ratio.size else 1.0}
+
+
+def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, grad_accum: int = 1, *,
+                      seed: int = 0) -> str:
+    """The table ``tokenbal plan simulate --padded`` prints: padded and packed cost of
+    DistributedSampler, transformers' BatchRebalanceSampler (when transformers has it) and tokenbal's
+    plans (token cost, padded cost), on the same lengths."""
+    from tokenbal.balance.plan import plan_epoch
+
+    lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
+    R, N, k = int(num_replicas), int(global_batch_size), int(grad_accum)
+    if N % (R * k):
+        raise ValueError(f"--padded needs a global batch size divisible by ranks x grad_accum ({R * k}): the "
+                         "padded baselines take per-device batches of global / (ranks x grad_accum)")
+    b = N // (R * k)
+    plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed)}
+    try:
+        plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed)
+    except ImportError:
+        pass
+    plans["tokenbal (cost tokens)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed)
+    plans["tokenbal (cost padded)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed,
+                                                 cost="padded")
+    lines = [f"padded micro-batches of {b} per rank (each padded to its longest sample), {k} per step; "
+             "packed = the same batches with no padding",
+             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"]
+    for name, plan in plans.items():
+        r = padded_summary(plan, lens)
+        packed = int(plan.micro_tokens(lens).max(1).sum())
+        lines.append(f"{name:<34}{r['sum_max_padded']:14d}{r['padded_over_real']:12.3f}{r['peak_padded']:9d}"
+                     f"{packed:14d}")
+    return "\n".join(lines)
 
 
 def _plan_from_lists(per_rank: list[list[list[int]]], R: int, k: int) -> Any:
