@@ -181,7 +181,9 @@ class TokenBalancingMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self._tokenbal_resume = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        destroy_process_group_at_exit()
+        return result
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
@@ -243,6 +245,35 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+_EXIT_HOOK: list[Any] = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if it is still there.
+
+    Without ``destroy_process_group`` a gloo rank can abort at exit with ``terminate called without
+    an active exception`` (torchrun then returns 1 after a finished training): the process group's
+    C++ worker threads are still alive while the interpreter is torn down (pytorch/pytorch#190489;
+    the upstream atexit fix, pytorch/pytorch#179291, was abandoned). The Trainer never destroys the
+    group, so a finished ``train()`` registers this once. Registered only after training returned:
+    destroying it while another rank is still inside a collective (after an exception here) can
+    hang (pytorch/torchtitan#1342). Calling ``destroy_process_group()`` yourself is fine too.
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    if _EXIT_HOOK or not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HOOK.append(destroy)
 
 
 def _is_trl(trainer: Any) -> bool:
