@@ -26,6 +26,16 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   need. The mixin turns the option on if it was off (with a warning), and warns when the model does
   not accept ``num_items_in_batch`` (each rank would then average its own tokens).
 
+- **Packed** (``packed=True, max_tokens_per_rank=B``): the model is patched for packed rows
+  (``collate.models.enable_packed``) and the collator is ``PackedCollator.from_config(model.config)``
+  behind :class:`~tokenbal.integrations.trainer_support.PackedTrainCollator`, which renders raw chat
+  rows with ``processing_class`` and checks every row against the planned lengths. Padded batches
+  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`).
+- **Weights on resume.** Checkpoint names that transformers' own loading would miss
+  (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
+- **What the user sees.** Warnings reach stderr (:func:`~tokenbal.integrations.trainer_support.configure_logging`),
+  and a finished ``train()`` destroys the process group at exit (:func:`destroy_process_group_at_exit`).
+
 Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
 into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
 
