@@ -33,8 +33,8 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`).
 - **Weights on resume.** Checkpoint names that transformers' own loading would miss
   (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
-- **What the user sees.** Warnings reach stderr (:func:`~tokenbal.integrations.trainer_support.configure_logging`),
-  and a finished ``train()`` destroys the process group at exit (:func:`destroy_process_group_at_exit`).
+- **What the user sees.** Warnings reach stderr
+  (:func:`~tokenbal.integrations.trainer_support.configure_logging`), and a finished ``train()`` destroys the process group at exit (:func:`destroy_process_group_at_exit`).
 
 Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
 into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
