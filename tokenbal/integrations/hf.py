@@ -34,7 +34,8 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
 - **Weights on resume.** Checkpoint names that transformers' own loading would miss
   (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
 - **What the user sees.** Warnings reach stderr
-  (:func:`~tokenbal.integrations.trainer_support.configure_logging`), and a finished ``train()`` destroys the process group at exit (:func:`destroy_process_group_at_exit`).
+  (:func:`~tokenbal.integrations.trainer_support.configure_logging`), and a finished ``train()``
+  destroys the process group at exit (:func:`destroy_process_group_at_exit`).
 
 Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
 into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
