@@ -166,6 +166,8 @@ class TokenBalancingMixin:
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")
         sampler = self.tokenbal_sampler
+        if hasattr(collator, "set_lengths"):
+            collator.set_lengths(sampler.lengths)   # an array, not a callable: workers may be spawned
         if not getattr(self, "_tokenbal_logged", False):
             self._tokenbal_logged = True
             _log_plan(sampler, self.tokenbal_packed)

@@ -163,6 +163,9 @@ class PackedTrainCollator:
             self._lengths = self._lengths()
         return np.asarray(self._lengths, np.int64)
 
+    def set_lengths(self, lengths: np.ndarray) -> None:
+        self._lengths = np.asarray(lengths, np.int64)
+
     def _sample(self, row: dict[str, Any]) -> dict[str, Any]:
         if "input_ids" in row:
             return row
@@ -250,7 +253,9 @@ def load_checkpoint_weights(model: Any, checkpoint_dir: str) -> bool:
     if saved is None:
         return False
     own = model.state_dict()
-    missing = [k for k in own if k not in set(saved)]
+    tied = _tied_keys(model)
+    names = set(saved)
+    missing = [k for k in own if k not in names and k not in tied]   # tied weights are saved once
     if not missing:
         return False
     from transformers.core_model_loading import revert_weight_conversion
@@ -267,7 +272,6 @@ def load_checkpoint_weights(model: Any, checkpoint_dir: str) -> bool:
     state = _load_saved(checkpoint_dir)
     converted = {rename.get(k, k): v for k, v in state.items()}
     result = model.load_state_dict(converted, strict=False)
-    tied = _tied_keys(model)
     still = [k for k in result.missing_keys if k not in tied]
     if still or result.unexpected_keys:
         raise RuntimeError(
