@@ -79,6 +79,43 @@ def test_packed_trainer_two_ranks_every_sample_once_under_the_budget(tmp_path):
         assert math.isfinite(r["loss"])
 
 
+def _fast_rank(rank: int, world: int) -> dict:
+    """One rank of the fast 2-rank check: the samplers the Trainer builds (padded cost; token budget)
+    under a real gloo group (their cross-rank plan check runs), and the packed Trainer collator."""
+    from collate import PackedCollator
+    from collate.train.tiny import IMG, VID, VSTART, TinyVLDataset
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+    from tokenbal.integrations.trainer_support import IndexedDataset, PackedTrainCollator
+
+    ds = IndexedDataset(TinyVLDataset(30, seed=5))
+    lens = ds.dataset.lengths()
+    padded = TokenBalancedBatchSampler(lens, global_batch_size=8, cost="padded", verify=True, seed=1)
+    budget = TokenBalancedBatchSampler(lens, max_tokens_per_rank=90, verify=True, seed=1)
+    packer = PackedTrainCollator(PackedCollator(image_token_id=IMG, video_token_id=VID,
+                                                vision_start_token_id=VSTART), lens, 90)
+    rows = []
+    for batch in budget:
+        b = packer([ds[i] for i in batch])
+        rows.append({"samples": batch, "tokens": int(b["input_ids"].shape[1]),
+                     "cu": b["cu_seqlens"].tolist()})
+    return {"padded": [list(b) for b in padded], "rows": rows, "lens": lens.tolist()}
+
+
+def test_two_ranks_padded_and_packed_plans_fast():
+    """Fast 2-rank check (no Trainer): both ranks agree on the plans (the samplers' verify collective),
+    every sample once in each, every packed row within the budget with one cu_seqlens entry per sample."""
+    ranks = run_ranks(_fast_rank, WORLD, timeout=300)
+    lens = ranks[0]["lens"]
+    for key in ("padded", "rows"):
+        assert len(ranks[0][key]) == len(ranks[1][key])
+    assert sorted(i for r in ranks for b in r["padded"] for i in b) == list(range(len(lens)))
+    assert sorted(i for r in ranks for row in r["rows"] for i in row["samples"]) == list(range(len(lens)))
+    for r in ranks:
+        for row in r["rows"]:
+            assert row["tokens"] == sum(lens[i] for i in row["samples"]) <= 90
+            assert len(row["cu"]) == len(row["samples"]) + 1 or (not row["samples"] and len(row["cu"]) == 2)
+
+
 @pytest.mark.slow   # ~50 s on the loaded 2-core VM (trl + datasets imports, a real processor per row)
 def test_trl_sft_trainer_with_the_mixin_packed(tmp_path):
     pytest.importorskip("trl")
