@@ -85,7 +85,9 @@ class TokenBalancingMixin:
         self.tokenbal_packed = bool(packed)
         self.tokenbal_token_lengths = token_lengths
         if self.tokenbal_packed:
-            kwargs = _wire_packed(self, bound, args, kwargs)
+            if args and "model" not in bound:   # positional arguments that could not be named
+                raise ValueError("packed=True: pass the Trainer's arguments by keyword (model=..., args=...)")
+            kwargs = _wire_packed(self, bound)
             args = ()
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
         self._tokenbal_resume: str | None = None
@@ -308,7 +310,7 @@ def _bind_trainer_args(parent: Any, args: tuple, kwargs: dict[str, Any]) -> dict
         if kind is inspect.Parameter.VAR_KEYWORD:
             out.update(value)
         elif kind is inspect.Parameter.VAR_POSITIONAL:
-            return dict(kwargs)   # cannot name them: only what was passed by keyword
+            return dict(kwargs)   # cannot name them: only what was passed by keyword (see __init__)
         else:
             out[name] = value
     return out
@@ -331,7 +333,7 @@ def _train_lengths(token_lengths: Any, dataset: Any, processor: Any) -> Any:
                     "one token count per train_dataset item) or a 'length' column in train_dataset")
 
 
-def _wire_packed(trainer: Any, bound: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _wire_packed(trainer: Any, bound: dict[str, Any]) -> dict[str, Any]:
     """``packed=True``: the model patched for packed rows (``enable_packed``), the collator a
     :class:`collate.PackedCollator` for its config behind per-sample processing and the length check.
     Returns the Trainer's keyword arguments with the collator in place."""
