@@ -77,7 +77,8 @@ def test_beats_batch_rebalance_on_random_mixtures():
     steps), each planned by tokenbal and by batch_rebalance on the same lengths. Not a pointwise
     theorem: over 300 such draws (seeded, measured when this was written) tokenbal's Σ per-step max
     padded tokens was higher in 1 and its padded ÷ real (per-device batch >= 2: with one sample per
-    micro-batch batch_rebalance pads nothing, and tokenbal's merged tail must) in 3, by < 1%. So:
+    micro-batch batch_rebalance pads nothing, and tokenbal's merged tail must) in 3 (docs/BENCHMARKS.md,
+    issue 30). So:
     at most 2 of these 40 draws may lose on either, and the totals must win clearly."""
     pytest.importorskip("transformers")
     draws = np.random.default_rng(2026)
