@@ -10,6 +10,8 @@ video size (vectorised: the same formulas as the demo corpus, without rendering 
     python scripts/bench_balance.py --plan-only --compare-exact   # planning time only, batched vs exact
     python scripts/bench_balance.py --elastic  # resume on another world size: re-plan time, balance
     python scripts/bench_balance.py --budget   # token-budget mode vs trl's BFD pack_dataset (fill)
+    python scripts/bench_balance.py --padded   # padded batches: cost="padded" vs transformers'
+                                               # BatchRebalanceSampler vs DistributedSampler (+ packed)
 
 ``--compare-exact`` also runs the planner with the exact one-item-at-a-time window fill (what
 ``plan_epoch`` did before PLAN_VERSION 3) at every point and in the timing, in the same run.
@@ -518,6 +520,75 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool) ->
               f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB", flush=True)
 
 
+PADDED_POINTS = ((2, 4, 1), (8, 4, 1), (8, 2, 2), (2, 8, 1))   # (ranks, per-device batch, grad accum)
+
+
+def _padded_mixtures(n: int, seed: int) -> list[tuple[str, np.ndarray]]:
+    """Length mixtures for the padded comparison: the demo mixture and random families whose
+    parameters are drawn from ``seed`` (not one hand-picked case)."""
+    rng = np.random.default_rng(seed)
+    out = [("demo mixture", mixture_lengths(n, seed))]
+    mu, sigma = rng.uniform(4.5, 6.5), rng.uniform(0.6, 1.4)
+    out.append((f"lognormal({mu:.1f}, {sigma:.1f})", rng.lognormal(mu, sigma, n).astype(np.int64) + 1))
+    frac, long_lo = rng.uniform(0.05, 0.3), int(rng.integers(1000, 4000))
+    long = rng.integers(long_lo, 3 * long_lo, n)
+    out.append((f"text + {frac:.0%} long", np.where(rng.random(n) < frac, long, rng.integers(20, 400, n))))
+    hi = int(rng.integers(500, 5000))
+    out.append((f"uniform(1, {hi})", rng.integers(1, hi, n)))
+    out.append(("four sizes", rng.choice([8, 80, 800, 8000], n, p=[0.4, 0.3, 0.2, 0.1])))
+    return out
+
+
+def bench_padded(n: int, seed: int, repeats: int) -> None:
+    """Padded micro-batches (every one padded to its longest sample): Σ over steps (and micro-batches)
+    of the slowest rank's padded tokens, padded ÷ real, and the same samplers' packed cost (Σ of the
+    slowest rank's real tokens), for DistributedSampler, transformers' BatchRebalanceSampler
+    (train_sampling_strategy="batch_rebalance"), tokenbal's token-balanced plan and cost="padded";
+    all on the same lengths in this run."""
+    from tokenbal.balance.partition.padded import (
+        batch_rebalance_plan,
+        distributed_sampler_plan,
+        padded_summary,
+    )
+    from tokenbal.balance.plan import plan_epoch as plan
+
+    print(environment_line())
+    print(f"{n} samples per mixture; ratios are over batch_rebalance's value in the same run (< 1 = better)")
+    wins = total = 0
+    for R, b, k in PADDED_POINTS:
+        N = R * b * k
+        print(f"\n== {R} ranks, per-device batch {b}, grad_accum {k} (global batch {N})")
+        print(f"{'mixture':<22}{'sampler':<22}{'Σmax padded':>13}{'÷ b_r':>7}{'padded÷real':>12}"
+              f"{'real max/mean':>14}{'peak':>8}{'Σmax packed':>13}{'÷ b_r':>7}")
+        for name, lens in _padded_mixtures(n, seed):
+            plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed),
+                     "batch_rebalance": batch_rebalance_plan(lens, R, b, k, seed=seed),
+                     "tokenbal tokens": plan(lens, R, global_batch_size=N, grad_accum=k, seed=seed),
+                     "tokenbal padded": plan(lens, R, global_batch_size=N, grad_accum=k, seed=seed,
+                                             cost="padded")}
+            rows = {m: padded_summary(p, lens) for m, p in plans.items()}
+            packed = {m: int(p.micro_tokens(lens).max(1).sum()) for m, p in plans.items()}
+            ref, ref_packed = rows["batch_rebalance"], packed["batch_rebalance"]
+            for m, r in rows.items():
+                rel = r["sum_max_padded"] / ref["sum_max_padded"]
+                print(f"{name:<22}{m:<22}{r['sum_max_padded']:13d}{rel:7.3f}"
+                      f"{r['padded_over_real']:12.3f}{r['real_max_over_mean']:14.3f}{r['peak_padded']:8d}"
+                      f"{packed[m]:13d}{packed[m] / ref_packed:7.3f}")
+            ours = rows["tokenbal padded"]
+            total += 1
+            wins += (ours["sum_max_padded"] <= ref["sum_max_padded"]
+                     and ours["padded_over_real"] <= ref["padded_over_real"])
+    print(f"\ntokenbal padded <= batch_rebalance on both Σmax padded and padded÷real: {wins} of {total} "
+          "cases")
+    lens = mixture_lengths(n, seed)
+    R, b, k = 8, 4, 1
+    t_ours = measure(lambda: plan(lens, R, global_batch_size=R * b * k, seed=seed, cost="padded"),
+                     repeats=repeats)
+    t_br = measure(lambda: batch_rebalance_plan(lens, R, b, k, seed=seed), repeats=repeats)
+    print(f"planning an epoch of {n} samples for all {R} ranks (median of {repeats}, CPU): tokenbal padded "
+          f"{t_ours.cpu_median:.3f} s, BatchRebalanceSampler x {R} ranks {t_br.cpu_median:.3f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400, help="steps per (R, N) point for tokenbal")
@@ -546,6 +617,9 @@ def main() -> None:
     ap.add_argument("--plan-scale", default="", metavar="N,R,MODE",
                     help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages")
     ap.add_argument("--with-v6", action="store_true", help="--plan-scale: time the v6 planner too")
+    ap.add_argument("--padded", action="store_true",
+                    help="only padded batches: cost='padded' vs transformers' BatchRebalanceSampler")
+    ap.add_argument("--padded-samples", type=int, default=4000)
     args = ap.parse_args()
     if args.mixtures:
         keep = {int(x) for x in args.mixture_points.split(",") if x}
@@ -557,6 +631,9 @@ def main() -> None:
         n, R, mode = args.plan_scale.split(",")
         print(environment_line())
         bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, args.with_v6)
+        return
+    if args.padded:
+        bench_padded(args.padded_samples, args.seed, args.repeats or 3)
         return
     if args.budget:
         bench_budget(20_000, 16_384, (1, 8, 64), args.seed, args.repeats or 3)

@@ -127,6 +127,10 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     sim = simulate(index, replicas, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
                    seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
     print(sim.table())
+    if args.padded:
+        from tokenbal.balance.partition.padded import padded_comparison
+
+        print(padded_comparison(index, replicas, args.global_batch_size, args.grad_accum, seed=args.seed))
     if args.plot:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
@@ -449,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
+    sim.add_argument("--padded", action="store_true",
+                     help="also padded batches: DistributedSampler, transformers' BatchRebalanceSampler and "
+                          "tokenbal's cost='padded' plan on Σ per-step max padded tokens, padded/real, "
+                          "packed")
     sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
     sim.set_defaults(func=_cmd_plan_simulate, command_parser=sim)
 

@@ -11,6 +11,9 @@
   patches, patches² per image, ...) with coefficients fitted to timed micro-batches of the real
   model on the real hardware (``collate.train.profile_stage_costs``); in microseconds.
 * a user array (one non-negative number per sample) or a callable ``f(lengths) -> array``.
+* ``"padded"``: for collators that pad each micro-batch to its longest sample; a micro-batch costs
+  ``count × longest``, and the planner composes steps for that (:mod:`tokenbal.balance.partition.padded`,
+  ``global_batch_size`` mode).
 
 Stages (:func:`resolve_stage_costs`): under FSDP the vision tower and the language model each end
 in collectives, so each waits for its own slowest rank and a step takes ``Σ_stage max_rank``.
@@ -38,7 +41,7 @@ __all__ = ["FlopsModel", "StageCostModel", "stage_features", "resolve", "Resolve
            "resolve_stage_costs", "to_int_costs",
            "COST_NAMES", "STAGE_NAMES", "STAGE_FEATURES"]
 
-COST_NAMES = ("tokens", "flops")
+COST_NAMES = ("tokens", "flops", "padded")
 _FLOAT_RESOLUTION = 1_000_000   # a float cost array is scaled so its maximum is this many units
 
 
@@ -308,6 +311,11 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
     """
     lens = check_lengths(lengths_or_index)
     if cost is None or (isinstance(cost, str) and cost == "tokens"):
+        return lens
+    if isinstance(cost, str) and cost == "padded":
+        # Per sample the padded cost is its length; what differs is how a micro-batch adds them
+        # up (count x longest), which the planner's padded composition handles
+        # (tokenbal.balance.partition.padded).
         return lens
     if isinstance(cost, str):
         if cost != "flops":

@@ -267,6 +267,14 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
     R, N, B, window = check_settings(lens, num_replicas, global_batch_size, max_tokens_per_rank, window,
                                      grad_accum=k, oversize=oversize)
+    if resolved.cost_name == "padded":
+        # Padding collators: steps composed for count x longest (tokenbal.balance.partition.padded).
+        from tokenbal.balance.partition.padded import check_padded, plan_epoch_padded
+
+        check_padded(N, stages)
+        return plan_epoch_padded(lens, R, N, seed=_nonneg_int("seed", seed),
+                                 epoch=_nonneg_int("epoch", epoch), shuffle=shuffle, drop_last=drop_last,
+                                 window=window, grad_accum=k)
     rng = np.random.default_rng([_nonneg_int("seed", seed), _nonneg_int("epoch", epoch)])
     n = len(lens)
     perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)

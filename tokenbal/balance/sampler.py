@@ -182,7 +182,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             costs, R, global_batch_size=setup["global_batch_size"],
             max_tokens_per_rank=setup["max_tokens_per_rank"], seed=self.seed, epoch=epoch,
             shuffle=self.shuffle, drop_last=self.drop_last, window=setup["window"], grad_accum=k,
-            oversize=self.oversize, stages=stages)
+            oversize=self.oversize, stages=stages,
+            # costs are resolved already; "padded" also changes how the planner composes them
+            cost="padded" if self.cost_name == "padded" else None)
         if subset is None:
             return plan
         # Positions in the subset -> dataset indices; ascending, so every list stays sorted.

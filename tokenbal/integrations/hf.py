@@ -26,6 +26,17 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   need. The mixin turns the option on if it was off (with a warning), and warns when the model does
   not accept ``num_items_in_batch`` (each rank would then average its own tokens).
 
+- **Packed** (``packed=True, max_tokens_per_rank=B``): the model is patched for packed rows
+  (``collate.models.enable_packed``) and the collator is ``PackedCollator.from_config(model.config)``
+  behind :class:`~tokenbal.integrations.trainer_support.PackedTrainCollator`, which renders raw chat
+  rows with ``processing_class`` and checks every row against the planned lengths. Padded batches
+  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`).
+- **Weights on resume.** Checkpoint names that transformers' own loading would miss
+  (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
+- **What the user sees.** Warnings reach stderr
+  (:func:`~tokenbal.integrations.trainer_support.configure_logging`), and a finished ``train()``
+  destroys the process group at exit (:func:`destroy_process_group_at_exit`).
+
 Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
 into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
 
@@ -62,15 +73,30 @@ class TokenBalancingMixin:
     """Mix in before a ``transformers.Trainer`` subclass; see the module docstring."""
 
     def __init__(self, *args: Any, token_lengths: Any = None, sampler_options: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
-        self.tokenbal_token_lengths = token_lengths   # None: computed once the Trainer has its dataset
+                 packed: bool = False, max_tokens_per_rank: int | None = None, **kwargs: Any) -> None:
+        from tokenbal.integrations.trainer_support import configure_logging
+
+        bound = _bind_trainer_args(super(), args, kwargs)
         self.tokenbal_sampler_options = dict(sampler_options or {})
+        if max_tokens_per_rank is not None:
+            if self.tokenbal_sampler_options.setdefault("max_tokens_per_rank", max_tokens_per_rank) != \
+                    max_tokens_per_rank:
+                raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank} disagrees with sampler_options' "
+                                 f"{self.tokenbal_sampler_options['max_tokens_per_rank']}")
         if self.tokenbal_sampler_options.get("elastic"):
             raise ValueError("elastic=True is not supported under the Trainer: its resume skips the batches "
                              "of the checkpoint's plan; resume with the same world size and batch settings")
+        self.tokenbal_packed = bool(packed)
+        self.tokenbal_token_lengths = token_lengths
+        if self.tokenbal_packed:
+            if args and "model" not in bound:   # positional arguments that could not be named
+                raise ValueError("packed=True: pass the Trainer's arguments by keyword (model=..., args=...)")
+            kwargs = _wire_packed(self, bound)
+            args = ()
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
         self._tokenbal_resume: str | None = None
         super().__init__(*args, **kwargs)
+        configure_logging()   # after the Trainer set transformers' verbosity from args.log_level
         self.tokenbal_token_lengths = _lengths_for(self.train_dataset, self.processing_class, token_lengths,
                                                    type(self).__name__)
         if not self.args.average_tokens_across_devices:
@@ -108,6 +134,9 @@ class TokenBalancingMixin:
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
             opts.setdefault("global_batch_size", int(args.per_device_train_batch_size) * int(dp) * ga)
+            if not self.tokenbal_packed and opts.get("cost") is None and opts.get("stages") is None:
+                # A padding collator runs every micro-batch at count x longest sample: plan for that.
+                opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
         opts.setdefault("drop_last", bool(args.dataloader_drop_last))
         return opts
@@ -130,7 +159,13 @@ class TokenBalancingMixin:
             import datasets
         except ImportError:
             datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if self.tokenbal_packed:
+            from tokenbal.integrations.trainer_support import IndexedDataset
+
+            # The packed collator takes what it needs (raw chat rows included) and checks every
+            # sample's tokens against the plan's lengths, so it sees whole rows and their index.
+            dataset = IndexedDataset(dataset)
+        elif datasets is not None and isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
@@ -138,6 +173,11 @@ class TokenBalancingMixin:
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")
         sampler = self.tokenbal_sampler
+        if hasattr(collator, "set_lengths"):
+            collator.set_lengths(sampler.lengths)   # an array, not a callable: workers may be spawned
+        if not getattr(self, "_tokenbal_logged", False):
+            self._tokenbal_logged = True
+            _log_plan(sampler, self.tokenbal_packed)
         if self._tokenbal_resume is not None:
             self._load_sampler_state(self._tokenbal_resume)
             self._tokenbal_resume = None
@@ -161,9 +201,33 @@ class TokenBalancingMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self._tokenbal_resume = resume_from_checkpoint or None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        destroy_process_group_at_exit()
+        return result
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        if self.tokenbal_packed and _is_trl(self):
+            # trl's SFTTrainer computes its loss through a fused LM-head forward that calls the
+            # backbone directly, past the packed model's entry point (cu_seqlens, M-RoPE ids): use
+            # the Trainer's loss, i.e. the model's own forward. trl's token-accuracy / entropy
+            # metrics are then not logged.
+            from transformers import Trainer
+
+            return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # -- checkpoints -----------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # transformers 5.x: a Qwen-VL checkpoint's saved names differ from the model's, and the
+        # Trainer's plain load_state_dict restores none of them (trainer_support.load_checkpoint_weights).
+        if not (self.is_fsdp_enabled or self.is_deepspeed_enabled):
+            from tokenbal.integrations.trainer_support import load_checkpoint_weights
+
+            if load_checkpoint_weights(self.model if model is None else model, resume_from_checkpoint):
+                return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _sampler_state_at(self, global_step: int) -> dict[str, Any]:
         """The sampler state after ``global_step`` optimizer steps (not the sampler's own cursor,
@@ -227,6 +291,95 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
     raise TypeError(f"{who} needs token lengths: pass token_lengths= (a TokenIndex or one count per "
                     "train_dataset item), give the dataset a 'length' or 'input_ids' column, or pass "
                     "processing_class=<processor> with a datasets.Dataset of 'messages' (and 'images') rows")
+
+
+_EXIT_HOOK: list[Any] = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if it is still there.
+
+    Without ``destroy_process_group`` a gloo rank can abort at exit with ``terminate called without
+    an active exception`` (torchrun then returns 1 after a finished training): the process group's
+    C++ worker threads are still alive while the interpreter is torn down (pytorch/pytorch#190489;
+    the upstream atexit fix, pytorch/pytorch#179291, was abandoned). The Trainer never destroys the
+    group, so a finished ``train()`` registers this once. Registered only after training returned:
+    destroying it while another rank is still inside a collective (after an exception here) can
+    hang (pytorch/torchtitan#1342). Calling ``destroy_process_group()`` yourself is fine too.
+    """
+    import atexit
+
+    import torch.distributed as dist
+
+    if _EXIT_HOOK or not (dist.is_available() and dist.is_initialized()):
+        return
+
+    def destroy() -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    atexit.register(destroy)
+    _EXIT_HOOK.append(destroy)
+
+
+def _is_trl(trainer: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
+
+
+def _bind_trainer_args(parent: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer arguments by name (``model``, ``train_dataset``, ...), however they were passed."""
+    import inspect
+
+    try:
+        sig = inspect.signature(parent.__init__)
+        named = sig.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    out: dict[str, Any] = {}
+    for name, value in named.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            return dict(kwargs)   # cannot name them: only what was passed by keyword (see __init__)
+        else:
+            out[name] = value
+    return out
+
+
+def _wire_packed(trainer: Any, bound: dict[str, Any]) -> dict[str, Any]:
+    """``packed=True``: the model patched for packed rows (``enable_packed``), the collator a
+    :class:`collate.PackedCollator` for its config behind per-sample processing and the length check.
+    Returns the Trainer's keyword arguments with the collator in place."""
+    from collate import PackedCollator
+    from collate.models import enable_packed
+    from tokenbal.integrations.trainer_support import PackedTrainCollator
+
+    model = bound.get("model")
+    if model is None or not hasattr(model, "config"):
+        raise ValueError("packed=True needs the model instance (model=...), to patch it and read its config")
+    enable_packed(model)
+    kwargs = {**bound}
+    collator = kwargs.get("data_collator")
+    if collator is None:
+        collator = PackedCollator.from_config(model.config)
+    budget = trainer.tokenbal_sampler_options.get("max_tokens_per_rank")
+    # The lengths are known once the Trainer holds its dataset: read them from the sampler when used.
+    kwargs["data_collator"] = PackedTrainCollator(collator, lambda: trainer.tokenbal_sampler.lengths, budget,
+                                                  kwargs.get("processing_class"))
+    return kwargs
+
+
+def _log_plan(sampler: TokenBalancedBatchSampler, packed: bool) -> None:
+    """One info line on what the plan does (visible with log_level="info" or TOKENBAL_VERBOSITY=info)."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    plan = sampler.plan()
+    mode = (f"max_tokens_per_rank={sampler.max_tokens_per_rank}" if sampler.max_tokens_per_rank is not None
+            else f"global_batch_size={sampler.global_batch_size}")
+    logger.info("tokenbal: %d samples, %d steps per epoch on %d ranks (%s, grad_accum %d, cost %s, %s)",
+                len(sampler.lengths), plan.num_steps, sampler.num_replicas, mode, sampler.grad_accum,
+                sampler.cost_name, "packed rows" if packed else "padded batches")
 
 
 def _make_callback(trainer: TokenBalancingMixin) -> Any:

@@ -6,6 +6,7 @@
 * :mod:`.stages` — steps of K synchronised stages (``Σ_stage max_rank``): refinement inside a step
   and swaps between the steps of a window;
 * :mod:`.compose` — which samples share a step, by their stage-cost vectors (stage mode).
+* :mod:`.padded` — steps for padding collators (``cost="padded"``: ``count × longest`` per micro-batch).
 """
 
 from tokenbal.balance.partition.solvers import (

@@ -1,0 +1,145 @@
+"""cost="padded": steps composed for collators that pad each micro-batch to its longest sample,
+against transformers' own BatchRebalanceSampler (train_sampling_strategy="batch_rebalance") on the
+same lengths. The split of one step is checked against brute force; plans keep every guarantee of
+global_batch_size mode (every sample once, N per step but the merged tail, no empty rank)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenbal.balance.partition.padded import (
+    batch_rebalance_plan,
+    distributed_sampler_plan,
+    min_max_padded_split,
+    padded_summary,
+)
+from tokenbal.balance.plan import plan_epoch
+from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+
+def _brute(lens: list[int], K: int) -> int:
+    n, best = len(lens), None
+    for cuts in itertools.combinations(range(1, n), K - 1):
+        b = [0, *cuts, n]
+        cost = max((b[i + 1] - b[i]) * max(lens[b[i]], 1) for i in range(K))
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=9), st.data())
+def test_split_is_the_optimal_contiguous_split(lens, data):
+    lens = sorted(lens, reverse=True)
+    K = data.draw(st.integers(1, len(lens)))
+    counts = min_max_padded_split(np.array(lens), K)
+    assert counts.sum() == len(lens) and (counts >= 1).all()
+    start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    assert max(counts * np.maximum(np.array(lens)[start], 1)) == _brute(lens, K)
+
+
+def _mixture(kind: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == 0:
+        return rng.integers(1, 2000, n)
+    if kind == 1:
+        return rng.lognormal(5, 1.2, n).astype(np.int64) + 1
+    if kind == 2:   # mostly short text, a tail of long image / video samples
+        return np.where(rng.random(n) < 0.1, rng.integers(2000, 8000, n), rng.integers(10, 300, n))
+    return rng.choice([5, 50, 500, 5000], n)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 6), st.sampled_from([1, 1, 2, 3]), st.integers(0, 3),
+       st.integers(0, 2**31 - 1), st.booleans())
+def test_plan_guarantees(R, per_device, k, kind, seed, drop_last):
+    rng = np.random.default_rng(seed)
+    N = R * per_device * k
+    n = int(rng.integers(1, min(2000, 12 * N)))
+    lens = _mixture(kind, n, rng)
+    opts = dict(global_batch_size=N, grad_accum=k, cost="padded", seed=seed, drop_last=drop_last)
+    plan = plan_epoch(lens, R, **opts)
+    assert sorted(plan.indices.tolist() + plan.dropped.tolist()) == list(range(n))   # every sample once
+    counts = plan.counts().sum(1)
+    if plan.num_steps:
+        assert (counts[:-1] == N).all() and (counts[-1] == N if drop_last else counts[-1] >= min(n, R * k))
+    if n >= R * k:
+        assert plan.num_empty == 0
+    again = plan_epoch(lens, R, **opts)
+    assert np.array_equal(plan.indices, again.indices) and np.array_equal(plan.offsets, again.offsets)
+
+
+def test_beats_batch_rebalance_on_random_mixtures():
+    """40 random draws (ranks 1-8, per-device batch 1-6, grad accum 1-3, four length families, 8-24
+    steps), each planned by tokenbal and by batch_rebalance on the same lengths. Not a pointwise
+    theorem: over 300 such draws (seeded, measured when this was written) tokenbal's Σ per-step max
+    padded tokens was higher in 1 and its padded ÷ real (per-device batch >= 2: with one sample per
+    micro-batch batch_rebalance pads nothing, and tokenbal's merged tail must) in 3 (docs/BENCHMARKS.md,
+    issue 30). So:
+    at most 2 of these 40 draws may lose on either, and the totals must win clearly."""
+    pytest.importorskip("transformers")
+    draws = np.random.default_rng(2026)
+    lose_max = lose_ratio = 0
+    ours_total = theirs_total = 0
+    for _ in range(40):
+        R, per_device = int(draws.integers(1, 9)), int(draws.integers(1, 7))
+        k, kind, seed = int(draws.choice([1, 1, 2, 3])), int(draws.integers(0, 4)), int(draws.integers(2**31))
+        rng = np.random.default_rng(seed)
+        N = R * per_device * k
+        n = int(rng.integers(8 * N, max(8 * N + 1, min(600, 24 * N))))
+        lens = _mixture(kind, n, rng)
+        plan = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, cost="padded", seed=seed)
+        assert sorted(plan.indices.tolist()) == list(range(n))
+        ours = padded_summary(plan, lens)
+        theirs = padded_summary(batch_rebalance_plan(lens, R, per_device, k, seed=seed), lens)
+        lose_max += ours["sum_max_padded"] > theirs["sum_max_padded"]
+        lose_ratio += per_device >= 2 and ours["padded_over_real"] > theirs["padded_over_real"]
+        ours_total += ours["sum_max_padded"]
+        theirs_total += theirs["sum_max_padded"]
+    assert lose_max <= 2 and lose_ratio <= 2
+    assert ours_total < 0.8 * theirs_total
+
+
+def test_padded_cost_in_the_sampler_and_its_errors():
+    rng = np.random.default_rng(0)
+    lens = _mixture(2, 300, rng)
+    samplers = [TokenBalancedBatchSampler(lens, num_replicas=2, rank=r, global_batch_size=8, cost="padded",
+                                          seed=3) for r in range(2)]
+    steps = [list(s) for s in samplers]
+    assert len(steps[0]) == len(steps[1]) == len(samplers[0])
+    assert sorted(i for rank in steps for b in rank for i in b) == list(range(300))
+    assert samplers[0].fingerprint()["cost"] == "padded"
+    # the sampler's steps are plan_epoch's
+    plan = plan_epoch(lens, 2, global_batch_size=8, cost="padded", seed=3)
+    assert steps[0] == plan.rank_steps(0)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        plan_epoch(lens, 2, max_tokens_per_rank=10_000, cost="padded")
+    ds = padded_summary(distributed_sampler_plan(lens, 2, 4), lens)
+    assert padded_summary(plan, lens)["sum_max_padded"] < ds["sum_max_padded"]
+
+
+def test_plan_simulate_padded_shows_batch_rebalance(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from tokenbal.cli import main
+    from tokenbal.index import build_index
+    from tokenbal.synthetic import make_samples, write_shards
+
+    samples = [s for s in make_samples(160, seed=5) if s.kind in ("text_short", "text_long", "icon")]
+    shards = write_shards(samples, str(tmp_path / "shards"), samples_per_shard=128)
+    index = str(build_index(shards, tmp_path / "idx", progress=False).out)
+    assert main(["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "8",
+                 "--padded"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("method") and "Σ max padded" in line)
+    rows = {line[:34].strip(): line[34:].split() for line in lines[start + 1:start + 5]}
+    assert set(rows) == {"DistributedSampler", "batch_rebalance (transformers)", "tokenbal (cost tokens)",
+                         "tokenbal (cost padded)"}
+    ours, theirs = rows["tokenbal (cost padded)"], rows["batch_rebalance (transformers)"]
+    assert int(ours[0]) <= int(theirs[0]) and float(ours[1]) <= float(theirs[1])
+    with pytest.raises(ValueError, match="divisible"):
+        from tokenbal.balance.partition.padded import padded_comparison
+
+        padded_comparison(np.arange(1, 50), 2, 7)
