@@ -545,7 +545,7 @@ def bench_padded(n: int, seed: int, repeats: int) -> None:
     slowest rank's real tokens), for DistributedSampler, transformers' BatchRebalanceSampler
     (train_sampling_strategy="batch_rebalance"), tokenbal's token-balanced plan and cost="padded";
     all on the same lengths in this run."""
-    from tokenbal.balance.partition.padded import (
+    from tokenbal.balance.baselines import (
         batch_rebalance_plan,
         distributed_sampler_plan,
         padded_summary,

@@ -36,6 +36,10 @@ ALLOWED_CYCLES: set[frozenset[str]] = set()
 # (module, imported module) pairs allowed to cross from tokenbal into collate.
 ALLOWED_TOKENBAL_TO_COLLATE = {
     ("tokenbal.cli", "collate.demo"),  # `tokenbal demo` drives the whole path; imported when run
+    # TokenBalancedTrainer(packed=True) wires both layers (DESIGN.md's exception): the packed
+    # collator and enable_packed, imported when packed=True is asked for
+    ("tokenbal.integrations.hf", "collate"),
+    ("tokenbal.integrations.hf", "collate.models"),
 }
 
 # Old module paths kept for users: each warns (DeprecationWarning, with its removal version) and the

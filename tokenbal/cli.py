@@ -128,7 +128,7 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
                    seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
     print(sim.table())
     if args.padded:
-        from tokenbal.balance.partition.padded import padded_comparison
+        from tokenbal.balance.baselines import padded_comparison
 
         print(padded_comparison(index, replicas, args.global_batch_size, args.grad_accum, seed=args.seed))
     if args.plot:

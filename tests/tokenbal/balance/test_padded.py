@@ -12,12 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.balance.partition.padded import (
-    batch_rebalance_plan,
-    distributed_sampler_plan,
-    min_max_padded_split,
-    padded_summary,
-)
+from tokenbal.balance.baselines import batch_rebalance_plan, distributed_sampler_plan, padded_summary
+from tokenbal.balance.partition.padded import min_max_padded_split
 from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
@@ -140,6 +136,6 @@ def test_plan_simulate_padded_shows_batch_rebalance(tmp_path, capsys):
     ours, theirs = rows["tokenbal (cost padded)"], rows["batch_rebalance (transformers)"]
     assert int(ours[0]) <= int(theirs[0]) and float(ours[1]) <= float(theirs[1])
     with pytest.raises(ValueError, match="divisible"):
-        from tokenbal.balance.partition.padded import padded_comparison
+        from tokenbal.balance.baselines import padded_comparison
 
         padded_comparison(np.arange(1, 50), 2, 7)

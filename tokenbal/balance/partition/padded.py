@@ -27,7 +27,9 @@ What this trades: a step's samples are of similar length (like ``group_by_length
 holding the window's longest samples is as large in padded tokens as a ``DistributedSampler`` batch
 that drew its longest sample (``per_device × L``); for a hard memory bound use ``max_tokens_per_rank``
 with a packing collator instead. Measured against transformers' ``BatchRebalanceSampler`` and
-``DistributedSampler`` by ``scripts/bench_balance.py --padded`` (docs/BENCHMARKS.md, issue 30).
+``DistributedSampler`` by ``scripts/bench_balance.py --padded`` (docs/BENCHMARKS.md, issue 30); the
+metrics and those baselines are in :mod:`tokenbal.balance.baselines`, the epoch's plan is made by
+:func:`tokenbal.balance.plan.plan_epoch` (``cost="padded"``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PADDED_COST", "min_max_padded_split", "plan_padded", "plan_epoch_padded", "check_padded",
-           "padded_micro_tokens", "padded_summary", "padded_comparison", "batch_rebalance_plan",
-           "distributed_sampler_plan"]
+__all__ = ["PADDED_COST", "min_max_padded_split", "plan_padded", "check_padded"]
 
 PADDED_COST = "padded"
 
@@ -194,30 +194,6 @@ def check_padded(global_batch_size: int | None, stages: Any) -> None:
         raise ValueError("cost='padded' does not combine with stages=")
 
 
-def plan_epoch_padded(lens: np.ndarray, R: int, N: int, *, seed: int, epoch: int, shuffle: bool,
-                      drop_last: bool, window: int | None, grad_accum: int) -> Any:
-    """:func:`tokenbal.balance.plan.plan_epoch` for ``cost="padded"`` (its hook; same guarantees:
-    exactly N samples per step but a merged tail, every sample once, no empty rank when n >= R·k)."""
-    from tokenbal.balance.plan import EpochPlan, _count_steps, default_window
-
-    k = int(grad_accum)
-    rng = np.random.default_rng([seed, epoch])
-    n = len(lens)
-    perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)
-    caps, kept = _count_steps(n, N, R * k, drop_last)
-    dropped = np.sort(perm[kept:])
-    perm = perm[:kept]
-    W = min(window or default_window(R * k, N), max(1, len(caps)))
-    if window is None and len(caps):
-        W = -(-len(caps) // max(1, len(caps) // W))      # equal windows, as plan_epoch's count mode
-    perm, slot, S = plan_padded(lens, perm, caps, R, k, W, rng if shuffle else None)
-    order = np.lexsort((perm, slot))
-    offsets = np.zeros(int(S) * R * k + 1, np.int64)
-    np.cumsum(np.bincount(slot, minlength=int(S) * R * k), out=offsets[1:])
-    return EpochPlan(num_replicas=R, indices=perm[order].astype(np.int64), offsets=offsets,
-                     dropped=dropped.astype(np.int64), grad_accum=k)
-
-
 def _micro_rows(L: np.ndarray, micro_n: np.ndarray) -> np.ndarray:
     """(S·k, width) rows of every step's micro-steps (contiguous runs of ``micro_n`` samples)."""
     S, k = micro_n.shape
@@ -270,124 +246,3 @@ def _split_micro_steps(L: np.ndarray, n: np.ndarray, micro_n: np.ndarray, R: int
         if not improved:
             break
     return counts
-
-
-# -- metrics and the baselines ------------------------------------------------------------------
-
-
-def padded_micro_tokens(plan: Any, lengths: np.ndarray) -> np.ndarray:
-    """(num_steps, num_replicas, grad_accum) padded tokens of every micro-batch of an
-    :class:`~tokenbal.balance.plan.EpochPlan`: samples × longest sample (0 when empty)."""
-    lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
-    counts = np.diff(plan.offsets)
-    vals = lens[plan.indices]
-    longest = np.zeros(len(counts), np.int64)
-    nonempty = counts > 0
-    if vals.size:
-        longest[nonempty] = np.maximum.reduceat(vals, plan.offsets[:-1][nonempty])
-    return (counts * longest).reshape(plan.num_steps, plan.num_replicas, plan.grad_accum)
-
-
-def padded_summary(plan: Any, lengths: np.ndarray) -> dict[str, float]:
-    """What a padded step costs under this plan:
-
-    * ``sum_max_padded``: Σ over steps and micro-batches of the slowest rank's padded tokens (the
-      time every rank spends when each micro-batch waits for its largest one);
-    * ``padded_over_real``: all padded tokens / all real tokens (1.0 = nothing padded);
-    * ``peak_padded``: the largest micro-batch in padded tokens (what activation memory must hold);
-    * ``real_max_over_mean``: mean over steps of the real-token max/mean across ranks.
-    """
-    lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
-    padded = padded_micro_tokens(plan, lens)
-    real = plan.micro_tokens(lens)
-    rank_real = real.sum(2).astype(np.float64)
-    mean = rank_real.mean(1)
-    ratio = np.divide(rank_real.max(1), mean, out=np.ones(len(mean)), where=mean > 0)
-    return {"steps": int(plan.num_steps), "sum_max_padded": int(padded.max(1).sum()),
-            "padded_over_real": float(padded.sum() / max(1, real.sum())),
-            "peak_padded": int(padded.max(initial=0)),
-            "real_max_over_mean": float(ratio.mean()) if ratio.size else 1.0}
-
-
-def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, grad_accum: int = 1, *,
-                      seed: int = 0) -> str:
-    """The table ``tokenbal plan simulate --padded`` prints: padded and packed cost of
-    DistributedSampler, transformers' BatchRebalanceSampler (when transformers has it) and tokenbal's
-    plans (token cost, padded cost), on the same lengths."""
-    from tokenbal.balance.plan import plan_epoch
-
-    lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
-    R, N, k = int(num_replicas), int(global_batch_size), int(grad_accum)
-    if N % (R * k):
-        raise ValueError(f"--padded needs a global batch size divisible by ranks x grad_accum ({R * k}): the "
-                         "padded baselines take per-device batches of global / (ranks x grad_accum)")
-    b = N // (R * k)
-    plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed)}
-    try:
-        plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed)
-    except ImportError:
-        pass
-    plans["tokenbal (cost tokens)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed)
-    plans["tokenbal (cost padded)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed,
-                                                 cost="padded")
-    lines = [f"padded micro-batches of {b} per rank (each padded to its longest sample), {k} per step; "
-             "packed = the same batches with no padding",
-             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"]
-    for name, plan in plans.items():
-        r = padded_summary(plan, lens)
-        packed = int(plan.micro_tokens(lens).max(1).sum())
-        lines.append(f"{name:<34}{r['sum_max_padded']:14d}{r['padded_over_real']:12.3f}{r['peak_padded']:9d}"
-                     f"{packed:14d}")
-    return "\n".join(lines)
-
-
-def _plan_from_lists(per_rank: list[list[list[int]]], R: int, k: int) -> Any:
-    """An EpochPlan holding ``per_rank[r]`` = rank r's micro-batches (all ranks the same count)."""
-    from tokenbal.balance.plan import EpochPlan
-
-    steps = len(per_rank[0]) // k
-    flat, offsets = [], [0]
-    for s in range(steps):
-        for r in range(R):
-            for j in range(k):
-                mb = per_rank[r][s * k + j]
-                flat.extend(mb)
-                offsets.append(offsets[-1] + len(mb))
-    return EpochPlan(R, np.asarray(flat, np.int64), np.asarray(offsets, np.int64), grad_accum=k)
-
-
-def batch_rebalance_plan(lengths: np.ndarray, num_replicas: int, per_device_batch: int, grad_accum: int = 1,
-                         *, seed: int = 42, drop_last: bool = False, epoch: int = 0) -> Any:
-    """transformers' own ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``) run
-    for every rank, as the Trainer builds it (effective batch = per-device × ranks × accumulation),
-    collected into an EpochPlan. Needs transformers >= 5.24."""
-    from transformers.trainer_pt_utils import BatchRebalanceSampler
-
-    R, k = int(num_replicas), int(grad_accum)
-    lens = [int(x) for x in np.asarray(getattr(lengths, "lengths", lengths))]
-    per_rank = []
-    for r in range(R):
-        s = BatchRebalanceSampler(lengths=lens, effective_batch_size=int(per_device_batch) * R * k, dp_size=R,
-                                  grad_accum=k, seed=seed, rank=r, drop_last=drop_last)
-        s.set_epoch(epoch)
-        per_rank.append([list(b) for b in s])
-    return _plan_from_lists(per_rank, R, k)
-
-
-def distributed_sampler_plan(lengths: np.ndarray, num_replicas: int, per_device_batch: int,
-                             grad_accum: int = 1, *, seed: int = 0, epoch: int = 0) -> Any:
-    """``DistributedSampler(shuffle=True, drop_last=False)`` + ``per_device_batch`` batches per rank,
-    as the Trainer's default loader does: a seeded permutation padded by repeating its head to a
-    multiple of the ranks, rank r taking every R-th sample; a last short batch is kept."""
-    from torch.utils.data import BatchSampler, DistributedSampler
-
-    R, k, b = int(num_replicas), int(grad_accum), int(per_device_batch)
-    n = len(np.asarray(getattr(lengths, "lengths", lengths)))
-    per_rank = []
-    for r in range(R):
-        ds = DistributedSampler(range(n), num_replicas=R, rank=r, shuffle=True, seed=seed, drop_last=False)
-        ds.set_epoch(epoch)
-        per_rank.append([list(x) for x in BatchSampler(ds, b, drop_last=False)])
-    # Whole optimizer steps only (the Trainer also runs a last partial one, with fewer micro-batches).
-    m = len(per_rank[0]) - len(per_rank[0]) % k
-    return _plan_from_lists([p[:m] for p in per_rank], R, k)
