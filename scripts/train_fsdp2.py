@@ -349,7 +349,7 @@ def write_csv(path: str, records: list) -> None:
 def write_timeline(path: str, runs: dict[str, list]) -> None:
     """One row per (sampler, rank) along a time axis in seconds: blue = own compute, orange = waiting
     for the slowest rank (matplotlib, the ``plot`` extra)."""
-    from tokenbal.plot import pyplot, save
+    from tokenbal.plot import finish_timeline, pyplot, save
 
     plt = pyplot()
     rows = [(kind, rank) for kind, recs in runs.items() for rank in sorted({r.rank for r in recs})]
@@ -366,15 +366,8 @@ def write_timeline(path: str, runs: dict[str, list]) -> None:
             ax.barh(y, step_time - compute, left=x + compute, height=0.8, color=(1.0, 0.78, 0.63),
                     edgecolor="white", linewidth=0.5, label="waiting for the slowest rank")
             x += step_time
-    ax.set_yticks(range(len(rows)), [f"{kind} rank {rank}" for kind, rank in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("time since the epoch started (s)")
-    ax.set_title("per-rank steps: compute vs waiting for the slowest rank")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    ax.grid(True, axis="x", color="0.9")
-    ax.set_axisbelow(True)
+    finish_timeline(ax, [f"{kind} rank {rank}" for kind, rank in rows], "time since the epoch started (s)",
+                    "per-rank steps: compute vs waiting for the slowest rank")
     save(fig, path)
 
 

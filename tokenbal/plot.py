@@ -50,6 +50,20 @@ def save(fig: Any, out: str | os.PathLike) -> None:
     pyplot().close(fig)
 
 
+def finish_timeline(ax: Any, row_labels: list[str], xlabel: str, title: str) -> None:
+    """The shared frame of the per-rank timelines (one horizontal row per rank, bars along time):
+    row labels top to bottom, the time axis, one legend entry per bar kind beside the plot."""
+    ax.set_yticks(range(len(row_labels)), row_labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    ax.legend(unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(True, axis="x", color="0.9")
+    ax.set_axisbelow(True)
+
+
 def plot_step_ratios(ratios: Mapping[str, np.ndarray], out: str | os.PathLike, title: str = "",
                      width: int = 960, height: int = 420) -> Any:
     """Write a PNG with one line per method: per-step max/mean rank cost (1.000 = perfect); returns

@@ -296,7 +296,30 @@ class RemoteFile:
                 self._add(s, data)
 
 
-class RetryingFile:
+class _ReadOnlyFile:
+    """The file protocol around ``read``: a position in ``size`` bytes, seekable, never writable."""
+
+    size: int
+    pos: int
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.size + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+
+class RetryingFile(_ReadOnlyFile):
     """A read-only, seekable file over ranged reads of one remote object, every read retried with
     the deadlines of ``with_retries`` (fsspec's own file object retries nothing: a passing 503 in
     the middle of a Parquet row group failed the file). It keeps only the last block it fetched
@@ -329,51 +352,22 @@ class RetryingFile:
         self.pos += len(out)
         return out
 
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.size + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
     def close(self) -> None:
         self.closed, self._block = True, b""
 
 
-class RemoteFileObject:
+class RemoteFileObject(_ReadOnlyFile):
     """A seekable file object over ``RemoteFile`` for ``tarfile`` (the fallback listing)."""
 
     def __init__(self, rf: RemoteFile) -> None:
-        self.rf, self.pos = rf, 0
+        self.rf, self.size, self.pos = rf, rf.size, 0
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
-            n = self.rf.size - self.pos
+            n = self.size - self.pos
         data = self.rf.pread(n, self.pos)
         self.pos += len(data)
         return data
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else self.rf.size + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
 
 
 def threaded_map(fn: Callable[[str], Any], items: Sequence[str], inflight: int) -> Iterator[Any]:

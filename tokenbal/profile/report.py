@@ -131,7 +131,7 @@ def write_timeline(profiles: list[RunProfile], path: str) -> Any:
     """A PNG (matplotlib, the ``plot`` extra): one row per (run, rank), one bar per step along a
     time axis in seconds -- blue compute, orange exposed communication / wait, grey idle. Returns
     the (closed) matplotlib Figure."""
-    from tokenbal.plot import pyplot, save
+    from tokenbal.plot import finish_timeline, pyplot, save
 
     plt = pyplot()
     rows = [(p, r) for p in profiles for r in p.ranks]
@@ -151,14 +151,8 @@ def write_timeline(profiles: list[RunProfile], path: str) -> Any:
                     ax.barh(y, length, left=start, height=0.8, color=color, edgecolor="white",
                             linewidth=0.5, label=name)
             x += s.step_s
-    ax.set_yticks(range(len(rows)), [f"{p.source[-30:]} rank {r}" for p, r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("time since the first profiled step (s)")
-    ax.set_title("per-rank steps: compute, exposed communication / wait, idle")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-    ax.grid(True, axis="x", color="0.9")
-    ax.set_axisbelow(True)
+    finish_timeline(ax, [f"{p.source[-30:]} rank {r}" for p, r in rows],
+                    "time since the first profiled step (s)",
+                    "per-rank steps: compute, exposed communication / wait, idle")
     save(fig, path)
     return fig
