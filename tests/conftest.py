@@ -35,3 +35,15 @@ def qwen2_vl_ckpt(tmp_path_factory):
 
     return qwen2_vl_checkpoint(tmp_path_factory.mktemp("qwen2vl") / "Qwen2-VL-2B-Instruct",
                                [" ".join(WORDS)] * 20, model=True)
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' warnings off for one test (apply_chat_template(images=...) logs one per call
+    about processor kwargs), its verbosity restored after."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)

@@ -16,15 +16,7 @@ from tests.helpers import chat_processors as cp  # noqa: E402
 from tokenbal import TokenIndex  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    import transformers
-
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.fixture(scope="module")

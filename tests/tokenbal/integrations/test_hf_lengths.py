@@ -22,15 +22,7 @@ from tokenbal.integrations.hf import dataset_lengths  # noqa: E402
 N_ROWS = 200
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    # apply_chat_template(images=...) logs a warning per call about processor kwargs
-    import transformers
-
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.fixture(scope="module")
