@@ -29,6 +29,7 @@ import contextlib
 import platform
 from collections.abc import Iterator
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 from harness import environment_line, measure, ratio, timed
@@ -389,6 +390,8 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
 # --- Issue 32: stage balance on random mixtures, the version-6 planner in the same run -------------
 
 V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as merged for issue 24)
+V7_COMMIT = "8e630dd"           # main with PLAN_VERSION 7 (issue 32, part 1: stage composition)
+TOKEN_POINTS = ((8, 16, 4000), (64, 128, 1000), (512, 1024, 200), (512, 1024, 976), (4096, 8192, 60))
 MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
 
@@ -402,14 +405,15 @@ def planner_at(commit: str = V6_COMMIT):
     import subprocess
     import sys
     import tempfile
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     name = f"_tokenbal_v{commit}"
     if name not in sys.modules:
         tmp = Path(tempfile.mkdtemp(prefix="tokenbal-planner-"))
-        files = ["cost.py", "plan.py", "partition/__init__.py", "partition/solvers.py", "partition/window.py",
-                 "partition/stages.py"]
+        listing = subprocess.run(["git", "-C", str(root), "ls-tree", "-r", "--name-only", commit,
+                                  "tokenbal/balance/"], check=True, capture_output=True, text=True)
+        files = listing.stdout.split()
+        files = [f.removeprefix("tokenbal/balance/") for f in files if f.endswith(".py")]
         for f in files:
             text = subprocess.run(["git", "-C", str(root), "show", f"{commit}:tokenbal/balance/{f}"],
                                   check=True, capture_output=True, text=True).stdout
@@ -495,22 +499,73 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
                   f"{np.mean([r['chance'] for r in rep]):.5f}")
 
 
-def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool) -> None:
+def bench_token_mixtures(draws: int, points: tuple, repeat_draws: int) -> None:
+    """Tokens mode (no stages) over random mixtures: per-step max/mean of rank tokens (mean and p95
+    over steps), the epoch figure Σ_steps max_rank / ideal and planning CPU, now and PLAN_VERSION 7
+    (loaded from git, same process); worst and median over the draws."""
+    from tokenbal.balance.mixtures import draw_samples, random_mixture
+    from tokenbal.balance.plan import PLAN_VERSION
+    from tokenbal.balance.plan import plan_epoch as plan_now
+
+    plan_v7 = planner_at(V7_COMMIT)
+    print(f"tokens mode; now = PLAN_VERSION {PLAN_VERSION}, v7 = {V7_COMMIT}; per step max/mean over ranks")
+    for R, N, steps in points:
+        rows = {"now": [], "v7": []}
+        again = {"now": [], "v7": []}
+        for d in range(draws):
+            lengths = draw_samples(random_mixture(d), steps * N, d).lengths
+            for name, fn in (("now", plan_now), ("v7", plan_v7)):
+                plan, _, cpu = timed(partial(fn, lengths, R, global_batch_size=N, seed=d))
+                t = plan.step_rank_tokens(lengths).astype(np.float64)
+                full = t[:-1] if len(t) > 1 else t
+                r = full.max(1) / full.mean(1)
+                rows[name].append((r.mean(), np.quantile(r, 0.95), t.max(1).sum() / (t.sum() / R), cpu))
+                if d < repeat_draws:
+                    nxt = fn(lengths, R, global_batch_size=N, seed=d, epoch=1)
+                    again[name].append(_pairs_again(plan, nxt))
+        for name in ("now", "v7"):
+            v = np.array(rows[name])
+            rep = (f"; step mates again next epoch {np.mean([a for a, _ in again[name]]):.4f} (chance "
+                   f"{np.mean([c for _, c in again[name]]):.5f})") if again[name] else ""
+            print(f"  ({R}, {N}), {steps} steps, {draws} draws, {name}: step max/mean mean worst "
+                  f"{v[:, 0].max():.4f} median {np.median(v[:, 0]):.4f} | p95 worst {v[:, 1].max():.4f} "
+                  f"median {np.median(v[:, 1]):.4f} | figure worst {v[:, 2].max():.4f} median "
+                  f"{np.median(v[:, 2]):.4f} | CPU median {np.median(v[:, 3]):.2f} s{rep}", flush=True)
+
+
+def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool, mmap: bool = False) -> None:
     """CPU seconds (and this process's peak RSS) to plan ``n`` samples of mixture ``seed`` on ``R``
-    ranks, 2 samples per rank per step, tokens or square stage costs; with ``previous`` v6 too."""
+    ranks, 2 samples per rank per step, tokens or square stage costs; with ``previous`` v6 too;
+    ``mmap``: tokens from an int32 .npy memory-mapped (the draw is written 1M samples at a time)."""
     import resource
 
     from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
     from tokenbal.balance.plan import plan_epoch as plan_now
 
-    s = draw_samples(random_mixture(seed), n, seed)
     kw = {}
-    if stages:
-        c = stage_costs(s)
-        kw = {"cost": c.sum(1), "stages": c}
-        del c
-    lengths = s.lengths
-    del s
+    if mmap:
+        # The lengths as a training run has them: an int32 column on disk (as TokenIndex keeps it),
+        # memory-mapped; drawn 1M at a time so the draw itself stays small.
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="tokenbal-scale-")) / "lengths.npy"
+        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.int32, shape=(n,))
+        spec = random_mixture(seed)
+        for i, a in enumerate(range(0, n, 1_000_000)):
+            b = min(n, a + 1_000_000)
+            out[a:b] = draw_samples(spec, b - a, seed * 100_003 + i).lengths
+        out.flush()
+        del out
+        lengths = np.load(path, mmap_mode="r")
+        print(f"lengths: {n} int32 memory-mapped from {path}", flush=True)
+    else:
+        s = draw_samples(random_mixture(seed), n, seed)
+        if stages:
+            c = stage_costs(s)
+            kw = {"cost": c.sum(1), "stages": c}
+            del c
+        lengths = s.lengths
+        del s
     runs = [("now", plan_now)] + ([("v6", planner_at())] if previous else [])
     for name, fn in runs:
         _, _, cpu = timed(partial(fn, lengths, R, global_batch_size=2 * R, seed=seed, **kw))
@@ -611,11 +666,16 @@ def main() -> None:
     ap.add_argument("--mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: stage balance over DRAWS random mixtures at every scale, v6 in the "
                     "same run")
+    ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
+                    help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
+                    "PLAN_VERSION 7 in the same run")
     ap.add_argument("--mixture-cost", default="square", choices=("square", "flops"))
     ap.add_argument("--mixture-points", default="", help="R values to run (default all), e.g. 8,64")
     ap.add_argument("--repeat-draws", type=int, default=3, help="draws whose next epoch is planned too")
     ap.add_argument("--plan-scale", default="", metavar="N,R,MODE",
                     help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages")
+    ap.add_argument("--mmap", action="store_true",
+                    help="--plan-scale tokens: lengths memory-mapped from an int32 .npy (100M samples)")
     ap.add_argument("--with-v6", action="store_true", help="--plan-scale: time the v6 planner too")
     ap.add_argument("--padded", action="store_true",
                     help="only padded batches: cost='padded' vs transformers' BatchRebalanceSampler")
@@ -627,10 +687,16 @@ def main() -> None:
         print(environment_line())
         bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws)
         return
+    if args.token_mixtures:
+        keep = {int(x) for x in args.mixture_points.split(",") if x}
+        print(environment_line())
+        bench_token_mixtures(args.token_mixtures, tuple(p for p in TOKEN_POINTS if not keep or p[0] in keep),
+                             args.repeat_draws)
+        return
     if args.plan_scale:
         n, R, mode = args.plan_scale.split(",")
         print(environment_line())
-        bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, args.with_v6)
+        bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, args.with_v6, args.mmap)
         return
     if args.padded:
         bench_padded(args.padded_samples, args.seed, args.repeats or 3)

@@ -8,17 +8,23 @@ How a plan is made
 ------------------
 1. Permute the samples with ``np.random.default_rng([seed, epoch])`` (identity if not shuffling).
 2. Cut the permutation into steps of ``global_batch_size`` samples each and group consecutive
-   steps into *windows* of ``window`` steps. (``max_tokens_per_rank`` mode instead packs the
-   epoch into budget-sized rank-steps with first-fit decreasing over chunks of ``window`` steps'
-   tokens, see ``_budget_fill``, and then continues at 4 with the whole epoch as one window.)
-3. Inside each window, decide which samples share a step and which rank gets each one with
-   :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that hold a big
-   sample with the next big ones, otherwise least-loaded rank). Balancing a whole window is what
-   makes heavy-tailed data balance: a step holding a 16k-token video gets enough other big
-   samples to keep its other ranks busy, which per-step balancing cannot arrange. In
-   ``global_batch_size`` mode the fill places ``max(2 × ranks, 64)`` samples per window per
-   round (``batch``), which keeps 1M samples on 512 ranks under a second.
-4. Shuffle the order of the steps inside each window (the fill works largest-first, and
+   steps into *windows*. (``max_tokens_per_rank`` mode instead packs the epoch into budget-sized
+   rank-steps with first-fit decreasing over chunks of ``window`` steps' tokens, see
+   ``_budget_fill``, and then continues at 4 with the whole epoch as one window.)
+3. Inside each window, decide which samples share a step and which rank gets each one.
+   *Count mode without stages* (``_plan_counts``, PLAN_VERSION 8): windows of up to
+   ``_GROUPED_ITEMS`` (4M) samples, each split by :func:`tokenbal.balance.partition.grouped_fill`
+   (rank-steps filled by rounds of least-loaded bins, then bins of like load cut into steps: a
+   few linear-time sorts, so 1M samples on 512 ranks plan in ~0.5 s as one window, and 100M on
+   4,096 ranks in ~1 min, window by window, written straight into the plan). Sizes are jittered
+   before the sort when shuffling. Where it is cheap (short epochs) the window fill below runs
+   too and the better split is kept. *With stages, or a token budget*:
+   :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that
+   hold a big sample with the next big ones, otherwise least-loaded rank) over windows of
+   :func:`default_window` steps. Balancing a whole window is what makes heavy-tailed data
+   balance: a step holding a 16k-token video gets enough other big samples to keep its other
+   ranks busy, which per-step balancing cannot arrange.
+4. Shuffle the order of the steps inside each window (the fills work largest-first, and
    without this the window would be a length curriculum) and which rank gets which bin.
 
 Guarantees (tested in tests/tokenbal/balance/test_plan.py)
@@ -72,7 +78,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 7
+PLAN_VERSION = 8
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -116,6 +122,11 @@ _COMPOSE_WITH_FILL = 1
 # 1.0407 / 1.0238 / 1.0309 / 1.0238 in 5.9 s, 32: 1.0368 / 1.0197 / 1.0187 / 1.0187 in 7.1 s,
 # 48: 1.0358 / 1.0179 / 1.0168 / 1.0137 in 8.5 s, 96: 1.0275 / 1.0166 / 1.0102 / 1.0069 in 12.9 s.
 _COMPOSE_LEVEL_ROUNDS = 32
+# Count mode (no stages): items per window of the grouped fill (_plan_counts); the jitter of the sizes it
+# sorts; the window fill is run beside it where ceil(items / batch) × bins is at most _FILL_WORK.
+_GROUPED_ITEMS = 1 << 22
+_GROUPED_JITTER = 0.3
+_FILL_WORK = 1 << 26
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1
 
@@ -303,6 +314,8 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
         cap2d = np.zeros((G, W), np.int64)
         cap2d[step_win, np.arange(len(caps)) % W] = caps
         win_of_item = np.repeat(step_win, caps)
+        if stages is None:
+            return _plan_counts(lens, perm, caps, R, R_user, k, window, rng if shuffle else None, dropped)
         if profile and _STAGE_COMPOSE:
             perm, steps_in_win, step_w, rank_w = _compose_fill(lens, stages, perm, win_of_item, cap2d, R,
                                                                rng if shuffle else None)
@@ -370,6 +383,105 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
                     "e.g. %s", epoch, skipped.size, skipped[:5].tolist())
     return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
+
+
+def _plan_counts(lens: np.ndarray, perm: np.ndarray, caps: np.ndarray, R: int, R_user: int, k: int,
+                 window: int | None, rng: np.random.Generator | None, dropped: np.ndarray) -> EpochPlan:
+    """Count mode without stages: the epoch planned window by window (``_plan_count_window``), each
+    window's samples written straight to their place in the plan, so memory stays at the plan itself
+    plus one window (100M samples plan in a few GB)."""
+    S, n = len(caps), len(perm)
+    indices = np.empty(n, np.int64)
+    offsets = np.zeros(S * R + 1, np.int64)
+    counts = offsets[1:]
+    N = int(caps[0]) if S else 0
+    tail = int(caps[-1]) if S > 1 and caps[-1] != N else 0      # the last step may differ in size
+    full = S - (tail > 0)
+    W = min(window or max(1, _GROUPED_ITEMS // max(N, 1)), max(full, 1))
+    if window is None and full:
+        W = -(-full // -(-full // W))                    # equal windows
+    for s0 in range(0, full, W):
+        s1 = min(s0 + W, full)
+        last = s1 == full
+        a, b = s0 * N, (n if last else s1 * N)
+        steps = s1 - s0 + (last and tail > 0)
+        indices[a:b], counts[s0 * R:(s0 + steps) * R] = _plan_count_window(
+            lens, perm[a:b], s1 - s0, R, rng, tail if last else 0)
+    np.cumsum(counts, out=counts)
+    return EpochPlan(num_replicas=R_user, indices=indices, offsets=offsets, dropped=dropped.astype(np.int64),
+                     grad_accum=k)
+
+
+def _plan_count_window(lens: np.ndarray, items: np.ndarray, W: int, R: int, rng: np.random.Generator | None,
+                       tail: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """One window of ``W`` equal steps (and, with ``tail``, one more step of ``tail`` samples, kept last):
+    ``(items ordered by slot, then index; samples per slot)``.
+
+    The split is :func:`tokenbal.balance.partition.grouped_fill` on the costs in descending order;
+    when shuffling they are jittered by up to ``_GROUPED_JITTER`` first, so which samples share a
+    rank-step changes from epoch to epoch. Where the window fill's cost is small (short epochs, whose
+    windows are too small for the grouped fill's sorts to find like neighbours) it is run too, and the
+    split with the lower ``Σ_steps max_rank`` is kept. The tail step takes the window's smallest
+    samples, which level over its ranks whatever its size. Then the steps are shuffled (unshuffled:
+    ordered by their smallest dataset index) and each step's bins dealt to ranks at random."""
+    from tokenbal.balance.partition.grouped import descending_order, grouped_fill
+
+    x = lens[items]
+    m = len(items)
+    if rng is not None:
+        order = descending_order(x * (1.0 + _GROUPED_JITTER * rng.random(m)))
+    else:
+        order = _argsort_keys(int(x.max(initial=0)) - x, items)
+    items, x = items[order], x[order]                   # from here on in that order
+    k = m - tail
+    parts = [grouped_fill(x[:k], W, R)] + ([grouped_fill(x[k:], 1, R)] if tail else [])
+    step, rank, place = (np.concatenate(a) for a in zip(*parts, strict=True))
+    step[k:] += W
+    batch = max(int(_BATCH_PER_RANK * R), _BATCH_MIN)
+    if -(-k // batch) * W * R <= _FILL_WORK:
+        cap = np.full((1, W), k // W, np.int64)
+        _, step_b, rank_b, _ = _fill(lens, items[:k], np.zeros(k, np.int64), cap, R, None, False,
+                                     rng is not None)
+        cost = [np.bincount(a * R + b, weights=x[:k], minlength=W * R).reshape(W, R).max(1).sum()
+                for a, b in ((step[:k], rank[:k]), (step_b, rank_b))]
+        if cost[1] < cost[0]:
+            step[:k], rank[:k] = step_b, rank_b
+            place = None
+    steps = W + (tail > 0)
+    if rng is not None:
+        step = np.append(rng.permutation(W), W)[step]
+        deal = rng.permuted(np.broadcast_to(np.arange(R), (steps, R)), axis=1).reshape(-1)
+        slot = step * R + deal[step * R + rank]
+    else:
+        first = np.full(steps, np.iinfo(np.int64).max)
+        np.minimum.at(first, step, items)
+        first[W:] = np.iinfo(np.int64).max               # the tail stays last
+        new_pos = np.empty(steps, np.int64)
+        new_pos[np.argsort(first, kind="stable")] = np.arange(steps)
+        slot = new_pos[step] * R + rank
+    return _slot_layout(items, slot, steps * R, place)
+
+
+def _slot_layout(items: np.ndarray, slot: np.ndarray, slots: int, place: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``(items ordered by slot, then dataset index; items per slot)``. With ``place`` (distinct
+    within a slot, small) the items are laid out in a slots × places table whose short rows are
+    sorted, instead of sorting them all."""
+    counts = np.bincount(slot, minlength=slots)
+    if place is None:
+        return items[_argsort_keys(slot, items)], counts
+    absent = np.iinfo(np.int64).max
+    width = int(place.max(initial=0)) + 1
+    table = np.full((slots, width), absent, np.int64)
+    table.reshape(-1)[slot * width + place] = items
+    if width == 2:                                   # the common case: a min / max pass
+        lo = np.minimum(table[:, 0], table[:, 1])
+        table[:, 1] = np.maximum(table[:, 0], table[:, 1])
+        table[:, 0] = lo
+    else:
+        table.sort(axis=1)
+    flat = table.reshape(-1)
+    return flat[flat != absent], counts
 
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenbal.balance.partition import METHODS, bin_loads, fill_windows, partition
+from tokenbal.balance.partition import METHODS, bin_loads, fill_windows, grouped_fill, partition
 
 FAST = settings(max_examples=60, deadline=None)
 
@@ -285,3 +285,58 @@ def test_kk_beats_lpt_on_its_textbook_case_and_capacity_falls_back():
     # KK ignores capacity; partition falls back to a capacity-aware packing instead of breaking it
     bins = partition(c, 2, method="kk", capacity=17)
     _check_valid(c, bins, 2, capacity=17)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_fill: one large window in a few (radix) sorts
+
+
+@FAST
+@given(W=st.integers(1, 12), R=st.integers(1, 9), per_step=st.integers(1, 30), seed=st.integers(0, 2**32 - 1),
+       heavy=st.booleans())
+def test_grouped_fill_places_every_item_once_in_equal_steps(W, R, per_step, seed, heavy):
+    rng = np.random.default_rng(seed)
+    m = W * per_step
+    x = (rng.lognormal(5, 2.0 if heavy else 0.5, m) + rng.integers(0, 2, m)).astype(np.int64)
+    x = np.sort(x)[::-1]
+    step, rank, place = grouped_fill(x, W, R)
+    assert ((step >= 0) & (step < W)).all() and ((rank >= 0) & (rank < R)).all()
+    assert np.bincount(step, minlength=W).tolist() == [per_step] * W, "every step holds its cap"
+    slot = step * R + rank
+    assert len(np.unique(slot * (m + 1) + place)) == m, "places are distinct inside a rank-step"
+    counts = np.bincount(slot, minlength=W * R)
+    if per_step >= R:
+        assert (counts > 0).all(), "no rank is empty while the step has an item per rank"
+    else:
+        assert counts.reshape(W, R).max() == 1
+    assert all(np.array_equal(a, b) for a, b in zip(grouped_fill(x, W, R), (step, rank, place), strict=True))
+
+
+def test_grouped_fill_levels_a_heavy_tailed_window_to_its_floor():
+    # 400 steps × 64 ranks, 2 samples per rank-step, log-normal sizes with a long tail: the sum over
+    # steps of the slowest rank is within 1 % of the floor Σ_steps max(largest sample, mean).
+    rng = np.random.default_rng(3)
+    W, R = 400, 64
+    x = np.sort(rng.lognormal(6, 1.3, W * R * 2).astype(np.int64) + 1)[::-1]
+    step, rank, _ = grouped_fill(x, W, R)
+    loads = np.bincount(step * R + rank, weights=x, minlength=W * R).reshape(W, R)
+    big = np.zeros(W)
+    np.maximum.at(big, step, x)
+    floor = np.maximum(big, loads.mean(1)).sum()
+    assert loads.max(1).sum() <= 1.01 * floor
+    # and no rank-step holds two of the window's W·R largest samples
+    assert np.bincount(step[:W * R] * R + rank[:W * R], minlength=W * R).max() == 1
+
+
+def test_grouped_fill_rejects_unequal_steps():
+    with pytest.raises(ValueError, match="do not make 3 equal steps"):
+        grouped_fill(np.arange(10)[::-1], 3, 2)
+
+
+def test_descending_order_is_stable_and_handles_constant_keys():
+    from tokenbal.balance.partition.grouped import descending_order
+
+    key = np.array([5, 1, 5, 3, 0, 3])
+    assert descending_order(key).tolist() == [0, 2, 3, 5, 1, 4]
+    assert descending_order(np.zeros(4)).tolist() == [0, 1, 2, 3]
+    assert descending_order(np.zeros(0)).tolist() == []
