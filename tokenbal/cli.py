@@ -15,6 +15,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenbal.parallel import ParallelLayout
 
 
 class UsageError(Exception):
@@ -106,6 +110,7 @@ def _cmd_index_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan_simulate(args: argparse.Namespace) -> int:
+    from tokenbal.balance.settings import PlanSettings
     from tokenbal.balance.simulate import simulate
     from tokenbal.index import TokenIndex
 
@@ -115,7 +120,10 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     if args.model_config and args.cost != "flops":
         raise UsageError(f"--model-config is used by --cost flops only (this run balances {args.cost}); "
                          "add --cost flops, or drop --model-config")
-    replicas = _dp_replicas(args.world_size, args.sp_size)
+    # One checked PlanSettings over the data-parallel ranks: a bad batch size fails before the index is read.
+    settings = PlanSettings.from_layout(_layout(args.world_size, args.sp_size),
+                                        global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
+    replicas = settings.num_replicas
     index = TokenIndex.open(args.index)
     cost = None if args.cost == "tokens" else args.cost
     if args.model_config:
@@ -124,24 +132,25 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         # SP peers share one packed row: the plan balances the data-parallel groups, each S devices.
         print(f"sequence parallel size {args.sp_size}: balancing {replicas} data-parallel groups of "
               f"{args.sp_size} ranks")
-    sim = simulate(index, replicas, args.global_batch_size, grad_accum=args.grad_accum, cost=cost,
+    sim = simulate(index, replicas, settings.global_batch_size, grad_accum=settings.grad_accum, cost=cost,
                    seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
     print(sim.table())
     if args.padded:
         from tokenbal.balance.baselines import padded_comparison
 
-        print(padded_comparison(index, replicas, args.global_batch_size, args.grad_accum, seed=args.seed))
+        print(padded_comparison(index, replicas, settings.global_batch_size, settings.grad_accum,
+                                seed=args.seed))
     if args.plot:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
 
-def _dp_replicas(world_size: int, sp_size: int) -> int:
+def _layout(world_size: int, sp_size: int) -> ParallelLayout:
     from tokenbal.parallel import ParallelLayout
 
     try:
-        return ParallelLayout.from_world(world_size, sp_size).dp_size
+        return ParallelLayout.from_world(world_size, sp_size)
     except ValueError:
         raise UsageError(f"--sp-size {sp_size} must divide --world-size {world_size}") from None
 

@@ -76,6 +76,13 @@ def test_simulate_usage_errors(clean, capsys, extra, message):
     assert code == 2 and message in err
 
 
+def test_simulate_checks_the_plan_settings_before_reading_the_index(tmp_path, capsys):
+    # One PlanSettings over the 4 data-parallel groups, checked before the (missing) index is opened.
+    code, _, err = run(["plan", "simulate", "--index", str(tmp_path / "none"), "--world-size", "8",
+                        "--sp-size", "2", "--global-batch-size", "2"], capsys)
+    assert code == 2 and "tokenbal: error: global_batch_size=2 is smaller than num_replicas=4" in err
+
+
 def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
     _, index = clean
     bad = tmp_path / "config.json"

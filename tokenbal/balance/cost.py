@@ -29,8 +29,10 @@ meaningful. Float user costs are scaled so the largest becomes ~1e6 (see :func:`
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -173,12 +175,18 @@ def stage_features(lengths_or_index: Any, merge_size: int = 2) -> np.ndarray:
     Images come from ``.image_tokens_table`` when present (patches = placeholder tokens ·
     merge²), else a sample's ``.vision_tokens`` count as one image; bare lengths have no vision.
     """
-    s = check_lengths(lengths_or_index).astype(np.float64)
+    return _stage_features(check_lengths(lengths_or_index), lengths_or_index, merge_size)
+
+
+def _stage_features(lens: np.ndarray, source: Any, merge_size: int) -> np.ndarray:
+    """:func:`stage_features` of already checked lengths ``lens`` (``source``: where the vision
+    attributes are read)."""
+    s = lens.astype(np.float64)
     n = len(s)
     out = np.zeros((n, 2, 3))
     out[:, 1] = np.stack([np.ones(n), s, s * s], 1)
-    table = getattr(lengths_or_index, "image_tokens_table", None)
-    vis = getattr(lengths_or_index, "vision_tokens", None)
+    table = getattr(source, "image_tokens_table", None)
+    vis = getattr(source, "vision_tokens", None)
     if table is not None:
         offsets, tokens = (np.asarray(a) for a in table)
         p = tokens[: offsets[n]].astype(np.float64) * merge_size ** 2
@@ -214,12 +222,18 @@ class StageCostModel:
 
     def stage_seconds(self, lengths_or_index: Any) -> np.ndarray:
         """(n, 2) predicted seconds per sample: vision, language."""
-        f = stage_features(lengths_or_index, self.merge_size)
-        return np.stack([f[:, 0] @ np.asarray(self.vision), f[:, 1] @ np.asarray(self.language)], 1)
+        return self._seconds(stage_features(lengths_or_index, self.merge_size))
 
     def stage_micros(self, lengths_or_index: Any) -> np.ndarray:
         """(n, 2) int64 microseconds, rounded up (work that exists never costs 0)."""
-        return np.ceil(self.stage_seconds(lengths_or_index) * 1e6 - 1e-9).astype(np.int64)
+        return _micros(self.stage_seconds(lengths_or_index))
+
+    def _seconds(self, f: np.ndarray) -> np.ndarray:
+        return np.stack([f[:, 0] @ np.asarray(self.vision), f[:, 1] @ np.asarray(self.language)], 1)
+
+    def _checked_micros(self, lens: np.ndarray, source: Any) -> np.ndarray:
+        """:meth:`stage_micros` of already checked lengths (``resolve`` checks them once)."""
+        return _micros(self._seconds(_stage_features(lens, source, self.merge_size)))
 
     @classmethod
     def fit(cls, batch_features: np.ndarray, batch_seconds: np.ndarray, merge_size: int = 2
@@ -252,6 +266,10 @@ class StageCostModel:
                    merge_size=int(d.get("merge_size", 2)))
 
 
+def _micros(seconds: np.ndarray) -> np.ndarray:
+    return np.ceil(seconds * 1e6 - 1e-9).astype(np.int64)
+
+
 def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min ||A x - y|| with x >= 0, for a handful of columns: the best of all column subsets whose
     unconstrained solution is non-negative (the optimum is one of them)."""
@@ -275,27 +293,74 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 CostSpec = str | FlopsModel | StageCostModel | np.ndarray | Callable[[np.ndarray], Any] | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Resolved:
-    """A dataset's per-sample arrays, as the planner takes them (all int64, one row per sample)."""
+    """A dataset's per-sample arrays, as the planner takes them (all int64, one row per sample).
+
+    Made by :func:`resolve`, which checks the lengths and costs once; the planner, the sampler's
+    replans and the simulator take it as it is and never check the values again (only that the
+    shapes agree, here)."""
 
     lengths: np.ndarray               # tokens
     costs: np.ndarray                 # what is balanced (``lengths`` for tokens)
     stages: np.ndarray | None         # (n, K) per-stage costs, or None
-    cost_name: str                    # "tokens", "flops" or the cost model's type name
+    cost_name: str                    # "tokens", "flops", "padded" or the cost model's type name
+
+    def __post_init__(self) -> None:
+        n = len(self.lengths)
+        if np.shape(self.costs) != (n,):
+            raise ValueError(f"Resolved.costs must have one value per sample ({n}), got shape "
+                             f"{np.shape(self.costs)}")
+        if self.stages is not None and (np.ndim(self.stages) != 2 or len(self.stages) != n):
+            raise ValueError(f"Resolved.stages must be (n, K) with n = {n}, got shape "
+                             f"{np.shape(self.stages)}")
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def subset(self, indices: np.ndarray) -> Resolved:
+        """The rows ``indices`` (dataset indices, in that order) as their own :class:`Resolved`:
+        what a replan of part of an epoch (the sampler's elastic resume) plans on."""
+        idx = np.asarray(indices, np.int64)
+        return Resolved(lengths=self.lengths[idx], costs=self.costs[idx],
+                        stages=None if self.stages is None else self.stages[idx], cost_name=self.cost_name)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The data's part of the sampler's resume fingerprint: sample count, a digest of the costs
+        and stage costs (computed once), the cost's name and the number of stages."""
+        return {"num_samples": int(len(self.lengths)), "lengths_sha256": self._digest,
+                "cost": self.cost_name, "stages": 0 if self.stages is None else int(self.stages.shape[1])}
+
+    @cached_property
+    def _digest(self) -> str:
+        h = hashlib.sha256(np.ascontiguousarray(self.costs, "<i8").tobytes())
+        if self.stages is not None:
+            h.update(b"stages" + np.ascontiguousarray(self.stages, "<i8").tobytes())
+        return h.hexdigest()[:16]
 
 
 def resolve(lengths_or_index: Any, cost: CostSpec = None, stages: Any = None, *, config: Any = None
             ) -> Resolved:
     """The one step from what a user passes (lengths, a :class:`tokenbal.TokenIndex`, a cost spec,
     ``stages``) to the arrays :func:`tokenbal.balance.plan.plan_epoch` works on; the sampler, the
-    planner and the simulator all call it. ``stages`` False / None: no stage costs."""
+    planner and the simulator all call it. ``stages`` False / None: no stage costs. The lengths are
+    checked here once (:func:`tokenbal._checks.check_lengths`). A :class:`Resolved` is returned as
+    it is (it already carries its cost and stages: passing ``cost`` / ``stages`` again is an error)."""
+    if isinstance(lengths_or_index, Resolved):
+        if cost is not None or (stages is not None and stages is not False):
+            raise ValueError(f"already resolved (cost {lengths_or_index.cost_name!r}, "
+                             f"{0 if lengths_or_index.stages is None else lengths_or_index.stages.shape[1]} "
+                             "stages): pass cost= / stages= to resolve(), not again with its result")
+        return lengths_or_index
     lens = check_lengths(lengths_or_index)
     tokens = cost is None or (isinstance(cost, str) and cost == "tokens")
-    costs = lens if tokens else resolve_costs(lengths_or_index, cost, config=config)
+    costs = lens if tokens else _costs(lens, lengths_or_index, cost, config)
+    if costs is not lens and float(costs.sum(dtype=np.float64)) >= 2.0**63:
+        # The planner sums costs in int64, as it does tokens (check_lengths refuses those).
+        raise ValueError(f"costs sum to {float(costs.sum(dtype=np.float64)):.3g}, more than int64 holds")
     staged = None
     if stages is not None and stages is not False:
-        staged = resolve_stage_costs(lengths_or_index, stages, cost, config=config)
+        staged = _stage_costs(lens, lengths_or_index, stages, cost, config)
     name = "tokens" if tokens else (cost if isinstance(cost, str) else type(cost).__name__)
     return Resolved(lengths=lens, costs=costs, stages=staged, cost_name=name)
 
@@ -309,7 +374,12 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
     ``cost``: ``None``/``"tokens"``, ``"flops"`` (from ``config``, a transformers config; Qwen2-VL-7B
     when None), a :class:`FlopsModel`, an array, or a callable of the lengths.
     """
-    lens = check_lengths(lengths_or_index)
+    return _costs(check_lengths(lengths_or_index), lengths_or_index, cost, config)
+
+
+def _costs(lens: np.ndarray, source: Any, cost: CostSpec, config: Any) -> np.ndarray:
+    """:func:`resolve_costs` of already checked lengths ``lens`` (``source``: what the user passed,
+    for its vision attributes)."""
     if cost is None or (isinstance(cost, str) and cost == "tokens"):
         return lens
     if isinstance(cost, str) and cost == "padded":
@@ -323,11 +393,11 @@ def resolve_costs(lengths_or_index: Any, cost: CostSpec = None, *, config: Any =
                              "or a callable")
         cost = FlopsModel.qwen2_vl_7b() if config is None else FlopsModel.from_config(config)
     if isinstance(cost, FlopsModel):
-        vis = getattr(lengths_or_index, "vision_tokens", None)
-        images = getattr(lengths_or_index, "image_tokens_table", None)
+        vis = getattr(source, "vision_tokens", None)
+        images = getattr(source, "image_tokens_table", None)
         return cost.token_equivalents(lens, None if vis is None else np.asarray(vis), images)
     if isinstance(cost, StageCostModel):
-        return cost.stage_micros(lengths_or_index).sum(1)
+        return cost._checked_micros(lens, source).sum(1)
     values = cost(lens) if callable(cost) else cost
     arr = np.asarray(values)
     if arr.shape != lens.shape:
@@ -345,9 +415,13 @@ def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = Non
     an (n, K) array of non-negative numbers (e.g. a measured time per stage; floats are scaled
     together so the largest entry is ~1e6).
     """
-    lens = check_lengths(lengths_or_index)
+    return _stage_costs(check_lengths(lengths_or_index), lengths_or_index, stages, cost, config)
+
+
+def _stage_costs(lens: np.ndarray, source: Any, stages: Any, cost: CostSpec, config: Any) -> np.ndarray:
+    """:func:`resolve_stage_costs` of already checked lengths ``lens``."""
     if stages is True and isinstance(cost, StageCostModel):
-        return cost.stage_micros(lengths_or_index)
+        return cost._checked_micros(lens, source)
     if stages is True:
         model = cost
         if isinstance(cost, str) and cost == "flops":
@@ -356,8 +430,8 @@ def resolve_stage_costs(lengths_or_index: Any, stages: Any, cost: CostSpec = Non
             raise ValueError("stages=True needs cost='flops', a FlopsModel with a vision tower or a "
                              "StageCostModel (it splits each sample's cost into vision and language); "
                              "or pass an (n, K) array")
-        vis = getattr(lengths_or_index, "vision_tokens", None)
-        images = getattr(lengths_or_index, "image_tokens_table", None)
+        vis = getattr(source, "vision_tokens", None)
+        images = getattr(source, "image_tokens_table", None)
         if vis is None and images is None:
             raise ValueError("stages=True needs per-sample vision tokens: pass a TokenIndex (or an object "
                              "with .vision_tokens / .image_tokens_table), not bare lengths")

@@ -69,9 +69,9 @@ import numpy as np
 
 from tokenbal._checks import check_lengths
 from tokenbal._checks import nonneg_int as _nonneg_int
-from tokenbal._checks import positive_int as _positive_int
 from tokenbal.balance.cost import resolve
 from tokenbal.balance.partition import fill_windows
+from tokenbal.balance.settings import PlanSettings, plan_settings
 
 logger = logging.getLogger("tokenbal")
 
@@ -232,14 +232,21 @@ def default_window(num_replicas: int, global_batch_size: int | None = None, *,
     return int(min(256, max(16, math.ceil(512 * R / N), math.ceil(16384 / N))))
 
 
-def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int | None = None,
+def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,
                max_tokens_per_rank: int | None = None, seed: int = 0, epoch: int = 0,
                shuffle: bool = True, drop_last: bool = False, window: int | None = None,
                grad_accum: int = 1, cost: object = None, oversize: str = "error",
-               stages: object = None) -> EpochPlan:
+               stages: object = None, settings: PlanSettings | None = None) -> EpochPlan:
     """Plan one epoch for ``num_replicas`` ranks. See the module docstring for the guarantees.
 
-    ``lengths``: per-sample non-negative integer costs (tokens), or an object with ``.lengths``.
+    Two spellings of the same plan: ``plan_epoch(lengths, R, global_batch_size=N, ...)``, or
+    ``plan_epoch(resolve(lengths, cost, stages), settings=PlanSettings(R, N, ...), seed=, epoch=)``
+    (:func:`tokenbal.balance.cost.resolve`, :class:`tokenbal.balance.settings.PlanSettings`): the
+    arrays and the settings checked once, by whoever made them (the sampler replans every epoch
+    that way). Keyword settings next to ``settings=`` must agree with it.
+
+    ``lengths``: per-sample non-negative integer costs (tokens), an object with ``.lengths``, or a
+    :class:`tokenbal.balance.cost.Resolved` (then without ``cost`` / ``stages``).
     Exactly one of ``global_batch_size`` (samples per step, all ranks together, >= num_replicas
     × grad_accum) and ``max_tokens_per_rank`` (budget per rank per step, per micro-batch when
     ``grad_accum > 1``) must be given. ``window``: steps balanced together (default
@@ -271,13 +278,17 @@ def plan_epoch(lengths: np.ndarray, num_replicas: int, *, global_batch_size: int
     :func:`tokenbal.balance.partition.refine_stages_many`). The step count, every step's sample count and
     every guarantee above stay the same.
     """
+    # A Resolved was checked when it was made; anything else is resolved (and checked) here, once.
     resolved = resolve(lengths, cost, stages)
+    settings = plan_settings(settings, num_replicas=num_replicas, global_batch_size=global_batch_size,
+                             max_tokens_per_rank=max_tokens_per_rank, window=window, grad_accum=grad_accum,
+                             shuffle=shuffle, drop_last=drop_last, oversize=oversize)
     lens, stages = resolved.costs, resolved.stages
-    k = _positive_int("grad_accum", grad_accum)
-    if oversize not in ("error", "skip", "alone"):
-        raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
-    R, N, B, window = check_settings(lens, num_replicas, global_batch_size, max_tokens_per_rank, window,
-                                     grad_accum=k, oversize=oversize)
+    settings.check_against(lens)
+    R, N, B, window = (settings.num_replicas, settings.global_batch_size, settings.max_tokens_per_rank,
+                       settings.window)
+    k, oversize = settings.grad_accum, settings.oversize
+    shuffle, drop_last = settings.shuffle, settings.drop_last
     if resolved.cost_name == "padded":
         # Padding collators: steps composed for count x longest (tokenbal.balance.partition.padded).
         from tokenbal.balance.partition.padded import check_padded
@@ -542,35 +553,18 @@ def _insert_alone_steps(slot: np.ndarray, perm: np.ndarray, S: int, R: int, big:
 def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size: object,
                    max_tokens_per_rank: object, window: object = None, *, grad_accum: int = 1,
                    oversize: str = "error") -> tuple[int, int | None, int | None, int | None]:
-    """Validate planning settings against (checked) lengths without planning.
+    """Validate planning settings against (checked) lengths without planning: builds a
+    :class:`~tokenbal.balance.settings.PlanSettings` (the data-free checks) and runs its
+    ``check_against(lengths)`` (a sample over the token budget, listing them).
 
     Returns ``(num_replicas, global_batch_size, max_tokens_per_rank, window)`` as ints/None.
     Raises ``ValueError`` for N < R, a sample over the token budget (listing them), etc.
     """
-    R = _positive_int("num_replicas", num_replicas)
-    if (global_batch_size is None) == (max_tokens_per_rank is None):
-        raise ValueError("give exactly one of global_batch_size and max_tokens_per_rank")
-    W = None if window is None else _positive_int("window", window)
-    if global_batch_size is not None:
-        N = _positive_int("global_batch_size", global_batch_size)
-        if N < R * grad_accum:
-            what = f"num_replicas={R}" if grad_accum == 1 else f"num_replicas × grad_accum = {R * grad_accum}"
-            raise ValueError(
-                f"global_batch_size={N} is smaller than {what}: every step would leave "
-                f"{R * grad_accum - N} {'ranks' if grad_accum == 1 else 'micro-batches'} without a "
-                f"sample. Use global_batch_size >= {R * grad_accum} (or max_tokens_per_rank).")
-        return R, N, None, W
-    B = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
-    over = np.flatnonzero(lengths > B)
-    if over.size and oversize == "error":
-        shown = ", ".join(f"{i} ({lengths[i]} tokens)" for i in over[:10].tolist())
-        more = f" and {over.size - 10} more" if over.size > 10 else ""
-        raise ValueError(f"{over.size} sample(s) exceed max_tokens_per_rank={B} on their own: "
-                         f"{shown}{more}. Raise the budget, filter them out, or pass "
-                         "oversize='skip' / 'alone'.")
-    return R, None, B, W
-
-
+    settings = PlanSettings(num_replicas=num_replicas, global_batch_size=global_batch_size,
+                            max_tokens_per_rank=max_tokens_per_rank, window=window,
+                            grad_accum=grad_accum, oversize=oversize)
+    settings.check_against(lengths)
+    return settings.num_replicas, settings.global_batch_size, settings.max_tokens_per_rank, settings.window
 
 
 def _count_steps(n: int, N: int, R: int, drop_last: bool) -> tuple[np.ndarray, int]:

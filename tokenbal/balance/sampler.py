@@ -56,6 +56,7 @@ same step (they are in lockstep, so any rank's state will do). The data and the 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -65,8 +66,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbal.balance.cost import resolve
-from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, check_settings, plan_epoch
+from tokenbal.balance.cost import Resolved, resolve
+from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, plan_epoch
+from tokenbal.balance.settings import PlanSettings, plan_settings
 
 __all__ = ["TokenBalancedBatchSampler"]
 
@@ -93,6 +95,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     :mod:`tokenbal.balance.plan` for ``drop_last`` and the empty-rank rule). A rank's list can be empty
     only when there are fewer samples than ranks (or the token budget forces it); the collate
     function must then produce a dummy batch so the rank still joins the collectives.
+
+    ``settings=``: a :class:`~tokenbal.balance.settings.PlanSettings` instead of the planning keywords
+    (``num_replicas``, ``global_batch_size`` / ``max_tokens_per_rank``, ``window``, ``grad_accum``,
+    ``shuffle``, ``drop_last``, ``oversize``; one given next to it must agree). Either way the
+    sampler holds one checked ``settings`` and one :class:`~tokenbal.balance.cost.Resolved`
+    (``resolved``: lengths, costs, stage costs, checked once here), and every epoch's plan is made
+    from those two without checking the data again.
     """
 
     def __init__(self, lengths_or_index: Any, num_replicas: int | None = None, rank: int | None = None,
@@ -100,40 +109,35 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
                  oversize: str = "error", verify: bool | None = None, stages: Any = None,
-                 elastic: bool = False, dp_group: Any = None, device_mesh: Any = None) -> None:
+                 elastic: bool = False, dp_group: Any = None, device_mesh: Any = None,
+                 settings: PlanSettings | None = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
-        resolved = resolve(lengths_or_index, cost, stages)
-        self.lengths, self.costs, self.stages = resolved.lengths, resolved.costs, resolved.stages
-        self.cost_name = resolved.cost_name
+        # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
+        self.resolved: Resolved = resolve(lengths_or_index, cost, stages)
+        if settings is not None and num_replicas is None:
+            num_replicas = settings.num_replicas
         if dp_group is not None or device_mesh is not None:
             # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
             from tokenbal.parallel import resolve_dp
 
             num_replicas, rank = resolve_dp(num_replicas, rank, dp_group, device_mesh)
-        self.num_replicas, self.rank = _resolve_world(num_replicas, rank)
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, (int, np.integer)) or grad_accum < 1:
-            raise ValueError(f"grad_accum must be a positive integer, got {grad_accum!r}")
-        self.grad_accum = int(grad_accum)
-        if oversize not in ("error", "skip", "alone"):
-            raise ValueError(f"oversize must be 'error', 'skip' or 'alone', got {oversize!r}")
-        self.oversize = oversize
+        num_replicas, self.rank = _resolve_world(num_replicas, rank)
+        # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
+        self.settings: PlanSettings = plan_settings(
+            settings, num_replicas=num_replicas, global_batch_size=global_batch_size,
+            max_tokens_per_rank=max_tokens_per_rank, window=window, grad_accum=grad_accum,
+            shuffle=shuffle, drop_last=drop_last, oversize=oversize)
+        self.settings.check_against(self.resolved.costs)
         # None: check across ranks whenever a process group holds this sampler's ranks.
         self.verify = None if verify is None else bool(verify)
         self.elastic = bool(elastic)
         self._verified: set[tuple[int, int]] = set()
-        # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
-        _, self.global_batch_size, self.max_tokens_per_rank, self.window = check_settings(
-            self.costs, self.num_replicas, global_batch_size, max_tokens_per_rank, window,
-            grad_accum=self.grad_accum, oversize=oversize)
         self.seed = int(seed)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
         self.epoch = 0
         self.cursor = 0
         self._finished_here = False
         self._plans: dict[tuple, EpochPlan] = {}
-        self._lengths_digest: str | None = None
         # Earlier setups of the current epoch (elastic resume): their fingerprints and how many
         # batches each consumed, oldest first. Empty unless an elastic resume happened this epoch.
         self._segments: list[dict[str, Any]] = []
@@ -144,6 +148,20 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # An iteration has started handing out this epoch's batches and not reached its end (so a
         # new one after it may follow a DataLoader that read ahead: see __iter__).
         self._handing_out = False
+
+    # The sampler's view of its two inputs, under the names it has always had.
+    lengths = property(lambda self: self.resolved.lengths, doc="int64 tokens per sample")
+    costs = property(lambda self: self.resolved.costs, doc="int64 cost per sample (what is balanced)")
+    stages = property(lambda self: self.resolved.stages, doc="(n, K) int64 stage costs, or None")
+    cost_name = property(lambda self: self.resolved.cost_name, doc="the cost's name (fingerprint 'cost')")
+    num_replicas = property(lambda self: self.settings.num_replicas, doc="data-parallel ranks planned for")
+    global_batch_size = property(lambda self: self.settings.global_batch_size)
+    max_tokens_per_rank = property(lambda self: self.settings.max_tokens_per_rank)
+    window = property(lambda self: self.settings.window)
+    grad_accum = property(lambda self: self.settings.grad_accum)
+    shuffle = property(lambda self: self.settings.shuffle)
+    drop_last = property(lambda self: self.settings.drop_last)
+    oversize = property(lambda self: self.settings.oversize)
 
     # -- planning -------------------------------------------------------------------------------
 
@@ -156,35 +174,33 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if key not in self._plans:
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = self._replan(segments, self.fingerprint(), epoch)
+            self._plans[key] = self._replan(segments, self.settings, epoch)
         return self._plans[key]
 
-    def _replan(self, segments: list[dict[str, Any]], setup: dict[str, Any], epoch: int) -> EpochPlan:
-        """``epoch`` planned under ``setup`` (a fingerprint) for the samples that ``segments`` —
-        earlier setups of the epoch with the batches each consumed, oldest first — left over."""
+    def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
+        """The settings of an earlier setup of this epoch (a checkpoint's fingerprint): its step
+        settings, the rest this sampler's (a resume checked that they match)."""
+        return dataclasses.replace(self.settings, **{k: fingerprint[k] for k in _ELASTIC_KEYS})
+
+    def _replan(self, segments: list[dict[str, Any]], settings: PlanSettings, epoch: int) -> EpochPlan:
+        """``epoch`` planned under ``settings`` for the samples that ``segments`` — earlier setups
+        of the epoch with the batches each consumed, oldest first — left over."""
         if not segments:
-            return self._plan_subset(None, setup, epoch)
+            return self._plan_subset(None, settings, epoch)
         remaining = np.arange(len(self.costs))
         for seg in segments:
-            old = self._plan_subset(remaining, seg["fingerprint"], epoch)
+            old = self._plan_subset(remaining, self._setup_of(seg["fingerprint"]), epoch)
             remaining = np.setdiff1d(remaining, _consumed(old, seg["cursor"]), assume_unique=True)
-        return self._plan_subset(remaining, setup, epoch)
+        return self._plan_subset(remaining, settings, epoch)
 
-    def _plan_subset(self, subset: np.ndarray | None, setup: dict[str, Any], epoch: int) -> EpochPlan:
-        """Plan ``subset`` (dataset indices, ascending; None: all) under ``setup``'s step settings
-        (a fingerprint) with this sampler's seed and the rest of its settings."""
-        R, k = int(setup["num_replicas"]), int(setup["grad_accum"])
+    def _plan_subset(self, subset: np.ndarray | None, settings: PlanSettings, epoch: int) -> EpochPlan:
+        """Plan ``subset`` (dataset indices, ascending; None: all) under ``settings`` with this
+        sampler's seed: the resolved arrays as they are, nothing checked again."""
+        R, k = settings.num_replicas, settings.grad_accum
         if subset is not None and subset.size == 0:
             return EpochPlan(R, np.zeros(0, np.int64), np.zeros(1, np.int64), grad_accum=k)
-        costs = self.costs if subset is None else self.costs[subset]
-        stages = self.stages if self.stages is None or subset is None else self.stages[subset]
-        plan = plan_epoch(
-            costs, R, global_batch_size=setup["global_batch_size"],
-            max_tokens_per_rank=setup["max_tokens_per_rank"], seed=self.seed, epoch=epoch,
-            shuffle=self.shuffle, drop_last=self.drop_last, window=setup["window"], grad_accum=k,
-            oversize=self.oversize, stages=stages,
-            # costs are resolved already; "padded" also changes how the planner composes them
-            cost="padded" if self.cost_name == "padded" else None)
+        data = self.resolved if subset is None else self.resolved.subset(subset)
+        plan = plan_epoch(data, settings=settings, seed=self.seed, epoch=epoch)
         if subset is None:
             return plan
         # Positions in the subset -> dataset indices; ascending, so every list stays sorted.
@@ -332,18 +348,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
     def fingerprint(self) -> dict[str, Any]:
         """What the plan depends on besides (seed, epoch); a resume must match all of it."""
-        if self._lengths_digest is None:
-            h = hashlib.sha256(self.costs.astype("<i8").tobytes())
-            if self.stages is not None:
-                h.update(b"stages" + np.ascontiguousarray(self.stages, "<i8").tobytes())
-            self._lengths_digest = h.hexdigest()[:16]
-        return {"plan_version": PLAN_VERSION, "num_samples": int(len(self.lengths)),
-                "lengths_sha256": self._lengths_digest, "num_replicas": self.num_replicas,
-                "global_batch_size": self.global_batch_size,
-                "max_tokens_per_rank": self.max_tokens_per_rank, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "window": self.window, "grad_accum": self.grad_accum,
-                "oversize": self.oversize, "cost": self.cost_name,
-                "stages": 0 if self.stages is None else int(self.stages.shape[1])}
+        # The data's part (sample count, digest, cost, stages) and the settings' part: the same keys
+        # and values checkpoints have stored since before either was an object.
+        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **self.settings.fingerprint()}
 
     def state_dict(self) -> dict[str, Any]:
         cursor = self.cursor
@@ -387,8 +394,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         try:
             # Every setup's cursor must lie inside its own plan, or the replay is meaningless.
             for n, seg in enumerate(segments):
-                batches = self._replan(segments[:n], seg["fingerprint"], self.epoch).num_steps * int(
-                    seg["fingerprint"]["grad_accum"])
+                batches = self._replan(segments[:n], self._setup_of(seg["fingerprint"]),
+                                       self.epoch).num_steps * int(seg["fingerprint"]["grad_accum"])
                 if not 0 <= seg["cursor"] <= batches:
                     raise ValueError(f"cursor {seg['cursor']} is outside epoch {self.epoch}'s {batches} "
                                      f"batches (setup {n} of the checkpoint)")

@@ -47,11 +47,13 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
 column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
 ``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
 ``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
-``data_seed`` or ``seed``), ...).
+``data_seed`` or ``seed``), ``settings=`` a :class:`~tokenbal.balance.settings.PlanSettings`, ...).
+The planning ones become one ``PlanSettings`` over the data-parallel ranks, which the sampler holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -59,6 +61,7 @@ from functools import partial
 from typing import Any
 
 from tokenbal.balance.sampler import TokenBalancedBatchSampler
+from tokenbal.balance.settings import PlanSettings, plan_settings
 from tokenbal.integrations.hf_lengths import dataset_lengths as dataset_lengths
 
 __all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin",  # noqa: F822 (lazy)
@@ -67,6 +70,21 @@ __all__ = ["SAMPLER_STATE_NAME", "TokenBalancedTrainer", "TokenBalancingMixin", 
 logger = logging.getLogger("tokenbal")
 
 SAMPLER_STATE_NAME = "tokenbal_sampler.json"
+# sampler_options that are PlanSettings fields (the rest go to the sampler as keywords).
+_SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(PlanSettings))
+
+
+def _unpack_settings(opts: dict[str, Any]) -> dict[str, Any]:
+    """``sampler_options={"settings": PlanSettings(...)}`` as the settings' own keys (checked against
+    any given next to it), so the Trainer's defaults (batch size, grad_accum, drop_last) and its
+    checks see them as if they had been passed one by one."""
+    settings = opts.pop("settings", None)
+    if settings is None:
+        return opts
+    given = {name: opts.pop(name) for name in _SETTINGS_FIELDS if name in opts}
+    fields = plan_settings(settings, **given).fingerprint()
+    # Unset ones (None: the other batch mode, the default window) stay unset, as if never passed.
+    return {**opts, **{name: v for name, v in fields.items() if v is not None}}
 
 
 class TokenBalancingMixin:
@@ -77,7 +95,7 @@ class TokenBalancingMixin:
         from tokenbal.integrations.trainer_support import configure_logging
 
         bound = _bind_trainer_args(super(), args, kwargs)
-        self.tokenbal_sampler_options = dict(sampler_options or {})
+        self.tokenbal_sampler_options = _unpack_settings(dict(sampler_options or {}))
         if max_tokens_per_rank is not None:
             if self.tokenbal_sampler_options.setdefault("max_tokens_per_rank", max_tokens_per_rank) != \
                     max_tokens_per_rank:
@@ -139,6 +157,9 @@ class TokenBalancingMixin:
                 opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
         opts.setdefault("drop_last", bool(args.dataloader_drop_last))
+        # One checked PlanSettings over the data-parallel ranks; the sampler takes it as it is.
+        fields = {name: opts.pop(name) for name in _SETTINGS_FIELDS if name in opts}
+        opts["settings"] = PlanSettings(**{**fields, "num_replicas": dp})
         return opts
 
     def _tokenbal_steps_per_epoch(self) -> int:

@@ -139,6 +139,35 @@ def test_trainer_rejects_mismatched_settings(tmp_path):
     assert os.environ.get("WORLD_SIZE") is None
 
 
+def test_sampler_options_become_one_plan_settings(tmp_path):
+    """The Trainer's planning options (its defaults included) reach the sampler as one PlanSettings
+    over the data-parallel ranks; a PlanSettings passed in sampler_options is used as it is, and is
+    checked against the Trainer like the keywords it stands for."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.balance.settings import PlanSettings
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(12)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, gradient_accumulation_steps=2,
+                             average_tokens_across_devices=True)
+    make = lambda **opts: TokenBalancedTrainer(  # noqa: E731
+        model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+        token_lengths=ds.lengths(), sampler_options=opts)
+    t = make(window=2)
+    assert t.tokenbal_sampler.settings == PlanSettings(1, global_batch_size=4, window=2, grad_accum=2)
+    mine = PlanSettings(1, global_batch_size=6, grad_accum=2, shuffle=False)
+    t = make(settings=mine)
+    assert t.tokenbal_sampler.settings == mine and t.tokenbal_sampler.cost_name == "padded"
+    with pytest.raises(ValueError, match=r"disagrees with window=3 \(settings has None\)"):
+        make(settings=mine, window=3)
+    t = make(settings=PlanSettings(1, global_batch_size=6, grad_accum=3))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        t.get_train_dataloader()
+
+
 def test_mixin_serves_trl_sft_trainer(tmp_path):
     """The mixin in front of trl's SFTTrainer (one process): its loader is tokenbal's, each sample
     once per epoch."""
