@@ -443,20 +443,20 @@ def _plan_count_window(lens: np.ndarray, items: np.ndarray, W: int, R: int, rng:
         order = descending_order(x * (1.0 + _GROUPED_JITTER * rng.random(m)))
     else:
         order = _argsort_keys(int(x.max(initial=0)) - x, items)
-    items, x = items[order], x[order]                   # from here on in that order
     k = m - tail
+    in_main = np.ones(m, bool)
+    in_main[order[k:]] = False
+    main_in_perm = np.flatnonzero(in_main)              # the window's main items, in permutation order
+    items, x = items[order], x[order]                   # from here on in descending order
     parts = [grouped_fill(x[:k], W, R)] + ([grouped_fill(x[k:], 1, R)] if tail else [])
     step, rank, place = (np.concatenate(a) for a in zip(*parts, strict=True))
     step[k:] += W
-    batch = max(int(_BATCH_PER_RANK * R), _BATCH_MIN)
-    if -(-k // batch) * W * R <= _FILL_WORK:
-        cap = np.full((1, W), k // W, np.int64)
-        _, step_b, rank_b, _ = _fill(lens, items[:k], np.zeros(k, np.int64), cap, R, None, False,
-                                     rng is not None)
+    found = _window_fill_candidate(lens, items, order, main_in_perm, W, R, rng is not None)
+    if found is not None:
         cost = [np.bincount(a * R + b, weights=x[:k], minlength=W * R).reshape(W, R).max(1).sum()
-                for a, b in ((step[:k], rank[:k]), (step_b, rank_b))]
+                for a, b in ((step[:k], rank[:k]), found)]
         if cost[1] < cost[0]:
-            step[:k], rank[:k] = step_b, rank_b
+            step[:k], rank[:k] = found
             place = None
     steps = W + (tail > 0)
     if rng is not None:
@@ -471,6 +471,33 @@ def _plan_count_window(lens: np.ndarray, items: np.ndarray, W: int, R: int, rng:
         new_pos[np.argsort(first, kind="stable")] = np.arange(steps)
         slot = new_pos[step] * R + rank
     return _slot_layout(items, slot, steps * R, place)
+
+
+def _window_fill_candidate(lens: np.ndarray, items: np.ndarray, order: np.ndarray, main_in_perm: np.ndarray,
+                           W: int, R: int, shuffled: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """The window fill's split of a window's first ``k`` (descending) items as (step, rank) in that
+    order, over sub-windows of :func:`default_window` steps cut from the permutation (PLAN_VERSION 7's
+    plan of the same samples); None where that would cost more than ``_FILL_WORK`` (items per round
+    × bins: long epochs, where the grouped fill's one large window balances better anyway)."""
+    k = len(main_in_perm)
+    cap = k // W
+    sub = default_window(R, max(cap, 1))
+    sub = -(-W // max(1, W // sub))                      # equal sub-windows, as PLAN_VERSION 7
+    batch = max(int(_BATCH_PER_RANK * R), _BATCH_MIN)
+    if -(-(sub * cap) // batch) * W * R > _FILL_WORK:
+        return None
+    G = -(-W // sub)
+    step_win = np.arange(W) // sub
+    caps = np.zeros((G, sub), np.int64)
+    caps[step_win, np.arange(W) % sub] = cap
+    position = np.empty(len(order), np.int64)
+    position[order] = np.arange(len(order))             # permutation position -> descending position
+    win = np.repeat(step_win, cap)
+    _, step_w, rank_w, _ = _fill(lens, items[position[main_in_perm]], win, caps, R, None, False, shuffled)
+    step, rank = np.empty(k, np.int64), np.empty(k, np.int64)
+    step[position[main_in_perm]] = win * sub + step_w
+    rank[position[main_in_perm]] = rank_w
+    return step, rank
 
 
 def _slot_layout(items: np.ndarray, slot: np.ndarray, slots: int, place: np.ndarray | None
