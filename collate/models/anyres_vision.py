@@ -75,15 +75,29 @@ def tower_features(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return inner.multi_modal_projector(selected)
 
 
-# pack(model, per_image_features, image_sizes) -> list of (tokens_i, hidden)
-PackImages = Callable[[nn.Module, list[torch.Tensor], list[list[int]]], list[torch.Tensor]]
+def idle_crop(model: nn.Module, device: torch.device, height: int, width: int) -> torch.Tensor:
+    """One zero ``(1, C, height, width)`` crop or tile for the idle pass, built once per device."""
+    cache = core.idle_cache(model)
+    if device not in cache:
+        cache[device] = torch.zeros(1, model.config.vision_config.num_channels, height, width, device=device)
+    return cache[device]
+
+
+def _pack_images(model: nn.Module, features: list[torch.Tensor], sizes: list[list[int]],
+                 pack_options: tuple[str, ...]) -> list[torch.Tensor]:
+    # transformers' pack_image_features, with the config fields the family's version takes
+    options = {name: getattr(model.config, name) for name in pack_options}
+    packed, _ = model.model.pack_image_features(features, sizes, image_newline=model.model.image_newline,
+                                                **options)
+    return packed
 
 
 def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool,
-           pack_images: PackImages, videos: bool) -> core.Encoded | None:
+           pack_options: tuple[str, ...], videos: bool) -> core.Encoded | None:
     """One tower call on every crop and frame of the batch (or on the idle crop); pops the pixel
-    fields from ``kwargs``. ``pack_images`` is the family's ``pack_image_features`` call;
-    ``videos``: the family has a video path (OneVision's pooling)."""
+    fields from ``kwargs``. ``pack_options``: the config fields the family's
+    ``pack_image_features`` takes as keywords; ``videos``: the family has a video path (OneVision's
+    pooling)."""
     config = model.config
     pixel_values = kwargs.pop("pixel_values", None)
     pixel_values_videos = kwargs.pop("pixel_values_videos", None)
@@ -96,13 +110,9 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
         if not idle_vision:
             return None
         side = config.vision_config.image_size
-        device = kwargs["inputs_embeds"].device
-        cache = core.idle_cache(model)
-        if device not in cache:
-            cache[device] = torch.zeros(1, config.vision_config.num_channels, side, side, device=device)
-        features = tower_features(model, cache[device])
+        features = tower_features(model, idle_crop(model, kwargs["inputs_embeds"].device, side, side))
         # One crop takes the base-view branch of pack_image_features: features plus the newline.
-        packed = pack_images(model, [features], [[side, side]])
+        packed = _pack_images(model, [features], [[side, side]], pack_options)
         return core.Encoded(None, idle_zero=0.0 * torch.cat(packed).sum())
 
     parts, tokens = [], []
@@ -131,7 +141,7 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
     outputs = []
     if counts:
         per_image = list(torch.split(features[:sum(counts)], counts))
-        outputs += pack_images(model, per_image, sizes)
+        outputs += _pack_images(model, per_image, sizes, pack_options)
     if frames:
         pooled = model.model.apply_pooling(features[sum(counts):])
         newline = model.model.image_newline[None].to(pooled.dtype)
@@ -146,3 +156,12 @@ def check(model: nn.Module, text_model: nn.Module) -> None:
         if not hasattr(inner, name):
             raise TypeError(f"{type(model).__name__}.model has no {name!r}; "
                             "transformers version not supported")
+
+
+def family(name: str, model_types: tuple[str, ...], encode: core.EncodeFn,
+           check: Callable[[nn.Module, nn.Module], None]) -> core.Family:
+    """The :class:`core.Family` of a plain 1-D RoPE language model behind a crop or tile tower
+    (LLaVA-NeXT, LLaVA-OneVision, InternVL): the crop fields of :data:`ANYRES_KEYS` are popped
+    with the vision fields."""
+    return core.Family(name=name, model_types=model_types, rope=core.one_d_rope, encode=encode, check=check,
+                       batch_keys=ANYRES_KEYS)

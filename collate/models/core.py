@@ -114,11 +114,28 @@ class Encoded:
 EncodeFn = Callable[[nn.Module, dict[str, Any], dict[str, Any], bool], "Encoded | None"]
 
 
-def one_d_rope(text_model: nn.Module) -> RopeLayout:
+def one_d_rope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
     """Plain RoPE language models (Llama, Qwen2, ...): every frequency reads the one position row."""
     rope = text_model.rotary_emb
     half = int(rope.inv_freq.numel())
     return RopeLayout(rope.inv_freq, (half, 0, 0), False, float(rope.attention_scaling))
+
+
+def _mrope(text_model: nn.Module, interleaved: bool) -> RopeLayout:
+    rope = text_model.rotary_emb
+    return RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), interleaved,
+                      float(rope.attention_scaling))
+
+
+def chunked_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
+    """M-RoPE in the chunked ``TTT..HHH..WWW`` layout (Qwen2-VL, Qwen2.5-VL, GLM-4V), the section
+    and scaling read from the text rotary module."""
+    return _mrope(text_model, interleaved=False)
+
+
+def interleaved_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
+    """M-RoPE in the interleaved ``THWTHW...`` layout (Qwen3-VL)."""
+    return _mrope(text_model, interleaved=True)
 
 
 def prepared_mask_mapping(model: nn.Module, text_model: nn.Module, embeds: torch.Tensor) -> Any:

@@ -68,12 +68,6 @@ def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     return rotate(q), rotate(k)
 
 
-def _rope(model: nn.Module, text_model: nn.Module) -> core.RopeLayout:
-    rope = text_model.rotary_emb
-    return core.RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), False,
-                           float(rope.attention_scaling))
-
-
 def _frame_grids(grids: torch.Tensor, vision: dict[str, Any]) -> torch.Tensor:
     """One ``(1, h, w)`` row per frame, as HF's ``get_video_features`` feeds the tower (images
     have ``t == 1`` already). The collator's frame segment ends give the row count on the host."""
@@ -113,20 +107,11 @@ def _check(model: nn.Module, text_model: nn.Module) -> None:
             raise ValueError(f"rotary width {2 * half} exceeds head_dim {layer.self_attn.head_dim}")
     if not hasattr(getattr(model, "model", None), "visual"):
         raise TypeError(f"{type(model).__name__}: expected Glm4vForConditionalGeneration (.model.visual)")
-    grid_vision.check_vision_attentions(model)
 
 
-FAMILY = core.Family(
-    name="glm4v",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=_rope,
-    encode=_encode,
-    attention_mask=core.empty_mask,
-    check=_check,
-    install=grid_vision.install_vision_attentions,
-    uninstall=grid_vision.uninstall_vision_attentions,
-    apply_rope=glm_rope,
-)
+# GLM's sections are chunked like Qwen2-VL's; glm_rope applies them partially and pair-wise.
+FAMILY = grid_vision.family("glm4v", SUPPORTED_MODEL_TYPES, core.chunked_mrope, _encode, _check,
+                            attention_mask=core.empty_mask, apply_rope=glm_rope)
 
 
 def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:

@@ -100,6 +100,33 @@ def uninstall_vision_attentions(model: nn.Module) -> None:
         core.uninstall(attn)
 
 
+def family(name: str, model_types: tuple[str, ...], rope: Callable[[nn.Module, nn.Module], core.RopeLayout],
+           encode: core.EncodeFn, check: Callable[[nn.Module, nn.Module], None], *,
+           install: Callable[[nn.Module], None] | None = None,
+           uninstall: Callable[[nn.Module], None] | None = None, **options: Any) -> core.Family:
+    """The :class:`core.Family` of a grid-tower model: after the family's own ``check`` the vision
+    blocks' attentions are checked (:func:`check_vision_attentions`), and they are patched before
+    the family's own ``install`` and restored before its ``uninstall``. ``options``: the other
+    :class:`core.Family` fields."""
+
+    def check_all(model: nn.Module, text_model: nn.Module) -> None:
+        check(model, text_model)
+        check_vision_attentions(model)
+
+    def install_all(model: nn.Module) -> None:
+        install_vision_attentions(model)
+        if install is not None:
+            install(model)
+
+    def uninstall_all(model: nn.Module) -> None:
+        uninstall_vision_attentions(model)
+        if uninstall is not None:
+            uninstall(model)
+
+    return core.Family(name=name, model_types=model_types, rope=rope, encode=encode, check=check_all,
+                       install=install_all, uninstall=uninstall_all, **options)
+
+
 def tower_kwargs(model: nn.Module, vision: dict[str, Any], windowed: bool = False) -> dict[str, Any]:
     """The batch's precomputed tower inputs under the names transformers pops, plus the host
     segment lists for the patched attention (``windowed``: Qwen2.5-VL's window layout too).

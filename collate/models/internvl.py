@@ -38,13 +38,9 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
     if pixel_values is None:
         if not idle_vision:
             return None
-        vision_config = model.config.vision_config
-        device = kwargs["inputs_embeds"].device
-        cache = core.idle_cache(model)
-        if device not in cache:
-            side = vision_config.image_size
-            cache[device] = torch.zeros(1, vision_config.num_channels, *side, device=device)
-        return core.Encoded(None, idle_zero=0.0 * _features(model, cache[device]).sum())
+        height, width = model.config.vision_config.image_size
+        tile = anyres_vision.idle_crop(model, kwargs["inputs_embeds"].device, height, width)
+        return core.Encoded(None, idle_zero=0.0 * _features(model, tile).sum())
     return core.Encoded(_features(model, pixel_values), placeholder_ids=(int(model.config.image_token_id),))
 
 
@@ -54,14 +50,7 @@ def _check(model: nn.Module, text_model: nn.Module) -> None:
                         "transformers version not supported")
 
 
-FAMILY = core.Family(
-    name="internvl",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=lambda model, text_model: core.one_d_rope(text_model),
-    encode=_encode,
-    check=_check,
-    batch_keys=anyres_vision.ANYRES_KEYS,
-)
+FAMILY = anyres_vision.family("internvl", SUPPORTED_MODEL_TYPES, _encode, _check)
 
 
 def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:

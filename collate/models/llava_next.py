@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from collate.models import anyres_vision, core
@@ -22,27 +21,13 @@ from collate.models import anyres_vision, core
 SUPPORTED_MODEL_TYPES = ("llava_next",)
 
 
-def _pack_images(model: nn.Module, features: list[torch.Tensor],
-                 sizes: list[list[int]]) -> list[torch.Tensor]:
-    packed, _ = model.model.pack_image_features(
-        features, sizes, vision_feature_select_strategy=model.config.vision_feature_select_strategy,
-        image_newline=model.model.image_newline)
-    return packed
-
-
 def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
             idle_vision: bool) -> core.Encoded | None:
-    return anyres_vision.encode(model, kwargs, vision, idle_vision, _pack_images, videos=False)
+    return anyres_vision.encode(model, kwargs, vision, idle_vision,
+                                pack_options=("vision_feature_select_strategy",), videos=False)
 
 
-FAMILY = core.Family(
-    name="llava_next",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=lambda model, text_model: core.one_d_rope(text_model),
-    encode=_encode,
-    check=anyres_vision.check,
-    batch_keys=anyres_vision.ANYRES_KEYS,
-)
+FAMILY = anyres_vision.family("llava_next", SUPPORTED_MODEL_TYPES, _encode, anyres_vision.check)
 
 
 def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:

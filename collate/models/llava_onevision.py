@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from collate.models import anyres_vision, core
@@ -24,17 +23,10 @@ from collate.models import anyres_vision, core
 SUPPORTED_MODEL_TYPES = ("llava_onevision",)
 
 
-def _pack_images(model: nn.Module, features: list[torch.Tensor],
-                 sizes: list[list[int]]) -> list[torch.Tensor]:
-    packed, _ = model.model.pack_image_features(
-        features, sizes, image_newline=model.model.image_newline,
-        vision_aspect_ratio=model.config.vision_aspect_ratio)
-    return packed
-
-
 def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
             idle_vision: bool) -> core.Encoded | None:
-    return anyres_vision.encode(model, kwargs, vision, idle_vision, _pack_images, videos=True)
+    return anyres_vision.encode(model, kwargs, vision, idle_vision, pack_options=("vision_aspect_ratio",),
+                                videos=True)
 
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
@@ -44,14 +36,7 @@ def _check(model: nn.Module, text_model: nn.Module) -> None:
                         "transformers version not supported")
 
 
-FAMILY = core.Family(
-    name="llava_onevision",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=lambda model, text_model: core.one_d_rope(text_model),
-    encode=_encode,
-    check=_check,
-    batch_keys=anyres_vision.ANYRES_KEYS,
-)
+FAMILY = anyres_vision.family("llava_onevision", SUPPORTED_MODEL_TYPES, _encode, _check)
 
 
 def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:

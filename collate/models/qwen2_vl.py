@@ -24,12 +24,6 @@ from collate.models import core, grid_vision
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def _rope(model: nn.Module, text_model: nn.Module) -> core.RopeLayout:
-    rope = text_model.rotary_emb
-    return core.RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), False,
-                           float(rope.attention_scaling))
-
-
 def _window(model: nn.Module) -> int | None:
     if model.config.model_type != "qwen2_5_vl":
         return None
@@ -55,19 +49,10 @@ def _check(model: nn.Module, text_model: nn.Module) -> None:
         if not hasattr(text_model.rotary_emb, name):
             raise TypeError(f"{type(text_model.rotary_emb).__name__} has no {name!r}; "
                             "transformers version not supported")
-    grid_vision.check_vision_attentions(model)
 
 
-FAMILY = core.Family(
-    name="qwen2_vl",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=_rope,
-    encode=_encode,
-    attention_mask=core.prepared_mask_mapping,
-    check=_check,
-    install=grid_vision.install_vision_attentions,
-    uninstall=grid_vision.uninstall_vision_attentions,
-)
+FAMILY = grid_vision.family("qwen2_vl", SUPPORTED_MODEL_TYPES, core.chunked_mrope, _encode, _check,
+                            attention_mask=core.prepared_mask_mapping)
 
 
 def enable_packed(model: nn.Module, idle_vision: bool = True) -> nn.Module:

@@ -69,13 +69,6 @@ class DeepstackSlots:
     features: tuple[torch.Tensor, ...]
 
 
-def _rope(model: nn.Module, text_model: nn.Module) -> core.RopeLayout:
-    rope = text_model.rotary_emb
-    # Qwen3-VL's THWTHW... frequency layout.
-    return core.RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), True,
-                           float(rope.attention_scaling))
-
-
 def _check(model: nn.Module, text_model: nn.Module) -> None:
     if not hasattr(text_model.rotary_emb, "mrope_section"):
         raise TypeError(f"{type(text_model.rotary_emb).__name__} has no 'mrope_section'; "
@@ -89,7 +82,6 @@ def _check(model: nn.Module, text_model: nn.Module) -> None:
                  "interpolation_mode", "interpolation_align_corners"):
         if not hasattr(visual, name):
             raise TypeError(f"{type(visual).__name__} has no {name!r}; transformers version not supported")
-    grid_vision.check_vision_attentions(model)
 
 
 def _packed_text_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -182,7 +174,7 @@ def _after_embed(model: nn.Module, kwargs: dict[str, Any], encoded: core.Encoded
 
 
 def _install(model: nn.Module) -> None:
-    grid_vision.install_vision_attentions(model)
+    """The text model's deepstack patches (the tower's attentions: grid_vision.family)."""
     text_model = model.model.language_model
     core.install(text_model, _packed_text_model_forward)
     text_model.__dict__[_PREV_DEEPSTACK] = text_model.__dict__.get("_deepstack_process")
@@ -190,7 +182,6 @@ def _install(model: nn.Module) -> None:
 
 
 def _uninstall(model: nn.Module) -> None:
-    grid_vision.uninstall_vision_attentions(model)
     text_model = model.model.language_model
     core.uninstall(text_model)
     text_model.__dict__.pop("_deepstack_process", None)
@@ -199,18 +190,9 @@ def _uninstall(model: nn.Module) -> None:
         text_model._deepstack_process = prev
 
 
-FAMILY = core.Family(
-    name="qwen3_vl",
-    model_types=SUPPORTED_MODEL_TYPES,
-    rope=_rope,
-    encode=_encode,
-    attention_mask=core.empty_mask,
-    qk_norm=True,
-    check=_check,
-    install=_install,
-    uninstall=_uninstall,
-    after_embed=_after_embed,
-)
+FAMILY = grid_vision.family("qwen3_vl", SUPPORTED_MODEL_TYPES, core.interleaved_mrope, _encode, _check,
+                            attention_mask=core.empty_mask, qk_norm=True, install=_install,
+                            uninstall=_uninstall, after_embed=_after_embed)
 
 
 def _require_visual(model: nn.Module) -> None:

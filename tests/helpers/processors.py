@@ -8,6 +8,14 @@ import importlib
 import sys
 import types
 
+
+def write_json(folder, name: str, obj) -> None:
+    """One JSON file of a checkpoint folder (``config.json``, ``preprocessor_config.json``, ...)."""
+    import json
+
+    (folder / name).write_text(json.dumps(obj))
+
+
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
 OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]
 

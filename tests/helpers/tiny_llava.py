@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers.reference import token_weighted_loss
+
 IMG, VID = 120, 121
 SIDE = 32  # crop side in pixels; patch 8 -> 4 x 4 features per crop
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,9 +55,4 @@ def hf_kwargs(model, sample: dict) -> dict:
 def reference_loss(model, samples: list[dict]) -> torch.Tensor:
     """Token-weighted mean of per-sample unpacked HF losses (each sample's own first label is
     never a target: HF shifts)."""
-    total, count = 0.0, 0
-    for s in samples:
-        n = int((s["labels"][1:] != -100).sum())
-        total = total + model(**hf_kwargs(model, s)).loss * n
-        count += n
-    return total / count
+    return token_weighted_loss(model, samples, lambda s: hf_kwargs(model, s))

@@ -17,7 +17,7 @@ import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, pair_dims
 from tokenbal.estimate.base import PatchGridEstimator
-from tokenbal.estimate.qwen import MAX_RATIO, smart_resize_3d
+from tokenbal.estimate.qwen import MAX_RATIO, fit_budget_np, smart_resize_3d
 
 
 def _ratio_error_np(h: np.ndarray, w: np.ndarray, h0: np.ndarray, w0: np.ndarray, batch: bool = True) -> None:
@@ -51,19 +51,7 @@ def smart_resize_3d_np(
     h_bar = np.round(h / factor).astype(np.int64) * factor
     w_bar = np.round(w / factor).astype(np.int64) * factor
     t_bar = round(t / temporal_factor) * temporal_factor
-    prod = t_bar * h_bar * w_bar
-    down = prod > max_pixels
-    up = ~down & (prod < min_pixels)
-    area = t * h * w
-    if down.any():
-        beta = np.sqrt(area[down] / max_pixels)
-        h_bar[down] = np.maximum(factor, np.floor(h[down] / beta / factor).astype(np.int64) * factor)
-        w_bar[down] = np.maximum(factor, np.floor(w[down] / beta / factor).astype(np.int64) * factor)
-    if up.any():
-        beta = np.sqrt(min_pixels / area[up])
-        h_bar[up] = np.ceil(h[up] * beta / factor).astype(np.int64) * factor
-        w_bar[up] = np.ceil(w[up] * beta / factor).astype(np.int64) * factor
-    return h_bar, w_bar
+    return fit_budget_np(h, w, h_bar, w_bar, factor, min_pixels, max_pixels, frames=t, rounded_frames=t_bar)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
 from tokenbal.estimate.base import Estimator
-from tokenbal.estimate.tiles import sweep_np
+from tokenbal.estimate.tiles import closest_grid, sweep_np
 
 CROP = 448  # transformers hardcodes the 256 + 16 global-view tokens for this crop / patch size
 PATCH = 14
@@ -47,16 +47,7 @@ def phi4_grids(max_num: int, min_num: int = 1) -> tuple[tuple[int, int], ...]:
 
 
 def _closest(width: int, height: int, max_num: int) -> tuple[int, int]:
-    aspect = width / height
-    area = width * height
-    best, best_diff = (1, 1), float("inf")
-    for c, r in phi4_grids(max_num):
-        diff = abs(aspect - c / r)
-        if diff < best_diff:
-            best, best_diff = (c, r), diff
-        elif diff == best_diff and area > 0.5 * CROP * CROP * c * r:
-            best = (c, r)
-    return best
+    return closest_grid(width, height, CROP, phi4_grids(max_num))
 
 
 def _closest_np(w: np.ndarray, h: np.ndarray, max_num: int) -> tuple[np.ndarray, np.ndarray]:
@@ -79,9 +70,7 @@ class Phi4MultimodalEstimator(Estimator):
     dynamic_hd: int = 36
 
     def __post_init__(self) -> None:
-        v = self.dynamic_hd
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{self.family}: dynamic_hd must be a positive int, got {v!r}")
+        self.check_field_types()
 
     @property
     def wrapper_tokens(self) -> int:

@@ -160,15 +160,38 @@ def smart_resize_np(
     if qvu:
         h_bar = np.maximum(factor, h_bar)
         w_bar = np.maximum(factor, w_bar)
-    area = h * w  # int64: exact (sides are far below 2**31), and exactly representable as float64
-    prod = h_bar * w_bar
+    return fit_budget_np(h, w, h_bar, w_bar, factor, min_pixels, max_pixels, floor_guard=not qvu)
+
+
+def fit_budget_np(
+    h: np.ndarray,
+    w: np.ndarray,
+    h_bar: np.ndarray,
+    w_bar: np.ndarray,
+    factor: int,
+    min_pixels: float,
+    max_pixels: float,
+    *,
+    frames: int = 1,
+    rounded_frames: int = 1,
+    floor_guard: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pixel-budget step shared by the vectorised ``smart_resize`` ports: where the rounded
+    size ``rounded_frames * h_bar * w_bar`` is above ``max_pixels``, the sides ``h``, ``w`` are
+    scaled down by ``sqrt(frames * h * w / max_pixels)`` and floored to multiples of ``factor``
+    (and to at least ``factor`` with ``floor_guard``; qwen-vl-utils has no such guard); where it is
+    below ``min_pixels``, scaled up and ceiled. ``frames`` > 1: Qwen3-VL's / GLM's 3-D budget over
+    the whole clip. Returns ``h_bar``, ``w_bar``, changed in place."""
+    # int64: exact (sides are far below 2**31), and exactly representable as float64
+    area = frames * h * w
+    prod = rounded_frames * h_bar * w_bar
     down = prod > max_pixels
     up = ~down & (prod < min_pixels)
     if down.any():
         beta = np.sqrt(area[down] / max_pixels)
         hd = np.floor(h[down] / beta / factor).astype(np.int64) * factor
         wd = np.floor(w[down] / beta / factor).astype(np.int64) * factor
-        if not qvu:
+        if floor_guard:
             hd, wd = np.maximum(factor, hd), np.maximum(factor, wd)
         h_bar[down], w_bar[down] = hd, wd
     if up.any():
@@ -421,6 +444,14 @@ def _as_fps(fps: object) -> float:
     return f
 
 
+# The hub defaults of make_qwen's docstring, one row per generation (Qwen2-VL and Qwen2.5-VL ship
+# the same preprocessor_config.json values).
+_QWEN2_HUB = dict(patch_size=14, min_pixels=3136, max_pixels=12845056, video_min_pixels=3136,
+                  video_max_pixels=12845056, max_video_tokens=128000, processor_resize=True)
+_QWEN3_HUB = dict(patch_size=16, min_pixels=65536, max_pixels=16777216, video_min_pixels=4096,
+                  video_max_pixels=25165824, max_video_tokens=768, processor_resize=False)
+
+
 def make_qwen(family: str, **overrides) -> QwenVLEstimator:
     """The estimator for ``family`` with the official hub defaults, then ``overrides``.
 
@@ -437,26 +468,7 @@ def make_qwen(family: str, **overrides) -> QwenVLEstimator:
     """
     if family not in QWEN_FAMILIES:
         raise ValueError(f"unknown Qwen family {family!r}; known: {QWEN_FAMILIES}")
-    if family == "qwen3-vl":
-        base = QwenVLEstimator(
-            family=family,
-            patch_size=16,
-            min_pixels=65536,
-            max_pixels=16777216,
-            video_min_pixels=4096,
-            video_max_pixels=25165824,
-            max_video_tokens=768,
-            processor_resize=False,
-        )
-    else:
-        base = QwenVLEstimator(
-            family=family,
-            patch_size=14,
-            min_pixels=3136,
-            max_pixels=12845056,
-            video_min_pixels=3136,
-            video_max_pixels=12845056,
-            max_video_tokens=128000,
-            processor_resize=True,
-        )
+    hub = _QWEN3_HUB if family == "qwen3-vl" else _QWEN2_HUB
+    base = QwenVLEstimator(family=family, **hub)
     return base.replace(**overrides) if overrides else base
+

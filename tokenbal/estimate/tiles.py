@@ -36,18 +36,28 @@ def tile_grids(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(grids, key=lambda g: g[0] * g[1]))
 
 
-def best_grid(width: int, height: int, tile_size: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
-    """(columns, rows) chosen for a ``width`` x ``height`` image."""
+def closest_grid(
+    width: int, height: int, tile_size: int, grids: tuple[tuple[int, int], ...]
+) -> tuple[int, int]:
+    """transformers' closest-aspect-ratio sweep over the candidate ``grids`` (in their order): the
+    first (columns, rows) with the smallest ``|aspect - c/r|``, then each later one at exactly that
+    distance while the image area exceeds half the grid's pixel area. InternVL's tiles and
+    Phi-4-multimodal's crops differ only in their candidates."""
     aspect = width / height
     area = width * height
     best, best_diff = (1, 1), float("inf")
-    for c, r in tile_grids(min_tiles, max_tiles):
+    for c, r in grids:
         diff = abs(aspect - c / r)
         if diff < best_diff:
             best, best_diff = (c, r), diff
         elif diff == best_diff and area > 0.5 * tile_size * tile_size * c * r:
             best = (c, r)
     return best
+
+
+def best_grid(width: int, height: int, tile_size: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows) chosen for a ``width`` x ``height`` image."""
+    return closest_grid(width, height, tile_size, tile_grids(min_tiles, max_tiles))
 
 
 @lru_cache(maxsize=32)

@@ -88,29 +88,13 @@ def _processor_dicts(model_dir: Path) -> tuple[dict | None, dict | None]:
 
 # transformers 5.24 class defaults, used for keys a checkpoint's file leaves out (that is what
 # AutoProcessor would use), as opposed to get_estimator's hub defaults.
-_QWEN_IMAGE_CLASS = {
-    "shortest_edge": 56 * 56,
-    "longest_edge": 28 * 28 * 1280,
-    "patch_size": 14,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-}
-_QWEN2_VIDEO_CLASS = {
-    "shortest_edge": 128 * 28 * 28,
-    "longest_edge": 768 * 28 * 28,
-    "patch_size": 14,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-    "max_video_tokens": 128000,
-}
-_QWEN3_VIDEO_CLASS = {
-    "shortest_edge": 128 * 32 * 32,
-    "longest_edge": 768 * 32 * 32,
-    "patch_size": 16,
-    "merge_size": 2,
-    "temporal_patch_size": 2,
-    "max_video_tokens": 768,
-}
+# One row per processor class, the same keys in the same order so the rows read as a table.
+_QWEN_IMAGE_CLASS = dict(shortest_edge=56 * 56, longest_edge=28 * 28 * 1280,
+                         patch_size=14, merge_size=2, temporal_patch_size=2)
+_QWEN2_VIDEO_CLASS = dict(shortest_edge=128 * 28 * 28, longest_edge=768 * 28 * 28,
+                          patch_size=14, merge_size=2, temporal_patch_size=2, max_video_tokens=128000)
+_QWEN3_VIDEO_CLASS = dict(shortest_edge=128 * 32 * 32, longest_edge=768 * 32 * 32,
+                          patch_size=16, merge_size=2, temporal_patch_size=2, max_video_tokens=768)
 
 
 def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool) -> tuple[int, int]:

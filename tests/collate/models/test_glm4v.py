@@ -23,6 +23,12 @@ from collate.models import disable_packed, enable_packed  # noqa: E402
 from collate.positions import glm4v_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.reference import (  # noqa: E402
+    backward_and_compare,
+    forward_calls,
+    fully_shard_packed,
+    token_weighted_loss,
+)
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_glm4v import (  # noqa: E402
     EST,
@@ -84,12 +90,18 @@ def hf_inputs(sample: dict) -> dict:
 
 
 def reference_loss(model, samples: list[dict]) -> torch.Tensor:
-    total, count = 0.0, 0
-    for s in samples:
-        n = int((s["labels"][1:] != -100).sum())
-        total = total + model(**hf_inputs(s)).loss * n
-        count += n
-    return total / count
+    return token_weighted_loss(model, samples, hf_inputs)
+
+
+def hf_positions(model, sample: dict) -> torch.Tensor:
+    """HF's ``get_rope_index`` for one sample; a text-only one counts 0..n-1 on all 3 rows."""
+    x = sample["input_ids"][None]
+    if "image_grid_thw" in sample or "video_grid_thw" in sample:
+        want, _ = model.model.get_rope_index(x, mm_token_type_ids(x),
+                                             image_grid_thw=sample.get("image_grid_thw"),
+                                             video_grid_thw=sample.get("video_grid_thw"))
+        return want
+    return torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
 
 
 def test_collator_positions_equal_hf_get_rope_index(reference):
@@ -98,14 +110,8 @@ def test_collator_positions_equal_hf_get_rope_index(reference):
     starts = [0, *batch.cu_seqlens_list[:-1]]
     kinds = set()
     for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-        x = s["input_ids"][None]
-        if "image_grid_thw" in s or "video_grid_thw" in s:
-            want, _ = reference.model.get_rope_index(x, mm_token_type_ids(x),
-                                                     image_grid_thw=s.get("image_grid_thw"),
-                                                     video_grid_thw=s.get("video_grid_thw"))
-            kinds.update(k for k in ("image_grid_thw", "video_grid_thw") if k in s)
-        else:
-            want = torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+        want = hf_positions(reference, s)
+        kinds.update(k for k in ("image_grid_thw", "video_grid_thw") if k in s)
         assert torch.equal(batch.position_ids[:, :, start:end], want), f"sample {i}"
         one = glm4v_positions(s["input_ids"], s.get("image_grid_thw"), s.get("video_grid_thw"),
                               image_token_id=IMG, video_start_token_id=VSTART, video_end_token_id=VEND,
@@ -152,14 +158,7 @@ def test_random_rows_positions_equal_hf_get_rope_index(reference):
     batch = collator(reference)(samples)
     starts = [0, *batch.cu_seqlens_list[:-1]]
     for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-        x = s["input_ids"][None]
-        if "image_grid_thw" in s or "video_grid_thw" in s:
-            want, _ = reference.model.get_rope_index(x, mm_token_type_ids(x),
-                                                     image_grid_thw=s.get("image_grid_thw"),
-                                                     video_grid_thw=s.get("video_grid_thw"))
-        else:
-            want = torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-        assert torch.equal(batch.position_ids[:, :, start:end], want), f"sample {i}"
+        assert torch.equal(batch.position_ids[:, :, start:end], hf_positions(reference, s)), f"sample {i}"
 
 
 def test_packed_loss_and_grads_match_per_sample(reference):
@@ -169,10 +168,7 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     batch = collator(ref)(samples)
     assert batch.pixel_values is not None and batch.pixel_values_videos is not None
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**batch).loss, want)
     assert assert_grads_match(packed, ref) > 30
     names = {n for n, p in packed.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert {"model.visual.embeddings.position_embedding.weight", "model.visual.merger.proj.weight"} <= names
@@ -186,10 +182,7 @@ def test_eager_reference_and_gradient_checkpointing():
     assert packed.model.language_model.layers[0].gradient_checkpointing
     samples = make_samples()
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**collator(ref)(samples)).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**collator(ref)(samples)).loss, want)
     assert assert_grads_match(packed, ref) > 30
 
 
@@ -223,13 +216,8 @@ def test_packed_path_uses_glm_rope_varlen_and_one_tower_call(reference, monkeypa
     monkeypatch.setattr(packed.model, "get_rope_index", no_rope_index)
     family = dataclasses.replace(glm4v.FAMILY, apply_rope=rope)
     monkeypatch.setitem(packed.__dict__, packed_core.FAMILY, family)
-    towers = []
-    hook = packed.model.visual.register_forward_hook(lambda m, a, out: towers.append(a))
-    try:
-        with torch.no_grad():
-            packed(**batch)
-    finally:
-        hook.remove()
+    with forward_calls(packed.model.visual, record="inputs") as towers, torch.no_grad():
+        packed(**batch)
     n_layers = len(packed.model.language_model.layers)
     assert calls == {"rope": n_layers, "attn": n_layers + 2}  # + the 2 vision blocks
     assert len(towers) == 1  # images and video frames in one call
@@ -261,17 +249,10 @@ def test_text_only_batch_runs_the_idle_tower(reference):
     packed = enable_packed(copy.deepcopy(reference))
     samples = text_only(make_samples())
     batch = collator(ref)(samples)
-    towers = []
-    hook = packed.model.visual.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
+    with forward_calls(packed.model.visual) as towers:
         out = packed(**batch)
-    finally:
-        hook.remove()
     assert len(towers) == 1
-    want = reference_loss(ref, samples)
-    want.backward()
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    backward_and_compare(out.loss, reference_loss(ref, samples))
     assert assert_grads_match(packed, ref) > 10
     assert packed.model.visual.merger.proj.weight.grad is not None  # in the graph, zero
 
@@ -361,16 +342,10 @@ def test_unpacked_calls_unchanged_and_disable_restores(reference):
 def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
     """Rank 1 gets only text while the vision blocks are FSDP units of their own: the idle image
     keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     ref = Glm4vForConditionalGeneration(tiny_config()).float().eval()
     packed = enable_packed(copy.deepcopy(ref))
-    for block in packed.model.visual.blocks:
-        fully_shard(block)
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    fully_shard_packed(packed, packed.model.visual.blocks)
     samples = make_samples()
     vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
     shares = [vision, text_only(samples)]  # rank 1: text only

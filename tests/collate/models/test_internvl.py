@@ -18,6 +18,7 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_internvl import IMG, SIDE, tiny_config  # noqa: E402
 from tests.helpers.tiny_llava import reference_loss  # noqa: E402
@@ -71,18 +72,10 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     batch = collator(ref)(samples)
     assert batch.position_ids.shape == (1, batch.input_ids.shape[1]) and batch.pixel_values.shape[0] > 3
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**batch).loss, want)
     assert assert_grads_match(packed, ref) > 20
-    towers = []
-    hook = packed.model.vision_tower.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
-        with torch.no_grad():
-            packed(**collator(ref)(text_only(samples)))  # the idle tile
-    finally:
-        hook.remove()
+    with forward_calls(packed.model.vision_tower) as towers, torch.no_grad():
+        packed(**collator(ref)(text_only(samples)))  # the idle tile
     assert len(towers) == 1
 
 
@@ -130,16 +123,10 @@ def test_unpacked_calls_unchanged_and_disable_restores(reference):
 
 
 def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     ref = InternVLForConditionalGeneration(tiny_config()).float().eval()
     packed = enable_packed(copy.deepcopy(ref))
-    for layer in packed.model.vision_tower.encoder.layer:
-        fully_shard(layer)
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    fully_shard_packed(packed, packed.model.vision_tower.encoder.layer)
     samples = make_samples()
     shares = [[s for s in samples if "pixel_values" in s], text_only(samples)]  # rank 1: text only
     packed(**collator(ref)(shares[rank])).loss.backward()

@@ -22,6 +22,7 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_llava import IMG, SIDE, VID, hf_kwargs, reference_loss, tiny_config  # noqa: E402
 
@@ -96,10 +97,7 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     batch = collator(ref)(samples)
     assert batch.position_ids.shape == (1, batch.input_ids.shape[1])  # 1-D RoPE
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**batch).loss, want)
     assert assert_grads_match(packed, ref) > 20
     tower = [n for n, p in packed.named_parameters()
              if n.startswith("model.vision_tower.") and p.grad is not None]
@@ -124,13 +122,8 @@ def test_packed_path_uses_ops_and_one_tower_call(reference, monkeypatch):
 
     monkeypatch.setattr(packed_core, "apply_mrope", rope)
     monkeypatch.setattr(packed_core, "varlen_attention", attn)
-    towers = []
-    hook = packed.model.vision_tower.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
-        with torch.no_grad():
-            packed(**batch)
-    finally:
-        hook.remove()
+    with forward_calls(packed.model.vision_tower) as towers, torch.no_grad():
+        packed(**batch)
     n_layers = len(packed.model.language_model.layers)
     assert calls == {"rope": n_layers, "attn": n_layers} and len(towers) == 1  # images and video together
 
@@ -141,17 +134,10 @@ def test_text_only_batch_runs_the_idle_tower(reference):
     samples = text_only(make_samples(ref))
     batch = collator(ref)(samples)
     assert batch.pixel_values is None
-    towers = []
-    hook = packed.model.vision_tower.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
+    with forward_calls(packed.model.vision_tower) as towers:
         out = packed(**batch)
-    finally:
-        hook.remove()
     assert len(towers) == 1
-    want = reference_loss(ref, samples)
-    want.backward()
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    backward_and_compare(out.loss, reference_loss(ref, samples))
     assert assert_grads_match(packed, ref) > 5
     assert dict(packed.named_parameters())["model.image_newline"].grad is not None  # in the graph, zero
 
@@ -253,17 +239,11 @@ def test_unpacked_calls_unchanged_and_disable_restores(reference):
 def _fsdp2_text_only_rank(rank: int, world_size: int, family: str) -> int:
     """Rank 1 gets only text while the tower's layers are FSDP units of their own: the idle crop
     keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     ref = MODEL_CLASSES[family](tiny_config(family)).float().eval()
     packed = enable_packed(copy.deepcopy(ref))
     tower = packed.model.vision_tower
-    for layer in getattr(tower, "vision_model", tower).encoder.layers:
-        fully_shard(layer)
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    fully_shard_packed(packed, getattr(tower, "vision_model", tower).encoder.layers)
     samples = make_samples(ref)
     vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
     shares = [vision, text_only(samples)]  # rank 1: text only

@@ -14,6 +14,7 @@ from transformers import Qwen2VLForConditionalGeneration  # noqa: E402
 
 import collate.models.core as packed_core  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
+from tests.helpers.reference import backward_and_compare, fully_shard_packed, token_weighted_loss  # noqa: E402
 from tests.helpers.tiny_qwen2_vl import IMG, PATCH_DIM, VEND, VID, VOCAB, VSTART, tiny_config  # noqa: E402
 
 
@@ -118,13 +119,7 @@ def collator_batch(model, samples: list[dict]):
 
 def reference_loss(model, samples: list[dict]) -> torch.Tensor:
     """Token-weighted mean of per-sample HF losses (each sample alone, HF computing positions)."""
-    total, count = 0.0, 0
-    for s in samples:
-        out = model(**hf_unpacked_inputs(s))
-        n = int((s["labels"][1:] != -100).sum())
-        total = total + out.loss * n
-        count += n
-    return total / count
+    return token_weighted_loss(model, samples, hf_unpacked_inputs)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -286,10 +281,7 @@ def test_eager_reference_and_gradient_checkpointing():
     samples = make_samples()
     batch = manual_packed_batch(ref, samples)
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**batch).loss, want)
     _assert_grads_close(_grads(packed), _grads(ref))
 
 
@@ -325,10 +317,7 @@ def test_qwen2_5_vl_packed_matches_per_sample():
     samples = make_samples()
     batch = manual_packed_batch(ref, samples)
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**batch).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**batch).loss, want)
     _assert_grads_close(_grads(packed), _grads(ref))
 
 
@@ -349,14 +338,10 @@ def test_bad_packed_batches_raise(models):
 
 def _fsdp2_packed_rank(rank: int, world_size: int) -> float:
     """One rank: FSDP2-sharded packed model on this rank's samples vs the unsharded per-sample reference."""
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     ref = Qwen2VLForConditionalGeneration(tiny_config()).eval()
     packed = enable_packed(copy.deepcopy(ref))
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    fully_shard_packed(packed)
     samples = make_samples()
     packed(**manual_packed_batch(ref, samples[rank::world_size])).loss.backward()
     # FSDP2 reduce-scatters the mean over ranks of each rank's gradient.
@@ -381,16 +366,10 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> float:
     Without the idle vision pass rank 1 would skip the blocks' all-gathers and the ranks would
     pair the wrong collectives (a hang or garbage); with it, gradients equal the reference.
     """
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     ref = Qwen2VLForConditionalGeneration(tiny_config()).eval()
     packed = enable_packed(copy.deepcopy(ref))
-    for block in packed.model.visual.blocks:
-        fully_shard(block)
-    for layer in packed.model.language_model.layers:
-        fully_shard(layer)
-    fully_shard(packed)
+    fully_shard_packed(packed, packed.model.visual.blocks)
     samples = make_samples()
     shares = [[samples[1], samples[2]], [samples[0], samples[3]]]  # rank 1: text only
     packed(**manual_packed_batch(ref, shares[rank])).loss.backward()

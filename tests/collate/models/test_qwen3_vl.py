@@ -22,6 +22,7 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.reference import backward_and_compare, forward_calls, token_weighted_loss  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_mix import tiny_config as qwen2_config  # noqa: E402
 from tests.helpers.tiny_qwen3_vl import DEEPSTACK, IMG, VEND, VID, VOCAB, VSTART, make_sample, tiny_config  # noqa: E402
@@ -60,12 +61,7 @@ def hf_inputs(sample: dict) -> dict:
 
 def reference_loss(model, samples: list[dict]) -> torch.Tensor:
     """Token-weighted mean of per-sample transformers losses, transformers computing positions."""
-    total, count = 0.0, 0
-    for s in samples:
-        n = int((s["labels"][1:] != -100).sum())
-        total = total + model(**hf_inputs(s)).loss * n
-        count += n
-    return total / count
+    return token_weighted_loss(model, samples, hf_inputs)
 
 
 def collate(model, samples: list[dict]):
@@ -75,10 +71,7 @@ def collate(model, samples: list[dict]):
 def assert_packed_matches(ref, packed, samples: list[dict]) -> None:
     """The collator's packed batch gives ``ref``'s per-sample loss and every gradient."""
     want = reference_loss(ref, samples)
-    want.backward()
-    got = packed(**collate(ref, samples)).loss
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    backward_and_compare(packed(**collate(ref, samples)).loss, want)
     assert assert_grads_match(packed, ref) > 50
 
 
@@ -98,12 +91,9 @@ def test_packed_loss_and_grads_match_per_sample(reference, source):
         batch = hand_made(batch)
 
     want = reference_loss(ref, samples)
-    want.backward()
     out = packed(**batch)
-    out.loss.backward()
-
+    backward_and_compare(out.loss, want)
     assert out.logits.shape == (1, batch["input_ids"].shape[1], VOCAB)
-    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
     assert assert_grads_match(packed, ref) > 50
     grads = {n: p.grad for n, p in ref.named_parameters()}
     # Images, videos and both deepstack maps really are in the graph.
@@ -219,29 +209,19 @@ def test_text_only_batch_runs_the_idle_tower(reference):
     samples = text_only(make_samples())
     batch = collate(ref, samples)
     assert batch.pixel_values is None and batch.pixel_values_videos is None
-    towers = []
-    hook = packed.model.visual.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
+    with forward_calls(packed.model.visual) as towers:
         out = packed(**batch)
-    finally:
-        hook.remove()
     assert len(towers) == 1 and len(towers[0].deepstack_features) == len(DEEPSTACK)
     want = reference_loss(ref, samples)
-    want.backward()
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    backward_and_compare(out.loss, want)
     assert assert_grads_match(packed, ref) > 10  # vision grads: zero here, None in the reference
     vision_grads = [p.grad for n, p in packed.named_parameters() if n.startswith("model.visual.")]
     assert all(g is not None for g in vision_grads)  # every vision parameter was in the graph
 
     quiet = enable_packed(copy.deepcopy(reference), idle_vision=False)
-    hook = quiet.model.visual.register_forward_hook(lambda m, a, out: towers.append(out))
-    try:
-        with torch.no_grad():
-            torch.testing.assert_close(quiet(**batch).loss, want.detach(), rtol=1e-5, atol=0)
-    finally:
-        hook.remove()
-    assert len(towers) == 1
+    with forward_calls(quiet.model.visual) as quiet_towers, torch.no_grad():
+        torch.testing.assert_close(quiet(**batch).loss, want.detach(), rtol=1e-5, atol=0)
+    assert not quiet_towers
 
 
 def test_unpacked_calls_unchanged_and_disable_restores(reference):

@@ -25,6 +25,7 @@ import random
 import numpy as np
 import pytest
 
+from tests.helpers.processors import write_json
 from tests.helpers.sizes import size_grid
 from tokenbal.estimate import get_estimator, image_tokens_checked, load_estimator
 
@@ -405,34 +406,28 @@ def test_batch_equals_scalar_random_all_new_families():
         assert sorted(errors) == [i for i, v in enumerate(scalar) if v < 0]
 
 
-def _write(d, name, obj):
-    import json
-
-    (d / name).write_text(json.dumps(obj))
-
-
 def test_load_estimator_new_families(tmp_path):
     d = tmp_path / "smol"
     d.mkdir()
-    _write(d, "config.json", {"model_type": "smolvlm"})
-    _write(
+    write_json(d, "config.json", {"model_type": "smolvlm"})
+    write_json(
         d,
         "preprocessor_config.json",
         {"size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}},
     )
-    _write(d, "processor_config.json", {"image_seq_len": 81})
+    write_json(d, "processor_config.json", {"image_seq_len": 81})
     est = load_estimator(d)
     assert (est.name, est.longest_edge, est.tile_size, est.image_seq_len) == ("smolvlm", 1536, 384, 81)
 
     d = tmp_path / "glm"
     d.mkdir()
-    _write(d, "config.json", {"model_type": "glm4v"})
-    _write(d, "preprocessor_config.json", {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2})
+    write_json(d, "config.json", {"model_type": "glm4v"})
+    write_json(d, "preprocessor_config.json", {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2})
     est = load_estimator(d)  # keys left out take transformers' class defaults, as AutoProcessor would
     assert (est.name, est.min_pixels, est.max_pixels) == ("glm-4.1v", 12544, 11760000)
 
     d = tmp_path / "phi4"
     d.mkdir()
-    _write(d, "config.json", {"model_type": "phi4_multimodal"})
-    _write(d, "preprocessor_config.json", {"dynamic_hd": 16})
+    write_json(d, "config.json", {"model_type": "phi4_multimodal"})
+    write_json(d, "preprocessor_config.json", {"dynamic_hd": 16})
     assert load_estimator(d).dynamic_hd == 16

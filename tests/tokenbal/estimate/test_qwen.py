@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import pytest
 
+from tests.helpers.processors import write_json
 from tests.helpers.sizes import size_grid
 from tokenbal.estimate import get_estimator, load_estimator
 from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_3d, smart_resize_np
@@ -497,15 +498,9 @@ def test_video_errors(args, match):
 # load_estimator: the same folder read by transformers is the oracle
 
 
-def _write(d, name, obj):
-    import json
-
-    (d / name).write_text(json.dumps(obj))
-
-
 def test_load_estimator_qwen2_hub_folder(tmp_path):
-    _write(tmp_path, "config.json", {"model_type": "qwen2_5_vl"})
-    _write(
+    write_json(tmp_path, "config.json", {"model_type": "qwen2_5_vl"})
+    write_json(
         tmp_path,
         "preprocessor_config.json",
         {
@@ -524,13 +519,13 @@ def test_load_estimator_qwen2_hub_folder(tmp_path):
 
 
 def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
-    _write(tmp_path, "config.json", {"model_type": "qwen3_vl"})
-    _write(
+    write_json(tmp_path, "config.json", {"model_type": "qwen3_vl"})
+    write_json(
         tmp_path,
         "preprocessor_config.json",
         {**HUB_QWEN3, "image_processor_type": "Qwen2VLImageProcessorFast"},
     )
-    _write(
+    write_json(
         tmp_path,
         "video_preprocessor_config.json",
         {**QWEN3_VIDEO_HUB, "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True},
@@ -545,8 +540,8 @@ def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
 
 def test_load_estimator_missing_keys_use_class_defaults(tmp_path):
     # a file without size -> transformers uses its class default (1280 tokens), and so do we
-    _write(tmp_path, "config.json", {"model_type": "qwen2_vl"})
-    _write(tmp_path, "preprocessor_config.json", {"patch_size": 14})
+    write_json(tmp_path, "config.json", {"model_type": "qwen2_vl"})
+    write_json(tmp_path, "preprocessor_config.json", {"patch_size": 14})
     est = load_estimator(tmp_path)
     proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     assert est.max_pixels == 28 * 28 * 1280
@@ -556,10 +551,10 @@ def test_load_estimator_missing_keys_use_class_defaults(tmp_path):
 def test_load_estimator_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         load_estimator(tmp_path)
-    _write(tmp_path, "config.json", {"model_type": "bert"})
+    write_json(tmp_path, "config.json", {"model_type": "bert"})
     with pytest.raises(ValueError, match="model_type 'bert' has no estimator"):
         load_estimator(tmp_path)
-    _write(tmp_path, "config.json", {"model_type": "qwen2_vl"})
+    write_json(tmp_path, "config.json", {"model_type": "qwen2_vl"})
     with pytest.raises(FileNotFoundError, match="neither preprocessor_config.json"):
         load_estimator(tmp_path)
     (tmp_path / "preprocessor_config.json").write_text("{oops")

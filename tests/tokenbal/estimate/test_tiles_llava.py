@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
     GotOcr2ImageProcessorPil,
 )
 
-from tests.helpers.processors import NEXT_PINPOINTS  # noqa: E402
+from tests.helpers.processors import NEXT_PINPOINTS, write_json  # noqa: E402
 
 EDGE = [
     (1, 1),
@@ -199,17 +199,11 @@ def test_llava_errors():
 # load_estimator
 
 
-def _write(d, name, obj):
-    import json
-
-    (d / name).write_text(json.dumps(obj))
-
-
 def test_load_internvl_hf_and_original(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
-    _write(hf, "config.json", {"model_type": "internvl"})
-    _write(
+    write_json(hf, "config.json", {"model_type": "internvl"})
+    write_json(
         hf,
         "preprocessor_config.json",
         {
@@ -219,11 +213,11 @@ def test_load_internvl_hf_and_original(tmp_path):
             "max_patches": 12,
         },
     )
-    _write(hf, "processor_config.json", {"image_seq_length": 256, "processor_class": "InternVLProcessor"})
+    write_json(hf, "processor_config.json", {"image_seq_length": 256, "processor_class": "InternVLProcessor"})
     assert load_estimator(hf) == get_estimator("internvl")
     orig = tmp_path / "orig"
     orig.mkdir()
-    _write(
+    write_json(
         orig,
         "config.json",
         {
@@ -239,7 +233,7 @@ def test_load_internvl_hf_and_original(tmp_path):
 
 
 def test_load_llava(tmp_path):
-    _write(
+    write_json(
         tmp_path,
         "config.json",
         {
@@ -248,7 +242,7 @@ def test_load_llava(tmp_path):
             "vision_config": {"patch_size": 14},
         },
     )
-    _write(
+    write_json(
         tmp_path,
         "preprocessor_config.json",
         {"image_grid_pinpoints": NEXT_PINPOINTS, "crop_size": {"height": 336, "width": 336}},
