@@ -35,7 +35,8 @@ class GlobalTokenCount:
 
     Under tensor / sequence parallelism the ranks of one TP/SP group hold the same packed batch,
     so the count is summed over the *data-parallel* ranks only: pass ``group=`` (the DP process
-    group) or ``device_mesh=`` (its DP dimension, see :mod:`tokenbal.parallel`). ``world`` is the
+    group), ``device_mesh=`` (its DP dimension, see :mod:`tokenbal.parallel`) or ``layout=`` (a
+    :class:`tokenbal.parallel.ParallelLayout` with its groups). ``world`` is the
     factor :func:`global_token_mean` multiplies by to undo the gradient average: the size of that
     group by default; pass ``grad_world_size=`` when the gradients are averaged over more ranks
     (FSDP over a flattened dp x sp mesh, each SP rank's ``loss_sum`` covering only its slice).
@@ -48,10 +49,12 @@ class GlobalTokenCount:
     @classmethod
     def start(cls, num_loss_tokens: int, device: torch.device | str = "cpu",
               group: dist.ProcessGroup | None = None, *, device_mesh: object = None,
-              grad_world_size: int | None = None) -> GlobalTokenCount:
+              grad_world_size: int | None = None, layout: object = None) -> GlobalTokenCount:
         tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device)
         if not (dist.is_available() and dist.is_initialized()):
             return cls(tensor, None, 1 if grad_world_size is None else int(grad_world_size))
+        if layout is not None:
+            group = _layout_group(layout, group, device_mesh)
         if device_mesh is not None:
             from tokenbal.parallel import dp_group_of
 
@@ -66,10 +69,21 @@ class GlobalTokenCount:
         return self.tensor
 
 
+def _layout_group(layout: object, group: object, device_mesh: object) -> dist.ProcessGroup | None:
+    """The data-parallel group of a :class:`tokenbal.parallel.ParallelLayout` (None: the world, right
+    only without sequence parallelism)."""
+    if group is not None or device_mesh is not None:
+        raise ValueError("give layout= or group= / device_mesh=, not both")
+    if layout.dp_group is None and layout.sp_size > 1:
+        raise ValueError(f"layout has SP groups of {layout.sp_size} but no process groups (it was made "
+                         "from numbers): build it with ParallelLayout.init(...) or .from_mesh(mesh)")
+    return layout.dp_group
+
+
 def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int | GlobalTokenCount,
                       group: dist.ProcessGroup | None = None, grads_are_averaged: bool = True, *,
-                      device_mesh: object = None, grad_world_size: int | None = None
-                      ) -> torch.Tensor:
+                      device_mesh: object = None, grad_world_size: int | None = None,
+                      layout: object = None) -> torch.Tensor:
     """``loss_sum / (loss tokens over all ranks)``, ready for ``.backward()`` under FSDP/DDP.
 
     ``loss_sum`` is this rank's summed token loss (``out.loss * batch.num_loss_tokens`` for a
@@ -78,11 +92,12 @@ def global_token_mean(loss_sum: torch.Tensor, num_loss_tokens: int | GlobalToken
     ``loss_sum``'s device, so no value is read back to the host; pass a
     :class:`GlobalTokenCount` started before the forward to keep that all-reduce off the step's
     critical path. Without an initialised process group this is the single-process token mean.
-    ``group`` / ``device_mesh`` / ``grad_world_size``: the data-parallel dimension under TP/SP, as in
-    :class:`GlobalTokenCount`.
+    ``group`` / ``device_mesh`` / ``layout`` (a :class:`tokenbal.parallel.ParallelLayout`) /
+    ``grad_world_size``: the data-parallel dimension under TP/SP, as in :class:`GlobalTokenCount`.
     """
     if not isinstance(num_loss_tokens, GlobalTokenCount):
         num_loss_tokens = GlobalTokenCount.start(num_loss_tokens, loss_sum.device, group,
-                                                 device_mesh=device_mesh, grad_world_size=grad_world_size)
+                                                 device_mesh=device_mesh, grad_world_size=grad_world_size,
+                                                 layout=layout)
     world = num_loss_tokens.world if grads_are_averaged else 1
     return loss_sum * world / num_loss_tokens.wait().clamp_min(1.0)

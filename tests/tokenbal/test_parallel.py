@@ -72,7 +72,16 @@ def _mesh_rank(rank: int, world: int) -> dict:
                             dist.get_process_group_ranks(built.sp_group))
     by_layout = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=1,
                                           num_replicas=layout.dp_size, rank=layout.dp_rank)
-    out["by_layout"] = list(by_layout) == out["mesh"]
+    handed = TokenBalancedBatchSampler(lengths, global_batch_size=8, seed=1, layout=layout)
+    out["by_layout"] = list(by_layout) == out["mesh"] == list(handed)
+    # the loss takes the same layout: its count is over the DP ranks; a layout of numbers alone has
+    # no groups to reduce over under SP, and says so
+    out["count_layout"] = float(GlobalTokenCount.start(mine, layout=layout).wait())
+    try:
+        GlobalTokenCount.start(mine, layout=plain)
+        out["plain_error"] = ""
+    except ValueError as e:
+        out["plain_error"] = str(e)
     out["resolve_layout"] = resolve_dp(layout=layout)
     dist.barrier()
     return out
@@ -111,6 +120,7 @@ def test_dp_sp_mesh_four_ranks():
         assert r["layouts"] == [(2, dp, 2, sp)] * 3
         assert r["layout_groups"] == ([2 * dp, 2 * dp + 1], [sp, sp + 2], [2 * dp, 2 * dp + 1])
         assert r["by_layout"] and r["resolve_layout"] == (2, dp)
+        assert r["count_layout"] == dp_total and "no process groups" in r["plain_error"]
     assert sorted(r["hsdp"][1] for r in res) == [0, 1, 2, 3]
 
 

@@ -86,8 +86,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     ``.lengths`` attribute (e.g. :class:`tokenbal.TokenIndex`). ``num_replicas`` / ``rank``
     default to ``torch.distributed``'s world size / rank, or to ``1`` / ``0`` (one process) when no
     process group is initialised; under tensor / sequence parallelism pass
-    ``dp_group=`` (a ProcessGroup) or ``device_mesh=`` (see :mod:`tokenbal.parallel` for which mesh
-    dimension is used) so that the ranks of one SP/TP group get the same batches. Exactly one of
+    ``dp_group=`` (a ProcessGroup), ``device_mesh=`` (see :mod:`tokenbal.parallel` for which mesh
+    dimension is used) or ``layout=`` (a :class:`tokenbal.parallel.ParallelLayout`) so that the ranks
+    of one SP/TP group get the same batches. Exactly one of
     ``global_batch_size`` (samples per step over all ranks, >= num_replicas) and
     ``max_tokens_per_rank``.
 
@@ -110,18 +111,18 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
                  oversize: str = "error", verify: bool | None = None, stages: Any = None,
                  elastic: bool = False, dp_group: Any = None, device_mesh: Any = None,
-                 settings: PlanSettings | None = None) -> None:
+                 settings: PlanSettings | None = None, layout: Any = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
         self.resolved: Resolved = resolve(lengths_or_index, cost, stages)
         if settings is not None and num_replicas is None:
             num_replicas = settings.num_replicas
-        if dp_group is not None or device_mesh is not None:
+        if dp_group is not None or device_mesh is not None or layout is not None:
             # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
             from tokenbal.parallel import resolve_dp
 
-            num_replicas, rank = resolve_dp(num_replicas, rank, dp_group, device_mesh)
+            num_replicas, rank = resolve_dp(num_replicas, rank, dp_group, device_mesh, layout)
         num_replicas, self.rank = _resolve_world(num_replicas, rank)
         # Fail fast on bad settings (N < R, a sample over the budget, ...) without planning yet.
         self.settings: PlanSettings = plan_settings(
