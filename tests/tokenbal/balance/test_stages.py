@@ -352,3 +352,11 @@ def test_many_ranks_need_the_leveling_rounds():
     both = excess(*swap_stages_across_steps(c, group, bins, window, 64))
     assert excess(group, bins) > 0.45 and exact_only > 0.3      # measured: 0.50, 0.35
     assert both < 0.5 * exact_only                              # measured: 0.14
+
+
+def test_stage_plan_of_fewer_samples_than_one_step_with_drop_last_is_empty():
+    # drop_last with fewer samples than global_batch_size plans no step; stage mode crashed there
+    # (found by the property test above) instead of returning the empty plan the plain mode gives.
+    c = np.array([[3, 4], [5, 6], [1, 1]])
+    plan = plan_epoch(c.sum(1), 2, global_batch_size=4, drop_last=True, stages=c)
+    assert plan.num_steps == 0 and plan.dropped.tolist() == [0, 1, 2]
