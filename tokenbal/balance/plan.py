@@ -129,6 +129,12 @@ _GROUPED_JITTER = 0.3
 _FILL_WORK = 1 << 26
 # Count mode: the grouped fill's heaviest steps refilled by the window fill (_refill_heaviest).
 _REFILL_STEPS = 16
+# Count mode: jitter of the sizes the window-fill candidate sorts (0: exact sizes). Its short-epoch
+# windows hold the same samples every epoch, so exact sizes rebuild nearly the same steps: at (512,
+# 1024) with 200 steps, 0.69 of the step-mate pairs meet again next epoch (v7 the same); ×1.03 brings
+# that to 0.10 and ×1.1 to 0.07, at a median epoch figure of 1.021 / 1.026 instead of 1.015 (6 draws,
+# docs/bench/balance.md). Balance first, as PLAN_VERSION 7.
+_FILL_JITTER = 0.0
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1
 
@@ -441,8 +447,12 @@ def _plan_count_window(lens: np.ndarray, items: np.ndarray, W: int, R: int, rng:
 
     x = lens[items]
     m = len(items)
+    fill_key = None
     if rng is not None:
-        order = descending_order(x * (1.0 + _GROUPED_JITTER * rng.random(m)))
+        u = rng.random(m)
+        order = descending_order(x * (1.0 + _GROUPED_JITTER * u))
+        if _FILL_JITTER > 0:
+            fill_key = np.rint(x * (1.0 + _FILL_JITTER * u)).astype(np.int64)
     else:
         order = _argsort_keys(int(x.max(initial=0)) - x, items)
     k = m - tail
@@ -455,7 +465,8 @@ def _plan_count_window(lens: np.ndarray, items: np.ndarray, W: int, R: int, rng:
     step[k:] += W
     if W > 1:
         _refill_heaviest(lens, items[:k], x[:k], step[:k], rank[:k], place[:k], W, R, rng is not None)
-    found = _window_fill_candidate(lens, items, order, main_in_perm, W, R, rng is not None)
+    found = _window_fill_candidate(lens, items, order, main_in_perm, W, R, rng is not None,
+                                   None if fill_key is None else fill_key[main_in_perm])
     if found is not None:
         cost = [np.bincount(a * R + b, weights=x[:k], minlength=W * R).reshape(W, R).max(1).sum()
                 for a, b in ((step[:k], rank[:k]), found)]
@@ -512,7 +523,8 @@ def _refill_heaviest(lens: np.ndarray, items: np.ndarray, x: np.ndarray, step: n
 
 
 def _window_fill_candidate(lens: np.ndarray, items: np.ndarray, order: np.ndarray, main_in_perm: np.ndarray,
-                           W: int, R: int, shuffled: bool) -> tuple[np.ndarray, np.ndarray] | None:
+                           W: int, R: int, shuffled: bool, order_key: np.ndarray | None = None
+                           ) -> tuple[np.ndarray, np.ndarray] | None:
     """The window fill's split of a window's first ``k`` (descending) items as (step, rank) in that
     order, over sub-windows of :func:`default_window` steps cut from the permutation (PLAN_VERSION 7's
     plan of the same samples); None where that would cost more than ``_FILL_WORK`` (items per round
@@ -531,7 +543,8 @@ def _window_fill_candidate(lens: np.ndarray, items: np.ndarray, order: np.ndarra
     position = np.empty(len(order), np.int64)
     position[order] = np.arange(len(order))             # permutation position -> descending position
     win = np.repeat(step_win, cap)
-    _, step_w, rank_w, _ = _fill(lens, items[position[main_in_perm]], win, caps, R, None, False, shuffled)
+    _, step_w, rank_w, _ = _fill(lens, items[position[main_in_perm]], win, caps, R, None, False, shuffled,
+                                 order_key)
     step, rank = np.empty(k, np.int64), np.empty(k, np.int64)
     step[position[main_in_perm]] = win * sub + step_w
     rank[position[main_in_perm]] = rank_w
@@ -650,10 +663,11 @@ def _count_steps(n: int, N: int, R: int, drop_last: bool) -> tuple[np.ndarray, i
 
 
 def _sorted_windows(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, G: int,
-                    shuffled: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Lay the windows' items out as rows sorted by length desc, then (``shuffled``) by position in
-    the permutation, else by dataset index."""
-    key = lens[perm]
+                    shuffled: bool = False, order_key: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Lay the windows' items out as rows sorted by length desc (or by ``order_key``, int >= 0 per
+    item of ``perm``), then (``shuffled``) by position in the permutation, else by dataset index."""
+    key = lens[perm] if order_key is None else order_key
 
     # Equal lengths in permutation order: the fill is a function of the costs alone, so breaking
     # ties by dataset index would give equal-length samples the same places every epoch.
@@ -699,15 +713,15 @@ def _scaled(lens_sorted: np.ndarray, M: int) -> tuple[np.ndarray, int]:
 
 
 def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np.ndarray, R: int,
-          capacity: int | None, force_nonempty: bool, shuffled: bool = False
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+          capacity: int | None, force_nonempty: bool, shuffled: bool = False,
+          order_key: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Run the window fill; returns (steps per window, step-in-window, rank, failed windows).
 
     Steps left without any sample (possible only in token mode) are squeezed out, so the steps
     of window g are always numbered 0 .. steps[g] - 1.
     """
     G = cap2d.shape[0]
-    order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G, shuffled)
+    order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G, shuffled, order_key)
     x, C = _scaled(lens[perm[order]], M)
     costs = np.zeros((G, M), np.int64)
     costs[w_sorted, pos] = x
