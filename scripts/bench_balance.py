@@ -669,6 +669,9 @@ def main() -> None:
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
                     "PLAN_VERSION 7 in the same run")
+    ap.add_argument("--fill-jitter", type=float, default=0.0,
+                    help="--token-mixtures: jitter of the sizes the window-fill candidate sorts "
+                    "(plan._FILL_JITTER; 0 = the default plan)")
     ap.add_argument("--mixture-cost", default="square", choices=("square", "flops"))
     ap.add_argument("--mixture-points", default="", help="R values to run (default all), e.g. 8,64")
     ap.add_argument("--repeat-draws", type=int, default=3, help="draws whose next epoch is planned too")
@@ -688,6 +691,7 @@ def main() -> None:
         bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws)
         return
     if args.token_mixtures:
+        tokenbal.balance.plan._FILL_JITTER = args.fill_jitter
         keep = {int(x) for x in args.mixture_points.split(",") if x}
         print(environment_line())
         bench_token_mixtures(args.token_mixtures, tuple(p for p in TOKEN_POINTS if not keep or p[0] in keep),

@@ -132,8 +132,8 @@ _REFILL_STEPS = 16
 # Count mode: jitter of the sizes the window-fill candidate sorts (0: exact sizes). Its short-epoch
 # windows hold the same samples every epoch, so exact sizes rebuild nearly the same steps: at (512,
 # 1024) with 200 steps, 0.69 of the step-mate pairs meet again next epoch (v7 the same); ×1.03 brings
-# that to 0.10 and ×1.1 to 0.07, at a median epoch figure of 1.021 / 1.026 instead of 1.015 (6 draws,
-# docs/bench/balance.md). Balance first, as PLAN_VERSION 7.
+# that to 0.10 at a median epoch figure of 1.021 instead of 1.015 (6 draws, scripts/bench_balance.py
+# --token-mixtures --fill-jitter, docs/bench/balance.md). Balance first, as PLAN_VERSION 7.
 _FILL_JITTER = 0.0
 # Count mode: equal costs in permutation order (0: in dataset index order, as PLAN_VERSION 5).
 _TIE_BY_POS = 1

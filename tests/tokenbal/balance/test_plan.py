@@ -412,3 +412,16 @@ def test_simulate_sp_size_balances_data_parallel_groups(index_dir, capsys):
     assert main(["plan", "simulate", "--index", index_dir, "--world-size", "8", "--sp-size", "3",
                  "--global-batch-size", "8"]) == 2
     assert "error: --sp-size 3 must divide --world-size 8" in capsys.readouterr().err
+
+
+def test_jittered_window_fill_candidate_keeps_the_contract(monkeypatch):
+    # _FILL_JITTER (off by default) sorts the window-fill candidate by jittered sizes: the plan must
+    # still hold every sample once in equal steps, and change from epoch to epoch.
+    import tokenbal.balance.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_FILL_JITTER", 0.1)
+    lengths = mixture_lengths(4000)
+    a, b = (plan_epoch(lengths, 8, global_batch_size=32, seed=3, epoch=e) for e in (0, 1))
+    for p in (a, b):
+        assert np.array_equal(np.sort(p.indices), np.arange(4000)) and (p.counts().sum(1) == 32).all()
+    assert not np.array_equal(a.indices, b.indices)
