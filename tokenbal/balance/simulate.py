@@ -4,6 +4,7 @@ per-step partitioning (verl's Karmarkar–Karp, LPT), on the same samples (``tok
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,8 @@ from tokenbal._checks import nonneg_int as _nonneg_int
 from tokenbal._checks import positive_int as _positive_int
 from tokenbal.balance.cost import resolve
 from tokenbal.balance.partition import partition
-from tokenbal.balance.plan import EpochPlan, check_settings, plan_epoch
+from tokenbal.balance.plan import EpochPlan, plan_epoch
+from tokenbal.balance.settings import PlanSettings
 
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
@@ -200,7 +202,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
     R, N = _positive_int("world_size", world_size), _positive_int("global_batch_size", global_batch_size)
     k = _positive_int("grad_accum", grad_accum)
-    check_settings(c, R, N, None, grad_accum=k)
+    settings = PlanSettings(num_replicas=R, global_batch_size=N, grad_accum=k)   # checked once
     seed = _nonneg_int("seed", seed)
     if baseline_steps is not None:
         baseline_steps = _nonneg_int("baseline_steps", baseline_steps)
@@ -216,7 +218,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
                                          equal_counts=equal)
         ratios[f"per-step {method.upper()}" + (" (equal counts, verl)" if equal else "")] = step_balance(t)
     t0 = time.perf_counter()
-    plan = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k)
+    plan = plan_epoch(dataclasses.replace(resolved, stages=None), settings=settings, seed=seed)
     dt = time.perf_counter() - t0
     ratios["tokenbal"] = step_balance(plan.step_rank_tokens(c))
     if k > 1:
@@ -230,7 +232,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
         stage_ratios["DistributedSampler"] = step_stage_balance(sharded)
         stage_ratios["tokenbal"] = step_stage_balance(plan_stage_costs(plan, sc))
         t0 = time.perf_counter()
-        staged = plan_epoch(c, R, global_batch_size=N, seed=seed, grad_accum=k, stages=sc)
+        staged = plan_epoch(resolved, settings=settings, seed=seed)
         stage_dt = time.perf_counter() - t0
         stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
     notes = step_count_notes(len(c), R, N, plan.counts().sum(1), baseline_steps)
