@@ -702,13 +702,21 @@ def _argsort_keys(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(packed)
 
 
-def _scaled(lens_sorted: np.ndarray, M: int) -> tuple[np.ndarray, int]:
+def _scaled(lens_sorted: np.ndarray, M: int, exact: bool = True) -> tuple[np.ndarray, int]:
     # Cost' = tokens * C + 1 with C > items per window: loads then compare by (tokens, item count),
     # every item costs >= 1 (so an empty rank is always the least loaded), and a token budget B
     # maps exactly to load' <= B * C + C - 1.
     C = M + 1
-    if lens_sorted.size and int(lens_sorted.max()) * max(M, 1) >= (np.iinfo(np.int64).max >> 2) // C:
-        raise ValueError("lengths too large to plan exactly in int64 (tokens × window size overflow)")
+    limit = (np.iinfo(np.int64).max >> 2) // C
+    top = int(lens_sorted.max()) if lens_sorted.size else 0
+    if top * max(M, 1) >= limit:
+        if exact:
+            raise ValueError("lengths too large to plan exactly in int64 (tokens × window size overflow)")
+        # Costs this large (tokens² stage costs, FLOPs, over a window of 100k+ items) do not fit
+        # the key: without a budget to hold exactly, balance them in units of `unit`, rounded up so
+        # no cost becomes 0; the error per item is below unit / top < (M + 1)² / 2**61 of the largest.
+        unit = top * max(M, 1) // limit + 1
+        lens_sorted = -(-lens_sorted // unit)
     return lens_sorted * C + 1, C
 
 
@@ -722,7 +730,7 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     """
     G = cap2d.shape[0]
     order, w_sorted, pos, M = _sorted_windows(lens, perm, win_of_item, G, shuffled, order_key)
-    x, C = _scaled(lens[perm[order]], M)
+    x, C = _scaled(lens[perm[order]], M, exact=capacity is not None)
     costs = np.zeros((G, M), np.int64)
     costs[w_sorted, pos] = x
     # A bin never holds more than its whole window, so clamping the budget there changes nothing

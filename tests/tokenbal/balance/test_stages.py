@@ -360,3 +360,19 @@ def test_stage_plan_of_fewer_samples_than_one_step_with_drop_last_is_empty():
     c = np.array([[3, 4], [5, 6], [1, 1]])
     plan = plan_epoch(c.sum(1), 2, global_batch_size=4, drop_last=True, stages=c)
     assert plan.num_steps == 0 and plan.dropped.tolist() == [0, 1, 2]
+
+
+def test_stage_plan_of_costs_past_the_exact_key_balances_them_in_coarser_units():
+    # tokens² stage costs over a large window overflowed the fill's exact int64 key ("lengths too
+    # large to plan exactly", seen on a 1M-sample draw at 512 ranks); without a token budget they are
+    # now balanced in coarser units, as well as the same costs divided down.
+    from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
+    from tokenbal.balance.simulate import epoch_stage_figure
+
+    c = stage_costs(draw_samples(random_mixture(0), 20 * 128, 0))
+    big = c * 10**5
+    assert int(big.max()) * len(c) ** 2 > 2**61                     # past the exact key
+    plan = plan_epoch(big.sum(1), 64, global_batch_size=128, seed=0, stages=big)
+    assert np.array_equal(np.sort(plan.indices), np.arange(len(c)))
+    small = plan_epoch(c.sum(1), 64, global_batch_size=128, seed=0, stages=c)
+    assert epoch_stage_figure(plan, big) <= epoch_stage_figure(small, c) * 1.01
