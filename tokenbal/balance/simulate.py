@@ -169,8 +169,10 @@ def step_count_notes(num_samples: int, world_size: int, global_batch_size: int, 
         notes.append(f"n/a: {n} samples do not fill one step of {N if kk_steps == 0 else per_rank * R} "
                      "samples, and the baselines drop an incomplete step")
     kk_dropped = n - kk_steps * N
-    if ds_dropped or kk_dropped or len(sizes) not in (ds_steps, kk_steps):
+    if ds_dropped or kk_dropped or len({ds_steps, kk_steps, len(sizes)}) > 1:
         why = []
+        if N % R and ds_steps != kk_steps:
+            why.append(f"DistributedSampler has {ds_steps} step(s) of {per_rank * R} samples")
         if ds_dropped:
             why.append(f"DistributedSampler drops the last {ds_dropped} of {n} samples (drop_last)")
         if kk_dropped:
