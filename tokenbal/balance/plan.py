@@ -18,7 +18,12 @@ How a plan is made
    few linear-time sorts, so 1M samples on 512 ranks plan in ~0.5 s as one window, and 100M on
    4,096 ranks in ~1 min, window by window, written straight into the plan). Sizes are jittered
    before the sort when shuffling. Where it is cheap (short epochs) the window fill below runs
-   too and the better split is kept. *With stages, or a token budget*:
+   too and the better split is kept. *With stages* (count mode, ``grad_accum=1``, PLAN_VERSION 9):
+   the same windows, split by :func:`tokenbal.balance.partition.grouped.grouped_stage_fill` (the
+   rounds on the summed cost, then the bins cut into steps along the order with the lowest
+   ``Σ_stage max_rank``), and the heaviest steps (up to ``_STAGE_REFILL_ITEMS`` samples) composed
+   again by version 7's stage composition, kept where faster (``_plan_stage_window``); a short epoch
+   is also planned whole by version 7 and the faster plan kept. *With a token budget*:
    :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that
    hold a big sample with the next big ones, otherwise least-loaded rank) over windows of
    :func:`default_window` steps. Balancing a whole window is what makes heavy-tailed data
@@ -78,7 +83,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 8
+PLAN_VERSION = 9
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -122,6 +127,15 @@ _COMPOSE_WITH_FILL = 1
 # 1.0407 / 1.0238 / 1.0309 / 1.0238 in 5.9 s, 32: 1.0368 / 1.0197 / 1.0187 / 1.0187 in 7.1 s,
 # 48: 1.0358 / 1.0179 / 1.0168 / 1.0137 in 8.5 s, 96: 1.0275 / 1.0166 / 1.0102 / 1.0069 in 12.9 s.
 _COMPOSE_LEVEL_ROUNDS = 32
+# Stage mode (PLAN_VERSION 9): windows of up to _GROUPED_ITEMS samples split by the grouped stage fill
+# (_plan_stage_window); the heaviest steps, up to _STAGE_REFILL_ITEMS samples, planned again by
+# version 7's composition (_compose_fill) and kept where that is faster. 0: version 7's plan.
+_STAGE_GROUPED = 1
+_STAGE_REFILL_ITEMS = 1 << 17
+_STAGE_REFILL_FRACTIONS = (1, 2, 4)
+_STAGE_WHOLE_ITEMS = 1 << 18
+# Stage mode: sizes are multiplied by up to 1 + this at random before the grouped stage fill sorts them.
+_STAGE_GROUPED_JITTER = 0.0
 # Count mode (no stages): items per window of the grouped fill (_plan_counts); the jitter of the sizes it
 # sorts; the window fill is run beside it where ceil(items / batch) × bins is at most _FILL_WORK.
 _GROUPED_ITEMS = 1 << 22
@@ -273,7 +287,10 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
     FSDP: the vision tower, then the language model): ``True`` splits a FLOPs ``cost`` into vision
     and language, or an (n, K) array (:func:`tokenbal.balance.cost.resolve_stage_costs`). The steps are
     planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) which samples share
-    a step is chosen by their stage-cost vectors (``_compose_fill``): per window, several sorted orders
+    a step is chosen by their stage-cost vectors: windows of up to 4M samples are split by the grouped
+    stage fill, and their heaviest steps by version 7's composition (``_plan_stage_windows``; a short
+    epoch also wholly by version 7, the faster kept). Version 7 (``_compose_fill``): per window,
+    several sorted orders
     (by total, by dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the
     one with the lowest floor is kept (:func:`tokenbal.balance.partition.compose.compose_steps`), each
     step split largest first over its ranks; version 6's profile fill (samples ordered by stage share,
@@ -335,7 +352,10 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
         win_of_item = np.repeat(step_win, caps)
         if stages is None or not len(caps):              # (no steps: drop_last with n < N)
             return _plan_counts(lens, perm, caps, R, R_user, k, window, rng if shuffle else None, dropped)
-        if profile and _STAGE_COMPOSE:
+        if profile and _STAGE_COMPOSE and _STAGE_GROUPED:
+            perm, win_of_item, steps_in_win, step_w, rank_w = _plan_stage_windows(
+                lens, stages, perm, caps, R, window, rng if shuffle else None)
+        elif profile and _STAGE_COMPOSE:
             perm, steps_in_win, step_w, rank_w = _compose_fill(lens, stages, perm, win_of_item, cap2d, R,
                                                                rng if shuffle else None)
         elif profile:
@@ -365,7 +385,7 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
     key[~exists] = np.inf
     if caps is not None and len(caps) and caps[-1] != N:
         # The one step whose size differs from N (the tail) stays the last step of the epoch.
-        key[-1, (len(caps) - 1) % Wmax] = np.finfo(np.float64).max
+        key[-1, steps_in_win[-1] - 1] = np.finfo(np.float64).max
     order = np.argsort(key, axis=1, kind="stable")
     new_pos = np.empty_like(order)
     np.put_along_axis(new_pos, order, np.arange(Wmax)[None, :].repeat(G, 0), axis=1)
@@ -757,9 +777,9 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
 
 
 def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
-                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None
+                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None, with_fill: bool = True
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage mode's fill: which samples share a step, chosen by their stage-cost vectors; per window
+    """Version 7's stage fill: which samples share a step, chosen by their stage-cost vectors; per window
     the better of two ways, judged by the stage time after both are refined here (cross-step
     leveling and swaps, then in-step moves; the caller skips its own refinement):
 
@@ -781,7 +801,7 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     one = win_of_item * W + step_a                      # every step its own window of one step
     _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
     candidates = [(perm_a, step_a, rank_a)]
-    if _COMPOSE_WITH_FILL:
+    if _COMPOSE_WITH_FILL and with_fill:
         perm_b, _, step_b, rank_b = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
                                                   min(_STAGE_GROUP, W), rng)
         candidates.append((perm_b, step_b, rank_b))
@@ -802,6 +822,109 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
         best = [np.where(b, p, best[0]), np.where(b, st, best[1]), np.where(b, rk, best[2]),
                 np.minimum(t, best[3])]
     return best[0], (cap2d > 0).sum(1), best[1], best[2]
+
+
+def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, caps: np.ndarray, R: int,
+                        window: int | None, rng: np.random.Generator | None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage mode's fill (PLAN_VERSION 9): the full steps in windows of up to ``_GROUPED_ITEMS`` samples
+    (or ``window`` steps), each split by :func:`_plan_stage_window`; a tail step of another size is a
+    window of its own, planned by :func:`_compose_fill`. Returns (perm reordered, window of every item,
+    steps per window, step in the window, rank), aligned with the returned perm."""
+    S, N = len(caps), int(caps[0])
+    tail = int(caps[-1]) if S > 1 and caps[-1] != N else 0
+    full = S - (tail > 0)
+    W = min(window or max(1, _GROUPED_ITEMS // max(N, 1)), max(full, 1))
+    if window is None and full:
+        W = -(-full // -(-full // W))                    # equal windows
+    short = len(perm) <= _STAGE_WHOLE_ITEMS
+    parts = []
+    for s0 in range(0, full, W):
+        s1 = min(s0 + W, full)
+        parts.append(_plan_stage_window(lens, stages, perm[s0 * N:s1 * N], s1 - s0, R, rng, short))
+    if tail or not full:
+        items = perm[full * N:]
+        one = np.zeros(len(items), np.int64)
+        p, _, st, rk = _compose_fill(lens, stages, items, one, np.full((1, 1), len(items), np.int64), R, rng)
+        parts.append((p, st, rk))
+    win = np.concatenate([np.full(len(p), g, np.int64) for g, (p, _, _) in enumerate(parts)])
+    steps_in_win = np.array([int(st.max()) + 1 for _, st, _ in parts], np.int64)
+    grouped = (np.concatenate([p for p, _, _ in parts]), win, steps_in_win,
+               np.concatenate([st for _, st, _ in parts]), np.concatenate([rk for _, _, rk in parts]))
+    if not short:
+        return grouped
+    # A short epoch is also planned whole by version 7's composition (with its tail step, which then
+    # trades samples with the others); the faster of the two plans is kept.
+    zero = np.zeros(len(perm), np.int64)
+    p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng)
+    whole = (p, zero, np.array([S], np.int64), st, rk)
+    return whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
+
+
+def _plan_time(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
+               step_w: np.ndarray, rank: np.ndarray, R: int) -> float:
+    """``Σ_steps Σ_stages max_rank`` of a fill's (perm, window, steps per window, step, rank)."""
+    first = np.concatenate([[0], np.cumsum(steps_in_win)])
+    S = int(first[-1])
+    loads = _stage_loads(stages[perm], (first[win] + step_w) * R + rank, S * R)
+    return float(loads.reshape(S, R, -1).max(1).sum())
+
+
+def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, W: int, R: int,
+                       rng: np.random.Generator | None, short: bool = False
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One window of ``W`` equal steps of stage mode: ``(items reordered, step in the window, rank)``.
+
+    :func:`tokenbal.balance.partition.grouped.grouped_stage_fill` splits the window in a few sorts: its
+    bins (rounds of the largest items into the least loaded rank-steps) level the window's bulk, where
+    every step holds samples of every size. Steps that hold the window's few giant samples need more:
+    their other ranks must be as busy as the giant's in every stage, which takes several big samples
+    per rank, and the rounds give each rank-step one. So the heaviest steps (by ``Σ_stage max_rank``,
+    up to ``_STAGE_REFILL_ITEMS`` samples; the whole window when it is that small) are planned again
+    by version 7's composition (:func:`_compose_fill`: sorted orders cut into steps, the profile fill,
+    then swaps between and inside the steps), which is kept where it is faster."""
+    from tokenbal.balance.partition.grouped import descending_order, grouped_stage_fill
+
+    c = stages[items]
+    tot = c.sum(1)
+    if rng is not None and _STAGE_GROUPED_JITTER > 0:
+        order = descending_order(tot * (1.0 + _STAGE_GROUPED_JITTER * rng.random(len(items))))
+    else:
+        order = descending_order(tot)
+    step = np.empty(len(items), np.int64)
+    rank = np.empty(len(items), np.int64)
+    step[order], rank[order], _ = grouped_stage_fill(c[order], W, R)
+    N = len(items) // W
+    loads = _stage_loads(c, step * R + rank, W * R).reshape(W, R, -1).max(1).sum(1)
+    by_load = np.argsort(-loads, kind="stable")
+    hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
+    best = (0.0, None)
+    # Short epochs (whose whole plan the caller also makes): several sizes, composed as version 7 does
+    # (with its profile-fill candidate); long ones: the heaviest steps once, by sorted orders only
+    # (half the cost).
+    sizes = {max(1, hmax // d) for d in (_STAGE_REFILL_FRACTIONS if short else (1,))}
+    for h in sorted(sizes, reverse=True):
+        top = by_load[:h]
+        new_id = np.full(W, -1, np.int64)
+        new_id[top] = np.arange(h)
+        sel = np.flatnonzero(new_id[step] >= 0)             # in permutation order
+        p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
+                                     np.full((1, h), N, np.int64), R, rng, with_fill=short)
+        gain = loads[top].sum() - _stage_loads(stages[p], st * R + rk, h * R).reshape(h, R, -1).max(1).sum()
+        if gain > best[0]:
+            best = (gain, (new_id, p, top[st], rk))
+    if best[1] is not None:
+        new_id, p, st, rk = best[1]
+        keep = np.flatnonzero(new_id[step] < 0)
+        items = np.concatenate([items[keep], p])
+        step = np.concatenate([step[keep], st])
+        rank = np.concatenate([rank[keep], rk])
+    return items, step, rank
+
+
+def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
+    """(slots, K) float64 stage loads of items ``c`` (n, K) at ``slot``."""
+    return np.stack([np.bincount(slot, weights=c[:, k], minlength=slots) for k in range(c.shape[1])], 1)
 
 
 def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
