@@ -391,6 +391,7 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
 
 V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as merged for issue 24)
 V7_COMMIT = "8e630dd"           # main with PLAN_VERSION 7 (issue 32, part 1: stage composition)
+V8_COMMIT = "54ee978"           # main with PLAN_VERSION 8 (issue 32, part 2: tokens mode; stage plans as v7)
 TOKEN_POINTS = ((8, 16, 4000), (64, 128, 1000), (512, 1024, 200), (512, 1024, 976), (4096, 8192, 60))
 MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
@@ -432,22 +433,24 @@ def _steps_of(plan, n: int) -> np.ndarray:
     return out
 
 
-def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int) -> None:
+def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int,
+                   previous: str = V8_COMMIT) -> None:
     """Worst / median over random mixture draws (tokenbal.balance.mixtures) of the epoch's stage figure
-    Σ_steps Σ_stages max_rank / ideal: the plan now, PLAN_VERSION 6 (same process), and the floors of
-    their compositions and of a length-grouped composition (HF's 50-step mega-batches)."""
+    Σ_steps Σ_stages max_rank / ideal: the plan now, the planner at git commit ``previous`` (same
+    process; "prev"), and the floors of their compositions and of a length-grouped composition (HF's
+    50-step mega-batches)."""
     from tokenbal.balance.cost import FlopsModel
     from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
     from tokenbal.balance.plan import PLAN_VERSION
     from tokenbal.balance.plan import plan_epoch as plan_now
     from tokenbal.balance.simulate import composition_floor, epoch_stage_figure, length_grouped_steps
 
-    plan_v6 = planner_at()
+    plan_prev = planner_at(previous)
     model = "square" if model_name == "square" else FlopsModel.qwen2_vl_7b()
     print(f"stage costs: {model_name}; figure = Σ_steps Σ_stages max_rank / (Σ cost / ranks); "
           "floor = Σ_steps Σ_stages max(largest, sum / ranks) of a composition; LG = length-grouped "
           f"composition (random 50-step mega-batches sorted by cost); now = PLAN_VERSION {PLAN_VERSION}, "
-          f"v6 = {V6_COMMIT}")
+          f"prev = {previous}")
     for R, N, steps in points:
         goal = GOALS.get(R, 1.06)
         rows = []
@@ -455,11 +458,11 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
             s = draw_samples(random_mixture(d), steps * N, d)
             c = stage_costs(s, model)
             row = {"lg": composition_floor(length_grouped_steps(c, N, d), c, R)}
-            for name, fn in (("now", plan_now), ("v6", plan_v6)):
+            for name, fn in (("now", plan_now), ("prev", plan_prev)):
                 try:
                     plan, _, cpu = timed(partial(fn, s.lengths, R, global_batch_size=N, seed=d, cost=c.sum(1),
                                                  stages=c))
-                except ValueError as e:          # v6 overflows int64 on some windows of large costs
+                except ValueError as e:          # v6 overflowed int64 on some windows of large costs
                     row[name], row[name + " floor"], row[name + " cpu"] = float("nan"), float("nan"), 0.0
                     print(f"    ({R}, {N}) draw {d}: {name} failed: {e}")
                     continue
@@ -472,30 +475,30 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
             row["target"] = max(goal, row["lg"])
             rows.append(row)
             print(f"    ({R}, {N}) draw {d}: now {row['now']:.4f} (floor {row['now floor']:.4f}, "
-                  f"{row['now cpu']:.2f} s) | v6 {row['v6']:.4f} (floor {row['v6 floor']:.4f}, "
-                  f"{row['v6 cpu']:.2f} s) | LG floor {row['lg']:.4f} | target {row['target']:.4f}",
+                  f"{row['now cpu']:.2f} s) | prev {row['prev']:.4f} (floor {row['prev floor']:.4f}, "
+                  f"{row['prev cpu']:.2f} s) | LG floor {row['lg']:.4f} | target {row['target']:.4f}",
                   flush=True)
 
         def col(k: str, rows: list = rows) -> np.ndarray:
             return np.array([r[k] for r in rows])
 
         over_now = col("now") / col("target")
-        over_v6 = col("v6") / col("target")
+        over_prev = col("prev") / col("target")
         print(f"  ({R}, {N}), {steps} steps, {draws} draws, goal {goal}: now worst "
               f"{np.nanmax(col('now')):.4f} "
-              f"median {np.nanmedian(col('now')):.4f}; v6 worst {np.nanmax(col('v6')):.4f} median "
-              f"{np.nanmedian(col('v6')):.4f}; LG floor worst {col('lg').max():.4f} median "
+              f"median {np.nanmedian(col('now')):.4f}; prev worst {np.nanmax(col('prev')):.4f} median "
+              f"{np.nanmedian(col('prev')):.4f}; LG floor worst {col('lg').max():.4f} median "
               f"{np.median(col('lg')):.4f}; figure / max(goal, LG floor): now worst "
               f"{np.nanmax(over_now):.4f} "
-              f"({int((over_now <= 1).sum())}/{draws} <= 1), v6 worst {np.nanmax(over_v6):.4f} "
-              f"({int((over_v6 <= 1).sum())}/{draws}); plan CPU median now "
+              f"({int((over_now <= 1).sum())}/{draws} <= 1), prev worst {np.nanmax(over_prev):.4f} "
+              f"({int((over_prev <= 1).sum())}/{draws}); plan CPU median now "
               f"{np.median(col('now cpu')):.2f} s, "
-              f"v6 {np.median(col('v6 cpu')):.2f} s")
+              f"prev {np.median(col('prev cpu')):.2f} s")
         if repeat_draws:
             rep = rows[:repeat_draws]
             print(f"  ({R}, {N}) step mates meeting again next epoch (draws 0..{repeat_draws - 1}): now "
-                  f"{np.mean([r['now repeat'] for r in rep]):.4f}, v6 "
-                  f"{np.nanmean([r.get('v6 repeat', np.nan) for r in rep]):.4f}, chance "
+                  f"{np.mean([r['now repeat'] for r in rep]):.4f}, prev "
+                  f"{np.nanmean([r.get('prev repeat', np.nan) for r in rep]):.4f}, chance "
                   f"{np.mean([r['chance'] for r in rep]):.5f}")
 
 
@@ -533,9 +536,11 @@ def bench_token_mixtures(draws: int, points: tuple, repeat_draws: int) -> None:
                   f"{np.median(v[:, 2]):.4f} | CPU median {np.median(v[:, 3]):.2f} s{rep}", flush=True)
 
 
-def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool, mmap: bool = False) -> None:
+def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: str | None,
+                     mmap: bool = False) -> None:
     """CPU seconds (and this process's peak RSS) to plan ``n`` samples of mixture ``seed`` on ``R``
-    ranks, 2 samples per rank per step, tokens or square stage costs; with ``previous`` v6 too;
+    ranks, 2 samples per rank per step, tokens or square stage costs; with ``previous`` (a git
+    commit) that planner too;
     ``mmap``: tokens from an int32 .npy memory-mapped (the draw is written 1M samples at a time)."""
     import resource
 
@@ -566,7 +571,7 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: bool, mm
             del c
         lengths = s.lengths
         del s
-    runs = [("now", plan_now)] + ([("v6", planner_at())] if previous else [])
+    runs = [("now", plan_now)] + ([(previous, planner_at(previous))] if previous else [])
     for name, fn in runs:
         _, _, cpu = timed(partial(fn, lengths, R, global_batch_size=2 * R, seed=seed, **kw))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -664,8 +669,12 @@ def main() -> None:
     ap.add_argument("--budget", action="store_true",
                     help="only token-budget mode (max_tokens_per_rank=16384) next to trl's BFD pack_dataset")
     ap.add_argument("--mixtures", type=int, default=0, metavar="DRAWS",
-                    help="issue 32: stage balance over DRAWS random mixtures at every scale, v6 in the "
-                    "same run")
+                    help="issue 32: stage balance over DRAWS random mixtures at every scale, the planner "
+                    "at --previous in the same run")
+    ap.add_argument("--previous", default=V8_COMMIT, metavar="COMMIT",
+                    help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
+                    f"beside the current one (default {V8_COMMIT}, PLAN_VERSION 8; {V6_COMMIT}: "
+                    "PLAN_VERSION 6)")
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
                     "PLAN_VERSION 7 in the same run")
@@ -680,6 +689,8 @@ def main() -> None:
     ap.add_argument("--mmap", action="store_true",
                     help="--plan-scale tokens: lengths memory-mapped from an int32 .npy (100M samples)")
     ap.add_argument("--with-v6", action="store_true", help="--plan-scale: time the v6 planner too")
+    ap.add_argument("--with-previous", action="store_true",
+                    help="--plan-scale: time the planner at --previous too")
     ap.add_argument("--padded", action="store_true",
                     help="only padded batches: cost='padded' vs transformers' BatchRebalanceSampler")
     ap.add_argument("--padded-samples", type=int, default=4000)
@@ -688,7 +699,7 @@ def main() -> None:
         keep = {int(x) for x in args.mixture_points.split(",") if x}
         pts = tuple(p for p in MIXTURE_POINTS if not keep or p[0] in keep)
         print(environment_line())
-        bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws)
+        bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws, args.previous)
         return
     if args.token_mixtures:
         tokenbal.balance.plan._FILL_JITTER = args.fill_jitter
@@ -700,7 +711,8 @@ def main() -> None:
     if args.plan_scale:
         n, R, mode = args.plan_scale.split(",")
         print(environment_line())
-        bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, args.with_v6, args.mmap)
+        previous = V6_COMMIT if args.with_v6 else args.previous if args.with_previous else None
+        bench_plan_scale(int(float(n)), int(R), mode == "stages", args.seed, previous, args.mmap)
         return
     if args.padded:
         bench_padded(args.padded_samples, args.seed, args.repeats or 3)

@@ -131,7 +131,16 @@ _COMPOSE_LEVEL_ROUNDS = 32
 # (_plan_stage_window); the heaviest steps, up to _STAGE_REFILL_ITEMS samples, planned again by
 # version 7's composition (_compose_fill) and kept where that is faster. 0: version 7's plan.
 _STAGE_GROUPED = 1
+# Stage mode: items per rank per round of the fill that splits each composed step (_BATCH_PER_RANK = 2
+# elsewhere). At 2 (and at 1) a round gives every rank one item, so every rank of a step gets the
+# same count and a giant sample gets partners it cannot afford; a quarter of the ranks per round
+# leaves the giants' ranks alone while the others take several (draw 4 at 4,096 ranks, 24 steps:
+# epoch figure 1.445 -> 1.349, length-grouped floor 1.317; draw 0: 3.563 -> 3.490).
+_COMPOSE_SPLIT_BATCH = 0.25
 _STAGE_REFILL_ITEMS = 1 << 17
+# Long epochs' refill: in-step refinement rounds (16 elsewhere). 1M samples on 512 ranks, draws 0 / 1 / 2:
+# 16 rounds 1.0606 / 1.0719 / 1.0400, 4 rounds 1.0608 / 1.0723 (6) / 1.0401 in ~1 s less.
+_STAGE_REFILL_ROUNDS = 4
 _STAGE_REFILL_FRACTIONS = (1, 2, 4)
 _STAGE_WHOLE_ITEMS = 1 << 18
 # Stage mode: sizes are multiplied by up to 1 + this at random before the grouped stage fill sorts them.
@@ -742,7 +751,8 @@ def _scaled(lens_sorted: np.ndarray, M: int, exact: bool = True) -> tuple[np.nda
 
 def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np.ndarray, R: int,
           capacity: int | None, force_nonempty: bool, shuffled: bool = False,
-          order_key: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+          order_key: np.ndarray | None = None, batch_per_rank: float | None = None
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Run the window fill; returns (steps per window, step-in-window, rank, failed windows).
 
     Steps left without any sample (possible only in token mode) are squeezed out, so the steps
@@ -761,7 +771,7 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
     # are small). _BATCH_PER_RANK = 0 selects the exact fill everywhere (benchmarks, tests).
     batch = 1
     if capacity is None and not force_nonempty and _BATCH_PER_RANK > 0:
-        batch = max(int(_BATCH_PER_RANK * R), _BATCH_MIN)
+        batch = max(int((_BATCH_PER_RANK if batch_per_rank is None else batch_per_rank) * R), _BATCH_MIN)
     s2d, r2d, failed = fill_windows(costs, cap2d, R, capacity=cap_scaled, force_nonempty=force_nonempty,
                                     batch=batch)
     step_w = np.full(len(perm), -1, np.int64)
@@ -777,8 +787,8 @@ def _fill(lens: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray, cap2d: np
 
 
 def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
-                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None, with_fill: bool = True
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                  cap2d: np.ndarray, R: int, rng: np.random.Generator | None, with_fill: bool = True,
+                  refine_rounds: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Version 7's stage fill: which samples share a step, chosen by their stage-cost vectors; per window
     the better of two ways, judged by the stage time after both are refined here (cross-step
     leveling and swaps, then in-step moves; the caller skips its own refinement):
@@ -799,7 +809,8 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     order, step_a, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
     perm_a = perm[order]
     one = win_of_item * W + step_a                      # every step its own window of one step
-    _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None)
+    _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None,
+                            batch_per_rank=_COMPOSE_SPLIT_BATCH)
     candidates = [(perm_a, step_a, rank_a)]
     if _COMPOSE_WITH_FILL and with_fill:
         perm_b, _, step_b, rank_b = _profile_fill(lens, stages, perm, win_of_item, cap2d, R,
@@ -812,7 +823,8 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
         # samples share a window and a step, not on the steps' order or the ranks' labels, so it runs
         # here, before the caller shuffles both; each window keeps the candidate that ends faster.
         st, rk = _refine_stages(stages, p, win_of_item, base + st, rk, G * W, R, 1, None, None,
-                                cross=True, rounds=_REFINE_ROUNDS, level_rounds=_COMPOSE_LEVEL_ROUNDS)
+                                cross=True, rounds=refine_rounds or _REFINE_ROUNDS,
+                                level_rounds=_COMPOSE_LEVEL_ROUNDS)
         st = st - base
         t = _split_time(stages[p], win_of_item, st, rk, G, W, R)
         if best is None:
@@ -839,11 +851,20 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
         W = -(-full // -(-full // W))                    # equal windows
     short = len(perm) <= _STAGE_WHOLE_ITEMS
     parts = []
+    rest = perm[full * N:]
     for s0 in range(0, full, W):
         s1 = min(s0 + W, full)
-        parts.append(_plan_stage_window(lens, stages, perm[s0 * N:s1 * N], s1 - s0, R, rng, short))
+        items = perm[s0 * N:s1 * N]
+        if s1 == full and tail:
+            # The tail step takes the last window's smallest samples: alone in its step, a giant
+            # would set that step's time by itself.
+            both = perm[s0 * N:]
+            small = np.zeros(len(both), bool)
+            small[np.argsort(stages[both].sum(1), kind="stable")[:len(rest)]] = True
+            items, rest = both[~small], both[small]
+        parts.append(_plan_stage_window(lens, stages, items, s1 - s0, R, rng, short))
     if tail or not full:
-        items = perm[full * N:]
+        items = rest
         one = np.zeros(len(items), np.int64)
         p, _, st, rk = _compose_fill(lens, stages, items, one, np.full((1, 1), len(items), np.int64), R, rng)
         parts.append((p, st, rk))
@@ -880,9 +901,9 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     every step holds samples of every size. Steps that hold the window's few giant samples need more:
     their other ranks must be as busy as the giant's in every stage, which takes several big samples
     per rank, and the rounds give each rank-step one. So the heaviest steps (by ``Σ_stage max_rank``,
-    up to ``_STAGE_REFILL_ITEMS`` samples; the whole window when it is that small) are planned again
-    by version 7's composition (:func:`_compose_fill`: sorted orders cut into steps, the profile fill,
-    then swaps between and inside the steps), which is kept where it is faster."""
+    up to ``_STAGE_REFILL_ITEMS`` samples) are planned again by version 7's composition
+    (:func:`_compose_fill`: sorted orders cut into steps, on short epochs the profile fill too, then
+    swaps between and inside the steps), which is kept where it is faster."""
     from tokenbal.balance.partition.grouped import descending_order, grouped_stage_fill
 
     c = stages[items]
@@ -895,31 +916,39 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     rank = np.empty(len(items), np.int64)
     step[order], rank[order], _ = grouped_stage_fill(c[order], W, R)
     N = len(items) // W
-    loads = _stage_loads(c, step * R + rank, W * R).reshape(W, R, -1).max(1).sum(1)
-    by_load = np.argsort(-loads, kind="stable")
     hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
-    best = (0.0, None)
-    # Short epochs (whose whole plan the caller also makes): several sizes, composed as version 7 does
-    # (with its profile-fill candidate); long ones: the heaviest steps once, by sorted orders only
-    # (half the cost).
-    sizes = {max(1, hmax // d) for d in (_STAGE_REFILL_FRACTIONS if short else (1,))}
-    for h in sorted(sizes, reverse=True):
-        top = by_load[:h]
-        new_id = np.full(W, -1, np.int64)
-        new_id[top] = np.arange(h)
-        sel = np.flatnonzero(new_id[step] >= 0)             # in permutation order
-        p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
-                                     np.full((1, h), N, np.int64), R, rng, with_fill=short)
-        gain = loads[top].sum() - _stage_loads(stages[p], st * R + rk, h * R).reshape(h, R, -1).max(1).sum()
-        if gain > best[0]:
-            best = (gain, (new_id, p, top[st], rk))
-    if best[1] is not None:
-        new_id, p, st, rk = best[1]
-        keep = np.flatnonzero(new_id[step] < 0)
-        items = np.concatenate([items[keep], p])
-        step = np.concatenate([step[keep], st])
-        rank = np.concatenate([rank[keep], rk])
-    return items, step, rank
+    if short:
+        # Short epochs (whose whole plan the caller also makes): the best of several sizes, composed
+        # as version 7 does (with its profile-fill candidate).
+        tries = [_refill_stage_steps(lens, stages, items, step, rank, W, R, max(1, hmax // d), rng, True)
+                 for d in sorted(set(_STAGE_REFILL_FRACTIONS))]
+        return max(tries, key=lambda t: t[3])[:3]
+    # Long epochs: the heaviest steps once, by sorted orders only (the profile fill doubles the cost;
+    # a second refill of the 16k heaviest samples with it: 1M on 512 ranks 1.0606 -> 1.0575 for +1.2 s).
+    return _refill_stage_steps(lens, stages, items, step, rank, W, R, hmax, rng, False)[:3]
+
+
+def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, step: np.ndarray,
+                        rank: np.ndarray, W: int, R: int, h: int, rng: np.random.Generator | None,
+                        with_fill: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The ``h`` heaviest of a window's ``W`` steps (by ``Σ_stage max_rank``) planned again by
+    :func:`_compose_fill`; returns ``(items, step, rank, time saved)``, unchanged where that is not faster."""
+    N = len(items) // W
+    loads = _stage_loads(stages[items], step * R + rank, W * R).reshape(W, R, -1).max(1).sum(1)
+    top = np.argsort(-loads, kind="stable")[:h]
+    chosen = np.zeros(W, bool)
+    chosen[top] = True
+    sel = np.flatnonzero(chosen[step])                  # in permutation order
+    p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
+                                 np.full((1, h), N, np.int64), R, rng, with_fill=with_fill,
+                                 refine_rounds=None if with_fill else _STAGE_REFILL_ROUNDS)
+    redone = _stage_loads(stages[p], st * R + rk, h * R).reshape(h, R, -1).max(1).sum()
+    gain = float(loads[top].sum() - redone)
+    if gain <= 0:
+        return items, step, rank, 0.0
+    keep = np.flatnonzero(~chosen[step])
+    return (np.concatenate([items[keep], p]), np.concatenate([step[keep], top[st]]),
+            np.concatenate([rank[keep], rk]), gain)
 
 
 def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
