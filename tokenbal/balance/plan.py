@@ -960,8 +960,7 @@ def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
 def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
                 R: int) -> np.ndarray:
     """(G,) Σ_steps Σ_stages max_rank of each window for items ``c`` at (window, step, rank)."""
-    loads = np.zeros((G * W * R, c.shape[1]), np.float64)
-    np.add.at(loads, (win * W + step_w) * R + rank, c)
+    loads = _stage_loads(c, (win * W + step_w) * R + rank, G * W * R)
     return loads.reshape(G, W, R, -1).max(2).sum((1, 2))
 
 
