@@ -92,11 +92,11 @@ def test_plan_beats_length_grouping_or_meets_the_goal_bench_sizes(R, N, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.04), (4096, 8192, 24, 0.12)])
+@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.03), (4096, 8192, 24, 0.05)])
 def test_many_ranks_stay_within_the_measured_shortfall(R, N, steps, slack):
     # Not the property: at 512 / 4,096 ranks the plan misses max(goal, LG floor) on some
-    # draws by up to 1.9 % / 9.8 % (PLAN_VERSION 9, docs/BENCHMARKS.md); this guards that shortfall
-    # from growing.
+    # draws by up to 2.5 % / 4.2 % (PLAN_VERSION 9, 20 draws, docs/BENCHMARKS.md); this guards that
+    # shortfall from growing.
     for draw in range(4):
         _check(R, N, steps, draw, slack)
 
