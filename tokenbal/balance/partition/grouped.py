@@ -96,49 +96,76 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
     nb = W * R
     loads = np.stack([np.bincount(bin_of, weights=c[:, k], minlength=nb) for k in range(K)], 1)
     groups = _bin_groups(plus, extra, R)
-    best, best_cost = None, np.inf
-    # Every candidate order is applied to both groups (bins with an extra item and without share
-    # the steps) and judged on the whole steps.
-    candidates = [_stage_orders(loads[members], width, W) for members, width, _ in groups]
-    for orders in zip(*candidates, strict=True):
+    seg = _segment_steps(W)
+    nseg = -(-W // seg)
+    # Every candidate order is applied to both groups (bins with an extra item and without share the
+    # steps) and judged on whole steps. The grid orders only permute bins inside segments of `seg`
+    # steps of the order by total, so each segment keeps the grid order that is cheapest there; the
+    # weighted orders are judged on the whole window against that combination.
+    combined = None
+    seg_cost = np.full(nseg, np.inf)
+    best_global, global_cost = None, np.inf
+    candidates = [_stage_orders(loads[members], width, seg) for members, width, _ in groups]
+    for tagged in zip(*candidates, strict=True):
         step_of_bin = np.empty(nb, np.int64)
         rank_of_bin = np.empty(nb, np.int64)
-        for (members, width, first_rank), order in zip(groups, orders, strict=True):
+        for (members, width, first_rank), (order, _) in zip(groups, tagged, strict=True):
             j = np.arange(len(members))
             step_of_bin[members[order]] = j // width
             rank_of_bin[members[order]] = first_rank + j % width
         by_slot = np.empty_like(loads)
         by_slot[step_of_bin * R + rank_of_bin] = loads
-        cost = float(by_slot.reshape(W, R, K).max(1).sum())
-        if cost < best_cost:
-            best, best_cost = (step_of_bin, rank_of_bin), cost
-    step_of_bin, rank_of_bin = best
+        per_step = by_slot.reshape(W, R, K).max(1).sum(1)
+        if not tagged[0][1]:                            # a weighted order: the whole window or nothing
+            if per_step.sum() < global_cost:
+                best_global, global_cost = (step_of_bin, rank_of_bin), float(per_step.sum())
+            continue
+        cost = np.bincount(np.arange(W) // seg, weights=per_step, minlength=nseg)
+        if combined is None:
+            combined = (step_of_bin, rank_of_bin)
+            seg_cost = cost
+            continue
+        wins = cost < seg_cost
+        if wins.any():
+            take = wins[combined[0] // seg]              # a bin's segment is the same in every grid order
+            combined[0][take], combined[1][take] = step_of_bin[take], rank_of_bin[take]
+            seg_cost = np.where(wins, cost, seg_cost)
+    step_of_bin, rank_of_bin = best_global if global_cost < seg_cost.sum() else combined
     return step_of_bin[bin_of], rank_of_bin[bin_of], _places(m, nb, m // W // R)
 
 
-def _stage_orders(L: np.ndarray, width: int, W: int):
-    """Orders of one group of ``W`` steps' bins (``L``: (bins, K) float loads, ``width`` bins per
-    step) whose cut into steps :func:`grouped_stage_fill` tries, first kept on ties.
+def _segment_steps(W: int) -> int:
+    """Steps per segment of the grid orders: the widest band tried, the largest power of two up to
+    4√W (the best band grows with the window: about √W on random mixtures, 32 of 976 steps)."""
+    m = 1
+    while 2 * m <= 4 * W ** 0.5:
+        m *= 2
+    return m
+
+
+def _stage_orders(L: np.ndarray, width: int, seg: int):
+    """Orders of one group of bins (``L``: (bins, K) float loads, ``width`` bins per step) whose cut
+    into steps :func:`grouped_stage_fill` tries, each tagged True when it only permutes bins inside
+    segments of ``seg`` steps of the order by total (first kept on ties).
 
     By total; then a grid over (total, share): bands of ``m`` steps' bins by total, each band
-    ordered by a stage's share and cut into its ``m`` steps. A step then holds bins whose totals lie
-    within its band and whose shares within 1/m of the band's; ``m`` trades one spread for the other
-    and the best grows with the window (about √W on random mixtures: 32 of 976 steps), so every power
-    of two up to 4√W is tried; last, the stages weighted 3:1 and 1:3."""
+    ordered by a stage's share and cut into its ``m`` steps (m = 2, 4, ... ``seg``). A step then holds
+    bins whose totals lie within its band and whose shares within 1/m of the band's; ``m`` trades
+    one spread for the other. Last, untagged, the stages weighted 3:1 and 1:3."""
     K = L.shape[1]
     total = L.sum(1)
     by_total = descending_order(total)
-    yield by_total
+    yield by_total, True
     pos = np.arange(len(by_total), dtype=np.int64)
     for k in range(K if K > 2 else K - 1):
         share = (_LEVELS - _log_buckets(L[by_total, k] / np.maximum(total[by_total], 1.0) * 65535.0))
         share = share.astype(np.int64)
         m = 2
-        while m <= 4 * W ** 0.5:
-            yield by_total[np.argsort(((pos // (m * width)) << 16) | share, kind="stable")]
+        while m <= seg:
+            yield by_total[np.argsort(((pos // (m * width)) << 16) | share, kind="stable")], True
             m *= 2
         for a in (0.25, 0.75):
-            yield descending_order(a * L[:, k] + (1.0 - a) * (total - L[:, k]))
+            yield descending_order(a * L[:, k] + (1.0 - a) * (total - L[:, k])), False
 
 
 def _bins_by_rounds(x: np.ndarray, W: int, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
