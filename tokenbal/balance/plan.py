@@ -137,9 +137,17 @@ _STAGE_GROUPED = 1
 # leaves the giants' ranks alone while the others take several (draw 4 at 4,096 ranks, 24 steps:
 # epoch figure 1.445 -> 1.349, length-grouped floor 1.317; draw 0: 3.563 -> 3.490).
 _COMPOSE_SPLIT_BATCH = 0.25
-_STAGE_REFILL_ITEMS = 1 << 17
-# Long epochs' refill: in-step refinement rounds (16 elsewhere). 1M samples on 512 ranks, draws 0 / 1 / 2:
-# 16 rounds 1.0606 / 1.0719 / 1.0400, 4 rounds 1.0608 / 1.0723 (6) / 1.0401 in ~1 s less.
+# Refilled samples per window: 1M samples on 512 ranks, draws 0 / 1 / 2 (with _STAGE_SHARE_GROUPS):
+# 2^16 1.0368 / 1.0507 / 1.0355 in ~3.8 s, 3·2^15 1.0364 / 1.0533 / 1.0294, 2^17 1.0349 / 1.0556 / 1.0319
+# in ~5 s.
+_STAGE_REFILL_ITEMS = 1 << 16
+# Stage mode: the grouped stage fill runs on G groups of the window's samples by stage share, for each G
+# here, the fastest kept. 1M samples on 512 ranks, draws 0 / 1 / 2: G = 1 1.0442 / 1.0692 / 1.0390,
+# 2 1.0392 / 1.0549 / 1.0323, 4 1.0348 / 1.0620 / 1.0316 (PLAN_VERSION 8: 1.0315 / 1.0510 / 1.0282).
+_STAGE_SHARE_GROUPS = (2, 4)
+# Long epochs' refill: in-step refinement rounds (16 elsewhere). 1M samples on 512 ranks, draws 0 / 1 / 2
+# (2^17 refilled, one group): 16 rounds 1.0606 / 1.0719 / 1.0400, 4 rounds 1.0608 / 1.0723 (6) / 1.0401
+# in ~1 s less.
 _STAGE_REFILL_ROUNDS = 4
 _STAGE_REFILL_FRACTIONS = (1, 2, 4)
 _STAGE_WHOLE_ITEMS = 1 << 18
@@ -895,8 +903,10 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     """One window of ``W`` equal steps of stage mode: ``(items reordered, step in the window, rank)``.
 
     :func:`tokenbal.balance.partition.grouped.grouped_stage_fill` splits the window in a few sorts: its
-    bins (rounds of the largest items into the least loaded rank-steps) level the window's bulk, where
-    every step holds samples of every size. Steps that hold the window's few giant samples need more:
+    bins (rounds of the largest items into the least loaded rank-steps) level the window's bulk. It runs
+    on groups of whole steps of samples of like stage share (``_STAGE_SHARE_GROUPS``: text-only samples
+    fill steps of their own instead of adding a little language work to every step). Steps that hold
+    the window's few giant samples need more:
     their other ranks must be as busy as the giant's in every stage, which takes several big samples
     per rank, and the rounds give each rank-step one. So the heaviest steps (by ``Σ_stage max_rank``,
     up to ``_STAGE_REFILL_ITEMS`` samples) are planned again by version 7's composition
@@ -905,18 +915,32 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     from tokenbal.balance.partition.grouped import descending_order, grouped_stage_fill
 
     c = stages[items]
-    tot = c.sum(1)
-    if rng is not None:
-        # Jittered as in tokens mode (_GROUPED_JITTER): the window is the same samples every epoch, and
-        # exact sizes would rebuild nearly the same steps (1M samples on 512 ranks, draw 0: 0.35 of the
-        # step-mate pairs met again next epoch; jittered 0.12 at the same figure, 1.0621 vs 1.0612).
-        order = descending_order(tot * (1.0 + _GROUPED_JITTER * rng.random(len(items))))
-    else:
-        order = descending_order(tot)
-    step = np.empty(len(items), np.int64)
-    rank = np.empty(len(items), np.int64)
-    step[order], rank[order], _ = grouped_stage_fill(c[order], W, R)
     N = len(items) // W
+    tot = c.sum(1)
+    # Jittered as in tokens mode (_GROUPED_JITTER): the window is the same samples every epoch, and
+    # exact sizes would rebuild nearly the same steps (1M samples on 512 ranks, draw 0: 0.35 of the
+    # step-mate pairs met again next epoch; jittered 0.12 at the same figure, 1.0621 vs 1.0612).
+    key = tot * (1.0 + _GROUPED_JITTER * rng.random(len(items))) if rng is not None else tot
+    # The window's samples by their share of stage 0, cut into G groups of whole steps, each group split
+    # on its own: steps of like samples (text with text) instead of every step holding some of each;
+    # the G with the faster split is kept.
+    by_share = np.argsort(-(c[:, 0] / np.maximum(tot, 1)), kind="stable")
+    best = None
+    for G in [g for g in _STAGE_SHARE_GROUPS if g <= W] or [1]:
+        step = np.empty(len(items), np.int64)
+        rank = np.empty(len(items), np.int64)
+        first = 0
+        for g in range(G):
+            steps = W // G + (g < W % G)
+            idx = by_share[first * N:(first + steps) * N]
+            idx = idx[descending_order(key[idx])]
+            step[idx], rank[idx], _ = grouped_stage_fill(c[idx], steps, R)
+            step[idx] += first
+            first += steps
+        t = _stage_loads(c, step * R + rank, W * R).reshape(W, R, -1).max(1).sum()
+        if best is None or t < best[0]:
+            best = (t, step, rank)
+    _, step, rank = best
     hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
     if short:
         # Short epochs (whose whole plan the caller also makes): the best of several sizes, composed
