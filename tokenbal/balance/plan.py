@@ -846,8 +846,9 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
                         window: int | None, rng: np.random.Generator | None
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Stage mode's fill (PLAN_VERSION 9): the full steps in windows of up to ``_GROUPED_ITEMS`` samples
-    (or ``window`` steps), each split by :func:`_plan_stage_window`; a tail step of another size is a
-    window of its own, planned by :func:`_compose_fill`. Returns (perm reordered, window of every item,
+    (or ``window`` steps), each split by :func:`_plan_stage_window`; a tail step of another size takes
+    the last window's smallest samples and is a window of its own, planned by :func:`_compose_fill`.
+    Returns (perm reordered, window of every item,
     steps per window, step in the window, rank), aligned with the returned perm."""
     S, N = len(caps), int(caps[0])
     tail = int(caps[-1]) if S > 1 and caps[-1] != N else 0
@@ -906,9 +907,9 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     bins (rounds of the largest items into the least loaded rank-steps) level the window's bulk. It runs
     on groups of whole steps of samples of like stage share (``_STAGE_SHARE_GROUPS``: text-only samples
     fill steps of their own instead of adding a little language work to every step). Steps that hold
-    the window's few giant samples need more:
-    their other ranks must be as busy as the giant's in every stage, which takes several big samples
-    per rank, and the rounds give each rank-step one. So the heaviest steps (by ``Σ_stage max_rank``,
+    the window's few giant samples need more: their other ranks must be as busy as the giant's in
+    every stage, which takes several big samples per rank, and the rounds give each rank-step one.
+    So the heaviest steps (by ``Σ_stage max_rank``,
     up to ``_STAGE_REFILL_ITEMS`` samples) are planned again by version 7's composition
     (:func:`_compose_fill`: sorted orders cut into steps, on short epochs the profile fill too, then
     swaps between and inside the steps), which is kept where it is faster."""
