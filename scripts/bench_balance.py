@@ -392,6 +392,7 @@ def bench_elastic(n: int, seed: int, repeats: int) -> None:
 V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as merged for issue 24)
 V7_COMMIT = "8e630dd"           # main with PLAN_VERSION 7 (issue 32, part 1: stage composition)
 V8_COMMIT = "54ee978"           # main with PLAN_VERSION 8 (issue 32, part 2: tokens mode; stage plans as v7)
+V9_COMMIT = "96a634c"           # main with PLAN_VERSION 9 (issue 32, part 3: the grouped stage fill)
 TOKEN_POINTS = ((8, 16, 4000), (64, 128, 1000), (512, 1024, 200), (512, 1024, 976), (4096, 8192, 60))
 MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
@@ -434,7 +435,7 @@ def _steps_of(plan, n: int) -> np.ndarray:
 
 
 def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int,
-                   previous: str = V8_COMMIT) -> None:
+                   previous: str = V9_COMMIT) -> None:
     """Worst / median over random mixture draws (tokenbal.balance.mixtures) of the epoch's stage figure
     Σ_steps Σ_stages max_rank / ideal: the plan now, the planner at git commit ``previous`` (same
     process; "prev"), and the floors of their compositions and of a length-grouped composition (HF's
@@ -671,10 +672,10 @@ def main() -> None:
     ap.add_argument("--mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: stage balance over DRAWS random mixtures at every scale, the planner "
                     "at --previous in the same run")
-    ap.add_argument("--previous", default=V8_COMMIT, metavar="COMMIT",
+    ap.add_argument("--previous", default=V9_COMMIT, metavar="COMMIT",
                     help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
-                    f"beside the current one (default {V8_COMMIT}, PLAN_VERSION 8; {V6_COMMIT}: "
-                    "PLAN_VERSION 6)")
+                    f"beside the current one (default {V9_COMMIT}, PLAN_VERSION 9; {V8_COMMIT}: "
+                    f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6)")
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
                     "PLAN_VERSION 7 in the same run")

@@ -83,7 +83,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 9
+PLAN_VERSION = 10
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -151,6 +151,18 @@ _STAGE_SHARE_GROUPS = (2, 4)
 _STAGE_REFILL_ROUNDS = 4
 _STAGE_REFILL_FRACTIONS = (1, 2, 4)
 _STAGE_WHOLE_ITEMS = 1 << 18
+# The final leveling of a short stage epoch (_level_stage_plan): every step trades samples with every
+# other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
+# ~0.2 us per sample: 40k samples ~9 ms, 196k ~40 ms; the budget caps it near 7 s), stopping once the
+# epoch's stage time has not fallen for _STAGE_LEVEL_PATIENCE rounds. 512 ranks, 40 steps of 1,024,
+# draw 9: 1.1197 unleveled, 1.0996 / 1.0910 / 1.0894 after 64 / 256 / 512 rounds, no gain after ~580;
+# 20 draws, worst figure over target: 1.0253 unleveled, 1.0033 after 256 rounds, 1.0018 with a budget
+# of 2^24, 1.0009 with 1,024 rounds. With 8 ranks the time falls in rare steps (every bin at a
+# maximum must drop): patience 64 stopped draw 9 at 1.0186, 256 reached 1.0166 (as 1,024 rounds did).
+# See docs/bench/balance.md, "PLAN_VERSION 10".
+_STAGE_LEVEL_ROUNDS = 1024
+_STAGE_LEVEL_WORK = 1 << 25
+_STAGE_LEVEL_PATIENCE = 256
 # Count mode (no stages): items per window of the grouped fill (_plan_counts); the jitter of the sizes it
 # sorts; the window fill is run beside it where ceil(items / batch) × bins is at most _FILL_WORK.
 _GROUPED_ITEMS = 1 << 22
@@ -304,7 +316,8 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
     planned on ``cost``, but (with ``grad_accum=1`` in ``global_batch_size`` mode) which samples share
     a step is chosen by their stage-cost vectors: windows of up to 4M samples are split by the grouped
     stage fill, and their heaviest steps by version 7's composition (``_plan_stage_windows``; a short
-    epoch also wholly by version 7, the faster kept). Version 7 (``_compose_fill``): per window,
+    epoch also wholly by version 7, the faster kept, then leveled by swaps among all its steps,
+    ``_level_stage_plan``). Version 7 (``_compose_fill``): per window,
     several sorted orders
     (by total, by dominant stage, by stage share; sizes jittered per epoch) are cut into steps and the
     one with the lowest floor is kept (:func:`tokenbal.balance.partition.compose.compose_steps`), each
@@ -886,7 +899,32 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     zero = np.zeros(len(perm), np.int64)
     p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng)
     whole = (p, zero, np.array([S], np.int64), st, rk)
-    return whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
+    chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
+    rounds = min(_STAGE_LEVEL_ROUNDS, _STAGE_LEVEL_WORK // max(len(perm), 1))
+    return _level_stage_plan(stages, *chosen, R, rounds)
+
+
+def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
+                      step_w: np.ndarray, rank: np.ndarray, R: int, rounds: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A stage plan (perm, window, steps per window, step, rank) after ``rounds`` rounds of leveling
+    swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`).
+
+    The composition and the split were chosen by floors, and by greedy swaps that stop where one swap
+    alone gains nothing. With a couple of samples per rank what remains is the pairing: a step of like
+    samples still has ranks whose two samples are both heavy in one stage, and the cure is to trade
+    one of them for a sample of about the same total with less of that stage, from any step. No step
+    gets slower and every step keeps its sample count; samples may change windows (the caller only
+    shuffles steps inside a window)."""
+    from tokenbal.balance.partition import level_stage_bins
+
+    if rounds <= 0 or len(perm) < 2 or R < 2:
+        return perm, win, steps_in_win, step_w, rank
+    first = np.concatenate([[0], np.cumsum(steps_in_win)])
+    g, rank = level_stage_bins(stages[perm], first[win] + step_w, rank, R, rounds=rounds,
+                               patience=_STAGE_LEVEL_PATIENCE)
+    win = np.searchsorted(first, g, side="right") - 1
+    return perm, win, steps_in_win, g - first[win], rank
 
 
 def _plan_time(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,

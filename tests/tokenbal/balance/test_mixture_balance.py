@@ -8,9 +8,11 @@ sampler's contract: every sample once, the plain plan's step sizes, a pure funct
 The fast tests use a few dozen steps per draw; the full scales are in the slow test and in
 ``scripts/bench_balance.py --mixtures``.
 
-Not met exactly on every draw: with 8 or 64 ranks and two samples per rank, the split of the
-composed steps stays up to ~1 % above max(goal, length-grouped floor) on some draws (3 of 20 at
-(8, 16) in docs/BENCHMARKS.md, issue 32 part 3), so these tests allow ``SLACK`` on top of it.
+Not met exactly on every draw: with two samples per rank the split of the composed steps stays a
+little above max(goal, length-grouped floor) on some draws (PLAN_VERSION 10, 20 draws per scale in
+docs/BENCHMARKS.md, issue 32 part 4: 2 of 20 at (8, 16), worst 0.46 % over; 1 of 20 at 512 ranks,
+0.10 %; 3 of 20 at 4,096 ranks, 2.7 %). Shorter epochs leave less to trade: one of the fast tests'
+60-step draws at 8 ranks is 1.45 % over. So these tests allow ``SLACK`` on top of it.
 """
 
 import numpy as np
@@ -92,10 +94,10 @@ def test_plan_beats_length_grouping_or_meets_the_goal_bench_sizes(R, N, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.03), (4096, 8192, 24, 0.05)])
+@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.005), (4096, 8192, 24, 0.03)])
 def test_many_ranks_stay_within_the_measured_shortfall(R, N, steps, slack):
     # Not the issue's property: at 512 / 4,096 ranks the plan misses max(goal, LG floor) on some
-    # draws by up to 2.5 % / 3.7 % (PLAN_VERSION 9, 20 draws, docs/BENCHMARKS.md); this guards that
+    # draws by up to 0.10 % / 2.7 % (PLAN_VERSION 10, 20 draws, docs/BENCHMARKS.md); this guards that
     # shortfall from growing.
     for draw in range(4):
         _check(R, N, steps, draw, slack)

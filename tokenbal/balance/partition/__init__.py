@@ -6,7 +6,7 @@
 * :mod:`.grouped` — one large window in a few sorts (:func:`grouped_fill`, the count-mode fill;
   :func:`grouped_stage_fill`, the same for steps of K stages);
 * :mod:`.stages` — steps of K synchronised stages (``Σ_stage max_rank``): refinement inside a step
-  and swaps between the steps of a window;
+  swaps between the steps of a window, and leveling swaps among many steps' bins;
 * :mod:`.compose` — which samples share a step, by their stage-cost vectors (stage mode).
 * :mod:`.padded` — steps for padding collators (``cost="padded"``: ``count × longest`` per micro-batch).
 """
@@ -20,6 +20,7 @@ from tokenbal.balance.partition.solvers import (
     refine_partition,
 )
 from tokenbal.balance.partition.stages import (
+    level_stage_bins,
     refine_stages,
     refine_stages_many,
     stage_objective,
@@ -29,4 +30,4 @@ from tokenbal.balance.partition.window import fill_windows
 
 __all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
            "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows", "grouped_fill",
-           "grouped_stage_fill", "first_fit_decreasing"]
+           "grouped_stage_fill", "first_fit_decreasing", "level_stage_bins"]

@@ -1,12 +1,14 @@
 """Steps made of K synchronised stages (vision tower, then LLM, under FSDP): a step takes
 ``Σ_stage max_rank``. In-step refinement (:func:`refine_stages`, :func:`refine_stages_many`) and swaps
-between the steps of a window (:func:`swap_stages_across_steps`); pure numpy, deterministic."""
+between the steps of a window (:func:`swap_stages_across_steps`), and leveling swaps among all the
+bins of many steps (:func:`level_stage_bins`); pure numpy, deterministic."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["stage_objective", "refine_stages", "refine_stages_many", "swap_stages_across_steps"]
+__all__ = ["stage_objective", "refine_stages", "refine_stages_many", "swap_stages_across_steps",
+           "level_stage_bins"]
 
 # refine_stages stops once a step is within this fraction of its lower bound: the last 0.1% is far
 # below the noise of any real step time and costs most of the rounds.
@@ -231,6 +233,34 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
     return group, bins
 
 
+def level_stage_bins(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, num_bins: int, *,
+                     rounds: int = _LEVEL_ROUNDS, patience: int | None = None, capacity: int | None = None,
+                     capacity_costs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``rounds`` rounds of leveling swaps among all the bins of all the groups (steps of
+    ``num_bins`` bins each), stopping early once ``Σ_group Σ_stage max_bin`` has not fallen for
+    ``patience`` rounds; returns the items' new ``(group, bins)``.
+
+    The first pass of :func:`swap_stages_across_steps` with every group in one window: per round,
+    the bins near their step's maximum in some stage each trade one item for an item of about the
+    same total with less of that stage, or with a bin that has room in it, many disjoint swaps at
+    once (:func:`_level_window`). The maximum of a stage only falls once every bin at it does, so
+    this keeps gaining over hundreds of rounds where single greedy swaps stop. One item for one
+    item (every bin keeps its count, with ``capacity`` no bin's sum of ``capacity_costs`` goes over
+    it); no step's ``Σ_stage max_bin`` ever rises. Deterministic.
+    """
+    c = np.asarray(stage_costs, np.int64)
+    group = np.asarray(group, np.int64)
+    bins = np.asarray(bins, np.int64)
+    R = int(num_bins)
+    if R < 2 or len(c) < 2 or rounds <= 0:
+        return group.copy(), bins.copy()
+    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    g_ids, g_local = np.unique(group, return_inverse=True)
+    new_g, new_b = _level_window(c, tot, g_local.reshape(-1), bins, len(g_ids), R, capacity, int(rounds),
+                                 patience)
+    return g_ids[new_g], new_b
+
+
 def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
                  capacity: int | None, max_rounds: int, never: int) -> tuple[np.ndarray, np.ndarray]:
     n, K = c.shape
@@ -313,7 +343,8 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
 
 
 def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
-                  capacity: int | None, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+                  capacity: int | None, rounds: int, patience: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Rounds of many disjoint one-for-one swaps among the G·R bins of a window (any two bins, of
     the same step or not); returns the items' new (group, bin).
 
@@ -355,9 +386,17 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
     num, den = _LEVEL_TARGET
+    fastest, idle = None, 0
     for rnd in range(rounds):
         per_step = loads.reshape(K, G, R)
         top = per_step.max(2)
+        if patience is not None:
+            # Converged once Σ_step Σ_stage max has not fallen for `patience` rounds.
+            objective = int(top.sum())
+            fastest, idle = ((objective, 0) if fastest is None or objective < fastest
+                             else (fastest, idle + 1))
+            if idle >= patience:
+                break
         mean = -(-per_step.sum(2) // R)
         over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
         room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
