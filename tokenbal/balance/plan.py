@@ -155,7 +155,7 @@ _STAGE_WHOLE_ITEMS = 1 << 18
 # other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
 # ~0.2 us per sample: 40k samples ~9 ms, 196k ~40 ms; the budget caps it near 7 s), stopping once the
 # epoch's stage time has not fallen for _STAGE_LEVEL_PATIENCE rounds. 512 ranks, 40 steps of 1,024,
-# draw 9: 1.1197 unleveled, 1.0996 / 1.0910 / 1.0894 after 64 / 256 / 512 rounds, no gain after ~580;
+# draw 9: 1.1197 unleveled, 1.0996 / 1.0897 / 1.0859 / 1.0829 after 64 / 256 / 512 / 1,024 rounds;
 # 20 draws, worst figure over target: 1.0253 unleveled, 1.0033 after 256 rounds, 1.0018 with a budget
 # of 2^24, 1.0009 with 1,024 rounds. With 8 ranks the time falls in rare steps (every bin at a
 # maximum must drop): patience 64 stopped draw 9 at 1.0186, 256 reached 1.0166 (as 1,024 rounds did).

@@ -386,15 +386,14 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
     num, den = _LEVEL_TARGET
-    fastest, idle = None, 0
+    fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     for rnd in range(rounds):
         per_step = loads.reshape(K, G, R)
         top = per_step.max(2)
         if patience is not None:
-            # Converged once Σ_step Σ_stage max has not fallen for `patience` rounds.
             objective = int(top.sum())
-            fastest, idle = ((objective, 0) if fastest is None or objective < fastest
-                             else (fastest, idle + 1))
+            idle = 0 if fastest is None or objective < fastest else idle + 1
+            fastest = objective if fastest is None else min(fastest, objective)
             if idle >= patience:
                 break
         mean = -(-per_step.sum(2) // R)
