@@ -918,8 +918,6 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
     shuffles steps inside a window)."""
     from tokenbal.balance.partition import level_stage_bins
 
-    if rounds <= 0 or len(perm) < 2 or R < 2:
-        return perm, win, steps_in_win, step_w, rank
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
     g, rank = level_stage_bins(stages[perm], first[win] + step_w, rank, R, rounds=rounds,
                                patience=_STAGE_LEVEL_PATIENCE)
@@ -932,8 +930,7 @@ def _plan_time(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_w
     """``Σ_steps Σ_stages max_rank`` of a fill's (perm, window, steps per window, step, rank)."""
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
     S = int(first[-1])
-    loads = _stage_loads(stages[perm], (first[win] + step_w) * R + rank, S * R)
-    return float(loads.reshape(S, R, -1).max(1).sum())
+    return float(_step_times(stages[perm], (first[win] + step_w) * R + rank, S, R).sum())
 
 
 def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, W: int, R: int,
@@ -976,7 +973,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
             step[idx], rank[idx], _ = grouped_stage_fill(c[idx], steps, R)
             step[idx] += first
             first += steps
-        t = _stage_loads(c, step * R + rank, W * R).reshape(W, R, -1).max(1).sum()
+        t = _step_times(c, step * R + rank, W, R).sum()
         if best is None or t < best[0]:
             best = (t, step, rank)
     _, step, rank = best
@@ -998,7 +995,7 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
     """The ``h`` heaviest of a window's ``W`` steps (by ``Σ_stage max_rank``) planned again by
     :func:`_compose_fill`; returns ``(items, step, rank, time saved)``, unchanged where that is not faster."""
     N = len(items) // W
-    loads = _stage_loads(stages[items], step * R + rank, W * R).reshape(W, R, -1).max(1).sum(1)
+    loads = _step_times(stages[items], step * R + rank, W, R)
     top = np.argsort(-loads, kind="stable")[:h]
     chosen = np.zeros(W, bool)
     chosen[top] = True
@@ -1006,7 +1003,7 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
     p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
                                  np.full((1, h), N, np.int64), R, rng, with_fill=with_fill,
                                  refine_rounds=None if with_fill else _STAGE_REFILL_ROUNDS)
-    redone = _stage_loads(stages[p], st * R + rk, h * R).reshape(h, R, -1).max(1).sum()
+    redone = _step_times(stages[p], st * R + rk, h, R).sum()
     gain = float(loads[top].sum() - redone)
     if gain <= 0:
         return items, step, rank, 0.0
@@ -1020,11 +1017,15 @@ def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
     return np.stack([np.bincount(slot, weights=c[:, k], minlength=slots) for k in range(c.shape[1])], 1)
 
 
+def _step_times(c: np.ndarray, slot: np.ndarray, S: int, R: int) -> np.ndarray:
+    """(S,) Σ_stages max_rank of each of S steps for items ``c`` (n, K) at ``slot`` = step·R + rank."""
+    return _stage_loads(c, slot, S * R).reshape(S, R, -1).max(1).sum(1)
+
+
 def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
                 R: int) -> np.ndarray:
     """(G,) Σ_steps Σ_stages max_rank of each window for items ``c`` at (window, step, rank)."""
-    loads = _stage_loads(c, (win * W + step_w) * R + rank, G * W * R)
-    return loads.reshape(G, W, R, -1).max(2).sum((1, 2))
+    return _step_times(c, (win * W + step_w) * R + rank, G * W, R).reshape(G, W).sum(1)
 
 
 def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of_item: np.ndarray,
