@@ -31,6 +31,10 @@ def cpu_hog():
     hog.wait()
 
 
+# Slow: these compare measured skews and waits with timing tolerances (10-20 %) on a host loaded by
+# design; on the 2-core VM they failed now and then in the default suite (2-constant-work with two
+# suites beside it, 4-alternating-work in a plain `make test`), which CI must not do.
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, pattern, how", [
     (2, "constant", "work"), (2, "alternating", "work"), (2, "none", "work"), (2, "alternating", "sleep"),
     (4, "alternating", "work"), (4, "none", "work")])
