@@ -444,9 +444,14 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
     from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
     from tokenbal.balance.plan import PLAN_VERSION
     from tokenbal.balance.plan import plan_epoch as plan_now
-    from tokenbal.balance.simulate import composition_floor, epoch_stage_figure, length_grouped_steps
+    from tokenbal.balance.simulate import (
+        composition_floor,
+        epoch_stage_figure,
+        equal_count_floor,
+        length_grouped_steps,
+    )
 
-    plan_prev = planner_at(previous)
+    planners = [("now", plan_now)] + ([("prev", planner_at(previous))] if previous != "none" else [])
     model = "square" if model_name == "square" else FlopsModel.qwen2_vl_7b()
     print(f"stage costs: {model_name}; figure = Σ_steps Σ_stages max_rank / (Σ cost / ranks); "
           "floor = Σ_steps Σ_stages max(largest, sum / ranks) of a composition; LG = length-grouped "
@@ -458,8 +463,10 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
         for d in range(draws):
             s = draw_samples(random_mixture(d), steps * N, d)
             c = stage_costs(s, model)
-            row = {"lg": composition_floor(length_grouped_steps(c, N, d), c, R)}
-            for name, fn in (("now", plan_now), ("prev", plan_prev)):
+            lg_steps = length_grouped_steps(c, N, d)
+            row = {"lg": composition_floor(lg_steps, c, R), "lg eq": equal_count_floor(lg_steps, c, R)}
+            row.update({"prev": np.nan, "prev floor": np.nan, "prev cpu": np.nan})
+            for name, fn in planners:
                 try:
                     plan, _, cpu = timed(partial(fn, s.lengths, R, global_batch_size=N, seed=d, cost=c.sum(1),
                                                  stages=c))
@@ -477,7 +484,8 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
             rows.append(row)
             print(f"    ({R}, {N}) draw {d}: now {row['now']:.4f} (floor {row['now floor']:.4f}, "
                   f"{row['now cpu']:.2f} s) | prev {row['prev']:.4f} (floor {row['prev floor']:.4f}, "
-                  f"{row['prev cpu']:.2f} s) | LG floor {row['lg']:.4f} | target {row['target']:.4f}",
+                  f"{row['prev cpu']:.2f} s) | LG floor {row['lg']:.4f} (equal counts {row['lg eq']:.4f}) | "
+                  f"target {row['target']:.4f}",
                   flush=True)
 
         def col(k: str, rows: list = rows) -> np.ndarray:
@@ -494,7 +502,13 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
               f"({int((over_now <= 1).sum())}/{draws} <= 1), prev worst {np.nanmax(over_prev):.4f} "
               f"({int((over_prev <= 1).sum())}/{draws}); plan CPU median now "
               f"{np.median(col('now cpu')):.2f} s, "
-              f"prev {np.median(col('prev cpu')):.2f} s")
+              f"prev {np.nanmedian(col('prev cpu')):.2f} s")
+        # What a length-grouped composition could reach at best with the same number of samples on
+        # every rank (HF's per_device_train_batch_size): above the plan on a draw, no such split of
+        # length-grouped steps beats the plan there.
+        print(f"  ({R}, {N}) now / LG floor with equal counts (equal_count_floor): worst "
+              f"{np.max(col('now') / col('lg eq')):.4f}, median {np.median(col('now') / col('lg eq')):.4f}, "
+              f"{int((col('now') <= col('lg eq')).sum())}/{draws} draws <= 1")
         if repeat_draws:
             rep = rows[:repeat_draws]
             print(f"  ({R}, {N}) step mates meeting again next epoch (draws 0..{repeat_draws - 1}): now "
@@ -675,7 +689,7 @@ def main() -> None:
     ap.add_argument("--previous", default=V9_COMMIT, metavar="COMMIT",
                     help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
                     f"beside the current one (default {V9_COMMIT}, PLAN_VERSION 9; {V8_COMMIT}: "
-                    f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6)")
+                    f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6; none: --mixtures without it)")
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
                     "PLAN_VERSION 7 in the same run")

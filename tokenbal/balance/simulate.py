@@ -20,7 +20,8 @@ from tokenbal.balance.settings import PlanSettings
 
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
-           "Simulation", "epoch_stage_figure", "composition_floor", "length_grouped_steps"]
+           "Simulation", "epoch_stage_figure", "composition_floor", "equal_count_floor",
+           "length_grouped_steps"]
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -278,6 +279,48 @@ def composition_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ran
     total = c.sum()
     return float(np.maximum(big, sums / R).sum() / (total / R)) if total > 0 else 1.0
 
+
+
+def equal_count_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
+    """A lower bound on what any split of given steps with the same number of samples on every rank
+    (``k = step size / ranks``, as ``per_device_train_batch_size`` gives a length-grouped sampler)
+    could reach, over the ideal: ``Σ_steps Σ_stages`` of
+
+    - ``k == 2``: the largest-with-smallest pairing's largest pair, the least any pairing's largest
+      pair can be in that stage (sort, pair the i-th largest with the i-th smallest);
+    - other ``k``: ``max(largest + the k - 1 smallest, stage sum / ranks)``;
+    - a step whose size ranks do not divide: ``max(largest, stage sum / ranks)``, as
+      :func:`composition_floor`.
+
+    Each stage is bounded on its own, so no split reaches the bound unless one split is best in every
+    stage; it is at least :func:`composition_floor`. ``step_of_item``: step per sample (-1: not planned)."""
+    c = np.asarray(stage_costs, np.float64)
+    if c.ndim == 1:
+        c = c[:, None]
+    step = np.asarray(step_of_item, np.int64)
+    keep = step >= 0
+    step, c = step[keep], c[keep]
+    R = int(num_ranks)
+    total = c.sum()
+    if total <= 0:
+        return 1.0
+    size = np.bincount(step)
+    out = 0.0
+    for m in np.unique(size[size > 0]):
+        rows = np.flatnonzero(size == m)
+        mine = np.isin(step, rows)
+        s_of = np.searchsorted(rows, step[mine])
+        for k in range(c.shape[1]):
+            x = c[mine, k]
+            v = x[np.lexsort((x, s_of))].reshape(len(rows), m)        # each step's samples, ascending
+            mean = v.sum(1) / R
+            if m % R or m < R:
+                out += np.maximum(v[:, -1], mean).sum()
+            elif m == 2 * R:
+                out += (v[:, :R] + v[:, ::-1][:, :R]).max(1).sum()
+            else:
+                out += np.maximum(v[:, -1] + v[:, :m // R - 1].sum(1), mean).sum()
+    return float(out / (total / R))
 
 def length_grouped_steps(costs: np.ndarray, global_batch_size: int, seed: int = 0, mega_steps: int = 50
                          ) -> np.ndarray:

@@ -45,3 +45,47 @@ def test_steps_floor_is_largest_or_mean_per_stage():
     # step 0 = items 0, 1 (2 ranks): vision max(10, 11/2) + language max(1, 1/2);
     # step 1: max(1, 1/2) + max(8, 9/2)
     assert np.allclose(steps_floor(c, np.array([0, 2]), 2), [11.0, 9.0])
+
+
+def _best_equal_split(c: np.ndarray, R: int) -> float:
+    """Σ_stage max_rank of the best split of one step's items ``c`` (m, K), m / R on every rank, by
+    trying every split."""
+    from itertools import combinations
+
+    def best(items: tuple[int, ...], bins: int) -> list[np.ndarray]:
+        if bins == 1:
+            return [c[list(items)].sum(0)]
+        k = len(items) // bins
+        first, rest = items[0], items[1:]
+        out = []
+        for mates in combinations(rest, k - 1):
+            load = c[[first, *mates]].sum(0)
+            left = tuple(i for i in rest if i not in mates)
+            out += [np.maximum(load, other) for other in best(left, bins - 1)]
+        return out
+
+    return min(float(x.sum()) for x in best(tuple(range(len(c))), R))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), R=st.sampled_from([2, 3]), k=st.sampled_from([1, 2, 3]),
+       K=st.sampled_from([1, 2]), steps=st.integers(1, 3))
+def test_equal_count_floor_bounds_every_equal_split_and_is_exact_for_pairs_of_one_stage(seed, R, k, K,
+                                                                                       steps):
+    from tokenbal.balance.simulate import equal_count_floor
+
+    rng = np.random.default_rng(seed)
+    m = R * k
+    c = rng.integers(0, 50, (steps * m, K)) ** 2          # lumpy, with ties and zeros
+    step = rng.permutation(np.arange(steps * m) // m)
+    total = c.sum()
+    best = sum(_best_equal_split(c[step == s], R) for s in range(steps)) / (total / R) if total else 1.0
+    floor = equal_count_floor(step, c, R)
+    assert composition_floor(step, c, R) <= floor * (1 + 1e-12)
+    assert floor <= best * (1 + 1e-12)
+    if K == 1 and k <= 2:                                  # one stage: sorted pairing is the best split
+        assert np.isclose(floor, best)
+    # A step of another size (no equal split) keeps composition_floor's bound.
+    odd = np.append(step, steps)
+    c_odd = np.vstack([c, np.ones((1, K), np.int64)])
+    assert equal_count_floor(odd, c_odd, R) >= composition_floor(odd, c_odd, R) * (1 - 1e-12)
