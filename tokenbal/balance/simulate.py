@@ -261,15 +261,20 @@ def epoch_stage_figure(plan: EpochPlan, stage_costs: np.ndarray) -> float:
     return float(loads.reshape(-1, R, c.shape[1]).max(1).sum() / (total / R)) if total > 0 else 1.0
 
 
-def composition_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
-    """What the best split of given steps could reach: ``Σ_steps Σ_stages max(largest sample,
-    stage sum / ranks)`` over the ideal. ``step_of_item``: step per sample (-1: not planned)."""
+def _planned(step_of_item: np.ndarray, stage_costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step, (n, K) float64 costs) of the planned samples (step >= 0)."""
     c = np.asarray(stage_costs, np.float64)
     if c.ndim == 1:
         c = c[:, None]
     step = np.asarray(step_of_item, np.int64)
     keep = step >= 0
-    step, c = step[keep], c[keep]
+    return step[keep], c[keep]
+
+
+def composition_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
+    """What the best split of given steps could reach: ``Σ_steps Σ_stages max(largest sample,
+    stage sum / ranks)`` over the ideal. ``step_of_item``: step per sample (-1: not planned)."""
+    step, c = _planned(step_of_item, stage_costs)
     S = int(step.max(initial=-1)) + 1
     R = int(num_ranks)
     sums = np.zeros((S, c.shape[1]))
@@ -278,7 +283,6 @@ def composition_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ran
     np.maximum.at(big, step, c)
     total = c.sum()
     return float(np.maximum(big, sums / R).sum() / (total / R)) if total > 0 else 1.0
-
 
 
 def equal_count_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
@@ -294,12 +298,7 @@ def equal_count_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ran
 
     Each stage is bounded on its own, so no split reaches the bound unless one split is best in every
     stage; it is at least :func:`composition_floor`. ``step_of_item``: step per sample (-1: not planned)."""
-    c = np.asarray(stage_costs, np.float64)
-    if c.ndim == 1:
-        c = c[:, None]
-    step = np.asarray(step_of_item, np.int64)
-    keep = step >= 0
-    step, c = step[keep], c[keep]
+    step, c = _planned(step_of_item, stage_costs)
     R = int(num_ranks)
     total = c.sum()
     if total <= 0:
@@ -314,13 +313,14 @@ def equal_count_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ran
             x = c[mine, k]
             v = x[np.lexsort((x, s_of))].reshape(len(rows), m)        # each step's samples, ascending
             mean = v.sum(1) / R
-            if m % R or m < R:
+            if m % R:
                 out += np.maximum(v[:, -1], mean).sum()
             elif m == 2 * R:
                 out += (v[:, :R] + v[:, ::-1][:, :R]).max(1).sum()
             else:
                 out += np.maximum(v[:, -1] + v[:, :m // R - 1].sum(1), mean).sum()
     return float(out / (total / R))
+
 
 def length_grouped_steps(costs: np.ndarray, global_batch_size: int, seed: int = 0, mega_steps: int = 50
                          ) -> np.ndarray:
