@@ -449,6 +449,7 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
         epoch_stage_figure,
         equal_count_floor,
         length_grouped_steps,
+        split_figure,
     )
 
     planners = [("now", plan_now)] + ([("prev", planner_at(previous))] if previous != "none" else [])
@@ -464,7 +465,8 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
             s = draw_samples(random_mixture(d), steps * N, d)
             c = stage_costs(s, model)
             lg_steps = length_grouped_steps(c, N, d)
-            row = {"lg": composition_floor(lg_steps, c, R), "lg eq": equal_count_floor(lg_steps, c, R)}
+            row = {"lg": composition_floor(lg_steps, c, R), "lg eq": equal_count_floor(lg_steps, c, R),
+                   "lg split": split_figure(lg_steps, c, R)}
             row.update({"prev": np.nan, "prev floor": np.nan, "prev cpu": np.nan})
             for name, fn in planners:
                 try:
@@ -482,33 +484,45 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
                     row[name + " repeat"], row["chance"] = _pairs_again(plan, nxt)
             row["target"] = max(goal, row["lg"])
             rows.append(row)
+            prev_part = ("" if previous == "none" else f" | prev {row['prev']:.4f} (floor "
+                         f"{row['prev floor']:.4f}, {row['prev cpu']:.2f} s)")
             print(f"    ({R}, {N}) draw {d}: now {row['now']:.4f} (floor {row['now floor']:.4f}, "
-                  f"{row['now cpu']:.2f} s) | prev {row['prev']:.4f} (floor {row['prev floor']:.4f}, "
-                  f"{row['prev cpu']:.2f} s) | LG floor {row['lg']:.4f} (equal counts {row['lg eq']:.4f}) | "
-                  f"target {row['target']:.4f}",
+                  f"{row['now cpu']:.2f} s){prev_part} | LG floor {row['lg']:.4f} "
+                  f"(equal counts {row['lg eq']:.4f}, "
+                  f"split by tokenbal {row['lg split']:.4f}) | target {row['target']:.4f}",
                   flush=True)
 
         def col(k: str, rows: list = rows) -> np.ndarray:
             return np.array([r[k] for r in rows])
 
         over_now = col("now") / col("target")
-        over_prev = col("prev") / col("target")
+        prev = ""
+        if previous != "none":
+            over_prev = col("prev") / col("target")
+            prev = (f"; prev worst {np.nanmax(col('prev')):.4f} median {np.nanmedian(col('prev')):.4f}, "
+                    f"over target worst {np.nanmax(over_prev):.4f} "
+                    f"({int((over_prev <= 1).sum())}/{draws} <= 1), "
+                    f"plan CPU median {np.nanmedian(col('prev cpu')):.2f} s")
         print(f"  ({R}, {N}), {steps} steps, {draws} draws, goal {goal}: now worst "
-              f"{np.nanmax(col('now')):.4f} "
-              f"median {np.nanmedian(col('now')):.4f}; prev worst {np.nanmax(col('prev')):.4f} median "
-              f"{np.nanmedian(col('prev')):.4f}; LG floor worst {col('lg').max():.4f} median "
-              f"{np.median(col('lg')):.4f}; figure / max(goal, LG floor): now worst "
-              f"{np.nanmax(over_now):.4f} "
-              f"({int((over_now <= 1).sum())}/{draws} <= 1), prev worst {np.nanmax(over_prev):.4f} "
-              f"({int((over_prev <= 1).sum())}/{draws}); plan CPU median now "
-              f"{np.median(col('now cpu')):.2f} s, "
-              f"prev {np.nanmedian(col('prev cpu')):.2f} s")
+              f"{np.nanmax(col('now')):.4f} median {np.nanmedian(col('now')):.4f}, "
+              f"figure / max(goal, LG floor) worst {np.nanmax(over_now):.4f} "
+              f"({int((over_now <= 1).sum())}/{draws} <= 1), plan CPU median "
+              f"{np.median(col('now cpu')):.2f} s; LG floor worst {col('lg').max():.4f} median "
+              f"{np.median(col('lg')):.4f}{prev}")
         # What a length-grouped composition could reach at best with the same number of samples on
         # every rank (HF's per_device_train_batch_size): above the plan on a draw, no such split of
         # length-grouped steps beats the plan there.
+        over_eq = col("now") / np.maximum(goal, col("lg eq"))
         print(f"  ({R}, {N}) now / LG floor with equal counts (equal_count_floor): worst "
               f"{np.max(col('now') / col('lg eq')):.4f}, median {np.median(col('now') / col('lg eq')):.4f}, "
-              f"{int((col('now') <= col('lg eq')).sum())}/{draws} draws <= 1")
+              f"{int((col('now') <= col('lg eq')).sum())}/{draws} draws <= 1; "
+              f"now / max(goal, that floor): worst {over_eq.max():.4f}, "
+              f"{int((over_eq <= 1).sum())}/{draws} draws <= 1")
+        # The compositions compared under one split: the plan against length-grouped steps split the
+        # way the planner splits its own (a figure, not a bound).
+        vs_split = col("now") / col("lg split")
+        print(f"  ({R}, {N}) now / LG steps split by tokenbal: worst {vs_split.max():.4f}, median "
+              f"{np.median(vs_split):.4f}, {int((vs_split <= 1).sum())}/{draws} draws <= 1")
         if repeat_draws:
             rep = rows[:repeat_draws]
             print(f"  ({R}, {N}) step mates meeting again next epoch (draws 0..{repeat_draws - 1}): now "

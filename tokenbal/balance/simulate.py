@@ -21,7 +21,7 @@ from tokenbal.balance.settings import PlanSettings
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
            "Simulation", "epoch_stage_figure", "composition_floor", "equal_count_floor",
-           "length_grouped_steps"]
+           "split_figure", "length_grouped_steps"]
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -320,6 +320,30 @@ def equal_count_floor(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ran
             else:
                 out += np.maximum(v[:, -1] + v[:, :m // R - 1].sum(1), mean).sum()
     return float(out / (total / R))
+
+
+def split_figure(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: int) -> float:
+    """The epoch figure (as :func:`epoch_stage_figure`) of given steps split the way the planner splits
+    the steps it composes (version 7's split: largest first into the least loaded rank, or the profile
+    fill, whichever ends faster after stage swaps and moves inside each step; any number of samples
+    per rank), with no sample changing step. Against a plan's figure it compares two compositions
+    under one split; unlike :func:`composition_floor` it is a split someone gets, not a bound.
+    ``step_of_item``: step per sample (-1: not planned)."""
+    from tokenbal.balance.cost import to_int_costs
+    from tokenbal.balance.plan import _compose_fill, _step_times
+
+    step, c = _planned(step_of_item, stage_costs)
+    total = c.sum()
+    if total <= 0:
+        return 1.0
+    R = int(num_ranks)
+    S = int(step.max()) + 1
+    ints = to_int_costs(c.reshape(-1)).reshape(c.shape)
+    perm = np.argsort(step, kind="stable")
+    caps = np.bincount(step, minlength=S)[:, None]
+    # Every step its own window of one step: the composition has nothing left to choose, only the split.
+    p, _, _, rank = _compose_fill(ints.sum(1), ints, perm, step[perm], caps, R, None)
+    return float(_step_times(c[p], step[p] * R + rank, S, R).sum() / (total / R))
 
 
 def length_grouped_steps(costs: np.ndarray, global_batch_size: int, seed: int = 0, mega_steps: int = 50

@@ -89,3 +89,31 @@ def test_equal_count_floor_bounds_every_equal_split_and_is_exact_for_pairs_of_on
     odd = np.append(step, steps)
     c_odd = np.vstack([c, np.ones((1, K), np.int64)])
     assert equal_count_floor(odd, c_odd, R) >= composition_floor(odd, c_odd, R) * (1 - 1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), R=st.sampled_from([2, 3, 4]), per=st.sampled_from([1, 2, 3]),
+       K=st.sampled_from([1, 2]), steps=st.integers(1, 4))
+def test_split_figure_is_a_split_of_the_given_steps(seed, R, per, K, steps):
+    from tokenbal.balance.simulate import split_figure
+
+    rng = np.random.default_rng(seed)
+    m = R * per
+    c = rng.integers(1, 50, (steps * m, K)) ** 2
+    step = rng.permutation(np.arange(steps * m) // m)
+    figure = split_figure(step, c, R)
+    # A split of those steps: never under their floor, and on it where one sample per rank is best.
+    assert figure >= composition_floor(step, c, R) * (1 - 1e-12)
+    if per == 1:
+        assert np.isclose(figure, composition_floor(step, c, R))
+    # Only which samples share a step matters: the same steps under other labels, and unplanned
+    # samples (-1) added, give the same figure.
+    relabel = rng.permutation(steps)[step]
+    assert np.isclose(split_figure(relabel, c, R), figure)
+    extra = np.append(step, [-1, -1])
+    assert np.isclose(split_figure(extra, np.vstack([c, np.full((2, K), 10**6)]), R), figure)
+    # Every sample in a step of its own (R ranks, one each) of a single-stage cost: the figure is
+    # Σ_steps largest over ideal.
+    one = np.arange(R * 2) // R
+    x = np.arange(1, R * 2 + 1)[:, None]
+    assert np.isclose(split_figure(one, x, R), (R + 2 * R) / (x.sum() / R))
