@@ -699,7 +699,8 @@ def main() -> None:
                     help="only token-budget mode (max_tokens_per_rank=16384) next to trl's BFD pack_dataset")
     ap.add_argument("--mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: stage balance over DRAWS random mixtures at every scale, the planner "
-                    "at --previous in the same run")
+                    "at --previous in the same run, against the length-grouped composition's floor, its "
+                    "equal-count floor and its split by tokenbal's split (simulate.split_figure)")
     ap.add_argument("--previous", default=V9_COMMIT, metavar="COMMIT",
                     help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
                     f"beside the current one (default {V9_COMMIT}, PLAN_VERSION 9; {V8_COMMIT}: "
