@@ -13,9 +13,9 @@ import numpy as np
 from tokenbal._checks import check_lengths
 from tokenbal._checks import nonneg_int as _nonneg_int
 from tokenbal._checks import positive_int as _positive_int
-from tokenbal.balance.cost import resolve
+from tokenbal.balance.cost import resolve, to_int_costs
 from tokenbal.balance.partition import partition
-from tokenbal.balance.plan import EpochPlan, plan_epoch
+from tokenbal.balance.plan import EpochPlan, _compose_fill, _step_times, plan_epoch
 from tokenbal.balance.settings import PlanSettings
 
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
@@ -328,15 +328,13 @@ def split_figure(step_of_item: np.ndarray, stage_costs: np.ndarray, num_ranks: i
     fill, whichever ends faster after stage swaps and moves inside each step; any number of samples
     per rank), with no sample changing step. Against a plan's figure it compares two compositions
     under one split; unlike :func:`composition_floor` it is a split someone gets, not a bound.
-    ``step_of_item``: step per sample (-1: not planned)."""
-    from tokenbal.balance.cost import to_int_costs
-    from tokenbal.balance.plan import _compose_fill, _step_times
-
+    ``step_of_item``: step per sample (-1: not planned; labels need not be contiguous)."""
     step, c = _planned(step_of_item, stage_costs)
     total = c.sum()
     if total <= 0:
         return 1.0
     R = int(num_ranks)
+    _, step = np.unique(step, return_inverse=True)
     S = int(step.max()) + 1
     ints = to_int_costs(c.reshape(-1)).reshape(c.shape)
     perm = np.argsort(step, kind="stable")

@@ -106,9 +106,9 @@ def test_split_figure_is_a_split_of_the_given_steps(seed, R, per, K, steps):
     assert figure >= composition_floor(step, c, R) * (1 - 1e-12)
     if per == 1:
         assert np.isclose(figure, composition_floor(step, c, R))
-    # Only which samples share a step matters: the same steps under other labels, and unplanned
+    # Only which samples share a step matters: the same steps under other labels (with gaps), and unplanned
     # samples (-1) added, give the same figure.
-    relabel = rng.permutation(steps)[step]
+    relabel = (rng.permutation(steps) * 3)[step]
     assert np.isclose(split_figure(relabel, c, R), figure)
     extra = np.append(step, [-1, -1])
     assert np.isclose(split_figure(extra, np.vstack([c, np.full((2, K), 10**6)]), R), figure)
