@@ -393,6 +393,7 @@ V6_COMMIT = "df34147"           # main with PLAN_VERSION 6 (tokenbal/balance as 
 V7_COMMIT = "8e630dd"           # main with PLAN_VERSION 7 (issue 32, part 1: stage composition)
 V8_COMMIT = "54ee978"           # main with PLAN_VERSION 8 (issue 32, part 2: tokens mode; stage plans as v7)
 V9_COMMIT = "96a634c"           # main with PLAN_VERSION 9 (issue 32, part 3: the grouped stage fill)
+V10_COMMIT = "1f0ba66"          # main with PLAN_VERSION 10 (issue 32, part 4: short stage epochs leveled)
 TOKEN_POINTS = ((8, 16, 4000), (64, 128, 1000), (512, 1024, 200), (512, 1024, 976), (4096, 8192, 60))
 MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
@@ -435,7 +436,7 @@ def _steps_of(plan, n: int) -> np.ndarray:
 
 
 def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int,
-                   previous: str = V9_COMMIT) -> None:
+                   previous: str = V10_COMMIT) -> None:
     """Worst / median over random mixture draws (tokenbal.balance.mixtures) of the epoch's stage figure
     Σ_steps Σ_stages max_rank / ideal: the plan now, the planner at git commit ``previous`` (same
     process; "prev"), and the floors of their compositions and of a length-grouped composition (HF's
@@ -502,7 +503,8 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
             prev = (f"; prev worst {np.nanmax(col('prev')):.4f} median {np.nanmedian(col('prev')):.4f}, "
                     f"over target worst {np.nanmax(over_prev):.4f} "
                     f"({int((over_prev <= 1).sum())}/{draws} <= 1), "
-                    f"plan CPU median {np.nanmedian(col('prev cpu')):.2f} s")
+                    f"plan CPU median {np.nanmedian(col('prev cpu')):.2f} s; now <= prev on "
+                    f"{int((col('now') <= col('prev')).sum())}/{draws} draws")
         print(f"  ({R}, {N}), {steps} steps, {draws} draws, goal {goal}: now worst "
               f"{np.nanmax(col('now')):.4f} median {np.nanmedian(col('now')):.4f}, "
               f"figure / max(goal, LG floor) worst {np.nanmax(over_now):.4f} "
@@ -575,6 +577,7 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: str | No
 
     from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
     from tokenbal.balance.plan import plan_epoch as plan_now
+    from tokenbal.balance.simulate import epoch_stage_figure
 
     kw = {}
     if mmap:
@@ -597,16 +600,18 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: str | No
         if stages:
             c = stage_costs(s)
             kw = {"cost": c.sum(1), "stages": c}
-            del c
         lengths = s.lengths
         del s
     runs = [("now", plan_now)] + ([(previous, planner_at(previous))] if previous else [])
     for name, fn in runs:
-        _, _, cpu = timed(partial(fn, lengths, R, global_batch_size=2 * R, seed=seed, **kw))
+        plan, _, cpu = timed(partial(fn, lengths, R, global_batch_size=2 * R, seed=seed, **kw))
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         mode = "stages" if stages else "tokens"
+        # With stages, the epoch figure (Σ_steps Σ_stages max_rank / ideal) of the plan timed.
+        figure = f", epoch figure {epoch_stage_figure(plan, kw['stages']):.4f}" if stages else ""
+        del plan
         print(f"plan_epoch {name}: {n} samples, {R} ranks, N={2 * R}, {mode}: CPU "
-              f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB", flush=True)
+              f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB{figure}", flush=True)
 
 
 PADDED_POINTS = ((2, 4, 1), (8, 4, 1), (8, 2, 2), (2, 8, 1))   # (ranks, per-device batch, grad accum)
@@ -701,9 +706,10 @@ def main() -> None:
                     help="issue 32: stage balance over DRAWS random mixtures at every scale, the planner "
                     "at --previous in the same run, against the length-grouped composition's floor, its "
                     "equal-count floor and its split by tokenbal's split (simulate.split_figure)")
-    ap.add_argument("--previous", default=V9_COMMIT, metavar="COMMIT",
+    ap.add_argument("--previous", default=V10_COMMIT, metavar="COMMIT",
                     help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
-                    f"beside the current one (default {V9_COMMIT}, PLAN_VERSION 9; {V8_COMMIT}: "
+                    f"beside the current one (default {V10_COMMIT}, PLAN_VERSION 10; {V9_COMMIT}: "
+                    f"PLAN_VERSION 9; {V8_COMMIT}: "
                     f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6; none: --mixtures without it)")
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "

@@ -23,7 +23,9 @@ How a plan is made
    rounds on the summed cost, then the bins cut into steps along the order with the lowest
    ``Σ_stage max_rank``), and the heaviest steps (up to ``_STAGE_REFILL_ITEMS`` samples) composed
    again by version 7's stage composition, kept where faster (``_plan_stage_window``); a short epoch
-   is also planned whole by version 7 and the faster plan kept. *With a token budget*:
+   is also planned whole by version 7 and the faster plan kept, then leveled by swaps among all its
+   steps (PLAN_VERSION 10), and its heaviest steps composed again from their pooled samples where
+   that is faster (PLAN_VERSION 11, ``_level_stage_plan``). *With a token budget*:
    :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that
    hold a big sample with the next big ones, otherwise least-loaded rank) over windows of
    :func:`default_window` steps. Balancing a whole window is what makes heavy-tailed data
@@ -83,7 +85,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 10
+PLAN_VERSION = 11
 # global_batch_size mode: the window fill places up to this many items per rank per window in
 # one vectorised round (0 or 1/R: the exact one-item-at-a-time loop). Measured with
 # scripts/bench_balance.py at (512 ranks, N=1024, 400 steps, seed 0), mean / p95 of per-step
@@ -163,6 +165,12 @@ _STAGE_WHOLE_ITEMS = 1 << 18
 _STAGE_LEVEL_ROUNDS = 1024
 _STAGE_LEVEL_WORK = 1 << 25
 _STAGE_LEVEL_PATIENCE = 256
+# Stage mode, last (PLAN_VERSION 11; short epochs after the leveling): the heaviest 2 / 4 / 8 / 16 steps
+# (up to 2^16 samples) composed again from their pooled samples, the best pool kept where faster;
+# 0: off. 4,096 ranks, 24 steps, 20 square draws: 11 faster, none slower, draw 9 1.1812 -> 1.1205
+# (target 1.1496), worst over target 2.75 % -> 1.20 %, for ~3 s more CPU per plan. See
+# docs/bench/balance.md, "PLAN_VERSION 11".
+_STAGE_POOL = 1
 # Count mode (no stages): items per window of the grouped fill (_plan_counts); the jitter of the sizes it
 # sorts; the window fill is run beside it where ceil(items / batch) × bins is at most _FILL_WORK.
 _GROUPED_ITEMS = 1 << 22
@@ -893,7 +901,7 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     grouped = (np.concatenate([p for p, _, _ in parts]), win, steps_in_win,
                np.concatenate([st for _, st, _ in parts]), np.concatenate([rk for _, _, rk in parts]))
     if not short:
-        return grouped
+        return _level_stage_plan(stages, *grouped, R, 0)
     # A short epoch is also planned whole by version 7's composition (with its tail step, which then
     # trades samples with the others); the faster of the two plans is kept.
     zero = np.zeros(len(perm), np.int64)
@@ -908,19 +916,28 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
                       step_w: np.ndarray, rank: np.ndarray, R: int, rounds: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A stage plan (perm, window, steps per window, step, rank) after ``rounds`` rounds of leveling
-    swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`).
+    swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`; long epochs:
+    none) and the pooling of its heaviest steps.
 
     The composition and the split were chosen by floors, and by greedy swaps that stop where one swap
     alone gains nothing. With a couple of samples per rank what remains is the pairing: a step of like
     samples still has ranks whose two samples are both heavy in one stage, and the cure is to trade
     one of them for a sample of about the same total with less of that stage, from any step. No step
     gets slower and every step keeps its sample count; samples may change windows (the caller only
-    shuffles steps inside a window)."""
-    from tokenbal.balance.partition import level_stage_bins
+    shuffles steps inside a window).
+
+    Swaps cannot fix a heavy step whose samples do not pair off, so the heaviest steps are then
+    composed again from their pooled samples (:func:`tokenbal.balance.partition.pool_heaviest_steps`,
+    PLAN_VERSION 11): every step keeps its sample count, and the pooled steps are kept only where
+    together they get faster."""
+    from tokenbal.balance.partition import level_stage_bins, pool_heaviest_steps
 
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
-    g, rank = level_stage_bins(stages[perm], first[win] + step_w, rank, R, rounds=rounds,
-                               patience=_STAGE_LEVEL_PATIENCE)
+    g = first[win] + step_w
+    if rounds > 0:
+        g, rank = level_stage_bins(stages[perm], g, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE)
+    if _STAGE_POOL:
+        g, rank = pool_heaviest_steps(stages[perm], g, rank, R)
     win = np.searchsorted(first, g, side="right") - 1
     return perm, win, steps_in_win, g - first[win], rank
 

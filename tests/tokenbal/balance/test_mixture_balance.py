@@ -9,9 +9,9 @@ The fast tests use a few dozen steps per draw; the full scales are in the slow t
 ``scripts/bench_balance.py --mixtures``.
 
 Not met exactly on every draw: with two samples per rank the split of the composed steps stays a
-little above max(goal, length-grouped floor) on some draws (PLAN_VERSION 10, 20 draws per scale in
-docs/BENCHMARKS.md, issue 32 part 4: 2 of 20 at (8, 16), worst 0.46 % over; 1 of 20 at 512 ranks,
-0.10 %; 3 of 20 at 4,096 ranks, 2.7 %). Shorter epochs leave less to trade: one of the fast tests'
+little above max(goal, length-grouped floor) on some draws (PLAN_VERSION 11, 20 draws per scale in
+docs/BENCHMARKS.md, issue 32 part 7: 2 of 20 at (8, 16), worst 0.46 % over; 1 of 20 at 512 ranks,
+0.10 %; 2 of 20 at 4,096 ranks, 1.2 %). Shorter epochs leave less to trade: one of the fast tests'
 60-step draws at 8 ranks is 1.45 % over. So these tests allow ``SLACK`` on top of it.
 
 That floor is a bound no split reaches with two samples per rank. What a length-grouped sampler can
@@ -146,13 +146,21 @@ def test_plan_beats_length_grouping_or_meets_the_goal_bench_sizes(R, N, steps):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.005), (4096, 8192, 24, 0.03)])
+@pytest.mark.parametrize("R, N, steps, slack", [(512, 1024, 40, 0.005), (4096, 8192, 24, 0.015)])
 def test_many_ranks_stay_within_the_measured_shortfall(R, N, steps, slack):
-    # Not the issue's property: at 512 / 4,096 ranks the plan misses max(goal, LG floor) on some
-    # draws by up to 0.10 % / 2.7 % (PLAN_VERSION 10, 20 draws, docs/BENCHMARKS.md); this guards that
-    # shortfall from growing.
+    # Not the issue's property: at 512 / 4,096 ranks the plan misses max(goal, LG floor) on one draw
+    # of 20 each, by 0.11 % / 1.2 % (PLAN_VERSION 11, docs/BENCHMARKS.md); this guards that shortfall
+    # from growing (draw 4 at 4,096 ranks is the 1.2 %).
     for draw in range(4):
         _check(R, N, steps, draw, slack)
+
+
+@pytest.mark.slow
+def test_pooling_the_heaviest_steps_brings_a_4096_rank_draw_onto_the_target():
+    # Draw 9 at 4,096 ranks: PLAN_VERSION 10 ended 2.7 % over max(goal, LG floor) (1.1812 against
+    # 1.1496): its heaviest step's samples do not pair off and swaps could not fix it. Pooled with the
+    # next heavy steps and dealt again (partition.pool_heaviest_steps) it meets the target, no slack.
+    _check(4096, 8192, 24, 9, slack=0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -432,3 +432,50 @@ def test_leveling_keeps_gaining_over_hundreds_of_rounds():
     # Patience stops early, between the two.
     patient = excess(*level_stage_bins(c, group, bins, 64, rounds=1024, patience=32))
     assert many <= patient < few
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 10), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 2**32 - 1), st.booleans())
+def test_pooling_the_heaviest_steps_keeps_every_guarantee(num_bins, steps, per_bin, stages, seed, ragged):
+    from tokenbal.balance.partition import pool_heaviest_steps
+
+    # Every step keeps its sample count (bins may not), the steps together never get slower, group ids
+    # are the given ones, deterministic; a ragged last step is never pooled.
+    rng = np.random.default_rng(seed)
+    sizes = np.full(steps, num_bins * per_bin)
+    if ragged:
+        sizes[-1] = rng.integers(1, num_bins * per_bin)
+    group = np.repeat(np.arange(steps) * 5 + 1, sizes)                       # sparse ids
+    n = len(group)
+    c = np.concatenate([_mixture(n, seed), rng.integers(0, 500, (n, 1))], 1)[:, :stages]
+    bins = np.concatenate([rng.permutation(np.arange(size) % num_bins) for size in sizes])
+    g, b = pool_heaviest_steps(c, group, bins, num_bins)
+    assert g.shape == b.shape == group.shape and (b >= 0).all() and (b < num_bins).all()
+    ids = 5 * steps + 1
+    assert np.array_equal(np.bincount(g, minlength=ids), np.bincount(group, minlength=ids))
+    if ragged and steps > 1:
+        last = group == group[-1]
+        assert np.array_equal(g[last], group[last]) and np.array_equal(b[last], bins[last])
+    before = _objectives(c, (group - 1) // 5, bins, num_bins).sum()
+    assert _objectives(c, (g - 1) // 5, b, num_bins).sum() <= before
+    again = pool_heaviest_steps(c, group, bins, num_bins)
+    assert np.array_equal(again[0], g) and np.array_equal(again[1], b)
+
+
+def test_pooling_fixes_a_heavy_step_that_swaps_cannot():
+    from tokenbal.balance.partition import level_stage_bins, pool_heaviest_steps
+
+    # 4 ranks, 2 samples each. The heavy step's vision costs (8 x 6, 2 x 2) do not pair off: its best
+    # split is 16; the light step (4 x 8) has the small partners the 8s need. One-for-one swaps
+    # between the two steps only move the maximum (an 8 for a 4 makes a 12 in both steps: 16 + 8 ->
+    # 12 + 12), but pooled, every 8 gets a 2 or a 4: bins 12, 12, 12, 12 | 10, 10, 8, 8 = 12 + 10.
+    vision = np.array([8, 8, 8, 8, 8, 8, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4])
+    c = np.stack([vision, np.ones_like(vision)], 1)
+    group = np.repeat([0, 1], 8)
+    bins = np.array([0, 0, 1, 1, 2, 3, 2, 3, 0, 0, 1, 1, 2, 2, 3, 3])
+    assert _objectives(c, group, bins, 4).sum() == (16 + 2) + (8 + 2)
+    leveled = _objectives(c, *level_stage_bins(c, group, bins, 4, rounds=1024), 4).sum()
+    g, b = pool_heaviest_steps(c, group, bins, 4)
+    assert _objectives(c, g, b, 4).sum() == (12 + 2) + (10 + 2) < leveled
+    assert np.array_equal(np.bincount(g), [8, 8])

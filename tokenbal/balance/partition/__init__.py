@@ -6,7 +6,8 @@
 * :mod:`.grouped` — one large window in a few sorts (:func:`grouped_fill`, the count-mode fill;
   :func:`grouped_stage_fill`, the same for steps of K stages);
 * :mod:`.stages` — steps of K synchronised stages (``Σ_stage max_rank``): refinement inside a step
-  swaps between the steps of a window, and leveling swaps among many steps' bins;
+  swaps between the steps of a window, leveling swaps among many steps' bins, and the heaviest steps
+  composed again from their pooled samples;
 * :mod:`.compose` — which samples share a step, by their stage-cost vectors (stage mode).
 * :mod:`.padded` — steps for padding collators (``cost="padded"``: ``count × longest`` per micro-batch).
 """
@@ -21,6 +22,7 @@ from tokenbal.balance.partition.solvers import (
 )
 from tokenbal.balance.partition.stages import (
     level_stage_bins,
+    pool_heaviest_steps,
     refine_stages,
     refine_stages_many,
     stage_objective,
@@ -30,4 +32,4 @@ from tokenbal.balance.partition.window import fill_windows
 
 __all__ = ["METHODS", "partition", "refine_partition", "refine_stages", "refine_stages_many",
            "swap_stages_across_steps", "stage_objective", "bin_loads", "fill_windows", "grouped_fill",
-           "grouped_stage_fill", "first_fit_decreasing", "level_stage_bins"]
+           "grouped_stage_fill", "first_fit_decreasing", "level_stage_bins", "pool_heaviest_steps"]
