@@ -165,7 +165,7 @@ _STAGE_WHOLE_ITEMS = 1 << 18
 _STAGE_LEVEL_ROUNDS = 1024
 _STAGE_LEVEL_WORK = 1 << 25
 _STAGE_LEVEL_PATIENCE = 256
-# Stage mode, last (PLAN_VERSION 11; short epochs after the leveling): the heaviest 2 / 4 / 8 / 16 steps
+# Short stage epochs, after the leveling (PLAN_VERSION 11): the heaviest 2 / 4 / 8 / 16 steps
 # (up to 2^16 samples) composed again from their pooled samples, the best pool kept where faster;
 # 0: off. 4,096 ranks, 24 steps, 20 square draws: 11 faster, none slower, draw 9 1.1812 -> 1.1205
 # (target 1.1496), worst over target 2.75 % -> 1.20 %, for ~3 s more CPU per plan. See
@@ -901,7 +901,9 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     grouped = (np.concatenate([p for p, _, _ in parts]), win, steps_in_win,
                np.concatenate([st for _, st, _ in parts]), np.concatenate([rk for _, _, rk in parts]))
     if not short:
-        return _level_stage_plan(stages, *grouped, R, 0)
+        # No leveling or pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling alone
+        # (1.0370 -> 1.0252 on draw 0, nothing on draw 1), against the 5 s the whole plan may take.
+        return grouped
     # A short epoch is also planned whole by version 7's composition (with its tail step, which then
     # trades samples with the others); the faster of the two plans is kept.
     zero = np.zeros(len(perm), np.int64)
@@ -915,9 +917,9 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
 def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
                       step_w: np.ndarray, rank: np.ndarray, R: int, rounds: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A stage plan (perm, window, steps per window, step, rank) after ``rounds`` rounds of leveling
-    swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`; long epochs:
-    none) and the pooling of its heaviest steps.
+    """A short stage epoch's plan (perm, window, steps per window, step, rank) after ``rounds`` rounds
+    of leveling swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`)
+    and the pooling of its heaviest steps.
 
     The composition and the split were chosen by floors, and by greedy swaps that stop where one swap
     alone gains nothing. With a couple of samples per rank what remains is the pairing: a step of like
