@@ -935,11 +935,10 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
     from tokenbal.balance.partition import level_stage_bins, pool_heaviest_steps
 
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
-    g = first[win] + step_w
-    if rounds > 0:
-        g, rank = level_stage_bins(stages[perm], g, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE)
+    c = stages[perm]
+    g, rank = level_stage_bins(c, first[win] + step_w, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE)
     if _STAGE_POOL:
-        g, rank = pool_heaviest_steps(stages[perm], g, rank, R)
+        g, rank = pool_heaviest_steps(c, g, rank, R)
     win = np.searchsorted(first, g, side="right") - 1
     return perm, win, steps_in_win, g - first[win], rank
 
