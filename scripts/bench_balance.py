@@ -10,6 +10,7 @@ video size (vectorised: the same formulas as the demo corpus, without rendering 
     python scripts/bench_balance.py --plan-only --compare-exact   # planning time only, batched vs exact
     python scripts/bench_balance.py --elastic  # resume on another world size: re-plan time, balance
     python scripts/bench_balance.py --budget   # token-budget mode vs trl's BFD pack_dataset (fill)
+    python scripts/bench_balance.py --exhaustive 20   # tiny epochs: the best plan of all vs the target
     python scripts/bench_balance.py --padded   # padded batches: cost="padded" vs transformers'
                                                # BatchRebalanceSampler vs DistributedSampler (+ packed)
 
@@ -533,6 +534,48 @@ def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int
                   f"{np.mean([r['chance'] for r in rep]):.5f}")
 
 
+EXHAUSTIVE_POINTS = ((2, 4, 3), (2, 4, 4), (4, 4, 4))        # (R, N, steps): 12-16 samples
+
+
+def bench_exhaustive(draws: int, model_name: str) -> None:
+    """Issue 32's target max(goal, floor of a length-grouped composition) against the best figure of
+    any plan (simulate.best_plan_figure: every composition, every split), on tiny epochs of the same
+    random mixtures: where the best plan is above the target, no planner can meet it; and the plan's
+    figure over that optimum."""
+    from tokenbal.balance.cost import FlopsModel
+    from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
+    from tokenbal.balance.simulate import (
+        best_plan_figure,
+        composition_floor,
+        epoch_stage_figure,
+        length_grouped_steps,
+        split_figure,
+    )
+
+    model = "square" if model_name == "square" else FlopsModel.qwen2_vl_7b()
+    print(f"stage costs: {model_name}; best = lowest figure of any plan (exhaustive); target = max(goal, "
+          "LG floor); goals 1.01 (strictest) and 1.06 (loosest of the issue's)")
+    for R, N, steps in EXHAUSTIVE_POINTS:
+        rows = []
+        for d in range(draws):
+            s = draw_samples(random_mixture(d), steps * N, d)
+            c = stage_costs(s, model)
+            best, best_steps = best_plan_figure(c, R, N)
+            plan = plan_epoch(s.lengths, R, global_batch_size=N, seed=d, cost=c.sum(1), stages=c)
+            lg = composition_floor(length_grouped_steps(c, N, d), c, R)
+            rows.append((best, lg, epoch_stage_figure(plan, c), split_figure(best_steps, c, R)))
+            print(f"    ({R}, {N}) draw {d}: best {best:.4f} | LG floor {lg:.4f} | plan {rows[-1][2]:.4f} | "
+                  f"best composition split by tokenbal {rows[-1][3]:.4f}", flush=True)
+        best, lg, now, split = np.array(rows).T
+        tol = 1 + 1e-9
+        print(f"  ({R}, {N}), {steps} steps, {draws} draws: best plan above max(1.01, LG floor) on "
+              f"{int((best > np.maximum(1.01, lg) * tol).sum())}/{draws}, above max(1.06, LG floor) on "
+              f"{int((best > np.maximum(1.06, lg) * tol).sum())}/{draws}; plan / best median "
+              f"{np.median(now / best):.4f} worst {np.max(now / best):.4f}, at the best on "
+              f"{int((now <= best * tol).sum())}/{draws}; the best composition split by tokenbal / best: "
+              f"worst {np.max(split / best):.4f}")
+
+
 def bench_token_mixtures(draws: int, points: tuple, repeat_draws: int) -> None:
     """Tokens mode (no stages) over random mixtures: per-step max/mean of rank tokens (mean and p95
     over steps), the epoch figure Σ_steps max_rank / ideal and planning CPU, now and PLAN_VERSION 7
@@ -711,6 +754,9 @@ def main() -> None:
                     f"beside the current one (default {V10_COMMIT}, PLAN_VERSION 10; {V9_COMMIT}: "
                     f"PLAN_VERSION 9; {V8_COMMIT}: "
                     f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6; none: --mixtures without it)")
+    ap.add_argument("--exhaustive", type=int, default=0, metavar="DRAWS",
+                    help="issue 32: on tiny epochs (12-16 samples) of DRAWS random mixtures, the best "
+                    "figure of any plan (exhaustive search) against max(goal, LG floor) and the plan")
     ap.add_argument("--token-mixtures", type=int, default=0, metavar="DRAWS",
                     help="issue 32: tokens-mode balance over DRAWS random mixtures at every scale, "
                     "PLAN_VERSION 7 in the same run")
@@ -736,6 +782,10 @@ def main() -> None:
         pts = tuple(p for p in MIXTURE_POINTS if not keep or p[0] in keep)
         print(environment_line())
         bench_mixtures(args.mixtures, pts, args.mixture_cost, args.repeat_draws, args.previous)
+        return
+    if args.exhaustive:
+        print(environment_line())
+        bench_exhaustive(args.exhaustive, args.mixture_cost)
         return
     if args.token_mixtures:
         tokenbal.balance.plan._FILL_JITTER = args.fill_jitter

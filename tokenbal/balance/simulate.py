@@ -21,7 +21,7 @@ from tokenbal.balance.settings import PlanSettings
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
            "Simulation", "epoch_stage_figure", "composition_floor", "equal_count_floor",
-           "split_figure", "length_grouped_steps"]
+           "split_figure", "length_grouped_steps", "best_plan_figure"]
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -362,3 +362,58 @@ def length_grouped_steps(costs: np.ndarray, global_batch_size: int, seed: int = 
     S = n // N
     out[order[:S * N]] = np.arange(S * N) // N
     return out
+
+
+def best_plan_figure(stage_costs: np.ndarray, num_ranks: int, global_batch_size: int,
+                     max_samples: int = 16) -> tuple[float, np.ndarray]:
+    """The lowest epoch figure (as :func:`epoch_stage_figure`) of **any** plan of a tiny epoch, by
+    exhaustive search: every way to cut the samples into steps of ``global_batch_size``, each step
+    split over the ranks in every way (any count per rank, empty ranks too). Returns the figure and
+    the best composition's step per sample.
+
+    A reference, not a planner: it shows where a bound such as ``max(goal, composition floor of
+    length-grouped steps)`` is below what every plan reaches, so no planner can meet it. The epoch
+    figure is a sum over steps, so each ``global_batch_size``-subset's best split is found once and
+    the composition by a search over subsets holding the lowest unplaced sample. Limited to
+    ``max_samples`` samples (16: 4 steps of 4 take ~1 s) and ``ranks ** global_batch_size <= 4096``.
+    """
+    from itertools import combinations, product
+
+    c = np.asarray(stage_costs, np.float64)
+    if c.ndim == 1:
+        c = c[:, None]
+    n, R, N = len(c), int(num_ranks), int(global_batch_size)
+    if n == 0 or N <= 0 or n % N or n > max_samples or R ** N > 4096:
+        raise ValueError(f"best_plan_figure searches tiny epochs only: {n} samples must be a positive "
+                         f"multiple of global_batch_size={N}, at most max_samples={max_samples}, and "
+                         f"ranks ** global_batch_size = {R}**{N} at most 4096")
+    total = c.sum()
+    if total <= 0:
+        return 1.0, np.arange(n) // N
+    subsets = np.array(list(combinations(range(n), N)), np.int64)               # (M, N)
+    onehot = np.eye(R)[np.array(list(product(range(R), repeat=N)))]            # (R**N, N, R)
+    # Σ_stage max_rank of every split of every subset, its best split kept.
+    loads = np.einsum("anr,mnk->mark", onehot, c[subsets])                      # (M, R**N, R, K)
+    best = loads.max(2).sum(-1).min(1)
+    masks = (1 << subsets).sum(1)
+    by_low: dict[int, list[tuple[int, float]]] = {}
+    for m, v, low in zip(masks.tolist(), best.tolist(), subsets[:, 0].tolist(), strict=True):
+        by_low.setdefault(low, []).append((m, v))
+
+    memo: dict[int, tuple[float, int]] = {0: (0.0, 0)}
+
+    def solve(left: int) -> float:
+        if left not in memo:
+            low = (left & -left).bit_length() - 1
+            memo[left] = min((v + solve(left & ~m), m) for m, v in by_low[low] if m & left == m)
+        return memo[left][0]
+
+    full = (1 << n) - 1
+    figure = solve(full) / (total / R)
+    step = np.empty(n, np.int64)
+    left, s = full, 0
+    while left:
+        m = memo[left][1]
+        step[[i for i in range(n) if m >> i & 1]] = s
+        left, s = left & ~m, s + 1
+    return float(figure), step

@@ -1,6 +1,7 @@
 """tokenbal.balance.partition.compose: which samples share a step, by their stage-cost vectors."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,3 +118,48 @@ def test_split_figure_is_a_split_of_the_given_steps(seed, R, per, K, steps):
     one = np.arange(R * 2) // R
     x = np.arange(1, R * 2 + 1)[:, None]
     assert np.isclose(split_figure(one, x, R), (R + 2 * R) / (x.sum() / R))
+
+
+def _every_plan_figure(c: np.ndarray, R: int, N: int) -> float:
+    """The lowest epoch figure by trying every order of the samples (steps = consecutive N) and every
+    split of every step: the definition best_plan_figure's search must reach."""
+    from itertools import permutations, product
+
+    def best_split(items: tuple[int, ...]) -> float:
+        return min(sum(max(sum(c[i, k] for i, r in zip(items, a, strict=True) if r == q) for q in range(R))
+                       for k in range(c.shape[1])) for a in product(range(R), repeat=N))
+
+    cache: dict[frozenset, float] = {}
+    best = np.inf
+    for order in permutations(range(len(c))):
+        steps = [frozenset(order[i:i + N]) for i in range(0, len(c), N)]
+        best = min(best, sum(cache.setdefault(s, best_split(tuple(sorted(s)))) for s in steps))
+    return best / (c.sum() / R)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), R=st.sampled_from([2, 3]), N=st.sampled_from([2, 3]),
+       S=st.sampled_from([1, 2]), K=st.sampled_from([1, 2]))
+def test_best_plan_figure_is_the_lowest_figure_of_every_plan(seed, R, N, S, K):
+    from tokenbal.balance.simulate import best_plan_figure, split_figure
+
+    rng = np.random.default_rng(seed)
+    c = (rng.integers(0, 30, (S * N, K)) ** 2).astype(np.float64)
+    c[0] += 1                                                  # not all zero
+    figure, step = best_plan_figure(c, R, N)
+    assert np.isclose(figure, _every_plan_figure(c, R, N))
+    assert np.array_equal(np.bincount(step), np.full(S, N))   # equal steps of N
+    # Its composition: no split of those steps is under the figure's floor, and tokenbal's split is
+    # one of the splits searched.
+    assert composition_floor(step, c, R) <= figure * (1 + 1e-12)
+    assert split_figure(step, c, R) >= figure * (1 - 1e-12)
+
+
+def test_best_plan_figure_refuses_epochs_too_large_to_search():
+    from tokenbal.balance.simulate import best_plan_figure
+
+    with pytest.raises(ValueError, match="max_samples=16"):
+        best_plan_figure(np.ones((20, 2)), 2, 4)
+    with pytest.raises(ValueError, match="multiple of global_batch_size=4"):
+        best_plan_figure(np.ones((6, 2)), 2, 4)
+    assert best_plan_figure(np.zeros((4, 2)), 2, 2)[0] == 1.0

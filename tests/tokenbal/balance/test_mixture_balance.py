@@ -33,6 +33,7 @@ from tokenbal.balance.cost import FlopsModel
 from tokenbal.balance.mixtures import KINDS, draw_samples, random_mixture, random_stage_costs, stage_costs
 from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.simulate import (
+    best_plan_figure,
     composition_floor,
     epoch_stage_figure,
     equal_count_floor,
@@ -161,6 +162,50 @@ def test_pooling_the_heaviest_steps_brings_a_4096_rank_draw_onto_the_target():
     # 1.1496): its heaviest step's samples do not pair off and swaps could not fix it. Pooled with the
     # next heavy steps and dealt again (partition.pool_heaviest_steps) it meets the target, no slack.
     _check(4096, 8192, 24, 9, slack=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny epochs, searched exhaustively (simulate.best_plan_figure): the best of every plan
+
+
+def _tiny(R: int, N: int, steps: int, draw: int, cost: str = "square"):
+    model = "square" if cost == "square" else FlopsModel.qwen2_vl_7b()
+    s = draw_samples(random_mixture(draw), steps * N, draw)
+    c = stage_costs(s, model)
+    plan = plan_epoch(s.lengths, R, global_batch_size=N, seed=draw, cost=c.sum(1), stages=c)
+    best, best_steps = best_plan_figure(c, R, N)
+    lg = composition_floor(length_grouped_steps(c, N, draw), c, R)
+    return c, epoch_stage_figure(plan, c), best, best_steps, lg
+
+
+@pytest.mark.parametrize("draw", [1, 3, 10, 19])
+def test_no_plan_meets_the_length_grouped_floor_on_these_draws(draw):
+    # Why the property above carries SLACK: with two samples per rank, max(goal, length-grouped floor)
+    # can be below the best figure of every plan. On 12-sample epochs of these draws (2 ranks, 4 per
+    # step) the exhaustive optimum is over the target even with the loosest goal, 1.06 (20 draws:
+    # the optimum is over max(1.01, LG floor) on 15, docs/BENCHMARKS.md issue 32 part 8).
+    _, figure, best, _, lg = _tiny(2, 4, 3, draw)
+    assert best > max(1.06, lg) * 1.03, (best, lg)
+    assert figure >= best * (1 - 1e-9)                       # the plan is one of the plans searched
+
+
+@pytest.mark.parametrize("cost", ["square", "flops"])
+def test_plan_is_near_the_best_plan_on_tiny_epochs(cost):
+    # Two per rank: the plan within 6 % of the optimum on every draw (measured worst 4.9 % square, 5.0 %
+    # FLOPs, median 0.06 % / 0.10 %), and tokenbal's split of the optimum's steps is the optimum (to
+    # 0.1 %): what the plan gives up on these epochs is its composition, not its split.
+    for draw in range(20):
+        c, figure, best, best_steps, _ = _tiny(2, 4, 3, draw, cost)
+        assert best * (1 - 1e-9) <= figure <= best * 1.06, (draw, figure, best)
+        assert split_figure(best_steps, c, 2) <= best * 1.001, draw
+
+
+def test_one_sample_per_rank_the_plan_composes_the_best_steps():
+    # With one sample per rank the split is fixed, the floor is reached, and the target holds for any
+    # plan whose composition is as good as length grouping: here the plan finds the optimum itself.
+    for draw in range(6):
+        _, figure, best, _, lg = _tiny(4, 4, 4, draw)
+        assert np.isclose(figure, best, rtol=1e-6) and best <= lg * (1 + 1e-9), draw
 
 
 # ---------------------------------------------------------------------------------------------
