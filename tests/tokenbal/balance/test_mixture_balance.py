@@ -14,7 +14,10 @@ docs/BENCHMARKS.md, issue 32 part 7: 2 of 20 at (8, 16), worst 0.46 % over; 1 of
 0.10 %; 2 of 20 at 4,096 ranks, 1.2 %). Shorter epochs leave less to trade: one of the fast tests'
 60-step draws at 8 ranks is 1.45 % over. So these tests allow ``SLACK`` on top of it.
 
-That floor is a bound no split reaches with two samples per rank. What a length-grouped sampler can
+That floor is a bound no split reaches with two samples per rank, and on most draws no plan at all:
+searched exhaustively on 12-16-sample epochs (:func:`tokenbal.balance.simulate.best_plan_figure`,
+issue 32 part 8) the best of every plan is above max(1.06, length-grouped floor) on 4-11 of 20 draws.
+What a length-grouped sampler can
 reach with the same number of samples on every rank is bounded by
 :func:`tokenbal.balance.simulate.equal_count_floor` of its steps, and against max(goal, that bound) the
 plan holds with no slack, on square costs and on Qwen2-VL-7B FLOPs (issue 32 part 5 in
