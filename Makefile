@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # torch is installed first, pinned to the CPU build, so nothing pulls a multi-GB CUDA wheel.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-slow lint venv clean
+.PHONY: demo test test-slow test-compat test-frameworks envs lint venv clean
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -30,10 +30,22 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tokenbal collate tests scripts
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not compat and not frameworks"
 
 test-slow: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not compat and not frameworks"
+
+# The transformers version matrix and the framework checks build side environments from
+# tests/envs/*.txt with pip (minutes each the first time, cached under $$TOKENBAL_ENV_ROOT,
+# default ~/.cache/tokenbal/envs) and are not part of `make test`.
+test-compat: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m compat
+
+test-frameworks: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m frameworks
+
+envs:
+	$(PYTHON) scripts/envs.py list
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check tokenbal collate tests scripts

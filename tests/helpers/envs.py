@@ -1,0 +1,30 @@
+"""Side environments for the heavier checks (`compat`: the transformers matrix, `frameworks`: the
+training frameworks): a test asks for one by name and runs code in it with this checkout on
+PYTHONPATH. Built by scripts/envs.py from tests/envs/NAME.txt, cached under $TOKENBAL_ENV_ROOT."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.paths import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import envs as _envs  # noqa: E402  (scripts/ is not a package)
+
+
+def env_python(name: str) -> Path:
+    """The python of environment ``name``, built on first use (minutes; pip from the registry)."""
+    return _envs.build(name)
+
+
+def run_in_env(name: str, args: list[str], *, cwd: Path | None = None, env: dict | None = None,
+               timeout: float = 1800) -> subprocess.CompletedProcess:
+    """``python ARGS`` in environment ``name`` with this checkout first on PYTHONPATH; output captured."""
+    python = env_python(name)
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([str(python), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
