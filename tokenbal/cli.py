@@ -222,18 +222,25 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
     from tokenbal import profile
 
+    if args.compare and args.trace_dir:
+        raise UsageError(f"give a trace folder or --compare A B, not both ({args.trace_dir} was given with "
+                         "--compare)")
+    if not args.compare and not args.trace_dir:
+        raise UsageError("give a trace folder, or --compare A B")
+    dirs = args.compare or [args.trace_dir]
+    picks = args.run or [None] * len(dirs)
+    if len(picks) != len(dirs):
+        raise UsageError(f"--run takes {'one run number' if len(dirs) == 1 else 'two run numbers (A B)'} "
+                         f"here, got {len(picks)}")
+    runs = [profile.profile_run(d, run=n) for d, n in zip(dirs, picks, strict=True)]
     if args.compare:
-        runs = [profile.profile_run(d) for d in args.compare]
         print(json.dumps(profile.compare_as_dict(*runs), indent=1) if args.json
               else profile.format_compare(*runs))
-    elif args.trace_dir:
-        runs = [profile.profile_run(args.trace_dir)]
+    else:
         print(json.dumps(profile.profile_as_dict(runs[0]), indent=1) if args.json
               else profile.format_report(runs[0]))
-    else:
-        raise UsageError("give a trace folder, or --compare A B")
     if args.hta:
-        print(_hta_summary(args.compare or [args.trace_dir]))
+        print(_hta_summary(dirs))
     if args.timeline:
         profile.write_timeline(runs, args.timeline)
         print(f"timeline written to {args.timeline}")
@@ -482,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("trace_dir", nargs="?", help="folder of one run's traces (searched recursively)")
     prof.add_argument("--compare", nargs=2, metavar=("A", "B"),
                       help="two runs side by side, e.g. DistributedSampler (A) vs tokenbal (B)")
+    prof.add_argument("--run", type=_POSITIVE, nargs="+", metavar="N",
+                      help="the run to analyse when a folder holds traces of several runs (they are listed, "
+                           "numbered oldest first, when none is picked); with --compare one number per "
+                           "side (A B)")
     prof.add_argument("--timeline", metavar="PNG", help="write a per-rank step / wait timeline")
     prof.add_argument("--json", action="store_true",
                       help="print every table (per rank and step, collectives, verdict, notes) as JSON "

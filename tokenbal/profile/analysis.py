@@ -98,6 +98,9 @@ class RunProfile:
     notes: list[str] = field(default_factory=list)
     arrival_source: str = ""      # which timeline the arrivals were read from (arrival.FROM_*)
     work_from_shapes: bool = False  # unequal work judged by operator sizes (else operator time)
+    world_size: int | None = None   # as the traces record it (None: not recorded)
+    missing_ranks: list[int] = field(default_factory=list)   # the run's ranks without a trace here
+    files: dict[int, str] = field(default_factory=dict)      # rank -> the trace analysed
 
     def per_step(self) -> dict[int, list[RankStep]]:
         out: dict[int, list[RankStep]] = defaultdict(list)
@@ -332,6 +335,30 @@ def _charge_waits(steps: list[RankStep], matched: list[arrival.Matched], device:
         s.unequal_work_wait_s = unequal.get((s.rank, s.step), 0.0) * (kept / w if w > 0 else 0.0)
 
 
+@dataclass
+class RankPart:
+    """What the analysis keeps of one rank's trace once its events are gone: every step it traced,
+    its collective events (the fields the fallback reads), its collective calls."""
+
+    rank: int
+    windows: dict[int, tuple[float, float]]
+    steps: list[RankStep]
+    collectives: list[dict]
+    calls: list[arrival.Call]
+    on_device: bool
+    stacks: bool
+    shapes: bool
+
+
+def rank_part(trace: Trace) -> RankPart:
+    """One rank's share of the analysis, from its trace alone (every step it traced)."""
+    windows = step_windows(trace)
+    rows, coll, calls, dev, stacks, shapes = _rank_steps(trace, sorted(windows))
+    slim = [{k: e[k] for k in ("name", "ts", "dur", "args") if k in e} for e in coll]
+    return RankPart(rank=trace.rank, windows=windows, steps=rows, collectives=slim, calls=calls,
+                    on_device=dev, stacks=stacks, shapes=shapes)
+
+
 def analyze(traces: list[Trace], source: str = "", arrivals: str = "auto") -> RunProfile:
     """Break every rank's profiled steps down, and match collectives across ranks.
 
@@ -342,27 +369,39 @@ def analyze(traces: list[Trace], source: str = "", arrivals: str = "auto") -> Ru
         raise ValueError(f"arrivals must be 'auto' or 'durations', not {arrivals!r}")
     if not traces:
         raise ValueError(f"{source or 'traces'}: no traces to analyse")
-    windows = {t.rank: step_windows(t) for t in traces}
+    return combine([rank_part(t) for t in traces], source, arrivals)
+
+
+def combine(parts: list[RankPart], source: str = "", arrivals: str = "auto") -> RunProfile:
+    """:func:`analyze` from the ranks' :class:`RankPart` (one run, one part per rank): the steps every
+    rank traced, matched across ranks."""
+    if arrivals not in ("auto", "durations"):
+        raise ValueError(f"arrivals must be 'auto' or 'durations', not {arrivals!r}")
+    if not parts:
+        raise ValueError(f"{source or 'traces'}: no traces to analyse")
+    parts = sorted(parts, key=lambda p: p.rank)
+    windows = {p.rank: p.windows for p in parts}
     common = sorted(set.intersection(*(set(w) for w in windows.values())))
     notes: list[str] = []
     if not common:
         raise ValueError(f"{source}: the ranks' traces share no ProfilerStep#N: were they taken in one run?")
     if any(set(w) != set(common) for w in windows.values()):
         notes.append(f"only the {len(common)} steps every rank profiled are compared")
-    steps, collectives, calls = [], {}, {}
-    on_device = stacks = shapes = False
-    for t in traces:
-        rank_steps, coll, rank_calls, dev, st, sh = _rank_steps(t, common)
-        steps += rank_steps
-        collectives[t.rank] = coll
-        calls[t.rank] = rank_calls
-        on_device |= dev
-        stacks |= st
-        shapes |= sh
+    keep = set(common)
+    steps: list[RankStep] = []
+    collectives, calls = {}, {}
+    for p in parts:
+        steps += [s for s in p.steps if s.step in keep]
+        collectives[p.rank] = [e for e in p.collectives
+                               if any(p.windows[s][0] <= e["ts"] < p.windows[s][1] for s in common)]
+        calls[p.rank] = [c for c in p.calls if c.step in keep]
+    on_device = any(p.on_device for p in parts)
+    stacks = any(p.stacks for p in parts)
+    shapes = any(p.shapes for p in parts)
     if not stacks:
         notes.append("no Python stacks in the traces (profile with with_stack=True): copy operators are "
                      "counted but cannot be attributed to rotary-embedding code")
-    ranks = [t.rank for t in traces]
+    ranks = [p.rank for p in parts]
     if arrivals == "auto" and all(calls.values()):
         source_name = arrival.FROM_KERNELS if on_device else arrival.FROM_LAUNCHES
         matched = arrival.match(calls, common, notes)

@@ -72,7 +72,11 @@ def verdict(p: RunProfile) -> list[VerdictRow]:
 
 def format_report(p: RunProfile) -> str:
     kind = "device" if p.device else "host-only (CPU)"
-    lines = [f"{p.source}: {len(p.ranks)} ranks, {len(p.per_step())} steps, {kind} trace, "
+    ranks = f"{len(p.ranks)} ranks"
+    if p.missing_ranks:
+        ranks = (f"{len(p.ranks)} of {p.world_size or len(p.ranks) + len(p.missing_ranks)} ranks (no trace "
+                 f"of rank {', '.join(map(str, p.missing_ranks))})")
+    lines = [f"{p.source}: {ranks}, {len(p.per_step())} steps, {kind} trace, "
              f"mean step {p.mean_step_s() * 1e3:.1f} ms"
              + (f"; arrivals from {p.arrival_source}" if p.arrival_source else ""), "",
              "per rank (ms, mean over steps): step  compute  comm  exposed  overlap  idle  wait  "

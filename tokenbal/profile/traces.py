@@ -1,11 +1,12 @@
 """Load the per-rank profiler traces of one run: ``torch.profiler`` Chrome/Kineto JSON, or torch_npu's export.
 
 ``torch.profiler`` (``export_chrome_trace`` or ``tensorboard_trace_handler``) writes one JSON file
-per rank, optionally gzipped, with the rank in ``distributedInfo.rank``. torch_npu's profiler writes
-one ``*_ascend_pt`` folder per rank whose ``ASCEND_PROFILER_OUTPUT/trace_view.json`` is a Chrome
-trace (a bare event list) and whose ``profiler_info*.json`` carries ``rank_id``.
+per rank, optionally gzipped, with the rank and the world size in ``distributedInfo``. torch_npu's
+profiler writes one ``*_ascend_pt`` folder per rank whose ``ASCEND_PROFILER_OUTPUT/trace_view.json``
+is a Chrome trace (a bare event list) and whose ``profiler_info*.json`` carries ``rank_id``.
 
 Only complete events (``"ph": "X"``) are kept; everything is in microseconds, as the traces are.
+A folder may hold traces of several runs; :mod:`tokenbal.profile.runs` tells them apart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import gzip
 import json
 import os
 import re
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -30,10 +32,13 @@ class Trace:
     layout: str = "torch"            # "torch" (Kineto) or "npu" (torch_npu's trace_view.json)
     metadata: dict = field(default_factory=dict)
     process_names: dict = field(default_factory=dict)   # pid -> name (torch_npu: "Overlap Analysis", ...)
+    world_size: int | None = None    # as the trace records it (distributedInfo / profiler_info)
+    notes: list[str] = field(default_factory=list)      # what reading it had to work around
 
 
 _TRACE_PATTERNS = ("*.json", "*.json.gz")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_INFO_RANK = re.compile(r"profiler_info_(\d+)\.json$")
 
 
 class NotATrace(ValueError):
@@ -45,6 +50,11 @@ def _read_json(path: str):
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             return json.load(f)
+    except RecursionError as e:       # json's C scanner recurses per nesting level
+        if _looks_like_trace(path):
+            raise ValueError(f"{path}: a damaged profiler trace (its JSON is nested deeper than Python's "
+                             "recursion limit); re-export it, or move it out of the folder") from e
+        raise NotATrace(f"{path}: JSON nested deeper than Python's recursion limit") from e
     except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
         if _looks_like_trace(path):
             raise ValueError(f"{path}: a damaged or truncated profiler trace ({e}); re-export it, or move "
@@ -68,13 +78,70 @@ def _events_list(data) -> bool:
     return isinstance(data, list) and all(isinstance(e, dict) and "ph" in e for e in data[:100])
 
 
-def _npu_rank(trace_view: str) -> int | None:
+def _whole(value, what: str, path: str, low: int = 0) -> int | None:
+    """``value`` as an int >= ``low`` (``None`` stays ``None``); anything else is an error naming the file."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        value = repr(value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{path}: {what} is {value!r}, not an integer") from None
+    if number < low:
+        raise ValueError(f"{path}: {what} is {number}, not an integer >= {low}") from None
+    return number
+
+
+def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None]:
+    """(rank, world size) of a torch_npu trace_view.json from its run folder's ``profiler_info*.json``
+    (and ``profiler_metadata.json`` for the world size). A damaged info file does not lose the trace:
+    the rank then comes from the info file's name (``profiler_info_<rank>.json``), with a note."""
     run_dir = os.path.dirname(os.path.dirname(trace_view))      # .../<x>_ascend_pt
+    rank = world = None
     for info in sorted(glob.glob(os.path.join(run_dir, "profiler_info*.json"))):
-        data = _read_json(info)
-        rank = data.get("rank_id", data.get("rank")) if isinstance(data, dict) else None
-        if rank is not None and int(rank) >= 0:
-            return int(rank)
+        try:
+            data = _read_json(info)
+        except ValueError as e:
+            named = _INFO_RANK.search(os.path.basename(info))
+            if named and rank is None:
+                rank = int(named.group(1))
+                notes.append(f"{info} is damaged ({e}); rank {rank} of {trace_view} taken from its file name")
+            else:
+                notes.append(f"{info} is damaged ({e}); not used for {trace_view}")
+            continue
+        if not isinstance(data, dict):
+            continue
+        found = _whole(data.get("rank_id", data.get("rank")), "rank_id", info, low=-1)
+        if found is not None and found >= 0 and rank is None:
+            rank = found
+        world = world or _whole(data.get("world_size", data.get("rank_size")), "world_size", info, low=1)
+    if world is None:
+        world = _npu_world_from_metadata(os.path.join(run_dir, "profiler_metadata.json"), notes)
+    return rank, world
+
+
+def _npu_world_from_metadata(path: str, notes: list[str]) -> int | None:
+    """The world size torch_npu's ``profiler_metadata.json`` records, where it does: ``distributed_args``
+    ``world_size``, else the size of the ``default_group`` of ``parallel_group_info``."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        data = _read_json(path)
+    except ValueError as e:
+        notes.append(f"{path} is damaged ({e}); the run's world size is not known from it")
+        return None
+    if not isinstance(data, dict):
+        return None
+    args = data.get("distributed_args")
+    if isinstance(args, dict) and args.get("world_size") is not None:
+        return _whole(args["world_size"], "distributed_args.world_size", path, low=1)
+    groups = data.get("parallel_group_info")
+    if isinstance(groups, dict):
+        for group in groups.values():
+            if isinstance(group, dict) and group.get("group_name") == "default_group" \
+                    and isinstance(group.get("global_ranks"), list):
+                return len(group["global_ranks"])
     return None
 
 
@@ -94,13 +161,13 @@ def _trace_files(trace_dir: str) -> list[str]:
         return npu
     files = sorted({p for pat in _TRACE_PATTERNS
                     for p in glob.glob(os.path.join(trace_dir, "**", pat), recursive=True)})
-    return [p for p in files if not os.path.basename(p).startswith("profiler_info")]
+    return [p for p in files if not os.path.basename(p).startswith(("profiler_info", "profiler_metadata"))]
 
 
 def _main_thread(events: list[dict]) -> object:
     steps: dict[object, int] = {}
     for e in events:
-        if _STEP.match(e.get("name", "")):
+        if _STEP.match(e["name"]):
             steps[e.get("tid")] = steps.get(e.get("tid"), 0) + 1
     if steps:
         return max(steps, key=steps.get)
@@ -116,81 +183,102 @@ def load_trace(path: str, rank: int | None = None) -> Trace:
     return _to_trace(path, _read_json(path), rank)
 
 
-def _to_trace(path: str, data, rank: int | None) -> Trace:
+def _clean_event(e: dict, path: str, i: int) -> dict:
+    """One complete event with the types the analysis relies on: ``ts`` / ``dur`` floats, ``name`` /
+    ``cat`` strings, ``pid`` / ``tid`` hashable, ``args`` a dict. What cannot be read so is an error
+    naming the file and the event."""
+    try:
+        e["ts"] = float(e["ts"])
+        e["dur"] = float(e.get("dur", 0.0))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: a damaged profiler trace (event {i} {e.get('name')!r} has ts "
+                         f"{e.get('ts')!r}, dur {e.get('dur')!r}: {err})") from err
+    for key in ("name", "cat"):
+        value = e.get(key, "")
+        if not isinstance(value, str):
+            if isinstance(value, dict | list):
+                raise ValueError(f"{path}: a damaged profiler trace (event {i} has {key} {value!r}, not a "
+                                 "string)")
+            e[key] = str(value)        # a number where a name belongs: still a name
+    e.setdefault("name", "")
+    for key in ("pid", "tid"):
+        if not isinstance(e.get(key), Hashable):
+            e[key] = json.dumps(e[key], sort_keys=True)
+    if not isinstance(e.get("args", {}), dict):
+        e["args"] = {}
+    return e
+
+
+def _to_trace(path: str, data, rank: int | None, default_rank: int | None = None) -> Trace:
+    notes: list[str] = []
+    world = None
     if _events_list(data):              # torch_npu trace_view.json: a bare event list
         raw, meta, layout = data, {}, "npu"
-        found = _npu_rank(path)
+        found, world = _npu_rank(path, notes)
     elif isinstance(data, dict) and isinstance(data.get("traceEvents"), list):
         raw, layout = data["traceEvents"], "torch"
         meta = {k: v for k, v in data.items() if k != "traceEvents"}
-        found = (meta.get("distributedInfo") or {}).get("rank")
+        dist = meta.get("distributedInfo") or {}
+        if not isinstance(dist, dict):
+            raise ValueError(f"{path}: distributedInfo is {dist!r}, not an object")
+        found = _whole(dist.get("rank"), "distributedInfo.rank", path)
+        world = _whole(dist.get("world_size"), "distributedInfo.world_size", path, low=1)
     else:
         what = "an object without a traceEvents list" if isinstance(data, dict) else type(data).__name__
         raise NotATrace(f"{path}: JSON, but not a profiler trace ({what})")
     events = []
     process_names = {}
-    for e in raw:
+    for i, e in enumerate(raw):
         if not isinstance(e, dict):
             continue
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process_names[e.get("pid")] = (e.get("args") or {}).get("name", "")
+        if e.get("ph") == "M" and e.get("name") == "process_name" and isinstance(e.get("pid"), Hashable):
+            args = e.get("args") if isinstance(e.get("args"), dict) else {}
+            process_names[e.get("pid")] = str(args.get("name", ""))
         if e.get("ph") == "X" and "ts" in e:
-            try:
-                e["ts"] = float(e["ts"])
-                e["dur"] = float(e.get("dur", 0.0))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"{path}: a damaged profiler trace (event {e.get('name')!r} has ts "
-                                 f"{e.get('ts')!r}, dur {e.get('dur')!r}: {err})") from err
-            events.append(e)
+            events.append(_clean_event(e, path, i))
     if rank is None:
         rank = found if found is not None else _rank_from_name(path)
     if rank is None:
+        rank = default_rank
+    if rank is None:
         raise ValueError(f"{path}: the trace names no rank (no distributedInfo.rank, no profiler_info "
                          "rank_id, no 'rankN' in the file name)")
+    if world is not None and rank >= world:
+        raise ValueError(f"{path}: rank {rank} is outside its recorded world size {world}")
     return Trace(rank=int(rank), path=path, events=events, host=meta.get("host_name"),
-                 main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names)
+                 main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names,
+                 world_size=world, notes=notes)
 
 
-def load_traces(trace_dir: str, skipped: list[str] | None = None) -> list[Trace]:
-    """Every rank's trace under ``trace_dir`` (searched recursively), sorted by rank.
-
-    One trace per rank: when a rank has several (several ``tensorboard_trace_handler`` cycles),
-    the newest file is taken. Files that are not traces (other JSON beside them) are skipped, each
-    with a line in ``skipped``; a damaged trace raises ``ValueError`` naming it.
-    """
+def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
+    """Each trace under ``trace_dir`` in turn (files in name order), read one at a time: the caller
+    reduces a trace to what it keeps before asking for the next, so memory holds one trace's events.
+    Files that are not traces are named in ``skipped``; a damaged trace raises ``ValueError`` naming
+    it. A lone trace that names no rank is rank 0."""
     files = _trace_files(trace_dir)
     wanted = "*.json, *.json.gz or ASCEND_PROFILER_OUTPUT/trace_view.json"
     if not files:
         raise FileNotFoundError(f"{trace_dir}: no profiler traces ({wanted}) found")
-    skipped = [] if skipped is None else skipped
-    loaded = []
+    found = 0
     for path in files:
         try:
-            loaded.append((path, _read_json(path)))
-        except NotATrace as e:
-            skipped.append(f"skipped {e}")
-    by_rank: dict[int, Trace] = {}
-    single = len(loaded) == 1
-    for path, data in loaded:
-        try:
-            trace = _to_trace(path, data, rank=0 if single and _rank_from_name(path) is None else None)
+            trace = _to_trace(path, _read_json(path), None, default_rank=0 if len(files) == 1 else None)
         except NotATrace as e:
             skipped.append(f"skipped {e}")
             continue
-        old = by_rank.get(trace.rank)
-        if old is None or os.path.getmtime(path) > os.path.getmtime(old.path):
-            by_rank[trace.rank] = trace
-    if not by_rank:
+        found += 1
+        yield trace
+        del trace                      # the caller has what it keeps: free it before the next read
+    if not found:
         raise FileNotFoundError(f"{trace_dir}: no profiler traces ({wanted}) among {len(files)} JSON files: "
                                 + "; ".join(skipped))
-    return [by_rank[r] for r in sorted(by_rank)]
 
 
 def step_windows(trace: Trace) -> dict[int, tuple[float, float]]:
     """``ProfilerStep#N`` → (start, end) on the training thread; the whole trace as step 0 if none."""
     steps = {}
     for e in trace.events:
-        m = _STEP.match(e.get("name", ""))
+        m = _STEP.match(e["name"])
         if m and e.get("tid") == trace.main_tid:
             steps[int(m.group(1))] = (e["ts"], e["ts"] + e["dur"])
     if not steps and trace.events:

@@ -1,0 +1,220 @@
+"""`tokenbal profile` never mixes runs or loses a rank silently (issue 51, findings 1-4): traces are
+grouped by run (recorded world size and backend, overlapping steps in wall time), one run is
+analysed and named, duplicates and missing ranks are named, traces are read one at a time.
+
+The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other."""
+
+import gc
+import gzip
+import json
+import os
+import shutil
+import weakref
+
+import pytest
+
+from tests.helpers.dist_utils import run_ranks
+from tests.helpers.stragglers import straggler_rank
+from tests.tokenbal.profile.test_profile import _npu_trace
+from tokenbal.cli import main
+from tokenbal.profile import DuplicateRankError, SeveralRunsError, format_report, profile_run, traces
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Run A (rank 1 late, a straggler verdict) and then run B (no straggler), 2 ranks each."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, pattern in (("A", "constant"), ("B", "none")):
+        os.makedirs(root / name)
+        run_ranks(straggler_rank, 2, str(root / name), pattern, "work", 2, timeout=240,
+                  collective_timeout=120)
+    return root
+
+
+def run_cli(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
+    shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "rank0.json")
+    shutil.copy(two_runs / "B" / "rank1.json", tmp_path / "rank1.json")
+    with pytest.raises(SeveralRunsError) as e:
+        profile_run(str(tmp_path))
+    message = str(e.value)
+    assert "holds the traces of 2 runs" in message and "--run N" in message
+    assert message.count("1 of 2 ranks (rank 1 missing)") == 1 and message.count("(rank 0 missing)") == 1
+    code, out, err = run_cli(["profile", str(tmp_path)], capsys)
+    assert code == 2 and out == "" and err.startswith("tokenbal: error: ") and err.count("\n") == 1
+    # --run 1 (run A, the older): analysed as 1 of 2 ranks, rank 1 named missing, B's file named
+    p = profile_run(str(tmp_path), run=1)
+    assert p.ranks == [0] and p.world_size == 2 and p.missing_ranks == [1]
+    assert p.files == {0: str(tmp_path / "rank0.json")}
+    assert any(n.startswith("not analysed: run 2") and "rank1.json" in n for n in p.notes)
+    assert any("no trace of rank 1" in n for n in p.notes)
+    code, out, _ = run_cli(["profile", str(tmp_path), "--run", "1"], capsys)
+    assert code == 0 and "1 of 2 ranks (no trace of rank 1)" in out.splitlines()[0]
+    code, _, err = run_cli(["profile", str(tmp_path), "--run", "3"], capsys)
+    assert code == 2 and "--run 3:" in err and "holds 2 run(s)" in err
+
+
+def test_a_missing_rank_is_named_from_the_recorded_world_size(two_runs, tmp_path, capsys):
+    shutil.copy(two_runs / "A" / "rank1.json", tmp_path / "rank1.json")
+    p = profile_run(str(tmp_path))
+    assert p.ranks == [1] and p.world_size == 2 and p.missing_ranks == [0]
+    assert "1 of 2 ranks (no trace of rank 0)" in format_report(p).splitlines()[0]
+    code, out, _ = run_cli(["profile", str(tmp_path), "--json"], capsys)
+    assert code == 0 and json.loads(out)["missing_ranks"] == [0] and json.loads(out)["world_size"] == 2
+
+
+def test_runs_in_subfolders_are_listed_not_the_newest_file_per_rank(two_runs, capsys):
+    with pytest.raises(SeveralRunsError, match=r"run 1: 2 of 2 ranks, steps 1-2, started .* UTC, in A; "
+                                                r"run 2: 2 of 2 ranks, steps 1-2, started .* UTC, in B"):
+        profile_run(str(two_runs))
+    p = profile_run(str(two_runs), run=2)
+    assert p.files == {0: str(two_runs / "B" / "rank0.json"), 1: str(two_runs / "B" / "rank1.json")}
+    a = profile_run(str(two_runs / "A"))
+    assert a.ranks == [0, 1] and not a.missing_ranks
+    code, out, _ = run_cli(["profile", "--compare", str(two_runs), str(two_runs), "--run", "1", "2"], capsys)
+    assert code == 0 and "A ms/step" in out
+    code, _, err = run_cli(["profile", "--compare", str(two_runs), str(two_runs), "--run", "1"], capsys)
+    assert code == 2 and "--run takes two run numbers (A B) here, got 1" in err
+
+
+def test_a_newer_gz_from_another_run_does_not_win(two_runs, tmp_path):
+    for r in (0, 1):
+        shutil.copy(two_runs / "A" / f"rank{r}.json", tmp_path / f"rank{r}.json")
+    with open(two_runs / "B" / "rank0.json", "rb") as f, gzip.open(tmp_path / "rank0.json.gz", "wb") as g:
+        g.write(f.read())
+    os.utime(tmp_path / "rank0.json", (1, 1))      # the plain file is the older one
+    with pytest.raises(SeveralRunsError,
+                       match=r"run 1: 2 of 2 ranks.*run 2: 1 of 2 ranks \(rank 1 missing\)"):
+        profile_run(str(tmp_path))
+    assert profile_run(str(tmp_path), run=1).files[0] == str(tmp_path / "rank0.json")
+
+
+def test_two_traces_claiming_one_rank_are_an_error_naming_both(two_runs, tmp_path):
+    for r in (0, 1):
+        shutil.copy(two_runs / "A" / f"rank{r}.json", tmp_path / f"rank{r}.json")
+    # A copy of one trace (the same trace_id, here gzipped) is read once, with a note.
+    with open(tmp_path / "rank0.json", "rb") as f, gzip.open(tmp_path / "rank0.json.gz", "wb") as g:
+        g.write(f.read())
+    p = profile_run(str(tmp_path))
+    assert p.ranks == [0, 1]
+    assert any("rank0.json.gz is a copy of" in n and "read once" in n for n in p.notes)
+    # Another trace claiming rank 0 of the same steps: which is right cannot be told.
+    data = json.loads((tmp_path / "rank1.json").read_text())
+    data["distributedInfo"]["rank"], data["trace_id"] = 0, "another"
+    (tmp_path / "other.json").write_text(json.dumps(data))
+    with pytest.raises(DuplicateRankError) as e:
+        profile_run(str(tmp_path))
+    assert f"two traces claim rank 0 of one run: {tmp_path / 'other.json'} and {tmp_path / 'rank0.json'}" \
+        in str(e.value) or f"{tmp_path / 'rank0.json'} and {tmp_path / 'other.json'}" in str(e.value)
+
+
+def test_npu_ranks_claimed_twice_and_a_damaged_profiler_info(tmp_path):
+    _npu_trace(tmp_path / "dup", 0, compute=[(0, 600)], comm=[(500, 900)])
+    _npu_trace(tmp_path / "dup" / "again", 0, compute=[(0, 300)], comm=[(200, 900)])
+    with pytest.raises(DuplicateRankError,
+                       match=r"rank 0 of one run: .*trace_view.json and .*trace_view.json"):
+        profile_run(str(tmp_path / "dup"))
+    _npu_trace(tmp_path / "npu", 0, compute=[(0, 600)], comm=[(500, 900)])
+    _npu_trace(tmp_path / "npu", 1, compute=[(0, 300)], comm=[(200, 900)])
+    info = tmp_path / "npu" / "node_1_ascend_pt" / "profiler_info_1.json"
+    info.write_text('{"rank_id": 1, "config": {')
+    p = profile_run(str(tmp_path / "npu"))
+    assert p.ranks == [0, 1]
+    view = tmp_path / "npu" / "node_1_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "trace_view.json"
+    assert any(str(info) in n and str(view) in n and "rank 1" in n for n in p.notes)
+
+
+def test_npu_world_size_from_profiler_metadata_names_a_missing_rank(tmp_path):
+    _npu_trace(tmp_path, 0, compute=[(0, 600)], comm=[(500, 900)])
+    (tmp_path / "node_0_ascend_pt" / "profiler_metadata.json").write_text(json.dumps(
+        {"parallel_group_info": {"group_name_0": {"group_name": "default_group", "group_rank": 0,
+                                                  "global_ranks": [0, 1, 2, 3]}}}))
+    p = profile_run(str(tmp_path))
+    assert p.world_size == 4 and p.missing_ranks == [1, 2, 3]
+
+
+def _trace(events, **meta):
+    return {"schemaVersion": 1, **meta, "traceEvents": events}
+
+
+STEP = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 1, "tid": 1, "ts": 0,
+        "dur": 100}
+
+
+@pytest.mark.parametrize("event", [
+    {"ph": "X", "name": 7, "cat": "cpu_op", "pid": 1, "tid": 1, "ts": 10, "dur": 5},
+    {"ph": "X", "name": "aten::mm", "cat": 3, "pid": 1, "tid": [1], "ts": 10, "dur": 5, "args": "x"},
+])
+def test_odd_event_fields_are_read_not_a_traceback(tmp_path, capsys, event):
+    (tmp_path / "rank0.json").write_text(json.dumps(_trace([STEP, event])))
+    code, out, _ = run_cli(["profile", str(tmp_path)], capsys)
+    assert code == 0 and "1 ranks, 1 steps" in out
+
+
+def test_deeply_nested_json_and_bad_ranks_name_the_file(tmp_path, capsys):
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    (deep / "rank0.json").write_text('{"traceEvents": [' + "[" * 200_000 + "]" * 200_000 + "]}")
+    code, _, err = run_cli(["profile", str(deep)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{deep / 'rank0.json'}: a damaged profiler trace (its JSON is nested deeper" in err
+    for rank, message in (("a", "distributedInfo.rank is 'a', not an integer"),
+                          (-2, "distributedInfo.rank is -2, not an integer >= 0"),
+                          (5, "rank 5 is outside its recorded world size 2")):
+        bad = tmp_path / f"bad{rank}"
+        bad.mkdir()
+        info = {"rank": rank, "world_size": 2}
+        (bad / "t.json").write_text(json.dumps(_trace([STEP], distributedInfo=info)))
+        code, _, err = run_cli(["profile", str(bad)], capsys)
+        assert code == 2 and err == f"tokenbal: error: {bad / 't.json'}: {message}\n"
+
+
+def test_a_folder_with_compare_is_a_usage_error(tmp_path, capsys):
+    code, _, err = run_cli(["profile", str(tmp_path), "--compare", str(tmp_path), str(tmp_path)], capsys)
+    assert code == 2
+    assert f"tokenbal profile: error: give a trace folder or --compare A B, not both ({tmp_path}" in err
+
+
+def test_traces_are_read_one_rank_at_a_time(two_runs, monkeypatch):
+    """Memory: while a trace is read, no other rank's events (nor its raw JSON) are alive."""
+    live_traces: list[weakref.ref] = []
+    live_json: list[weakref.ref] = []
+
+    def alive(refs):
+        return sum(r() is not None for r in refs)
+    reads, real_read, real_to_trace = [], traces._read_json, traces._to_trace
+
+    class Obj(dict):    # json.load's dict and list cannot be weakly referenced; these can
+        pass
+
+    class Arr(list):
+        pass
+
+    def counted_read(path):
+        gc.collect()
+        reads.append((path, alive(live_traces), alive(live_json)))
+        data = real_read(path)
+        data = Obj(data) if isinstance(data, dict) else Arr(data) if isinstance(data, list) else data
+        if isinstance(data, Obj | Arr):
+            live_json.append(weakref.ref(data))
+        return data
+
+    def counted_to_trace(*args, **kwargs):
+        trace = real_to_trace(*args, **kwargs)
+        live_traces.append(weakref.ref(trace))
+        return trace
+
+    monkeypatch.setattr(traces, "_read_json", counted_read)
+    monkeypatch.setattr(traces, "_to_trace", counted_to_trace)
+    p = profile_run(str(two_runs), run=1)
+    assert p.ranks == [0, 1] and len(reads) == 4        # every file of both runs read once
+    assert [(alive_traces, alive_json) for _, alive_traces, alive_json in reads] == [(0, 0)] * 4
