@@ -130,6 +130,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             max_tokens_per_rank=max_tokens_per_rank, window=window, grad_accum=grad_accum,
             shuffle=shuffle, drop_last=drop_last, oversize=oversize)
         self.settings.check_against(self.resolved.costs)
+        if self.resolved.cost_name == "padded":
+            # What cost="padded" supports, refused here rather than at the first iteration's plan.
+            from tokenbal.balance.partition.padded import check_padded
+
+            check_padded(self.settings.global_batch_size, stages)
         # None: check across ranks whenever a process group holds this sampler's ranks.
         self.verify = None if verify is None else bool(verify)
         self.elastic = bool(elastic)
@@ -368,9 +373,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         from the checkpoint (world size, lengths, batch size, ...), since any of them changes the
         plan — except, with ``elastic=True``, the step settings (world size, batch size, token
         budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
-        missing = [k for k in ("seed", "epoch", "cursor", "fingerprint") if k not in state]
-        if missing:
-            raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
+        _check_state(state)
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, self.fingerprint()
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
@@ -411,6 +414,37 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._consumed = None
         self._handing_out = False
+
+
+def _check_state(state: Any) -> None:
+    """A state dict as :meth:`TokenBalancedBatchSampler.state_dict` writes it, else ``ValueError``
+    naming the key that is missing or of the wrong type (a checkpoint of something else, or damaged)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a TokenBalancedBatchSampler state: a {type(state).__name__}, not a dict")
+    missing = [k for k in ("seed", "epoch", "cursor", "fingerprint") if k not in state]
+    if missing:
+        raise ValueError(f"not a TokenBalancedBatchSampler state: missing {', '.join(missing)}")
+
+    def integer(where: str, v: Any, low: int | None = 0) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (low is not None and v < low):
+            raise ValueError(f"not a TokenBalancedBatchSampler state: {where} is {v!r}, not an integer"
+                             + (f" >= {low}" if low is not None else ""))
+
+    integer("state['seed']", state["seed"], low=None)
+    for key in ("epoch", "cursor"):
+        integer(f"state[{key!r}]", state[key])
+    if not isinstance(state["fingerprint"], dict):
+        raise ValueError(f"not a TokenBalancedBatchSampler state: state['fingerprint'] is "
+                         f"{state['fingerprint']!r}, not a dict")
+    segments = state.get("segments", [])
+    if not isinstance(segments, list):
+        raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'] is {segments!r}, "
+                         "not a list")
+    for n, seg in enumerate(segments):
+        if not isinstance(seg, dict) or not isinstance(seg.get("fingerprint"), dict) or "cursor" not in seg:
+            raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}] is {seg!r}, not "
+                             "{'fingerprint': dict, 'cursor': int}")
+        integer(f"state['segments'][{n}]['cursor']", seg["cursor"])
 
 
 def _disagreements(views: list[dict[str, Any]]) -> list[str]:

@@ -31,6 +31,10 @@ __all__ = ["PlanSettings", "OVERSIZE", "plan_settings"]
 # What the token-budget mode does with a sample over the budget on its own.
 OVERSIZE = ("error", "skip", "alone")
 
+# Batch sizes and token budgets at or above this are refused when set: beyond any data set, and the
+# planner's int64 sums and numpy array sizes of them overflow (an OverflowError at the first len()).
+_HUGE = 2**62
+
 
 @dataclass(frozen=True)
 class PlanSettings:
@@ -66,7 +70,7 @@ class PlanSettings:
         W = None if self.window is None else positive_int("window", self.window)
         N = B = None
         if self.global_batch_size is not None:
-            N = positive_int("global_batch_size", self.global_batch_size)
+            N = _below_huge("global_batch_size", positive_int("global_batch_size", self.global_batch_size))
             if N < R * k:
                 what = f"num_replicas={R}" if k == 1 else f"num_replicas × grad_accum = {R * k}"
                 raise ValueError(
@@ -74,7 +78,8 @@ class PlanSettings:
                     f"{R * k - N} {'ranks' if k == 1 else 'micro-batches'} without a "
                     f"sample. Use global_batch_size >= {R * k} (or max_tokens_per_rank).")
         else:
-            B = positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
+            B = _below_huge("max_tokens_per_rank",
+                            positive_int("max_tokens_per_rank", self.max_tokens_per_rank))
         normal = {"num_replicas": R, "global_batch_size": N, "max_tokens_per_rank": B, "window": W,
                   "grad_accum": k, "shuffle": _flag("shuffle", self.shuffle),
                   "drop_last": _flag("drop_last", self.drop_last)}
@@ -152,6 +157,13 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(b, np.integer):
         b = int(b)
     return type(a) is type(b) and a == b
+
+
+def _below_huge(name: str, v: int) -> int:
+    if v >= _HUGE:
+        raise ValueError(f"{name} must be below 2**62 ({_HUGE}), got {v}: larger than any data set, and "
+                         "the planner's int64 arithmetic would overflow")
+    return v
 
 
 def _flag(name: str, v: object) -> bool:

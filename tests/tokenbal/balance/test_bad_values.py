@@ -105,3 +105,52 @@ def test_demo_bad_integers_are_usage_errors(option, capsys):
         main(["demo", option, "0"])
     assert exit_info.value.code == 2
     assert f"argument {option}: must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+# --- issue 51: settings that cannot work are refused when they are set --------------------------------
+
+@pytest.mark.parametrize("setting, value", [("global_batch_size", 99999999999999999999),
+                                            ("global_batch_size", 2**62), ("max_tokens_per_rank", 2**62),
+                                            ("max_tokens_per_rank", 2**63)])
+def test_huge_batch_sizes_and_budgets_are_refused_at_construction(setting, value):
+    with pytest.raises(ValueError, match=rf"^{setting} must be below 2\*\*62 \(4611686018427387904\), "
+                                         rf"got {value}: larger than any data set"):
+        TokenBalancedBatchSampler(np.arange(1, 20), num_replicas=2, rank=0, **{setting: value})
+    ok = TokenBalancedBatchSampler(np.arange(1, 20), num_replicas=2, rank=0, **{setting: 2**62 - 1})
+    assert sum(len(b) for b in ok) > 0
+
+
+def test_plan_simulate_huge_global_batch_is_one_line_before_the_index(capsys, tmp_path):
+    code = main(["plan", "simulate", "--index", str(tmp_path / "none"), "--world-size", "2",
+                 "--global-batch-size", "99999999999999999999"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == ("tokenbal: error: global_batch_size must be below 2**62 (4611686018427387904), got "
+                   "99999999999999999999: larger than any data set, and the planner's int64 arithmetic would "
+                   "overflow\n")
+
+
+def test_padded_cost_with_a_token_budget_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"cost='padded' plans fixed-size padded batches"):
+        TokenBalancedBatchSampler(np.arange(1, 20), num_replicas=2, rank=0, max_tokens_per_rank=100,
+                                  cost="padded")
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: [1, 2], "a list, not a dict"),
+    (lambda s: {**s, "seed": "x"}, "state['seed'] is 'x', not an integer"),
+    (lambda s: {**s, "cursor": [1]}, "state['cursor'] is [1], not an integer >= 0"),
+    (lambda s: {**s, "epoch": -1}, "state['epoch'] is -1, not an integer >= 0"),
+    (lambda s: {**s, "epoch": True}, "state['epoch'] is True, not an integer >= 0"),
+    (lambda s: {**s, "fingerprint": None}, "state['fingerprint'] is None, not a dict"),
+    (lambda s: {**s, "segments": 5}, "state['segments'] is 5, not a list"),
+    (lambda s: {**s, "segments": [{"x": 1}]}, "state['segments'][0] is {'x': 1}, not {'fingerprint'"),
+    (lambda s: {**s, "segments": [{"fingerprint": {}, "cursor": "2"}]},
+     "state['segments'][0]['cursor'] is '2', not an integer >= 0"),
+])
+def test_malformed_sampler_states_name_the_key(change, says):
+    sampler = TokenBalancedBatchSampler(np.arange(1, 20), num_replicas=2, rank=0, global_batch_size=4)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match="^not a TokenBalancedBatchSampler state: " + re.escape(says)):
+        sampler.load_state_dict(change(state))
+    sampler.load_state_dict(state)     # the good one still loads
