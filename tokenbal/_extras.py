@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "av": ("video", "av (PyAV)"),
     "fsspec": ("remote", "fsspec"),
     "transformers": ("hf", "transformers"),
+    "tokenizers": ("hf", "tokenizers"),
 }
 
 
@@ -47,12 +48,24 @@ def require(module: str, needed_for: str) -> ModuleType:
 
 def fsspec_filesystem(protocol: str, **storage_options):
     """``fsspec.filesystem(protocol, ...)``, with a missing fsspec or protocol backend (aiohttp for
-    http(s)://, s3fs for s3://, ...) as a :class:`MissingExtraError` that says what to install."""
+    http(s)://, s3fs for s3://, ...) as a :class:`MissingExtraError` that says what to install, and
+    an option the filesystem cannot be made without (an ftp:// host) as a ``ValueError`` naming it."""
+    import inspect
+
     fsspec = require("fsspec", "remote (URL) sources")
     try:
-        return fsspec.filesystem(protocol, **storage_options)
+        cls = fsspec.get_filesystem_class(protocol)
     except ImportError as e:
         how = ("pip install 'tokenbal[remote]'" if protocol in ("http", "https")
                else "install the package fsspec names (s3fs for s3://, gcsfs for gs://, adlfs for az://)")
         raise MissingExtraError(f"{protocol}:// sources need an fsspec backend that is not installed "
                                 f"({e}): {how}") from e
+    # Checked before the filesystem is made: a half-made one complains again when it is collected.
+    needed = [name for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]
+              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+              and name not in storage_options]
+    if needed:
+        raise ValueError(f"{protocol}:// sources need {', '.join(needed)}, which neither the URL nor "
+                         f"--storage-option gives (e.g. {protocol}://HOST/path/data.tar, or --storage-option "
+                         f"{needed[0]}=...)")
+    return fsspec.filesystem(protocol, **storage_options)

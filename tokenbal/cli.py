@@ -42,11 +42,15 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
     from tokenbal.index.merge import parse_part
     from tokenbal.index.parquet import ParquetOptions
 
-    if not _is_folder(args.model):
+    if args.processor is not None and args.model is not None:
+        raise UsageError(f"give --processor or --model, not both (--processor {args.processor} gives the "
+                         f"estimator; --model {args.model} would be ignored)")
+    model = args.model if args.model is not None else "qwen2-vl"
+    if not _is_folder(model):
         try:
-            get_estimator(args.model)   # aliases (transformers model_type spellings) are accepted too
+            get_estimator(model)   # aliases (transformers model_type spellings) are accepted too
         except ValueError:
-            raise UsageError(f"argument --model: unknown model {args.model!r}; valid: "
+            raise UsageError(f"argument --model: unknown model {model!r}; valid: "
                              f"{', '.join(_model_names())} (or a checkpoint / processor folder)") from None
     overrides = dict(args.estimator_option)
     try:
@@ -58,7 +62,7 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
         out = out.replace("{i}", str(part[0])).replace("{n}", str(part[1]))
     parquet = ParquetOptions(image_column=args.image_column, text_column=args.text_column,
                              messages_column=args.messages_column)
-    report = build_index(args.sources, out, model=args.model, workers=args.workers,
+    report = build_index(args.sources, out, model=model, workers=args.workers,
                          tokenizer=args.tokenizer, image_root=args.image_root,
                          estimator_overrides=overrides, progress=not args.quiet,
                          incremental=not args.rebuild, remote=_remote_options(args),
@@ -197,6 +201,10 @@ def _write_plot(sim, path: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     # The demo drives the whole path (index → sampler → collator → model), so it needs the
     # `collate` layer; it is the one place the CLI reaches it, lazily.
+    from tokenbal._extras import require
+
+    # Checked here, once: without it each rank's process would fail with its own traceback.
+    require("transformers", "tokenbal demo (it trains a tiny model with transformers' classes)")
     from collate.demo import MODEL_CLASSES, run_demo
 
     if args.model_config is not None:
@@ -360,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("sources", nargs="+",
                        help="tar shards: paths, globs or brace patterns (data-{000..099}.tar); "
                             "or .json/.jsonl annotation files")
-    build.add_argument("--model", default="qwen2-vl",
+    build.add_argument("--model", default=None,
                        help="estimator (model family), one of: " + ", ".join(_model_names())
                             + "; or a checkpoint / processor folder (its processor configs); "
                               "default qwen2-vl")

@@ -278,3 +278,108 @@ def test_stats_into_a_closed_pipe_exits_quietly(clean):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1
     assert err == ""
+
+
+# --- issue 51: no traceback, and every error names its option, file or row ---------------------------
+
+# `python -c BLOCKER MODULE... -- ARGS`: tokenbal's CLI in a fresh process where importing the named
+# top-level modules fails as if they were not installed (an import hook, nothing uninstalled).
+BLOCKER = """
+import importlib.abc, sys
+blocked = set(sys.argv[1:sys.argv.index("--")])
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotInstalled())
+from tokenbal.cli import main
+sys.exit(main(sys.argv[sys.argv.index("--") + 1:]))
+"""
+
+
+def run_without(modules: list[str], args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", BLOCKER, *modules, "--", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def text_rows(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "a caption"}) + "\n")
+    return str(rows)
+
+
+def test_processor_and_tokenizer_without_their_packages_name_the_extra(text_rows, tmp_path):
+    (tmp_path / "proc").mkdir()
+    done = run_without(["transformers"], ["index", "build", text_rows, "--processor", str(tmp_path / "proc"),
+                                          "--out", str(tmp_path / "i"), "-q"], tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr == ("tokenbal: error: --processor (counting through the processor's chat template) "
+                           "need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
+    done = run_without(["tokenizers"], ["index", "build", text_rows, "--tokenizer", str(tmp_path / "proc"),
+                                        "--out", str(tmp_path / "i"), "-q"], tmp_path)
+    assert done.returncode == 1 and done.stderr == (
+        "tokenbal: error: exact text counts (--tokenizer) need tokenizers, which is not installed: "
+        "pip install 'tokenbal[hf]'\n")
+
+
+def test_demo_without_transformers_is_one_line(tmp_path):
+    done = run_without(["transformers"], ["demo", "--workdir", str(tmp_path / "w")], tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == ("tokenbal: error: tokenbal demo (it trains a tiny model with transformers' "
+                           "classes) need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
+
+
+def test_processor_mistakes_are_named(text_rows, tmp_path, capsys):
+    out = str(tmp_path / "i")
+    missing = str(tmp_path / "none")
+    code, _, err = run(["index", "build", text_rows, "--processor", missing, "--out", out, "-q"], capsys)
+    assert code == 2 and err == f"tokenbal: error: --processor {tmp_path / 'none'}: no such folder\n"
+    code, _, err = run(["index", "build", text_rows, "--processor", text_rows, "--out", out, "-q"], capsys)
+    assert code == 2 and err.startswith(f"tokenbal: error: --processor {text_rows} is a file; give the ")
+    (tmp_path / "proc").mkdir()
+    code, _, err = run(["index", "build", text_rows, "--processor", str(tmp_path / "proc"), "--model",
+                        "internvl", "--out", out, "-q"], capsys)
+    assert code == 2 and err.splitlines()[-1] == (
+        "tokenbal index build: error: give --processor or --model, not both (--processor "
+        f"{tmp_path / 'proc'} gives the estimator; --model internvl would be ignored)")
+    assert not os.path.exists(out)
+
+
+def test_host_based_url_sources_need_their_host(tmp_path, capsys):
+    pytest.importorskip("fsspec")
+    code, _, err = run(["index", "build", "ftp:///data/a.tar", "--out", str(tmp_path / "i"), "-q"], capsys)
+    assert code == 2 and err == ("tokenbal: error: ftp:// sources need host, which neither the URL nor "
+                                 "--storage-option gives (e.g. ftp://HOST/path/data.tar, or --storage-option "
+                                 "host=...)\n")
+
+
+def test_a_url_image_in_an_annotation_row_says_urls_are_not_fetched(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "<image> a cat", "image": "http://example.com/cat.jpg"}) + "\n"
+                    + json.dumps({"text": "a caption"}) + "\n")
+    code, _, _ = run(["index", "build", str(rows), "--out", str(tmp_path / "i"), "-q"], capsys)
+    assert code == 0
+    (error,) = TokenIndex.open(tmp_path / "i").errors
+    assert error["reason"].startswith(f"{rows}:1: image 0 'http://example.com/cat.jpg' is a URL: annotation "
+                                      "records are read with their images as local files")
+    assert "URLs are not fetched" in error["reason"] and "not found at" not in error["reason"]
+
+
+def test_a_full_disk_names_the_file(clean, tmp_path, capsys, monkeypatch):
+    import errno
+    import shutil
+
+    from tokenbal.index import build
+
+    def full(*args, **kwargs):     # what a write() on a full disk raises: no file name
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    corpus, _ = clean
+    monkeypatch.setattr(build.shutil, "copyfileobj", full)
+    code, _, err = run(["index", "build", *corpus.shards, "--out", str(tmp_path / "i"), "-q"], capsys)
+    monkeypatch.setattr(build.shutil, "copyfileobj", shutil.copyfileobj)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("tokenbal: error: [Errno 28] No space left on device: '") and ".npy'" in err
+    assert f".{os.path.basename(tmp_path / 'i')}." in err       # the build's folder beside --out

@@ -89,7 +89,10 @@ class TextTokenCounter:
     @classmethod
     def from_pretrained(cls, path: str | Path, add_special_tokens: bool = False) -> TextTokenCounter:
         """Load ``path`` (a folder containing ``tokenizer.json``, or the ``tokenizer.json`` file)."""
-        from tokenizers import Tokenizer  # optional dependency: only needed for exact counting
+        from tokenbal._extras import require
+
+        # optional dependency: only needed for exact counting
+        Tokenizer = require("tokenizers", "exact text counts (--tokenizer)").Tokenizer  # noqa: N806
 
         p = Path(path)
         file = p / "tokenizer.json" if p.is_dir() else p

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
@@ -59,6 +60,15 @@ from tokenbal.index.video import VideoError, probe_video
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
+# An image or video named by a URL (http://, s3://, ...) or a data: URI rather than a file path.
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://|data:)")
+
+
+def _url_reason(kind: str, j: int, ref: str) -> str:
+    shown = ref if len(ref) <= 100 else ref[:100] + "..."
+    return (f"{kind} {j} {shown!r} is a URL: annotation records are read with their {kind}s as local "
+            f"files (relative to --image-root); URLs are not fetched. Download the {kind}s and name the "
+            "files, or pack the samples into webdataset shards (which may themselves be URLs)")
 
 
 def is_annotation_file(path: str) -> bool:
@@ -176,6 +186,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
                     "conversations / messages / text / caption)")
     members, paths, sizes, stamps = [], [], [], []
     for j, rel in enumerate(images):
+        if _URL.match(rel):
+            return fail(_url_reason("image", j, rel))
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
@@ -207,6 +219,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         stamps.append((-1, st.st_mtime_ns))     # a file has no tar header; its mtime is the stamp
     videos = []
     for j, (rel, params) in enumerate(video_refs):
+        if _URL.match(rel):
+            return fail(_url_reason("video", j, rel))
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # Checked before PyAV opens it: a FIFO would block the build.

@@ -249,7 +249,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     if processor is not None:
         if tokenizer is not None:
             raise ValueError("give --tokenizer or --processor, not both (the processor has its tokenizer)")
-        processor = os.path.abspath(os.fspath(processor))
+        processor = _processor_folder(processor)
     try:
         est = make_estimator(model, overrides, processor)
     except TypeError as e:   # an unknown --estimator-option: a usage error, reported as such
@@ -578,6 +578,21 @@ def _save_partial(writer: _IndexWriter, meta: dict, partial: str) -> None:
     except Exception:
         with contextlib.suppress(Exception):
             writer.close()
+
+
+def _processor_folder(processor: str | os.PathLike) -> str:
+    """The ``--processor`` folder as an absolute path, once it is known to be there and transformers
+    (which runs its chat template) is installed."""
+    from tokenbal._extras import require
+
+    folder = os.path.abspath(os.fspath(processor))
+    if not os.path.exists(folder):
+        raise FileNotFoundError(f"--processor {processor}: no such folder")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--processor {processor} is a file; give the checkpoint or processor folder "
+                         "(the one processor.save_pretrained wrote)")
+    require("transformers", "--processor (counting through the processor's chat template)")
+    return folder
 
 
 def make_estimator(model: str, overrides: dict, processor: str | None = None) -> VisionEstimator:
@@ -1001,6 +1016,18 @@ def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iter
 
 # --- writing ------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """An OS error while writing ``path`` (a full disk, a quota) names it: a write or flush raises
+    ``OSError`` without a file name, which would leave the user guessing which disk filled up."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror or str(e), path) from e
+        raise
+
+
 class _Column:
     """Append-only ``.npy`` column: raw bytes while building, a proper ``.npy`` at the end, so the
     builder never holds the whole dataset's columns in memory."""
@@ -1024,14 +1051,16 @@ class _Column:
 
     def append(self, values) -> None:
         arr = np.ascontiguousarray(values, dtype=self.dtype).reshape((-1, *self.tail))
-        arr.tofile(self.f)
+        with _writing(self.raw_path):
+            arr.tofile(self.f)
         self.rows += len(arr)
 
     def finish(self) -> None:
-        self.f.close()
+        with _writing(self.raw_path):
+            self.f.close()
         header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False,
                   "shape": (self.rows, *self.tail)}
-        with open(self.path, "wb") as f, open(self.raw_path, "rb") as raw:
+        with _writing(self.path), open(self.path, "wb") as f, open(self.raw_path, "rb") as raw:
             np.lib.format.write_array_header_1_0(f, header)
             shutil.copyfileobj(raw, f, 1 << 22)
         os.remove(self.raw_path)
@@ -1077,10 +1106,11 @@ class _IndexWriter:
         """Record the shards finished so far, so that a build killed even by SIGKILL resumes from
         here (the data is in the page cache once written; no fsync: a process kill loses nothing)."""
         for f in (*(c.f for c in self.cols.values()), self.keys_f, self.paths_f, self.errors_f):
-            f.flush()
+            with _writing(f.name):
+                f.flush()
         progress = {"meta": meta, "state": self._checkpoint, "shards": self.shards, "ext_ids": self.ext_ids}
         tmp = os.path.join(self.folder, PROGRESS + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with _writing(tmp), open(tmp, "w", encoding="utf-8") as f:
             json.dump(progress, f, default=_jsonable)
         os.replace(tmp, os.path.join(self.folder, PROGRESS))
 
@@ -1125,7 +1155,8 @@ class _IndexWriter:
         c["text_tokens"].append(r.text)
         c["shard_id"].append(np.full(n, shard_id, np.int32))
         encoded = [k.encode("utf-8") for k in r.keys]
-        self.keys_f.write(b"".join(encoded))
+        with _writing(self.keys_f.name):
+            self.keys_f.write(b"".join(encoded))
         c["key_offsets"].append(self.key_bytes + np.cumsum([len(k) for k in encoded], dtype=np.int64))
         self.key_bytes += sum(len(k) for k in encoded)
         c["member_start"].append(self.num_members + np.cumsum(r.member_counts, dtype=np.int64))
@@ -1140,7 +1171,8 @@ class _IndexWriter:
             c["member_path_offsets"].append(np.full(len(r.member_exts), self.path_bytes, np.int64))
         else:
             blobs = [p.encode("utf-8", "surrogateescape") for p in r.member_paths]
-            self.paths_f.write(b"".join(blobs))
+            with _writing(self.paths_f.name):
+                self.paths_f.write(b"".join(blobs))
             c["member_path_offsets"].append(self.path_bytes + np.cumsum([len(p) for p in blobs],
                                                                          dtype=np.int64))
             self.path_bytes += sum(len(p) for p in blobs)
@@ -1152,8 +1184,9 @@ class _IndexWriter:
             c["video_info"].append(r.video_info)
             c["video_params"].append(r.video_params)
             self.num_videos += len(r.video_info)
-        for e in r.errors:
-            self.errors_f.write((json.dumps(e, ensure_ascii=False) + "\n").encode("utf-8"))
+        with _writing(self.errors_f.name):
+            for e in r.errors:
+                self.errors_f.write((json.dumps(e, ensure_ascii=False) + "\n").encode("utf-8"))
         self.num_samples += n
         self.num_members += len(r.member_exts)
         self.num_images += len(r.image_wh)
@@ -1170,9 +1203,9 @@ class _IndexWriter:
     def finish(self, meta: dict) -> None:
         for col in self.cols.values():
             col.finish()
-        self.keys_f.close()
-        self.paths_f.close()
-        self.errors_f.close()
+        for f in (self.keys_f, self.paths_f, self.errors_f):
+            with _writing(f.name):
+                f.close()
         from tokenbal import __version__
 
         manifest = {
@@ -1188,7 +1221,8 @@ class _IndexWriter:
             "shards": self.shards,
         }
         # Written last, so a folder with a manifest is a complete index.
-        with open(os.path.join(self.folder, MANIFEST), "w", encoding="utf-8") as f:
+        path = os.path.join(self.folder, MANIFEST)
+        with _writing(path), open(path, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, default=_jsonable, ensure_ascii=False)
             f.write("\n")
         with contextlib.suppress(FileNotFoundError):

@@ -82,13 +82,30 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]
     from tokenbal._extras import fsspec_filesystem
 
     protocol = url.split("://", 1)[0]
-    opts = dict(storage_options or {})
+    # What the URL itself says (an ftp:// or sftp:// host, port, user), then the caller's options.
+    opts = {**_options_in_url(protocol, url), **(storage_options or {})}
     key = (os.getpid(), protocol, repr(sorted(opts.items())))
     with _FS_LOCK:
         fs = _FS.get(key)
         if fs is None:
-            fs = _FS[key] = fsspec_filesystem(protocol, **opts)
+            try:
+                fs = _FS[key] = fsspec_filesystem(protocol, **opts)
+            except OSError as e:       # filesystems that connect when made (ftp, sftp): name the URL
+                raise RemoteReadError(f"{url}: cannot connect to its store ({type(e).__name__}: {e})") from e
     return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+
+
+def _options_in_url(protocol: str, url: str) -> dict:
+    """The filesystem options fsspec reads from a URL of ``protocol`` (``fsspec.core.url_to_fs`` does
+    the same): a host-based protocol (ftp, sftp, smb) cannot be made without them."""
+    from tokenbal._extras import require
+
+    fsspec = require("fsspec", "remote (URL) sources")
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return {}       # fsspec_filesystem says what is missing
+    return dict(cls._get_kwargs_from_urls(url))
 
 
 def _permanent(e: BaseException) -> bool:
