@@ -49,6 +49,7 @@ from tokenbal.index.store import (
     OWNED_FILES,
     PATHS_BLOB,
     TokenIndex,
+    processor_files,
     version_in_use,
     version_path,
 )
@@ -266,7 +267,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         "estimator": {"name": est.name, "model": model, "overrides": overrides,
                       "config": est.config, "wrapper_tokens": int(est.wrapper_tokens)},
         "text_counter": {"name": counter.name, "tokenizer": tokenizer,
-                         **({"processor": processor} if processor else {})},
+                         **({"processor": processor, "processor_files": processor_files(processor)}
+                            if processor else {})},
         "exif": exif,
         "image_sizes": ("from headers, after EXIF orientation (PIL.ImageOps.exif_transpose)"
                         if exif == "transpose" else "from headers, as stored: EXIF orientation ignored"),

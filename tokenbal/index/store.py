@@ -38,6 +38,7 @@ was rebuilt in between. So a job never mixes two versions of an index.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import operator
 import os
@@ -669,7 +670,50 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
                             "back if it is an unchanged copy)")
     if idx is not None and "member_mtime" in idx._cols:
         problems.extend(_changed_files(idx))
+    problems.extend(processor_problems(manifest))
     return problems
+
+
+# The files of a --processor folder that its tokenizer, chat template and image / video settings are
+# read from (transformers' AutoTokenizer / AutoProcessor, tokenbal.estimate.load_estimator): the
+# index's counts depend on them. A file appearing or disappearing counts as a change too.
+PROCESSOR_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json",
+                   "preprocessor_config.json", "video_preprocessor_config.json", "tokenizer.json",
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "config.json")
+
+
+def processor_files(folder: str) -> dict[str, str]:
+    """``{file name: sha256 (16 hex)}`` of the :data:`PROCESSOR_FILES` present in ``folder``."""
+    out = {}
+    for name in PROCESSOR_FILES:
+        file = os.path.join(folder, name)
+        if os.path.isfile(file):
+            h = hashlib.sha256()
+            with open(file, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(block)
+            out[name] = h.hexdigest()[:16]
+    return out
+
+
+def processor_problems(manifest: dict) -> list[str]:
+    """The ``--processor`` folder an index was counted with, compared with what the build recorded
+    of it (``text_counter.processor_files``): one line naming each file changed, added or removed."""
+    counter = manifest.get("text_counter") or {}
+    folder, recorded = counter.get("processor"), counter.get("processor_files")
+    if not folder or recorded is None:
+        return []
+    if not os.path.isdir(folder):
+        return [f"processor folder missing: {folder} (the text counts were made with its chat template and "
+                "settings; they cannot be checked)"]
+    now = processor_files(folder)
+    changes = [f"{name} {'added' if name not in recorded else 'removed' if name not in now else 'changed'}"
+               for name in PROCESSOR_FILES if recorded.get(name) != now.get(name)]
+    if not changes:
+        return []
+    return [f"processor changed: {folder} ({', '.join(changes)} since the build; the text counts depend on "
+            f"its chat template and settings): rebuild the index with --processor {folder}"]
 
 
 def _first_changed_member(idx: TokenIndex | None, sid: int, members: list) -> str | None:

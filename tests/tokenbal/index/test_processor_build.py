@@ -158,3 +158,30 @@ def test_tar_json_messages_through_the_template(setup, tmp_path):
                                     "images": [Image.open(io.BytesIO(b)) for b in r["images"]]})
             for r in rows]
     np.testing.assert_array_equal(idx.lengths, want)
+
+
+def test_verify_names_the_processor_file_that_changed(setup, tmp_path, capsys):
+    """Issue 51 part 6: the counts depend on the --processor folder's chat template and settings;
+    `verify` records and checks them (it said "up to date" after the template changed)."""
+    import shutil
+
+    _, folder = setup
+    mine = shutil.copytree(folder, tmp_path / "proc")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"hello {i}"}]})
+                              for i in range(3)) + "\n")
+    out = str(tmp_path / "idx")
+    assert main(["index", "build", str(rows), "--processor", str(mine), "--out", out, "-q"]) == 0
+    assert main(["index", "verify", out]) == 0
+    assert "index is up to date" in capsys.readouterr().out
+    template = mine / "chat_template.jinja"
+    template.write_text(template.read_text() + "{{ '\\n' }}")
+    (mine / "chat_template.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert main(["index", "verify", out]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"processor changed: {mine} (chat_template.jinja changed, chat_template.json added "
+                     "since the build; the text counts depend on its chat template and settings): rebuild "
+                     f"the index with --processor {mine}", "1 problem(s) found"]
+    shutil.rmtree(mine)
+    assert main(["index", "verify", out]) == 1
+    assert f"processor folder missing: {mine}" in capsys.readouterr().out
