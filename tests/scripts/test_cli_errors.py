@@ -353,15 +353,22 @@ def test_host_based_url_sources_need_their_host(tmp_path, capsys):
     assert code == 2 and err == ("tokenbal: error: ftp:// sources need host, which neither the URL nor "
                                  "--storage-option gives (e.g. ftp://HOST/path/data.tar, or --storage-option "
                                  "host=...)\n")
+    # The host is read from the URL; a store that refuses the connection is named by its URL.
+    url = "ftp://127.0.0.1:1/data/a.tar"
+    code, _, err = run(["index", "build", url, "--out", str(tmp_path / "i"), "-q"], capsys)
+    assert code == 1 and err.startswith(f"tokenbal: error: {url}: cannot connect to its store (")
+    assert err.count("\n") == 1
 
 
 def test_a_url_image_in_an_annotation_row_says_urls_are_not_fetched(tmp_path, capsys):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"text": "<image> a cat", "image": "http://example.com/cat.jpg"}) + "\n"
-                    + json.dumps({"text": "a caption"}) + "\n")
+                    + json.dumps({"text": "a caption"}) + "\n"
+                    + json.dumps({"text": "a clip", "video": "s3://bucket/clip.mp4"}) + "\n")
     code, _, _ = run(["index", "build", str(rows), "--out", str(tmp_path / "i"), "-q"], capsys)
     assert code == 0
-    (error,) = TokenIndex.open(tmp_path / "i").errors
+    error, video = TokenIndex.open(tmp_path / "i").errors
+    assert video["reason"].startswith(f"{rows}:3: video 0 's3://bucket/clip.mp4' is a URL: ")
     assert error["reason"].startswith(f"{rows}:1: image 0 'http://example.com/cat.jpg' is a URL: annotation "
                                       "records are read with their images as local files")
     assert "URLs are not fetched" in error["reason"] and "not found at" not in error["reason"]
