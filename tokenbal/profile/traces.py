@@ -167,7 +167,7 @@ def _trace_files(trace_dir: str) -> list[str]:
 def _main_thread(events: list[dict]) -> object:
     steps: dict[object, int] = {}
     for e in events:
-        if _STEP.match(e["name"]):
+        if _STEP.match(e.get("name", "")):
             steps[e.get("tid")] = steps.get(e.get("tid"), 0) + 1
     if steps:
         return max(steps, key=steps.get)
@@ -278,7 +278,7 @@ def step_windows(trace: Trace) -> dict[int, tuple[float, float]]:
     """``ProfilerStep#N`` → (start, end) on the training thread; the whole trace as step 0 if none."""
     steps = {}
     for e in trace.events:
-        m = _STEP.match(e["name"])
+        m = _STEP.match(e.get("name", ""))
         if m and e.get("tid") == trace.main_tid:
             steps[int(m.group(1))] = (e["ts"], e["ts"] + e["dur"])
     if not steps and trace.events:
