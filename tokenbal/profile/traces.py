@@ -5,7 +5,8 @@ per rank, optionally gzipped, with the rank and the world size in ``distributedI
 profiler writes one ``*_ascend_pt`` folder per rank whose ``ASCEND_PROFILER_OUTPUT/trace_view.json``
 is a Chrome trace (a bare event list) and whose ``profiler_info*.json`` carries ``rank_id``.
 
-Only complete events (``"ph": "X"``) are kept; everything is in microseconds, as the traces are.
+Only complete events (``"ph": "X"``) are kept, with the args the analysis reads; everything is in
+microseconds, as the traces are.
 A folder may hold traces of several runs; :mod:`tokenbal.profile.runs` tells them apart.
 """
 
@@ -39,6 +40,19 @@ class Trace:
 _TRACE_PATTERNS = ("*.json", "*.json.gz")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _INFO_RANK = re.compile(r"profiler_info_(\d+)\.json$")
+# The args of a complete event the analysis reads (kernel correlation, collective sizes, operator
+# shapes). Kineto writes many more (ids, strides, concrete inputs): most of a parsed trace's memory.
+_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type")
+
+
+def _slim_event(obj: dict) -> dict:
+    """``json.load``'s object hook: a complete event keeps only the args the analysis reads, so the
+    rest is freed while the file is parsed, not after (it is called on each object as it is built)."""
+    if obj.get("ph") == "X":
+        args = obj.get("args")
+        if isinstance(args, dict) and args:
+            obj["args"] = {k: args[k] for k in _ARGS_READ if k in args}
+    return obj
 
 
 class NotATrace(ValueError):
@@ -49,7 +63,7 @@ def _read_json(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            return json.load(f)
+            return json.load(f, object_hook=_slim_event)
     except RecursionError as e:       # json's C scanner recurses per nesting level
         if _looks_like_trace(path):
             raise ValueError(f"{path}: a damaged profiler trace (its JSON is nested deeper than Python's "
