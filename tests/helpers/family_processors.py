@@ -44,7 +44,8 @@ def template(family: str, bos: bool = False) -> str:
     return (
         ("{{ bos_token }}" if bos else "")
         + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-        "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
         "{{ '" + ph + "' }}{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
         "<|im_end|>\n{% endfor %}"
     )
@@ -70,8 +71,9 @@ def tokenizer():
     tok.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) + "\n\n" for _ in range(300)], trainer)
     bos = [("<s>", tok.token_to_id("<s>"))]
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=bos)
-    extra = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-             "video_token": "<video>"}   # no image_token: Qwen / GLM processors would take it over theirs
+    # no image_token attribute: Qwen / GLM processors would take it over their own
+    extra = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
     out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                   pad_token="<|endoftext|>", unk_token=None, extra_special_tokens=extra)
     for name, value in extra.items():   # 4.x sets the strings only; InternVL reads the ids too
@@ -123,8 +125,9 @@ def image_processor(family: str):
     if family == "llava":
         return _pil("CLIPImageProcessor")(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     if family == "llava-next":
-        return _pil("LlavaNextImageProcessor")(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
-                                               image_grid_pinpoints=[[56, 112], [112, 56], [112, 112], [56, 168]])
+        return _pil("LlavaNextImageProcessor")(
+            size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+            image_grid_pinpoints=[[56, 112], [112, 56], [112, 112], [56, 168]])
     if family == "llava-onevision":
         return _pil("LlavaOnevisionImageProcessor")(
             size={"height": 56, "width": 56},
@@ -198,7 +201,10 @@ def random_image(rng: random.Random) -> bytes:
     return image_bytes(w, h, rng.choice(["PNG", "JPEG"]), rng.randrange(99))
 
 
-def random_rows(n: int, seed: int, shapes: tuple[str, ...] = ("column", "inline", "image_url", "string")) -> list:
+SHAPES = ("column", "inline", "image_url", "string")
+
+
+def random_rows(n: int, seed: int, shapes: tuple[str, ...] = SHAPES) -> list:
     """Rows ``{"messages", "images", "shape"}`` with 0-3 images, system turns, 1-3 exchanges, and
     the row shapes: ``column`` (``{"type": "image"}`` parts + images column of bytes), ``inline``
     (``{"type": "image", "image": bytes}`` parts), ``image_url`` (OpenAI parts with a path placeholder
@@ -260,7 +266,7 @@ def materialise(rows: list, folder) -> list:
                 m = {**m, "content": parts}
             msgs.append(m)
         images = row["images"] if row["shape"] == "column" else []
-        out.append({"messages": msgs, "images": images})
+        out.append({"messages": msgs, "images": images, "shape": row["shape"]})
     return out
 
 
@@ -268,6 +274,10 @@ def load(value):
     """An image as transformers' ``load_image`` reads a path or bytes (EXIF transposed)."""
     from PIL import Image, ImageOps
 
+    if hasattr(value, "mode") and hasattr(value, "size"):   # a PIL image: the processor takes it as given
+        return value
+    if isinstance(value, dict):   # datasets' Image(decode=False) value
+        value = value["bytes"] if value.get("bytes") is not None else value["path"]
     img = Image.open(io.BytesIO(value)) if isinstance(value, bytes) else Image.open(value)
     img = ImageOps.exif_transpose(img)
     return img.convert("RGB")
@@ -280,7 +290,8 @@ def oracle(proc, row: dict) -> int:
     content make ``apply_chat_template(tokenize=True)`` itself fail (transformers < 5.6 / 5.24)."""
     from tokenbal.estimate.chat import content_images
 
-    text = proc.apply_chat_template([row["messages"]], tokenize=False)
+    # copies: transformers 5.6 - 5.9 reassign message["content"] in place
+    text = proc.apply_chat_template([[dict(m) for m in row["messages"]]], tokenize=False)
     text = text[0] if isinstance(text, list) else text
     images = list(row["images"]) or content_images(row["messages"], image_url=_converts_image_url(proc))
     kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
@@ -290,5 +301,6 @@ def oracle(proc, row: dict) -> int:
 
 def _converts_image_url(proc) -> bool:
     conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    out = proc.apply_chat_template([conv], chat_template="{{ messages[0]['content'][0]['type'] }}", tokenize=False)
+    probe = "{{ messages[0]['content'][0]['type'] }}"
+    out = proc.apply_chat_template([conv], chat_template=probe, tokenize=False)
     return (out[0] if isinstance(out, list) else out).strip() == "image"

@@ -132,6 +132,7 @@ class ChatTokenCounter:
         self._grid_tokens: dict[tuple[int, int, int], int] = {}
         self._affix_tokens: int | None = None
         self._fingerprint: str | None = None
+        self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -160,10 +161,13 @@ class ChatTokenCounter:
         expansion = family_expansion(family, processor) if family is not None else None
         image_token = expansion.token if expansion is not None else getattr(processor, "image_token", None)
         render = _processor_renderer(processor, template)
-        return cls(tokenizer, template, estimator, image_token, render=render,
-                   add_special_tokens=_probe_add_special_tokens(processor, tokenizer),
-                   source=type(processor).__name__, family=family, expansion=expansion,
-                   converts_image_url=_probe_image_url(render))
+        counter = cls(tokenizer, template, estimator, image_token, render=render,
+                      add_special_tokens=_probe_add_special_tokens(processor, tokenizer),
+                      source=type(processor).__name__, family=family, expansion=expansion,
+                      converts_image_url=_probe_image_url(render))
+        if family == "glm-4.1v":
+            counter.min_image_side = _version_glm_min_side(processor, estimator)
+        return counter
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, estimator: Any = None) -> ChatTokenCounter:
@@ -210,6 +214,7 @@ class ChatTokenCounter:
             special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True, default=str)
             for part in (vocab, self.chat_template, special, str(self.image_token), str(self.expansion),
                          str(self.family), str(self.add_special_tokens), str(self.converts_image_url),
+                         str(self.min_image_side),
                          type(self.estimator).__name__,
                          json.dumps(getattr(self.estimator, "config", None), sort_keys=True, default=str)):
                 h.update(part.encode("utf-8"))
@@ -301,6 +306,14 @@ class ChatTokenCounter:
             k = int(j - np.searchsorted(owner, owner[j]))   # the image's place in its row
             raise ChatCountError(f"row {first_row + int(owner[j])}: image {k} "
                                  f"({wh[j, 0]}x{wh[j, 1]}): {bad[j]}")
+        if self.min_image_side:
+            small = np.flatnonzero(wh.min(axis=1) < self.min_image_side)
+            if len(small):
+                j = int(small[0])
+                k = int(j - np.searchsorted(owner, owner[j]))
+                raise ChatCountError(
+                    f"row {first_row + int(owner[j])}: image {k} ({wh[j, 0]}x{wh[j, 1]}): this transformers' "
+                    f"{self.source} rejects images with a side below {self.min_image_side} px")
         exp = self.expansion
         grids = None
         if exp is not None and exp.tiles is not None:
@@ -495,6 +508,8 @@ class _Renderer:
     def __call__(self, convs: list, chat_template: str | None = None, **kw: Any) -> list[str]:
         if self.normalize:
             convs = normalize_plain(convs)[0]
+        else:   # transformers 5.6 - 5.9 reassign message["content"] in place: render copies
+            convs = [[dict(m) if isinstance(m, dict) else m for m in c] for c in convs]
         out = self.obj.apply_chat_template(convs, chat_template=chat_template or self.template,
                                            tokenize=False, **kw)
         return [out] if isinstance(out, str) else list(out)
@@ -524,8 +539,26 @@ def _probe_add_special_tokens(processor: Any, tokenizer: Any) -> bool:
     if got == without:
         return False
     raise ValueError(f"{type(processor).__name__} tokenizes text unlike its tokenizer ({len(got)} tokens "
-                     f"for a probe its tokenizer makes {len(with_special)} / {len(without)}): its lengths are "
-                     "not modelled (truncation or extra tokens in the processor's text kwargs?)")
+                     f"for a probe its tokenizer makes {len(with_special)} / {len(without)}): its lengths "
+                     "are not modelled (truncation or extra tokens in the processor's text kwargs?)")
+
+
+# -- VERSION-DEPENDENT behaviour, detected on the installed transformers (candidates for
+# -- tokenbal/hf_compat.py, the one module for version differences) ------------------------------
+
+def _version_glm_min_side(processor: Any, estimator: Any) -> int:
+    """GLM-4.1V's image processor raises on images with a side below ``patch * merge`` px in
+    transformers 4.57 ("height:... or width:... must be larger than factor"); later releases
+    upscale them. Detected by running the processor's own image processor on one tiny image:
+    returns that side when it raises, else 0."""
+    from PIL import Image
+
+    factor = int(estimator.patch_size) * int(estimator.merge_size)
+    try:
+        processor.image_processor(images=[Image.new("RGB", (factor - 1, 2 * factor))])
+    except ValueError:
+        return factor
+    return 0
 
 
 def _probe_image_url(render: Callable[..., list[str]]) -> bool:

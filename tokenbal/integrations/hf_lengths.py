@@ -190,7 +190,8 @@ class _MapCount:
 
 def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
                  first_row: int) -> np.ndarray:
-    convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(table.column(messages).to_pylist())]
+    values = table.column(messages).to_pylist()
+    convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(values)]
     sizes = _arrow_sizes(table.column(image_col), first_row, image_col) if image_col is not None else None
     if sizes is None:
         sizes = [[] for _ in convs]
@@ -214,8 +215,8 @@ def _conversation(value: Any, row: int, field: str) -> list:
                          "({'role': ..., 'content': ...} dicts)")
     for k, message in enumerate(value):
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"row {row}: {field}[{k}] is {type(message).__name__} {str(message)[:60]!r}, not a "
-                             "{'role': ..., 'content': ...} dict")
+            raise ValueError(f"row {row}: {field}[{k}] is {type(message).__name__} {str(message)[:60]!r}, "
+                             "not a {'role': ..., 'content': ...} dict")
     return list(value)
 
 

@@ -134,7 +134,8 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
     imgs = [_as_image(v) for v in values]
     extra = {"images": [imgs]} if "images" in template_variables(_template(processor)) else {}
-    text = processor.apply_chat_template([conv], tokenize=False, **extra)
+    # copies of the messages: transformers 5.6 - 5.9 reassign message["content"] in place
+    text = processor.apply_chat_template([[dict(m) for m in conv]], tokenize=False, **extra)
     text = text[0] if isinstance(text, (list, tuple)) else text
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
