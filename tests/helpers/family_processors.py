@@ -304,3 +304,25 @@ def _converts_image_url(proc) -> bool:
     probe = "{{ messages[0]['content'][0]['type'] }}"
     out = proc.apply_chat_template([conv], chat_template=probe, tokenize=False)
     return (out[0] if isinstance(out, list) else out).strip() == "image"
+
+
+def save_folder(proc, family: str, folder):
+    """What ``processor.save_pretrained`` writes for these parts (it cannot run without the video
+    processor): tokenizer files, preprocessor_config.json naming the processor class,
+    processor_config.json with the processor's own count settings, chat_template.jinja."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    proc.tokenizer.save_pretrained(str(folder))
+    proc.image_processor.save_pretrained(str(folder))
+    name = processor_class(family).__name__
+    cfg_path = folder / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["processor_class"] = name
+    cfg_path.write_text(json.dumps(cfg))
+    keys = ("image_seq_length", "image_seq_len", "num_image_tokens", "patch_size",
+            "vision_feature_select_strategy", "num_additional_image_tokens")
+    own = {k: getattr(proc, k) for k in keys if isinstance(getattr(proc, k, None), (int, str))}
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": name, **own}))
+    (folder / "chat_template.jinja").write_text(proc.chat_template)
+    return folder

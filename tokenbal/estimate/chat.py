@@ -183,6 +183,10 @@ class ChatTokenCounter:
         d = Path(folder)
         if not d.is_dir():
             raise FileNotFoundError(f"processor folder {str(d)!r} does not exist")
+        est = estimator if estimator is not None else load_estimator(d)
+        loaded = _auto_processor(d)
+        if loaded is not None:
+            return cls.from_processor(loaded, estimator=est)
         tokenizer = AutoTokenizer.from_pretrained(str(d))
         template = _folder_template(d) or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
@@ -190,7 +194,6 @@ class ChatTokenCounter:
         if not template:
             raise ValueError(f"{str(d)!r} has no chat template (chat_template.jinja / chat_template.json / "
                              "tokenizer_config.json)")
-        est = estimator if estimator is not None else load_estimator(d)
         image_token = getattr(tokenizer, "image_token", None) or _FAMILY_IMAGE_TOKEN.get(est.name)
         if image_token is None:
             raise ValueError(f"{str(d)!r}: no image placeholder token known for estimator {est.name!r}")
@@ -259,9 +262,23 @@ class ChatTokenCounter:
         """``(text, vision)`` per conversation: ``vision`` = Σ (the estimator's image tokens +
         wrapper tokens) of its images, as the index counts them, ``text`` = the rest, so ``text +
         vision`` = total."""
-        total, n_tokens, owner = self._count_texts(self.render(conversations), sizes, first_row)
-        wrap = int(getattr(self.estimator, "wrapper_tokens", 0)) if self.estimator is not None else 0
-        vision = np.bincount(owner, weights=n_tokens + wrap, minlength=len(total)).astype(np.int64)
+        total, _, owner = self._count_texts(self.render(conversations), sizes, first_row)
+        if not len(owner):
+            return total, np.zeros(len(total), np.int64)
+        from tokenbal.estimate.vision import image_tokens_checked
+
+        # the index's own per-image vision count (tokenbal/index/build.py ``_count_tokens``):
+        # estimator tokens + wrappers (per size for Idefics3 / SmolVLM), OneVision's shared-row rule
+        est = self.estimator
+        wh = np.array([s for row in sizes for s in row], dtype=np.int64).reshape(-1, 2)
+        per_image = image_tokens_checked(est, wh[:, 0], wh[:, 1])[0]
+        if getattr(est, "family", None) == "llava-onevision":
+            counts = np.bincount(owner, minlength=len(total))
+            per_image = np.where(counts[owner] > 1, est.image_tokens(1, 1, images_in_sample=2), per_image)
+        wrap_batch = getattr(est, "image_wrapper_tokens_batch", None)
+        wrap = (np.asarray(wrap_batch(wh[:, 0], wh[:, 1]), np.int64) if wrap_batch is not None
+                else int(getattr(est, "wrapper_tokens", 0)))
+        vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64)
         return total - vision, vision
 
     def _count_texts(self, texts: list[str], sizes: Sequence[Sequence[tuple[int, int]]], first_row: int):
@@ -569,6 +586,24 @@ def _probe_image_url(render: Callable[..., list[str]]) -> bool:
         return render([conv], chat_template="{{ messages[0]['content'][0]['type'] }}")[0].strip() == "image"
     except Exception:  # noqa: BLE001 - a renderer that cannot take the probe: the 5.x rule
         return True
+
+
+def _auto_processor(d: Path) -> Any:
+    """The folder's processor as ``AutoProcessor`` loads it, when it loads here with a chat template
+    and a family tokenbal knows (then its own tokens and settings are used); else None (e.g. its
+    video processor needs torchvision), and the folder's files are read directly."""
+    try:
+        from transformers import AutoProcessor
+
+        from tokenbal.estimate.vision import processor_family
+
+        proc = AutoProcessor.from_pretrained(str(d))
+        if getattr(proc, "image_processor", None) is None or not getattr(proc, "chat_template", None):
+            return None
+        processor_family(proc)
+        return proc
+    except Exception:  # noqa: BLE001 - any failure to load: read the files instead
+        return None
 
 
 def _processor_template(processor: Any) -> str:
