@@ -133,6 +133,7 @@ class ChatTokenCounter:
         self._affix_tokens: int | None = None
         self._fingerprint: str | None = None
         self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
+        self.video_token: str | None = None   # a row that renders it is refused (videos not counted here)
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class ChatTokenCounter:
                       converts_image_url=_probe_image_url(render))
         if family == "glm-4.1v":
             counter.min_image_side = _version_glm_min_side(processor, estimator)
+        video = getattr(processor, "video_token", None)
+        counter.video_token = video if isinstance(video, str) and video and video != image_token else None
         return counter
 
     @classmethod
@@ -293,6 +296,13 @@ class ChatTokenCounter:
                     f"row {first_row + r}: the chat template renders {found} image placeholder(s) "
                     f"({token!r}) but the row has {n_images[r]} image(s); the processor raises on this "
                     "(each image needs an image part in the messages, and each image part an image)")
+        if self.video_token:
+            for r, text in enumerate(texts):
+                if self.video_token in text:
+                    raise ChatCountError(
+                        f"row {first_row + r}: the chat template renders a video placeholder "
+                        f"({self.video_token!r}); dataset_lengths does not count videos through a processor "
+                        "yet: index such rows with `tokenbal index build` (videos from container headers)")
         owner = np.repeat(np.arange(len(texts)), n_images)
         n_tokens, grids = self._image_tokens(sizes, owner, n_images, first_row)
         if not len(n_tokens):

@@ -265,3 +265,16 @@ def test_process_row_matches_the_count_with_exif_images(family, tmp_path):
                                   np.array([n, dataset_lengths([inline], proc)[0]]), None, proc)
     out = collate([{**row, "_tokenbal_index": 0}, {**inline, "_tokenbal_index": 1}])
     assert out["n"] == [n, dataset_lengths([inline], proc)[0]] and collate.mismatched == 0
+
+
+def test_a_video_row_is_refused_naming_it():
+    """Videos through a processor need its video processor (torchvision); such rows are named, not
+    counted as one placeholder token."""
+    proc = _processor_or_skip("qwen2-vl", subclass=False)
+    text_part = "{% elif c['type'] == 'text' %}"
+    video_part = "{% elif c['type'] == 'video' %}" + proc.video_token
+    proc.chat_template = proc.chat_template.replace(text_part, video_part + text_part)
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []},
+            {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}], "images": []}]
+    with pytest.raises(ValueError, match=r"row 1: the chat template renders a video placeholder"):
+        dataset_lengths(rows, proc)
