@@ -185,6 +185,19 @@ def exif_jpeg(w: int, h: int, orientation: int, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
+def xmp_jpeg(w: int, h: int, orientation: int) -> bytes:
+    """A JPEG whose orientation is only in its XMP packet (``tiff:Orientation``), as some editors
+    write it; Pillow's ``exif_transpose`` (and transformers' ``load_image``) honour it."""
+    from PIL import Image
+
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-'
+           b'syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="%d"/>'
+           b"</rdf:RDF></x:xmpmeta>") % orientation
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (30, 200, 90)).save(buf, "JPEG", xmp=xmp)
+    return buf.getvalue()
+
+
 def image_bytes(w: int, h: int, fmt: str, seed: int) -> bytes:
     from PIL import Image
 

@@ -7,6 +7,8 @@ transformers is installed (4.57 to 5.x); resolution by what a processor is; the 
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -244,7 +246,14 @@ def test_process_row_matches_the_count_with_exif_images(family, tmp_path):
     from tokenbal.integrations.trainer_support import PackedTrainCollator, process_row
 
     proc = _processor_or_skip(family, subclass=False)
-    rotated = fp.exif_jpeg(60, 200, 6)    # stored 60x200, shown 200x60
+    for rotated in (fp.exif_jpeg(60, 200, 6), fp.xmp_jpeg(60, 200, 8)):   # stored 60x200, shown 200x60
+        _process_row_case(proc, rotated, tmp_path, PackedTrainCollator, process_row)
+
+
+def _process_row_case(proc, rotated: bytes, tmp_path, PackedTrainCollator, process_row) -> None:
+    from PIL import Image
+
+    assert fp.load(rotated).size == (200, 60) and Image.open(io.BytesIO(rotated)).size == (60, 200)
     path = tmp_path / "r.jpg"
     path.write_bytes(rotated)
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this"}]},
