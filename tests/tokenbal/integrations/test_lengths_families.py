@@ -287,3 +287,43 @@ def test_a_video_row_is_refused_naming_it():
             {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}], "images": []}]
     with pytest.raises(ValueError, match=r"row 1: the chat template renders a video placeholder"):
         dataset_lengths(rows, proc)
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(family: str):
+    from tokenbal.estimate.chat import ChatTokenCounter
+
+    if family not in _COUNTERS:
+        _COUNTERS[family] = ChatTokenCounter.from_processor(_processor_or_skip(family, subclass=False))
+    return _COUNTERS[family]
+
+
+@pytest.mark.parametrize("family", ["idefics3", "internvl", "llava-onevision", "glm-4.1v"])
+def test_expansion_shortcut_equals_expanded_text(family):
+    """Counting each placeholder once plus its expansion's tokens equals tokenizing the expanded text
+    (the tile layouts with newlines included), for random texts around random images."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.helpers.chat_processors import WORDS
+
+    counter = _counter(family)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.sampled_from(WORDS + ["\n", "\n\n", " ", "<|im_end|>"]), min_size=1, max_size=10),
+           st.lists(st.tuples(st.integers(30, 900), st.integers(30, 900)), max_size=3))
+    def check(words, sizes):
+        parts = [{"type": "text", "text": "".join(words)}] + [{"type": "image"} for _ in sizes]
+        conv = [{"role": "user", "content": parts}]
+        counter.expand = False
+        fast = counter.count([conv], [sizes])
+        counter.expand = True
+        try:
+            slow = counter.count([conv], [sizes])
+        finally:
+            counter.expand = False
+        assert fast.tolist() == slow.tolist()
+
+    check()
