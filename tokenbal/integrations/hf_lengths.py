@@ -78,7 +78,13 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
     if transform is not None:
         # The rows the Trainer loads are the transform's output: count those (no cache: a
         # transform's result cannot be fingerprinted).
-        return _rows_lengths(_TransformedRows(ds), counter, messages, images)
+        rows = _TransformedRows(ds)
+        if len(ds) and messages not in rows[0]:
+            name = getattr(transform, "__name__", transform)
+            raise ValueError(f"the dataset's transform ({name!r}) returns the columns {sorted(rows[0])}, "
+                             f"without {messages!r}: its rows cannot be counted as chat rows; pass "
+                             "messages=<the transformed column of chat turns>")
+        return _rows_lengths(rows, counter, messages, images)
     path = None
     if cache:
         files = _files_digest(ds, counter, messages, image_col)

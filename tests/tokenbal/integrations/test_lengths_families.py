@@ -216,6 +216,10 @@ def test_a_transform_is_counted_through(rows, tmp_path, monkeypatch):
     want = [fp.oracle(proc, transformed[i]) for i in range(len(ds))]
     np.testing.assert_array_equal(got, want)
     assert (got > plain).all()
+    tokenized = ds.with_transform(lambda b: {"input_ids": [[1, 2]] * len(b["messages"])})
+    with pytest.raises(ValueError, match=r"transform \('<lambda>'\) returns the columns \['input_ids'\], "
+                                         r"without 'messages'"):
+        dataset_lengths(tokenized, proc)
 
 
 # -- the length column ------------------------------------------------------------------------------
