@@ -298,8 +298,10 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
         crop = image.get("size") or {}
         side = int(round(int(getattr(processor, "num_image_tokens", 729)) ** 0.5))
         crop_size = int(crop.get("height", crop.get("shortest_edge", 384)))
-        if crop_size % side:
-            raise ValueError(f"{name}: crop {crop_size} is not a multiple of the {side}x{side} feature grid")
+        # SigLIP-384 / patch 14 gives a 27 x 27 grid (384 // 14): the patch that gives the processor's grid
+        if side <= 0 or crop_size // (crop_size // side) != side:
+            raise ValueError(f"{name}: no patch size gives a {side}x{side} feature grid on {crop_size}-px "
+                             f"crops (num_image_tokens={getattr(processor, 'num_image_tokens', None)})")
         settings = {**_llava_settings(family, {"vision_feature_select_strategy": "full"}, image),
                     "patch_size": crop_size // side, "max_num_views": int(ratio[len("anyres_max_"):])}
         return get_estimator(family, **{**settings, **overrides})

@@ -331,3 +331,19 @@ def test_expansion_shortcut_equals_expanded_text(family):
         assert fast.tolist() == slow.tolist()
 
     check()
+
+
+def test_onevision_at_its_checkpoint_settings():
+    """SigLIP-384 with 14-px patches: 27 x 27 = 729 tokens a view (384 is no multiple of 27)."""
+    proc = fp._build(fp.processor_class("llava-onevision"),
+                     image_processor=fp._pil("LlavaOnevisionImageProcessor")(
+                         size={"height": 384, "width": 384},
+                         image_grid_pinpoints=[[384 * i, 384 * j] for i in range(1, 4) for j in range(1, 4)]),
+                     tokenizer=fp.tokenizer(), chat_template=fp.template("llava-onevision"),
+                     video_processor=None, num_image_tokens=729, vision_feature_select_strategy="full")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe"}]}]
+    rows = [{"messages": msgs, "images": [fp.image_bytes(w, h, "PNG", 0)]}
+            for w, h in [(500, 300), (90, 700)]]
+    rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+                 "images": [fp.image_bytes(400, 400, "PNG", 1), fp.image_bytes(100, 60, "PNG", 2)]})
+    np.testing.assert_array_equal(dataset_lengths(rows, proc), [fp.oracle(proc, r) for r in rows])
