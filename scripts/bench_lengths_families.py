@@ -80,7 +80,12 @@ def official_processor(family: str):
         kw.update(num_image_tokens=729, vision_feature_select_strategy="full")
     if family in ("idefics3", "smolvlm"):
         kw["image_seq_len"] = 169
-    return fp._build(fp.processor_class(family), **kw)
+    proc = fp._build(fp.processor_class(family), **kw)
+    if family == "smolvlm":   # its apply_chat_template reads num_frames / fps of the (torchvision) video processor
+        import types
+
+        proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+    return proc
 
 
 def mixture(n: int, min_side: int, max_side: int, seed: int):

@@ -166,7 +166,14 @@ def processor(family: str, subclass: bool = False, bos_template: bool = False):
         kw.update(num_image_tokens=16, vision_feature_select_strategy="full")
     if family in ("idefics3", "smolvlm"):
         kw["image_seq_len"] = 3
-    return _build(cls, **kw)
+    proc = _build(cls, **kw)
+    if family == "smolvlm" and getattr(proc, "video_processor", None) is None:
+        # SmolVLM's apply_chat_template reads its video processor's num_frames / fps even for image
+        # rows; the video processor needs torchvision, so only those two settings stand in for it.
+        import types
+
+        proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+    return proc
 
 
 # -- rows ------------------------------------------------------------------------------------------

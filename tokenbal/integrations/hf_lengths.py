@@ -279,7 +279,12 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
             else:
                 sizes.append(_row_sizes(value, r, images))
             convs.append(conv)
-        out.append(counter.count(convs, sizes, a))
+        try:
+            out.append(counter.count(convs, sizes, a))
+        except ChatCountError:
+            raise
+        except Exception as e:   # the template raising on a row: find the row, name it
+            raise _row_error(counter, convs, sizes, a, e) from e
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
