@@ -81,7 +81,7 @@ def official_processor(family: str):
     if family in ("idefics3", "smolvlm"):
         kw["image_seq_len"] = 169
     proc = fp._build(fp.processor_class(family), **kw)
-    if family == "smolvlm":   # apply_chat_template reads num_frames / fps of its (torchvision) video processor
+    if family == "smolvlm":   # apply_chat_template reads num_frames / fps of its video processor
         import types
 
         proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
