@@ -25,6 +25,7 @@ import io
 import os
 import random
 import sys
+import tempfile
 
 import numpy as np
 
@@ -167,7 +168,22 @@ def main() -> None:
         import datasets
 
         family, proc = first
-        big = datasets.concatenate_datasets([ds] * max(1, args.scale_rows // len(ds)))
+        # images as paths (files written once): an in-memory dataset is pickled whole to each worker,
+        # so image bytes inside it would measure the pickling, not the counting
+        folder = tempfile.mkdtemp(prefix="tokenbal-bench-")
+        table = ds.with_format("arrow")[:]
+        paths = []
+        for i, images in enumerate(table.column("images").to_pylist()):
+            row = []
+            for j, im in enumerate(images):
+                path = os.path.join(folder, f"{i}_{j}.jpg")
+                with open(path, "wb") as f:
+                    f.write(im["bytes"])
+                row.append(path)
+            paths.append(row)
+        messages = table.column("messages").to_pylist()
+        by_path = datasets.Dataset.from_dict({"messages": messages, "images": paths})
+        big = datasets.concatenate_datasets([by_path] * max(1, args.scale_rows // len(ds)))
         one = dataset_lengths(big, proc, cache=False)
         solo = measure(lambda: dataset_lengths(big, proc, cache=False), repeats=1, warmup=0)
         par = measure(lambda: dataset_lengths(big, proc, cache=False, num_proc=args.num_proc), repeats=1,
