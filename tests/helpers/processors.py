@@ -34,9 +34,11 @@ def word_tokenizer():
 
 def llava_next_processor(tokenizer):
     """``LlavaNextProcessor`` at LLaVA-NeXT's 336-px settings over ``tokenizer``."""
-    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+    from transformers import LlavaNextProcessor
 
-    ip = LlavaNextImageProcessorPil(
+    from tests.helpers.family_processors import _pil
+
+    ip = _pil("LlavaNextImageProcessor")(
         image_grid_pinpoints=NEXT_PINPOINTS,
         size={"shortest_edge": 336},
         crop_size={"height": 336, "width": 336},

@@ -1,25 +1,29 @@
 """Exact token counts of chat conversations with images, as a transformers processor gives them,
 without running the processor on pixels.
 
-``processor.apply_chat_template(conversations, images=..., tokenize=True)`` renders the chat
-template (one image placeholder per image part), replaces the ``i``-th placeholder with the image's
-placeholder tokens (``<|image_pad|>`` × ``n_i`` for Qwen-VL) and tokenizes the result. The count is
-therefore
+``processor.apply_chat_template(conversations, tokenize=True)`` renders the chat template (one
+image placeholder per image part), and the processor's ``__call__`` replaces the ``i``-th
+placeholder with that image's expansion (``<|image_pad|>`` × ``n_i`` for Qwen-VL and GLM-4.1V,
+``<image>`` × ``n_i`` for LLaVA / LLaVA-NeXT / OneVision, ``<img>`` + ``<IMG_CONTEXT>`` × ``n_i`` +
+``</img>`` for InternVL, the tile layout of Idefics3 / SmolVLM) and tokenizes the result. When the
+placeholder is an added token and each expansion starts and ends with one (added tokens cut the
+text before anything else), the count is
 
-    tokens(rendered text) - placeholders + Σ_i n_i
+    tokens(rendered text) + Σ_i (tokens(expansion_i) - 1)
 
-when the placeholder is an added token of the tokenizer (it then splits the text around it, so
-repeating it changes nothing else). :class:`ChatTokenCounter` renders with transformers' own
-template machinery (the processor's normalisation, ``render_jinja_template``, the tokenizer's
-special tokens as template variables), tokenizes the rendered texts in one batch with the
-processor's own tokenizer and takes each ``n_i`` from the tokenbal estimator built from the
+:class:`ChatTokenCounter` renders with the processor's own public ``apply_chat_template(...,
+tokenize=False)`` (so its normalisation, template variables and special tokens are those of the
+installed transformers, whatever its version), tokenizes the rendered texts in one batch with the
+processor's own tokenizer and takes each expansion from the tokenbal estimator built from the
 processor's settings (:func:`tokenbal.estimate.vision.estimator_from_processor`): no image is
-decoded or resized. When the placeholder is not an added token the placeholders are expanded and
-the expanded text is tokenized (slower, still exact).
+decoded or resized. The shortcut is checked once per counter against the expanded text; when it
+does not hold (or the placeholder is not an added token) the expanded text is tokenized (slower,
+still exact). No private transformers helper is used: the processor's special-token rule is read
+by calling it on a probe text, and whether it turns OpenAI ``image_url`` parts into image parts by
+rendering a probe conversation.
 
-The estimator's ``wrapper_tokens`` (``<|vision_start|>`` / ``<|vision_end|>``) are part of the
-rendered template text; :meth:`ChatTokenCounter.count_split` moves them to the vision count, as the
-index counts them (``vision = Σ (n_i + wrappers)``, ``text = total - vision``).
+The estimator's ``wrapper_tokens`` are counted as vision by :meth:`ChatTokenCounter.count_split`,
+as the index counts them (``vision = Σ (n_i + wrappers)``, ``text = total - vision``).
 
 Needs transformers (and jinja2); imported when a counter is built.
 """
@@ -28,7 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +42,64 @@ import numpy as np
 # estimator family -> the placeholder its processor's template renders, for folders read without the
 # processor class (``from_pretrained``); a loaded processor says it itself (``processor.image_token``).
 _FAMILY_IMAGE_TOKEN = {**{family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")},
-                       "llava-next": "<image>"}
+                       "llava-next": "<image>", "llava-onevision": "<image>", "llava": "<image>",
+                       "internvl": "<IMG_CONTEXT>", "glm-4.1v": "<|image|>", "idefics3": "<image>",
+                       "smolvlm": "<image>"}
 
 
 class ChatCountError(ValueError):
     """A conversation cannot be counted (the message names the row)."""
 
 
+@dataclass(frozen=True)
+class Expansion:
+    """What a family's processor puts in place of one image placeholder: ``prefix`` + ``token`` ×
+    ``n`` + ``suffix`` (``tiles`` None), or Idefics3 / SmolVLM's tile layout (``tiles`` = (fake
+    token, global-image token): per tile ``<fake><row_r_col_c>`` + ``token`` × ``n``, a newline
+    after each tile row, then ``\n<fake><global>`` + ``token`` × ``n`` + ``<fake>``; an unsplit image
+    is ``<fake><global>`` + ``token`` × ``n`` + ``<fake>``)."""
+
+    token: str
+    prefix: str = ""
+    suffix: str = ""
+    tiles: tuple[str, str] | None = None
+    multi_image_tokens: int | None = None   # LLaVA-OneVision: each image of a multi-image row
+
+    def text(self, n: int, grid: tuple[int, int] = (0, 0)) -> str:
+        if self.tiles is None:
+            return self.prefix + self.token * n + self.suffix
+        fake, glob = self.tiles
+        rows, cols = grid
+        if rows == 0 and cols == 0:
+            return f"{fake}{glob}{self.token * n}{fake}"
+        out = ""
+        for r in range(rows):
+            for c in range(cols):
+                out += f"{fake}<row_{r + 1}_col_{c + 1}>" + self.token * n
+            out += "\n"
+        return out + f"\n{fake}{glob}{self.token * n}{fake}"
+
+
+def family_expansion(family: str, processor: Any = None) -> Expansion:
+    """The :class:`Expansion` of ``family``'s processor (its own token attributes when given)."""
+    def attr(name: str, default: str) -> str:
+        value = getattr(processor, name, None) if processor is not None else None
+        return value if isinstance(value, str) and value else default
+
+    token = attr("image_token", _FAMILY_IMAGE_TOKEN.get(family, "<image>"))
+    if family == "internvl":
+        return Expansion(token, prefix=attr("start_image_token", "<img>"),
+                         suffix=attr("end_image_token", "</img>"))
+    if family in ("idefics3", "smolvlm"):
+        glob = attr("global_image_tag", "") or attr("global_image_token", "<global-img>")
+        return Expansion(token, tiles=(attr("fake_image_token", "<fake_token_around_image>"), glob))
+    return Expansion(token)
+
+
 class ChatTokenCounter:
-    """Counts ``len(processor.apply_chat_template([conv], images=[imgs], tokenize=True,
-    return_dict=True)["input_ids"][0])`` from the images' sizes (for a tokenizer, text-only:
-    ``len(tokenizer.apply_chat_template(conv, tokenize=True))``).
+    """Counts what ``processor.apply_chat_template([conv], tokenize=True)`` gives for a row whose
+    images (in the order the processor receives them) have the given sizes (for a tokenizer,
+    text-only: ``len(tokenizer.apply_chat_template(conv, tokenize=True))``).
 
     Build it with :meth:`from_processor` (a loaded transformers processor) or
     :meth:`from_pretrained` (a checkpoint / processor folder). ``count(conversations, sizes)``:
@@ -56,56 +108,68 @@ class ChatTokenCounter:
     """
 
     def __init__(self, tokenizer: Any, chat_template: str, estimator: Any, image_token: str | None, *,
-                 normalize: Any = None, add_special_tokens: bool = True, source: str = "") -> None:
+                 render: Callable[..., list[str]] | None = None, add_special_tokens: bool = True,
+                 source: str = "", family: str | None = None, expansion: Expansion | None = None,
+                 converts_image_url: bool = True) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.estimator = estimator
         self.image_token = image_token
         self.add_special_tokens = bool(add_special_tokens)
         self.source = source
-        self._normalize = normalize   # a processor's own override, else transformers' rules (below)
-        from transformers.utils.chat_template_utils import _get_template_variables
-
-        self._template_vars = _get_template_variables(chat_template)
+        self.family = family
+        self.converts_image_url = converts_image_url
+        self.expansion = expansion if expansion is not None else (
+            Expansion(image_token) if image_token is not None else None)
+        self._render_fn = render if render is not None else _tokenizer_renderer(tokenizer, chat_template)
+        self._uses_images = "images" in template_variables(chat_template)
         self._backend = _fast_backend(tokenizer)
         self._backend_checked = False
-        # The shortcut (count the placeholder once, add n_i - 1) holds when the placeholder is an
-        # added token: the tokenizer cuts the text around added tokens before anything else.
         added = set(getattr(tokenizer, "get_added_vocab", dict)())
+        # The shortcut needs the placeholder to be an added token; it is checked once on real rows.
         self.expand = image_token is not None and image_token not in added
+        self._shortcut_checked = False
+        self._grid_tokens: dict[tuple[int, int, int], int] = {}
+        self._affix_tokens: int | None = None
         self._fingerprint: str | None = None
+        self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
+        self.video_token: str | None = None   # a row that renders it is refused (videos not counted here)
 
     # -- construction ----------------------------------------------------------------------------
 
     @classmethod
     def from_processor(cls, processor: Any, estimator: Any = None) -> ChatTokenCounter:
         """The counter of a loaded transformers processor (its tokenizer, chat template, image
-        token and image-processor settings). ``estimator`` overrides the one built from it."""
-        from tokenbal.estimate.vision import estimator_from_processor
+        tokens and image-processor settings). ``estimator`` overrides the one built from it."""
+        from tokenbal.estimate.vision import estimator_from_processor, processor_family
 
         tokenizer = getattr(processor, "tokenizer", None)
         is_tokenizer = hasattr(processor, "apply_chat_template") and hasattr(processor, "get_vocab")
         if tokenizer is None and is_tokenizer:
             # A tokenizer (text-only model): its apply_chat_template never adds special tokens
-            return cls(processor, _processor_template(processor), estimator, None,
-                       normalize=_tokenizer_normalize, add_special_tokens=False,
-                       source=type(processor).__name__)
+            template = _processor_template(processor)
+            render = _tokenizer_renderer(processor, template)
+            return cls(processor, template, estimator, None, render=render, add_special_tokens=False,
+                       source=type(processor).__name__, converts_image_url=_probe_image_url(render))
         if tokenizer is None:
             raise TypeError(f"{type(processor).__name__} is neither a transformers processor nor a tokenizer")
         template = _processor_template(processor)
-        if estimator is None and getattr(processor, "image_processor", None) is not None:
-            estimator = estimator_from_processor(processor)
-        text_kwargs: dict = {}
-        merge = getattr(processor, "_merge_kwargs", None)
-        if callable(merge):   # the processor's own defaults for its tokenizer call
-            text_kwargs = merge(tokenizer_init_kwargs=getattr(tokenizer, "init_kwargs", {}))["text_kwargs"]
-        counter = cls(tokenizer, template, estimator, getattr(processor, "image_token", None),
-                      normalize=_overridden_normalize(processor),
-                      add_special_tokens=text_kwargs.get("add_special_tokens", True),
-                      source=type(processor).__name__)
-        if text_kwargs.get("truncation") or text_kwargs.get("max_length"):
-            raise ValueError(f"{type(processor).__name__} truncates its text ({text_kwargs}); lengths of "
-                             "truncated conversations are not modelled")
+        family = None
+        if getattr(processor, "image_processor", None) is not None:
+            family = processor_family(processor)
+            if estimator is None:
+                estimator = estimator_from_processor(processor)
+        expansion = family_expansion(family, processor) if family is not None else None
+        image_token = expansion.token if expansion is not None else getattr(processor, "image_token", None)
+        render = _processor_renderer(processor, template)
+        counter = cls(tokenizer, template, estimator, image_token, render=render,
+                      add_special_tokens=_probe_add_special_tokens(processor, tokenizer),
+                      source=type(processor).__name__, family=family, expansion=expansion,
+                      converts_image_url=_probe_image_url(render))
+        if family == "glm-4.1v":
+            counter.min_image_side = _version_glm_min_side(processor, estimator)
+        video = getattr(processor, "video_token", None)
+        counter.video_token = video if isinstance(video, str) and video and video != image_token else None
         return counter
 
     @classmethod
@@ -113,7 +177,8 @@ class ChatTokenCounter:
         """The counter of a checkpoint or processor folder: its tokenizer (``AutoTokenizer``), the
         processor's chat template (``chat_template.jinja``, ``chat_template.json``,
         ``processor_config.json``, else the tokenizer's) and the estimator of its processor configs
-        (:func:`tokenbal.estimate.load_estimator`)."""
+        (:func:`tokenbal.estimate.load_estimator`). Conversations are normalised as transformers 5.x
+        processors normalise them (``None`` values dropped, ``image_url`` parts made image parts)."""
         from transformers import AutoTokenizer
 
         from tokenbal.estimate.vision import load_estimator
@@ -121,6 +186,10 @@ class ChatTokenCounter:
         d = Path(folder)
         if not d.is_dir():
             raise FileNotFoundError(f"processor folder {str(d)!r} does not exist")
+        est = estimator if estimator is not None else load_estimator(d)
+        loaded = _auto_processor(d)
+        if loaded is not None:
+            return cls.from_processor(loaded, estimator=est)
         tokenizer = AutoTokenizer.from_pretrained(str(d))
         template = _folder_template(d) or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):
@@ -128,26 +197,31 @@ class ChatTokenCounter:
         if not template:
             raise ValueError(f"{str(d)!r} has no chat template (chat_template.jinja / chat_template.json / "
                              "tokenizer_config.json)")
-        est = estimator if estimator is not None else load_estimator(d)
         image_token = getattr(tokenizer, "image_token", None) or _FAMILY_IMAGE_TOKEN.get(est.name)
         if image_token is None:
             raise ValueError(f"{str(d)!r}: no image placeholder token known for estimator {est.name!r}")
-        return cls(tokenizer, template, est, image_token, source=str(d))
+        render = _tokenizer_renderer(tokenizer, template, normalize=True)
+        expansion = family_expansion(est.name)
+        expansion = Expansion(image_token, expansion.prefix, expansion.suffix, expansion.tiles)
+        return cls(tokenizer, template, est, image_token, render=render, source=str(d), family=est.name,
+                   expansion=expansion)
 
     # -- identity --------------------------------------------------------------------------------
 
     @property
     def fingerprint(self) -> str:
         """A digest of everything a count depends on: vocabulary, template, special tokens, image
-        token, estimator settings (for caches and index manifests)."""
+        token and expansion, estimator settings (for caches and index manifests)."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             backend = _fast_backend(self.tokenizer)
             vocab = backend.to_str() if backend is not None else json.dumps(
                 sorted(self.tokenizer.get_vocab().items()))
-            special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True)
-            for part in (vocab, self.chat_template, special, str(self.image_token),
-                         str(self.add_special_tokens),
+            special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True, default=str)
+            for part in (vocab, self.chat_template, special, str(self.image_token), str(self.expansion),
+                         str(self.family), str(self.add_special_tokens), str(self.converts_image_url),
+                         str(self.min_image_side),
+                         type(self.estimator).__name__,
                          json.dumps(getattr(self.estimator, "config", None), sort_keys=True, default=str)):
                 h.update(part.encode("utf-8"))
                 h.update(b"\0")
@@ -164,28 +238,21 @@ class ChatTokenCounter:
         """The texts ``apply_chat_template(..., tokenize=False)`` renders, one per conversation
         (``images``: per row, what the processor would get as ``images=``; only templates that
         read an ``images`` variable see it)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         if not len(conversations):
             return []
         convs = [list(c) for c in conversations]
-        if self._normalize is not None:
-            convs, _ = self._normalize(convs)
-        elif all(_plain(c) for c in convs):   # Arrow / JSON rows: transformers' result without its walk
-            convs, _ = normalize_plain(convs)
-        else:
-            convs, _ = normalize_conversations(convs)
-        special = self.tokenizer.special_tokens_map
-        if "images" not in self._template_vars:
-            texts, _ = render_jinja_template(conversations=convs, chat_template=self.chat_template, **special)
-            return list(texts)
+        if not self._uses_images:
+            return list(self._render_fn(convs))
         out = []
         for r, conv in enumerate(convs):
-            extra = {"images": [images[r]] if images is not None else None}
-            texts, _ = render_jinja_template(conversations=[conv], chat_template=self.chat_template,
-                                             **{**special, **extra})
-            out.append(texts[0])
+            out.extend(self._render_fn([conv], images=[images[r]] if images is not None else None))
         return out
+
+    def row_images(self, conversation: Sequence[Any]) -> list[Any]:
+        """The images a processor collects from a conversation's parts when no ``images=`` is given
+        (``image`` / ``url`` / ``path`` / ``base64`` of image parts; OpenAI ``image_url`` parts too
+        when the installed processor converts them)."""
+        return content_images(conversation, image_url=self.converts_image_url)
 
     def count(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
               first_row: int = 0, images: Sequence[Any] | None = None) -> np.ndarray:
@@ -195,10 +262,25 @@ class ChatTokenCounter:
 
     def count_split(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
                     first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """``(text, vision)`` per conversation: ``vision`` = Σ (placeholder tokens + wrapper tokens)
-        of its images, ``text`` = the rest (template, roles, text), so ``text + vision`` = total."""
-        total, per_image, owner = self._count_texts(self.render(conversations), sizes, first_row)
-        wrap = int(getattr(self.estimator, "wrapper_tokens", 0)) if self.estimator is not None else 0
+        """``(text, vision)`` per conversation: ``vision`` = Σ (the estimator's image tokens +
+        wrapper tokens) of its images, as the index counts them, ``text`` = the rest, so ``text +
+        vision`` = total."""
+        total, _, owner = self._count_texts(self.render(conversations), sizes, first_row)
+        if not len(owner):
+            return total, np.zeros(len(total), np.int64)
+        from tokenbal.estimate.vision import image_tokens_checked
+
+        # the index's own per-image vision count (tokenbal/index/build.py ``_count_tokens``):
+        # estimator tokens + wrappers (per size for Idefics3 / SmolVLM), OneVision's shared-row rule
+        est = self.estimator
+        wh = np.array([s for row in sizes for s in row], dtype=np.int64).reshape(-1, 2)
+        per_image = image_tokens_checked(est, wh[:, 0], wh[:, 1])[0]
+        if getattr(est, "family", None) == "llava-onevision":
+            counts = np.bincount(owner, minlength=len(total))
+            per_image = np.where(counts[owner] > 1, est.image_tokens(1, 1, images_in_sample=2), per_image)
+        wrap_batch = getattr(est, "image_wrapper_tokens_batch", None)
+        wrap = (np.asarray(wrap_batch(wh[:, 0], wh[:, 1]), np.int64) if wrap_batch is not None
+                else int(getattr(est, "wrapper_tokens", 0)))
         vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64)
         return total - vision, vision
 
@@ -214,19 +296,31 @@ class ChatTokenCounter:
                     f"row {first_row + r}: the chat template renders {found} image placeholder(s) "
                     f"({token!r}) but the row has {n_images[r]} image(s); the processor raises on this "
                     "(each image needs an image part in the messages, and each image part an image)")
+        if self.video_token:
+            for r, text in enumerate(texts):
+                if self.video_token in text:
+                    raise ChatCountError(
+                        f"row {first_row + r}: the chat template renders a video placeholder "
+                        f"({self.video_token!r}); dataset_lengths does not count videos through a processor "
+                        "yet: index such rows with `tokenbal index build` (videos from container headers)")
         owner = np.repeat(np.arange(len(texts)), n_images)
-        per_image = self._image_tokens(sizes, owner, first_row)
-        if self.expand and len(per_image):
-            texts = self._expanded(texts, per_image, owner)
-            total = self._tokens(texts)
+        n_tokens, grids = self._image_tokens(sizes, owner, n_images, first_row)
+        if not len(n_tokens):
+            return self._tokens(texts), n_tokens, owner
+        if not self._shortcut_checked and not self.expand:
+            self._check_shortcut(texts, n_tokens, grids, owner)
+        if self.expand:
+            total = self._tokens(self._expanded(texts, n_tokens, grids, owner))
         else:
-            total = self._tokens(texts) + np.bincount(owner, weights=per_image - 1,
+            per = self._expansion_tokens(n_tokens, grids)
+            total = self._tokens(texts) + np.bincount(owner, weights=per - 1,
                                                       minlength=len(texts)).astype(np.int64)
-        return total, per_image, owner
+        return total, n_tokens, owner
 
-    def _image_tokens(self, sizes, owner: np.ndarray, first_row: int) -> np.ndarray:
+    def _image_tokens(self, sizes, owner: np.ndarray, n_images: np.ndarray, first_row: int):
+        """Per image: the placeholder-token count ``n`` and its tile grid (rows, cols; Idefics3)."""
         if not len(owner):
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), None
         if self.estimator is None:
             raise ChatCountError(f"row {first_row + int(owner[0])} has images but the processor has no "
                                  "image processor")
@@ -239,15 +333,75 @@ class ChatTokenCounter:
             k = int(j - np.searchsorted(owner, owner[j]))   # the image's place in its row
             raise ChatCountError(f"row {first_row + int(owner[j])}: image {k} "
                                  f"({wh[j, 0]}x{wh[j, 1]}): {bad[j]}")
-        return tokens
+        if self.min_image_side:
+            small = np.flatnonzero(wh.min(axis=1) < self.min_image_side)
+            if len(small):
+                j = int(small[0])
+                k = int(j - np.searchsorted(owner, owner[j]))
+                raise ChatCountError(
+                    f"row {first_row + int(owner[j])}: image {k} ({wh[j, 0]}x{wh[j, 1]}): this transformers' "
+                    f"{self.source} rejects images with a side below {self.min_image_side} px")
+        exp = self.expansion
+        grids = None
+        if exp is not None and exp.tiles is not None:
+            # Idefics3 / SmolVLM: n is per view (image_seq_len); the grid gives the layout
+            rows, cols = self.estimator._grid_batch(wh[:, 0], wh[:, 1])
+            grids = np.stack([np.asarray(rows, np.int64), np.asarray(cols, np.int64)], axis=1)
+            tokens = np.full(len(wh), int(self.estimator.image_seq_len), np.int64)
+        if self.family == "llava-onevision":
+            # transformers gives each image of a multi-image row the base view + newline only
+            side = int(self.estimator.grid_side)
+            multi = n_images[owner] > 1
+            tokens = np.where(multi, side * side + 1, tokens)
+        return tokens.astype(np.int64), grids
 
-    def _expanded(self, texts: list[str], per_image: np.ndarray, owner: np.ndarray) -> list[str]:
+    def _expansion_tokens(self, n_tokens: np.ndarray, grids: np.ndarray | None) -> np.ndarray:
+        """Tokens of each image's expansion (the shortcut: added tokens at both ends)."""
+        exp = self.expansion
+        if exp is None or (exp.tiles is None and not exp.prefix and not exp.suffix):
+            return n_tokens
+        if exp.tiles is None:
+            if self._affix_tokens is None:
+                self._affix_tokens = self._raw_tokens(exp.prefix) + self._raw_tokens(exp.suffix)
+            return n_tokens + self._affix_tokens
+        out = np.empty(len(n_tokens), np.int64)
+        for j, (n, (r, c)) in enumerate(zip(n_tokens.tolist(), grids.tolist(), strict=True)):
+            key = (n, r, c)
+            if key not in self._grid_tokens:
+                self._grid_tokens[key] = self._raw_tokens(exp.text(n, (r, c)))
+            out[j] = self._grid_tokens[key]
+        return out
+
+    def _raw_tokens(self, text: str) -> int:
+        if not text:
+            return 0
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _check_shortcut(self, texts: list[str], n_tokens: np.ndarray, grids, owner: np.ndarray) -> None:
+        """Count the first rows with images both ways; a tokenizer where the expansion does not
+        tokenize on its own (no added token at its ends) is counted on expanded texts from then on."""
+        self._shortcut_checked = True
+        rows = sorted(set(owner[:16].tolist()))
+        sel = np.isin(owner, rows)
+        sub_owner = np.searchsorted(rows, owner[sel])
+        sub_texts = [texts[r] for r in rows]
+        sub_grids = grids[sel] if grids is not None else None
+        slow = self._tokens(self._expanded(sub_texts, n_tokens[sel], sub_grids, sub_owner))
+        per = self._expansion_tokens(n_tokens[sel], sub_grids)
+        fast = self._tokens(sub_texts) + np.bincount(sub_owner, weights=per - 1,
+                                                     minlength=len(rows)).astype(np.int64)
+        if not np.array_equal(slow, fast):
+            self.expand = True
+
+    def _expanded(self, texts: list[str], n_tokens: np.ndarray, grids, owner: np.ndarray) -> list[str]:
+        exp = self.expansion or Expansion(self.image_token)
         out, j = [], 0
         for text in texts:
             pieces = text.split(self.image_token)
             built = [pieces[0]]
             for piece in pieces[1:]:
-                built.append(self.image_token * int(per_image[j]))
+                grid = tuple(grids[j]) if grids is not None else (0, 0)
+                built.append(exp.text(int(n_tokens[j]), grid))
                 built.append(piece)
                 j += 1
             out.append("".join(built))
@@ -255,7 +409,7 @@ class ChatTokenCounter:
 
     def _tokens(self, texts: list[str]) -> np.ndarray:
         """Token counts of the rendered texts, with the processor's special-token rule: none added
-        when the text starts with the BOS token (the template wrote it), else the tokenizer's
+        when the text starts with the BOS token (the template wrote it), else the processor's
         default (``add_special_tokens``)."""
         out = np.zeros(len(texts), np.int64)
         bos = getattr(self.tokenizer, "bos_token", None)
@@ -287,7 +441,7 @@ class ChatTokenCounter:
 
     def __repr__(self) -> str:
         est = getattr(self.estimator, "name", None)
-        return f"ChatTokenCounter(source={self.source!r}, estimator={est!r})"
+        return f"ChatTokenCounter(source={self.source!r}, family={self.family!r}, estimator={est!r})"
 
 
 class ProcessorTextCounter:
@@ -315,52 +469,22 @@ class ProcessorTextCounter:
         return f"ProcessorTextCounter({self.chat!r})"
 
 
-def normalize_conversations(conversations: list) -> tuple[list, bool]:
-    """transformers 5.x ``ProcessorMixin._normalize_conversations`` for a batch (used when the
-    counter has no processor object): message objects to dicts, ``None`` values of a message
-    dropped, OpenAI ``image_url`` parts turned into ``{"type": "image", "url": ...}``."""
-    from transformers.utils.chat_template_utils import _normalize_chat_messages
-
-    convs = [_normalize_chat_messages(c) for c in conversations]
-    for conv in convs:
-        for message in conv:
-            content = message.get("content")
-            if not isinstance(content, list):
-                continue
-            message["content"] = [_openai_image(part) for part in content]
-    return convs, True
-
-
 def normalize_plain(conversations: list) -> tuple[list, bool]:
-    """:func:`normalize_conversations` for conversations of plain dicts and lists only (what Arrow
-    and JSON give): the ``None`` values of a message dropped, ``image_url`` parts converted."""
+    """What transformers 5.x processors do to conversations before rendering, for conversations
+    of plain dicts and lists (what Arrow and JSON give): the ``None`` values of a message and of
+    its content parts dropped, OpenAI ``image_url`` parts turned into ``{"type": "image", "url":
+    ...}``. Used where no processor object renders (``from_pretrained``)."""
     out = []
     for conv in conversations:
         msgs = []
         for message in conv:
-            m = {k: v for k, v in message.items() if v is not None}
+            m = {k: v for k, v in dict(message).items() if v is not None}
             content = m.get("content")
             if isinstance(content, list):
                 m["content"] = [_openai_image(part) for part in content]
             msgs.append(m)
         out.append(msgs)
     return out, True
-
-
-def _plain(value: Any) -> bool:
-    """Only dicts, lists and JSON scalars (nothing transformers' normalisation would convert)."""
-    if type(value) is dict:
-        return all(_plain(v) for v in value.values())
-    if type(value) is list:
-        return all(_plain(v) for v in value)
-    return value is None or type(value) in (str, int, float, bool)
-
-
-def _tokenizer_normalize(conversations: list) -> tuple[list, bool]:
-    # what a tokenizer's apply_chat_template does: objects to dicts, None values of a message dropped
-    from transformers.utils.chat_template_utils import _normalize_chat_messages
-
-    return [_normalize_chat_messages(c) for c in conversations], True
 
 
 def _openai_image(part: Any) -> Any:
@@ -370,30 +494,126 @@ def _openai_image(part: Any) -> Any:
     return part
 
 
-def content_images(conversation: Sequence[Any]) -> list[Any]:
+def content_images(conversation: Sequence[Any], image_url: bool = True) -> list[Any]:
     """The images named inside a conversation's content parts, in order, as the processor collects
-    them when no ``images=`` is passed (``image`` / ``url`` / ``path`` / ``base64`` of image parts)."""
+    them when no ``images=`` is passed (the non-``None`` ``image`` / ``url`` / ``path`` / ``base64``
+    of image parts; with ``image_url``, OpenAI ``image_url`` parts, which transformers 5.x
+    processors turn into image parts)."""
     out = []
     for message in conversation:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "image":
-                out.extend(part[k] for k in ("image", "url", "path", "base64") if k in part)
+            if not isinstance(part, dict):
+                continue
+            if image_url and part.get("type") == "image_url" and part.get("image_url") is not None:
+                part = _openai_image(part)
+            if part.get("type") == "image":
+                out.extend(part[k] for k in ("image", "url", "path", "base64") if part.get(k) is not None)
     return out
 
 
-def _overridden_normalize(processor: Any) -> Any:
-    """The processor's ``_normalize_conversations`` when its class changes transformers' own."""
+def template_variables(template: str) -> set[str]:
+    """The variables a Jinja chat template reads (jinja2's own analysis)."""
+    import jinja2
+    from jinja2 import meta
+
     try:
-        from transformers.processing_utils import ProcessorMixin
-    except ImportError:
+        return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return set()
+
+
+class _Renderer:
+    """``obj.apply_chat_template(convs, tokenize=False)`` (a processor's or a tokenizer's, both
+    public) with one template; a class so that it pickles to ``Dataset.map`` workers."""
+
+    def __init__(self, obj: Any, template: str, normalize: bool = False) -> None:
+        self.obj, self.template, self.normalize = obj, template, normalize
+
+    def __call__(self, convs: list, chat_template: str | None = None, **kw: Any) -> list[str]:
+        if self.normalize:
+            convs = normalize_plain(convs)[0]
+        else:   # transformers 5.6 - 5.9 reassign message["content"] in place: render copies
+            convs = [[dict(m) if isinstance(m, dict) else m for m in c] for c in convs]
+        out = self.obj.apply_chat_template(convs, chat_template=chat_template or self.template,
+                                           tokenize=False, **kw)
+        return [out] if isinstance(out, str) else list(out)
+
+
+def _processor_renderer(processor: Any, template: str) -> _Renderer:
+    return _Renderer(processor, template)
+
+
+def _tokenizer_renderer(tokenizer: Any, template: str, normalize: bool = False) -> _Renderer:
+    return _Renderer(tokenizer, template, normalize)
+
+
+_PROBE_TEXT = "tokenbal probe 12"
+
+
+def _probe_add_special_tokens(processor: Any, tokenizer: Any) -> bool:
+    """Whether the processor's own call adds the tokenizer's special tokens to a text that does not
+    start with BOS: the processor is called on a probe text and compared with its tokenizer."""
+    with_special = list(tokenizer([_PROBE_TEXT], add_special_tokens=True)["input_ids"][0])
+    without = list(tokenizer([_PROBE_TEXT], add_special_tokens=False)["input_ids"][0])
+    if with_special == without:
+        return True
+    got = list(processor(text=[_PROBE_TEXT])["input_ids"][0])
+    if got == with_special:
+        return True
+    if got == without:
+        return False
+    raise ValueError(f"{type(processor).__name__} tokenizes text unlike its tokenizer ({len(got)} tokens "
+                     f"for a probe its tokenizer makes {len(with_special)} / {len(without)}): its lengths "
+                     "are not modelled (truncation or extra tokens in the processor's text kwargs?)")
+
+
+# -- VERSION-DEPENDENT behaviour, detected on the installed transformers (candidates for
+# -- tokenbal/hf_compat.py, the one module for version differences) ------------------------------
+
+def _version_glm_min_side(processor: Any, estimator: Any) -> int:
+    """GLM-4.1V's image processor raises on images with a side below ``patch * merge`` px in
+    transformers 4.57 ("height:... or width:... must be larger than factor"); later releases
+    upscale them. Detected by running the processor's own image processor on one tiny image:
+    returns that side when it raises, else 0."""
+    from PIL import Image
+
+    factor = int(estimator.patch_size) * int(estimator.merge_size)
+    try:
+        processor.image_processor(images=[Image.new("RGB", (factor - 1, 2 * factor))])
+    except ValueError:
+        return factor
+    return 0
+
+
+def _probe_image_url(render: Callable[..., list[str]]) -> bool:
+    """Whether the renderer turns OpenAI ``image_url`` parts into image parts (transformers 5.x
+    processors do; 4.x ones do not), read off a probe conversation rendered by a probe template."""
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    try:
+        return render([conv], chat_template="{{ messages[0]['content'][0]['type'] }}")[0].strip() == "image"
+    except Exception:  # noqa: BLE001 - a renderer that cannot take the probe: the 5.x rule
+        return True
+
+
+def _auto_processor(d: Path) -> Any:
+    """The folder's processor as ``AutoProcessor`` loads it, when it loads here with a chat template
+    and a family tokenbal knows (then its own tokens and settings are used); else None (e.g. its
+    video processor needs torchvision), and the folder's files are read directly."""
+    try:
+        from transformers import AutoProcessor
+
+        from tokenbal.estimate.vision import processor_family
+
+        proc = AutoProcessor.from_pretrained(str(d))
+        if getattr(proc, "image_processor", None) is None or not getattr(proc, "chat_template", None):
+            return None
+        processor_family(proc)
+        return proc
+    except Exception:  # noqa: BLE001 - any failure to load: read the files instead
         return None
-    own = getattr(type(processor), "_normalize_conversations", None)
-    if own is None or own is getattr(ProcessorMixin, "_normalize_conversations", None):
-        return None
-    return processor._normalize_conversations
 
 
 def _processor_template(processor: Any) -> str:

@@ -183,15 +183,36 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
     return get_estimator(family, **{**settings, **overrides})
 
 
-# transformers processor classes -> estimator family (the processors whose image placeholders are
-# ``image_token`` repeated ``est.image_tokens(w, h)`` times, so the counts of
-# ``tokenbal.estimate.chat`` are exact for them).
+# transformers processor classes -> estimator family. A processor is resolved by what it is: the
+# first transformers class of its MRO named here (so a user's subclass resolves like its base),
+# else its image processor's transformers class (see ``_IMAGE_PROCESSOR_FAMILIES``). Each family's
+# placeholder expansion is in ``tokenbal.estimate.chat`` (``_FAMILY_EXPANSIONS``).
 _PROCESSOR_FAMILIES = {
     "Qwen2VLProcessor": "qwen2-vl",
     "Qwen2_5_VLProcessor": "qwen2.5-vl",
     "Qwen3VLProcessor": "qwen3-vl",
     "Qwen3VLMoeProcessor": "qwen3-vl",
     "LlavaNextProcessor": "llava-next",
+    "LlavaOnevisionProcessor": "llava-onevision",
+    "LlavaProcessor": "llava",
+    "InternVLProcessor": "internvl",
+    "Glm4vProcessor": "glm-4.1v",
+    "Idefics3Processor": "idefics3",
+    "SmolVLMProcessor": "smolvlm",
+}
+
+# image processor classes (without the ``Fast`` / ``Pil`` backend suffix) -> family, for processors
+# whose own class is not one of the above (a processor written from scratch around a known image
+# processor). Only image processors that one family alone uses; a shared one (CLIP's, used by
+# LLaVA and others) does not say which processor expands its placeholders how.
+_IMAGE_PROCESSOR_FAMILIES = {
+    "Qwen2VLImageProcessor": "qwen2-vl",
+    "LlavaNextImageProcessor": "llava-next",
+    "LlavaOnevisionImageProcessor": "llava-onevision",
+    "GotOcr2ImageProcessor": "internvl",
+    "Glm4vImageProcessor": "glm-4.1v",
+    "Idefics3ImageProcessor": "idefics3",
+    "SmolVLMImageProcessor": "smolvlm",
 }
 
 
@@ -204,34 +225,112 @@ def _family_from_processor_files(d: Path, image: dict | None) -> str | None:
     return None
 
 
+def _transformers_classes(obj: Any) -> list[type]:
+    return [c for c in type(obj).__mro__ if c.__module__.split(".")[0] == "transformers"]
+
+
+def _image_processor_base(name: str) -> str:
+    for suffix in ("Fast", "Pil"):
+        if name.endswith(suffix) and name[: -len(suffix)] in _IMAGE_PROCESSOR_FAMILIES:
+            return name[: -len(suffix)]
+    return name
+
+
+def processor_family(processor: Any) -> str:
+    """The tokenbal family of a loaded transformers processor, by what it is: the nearest
+    transformers class in its MRO that tokenbal knows (a subclass resolves as its base), else the
+    transformers class of its image processor. ``ValueError`` naming the processor, its
+    transformers base classes and the supported processors when neither is known."""
+    for cls in _transformers_classes(processor):
+        if cls.__name__ in _PROCESSOR_FAMILIES:
+            return _PROCESSOR_FAMILIES[cls.__name__]
+    image_proc = getattr(processor, "image_processor", None)
+    if image_proc is not None:
+        for cls in _transformers_classes(image_proc):
+            family = _IMAGE_PROCESSOR_FAMILIES.get(_image_processor_base(cls.__name__))
+            if family is not None:
+                return family
+    bases = [c.__name__ for c in _transformers_classes(processor)]
+    image_name = type(image_proc).__name__ if image_proc is not None else None
+    raise ValueError(
+        f"no tokenbal estimator for processor {type(processor).__name__} (transformers bases: "
+        f"{', '.join(bases) or 'none'}; image processor: {image_name}); supported processors (and "
+        f"their subclasses): {', '.join(sorted(_PROCESSOR_FAMILIES))}; or one built around the image "
+        f"processors {', '.join(sorted(_IMAGE_PROCESSOR_FAMILIES))}")
+
+
 def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     """The estimator of a loaded transformers processor, from its own image (and video) processor
     settings, read exactly as :func:`load_estimator` reads them from the files the processor would
-    save (``image_processor.to_dict()``): no setting is retyped. Families: the Qwen-VL processors
-    (``Qwen2VLProcessor``, ``Qwen2_5_VLProcessor``, ``Qwen3VLProcessor``) and ``LlavaNextProcessor``
-    (patch size and feature strategy from the processor itself); others raise ``ValueError``
-    naming the class."""
+    save (``image_processor.to_dict()``): no setting is retyped. The family comes from
+    :func:`processor_family` (class hierarchy, then image processor); per family the processor's
+    own attributes that change counts are read too (LLaVA's patch size and feature strategy,
+    InternVL's ``image_seq_length``, Idefics3 / SmolVLM's ``image_seq_len``, OneVision's
+    ``num_image_tokens``). ``llava`` (LLaVA-1.5: one fixed count per image) is a ``tiles``
+    estimator of one tile. Unknown processors raise ``ValueError`` (see :func:`processor_family`)."""
     name = type(processor).__name__
-    family = _PROCESSOR_FAMILIES.get(name)
-    if family is None:
-        raise ValueError(f"no tokenbal estimator for {name}; supported processors: "
-                         f"{', '.join(sorted(_PROCESSOR_FAMILIES))}")
+    family = processor_family(processor)
     image_proc = getattr(processor, "image_processor", None)
     if image_proc is None:
         raise ValueError(f"{name} has no image_processor")
     image = image_proc.to_dict()
-    if family == "llava-next":
+    if family in ("llava-next", "llava"):
         strategy = getattr(processor, "vision_feature_select_strategy", "default")
-        extra = getattr(processor, "num_additional_image_tokens", 1)
+        extra = getattr(processor, "num_additional_image_tokens", 1 if family == "llava-next" else 0)
+        patch = getattr(processor, "patch_size", None)
+        if patch is None:
+            raise ValueError(f"{name}: patch_size is not set, so the processor itself cannot count "
+                             "image tokens")
+        if family == "llava":
+            return get_estimator("tiles", **{**_llava_fixed_settings(name, image, int(patch), strategy,
+                                                                     int(extra or 0)), **overrides})
         if (strategy, extra) != ("default", 1):   # the estimator models the CLS-dropping checkpoints
             raise ValueError(f"{name}: vision_feature_select_strategy={strategy!r} with "
                              f"num_additional_image_tokens={extra} is not modelled (only 'default' with 1)")
-        cfg = {"vision_config": {"patch_size": processor.patch_size},
-               "vision_feature_select_strategy": strategy}
+        cfg = {"vision_config": {"patch_size": patch}, "vision_feature_select_strategy": strategy}
         return get_estimator(family, **{**_llava_settings(family, cfg, image), **overrides})
+    if family == "llava-onevision":
+        strategy = getattr(processor, "vision_feature_select_strategy", "full")
+        ratio = str(getattr(processor, "vision_aspect_ratio", "anyres_max_9"))
+        if strategy != "full" or not ratio.startswith("anyres_max_"):
+            raise ValueError(f"{name}: vision_feature_select_strategy={strategy!r}, vision_aspect_ratio="
+                             f"{ratio!r} are not modelled (only 'full' with 'anyres_max_N')")
+        crop = image.get("size") or {}
+        side = int(round(int(getattr(processor, "num_image_tokens", 729)) ** 0.5))
+        crop_size = int(crop.get("height", crop.get("shortest_edge", 384)))
+        # SigLIP-384 / patch 14 gives a 27 x 27 grid (384 // 14): the patch that gives the processor's grid
+        if side <= 0 or crop_size // (crop_size // side) != side:
+            raise ValueError(f"{name}: no patch size gives a {side}x{side} feature grid on {crop_size}-px "
+                             f"crops (num_image_tokens={getattr(processor, 'num_image_tokens', None)})")
+        settings = {**_llava_settings(family, {"vision_feature_select_strategy": "full"}, image),
+                    "patch_size": crop_size // side, "max_num_views": int(ratio[len("anyres_max_"):])}
+        return get_estimator(family, **{**settings, **overrides})
+    if family == "internvl":
+        seq = getattr(processor, "image_seq_length", 256)
+        settings = _internvl_hf_settings(image, {"image_seq_length": seq})
+        return get_estimator(family, **{**settings, **overrides})
+    if family in ("idefics3", "smolvlm"):
+        settings = _idefics3_settings(image, {"image_seq_len": getattr(processor, "image_seq_len", 169)})
+        return get_estimator(family, **{**settings, **overrides})
+    if family == "glm-4.1v":
+        return get_estimator(family, **{**_glm4v_settings(image), **overrides})
     video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
     return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
+
+
+def _llava_fixed_settings(name: str, image: dict, patch: int, strategy: str, extra: int) -> dict:
+    """LLaVA-1.5 (``LlavaProcessor``): every image is resized and centre-cropped to one size, so each
+    costs ``(h // patch) * (w // patch) + num_additional_image_tokens`` tokens, one less with the
+    ``default`` strategy (CLS dropped): a one-tile ``tiles`` estimator with that count."""
+    if not image.get("do_center_crop", False):
+        raise ValueError(f"{name}: an image processor without a centre crop gives images of varying "
+                         "size; LLaVA counts are modelled for the centre-cropped processor only")
+    crop = image.get("crop_size") or {}
+    h, w = int(crop.get("height", 336)), int(crop.get("width", 336))
+    tokens = (h // patch) * (w // patch) + extra - (1 if strategy == "default" else 0)
+    return {"tokens_per_tile": tokens, "max_tiles": 1, "min_tiles": 1, "use_thumbnail": False,
+            "wrapper_tokens": 0, "tile_size": max(h, w)}
 
 
 def _internvl_chat_settings(cfg: dict) -> dict:

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter, content_images
+from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter
 
 logger = logging.getLogger("tokenbal")
 
@@ -74,9 +74,25 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
         raise ValueError(f"dataset has no {messages!r} column (columns: {', '.join(ds.column_names)}); "
                          "pass messages=<column of chat turns>")
     image_col = images if images is not None and images in ds.column_names else None
-    key = hashlib.sha256("\0".join([str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col),
-                                    counter.fingerprint]).encode()).hexdigest()[:24]
-    path = _cache_file(ds, key) if cache else None
+    transform = _transform(ds)
+    if transform is not None:
+        # The rows the Trainer loads are the transform's output: count those (no cache: a
+        # transform's result cannot be fingerprinted).
+        rows = _TransformedRows(ds)
+        if len(ds) and messages not in rows[0]:
+            name = getattr(transform, "__name__", transform)
+            raise ValueError(f"the dataset's transform ({name!r}) returns the columns {sorted(rows[0])}, "
+                             f"without {messages!r}: its rows cannot be counted as chat rows; pass "
+                             "messages=<the transformed column of chat turns>")
+        return _rows_lengths(rows, counter, messages, images)
+    path = None
+    if cache:
+        files = _files_digest(ds, counter, messages, image_col)
+        key = hashlib.sha256("\0".join([str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col),
+                                        counter.fingerprint, files]).encode()).hexdigest()[:24]
+        path = _cache_file(ds, key)
+    else:
+        key = hashlib.sha256(str(ds._fingerprint).encode()).hexdigest()[:24]
     if path is not None and os.path.isfile(path):
         try:
             cached = np.load(path)
@@ -100,6 +116,73 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
     return lengths
 
 
+def _transform(ds: Any) -> Any:
+    """The ``with_transform`` / ``set_transform`` function of a ``datasets.Dataset``, or None."""
+    fmt = getattr(ds, "format", None) or {}
+    if fmt.get("type") == "custom" or (fmt.get("format_kwargs") or {}).get("transform") is not None:
+        return (fmt.get("format_kwargs") or {}).get("transform")
+    return None
+
+
+class _TransformedRows:
+    """A transformed ``datasets.Dataset`` as row dicts, read in batches through its transform."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds, self._start, self._rows = ds, -1, []
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        if not self._start <= i < self._start + len(self._rows):
+            self._start = i - i % BATCH_ROWS
+            batch = self.ds[self._start:self._start + BATCH_ROWS]
+            if not isinstance(batch, dict):
+                raise ValueError(f"the dataset's transform returns {type(batch).__name__} for rows "
+                                 f"{self._start}..; a dict of columns is needed to count its rows")
+            n = len(next(iter(batch.values()))) if batch else 0
+            self._rows = [{k: v[j] for k, v in batch.items()} for j in range(n)]
+        return self._rows[i - self._start]
+
+
+def _files_digest(ds: Any, counter: ChatTokenCounter, messages: str, image_col: str | None) -> str:
+    """A digest of the image files the rows name by path (each path's size and mtime): the dataset's
+    fingerprint covers its own bytes, not the files behind its paths, so a changed file must change
+    the cache key. Images held as bytes are covered by the fingerprint already."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    h = hashlib.sha256()
+    table_ds = ds.select_columns([messages] + ([image_col] if image_col else [])).with_format("arrow")
+    for a in range(0, len(ds), 4 * BATCH_ROWS):
+        table = table_ds[a:a + 4 * BATCH_ROWS]
+        paths: list = []
+        if image_col is not None:
+            col = table.column(image_col).combine_chunks()
+            flat = col.flatten() if (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) else col
+            if pa.types.is_struct(flat.type):
+                names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
+                if "path" in names:
+                    p = pc.struct_field(flat, "path")
+                    if "bytes" in names:
+                        p = pc.if_else(pc.is_null(pc.struct_field(flat, "bytes")), p, pa.scalar(None, p.type))
+                    paths.extend(p.drop_null().to_pylist())
+            elif pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
+                paths.extend(flat.drop_null().to_pylist())
+        text = table.column(messages)
+        if "image" in str(text.type) or "url" in str(text.type) or "path" in str(text.type):
+            for conv in text.to_pylist():
+                if isinstance(conv, list):
+                    paths.extend(v for v in counter.row_images(conv) if isinstance(v, str))
+        for path in paths:
+            try:
+                st = os.stat(path)
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            except (OSError, ValueError):
+                h.update(f"{path}\0missing\0".encode())
+    return h.hexdigest()
+
+
 class _MapCount:
     """The ``Dataset.map`` function of ``num_proc`` > 1 (a class, so it pickles to the workers)."""
 
@@ -113,22 +196,34 @@ class _MapCount:
 
 def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
                  first_row: int) -> np.ndarray:
-    convs = table.column(messages).to_pylist()
+    values = table.column(messages).to_pylist()
+    convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(values)]
+    sizes = _arrow_sizes(table.column(image_col), first_row, image_col) if image_col is not None else None
+    if sizes is None:
+        sizes = [[] for _ in convs]
     for r, conv in enumerate(convs):
-        if not isinstance(conv, list) or not conv:
-            raise ValueError(f"row {first_row + r}: {messages!r} is {type(conv).__name__}, not a non-empty "
-                             "list of chat turns")
-    if image_col is not None:
-        sizes = _arrow_sizes(table.column(image_col), first_row, image_col)
-    else:
-        sizes = [[_image_size(im, first_row + r, f"{messages} image part {j}")
-                  for j, im in enumerate(content_images(conv))] for r, conv in enumerate(convs)]
+        if not sizes[r]:   # no images column value: the images named in the parts
+            sizes[r] = [_image_size(im, first_row + r, f"{messages} image part {j}")
+                        for j, im in enumerate(counter.row_images(conv))]
     try:
         return counter.count(convs, sizes, first_row)
     except ChatCountError:
         raise
     except Exception as e:   # the template raising on a row: find the row, name it
         raise _row_error(counter, convs, sizes, first_row, e) from e
+
+
+def _conversation(value: Any, row: int, field: str) -> list:
+    """A row's chat turns: a non-empty list of message dicts, else ``ValueError`` naming the row."""
+    if not isinstance(value, (list, tuple)) or not value:
+        what = f"a string ({value[:40]!r})" if isinstance(value, str) else type(value).__name__
+        raise ValueError(f"row {row}: {field!r} is {what}, not a non-empty list of chat turns "
+                         "({'role': ..., 'content': ...} dicts)")
+    for k, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"row {row}: {field}[{k}] is {type(message).__name__} {str(message)[:60]!r}, "
+                             "not a {'role': ..., 'content': ...} dict")
+    return list(value)
 
 
 def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
@@ -176,15 +271,20 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
             row = rows[r]
             if not isinstance(row, dict) or messages not in row:
                 raise ValueError(f"row {r}: has no {messages!r} field")
-            conv = row[messages]
+            conv = _conversation(row[messages], r, messages)
             value = row.get(images) if images is not None else None
-            if value is None:
+            if value is None or (isinstance(value, (list, tuple)) and not value):
                 sizes.append([_image_size(im, r, f"{messages} image part {j}")
-                              for j, im in enumerate(content_images(conv))])
+                              for j, im in enumerate(counter.row_images(conv))])
             else:
                 sizes.append(_row_sizes(value, r, images))
             convs.append(conv)
-        out.append(counter.count(convs, sizes, a))
+        try:
+            out.append(counter.count(convs, sizes, a))
+        except ChatCountError:
+            raise
+        except Exception as e:   # the template raising on a row: find the row, name it
+            raise _row_error(counter, convs, sizes, a, e) from e
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
@@ -336,10 +436,11 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
     if values.null_count:
         row = int(np.flatnonzero(~np.asarray(values.is_valid()))[0])
         raise ValueError(f"row {row}: dataset column {column!r} is missing")
-    out = np.asarray(values.to_numpy(zero_copy_only=False))
-    if out.dtype.kind == "f" and not np.all(out == np.floor(out)):
-        raise ValueError(f"dataset column {column!r} holds non-integer lengths")
-    return out.astype(np.int64)
+    from tokenbal._checks import check_sample_values
+
+    # checked on the values as stored (a cast first would turn inf, 1e30 or 2**63 into -2**63)
+    return check_sample_values(values.to_numpy(zero_copy_only=False), f"dataset column {column!r}",
+                               whole=True).astype(np.int64)
 
 
 __all__ = ["dataset_lengths", "lengths_column"]

@@ -74,33 +74,72 @@ def configure_logging() -> int:
 
 def _as_image(value: Any) -> Any:
     """A PIL image from what a ``datasets.Image`` column holds (decoded, or ``{"bytes", "path"}``
-    with ``decode=False``) or a path."""
-    from PIL import Image
+    with ``decode=False``), raw bytes or a path, read as transformers' ``load_image`` reads files:
+    EXIF / XMP orientation applied (``ImageOps.exif_transpose``), so the pixels match the size
+    ``dataset_lengths`` counted from the header. A PIL image is passed as given (the processor
+    takes it as is, and so does the count)."""
+    from PIL import Image, ImageOps
 
     if isinstance(value, dict):
         if value.get("bytes") is not None:
-            return Image.open(io.BytesIO(value["bytes"]))
-        if value.get("path"):
-            return Image.open(value["path"])
-        raise ValueError(f"image entry has neither bytes nor a path: {sorted(value)}")
-    if isinstance(value, (str, os.PathLike)):
-        return Image.open(value)
-    return value
+            image = Image.open(io.BytesIO(value["bytes"]))
+        elif value.get("path"):
+            image = Image.open(value["path"])
+        else:
+            raise ValueError(f"image entry has neither bytes nor a path: {sorted(value)}")
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        image = Image.open(io.BytesIO(bytes(value)))
+    elif isinstance(value, (str, os.PathLike)):
+        if "://" in os.fspath(value):
+            raise ValueError(f"{os.fspath(value)!r} is a URL; only local image paths are read")
+        image = Image.open(value)
+    else:
+        return value
+    image = ImageOps.exif_transpose(image)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+_IMAGE_URL_RULE: dict[int, tuple[Any, bool]] = {}
+
+
+def _collects_image_url(processor: Any) -> bool:
+    """Whether this processor turns OpenAI ``image_url`` parts into image parts (5.x does)."""
+    from tokenbal.estimate.chat import _probe_image_url, _processor_renderer, _processor_template
+
+    cached = _IMAGE_URL_RULE.get(id(processor))
+    if cached is None or cached[0] is not processor:
+        cached = (processor, _probe_image_url(_processor_renderer(processor, _processor_template(processor))))
+        _IMAGE_URL_RULE[id(processor)] = cached
+    return cached[1]
 
 
 def process_row(row: dict[str, Any], processor: Any, *, messages: str = "messages", images: str = "images",
                 ignore_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """One chat row -> the sample dict :class:`collate.PackedCollator` takes, as the processor renders
-    it: ``processor.apply_chat_template([row[messages]], images=[row[images]] or None, tokenize=True,
-    return_dict=True)`` (the chat template, its tokenizer and the image placeholders), ``labels`` a
-    copy of ``input_ids`` with the image / video placeholders (and ``ignore_token_ids``) at -100."""
+    it: what ``processor.apply_chat_template([row[messages]], images=[row[images]] or None,
+    tokenize=True, return_dict=True)`` does, through public calls that exist on every transformers
+    from 4.57 (the template rendered with ``tokenize=False``, the row's images — its ``images``
+    column, else the images named in its message parts — read as :func:`_as_image` reads them, then
+    the processor called with the same special-token rule), ``labels`` a copy of ``input_ids`` with
+    the image / video placeholders (and ``ignore_token_ids``) at -100."""
     import torch
+
+    from tokenbal.estimate.chat import content_images, template_variables
+    from tokenbal.integrations.hf_lengths import _conversation
 
     if messages not in row:
         raise KeyError(f"row has no {messages!r} column (columns: {sorted(row)}); pass messages=")
-    imgs = [_as_image(v) for v in (row.get(images) or [])]
-    out = processor.apply_chat_template([row[messages]], tokenize=True, return_dict=True, return_tensors="pt",
-                                        processor_kwargs={"images": [imgs] if imgs else None})
+    index = row.get(INDEX_KEY, "?")
+    conv = _conversation(row[messages], index, messages)
+    values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
+    imgs = [_as_image(v) for v in values]
+    extra = {"images": [imgs]} if "images" in template_variables(_template(processor)) else {}
+    # copies of the messages: transformers 5.6 - 5.9 reassign message["content"] in place
+    text = processor.apply_chat_template([[dict(m) for m in conv]], tokenize=False, **extra)
+    text = text[0] if isinstance(text, (list, tuple)) else text
+    bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
+    kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
+    out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kwargs)
     ids = torch.as_tensor(out["input_ids"])[0].long()
     labels = ids.clone()
     masked = set(int(t) for t in ignore_token_ids)
@@ -119,6 +158,12 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
         if out.get(key) is not None:
             sample[key] = out[key]
     return sample
+
+
+def _template(processor: Any) -> str:
+    from tokenbal.estimate.chat import _processor_template
+
+    return _processor_template(processor)
 
 
 class IndexedDataset:

@@ -108,9 +108,8 @@ def test_llava_conversations_and_rejected_records(setup, tmp_path):
     from tokenbal.index.text import chat_messages
 
     def oracle(r):
-        images = [[Image.open(img)] if "image" in r else []]
-        return len(proc.apply_chat_template([chat_messages(r)], images=images, tokenize=True,
-                                            return_dict=True)["input_ids"][0])
+        return cp.oracle_length(proc, {"messages": chat_messages(r),
+                                       "images": [Image.open(img)] if "image" in r else []})
 
     want = [oracle(r) for r in records[:2]]
     np.testing.assert_array_equal(idx.lengths, want)
@@ -185,3 +184,33 @@ def test_verify_names_the_processor_file_that_changed(setup, tmp_path, capsys):
     shutil.rmtree(mine)
     assert main(["index", "verify", out]) == 1
     assert f"processor folder missing: {mine}" in capsys.readouterr().out
+
+FOLDER_FAMILIES = ["internvl", "idefics3", "glm-4.1v", "llava-onevision", "llava-next", "qwen3-vl"]
+
+
+@pytest.mark.parametrize("family", FOLDER_FAMILIES)
+def test_every_family_folder(family, tmp_path):
+    """``--processor DIR`` of each family's processor folder: lengths equal that processor's, rows
+    with 0-3 images (paths in the parts), string content and system turns."""
+    from tests.helpers import family_processors as fp
+
+    try:
+        proc = fp.processor(family)
+    except ImportError as e:
+        pytest.skip(f"{family}'s processor cannot be built here: {str(e).strip().splitlines()[0]}")
+    folder = fp.save_folder(proc, family, tmp_path / family)
+    rows = fp.materialise(fp.random_rows(40, seed=5, shapes=("inline", "string")), tmp_path)
+    keep, want = [], []
+    for r in rows:
+        try:
+            want.append(fp.oracle(proc, r))
+            keep.append({"messages": r["messages"]})
+        except ValueError:   # 4.57's GLM rejects sides < 28 px; the index names those rows
+            pass
+    src = tmp_path / "train.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in keep))
+    assert main(["index", "build", str(src), "--processor", str(folder), "--out", str(tmp_path / "idx"),
+                 "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "idx")
+    np.testing.assert_array_equal(idx.lengths, want)
+    assert idx.vision_tokens.sum() > 0 and not idx.errors

@@ -1,0 +1,198 @@
+"""``dataset_lengths`` against running each family's processor, in the same process, on the same
+rows (issue 50).
+
+Per family, the real transformers processor at its checkpoints' image settings (Qwen2/2.5/3-VL
+``max_pixels`` 1003520, GLM-4.1V class defaults, InternVL 448-px tiles up to 12 + thumbnail with
+256 tokens each, LLaVA-1.5 336-px crop, LLaVA-NeXT 336 px and the five v1.6 pinpoints, OneVision
+384 px and its 36 pinpoints, Idefics3 1456 / 364 px with 169 tokens per tile), over a byte-level
+BPE tokenizer trained here (no downloads), with a chat template of the family's layout. Rows: a
+mixture of text-only, one-image and multi-image (2-3) rows, system turns, 1-3 exchanges, JPEG
+photos of random sizes in ``--min-side``..``--max-side`` in a ``datasets.Dataset`` images column.
+
+Baseline: what ``apply_chat_template([row["messages"]], images=[row["images"]], tokenize=True)``
+does for each ``row = ds[i]`` (datasets decodes the images; the processor resizes and
+patchifies), through the public steps that run on every transformers (render, then the processor's
+call). Ours: ``dataset_lengths(ds, processor, cache=False)``, single process, then ``num_proc=N``.
+The counts are checked equal on every row before any time is printed.
+
+    python scripts/bench_lengths_families.py [--rows 200] [--families qwen2-vl,internvl] [--num-proc 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import random
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from harness import environment_line, measure, ratio, timed  # noqa: E402
+
+
+def _photo(w: int, h: int, seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
+    pixels = np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=85)
+    return buf.getvalue()
+
+
+def official_processor(family: str):
+    """The family's processor at its checkpoints' image settings (see the module docstring)."""
+    from tests.helpers import family_processors as fp
+
+    pil = fp._pil
+    if family.startswith("qwen"):
+        ip = pil("Qwen2VLImageProcessor")(min_pixels=3136, max_pixels=1003520,
+                                          patch_size=16 if family == "qwen3-vl" else 14)
+    elif family == "glm-4.1v":
+        ip = pil("Glm4vImageProcessor")()
+    elif family == "internvl":
+        ip = pil("GotOcr2ImageProcessor")(size={"height": 448, "width": 448}, crop_to_patches=True,
+                                          max_patches=12, min_patches=1)
+    elif family == "llava":
+        ip = pil("CLIPImageProcessor")(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
+    elif family == "llava-next":
+        ip = pil("LlavaNextImageProcessor")(
+            size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+            image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+    elif family == "llava-onevision":
+        ip = pil("LlavaOnevisionImageProcessor")(
+            size={"height": 384, "width": 384},
+            image_grid_pinpoints=[[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)])
+    else:
+        ip = pil("Idefics3ImageProcessor" if family == "idefics3" else "SmolVLMImageProcessor")()
+    kw = dict(image_processor=ip, tokenizer=fp.tokenizer(), chat_template=fp.template(family))
+    if family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "internvl", "llava-onevision", "smolvlm"):
+        kw["video_processor"] = None
+    if family == "internvl":
+        kw["image_seq_length"] = 256
+    if family in ("llava", "llava-next"):
+        kw.update(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    if family == "llava-onevision":
+        kw.update(num_image_tokens=729, vision_feature_select_strategy="full")
+    if family in ("idefics3", "smolvlm"):
+        kw["image_seq_len"] = 169
+    proc = fp._build(fp.processor_class(family), **kw)
+    if family == "smolvlm":   # apply_chat_template reads num_frames / fps of its video processor
+        import types
+
+        proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+    return proc
+
+
+def mixture(n: int, min_side: int, max_side: int, seed: int):
+    """A ``datasets.Dataset``: a third text-only rows, a third one image, a third 2-3 images."""
+    import datasets
+
+    from tests.helpers import family_processors as fp
+
+    rng = random.Random(seed)
+    raw = fp.random_rows(n, seed=seed, shapes=("column",))
+    out = []
+    for i, row in enumerate(raw):
+        k = (0, 1, rng.choice([2, 3]))[i % 3]
+        msgs, placed = [], 0
+        for m in row["messages"]:
+            parts = [p for p in m["content"] if p["type"] == "text"]
+            if m["role"] == "user" and placed < k:
+                parts = [{"type": "image", "text": None} for _ in range(k - placed)] + list(parts)
+                placed = k
+            msgs.append({"role": m["role"], "content": [{"type": p["type"], "text": p.get("text")}
+                                                        for p in parts]})
+        images = [_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side), i * 7 + j)
+                  for j in range(k)]
+        out.append({"messages": msgs, "images": [{"bytes": b, "path": None} for b in images]})
+    ds = datasets.Dataset.from_list(out)
+    return ds.cast_column("images", datasets.List(datasets.Image()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=200)
+    ap.add_argument("--families", default="qwen2-vl,qwen2.5-vl,qwen3-vl,glm-4.1v,internvl,llava,llava-next,"
+                                          "llava-onevision,idefics3,smolvlm")
+    ap.add_argument("--min-side", type=int, default=256)
+    ap.add_argument("--max-side", type=int, default=1600)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-proc", type=int, default=2)
+    ap.add_argument("--scale-rows", type=int, default=20000,
+                    help="rows (the mixture repeated) for the num_proc measurement, first family only")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    import transformers
+
+    from tests.helpers import family_processors as fp
+    from tokenbal.integrations.hf import dataset_lengths
+
+    transformers.logging.set_verbosity_error()
+    ds = mixture(args.rows, args.min_side, args.max_side, args.seed)
+    n_images = sum(len(x) for x in ds.with_format("arrow")["images"].to_pylist())
+    print(environment_line())
+    print(f"{args.rows} rows (text / 1 image / 2-3 images in thirds), {n_images} JPEG images "
+          f"{args.min_side}..{args.max_side} px")
+    print("| family | baseline CPU ms/row | dataset_lengths CPU ms/row | speed-up CPU (wall) |")
+    print("|---|---|---|---|")
+    first = None
+    for family in args.families.split(","):
+        try:
+            proc = official_processor(family)
+        except ImportError as e:
+            print(f"| {family} | not run: {str(e).strip().splitlines()[0][:80]} | | | |")
+            continue
+        def baseline(proc=proc) -> np.ndarray:   # ds[i] decodes the row's images, as a user's loop does
+            return np.array([fp.oracle(proc, ds[i]) for i in range(len(ds))])
+
+        want, base_wall, base_cpu = timed(baseline)
+        got = dataset_lengths(ds, proc, cache=False)
+        if not np.array_equal(got, want):
+            bad = np.flatnonzero(got != want)
+            raise SystemExit(f"{family}: MISMATCH on {len(bad)} rows, first {bad[:5].tolist()}: "
+                             f"{got[bad[:5]].tolist()} vs {want[bad[:5]].tolist()}")
+        ours = measure(lambda proc=proc: dataset_lengths(ds, proc, cache=False), repeats=args.repeats,
+                       warmup=0)
+        n = len(ds)
+        print(f"| {family} | {base_cpu / n * 1e3:.1f} | {ours.cpu_median / n * 1e3:.2f} | "
+              f"**{ratio(base_cpu, ours.cpu_median)}** ({ratio(base_wall, ours.wall_median)}) |", flush=True)
+        first = first or (family, proc)
+    if first is not None and args.num_proc > 1 and args.scale_rows:
+        import datasets
+
+        family, proc = first
+        # images as paths (files written once): an in-memory dataset is pickled whole to each worker,
+        # so image bytes inside it would measure the pickling, not the counting
+        folder = tempfile.mkdtemp(prefix="tokenbal-bench-")
+        table = ds.with_format("arrow")[:]
+        paths = []
+        for i, images in enumerate(table.column("images").to_pylist()):
+            row = []
+            for j, im in enumerate(images):
+                path = os.path.join(folder, f"{i}_{j}.jpg")
+                with open(path, "wb") as f:
+                    f.write(im["bytes"])
+                row.append(path)
+            paths.append(row)
+        messages = table.column("messages").to_pylist()
+        by_path = datasets.Dataset.from_dict({"messages": messages, "images": paths})
+        big = datasets.concatenate_datasets([by_path] * max(1, args.scale_rows // len(ds)))
+        one = dataset_lengths(big, proc, cache=False)
+        solo = measure(lambda: dataset_lengths(big, proc, cache=False), repeats=1, warmup=0)
+        par = measure(lambda: dataset_lengths(big, proc, cache=False, num_proc=args.num_proc), repeats=1,
+                      warmup=0)
+        assert np.array_equal(one, dataset_lengths(big, proc, cache=False, num_proc=args.num_proc))
+        print(f"num_proc: {family}, {len(big)} rows: 1 process {solo.wall_median:.2f} s wall, "
+              f"num_proc={args.num_proc} {par.wall_median:.2f} s wall "
+              f"({ratio(solo.wall_median, par.wall_median)}; equal counts)")
+
+
+if __name__ == "__main__":
+    main()

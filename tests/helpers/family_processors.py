@@ -1,0 +1,348 @@
+"""Real transformers processors of every family ``dataset_lengths`` counts, at tiny settings, over
+a tokenizer trained here (nothing downloaded), each with a chat template of its family's layout;
+a user's subclass of each; random chat rows of every row shape; and the oracle: what the installed
+transformers' processor gives for a row. Works on transformers 4.57 to 5.x: image processors are
+taken by their PIL class (``XImageProcessorPil`` in 5.x, ``XImageProcessor`` in 4.x), and
+processors whose ``__init__`` insists on a video processor (which needs torchvision, not
+installable beside this torch build) are built without one."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+
+from tests.helpers.chat_processors import WORDS
+
+ROWS_COLS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+SPECIAL = ["<s>", "</s>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+           "<|image_pad|>", "<|video_pad|>", "<image>", "<video>", "<IMG_CONTEXT>", "<img>", "</img>",
+           "<|image|>", "<|video|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>",
+           "<|end_of_video|>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", *ROWS_COLS]
+
+# the family's image part as its checkpoints' templates render it
+PLACEHOLDER = {
+    "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "glm-4.1v": "<|begin_of_image|><|image|><|end_of_image|>",
+    "internvl": "<IMG_CONTEXT>\n",
+    "llava": "<image>\n",
+    "llava-next": "<image>\n",
+    "llava-onevision": "<image>\n",
+    "idefics3": "<image>",
+    "smolvlm": "<image>",
+}
+FAMILIES = sorted(PLACEHOLDER)
+
+
+def template(family: str, bos: bool = False) -> str:
+    """A chat template in the family's layout: string or part-list content, system and multi-turn,
+    OpenAI ``image_url`` parts rendered as images (as the checkpoints' templates do)."""
+    ph = PLACEHOLDER[family].replace("\n", "\\n")
+    return (
+        ("{{ bos_token }}" if bos else "")
+        + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
+        "{{ '" + ph + "' }}{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "<|im_end|>\n{% endfor %}"
+    )
+
+
+_TOKENIZER = {}
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer with every family's special tokens (as attributes too: InternVL's
+    processor reads ``tokenizer.start_image_token`` ...); a post-processor prepends ``<s>``."""
+    if "tok" in _TOKENIZER:
+        return _TOKENIZER["tok"]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=12)) + "\n\n" for _ in range(300)], trainer)
+    bos = [("<s>", tok.token_to_id("<s>"))]
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=bos)
+    # no image_token attribute: Qwen / GLM processors would take it over their own
+    extra = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<|endoftext|>", unk_token=None, extra_special_tokens=extra)
+    for name, value in extra.items():   # 4.x sets the strings only; InternVL reads the ids too
+        if not hasattr(out, f"{name}_id"):
+            setattr(out, f"{name}_id", out.convert_tokens_to_ids(value))
+    _TOKENIZER["tok"] = out
+    return out
+
+
+def _pil(name: str):
+    """The PIL-backed image processor class (5.x ``XPil``; 4.x and some 5.x releases: ``X``)."""
+    import transformers
+
+    def make(**kwargs):
+        pil = getattr(transformers, name + "Pil", None)
+        if pil is not None:
+            try:
+                return pil(**kwargs)
+            except ImportError:   # e.g. 5.6's Idefics3ImageProcessorPil asks for torchvision
+                pass
+        return getattr(transformers, name)(**kwargs)
+    return make
+
+
+def _build(cls, **kwargs):
+    """``cls(**kwargs)`` with the class check skipped for a missing video processor, and for the
+    tokenizer (4.x insists on the checkpoint's tokenizer class; this one is trained here)."""
+    proc = object.__new__(cls)
+    check = getattr(cls, "check_argument_for_proper_class", None)
+    if check is not None:
+        proc.check_argument_for_proper_class = (
+            lambda name, arg: None if arg is None or name == "tokenizer" else check(proc, name, arg))
+    try:
+        cls.__init__(proc, **kwargs)
+    finally:
+        proc.__dict__.pop("check_argument_for_proper_class", None)
+    return proc
+
+
+def image_processor(family: str):
+    if family.startswith("qwen"):
+        return _pil("Qwen2VLImageProcessor")(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 48,
+                                             patch_size=16 if family == "qwen3-vl" else 14)
+    if family == "glm-4.1v":
+        return _pil("Glm4vImageProcessor")(size={"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 48})
+    if family == "internvl":
+        return _pil("GotOcr2ImageProcessor")(size={"height": 56, "width": 56}, crop_to_patches=True,
+                                             max_patches=6, min_patches=1)
+    if family == "llava":
+        return _pil("CLIPImageProcessor")(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    if family == "llava-next":
+        return _pil("LlavaNextImageProcessor")(
+            size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+            image_grid_pinpoints=[[56, 112], [112, 56], [112, 112], [56, 168]])
+    if family == "llava-onevision":
+        return _pil("LlavaOnevisionImageProcessor")(
+            size={"height": 56, "width": 56},
+            image_grid_pinpoints=[[56 * i, 56 * j] for i in range(1, 4) for j in range(1, 4)])
+    if family in ("idefics3", "smolvlm"):
+        name = "Idefics3ImageProcessor" if family == "idefics3" else "SmolVLMImageProcessor"
+        return _pil(name)(size={"longest_edge": 4 * 32}, max_image_size={"longest_edge": 32})
+    raise KeyError(family)
+
+
+def processor_class(family: str):
+    import transformers
+
+    return getattr(transformers, {
+        "qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor", "qwen3-vl": "Qwen3VLProcessor",
+        "glm-4.1v": "Glm4vProcessor", "internvl": "InternVLProcessor", "llava": "LlavaProcessor",
+        "llava-next": "LlavaNextProcessor", "llava-onevision": "LlavaOnevisionProcessor",
+        "idefics3": "Idefics3Processor", "smolvlm": "SmolVLMProcessor"}[family])
+
+
+def processor(family: str, subclass: bool = False, bos_template: bool = False):
+    """The family's real transformers processor at tiny settings (``subclass``: built from a user's
+    subclass of it, which adds nothing)."""
+    cls = processor_class(family)
+    if subclass:
+        cls = type(f"My{family.title().replace('-', '').replace('.', '')}Processor", (cls,), {})
+    kw = dict(image_processor=image_processor(family), tokenizer=tokenizer(),
+              chat_template=template(family, bos_template))
+    if family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "internvl", "llava-onevision", "smolvlm"):
+        kw["video_processor"] = None
+    if family == "internvl":
+        kw["image_seq_length"] = 3
+    if family in ("llava", "llava-next"):
+        kw.update(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    if family == "llava-onevision":
+        kw.update(num_image_tokens=16, vision_feature_select_strategy="full")
+    if family in ("idefics3", "smolvlm"):
+        kw["image_seq_len"] = 3
+    proc = _build(cls, **kw)
+    if family == "smolvlm" and getattr(proc, "video_processor", None) is None:
+        # SmolVLM's apply_chat_template reads its video processor's num_frames / fps even for image
+        # rows; the video processor needs torchvision, so only those two settings stand in for it.
+        import types
+
+        proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+    return proc
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choices(WORDS, k=rng.randint(1, 10)))
+
+
+def exif_jpeg(w: int, h: int, orientation: int, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (seed % 256, 90, 200)).save(buf, "JPEG", exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def xmp_jpeg(w: int, h: int, orientation: int) -> bytes:
+    """A JPEG whose orientation is only in its XMP packet (``tiff:Orientation``), as some editors
+    write it; Pillow's ``exif_transpose`` (and transformers' ``load_image``) honour it."""
+    from PIL import Image
+
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-'
+           b'syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="%d"/>'
+           b"</rdf:RDF></x:xmpmeta>") % orientation
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (30, 200, 90)).save(buf, "JPEG", xmp=xmp)
+    return buf.getvalue()
+
+
+def image_bytes(w: int, h: int, fmt: str, seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), ((seed * 37) % 256, (seed * 91) % 256, 128)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def random_image(rng: random.Random) -> bytes:
+    w = rng.choice([12, 30, 57, 90, 150, 240, 333])
+    h = rng.choice([12, 41, 64, 120, 200, 300])
+    if rng.random() < 0.15:
+        return exif_jpeg(w, h, rng.choice([3, 5, 6, 7, 8]), rng.randrange(99))
+    return image_bytes(w, h, rng.choice(["PNG", "JPEG"]), rng.randrange(99))
+
+
+SHAPES = ("column", "inline", "image_url", "string")
+
+
+def random_rows(n: int, seed: int, shapes: tuple[str, ...] = SHAPES) -> list:
+    """Rows ``{"messages", "images", "shape"}`` with 0-3 images, system turns, 1-3 exchanges, and
+    the row shapes: ``column`` (``{"type": "image"}`` parts + images column of bytes), ``inline``
+    (``{"type": "image", "image": bytes}`` parts), ``image_url`` (OpenAI parts with a path placeholder
+    filled in by :func:`materialise`), ``string`` (string content, text only)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        shape = rng.choice(shapes)
+        n_img = 0 if shape == "string" else rng.choice([0, 1, 1, 2, 3])
+        msgs = []
+        if rng.random() < 0.4:
+            msgs.append({"role": "system", "content": _text(rng) if shape == "string"
+                         else [{"type": "text", "text": _text(rng)}]})
+        turns = rng.randint(1, 3)
+        slots = [rng.randrange(turns) for _ in range(n_img)]
+        images = [random_image(rng) for _ in range(n_img)]
+        k = 0
+        for t in range(turns):
+            if shape == "string":
+                msgs.append({"role": "user", "content": _text(rng)})
+                msgs.append({"role": "assistant", "content": _text(rng)})
+                continue
+            parts = []
+            for _ in range(slots.count(t)):
+                if shape == "column":
+                    parts.append({"type": "image"})
+                elif shape == "inline":
+                    parts.append({"type": "image", "image": k})
+                else:
+                    parts.append({"type": "image_url", "image_url": {"url": k}})
+                k += 1
+            parts.insert(rng.randint(0, len(parts)), {"type": "text", "text": _text(rng)})
+            msgs.append({"role": "user", "content": parts})
+            msgs.append({"role": "assistant", "content": [{"type": "text", "text": _text(rng)}]})
+        rows.append({"messages": msgs, "images": images, "shape": shape})
+    return rows
+
+
+def materialise(rows: list, folder) -> list:
+    """Rows as a user gives them: inline / image_url parts point at image files written to
+    ``folder`` (their images column emptied); column rows keep their bytes."""
+    out = []
+    for i, row in enumerate(rows):
+        paths = []
+        for j, data in enumerate(row["images"]):
+            p = folder / f"r{i}_{j}.img"
+            p.write_bytes(data)
+            paths.append(str(p))
+        msgs = []
+        for m in row["messages"]:
+            if isinstance(m["content"], list):
+                parts = []
+                for part in m["content"]:
+                    if "image" in part and part["type"] == "image":
+                        part = {"type": "image", "image": paths[part["image"]]}
+                    elif part["type"] == "image_url":
+                        part = {"type": "image_url", "image_url": {"url": paths[part["image_url"]["url"]]}}
+                    parts.append(part)
+                m = {**m, "content": parts}
+            msgs.append(m)
+        images = row["images"] if row["shape"] == "column" else []
+        out.append({"messages": msgs, "images": images, "shape": row["shape"]})
+    return out
+
+
+def load(value):
+    """An image as transformers' ``load_image`` reads a path or bytes (EXIF transposed)."""
+    from PIL import Image, ImageOps
+
+    if hasattr(value, "mode") and hasattr(value, "size"):   # a PIL image: the processor takes it as given
+        return value
+    if isinstance(value, dict):   # datasets' Image(decode=False) value
+        value = value["bytes"] if value.get("bytes") is not None else value["path"]
+    img = Image.open(io.BytesIO(value)) if isinstance(value, bytes) else Image.open(value)
+    img = ImageOps.exif_transpose(img)
+    return img.convert("RGB")
+
+
+def oracle(proc, row: dict) -> int:
+    """What the installed transformers gives for ``row``: ``apply_chat_template(tokenize=True)``'s
+    own steps with public calls (render, collect the images, call the processor with the
+    special-token rule) — the same on every version, and runnable where ``images=`` or string
+    content make ``apply_chat_template(tokenize=True)`` itself fail (transformers < 5.6 / 5.24)."""
+    from tokenbal.estimate.chat import content_images
+
+    # copies: transformers 5.6 - 5.9 reassign message["content"] in place
+    text = proc.apply_chat_template([[dict(m) for m in row["messages"]]], tokenize=False)
+    text = text[0] if isinstance(text, list) else text
+    images = list(row["images"]) or content_images(row["messages"], image_url=_converts_image_url(proc))
+    kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
+    out = proc(text=[text], images=[[load(v) for v in images]] if images else None, **kw)
+    return int(np.asarray(out["input_ids"][0]).shape[-1])
+
+
+def _converts_image_url(proc) -> bool:
+    conv = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    probe = "{{ messages[0]['content'][0]['type'] }}"
+    out = proc.apply_chat_template([conv], chat_template=probe, tokenize=False)
+    return (out[0] if isinstance(out, list) else out).strip() == "image"
+
+
+def save_folder(proc, family: str, folder):
+    """What ``processor.save_pretrained`` writes for these parts (it cannot run without the video
+    processor): tokenizer files, preprocessor_config.json naming the processor class,
+    processor_config.json with the processor's own count settings, chat_template.jinja."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    proc.tokenizer.save_pretrained(str(folder))
+    proc.image_processor.save_pretrained(str(folder))
+    name = processor_class(family).__name__
+    cfg_path = folder / "preprocessor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["processor_class"] = name
+    cfg_path.write_text(json.dumps(cfg))
+    keys = ("image_seq_length", "image_seq_len", "num_image_tokens", "patch_size",
+            "vision_feature_select_strategy", "num_additional_image_tokens")
+    own = {k: getattr(proc, k) for k in keys if isinstance(getattr(proc, k, None), (int, str))}
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": name, **own}))
+    (folder / "chat_template.jinja").write_text(proc.chat_template)
+    return folder
