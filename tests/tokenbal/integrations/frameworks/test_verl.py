@@ -147,5 +147,14 @@ def test_index_lengths_match_verls_own(runs):
     assert np.abs(diff).max() <= 0.1 * max(seen.values())
 
 
+def test_rl_balance_batch_counts_the_vision_tower(tmp_path):
+    # verl's RayPPOTrainer._balance_batch replaced by tokenbal's (patch_rl_trainer) on a DataProto whose
+    # image rows and text rows have equal attention-mask sums; costs by Qwen2-VL-7B's dimensions
+    out = subprocess.run([str(env_python("verl")), str(DRIVER), "rl", str(tmp_path)], env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    print([line for line in out.stdout.splitlines() if line.startswith("rl ")])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q", "-s"]))

@@ -222,6 +222,63 @@ def collate_check() -> None:
     print("collate ok")
 
 
+def rl_check(folder: str) -> None:
+    """tokenbal's balance_batch installed on verl's RayPPOTrainer, run on a DataProto rollout batch
+    whose rows have the same attention-mask sums but different images: verl's own _balance_batch
+    sees them as equal; tokenbal's cost (vision tower + LLM) does not. Prints both placements' cost."""
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import Qwen2VLConfig
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from tokenbal.integrations import verl as tb_verl
+
+    # the cost model reads the actor's config.json only: Qwen2-VL-7B's dimensions (no weights)
+    model_dir = os.path.join(folder, "qwen2-vl-7b-config")
+    Qwen2VLConfig(text_config=dict(hidden_size=3584, num_hidden_layers=28, intermediate_size=18944,
+                                   num_attention_heads=28, num_key_value_heads=4),
+                  vision_config=dict(embed_dim=1280, depth=32, hidden_size=3584, num_heads=16,
+                                     mlp_ratio=4)).save_pretrained(model_dir)
+    verls = RayPPOTrainer._balance_batch
+    tb_verl.patch_rl_trainer()
+    assert RayPPOTrainer._balance_batch is tb_verl.balance_batch
+
+    def batch():
+        # rows 0-1: 300 tokens with an image (its 400 placeholder tokens merged from 1,600 patches);
+        # row 2: 900 text tokens; rows 3-7: 300 text tokens. Equal attention-mask sums for verl.
+        sizes = [300, 300, 900, 300, 300, 300, 300, 300]
+        mask = torch.zeros(len(sizes), 1000, dtype=torch.int64)
+        for i, n in enumerate(sizes):
+            mask[i, :n] = 1
+        mm = [{"image_grid_thw": torch.tensor([[1, 40, 40]])} if i < 2 else None for i in range(len(sizes))]
+        return DataProto.from_dict(tensors={"attention_mask": mask, "row": torch.arange(len(sizes))},
+                                   non_tensors={"multi_modal_inputs": np.array(mm, dtype=object)})
+
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = OmegaConf.create({"actor_rollout_ref": {"model": {"path": model_dir},
+                                                             "actor": {"ppo_mini_batch_size": 8}}})
+    trainer.actor_rollout_wg = None
+    trainer._get_dp_size = lambda wg, role: 2
+    costs = tb_verl.sample_costs(batch(), tb_verl._hf_config(model_dir))
+    result = {}
+    for name, fn in (("verl", verls), ("tokenbal", tb_verl.balance_batch)):
+        b, metrics = batch(), {}
+        fn(trainer, b, metrics)
+        rows = b.batch["row"].tolist()
+        loads = [int(costs[rows[:4]].sum()), int(costs[rows[4:]].sum())]
+        result[name] = max(loads) / (sum(loads) / 2)
+        assert sorted(rows) == list(range(8)) and "global_seqlen/max" in metrics, (rows, metrics)
+    import itertools
+
+    best = min(max(costs[list(c)].sum(), costs.sum() - costs[list(c)].sum())
+               for c in itertools.combinations(range(8), 4)) / (costs.sum() / 2)
+    result["best"] = float(best)
+    print("rl", json.dumps(result))
+    assert result["tokenbal"] <= result["verl"] and result["tokenbal"] <= best * 1.0001, result
+
+
 def main() -> None:
     cmd = sys.argv[1]
     if cmd == "prepare":
@@ -229,6 +286,9 @@ def main() -> None:
         return
     if cmd == "collate":
         collate_check()
+        return
+    if cmd == "rl":
+        rl_check(sys.argv[2])
         return
     assert cmd == "train", cmd
     which, log, overrides = sys.argv[2], Path(sys.argv[3]), sys.argv[4:]
