@@ -19,7 +19,7 @@ from tokenbal.integrations._resume import EpochFollowingSampler
 
 
 def test_importing_the_module_imports_no_framework():
-    code = ("import sys, tokenbal.integrations.verl; print(sorted(m for m in "
+    code = ("import sys, tokenbal.integrations.verl, tokenbal.integrations.veomni; print(sorted(m for m in "
             "('verl', 'veomni', 'torchtitan', 'transformers', 'hydra') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -151,3 +151,26 @@ def test_balanced_partitions_equal_counts(costs, dp):
 def test_balanced_partitions_refuses_uneven_batches():
     with pytest.raises(ValueError, match="5 samples.*2 DP ranks"):
         tb_verl.balanced_partitions(np.ones(5), 2)
+
+
+def test_veomni_steps_batch_size_gives_veomnis_step_count():
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+    from tokenbal.integrations.veomni import steps_batch_size
+
+    rng = np.random.default_rng(0)
+    for n, steps, k in ((40, 5, 2), (41, 5, 2), (103, 6, 1), (26, 3, 1)):
+        lengths = rng.integers(1, 1000, n)
+        size = steps_batch_size(lengths, steps, 2, k)
+        s = TokenBalancedBatchSampler(lengths, num_replicas=2, rank=0, global_batch_size=size, grad_accum=k,
+                                      verify=False)
+        assert len(s) == steps * k
+    with pytest.raises(ValueError, match="cannot fill"):
+        steps_batch_size(np.ones(5), 3, 2)
+
+
+def test_veomni_empty_micro_batch_is_named():
+    from tokenbal.integrations.veomni import _CollateMicroBatches
+
+    assert _CollateMicroBatches(len)([[[1], [2]], [[3]]]) == [2, 1]
+    with pytest.raises(ValueError, match="micro-batch 1 of this rank's step is empty"):
+        _CollateMicroBatches(len)([[[1]], []])
