@@ -19,7 +19,8 @@ from tokenbal.integrations._resume import EpochFollowingSampler
 
 
 def test_importing_the_module_imports_no_framework():
-    code = ("import sys, tokenbal.integrations.verl, tokenbal.integrations.veomni; print(sorted(m for m in "
+    code = ("import sys, tokenbal.integrations.verl, tokenbal.integrations.veomni, "
+            "tokenbal.integrations.torchtitan; print(sorted(m for m in "
             "('verl', 'veomni', 'torchtitan', 'transformers', 'hydra') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

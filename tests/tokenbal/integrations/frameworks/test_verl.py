@@ -138,13 +138,14 @@ def test_index_lengths_match_verls_own(runs):
     seen = {}
     for rank in runs["full"]:
         for s in rank:
-            seen.update(zip(s["rows"], s["lengths"], strict=True))
+            seen.update(zip(s["rows"], s["row_lengths"], strict=True))
     from tokenbal import TokenIndex
 
     idx = TokenIndex.open(runs["dir"] / "index")
     diff = np.array([idx.lengths[i] - seen[i] for i in range(ROWS)])
     print(f"index - verl tokens per row: {diff.tolist()}")
-    assert np.abs(diff).max() <= 0.1 * max(seen.values())
+    # the index leaves out the chat template's tokens (see docs/integrations.md): a constant per layout
+    assert len(set(diff.tolist())) <= 2 and np.abs(diff).max() <= 0.1 * max(seen.values())
 
 
 def test_rl_balance_batch_counts_the_vision_tower(tmp_path):

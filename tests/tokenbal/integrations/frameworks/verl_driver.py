@@ -156,8 +156,9 @@ def record_steps(log: Path) -> None:
     getitem = MultiTurnSFTDataset.__getitem__
 
     def __getitem__(self, item):
-        pending.append(int(item))
-        return getitem(self, item)
+        out = getitem(self, item)
+        pending.append((int(item), int(out["input_ids"].shape[0])))   # verl's own token count of the row
+        return out
 
     MultiTurnSFTDataset.__getitem__ = __getitem__
     seqlens = sft_trainer.SFTTrainer._get_batch_seqlens
@@ -167,7 +168,8 @@ def record_steps(log: Path) -> None:
             local = data["input_ids"].offsets().diff().tolist()
             steps.append({"epoch": self.train_sampler.epoch if hasattr(self.train_sampler, "cursor")
                           else getattr(self.train_sampler, "epoch", None),
-                          "rows": list(pending), "lengths": local})
+                          "rows": [r for r, _ in pending], "row_lengths": [n for _, n in pending],
+                          "lengths": local})   # `lengths`: in the collated order (an image row first)
             pending.clear()
             out = get(self, data)
             if dist.get_rank() == 0:
