@@ -70,8 +70,15 @@ def test_balance_against_veomnis_native_loader(run):
         return sum(ratios) / len(ratios)
 
     tb, native = imbalance("tokenbal"), imbalance("native")
-    print(f"busiest/mean packed tokens per micro-batch: tokenbal {tb:.4f}, VeOmni native {native:.4f}")
+    dyn = [max(a, b) / ((a + b) / 2) for s0, s1 in zip(run[0]["dyn_bsz"], run[1]["dyn_bsz"], strict=False)
+           for a, b in zip(s0["micro_tokens"], s1["micro_tokens"], strict=True)]
+    reads = [sum(len(s["rows"]) for s in r["dyn_bsz"]) for r in run]
+    print(f"busiest/mean packed tokens per micro-batch: tokenbal {tb:.4f}, VeOmni native {native:.4f}, "
+          f"VeOmni dyn_bsz {sum(dyn) / len(dyn):.4f} ({len(run[0]['dyn_bsz'])} steps, sample reads per rank "
+          f"{reads} for {ROWS // 2} rows each)")
     assert tb < native
+    # dyn_bsz fills every micro-batch up to its token budget (text tokens) from a buffer of samples
+    assert all(t <= run[0]["dyn_budget"] for r in run for s in r["dyn_bsz"] for t in s["micro_tokens"])
 
 
 @pytest.mark.parametrize("name, skip", [("mid", 1), ("edge", 0)])

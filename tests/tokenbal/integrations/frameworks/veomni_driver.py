@@ -66,6 +66,19 @@ def main(folder: Path) -> None:
             dl.set_epoch(epoch)
             epochs.append(steps(dl))
         result[kind] = epochs
+    # VeOmni's own token balancing: dyn_bsz (a per-rank token budget of micro_batch_size x max_seq_len,
+    # filled from a buffer as samples load), its step count from the data's total tokens as
+    # compute_train_steps does it (data.train_size tokens, bsz_warmup_ratio 0)
+    dyn_seq = 320          # budget 640 tokens per micro-batch: the longest row fits
+    total = int(sum(len(dataset[i][0]["input_ids"]) for i in range(len(dataset))))
+    reads.clear()
+    dyn_steps = math.ceil(total / (GLOBAL_BATCH * dyn_seq))
+    dyn = build_dataloader("native", dataset=dataset, micro_batch_size=MICRO_BATCH,
+                           global_batch_size=GLOBAL_BATCH, dataloader_batch_size=1, max_seq_len=dyn_seq,
+                           train_steps=dyn_steps, dyn_bsz=True, bsz_warmup_ratio=0.0, num_workers=0,
+                           prefetch_factor=None, pin_memory=False, seed=0, collate_fn=MainCollator())
+    result["dyn_bsz"] = steps(dyn)
+    result["dyn_budget"] = MICRO_BATCH * dyn_seq
     # resume mid-epoch 1 (after its first step) and at the end of epoch 0, each in a new loader
     dl = loader("tokenbal")
     dl.set_epoch(0)
