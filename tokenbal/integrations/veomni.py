@@ -26,7 +26,7 @@ VeOmni's dataclass arguments do not take extra keys, hence the environment varia
     TOKENBAL_INDEX=IDX torchrun --nproc-per-node 8 -m tokenbal.integrations.veomni config.yaml \\
         --data.dataloader.type tokenbal --train.dyn_bsz false
 
-which registers the entry and runs VeOmni's ``VLMTrainer`` as its ``tasks/train_vlm.py`` does; in
+which registers the entry and runs VeOmni 0.1.12's ``VLMTrainer(parse_args(VeOmniVLMArguments)).train()``; in
 a script of your own, call :func:`register` before the trainer is built. Importing this module
 imports nothing of VeOmni.
 """
@@ -173,14 +173,14 @@ def build_tokenbal_dataloader(dataset: Any, micro_batch_size: int, global_batch_
 
 
 def main() -> None:
-    """``python -m tokenbal.integrations.veomni CONFIG [--key value ...]``: VeOmni's
-    ``tasks/train_vlm.py`` with the ``"tokenbal"`` entry registered."""
+    """``python -m tokenbal.integrations.veomni CONFIG [--key value ...]``: VeOmni 0.1.12's VLM
+    trainer (``VLMTrainer(parse_args(VeOmniVLMArguments)).train()``) with the ``"tokenbal"`` entry
+    registered."""
     register()
-    from veomni.trainer import VLMTrainer
-    from veomni.trainer.vlm_trainer import Arguments
-    from veomni.utils.arguments import parse_args
+    from veomni.arguments import parse_args
+    from veomni.trainer.vlm_trainer import VeOmniVLMArguments, VLMTrainer
 
-    VLMTrainer(parse_args(Arguments)).fit()
+    VLMTrainer(parse_args(VeOmniVLMArguments)).train()
 
 
 if __name__ == "__main__":

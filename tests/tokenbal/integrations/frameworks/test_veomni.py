@@ -2,8 +2,9 @@
 (parallel state, mapping dataset, ``plaintext`` transform, ``MainCollator``, ``build_dataloader``)
 with tokenbal's ``"tokenbal"`` DATALOADER_REGISTRY entry against VeOmni's ``"native"`` loader
 (``--train.dyn_bsz false``) in the same run, 2 epochs, and resumed from the loader's state_dict.
-veomni_driver.py runs in the environment. VeOmni's VLMTrainer itself is not run here (see
-docs/integrations.md for what stops it on this machine)."""
+veomni_driver.py runs in the environment. Then VeOmni's VLMTrainer with a tiny random Qwen2-VL through
+``python -m tokenbal.integrations.veomni``'s entry (veomni_trainer_driver.py): 2 epochs, against its
+native loader, resumed from its own checkpoints mid-epoch and at an epoch's end."""
 
 from __future__ import annotations
 
@@ -85,3 +86,70 @@ def test_balance_against_veomnis_native_loader(run):
 def test_resume_from_the_loader_state(run, name, skip):
     for r in run:
         assert [s["rows"] for s in r[name]] == [s["rows"] for s in r["tokenbal"][1][skip:]]
+
+
+TRAINER = Path(__file__).with_name("veomni_trainer_driver.py")
+TRAINER_ROWS = 16
+OPS = ("attn", "moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "load_balancing_loss")
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """VeOmni's VLMTrainer, 2 epochs of 4 steps: tokenbal's entry (checkpoints every 2 steps), VeOmni's
+    native loader, and tokenbal's resumed from VeOmni's checkpoints after step 2 and step 4."""
+    python = env_python("veomni")
+    tmp = tmp_path_factory.mktemp("veomni-trainer")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TOKENBAL_INDEX": str(tmp / "index"), "WANDB_MODE": "disabled"}
+    prep = subprocess.run([str(python), str(TRAINER), "prepare", str(tmp)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
+
+    def train(name, kind, *extra):
+        args = [f"--model.{k}" for k in ("config_path", "model_path", "tokenizer_path")]
+        cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(TRAINER), "train", str(tmp), name,
+               *[x for a in args for x in (a, str(tmp / "model"))],
+               "--data.train_path", str(tmp / "train.jsonl"), "--data.chat_template", "qwen2vl",
+               "--data.max_seq_len", "2048", "--data.dataloader.type", kind,
+               "--data.dataloader.num_workers", "0",
+               "--train.dyn_bsz", "false", "--train.micro_batch_size", "1", "--train.global_batch_size", "4",
+               "--train.num_train_epochs", "2", "--train.checkpoint.output_dir", str(tmp / f"out-{name}"),
+               "--train.checkpoint.save_hf_weights", "false",
+               *[x for op in OPS for x in (f"--model.ops_implementation.{op}_implementation", "eager")],
+               *extra]
+        start = time.monotonic()
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        print(f"VeOmni VLMTrainer {name}: {time.monotonic() - start:.0f} s")
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+        return [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+
+    ckpt = tmp / "out-tb" / "checkpoints"
+    return {"tb": train("tb", "tokenbal", "--train.checkpoint.save_steps", "2"),
+            "native": train("native", "native"),
+            "mid": train("mid", "tokenbal", "--train.checkpoint.load_path", str(ckpt / "global_step_2")),
+            "edge": train("edge", "tokenbal", "--train.checkpoint.load_path", str(ckpt / "global_step_4"))}
+
+
+def test_vlm_trainer_two_epochs_every_sample_once(trainer_runs):
+    tb = trainer_runs["tb"]
+    assert [len(r) for r in tb] == [8, 8]
+    for epoch in range(2):
+        rows = sorted(i for r in tb for s in r if s["epoch"] == epoch for i in s["rows"])
+        assert rows == list(range(TRAINER_ROWS))
+
+
+def test_vlm_trainer_balance_against_its_native_loader(trainer_runs):
+    def imbalance(ranks):
+        loads = [(sum(a["lengths"]), sum(b["lengths"])) for a, b in zip(*ranks, strict=True)]
+        return sum(max(x, y) / ((x + y) / 2) for x, y in loads) / len(loads)
+
+    tb, native = imbalance(trainer_runs["tb"]), imbalance(trainer_runs["native"])
+    print(f"VLMTrainer, busiest/mean tokens per step: tokenbal {tb:.4f}, VeOmni native {native:.4f}")
+    assert tb < native
+
+
+@pytest.mark.parametrize("name, done", [("mid", 2), ("edge", 4)])
+def test_vlm_trainer_resumes_exactly_from_its_checkpoints(trainer_runs, name, done):
+    for full, resumed in zip(trainer_runs["tb"], trainer_runs[name], strict=True):
+        assert [s["rows"] for s in resumed] == [s["rows"] for s in full[done:]]
