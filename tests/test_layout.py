@@ -40,6 +40,8 @@ ALLOWED_TOKENBAL_TO_COLLATE = {
     # collator and enable_packed, imported when packed=True is asked for
     ("tokenbal.integrations.hf", "collate"),
     ("tokenbal.integrations.hf", "collate.models"),
+    # torchtitan's packed alternative to its padding collator: imported when packed_collate() is called
+    ("tokenbal.integrations.torchtitan", "collate"),
 }
 
 # Old module paths kept for users: each warns (DeprecationWarning, with its removal version) and the
