@@ -128,12 +128,12 @@ class TokenBalancingMixin:
                            "hold different numbers of tokens, so each rank's own token mean would weight "
                            "them unevenly")
             self.args.average_tokens_across_devices = True
-        if getattr(self, "tokenbal_loss_note", None):
-            logger.info(self.tokenbal_loss_note)   # a framework's own loss normalisation, kept on purpose
-        elif not (getattr(self, "model_accepts_loss_kwargs", True)
-                  or getattr(self, "compute_loss_func", None)):
-            logger.warning("tokenbal: the model does not accept num_items_in_batch; its loss is each rank's "
-                           "own token mean, not the global one (pass compute_loss_func= to fix)")
+        if not (getattr(self, "model_accepts_loss_kwargs", True) or getattr(self, "compute_loss_func", None)):
+            if self.tokenbal_loss_note:   # a framework's own loss normalisation, kept on purpose
+                logger.info(self.tokenbal_loss_note)
+            else:
+                logger.warning("tokenbal: the model does not accept num_items_in_batch; its loss is each "
+                               "rank's own token mean, not the global one (pass compute_loss_func= to fix)")
         self.add_callback(_make_callback(self))
 
     # -- the sampler ----------------------------------------------------------------------------
