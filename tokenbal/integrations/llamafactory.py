@@ -174,7 +174,10 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
             collator = kwargs.get("data_collator")
             lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"),
                                            getattr(collator, "template", None))
-            super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), **kwargs)
+            options = dict(opts)
+            if getattr(kwargs.get("finetuning_args"), "disable_shuffling", False):
+                options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
+            super().__init__(*args, token_lengths=lengths, sampler_options=options, **kwargs)
 
     TokenBalancedSeq2SeqTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSeq2SeqTrainer
