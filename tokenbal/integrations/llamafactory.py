@@ -25,9 +25,10 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   ``cutoff_len``) is an error naming it, never a silent plan.
 - **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
   (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is.
-- **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing`` (planned
-  packing of its own: LLaMA-Factory packs at preprocessing), ``streaming``, multimodal plugins other
-  than the Qwen2-VL family and text, video and audio rows.
+- **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
+  (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
+  tokenbal's ``packed: true`` (not wired through LLaMA-Factory yet), multimodal plugins other than the
+  Qwen2-VL family, video and audio rows.
 """
 
 from __future__ import annotations
@@ -203,6 +204,10 @@ def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         options = {}
     if not isinstance(options, dict):
         raise SystemExit(f"tokenbal: the config's `tokenbal:` key must be a mapping, got {options!r}")
+    if options.get("packed"):
+        raise SystemExit("tokenbal: `packed: true` is not available through LLaMA-Factory yet (its rows are "
+                         "tokenized and padded by LLaMA-Factory); use padded batches (the default)")
+    options.pop("packed", None)
     stage = args.get("stage", "sft")
     if stage != "sft":
         raise SystemExit(f"tokenbal: stage {stage!r} is not supported (only stage: sft)")

@@ -105,6 +105,8 @@ def register(**sampler_options: Any) -> None:
     :class:`~tokenbal.integrations.hf.TokenBalancingMixin`'s."""
     from swift.trainers.trainer_factory import TrainerFactory
 
+    if sampler_options.pop("packed", False):
+        raise ValueError("tokenbal: packed=True is not available through ms-swift yet; use padded batches")
     _OPTIONS.clear()
     _OPTIONS.update(sampler_options)
     TrainerFactory.TRAINER_MAPPING["causal_lm"] = f"{__name__}.TokenBalancedSeq2SeqTrainer"
