@@ -57,6 +57,9 @@ MODULE_GETATTR = {
     # builds TokenBalancedTrainer (a transformers.Trainer subclass) on first access, so importing the
     # module does not import transformers
     "tokenbal.integrations.hf",
+    # builds TokenBalancedSeq2SeqTrainer (a subclass of ms-swift's trainer) when ms-swift's trainer
+    # mapping asks for it, so importing the module does not import ms-swift
+    "tokenbal.integrations.swift",
 }
 # The test that checks the old paths themselves (it imports them on purpose).
 OLD_PATH_TEST = "tests/tokenbal/balance/test_layout.py"

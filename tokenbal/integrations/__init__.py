@@ -1,6 +1,8 @@
 """Adapters for the frameworks users train with: :mod:`tokenbal.integrations.hf` (transformers'
-``Trainer``, trl's ``SFTTrainer`` and other subclasses) and :mod:`tokenbal.integrations.accelerate`
-(raw accelerate loops). Importing this package imports neither transformers nor accelerate."""
+``Trainer``, trl's ``SFTTrainer`` and other subclasses), :mod:`tokenbal.integrations.accelerate`
+(raw accelerate loops), :mod:`tokenbal.integrations.llamafactory` (``python -m
+tokenbal.integrations.llamafactory train CONFIG.yaml``) and :mod:`tokenbal.integrations.swift`
+(ms-swift's ``--external_plugins``). Importing this package imports none of those frameworks."""
 
 from __future__ import annotations
 

@@ -52,13 +52,23 @@ def neutralise(accelerator: Any, loader: Any) -> Any:
                          "are already per rank and have no fixed batch_size")
     from accelerate.data_loader import BatchSamplerShard
 
-    prepared = accelerator.prepare(loader)
+    # accelerate 1.10 and 1.11 refuse a batch sampler without a batch_size in BatchSamplerShard unless
+    # even_batches is off; the shard becomes a pass-through below and tokenbal's plan already gives
+    # every rank the same number of batches, so "evening" has nothing to do: off while preparing.
+    even = getattr(accelerator, "even_batches", None)
+    if even:
+        accelerator.even_batches = False
+    try:
+        prepared = accelerator.prepare(loader)
+    finally:
+        if even:
+            accelerator.even_batches = even
     shard = getattr(prepared, "batch_sampler", None)
     if isinstance(shard, BatchSamplerShard):
         if shard.batch_sampler is not sampler:
             raise RuntimeError("accelerate wrapped an unexpected batch sampler; cannot neutralise its "
                                "sharding")
-        shard.num_processes, shard.process_index = 1, 0
+        shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False
         shard.sampler = sampler     # DataLoaderShard.set_epoch forwards through `.sampler`
     elif shard is not sampler:
         raise RuntimeError(f"accelerate replaced the batch sampler with {type(shard).__name__}; tokenbal "

@@ -53,10 +53,12 @@ The planning ones become one ``PlanSettings`` over the data-parallel ranks, whic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -89,6 +91,10 @@ def _unpack_settings(opts: dict[str, Any]) -> dict[str, Any]:
 
 class TokenBalancingMixin:
     """Mix in before a ``transformers.Trainer`` subclass; see the module docstring."""
+
+    # A subclass whose framework normalises the loss its own way (LLaMA-Factory's multimodal per
+    # micro-batch mean) sets this to the line logged instead of the num_items_in_batch warning.
+    tokenbal_loss_note: str | None = None
 
     def __init__(self, *args: Any, token_lengths: Any = None, sampler_options: dict[str, Any] | None = None,
                  packed: bool = False, max_tokens_per_rank: int | None = None, **kwargs: Any) -> None:
@@ -123,8 +129,11 @@ class TokenBalancingMixin:
                            "them unevenly")
             self.args.average_tokens_across_devices = True
         if not (getattr(self, "model_accepts_loss_kwargs", True) or getattr(self, "compute_loss_func", None)):
-            logger.warning("tokenbal: the model does not accept num_items_in_batch; its loss is each rank's "
-                           "own token mean, not the global one (pass compute_loss_func= to fix)")
+            if self.tokenbal_loss_note:   # a framework's own loss normalisation, kept on purpose
+                logger.info(self.tokenbal_loss_note)
+            else:
+                logger.warning("tokenbal: the model does not accept num_items_in_batch; its loss is each "
+                               "rank's own token mean, not the global one (pass compute_loss_func= to fix)")
         self.add_callback(_make_callback(self))
 
     # -- the sampler ----------------------------------------------------------------------------
@@ -206,7 +215,7 @@ class TokenBalancingMixin:
         params: dict[str, Any] = dict(
             batch_sampler=sampler, collate_fn=collator, num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
-            multiprocessing_context=args.dataloader_multiprocessing_context,
+            multiprocessing_context=_multiprocessing_context(args),
             prefetch_factor=args.dataloader_prefetch_factor,
             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers,
                                    rank=args.process_index))
@@ -249,6 +258,17 @@ class TokenBalancingMixin:
             if load_checkpoint_weights(self.model if model is None else model, resume_from_checkpoint):
                 return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        # Before transformers 5.19 the Trainer loads the optimizer state of a multi-process run with
+        # map_location=args.device, which accelerate makes "cpu:0" on CPU ranks, and torch cannot
+        # restore storages to an indexed CPU device: every CPU (gloo) resume raised. Newer Trainers
+        # map to plain "cpu" there; do the same for the duration of the call.
+        device = getattr(self.args, "device", None)
+        if checkpoint is None or getattr(device, "type", None) != "cpu" or device.index is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        with _plain_cpu_map_location():
+            return super()._load_optimizer_and_scheduler(checkpoint)
 
     def _sampler_state_at(self, global_step: int) -> dict[str, Any]:
         """The sampler state after ``global_step`` optimizer steps (not the sampler's own cursor,
@@ -312,6 +332,38 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
     raise TypeError(f"{who} needs token lengths: pass token_lengths= (a TokenIndex or one count per "
                     "train_dataset item), give the dataset a 'length' or 'input_ids' column, or pass "
                     "processing_class=<processor> with a datasets.Dataset of 'messages' (and 'images') rows")
+
+
+def _multiprocessing_context(args: Any) -> Any:
+    """The workers' start method, as the installed Trainer would choose it: the
+    ``dataloader_multiprocessing_context`` argument (transformers 5.19 and newer), else what the older
+    Trainers hard-code (``"fork"`` on MPS with more than one worker, the platform default otherwise)."""
+    if hasattr(args, "dataloader_multiprocessing_context"):
+        return args.dataloader_multiprocessing_context
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    return "fork" if mps is not None and mps.is_available() and args.dataloader_num_workers > 1 else None
+
+
+@contextlib.contextmanager
+def _plain_cpu_map_location() -> Iterator[None]:
+    """``torch.load`` with an indexed CPU ``map_location`` (``cpu:0``) mapped to ``"cpu"``, inside."""
+    import torch
+
+    load = torch.load
+
+    def plain_cpu_load(*args: Any, **kwargs: Any) -> Any:
+        where = kwargs.get("map_location")
+        if isinstance(where, (str, torch.device)) and torch.device(where).type == "cpu":
+            kwargs["map_location"] = "cpu"
+        return load(*args, **kwargs)
+
+    torch.load = plain_cpu_load
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 _EXIT_HOOK: list[Any] = []

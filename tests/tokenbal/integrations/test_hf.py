@@ -58,7 +58,17 @@ def _train(rank: int, world: int, out_dir: str, resume: str | None) -> dict:
     except Crash:
         crashed = True
     return {"seen": seen, "crashed": crashed, "len": len(trainer.get_train_dataloader()),
-            "loss_tokens": [ds.loss_tokens(i) for i in range(N)]}
+            "loss_tokens": _own_counts(trainer, ds, pad_collate)}
+
+
+def _own_counts(trainer, ds, collate) -> list[int]:
+    """Each sample's loss tokens as the installed Trainer counts them, on this rank alone (shifted
+    labels since transformers 5.19, every label != -100 before; ds.loss_tokens is the shifted count)."""
+    trainer.args.average_tokens_across_devices = False
+    try:
+        return [int(trainer._get_num_items_in_batch([collate([ds[i]])], "cpu")) for i in range(len(ds))]
+    finally:
+        trainer.args.average_tokens_across_devices = True
 
 
 def _steps(records: list[dict], lo: int, hi: int) -> dict[int, list[list[int]]]:

@@ -1,0 +1,266 @@
+"""LLaMA-Factory (0.9.5) on a token-balanced batch sampler.
+
+    python -m tokenbal.integrations.llamafactory train CONFIG.yaml [key=value ...]
+
+in place of ``llamafactory-cli train CONFIG.yaml``: the same YAML (and the same ``key=value``
+overrides), with tokenbal's options under a top-level ``tokenbal:`` key (``tokenbal: {}`` for the
+defaults; any :class:`~tokenbal.integrations.hf.TokenBalancingMixin` ``sampler_options`` key, e.g.
+``max_tokens_per_rank``, ``seed``, ``window``, ``cost``). Several ranks as LLaMA-Factory's own CLI
+starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m tokenbal.integrations.llamafactory train
+CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``), or under
+``torchrun --nproc-per-node 2 -m tokenbal.integrations.llamafactory train CONFIG.yaml``.
+
+What it changes in LLaMA-Factory's ``sft`` stage, and nothing else: its trainer
+(``CustomSeq2SeqTrainer``) gets :class:`~tokenbal.integrations.hf.TokenBalancingMixin` in front, so
+the train loader is a :class:`~tokenbal.TokenBalancedBatchSampler` over LLaMA-Factory's own tokenized
+dataset, planned for the padded cost of its padding collator, never re-sharded by accelerate, with
+exact mid-epoch resume (``resume_from_checkpoint``).
+
+- **Lengths** (:func:`llamafactory_lengths`): per row, the text tokens of LLaMA-Factory's own encoding
+  (its template) plus, per image, tokenbal's header-only estimate (no image is decoded, no image
+  processor runs) of what LLaMA-Factory makes of it: its own resize above ``image_max_pixels`` /
+  below ``image_min_pixels`` (and the Qwen-VL plugin's 28-pixel and aspect-ratio clamps) before the
+  processor's ``smart_resize``. Every row is then compared with LLaMA-Factory's tokenized
+  ``input_ids``: a row that disagrees (an image the estimate sizes differently, a row cut at
+  ``cutoff_len``) is an error naming it, never a silent plan.
+- **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
+  (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is.
+- **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
+  (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
+  tokenbal's ``packed: true`` (not wired through LLaMA-Factory yet), multimodal plugins other than the
+  Qwen2-VL family, video and audio rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["llamafactory_lengths", "main", "trainer_class"]
+
+logger = logging.getLogger("tokenbal")
+
+_USAGE = "usage: python -m tokenbal.integrations.llamafactory train CONFIG.yaml [key=value ...]"
+# LLaMA-Factory's mm_plugins whose image expansion llamafactory_lengths models (Qwen2VLPlugin's
+# process_messages: <|vision_start|> + image_token x grid/merge^2 + <|vision_end|> per image).
+_QWEN_PLUGINS = ("Qwen2VLPlugin",)
+
+
+# -- lengths ----------------------------------------------------------------------------------------
+
+def lf_image_size(width: int, height: int, max_pixels: int, min_pixels: int) -> tuple[int, int]:
+    """The size LLaMA-Factory's Qwen-VL plugin hands the image processor (``BasePlugin._preprocess_image``
+    then ``Qwen2VLPlugin._preprocess_image``, 0.9.5): scaled down to ``max_pixels`` / up to
+    ``min_pixels`` (sides truncated to int), sides below 28 raised to 28, aspect ratios over 200 cut."""
+    import math
+
+    if width * height > max_pixels:
+        f = math.sqrt(max_pixels / (width * height))
+        width, height = int(width * f), int(height * f)
+    if width * height < min_pixels:
+        f = math.sqrt(min_pixels / (width * height))
+        width, height = int(width * f), int(height * f)
+    if min(width, height) < 28:
+        width, height = max(width, 28), max(height, 28)
+    if width / height > 200:
+        width, height = height * 180, height
+    if height / width > 200:
+        width, height = width, width * 180
+    return width, height
+
+
+def _image_path(image: Any) -> Any:
+    if isinstance(image, dict):
+        return image.get("bytes") or image.get("path")
+    return image
+
+
+def _header_size(image: Any) -> tuple[int, int]:
+    from tokenbal.index.imagesize import image_size
+
+    if isinstance(image, (bytes, bytearray)):
+        return image_size(bytes(image))
+    with open(image, "rb") as f:
+        head = f.read(1 << 16)
+        try:
+            return image_size(head)
+        except Exception:   # the header lies past the first 64 KiB: read the whole file
+            f.seek(0)
+            return image_size(f.read())
+
+
+def _rows(dataset: Any, columns: Sequence[str]) -> Iterator[dict[str, Any]]:
+    names = set(getattr(dataset, "column_names", None) or [])
+    keep = [c for c in columns if c in names]
+    if hasattr(dataset, "select_columns"):
+        for batch in dataset.select_columns(keep).iter(batch_size=1024):
+            for i in range(len(batch[keep[0]])):
+                yield {c: batch[c][i] for c in keep}
+    else:
+        for row in dataset:
+            yield {c: row.get(c) for c in keep}
+
+
+def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndarray:
+    """One token count per row of LLaMA-Factory's tokenized train ``dataset`` (``input_ids``,
+    ``images``, ``videos``, ``audios`` columns): the row's text tokens plus tokenbal's estimate of its
+    images under LLaMA-Factory's settings (``processor.image_max_pixels`` / ``image_min_pixels``, set
+    by its ``patch_processor``), checked row by row against ``len(input_ids)``; raises ``ValueError``
+    naming the rows that disagree."""
+    from tokenbal.estimate import estimator_from_processor
+
+    plugin = getattr(template, "mm_plugin", None)
+    plugin_name = type(plugin).__name__
+    image_token = getattr(plugin, "image_token", None)
+    estimator = None
+    if processor is not None and image_token is not None:
+        if plugin_name not in _QWEN_PLUGINS:
+            raise ValueError(f"tokenbal: LLaMA-Factory's {plugin_name} is not modelled (supported: "
+                             f"{', '.join(_QWEN_PLUGINS)} and text-only templates)")
+        if not getattr(plugin, "expand_mm_tokens", True):
+            raise ValueError("tokenbal: the template does not expand image tokens (expand_mm_tokens=False)")
+        estimator = estimator_from_processor(processor)
+        image_token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+        max_px = int(processor.image_max_pixels)
+        min_px = int(processor.image_min_pixels)
+    lengths, wrong = [], []
+    for i, row in enumerate(_rows(dataset, ("input_ids", "images", "videos", "audios"))):
+        ids = np.asarray(row["input_ids"])
+        if row.get("videos") or row.get("audios"):
+            raise ValueError(f"tokenbal: row {i} has videos or audios; tokenbal's LLaMA-Factory lengths "
+                             "cover text and image rows")
+        images = row.get("images") or []
+        n = len(ids)
+        if images:
+            if estimator is None:
+                raise ValueError(f"tokenbal: row {i} has images but LLaMA-Factory loaded no processor")
+            text = n - int((ids == image_token_id).sum())
+            vision = 0
+            for image in images:
+                w, h = lf_image_size(*_header_size(_image_path(image)), max_px, min_px)
+                vision += int(estimator.image_tokens(w, h))
+            n = text + vision
+            if n != len(ids):
+                wrong.append((i, n, len(ids)))
+        lengths.append(n)
+    if wrong:
+        shown = "; ".join(f"row {i}: tokenbal {est}, LLaMA-Factory {got}" for i, est, got in wrong[:5])
+        raise ValueError(f"tokenbal: {len(wrong)} of {len(lengths)} rows' lengths disagree with what "
+                         f"LLaMA-Factory tokenized ({shown}{' ...' if len(wrong) > 5 else ''}); a row cut "
+                         "at cutoff_len cannot be planned: raise cutoff_len or drop the row")
+    return np.asarray(lengths, dtype=np.int64)
+
+
+# -- the trainer ------------------------------------------------------------------------------------
+
+def trainer_class(base: Any, options: dict[str, Any]) -> Any:
+    """``base`` (LLaMA-Factory's ``CustomSeq2SeqTrainer``) with the token-balancing mixin in front and
+    tokenbal's ``options`` (the YAML's ``tokenbal:`` mapping) as its ``sampler_options``."""
+    from tokenbal.integrations.hf import TokenBalancingMixin
+
+    opts = dict(options)
+
+    class TokenBalancedSeq2SeqTrainer(TokenBalancingMixin, base):
+        # LLaMA-Factory normalises a multimodal loss per micro-batch on purpose; keep it, say so once.
+        tokenbal_loss_note = ("tokenbal: LLaMA-Factory's own loss normalisation is kept (with a processor: "
+                              "each micro-batch's token mean, model_accepts_loss_kwargs=False)")
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            collator = kwargs.get("data_collator")
+            lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"),
+                                           getattr(collator, "template", None))
+            options = dict(opts)
+            if getattr(kwargs.get("finetuning_args"), "disable_shuffling", False):
+                options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
+            super().__init__(*args, token_lengths=lengths, sampler_options=options, **kwargs)
+
+    TokenBalancedSeq2SeqTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
+    return TokenBalancedSeq2SeqTrainer
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(LLaMA-Factory's arguments, tokenbal's options) from ``CONFIG.yaml key=value ...``, read the way
+    ``llamafactory-cli`` reads them (its ``read_args``)."""
+    from llamafactory.hparams import read_args
+
+    saved = sys.argv
+    try:
+        sys.argv = [saved[0], *argv]
+        args = read_args()
+    finally:
+        sys.argv = saved
+    if not isinstance(args, dict):
+        raise SystemExit(f"tokenbal: expected a .yaml / .yml / .json config, got {list(argv)}\n{_USAGE}")
+    options = args.pop("tokenbal", None)
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise SystemExit(f"tokenbal: the config's `tokenbal:` key must be a mapping, got {options!r}")
+    if options.get("packed"):
+        raise SystemExit("tokenbal: `packed: true` is not available through LLaMA-Factory yet (its rows are "
+                         "tokenized and padded by LLaMA-Factory); use padded batches (the default)")
+    options.pop("packed", None)
+    stage = args.get("stage", "sft")
+    if stage != "sft":
+        raise SystemExit(f"tokenbal: stage {stage!r} is not supported (only stage: sft)")
+    for key in ("packing", "neat_packing", "streaming"):
+        if args.get(key):
+            raise SystemExit(f"tokenbal: `{key}: true` is not supported with token-balanced batches "
+                             "(LLaMA-Factory packs / streams at preprocessing); remove it")
+    return args, options
+
+
+def _under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _launch(argv: Sequence[str]) -> int:
+    """Start the ranks the way ``llamafactory-cli train`` does (its launcher's environment variables),
+    each running this module."""
+    from llamafactory.extras.misc import find_available_port, get_device_count
+
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nnodes", env.get("NNODES", "1"), "--node_rank", env.get("NODE_RANK", "0"),
+           "--nproc_per_node", env.get("NPROC_PER_NODE", str(get_device_count())),
+           "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
+           "--master_port", env.get("MASTER_PORT", str(find_available_port())),
+           "-m", "tokenbal.integrations.llamafactory", "train", *argv]
+    return subprocess.run(cmd, env=env).returncode
+
+
+def _train(argv: Sequence[str]) -> None:
+    import llamafactory.train.sft.workflow as workflow
+    from llamafactory.train.tuner import run_exp
+
+    args, options = _read_config(argv)
+    workflow.CustomSeq2SeqTrainer = trainer_class(workflow.CustomSeq2SeqTrainer, options)
+    run_exp(args=args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "train" or len(argv) < 2:
+        print(_USAGE, file=sys.stderr)
+        return 2
+    rest = argv[1:]
+    if not _under_torchrun():
+        from llamafactory.extras.misc import get_device_count, is_env_enabled
+
+        _read_config(rest)   # refuse a bad config before starting any rank
+        if is_env_enabled("FORCE_TORCHRUN") or get_device_count() > 1:
+            return _launch(rest)
+    _train(rest)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""ms-swift (4.6) on a token-balanced batch sampler, through its own extension point.
+
+    swift sft ... --external_plugins "$(python -m tokenbal.integrations.swift)"
+
+``python -m tokenbal.integrations.swift`` prints the path of ``swift_plugin/tokenbal_plugin.py``
+(:func:`plugin_path`), a plugin file that calls :func:`register` with the defaults; for other
+options write your own plugin file (any path)::
+
+    from tokenbal.integrations.swift import register
+    register(max_tokens_per_rank=16384)       # any TokenBalancingMixin sampler_options
+
+:func:`register` points ms-swift's trainer mapping (``TrainerFactory.TRAINER_MAPPING["causal_lm"]``,
+the trainer of ``swift sft``) at ms-swift's own ``Seq2SeqTrainer`` with
+:class:`~tokenbal.integrations.hf.TokenBalancingMixin` in front: the train loader is a
+:class:`~tokenbal.TokenBalancedBatchSampler`, prepared through accelerate without re-sharding, with
+exact mid-epoch resume (its ``tokenbal_sampler.json`` per checkpoint; the Trainer skips the batches
+already trained as index lists, so no skipped sample is encoded or loaded).
+
+- **Lengths** (:func:`swift_lengths`): ms-swift's own encoding. With ``--lazy_tokenize false`` its
+  ``lengths`` column (one list per row, ``[n]`` for an sft row; the row's length is its largest entry,
+  as ms-swift's own ``group_by_length`` reads it); with lazy tokenization (the multimodal default)
+  each row is encoded once by ms-swift's template before training. A row ms-swift cannot encode is an
+  error naming it (its lazy loader would otherwise swap in a random other row, off the plan).
+- **Order.** The dataset is indexed as ms-swift hands it to the trainer, after its load-time shuffle
+  (``--dataset_shuffle``, ``--data_seed``); the plan's seed is ``--data_seed`` (else ``--seed``).
+- **Cost.** ms-swift pads each micro-batch to its longest row: planned with ``cost="padded"``.
+- **Refused**, with a message: ``--packing``, ``--padding_free`` and ``--sequence_parallel_size`` > 1
+  (rows of their own; plan them with ``max_tokens_per_rank`` and tokenbal's packed path instead),
+  streaming datasets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+__all__ = ["plugin_path", "register", "swift_lengths", "trainer_class"]
+
+logger = logging.getLogger("tokenbal")
+
+_OPTIONS: dict[str, Any] = {}
+
+
+def swift_lengths(dataset: Any, *, encode: Any = None) -> np.ndarray:
+    """One token count per item of ms-swift's train ``dataset``: its ``lengths`` column when it was
+    encoded at load (``--lazy_tokenize false``), else each raw row of its ``LazyLLMDataset`` through
+    the dataset's own ``encode_func`` (ms-swift's template). Raises ``ValueError`` naming a row it
+    cannot encode or whose ``lengths`` entry is empty."""
+    names = set(getattr(dataset, "column_names", None) or [])
+    if "lengths" in names:
+        values = dataset["lengths"]
+    elif hasattr(dataset, "encode_func") and hasattr(dataset, "dataset"):
+        encode = dataset.encode_func
+        values = []
+        for i in range(len(dataset.dataset)):
+            try:
+                values.append(encode(dataset.dataset[i], return_length=True)["lengths"])
+            except Exception as e:
+                raise ValueError(f"tokenbal: ms-swift's template cannot encode train row {i} "
+                                 f"({type(e).__name__}: {e}); fix or drop the row (ms-swift's lazy loader "
+                                 "would train a random other row in its place)") from e
+    else:
+        raise TypeError(f"tokenbal: no lengths for ms-swift's train dataset {type(dataset).__name__} "
+                        "(neither a 'lengths' column nor a LazyLLMDataset)")
+    out = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        flat = np.asarray(value, dtype=np.int64).reshape(-1)
+        if flat.size == 0:
+            raise ValueError(f"tokenbal: train row {i} has an empty 'lengths' entry")
+        out[i] = flat.max()
+    return out
+
+
+def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
+    """ms-swift's trainer ``base`` with the token-balancing mixin in front (``options``: its
+    ``sampler_options``)."""
+    from tokenbal.integrations.hf import TokenBalancingMixin
+
+    opts = dict(options or {})
+
+    class TokenBalancedSwiftTrainer(TokenBalancingMixin, base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            train_args = kwargs.get("args")
+            for flag in ("packing", "padding_free"):
+                if getattr(train_args, flag, False):
+                    raise ValueError(f"tokenbal: --{flag} is not supported with token-balanced padded "
+                                     "batches")
+            if int(getattr(train_args, "sequence_parallel_size", 1) or 1) > 1:
+                raise ValueError("tokenbal: --sequence_parallel_size > 1 is not supported")
+            dataset = kwargs.get("train_dataset")
+            if dataset is None or not hasattr(dataset, "__len__"):
+                raise ValueError("tokenbal: ms-swift's train dataset must have a length (no --streaming)")
+            lengths = swift_lengths(dataset)
+            super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), **kwargs)
+
+    TokenBalancedSwiftTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
+    return TokenBalancedSwiftTrainer
+
+
+def register(**sampler_options: Any) -> None:
+    """Make ``swift sft`` (task ``causal_lm``) train on tokenbal's sampler; call it from an
+    ``--external_plugins`` file. ``sampler_options``: as
+    :class:`~tokenbal.integrations.hf.TokenBalancingMixin`'s."""
+    from swift.trainers.trainer_factory import TrainerFactory
+
+    if sampler_options.pop("packed", False):
+        raise ValueError("tokenbal: packed=True is not available through ms-swift yet; use padded batches")
+    _OPTIONS.clear()
+    _OPTIONS.update(sampler_options)
+    TrainerFactory.TRAINER_MAPPING["causal_lm"] = f"{__name__}.TokenBalancedSeq2SeqTrainer"
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first access (by ms-swift's TrainerFactory), so importing this module imports no ms-swift.
+    if name == "TokenBalancedSeq2SeqTrainer":
+        from swift.trainers import Seq2SeqTrainer
+
+        cls = trainer_class(Seq2SeqTrainer, _OPTIONS)
+        cls.__module__ = __name__
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def plugin_path() -> str:
+    """The path of the ready ``--external_plugins`` file (:func:`register` with the defaults)."""
+    import os
+
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_plugin", "tokenbal_plugin.py")
+
+
+if __name__ == "__main__":
+    print(plugin_path())
