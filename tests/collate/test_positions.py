@@ -14,6 +14,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel  # noqa: E402
 
+from tokenbal.hf_compat import get_rope_index  # noqa: E402
+
 IMG, VID, VS, VE = 60, 61, 62, 63
 MERGE = 2
 TPS = 2  # tokens_per_second of the tiny Qwen2.5-VL config
@@ -104,8 +106,8 @@ def hf_positions(model, ids, images, videos, seconds=None) -> np.ndarray:
     kwargs = {}
     if seconds is not None:
         kwargs["second_per_grid_ts"] = torch.as_tensor(seconds)
-    pos, _ = model.get_rope_index(
-        input_ids,
+    pos = get_rope_index(
+        model, input_ids,
         mm_token_type_ids=mm,
         image_grid_thw=torch.as_tensor(images) if len(images) else None,
         video_grid_thw=torch.as_tensor(videos) if len(videos) else None,
