@@ -232,7 +232,7 @@ def qwen2_5_vl_whole_seconds() -> bool:
     except ImportError:
         return False
     text = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1)
+                num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
 
     text.update(rope_config(Qwen2_5_VLTextConfig, 1e4, mrope_section=[1, 0, 1]))
