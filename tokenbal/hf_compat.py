@@ -46,7 +46,7 @@ __all__ = [
     "MIN_VERSION", "FAMILY_ADDED_IN", "transformers_version", "require_class", "rope_config",
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
-    "checkpointing_enable",
+    "checkpointing_enable", "image_processing_module",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -273,3 +273,14 @@ def checkpointing_enable(model: Any, use_reentrant: bool = False) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def image_processing_module(model: str) -> Any:
+    """The module of ``model``'s (e.g. ``"qwen2_vl"``) PIL image processor and its ``smart_resize``:
+    5.x ``image_processing_pil_<model>``, 4.57 ``image_processing_<model>`` (the slow, PIL one)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"transformers.models.{model}.image_processing_pil_{model}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"transformers.models.{model}.image_processing_{model}")

@@ -34,7 +34,11 @@ def word_tokenizer():
 
 def llava_next_processor(tokenizer):
     """``LlavaNextProcessor`` at LLaVA-NeXT's 336-px settings over ``tokenizer``."""
-    from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor
+    from transformers import LlavaNextProcessor
+
+    from tokenbal.hf_compat import image_processor_class
+
+    LlavaNextImageProcessorPil = image_processor_class("LlavaNextImageProcessorPil")
 
     ip = LlavaNextImageProcessorPil(
         image_grid_pinpoints=NEXT_PINPOINTS,
@@ -52,7 +56,11 @@ def llava_next_processor(tokenizer):
 
 def llava_onevision_processor():
     """``LlavaOnevisionProcessor``'s counting methods at LLaVA-OneVision's 384-px settings."""
-    from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor
+    from transformers import LlavaOnevisionProcessor
+
+    from tokenbal.hf_compat import image_processor_class
+
+    LlavaOnevisionImageProcessorPil = image_processor_class("LlavaOnevisionImageProcessorPil")
 
     # __init__ insists on a video processor, which needs torchvision; the counting methods do not.
     p = object.__new__(LlavaOnevisionProcessor)
@@ -139,7 +147,11 @@ def qwen2_vl_checkpoint(path, corpus_text: list[str], model: bool = False) -> st
     import os
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenbal.hf_compat import image_processor_class
+
+    Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
 
     os.makedirs(path, exist_ok=True)
     bpe = Tokenizer(models.BPE())

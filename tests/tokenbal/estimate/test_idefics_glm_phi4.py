@@ -31,14 +31,14 @@ from tokenbal.estimate import get_estimator, image_tokens_checked, load_estimato
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from transformers import (  # noqa: E402
-    Glm4vImageProcessorPil,
-    Idefics3ImageProcessorPil,
-    Idefics3Processor,
-    PreTrainedTokenizerFast,
-    SmolVLMImageProcessorPil,
-)
-from transformers.models.glm4v import image_processing_pil_glm4v as hf_glm  # noqa: E402
+from transformers import Idefics3Processor, PreTrainedTokenizerFast  # noqa: E402
+
+from tokenbal.hf_compat import image_processing_module, image_processor_class  # noqa: E402
+
+Glm4vImageProcessorPil = image_processor_class("Glm4vImageProcessorPil")
+Idefics3ImageProcessorPil = image_processor_class("Idefics3ImageProcessorPil")
+SmolVLMImageProcessorPil = image_processor_class("SmolVLMImageProcessorPil")
+hf_glm = image_processing_module("glm4v")
 
 EDGE = [  # tiny, thin, exact tile multiples of 364 / 512 / 448, odd halves, > 4096, extreme ratios
     (1, 1),

@@ -29,8 +29,11 @@ from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from transformers import Qwen2VLImageProcessorPil  # noqa: E402
-from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_qwen2_img  # noqa: E402
+
+from tokenbal.hf_compat import image_processing_module, image_processor_class  # noqa: E402
+
+Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
+hf_qwen2_img = image_processing_module("qwen2_vl")
 
 # importlib, not ``from ... import``: the package's lazy loader hands out a torchvision-requiring
 # dummy for the submodule, while the module itself only needs torchvision to resize pixels.

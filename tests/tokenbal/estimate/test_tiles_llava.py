@@ -21,11 +21,11 @@ from tokenbal.estimate import get_estimator, load_estimator
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from transformers import (  # noqa: E402
-    GotOcr2ImageProcessorPil,
-)
 
 from tests.helpers.processors import NEXT_PINPOINTS, write_json  # noqa: E402
+from tokenbal.hf_compat import image_processor_class  # noqa: E402
+
+GotOcr2ImageProcessorPil = image_processor_class("GotOcr2ImageProcessorPil")
 
 EDGE = [
     (1, 1),
