@@ -256,7 +256,9 @@ def test_glm_equals_pixel_free_helper_on_grid(key):
     want = []
     for w, h in GRID:
         try:
-            want.append(proc.get_number_of_image_patches(h, w, {}) // 4)
+            # No images_kwargs: transformers 5.6-5.9 replace the processor's own size with the class
+            # default when handed any dict (even {}), which is not what the processor resizes to.
+            want.append(proc.get_number_of_image_patches(h, w) // 4)
         except ValueError:
             want.append(-1)
     got, errors = image_tokens_checked(est, WS, HS)
