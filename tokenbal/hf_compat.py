@@ -46,7 +46,7 @@ __all__ = [
     "MIN_VERSION", "FAMILY_ADDED_IN", "transformers_version", "require_class", "rope_config",
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
-    "checkpointing_enable", "image_processing_module",
+    "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -247,6 +247,38 @@ def qwen2_5_vl_whole_seconds() -> bool:
                          second_per_grid_ts=torch.tensor([0.5]), attention_mask=torch.ones_like(ids))
     temporal = pos[0, 0, 1:].tolist()
     return temporal[1] == temporal[0]
+
+
+@functools.cache
+def qwen3_vl_video_resize() -> dict[str, bool]:
+    """The installed transformers' Qwen3-VL video ``smart_resize`` variant, as the keywords of
+    :func:`tokenbal.estimate.qwen.smart_resize_3d`. Three generations: 4.57 (refuses a side shorter
+    than the factor, needs ``t >= temporal_patch_size``, rounds ``t`` half to even), 5.6-5.9
+    (refuses short sides, no frame check, rounds ``t`` up), 5.19+ (scales short sides up, frame
+    check, rounds half to even). Asked of the function itself on three tiny inputs; the newest
+    rule without transformers."""
+    newest = {"check_frames": True, "upscale_small": True, "ceil_frames": False}
+    try:
+        import importlib
+
+        fn = importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl").smart_resize
+    except (ImportError, AttributeError):
+        return newest
+
+    def raises(*args: int) -> bool:
+        try:
+            fn(*args)
+        except ValueError:
+            return True
+        return False
+
+    # (num_frames, height, width, temporal_factor, factor, min_pixels, max_pixels)
+    return {
+        "check_frames": raises(1, 64, 64, 2, 32, 1, 10**9),
+        "upscale_small": not raises(2, 16, 64, 2, 32, 1, 10**9),
+        # 5 frames of 64x64 under 20000 pixels: t rounded half to even (4) fits, rounded up (6) does not
+        "ceil_frames": tuple(fn(5, 64, 64, 2, 32, 1, 20000)) != (64, 64),
+    }
 
 
 # -- processors -------------------------------------------------------------------------------------

@@ -30,7 +30,11 @@ from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
-from tokenbal.hf_compat import image_processing_module, image_processor_class  # noqa: E402
+from tokenbal.hf_compat import (  # noqa: E402
+    image_processing_module,
+    image_processor_class,
+    qwen3_vl_video_resize,
+)
 
 Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
 hf_qwen2_img = image_processing_module("qwen2_vl")
@@ -473,14 +477,15 @@ def test_smart_resize_3d_port_equals_transformers():
         (rng.choice([2, 3, 4, 7, 64, 768]), rng.randint(1, 4000), rng.randint(1, 4000)) for _ in range(3000)
     ]
     cases += [(2, 1, 1), (4, 31, 33), (2, 10, 2000), (768, 1080, 1920)]
+    rule = qwen3_vl_video_resize()  # the installed release's variant
     for t, h, w in cases:
         try:
             want = hf_qwen3_vid.smart_resize(t, h, w, 2, 32, 4096, 25165824)
         except ValueError:
             with pytest.raises(ValueError):
-                smart_resize_3d(t, h, w, 2, 32, 4096, 25165824)
+                smart_resize_3d(t, h, w, 2, 32, 4096, 25165824, **rule)
             continue
-        assert smart_resize_3d(t, h, w, 2, 32, 4096, 25165824) == want, (t, h, w)
+        assert smart_resize_3d(t, h, w, 2, 32, 4096, 25165824, **rule) == want, (t, h, w)
 
 
 @pytest.mark.parametrize(
