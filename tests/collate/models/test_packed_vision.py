@@ -26,6 +26,7 @@ from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
+from tokenbal.hf_compat import qwen2_5_vl_whole_seconds  # noqa: E402
 
 TOKENS_PER_SECOND = 2
 
@@ -66,8 +67,10 @@ def unpacked_loss_sum(model, sample: dict) -> torch.Tensor:
     """transformers' forward on one unpadded sample (its own tower call), times its loss tokens."""
     ids = sample["input_ids"]
     seconds = sample.get("second_per_grid_ts")
+    # the installed transformers' time-step rule, as the collator uses it (whole seconds to 5.9)
     timing = {} if seconds is None else dict(second_per_grid_ts=seconds.numpy(),
-                                             tokens_per_second=TOKENS_PER_SECOND)
+                                             tokens_per_second=TOKENS_PER_SECOND,
+                                             whole_seconds=qwen2_5_vl_whole_seconds())
     pos = mrope_positions(ids.numpy(), sample.get("image_grid_thw"), sample.get("video_grid_thw"),
                           image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
                           spatial_merge_size=2, **timing)
