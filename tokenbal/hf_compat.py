@@ -46,7 +46,7 @@ __all__ = [
     "MIN_VERSION", "FAMILY_ADDED_IN", "transformers_version", "require_class", "rope_config",
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
-    "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize",
+    "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -279,6 +279,21 @@ def qwen3_vl_video_resize() -> dict[str, bool]:
         # 5 frames of 64x64 under 20000 pixels: t rounded half to even (4) fits, rounded up (6) does not
         "ceil_frames": tuple(fn(5, 64, 64, 2, 32, 1, 20000)) != (64, 64),
     }
+
+
+@functools.cache
+def glm4v_upscales_small() -> bool:
+    """Whether the installed GLM-4V image ``smart_resize`` scales a side shorter than its factor (28)
+    up (5.x) or refuses the image (4.57). Asked of the function; True without transformers."""
+    try:
+        fn = image_processing_module("glm4v").smart_resize
+    except (ImportError, AttributeError):
+        return True
+    try:
+        fn(2, 16, 64, 2, 28, 1, 10**9)
+    except ValueError:
+        return False
+    return True
 
 
 # -- processors -------------------------------------------------------------------------------------
