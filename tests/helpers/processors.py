@@ -98,6 +98,11 @@ def phi4_token_counter():
     for parent, child in zip(names, names[1:], strict=False):
         setattr(stubs[parent], child.rsplit(".", 1)[1], stubs[child])
     modname = "transformers.models.phi4_multimodal.image_processing_phi4_multimodal"
+    if importlib.util.find_spec(modname) is None:
+        import pytest
+
+        pytest.skip("this transformers has no PIL Phi-4-multimodal image processor (the oracle; 4.57 has "
+                    "only the torchvision one)")
     saved = {n: sys.modules.get(n) for n in [*names, modname]}
     # the stubs live in sys.modules only while the module imports, so nothing else sees them
     sys.modules.pop(modname, None)

@@ -30,6 +30,7 @@ from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
+from tests.helpers.oracles import require_oracle  # noqa: E402
 from tokenbal.hf_compat import (  # noqa: E402
     image_processing_module,
     image_processor_class,
@@ -457,6 +458,7 @@ def test_qwen3_video_against_processor_helpers(cap):
                 with pytest.raises(ValueError, match="needs at least temporal_patch_size=2"):
                     est.video_tokens(total, w, h, fps)
                 continue
+            require_oracle(proc, "get_num_of_video_patches")
             patches = proc.get_num_of_video_patches(t, h, w, {})
             assert est.video_tokens(total, w, h, fps) == patches // 4, (total, fps, w, h)
             grid_t, gh, gw = est.video_grid(total, w, h, fps)
@@ -543,6 +545,7 @@ def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
     proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     assert all(est.image_tokens(w, h) == hf_pixel_free_tokens(proc, w, h) for w, h in GRID[::5])
     vproc = hf_qwen3_vid.Qwen3VLVideoProcessor.from_pretrained(tmp_path)
+    require_oracle(vproc, "get_num_of_video_patches")
     assert vproc.get_num_of_video_patches(120, 1080, 1920, {}) // 4 == est.video_tokens(120, 1920, 1080, None)
 
 
