@@ -227,6 +227,9 @@ class PackedCollator:
     vision_start_token_id: int | None = None
     spatial_merge_size: int = 2
     tokens_per_second: float | None = None
+    # Qwen2.5-VL: truncate second_per_grid_ts to whole seconds, as transformers 4.57-5.9 do
+    # (from_config asks the installed version).
+    whole_video_seconds: bool = False
     split_video_frames: bool = False
     vision_window: int | None = None
     pin_memory: bool | None = None
@@ -307,6 +310,10 @@ class PackedCollator:
                 split_video_frames=model_type in _SPLIT_FRAME_MODEL_TYPES,
                 vision_window=window_in_merged_tokens(vision) if model_type == "qwen2_5_vl" else None,
             )
+            if model_type == "qwen2_5_vl":
+                from tokenbal.hf_compat import qwen2_5_vl_whole_seconds
+
+                kwargs["whole_video_seconds"] = qwen2_5_vl_whole_seconds()
         else:
             kwargs = dict(rope="1d")
         kwargs.update(overrides)
@@ -429,6 +436,7 @@ class PackedCollator:
                 second_per_grid_ts=sec_all,
                 tokens_per_second=self.tokens_per_second,
                 split_video_frames=self.split_video_frames,
+                whole_seconds=self.whole_video_seconds,
             )
             position_ids = torch.from_numpy(pos[:, None, :])
         else:

@@ -81,11 +81,16 @@ def split_frames(video_grid_thw: np.ndarray) -> np.ndarray:
     return grid
 
 
-def _intervals(seconds: np.ndarray, tokens_per_second: float) -> np.ndarray:
+def _intervals(seconds: np.ndarray, tokens_per_second: float, whole_seconds: bool = False) -> np.ndarray:
     # transformers computes ``tokens_per_second * second_per_grid_ts[i]`` with the float32 tensor the
     # processor returns, then ``arange(t) * interval`` in float32 and truncates. Doing the same float32
     # steps keeps the truncation identical (a float64 product differs in ~5% of random cases).
-    return np.float32(tokens_per_second) * seconds.astype(np.float32)
+    # ``whole_seconds``: transformers up to 5.9 first truncates each entry to whole seconds
+    # (4.57: an int64 cast; 5.6-5.9: ``int()``), so 0.5 s per grid is a step of 0.
+    seconds = seconds.astype(np.float32)
+    if whole_seconds:
+        seconds = np.trunc(seconds)
+    return np.float32(tokens_per_second) * seconds
 
 
 def _vision_block(
@@ -130,6 +135,7 @@ def mrope_positions(
     second_per_grid_ts: Sequence[float] | Any | None = None,
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
+    whole_seconds: bool = False,
 ) -> np.ndarray:
     """M-RoPE position ids ``(3, L)`` int64 for ONE unpadded sample (Qwen2-VL / 2.5-VL / 3-VL).
 
@@ -139,8 +145,10 @@ def mrope_positions(
     ``W = start + arange(w/merge)`` (meshgrid, ``ij`` order), where ``start`` is the position the next
     text token would have had. ``interval`` is 1 for images and for Qwen2-VL videos
     (``tokens_per_second=None``); for Qwen2.5-VL videos it is ``tokens_per_second *
-    second_per_grid_ts[i]`` (default 1 s per grid, as transformers does), kept as a float32 (the
-    transformers 5.x behaviour, not 4.x's integer truncation, cf. transformers#48669).
+    second_per_grid_ts[i]`` (default 1 s per grid, as transformers does), kept as a float32 (what
+    transformers 5.19+ does, cf. transformers#48669); ``whole_seconds=True`` truncates each entry to
+    whole seconds first, as transformers 4.57-5.9 do (the collator asks the installed version:
+    :func:`tokenbal.hf_compat.qwen2_5_vl_whole_seconds`).
 
     ``split_video_frames=True`` is Qwen3-VL: each video grid ``(t, h, w)`` is first split into ``t``
     grids ``(1, h, w)``, one per frame, each its own block (the processor puts a timestamp and
@@ -153,10 +161,11 @@ def mrope_positions(
       ``get_rope_index``. For the images Qwen processors emit (``t == 1``) this is also "max position
       so far + 1", i.e. the same as transformers 4.x and the original Qwen2-VL code.
     * after a **video**: ``max position so far + 1`` (the original Qwen2-VL / transformers 4.x rule,
-      which includes the video's temporal extent). transformers 5.24 instead resumes at
-      ``start + max(h, w) / merge``, which makes text after a long video reuse the positions of the
-      video's later frames. We keep the original rule because that is what the released checkpoints
-      were trained with. ``tests/collate/test_positions.py`` pins this with golden values. With
+      which includes the video's temporal extent; transformers 4.57's ``get_rope_index`` does
+      this). transformers 5.x (5.6 to the newest) instead resumes at ``start + max(h, w) / merge``,
+      which makes text after a long video reuse the positions of the video's later frames. We keep
+      the original rule on every version because that is what the released checkpoints were
+      trained with. ``tests/collate/test_positions.py`` pins this with golden values. With
       ``split_video_frames`` every frame has ``t == 1`` and both rules agree (equal to transformers).
 
     Vision blocks are found in token order: each maximal run of image (video) tokens is consumed by
@@ -195,7 +204,7 @@ def mrope_positions(
             )
     intervals = None
     if tokens_per_second is not None and not split_video_frames:
-        intervals = _intervals(seconds, tokens_per_second)
+        intervals = _intervals(seconds, tokens_per_second, whole_seconds)
 
     # Text positions are ``index + shift`` where the shift is constant between vision blocks; start
     # from shift 0 everywhere and fix up one block at a time (a handful of blocks per sample).
@@ -253,6 +262,7 @@ def packed_mrope_positions(
     second_per_grid_ts: np.ndarray | None = None,
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
+    whole_seconds: bool = False,
 ) -> np.ndarray:
     """Positions ``(3, T)`` of a packed row: equal to :func:`mrope_positions` per sample, concatenated.
 
@@ -283,6 +293,7 @@ def packed_mrope_positions(
         second_per_grid_ts=second_per_grid_ts,
         tokens_per_second=tokens_per_second,
         split_video_frames=split_video_frames,
+        whole_seconds=whole_seconds,
     )[0]
 
 
@@ -301,6 +312,7 @@ def packed_mrope_positions_and_slots(
     second_per_grid_ts: np.ndarray | None = None,
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
+    whole_seconds: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`packed_mrope_positions` and the row indices of the vision placeholders (all image
     placeholders, then all video ones, int64): where the vision tower's merged features go, which
@@ -322,6 +334,7 @@ def packed_mrope_positions_and_slots(
         spatial_merge_size=merge,
         tokens_per_second=tokens_per_second,
         split_video_frames=split_video_frames,
+        whole_seconds=whole_seconds,
     )
     vid_in, vid_per_in = vid, vid_per  # as given, for the per-sample error path
 
@@ -337,7 +350,7 @@ def packed_mrope_positions_and_slots(
     intervals = None
     if tokens_per_second is not None and not split_video_frames and vid.shape[0]:
         seconds = np.ones(vid.shape[0], np.float32) if second_per_grid_ts is None else second_per_grid_ts
-        intervals = _intervals(np.asarray(seconds), tokens_per_second)
+        intervals = _intervals(np.asarray(seconds), tokens_per_second, whole_seconds)
     if split_video_frames and vid.shape[0]:
         owner = np.repeat(np.arange(n_samples), vid_per)
         vid_per = np.bincount(owner, weights=vid[:, 0], minlength=n_samples).astype(np.int64)

@@ -122,8 +122,10 @@ def one_d_rope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
 
 
 def _mrope(text_model: nn.Module, interleaved: bool) -> RopeLayout:
+    from tokenbal import hf_compat
+
     rope = text_model.rotary_emb
-    return RopeLayout(rope.inv_freq, tuple(int(s) for s in rope.mrope_section), interleaved,
+    return RopeLayout(rope.inv_freq, hf_compat.mrope_section(text_model), interleaved,
                       float(rope.attention_scaling))
 
 
@@ -136,6 +138,23 @@ def chunked_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
 def interleaved_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
     """M-RoPE in the interleaved ``THWTHW...`` layout (Qwen3-VL)."""
     return _mrope(text_model, interleaved=True)
+
+
+def check_mrope_section(text_model: nn.Module) -> tuple[int, ...]:
+    """The M-RoPE sections the text model's own forward uses (wherever the installed transformers
+    keeps them: :func:`tokenbal.hf_compat.mrope_section`); ``TypeError`` when it has none."""
+    from tokenbal import hf_compat
+
+    section = hf_compat.mrope_section(text_model)
+    if section is None:
+        raise TypeError(f"{type(text_model).__name__}: no mrope_section on its rotary module or in "
+                        "config.rope_parameters / config.rope_scaling")
+    return section
+
+
+def zero_of_output(out: Any) -> torch.Tensor:
+    """A zero that depends on a vision tower's merged output (the idle pass)."""
+    return 0.0 * out.pooler_output.sum()
 
 
 def prepared_mask_mapping(model: nn.Module, text_model: nn.Module, embeds: torch.Tensor) -> Any:

@@ -1,4 +1,4 @@
-"""Packed-batch forward for transformers 5.2x GLM-4.1V (``Glm4vForConditionalGeneration``).
+"""Packed-batch forward for transformers GLM-4.1V (``Glm4vForConditionalGeneration``).
 
 The shared scheme is :mod:`collate.models.core` (wrapper, attention info, packed text attention,
 one tower call, feature scatter) with the ``grid_thw`` tower of :mod:`collate.models.grid_vision`.
@@ -88,7 +88,7 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
         raise ValueError("a GLM-4V batch with images and videos needs the collator's vision_token_index: "
                          "both use the image token, so their placeholders cannot be told apart by id")
     encoded = grid_vision.encode(model, kwargs, vision, idle_vision, _tower_kwargs,
-                                 lambda out: 0.0 * out.pooler_output.sum(), tower_grid=_frame_grids)
+                                 core.zero_of_output, tower_grid=_frame_grids)
     if encoded is not None and encoded.features is not None:
         encoded.placeholder_ids = (int(model.config.image_token_id),)
     return encoded
@@ -96,11 +96,10 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
     rope = text_model.rotary_emb
-    if not hasattr(rope, "mrope_section"):
-        raise TypeError(f"{type(rope).__name__} has no 'mrope_section'; transformers version not supported")
+    section = core.check_mrope_section(text_model)
     half = int(rope.inv_freq.numel())
-    if sum(int(s) for s in rope.mrope_section) != half or len(rope.mrope_section) != 3:
-        raise ValueError(f"mrope_section {list(rope.mrope_section)} must be 3 sections summing to the "
+    if sum(section) != half or len(section) != 3:
+        raise ValueError(f"mrope_section {list(section)} must be 3 sections summing to the "
                          f"{half} rotary frequencies")
     for layer in text_model.layers:
         if 2 * half > layer.self_attn.head_dim:

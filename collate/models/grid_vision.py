@@ -132,8 +132,16 @@ def tower_kwargs(model: nn.Module, vision: dict[str, Any], windowed: bool = Fals
     segment lists for the patched attention (``windowed``: Qwen2.5-VL's window layout too).
     Whatever the batch lacks (a hand-made batch), transformers derives from the grids itself,
     with host reads."""
+    from tokenbal import hf_compat
+
+    takes = hf_compat.tower_inputs(model.model.visual)
     kwargs: dict[str, Any] = {}
     layouts: list[VisionSegments] = []
+    if "cu_seqlens" not in takes:
+        # transformers before 5.9: the tower derives its segments and rotary ids from grid_thw
+        # (host reads) and hands the blocks its own cu_seqlens, so a kwarg of that name would reach
+        # them twice. The blocks then run transformers' own vision attention: exact, not sync-free.
+        return kwargs
 
     def segments(layout: str, cu_name: str, max_name: str) -> None:
         cu, ends = vision.get(f"vision_cu_{layout}seqlens"), vision.get(f"vision_cu_{layout}seqlens_list")
@@ -142,14 +150,15 @@ def tower_kwargs(model: nn.Module, vision: dict[str, Any], windowed: bool = Fals
             return
         kwargs[cu_name] = cu
         if longest:  # 0 is PackedBatch's "absent"
-            kwargs[max_name] = int(longest)
+            if max_name in takes:  # 5.19+ pops it (5.9 would hand it on to every block)
+                kwargs[max_name] = int(longest)
             if ends is not None:
                 layouts.append(VisionSegments(cu, [int(e) for e in ends], int(longest)))
 
-    if vision.get("vision_position_ids") is not None:
+    if vision.get("vision_position_ids") is not None and "position_ids" in takes:
         kwargs["position_ids"] = vision["vision_position_ids"]
     segments("", "cu_seqlens", "max_seqlen")
-    if windowed and vision.get("vision_window_index") is not None:
+    if windowed and vision.get("vision_window_index") is not None and "window_index" in takes:
         kwargs["window_index"] = vision["vision_window_index"]
         segments("window_", "cu_window_seqlens", "max_window_seqlen")
     if layouts:
@@ -191,6 +200,8 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
     ``extra_kwargs`` builds the tower's extra inputs; ``idle_zero(out)`` is the idle pass's zero
     (it must depend on every tower output); ``window``: the idle dummy's Qwen2.5-VL window;
     ``tower_grid(grids, vision)``: the grid rows the tower is called with (GLM-4V: one per frame)."""
+    from tokenbal import hf_compat
+
     visual = model.model.visual
     config = model.config
     pixel_values, image_grid = kwargs.pop("pixel_values", None), kwargs.pop("image_grid_thw", None)
@@ -204,8 +215,8 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
             return None
         device = kwargs["inputs_embeds"].device
         pixels, grid, fields = idle_tower_inputs(model, device, window)
-        out = visual(pixels.type(visual.dtype), grid_thw=grid,
-                     **extra_kwargs(model, fields, grid, pixels.shape[0]))
+        out = hf_compat.tower_output(visual(pixels.type(visual.dtype), grid_thw=grid,
+                                            **extra_kwargs(model, fields, grid, pixels.shape[0])))
         return core.Encoded(None, idle_zero=idle_zero(out), raw=out)
     for _, grid, _ in parts:
         if grid is None:
@@ -213,5 +224,6 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
     pixels = torch.cat([pix for pix, _, _ in parts]).type(visual.dtype)
     grids = torch.cat([grid for _, grid, _ in parts])
     tower_grids = grids if tower_grid is None else tower_grid(grids, vision)
-    out = visual(pixels, grid_thw=tower_grids, **extra_kwargs(model, vision, grids, pixels.shape[0]))
+    out = hf_compat.tower_output(visual(pixels, grid_thw=tower_grids,
+                                        **extra_kwargs(model, vision, grids, pixels.shape[0])))
     return core.Encoded(out.pooler_output, placeholder_ids=tuple(token for _, _, token in parts), raw=out)

@@ -1,4 +1,4 @@
-"""Packed-batch forward for transformers 5.x InternVL (``InternVLForConditionalGeneration``).
+"""Packed-batch forward for transformers InternVL (``InternVLForConditionalGeneration``).
 
 The shared scheme is :mod:`collate.models.core`. What this family sets:
 
@@ -23,11 +23,9 @@ SUPPORTED_MODEL_TYPES = ("internvl",)
 
 
 def _features(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-    config = model.config
-    out = model.model.get_image_features(pixels, vision_feature_layer=config.vision_feature_layer,
-                                         vision_feature_select_strategy=config.vision_feature_select_strategy,
-                                         return_dict=True)
-    return out.pooler_output.flatten(0, 1)
+    from tokenbal import hf_compat
+
+    return hf_compat.internvl_image_features(model, pixels).flatten(0, 1)
 
 
 def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],

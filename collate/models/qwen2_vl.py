@@ -1,4 +1,4 @@
-"""Packed-batch forward for transformers 5.2x Qwen2-VL and Qwen2.5-VL.
+"""Packed-batch forward for transformers Qwen2-VL and Qwen2.5-VL (4.57 to the newest 5.x).
 
 The shared scheme is :mod:`collate.models.core` (wrapper, attention info, packed text attention,
 one tower call, feature scatter) with the ``grid_thw`` tower of :mod:`collate.models.grid_vision`.
@@ -41,14 +41,11 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
     if not hasattr(getattr(model, "model", None), "visual"):
         return None
     return grid_vision.encode(model, kwargs, vision, idle_vision, _tower_kwargs,
-                              lambda out: 0.0 * out.pooler_output.sum(), window=_window(model))
+                              core.zero_of_output, window=_window(model))
 
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
-    for name in ("mrope_section",):
-        if not hasattr(text_model.rotary_emb, name):
-            raise TypeError(f"{type(text_model.rotary_emb).__name__} has no {name!r}; "
-                            "transformers version not supported")
+    core.check_mrope_section(text_model)
 
 
 FAMILY = grid_vision.family("qwen2_vl", SUPPORTED_MODEL_TYPES, core.chunked_mrope, _encode, _check,

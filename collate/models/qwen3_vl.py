@@ -1,4 +1,4 @@
-"""Packed-batch forward for transformers 5.2x Qwen3-VL (``Qwen3VLForConditionalGeneration``).
+"""Packed-batch forward for transformers Qwen3-VL (``Qwen3VLForConditionalGeneration``).
 
 The shared scheme is :mod:`collate.models.core` (wrapper, attention info, packed text attention,
 one tower call, feature scatter) with the ``grid_thw`` tower of :mod:`collate.models.grid_vision`.
@@ -70,16 +70,19 @@ class DeepstackSlots:
 
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
-    if not hasattr(text_model.rotary_emb, "mrope_section"):
-        raise TypeError(f"{type(text_model.rotary_emb).__name__} has no 'mrope_section'; "
-                        "transformers version not supported")
+    from tokenbal import hf_compat
+
+    core.check_mrope_section(text_model)
     if not hasattr(text_model, "_deepstack_process"):
         raise TypeError(
             f"{type(text_model).__name__} has no _deepstack_process; transformers version not supported"
         )
     visual = model.model.visual
-    for name in ("deepstack_visual_indexes", "spatial_merge_size", "patch_embed", "num_grid_per_side",
-                 "interpolation_mode", "interpolation_align_corners"):
+    needed = ["deepstack_visual_indexes", "spatial_merge_size", "patch_embed", "num_grid_per_side"]
+    if "interp_indices" in hf_compat.tower_inputs(visual):
+        # Only a tower that takes precomputed taps (5.19+) gets them, from its own mode.
+        needed += ["interpolation_mode", "interpolation_align_corners"]
+    for name in needed:
         if not hasattr(visual, name):
             raise TypeError(f"{type(visual).__name__} has no {name!r}; transformers version not supported")
 
@@ -118,6 +121,10 @@ def interpolation_kwargs(
     tower's bit for bit; if that helper is gone (another transformers version), returns ``{}`` and
     the tower computes them itself.
     """
+    from tokenbal import hf_compat
+
+    if "interp_indices" not in hf_compat.tower_inputs(visual):
+        return {}  # the tower computes its own taps (transformers before 5.19)
     from transformers import vision_utils
 
     axis = getattr(vision_utils, "_interpolation_axis_taps_weights", None)

@@ -75,22 +75,20 @@ class IndexedSamples(torch.utils.data.Dataset):
     def __init__(self, index_dir: str, tokenizer_path: str, limit: int | None = None, patch_size: int = 14,
                  config=None):
         from tokenizers import Tokenizer
-        from transformers import Qwen2VLImageProcessorPil
 
         from tokenbal.data.indexed import IndexedShardDataset
+        from tokenbal.hf_compat import image_processor_class
 
         self.reader = IndexedShardDataset(index_dir, decode=None)
         self.index = self.reader.index
         self.size = len(self.index) if limit is None else min(limit, len(self.index))
         self.tokenizer = Tokenizer.from_file(tokenizer_path)
-        self.processor = Qwen2VLImageProcessorPil(min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS,
-                                                  patch_size=patch_size)
+        self.processor = image_processor_class("Qwen2VLImageProcessorPil")(
+            min_pixels=DEMO_MIN_PIXELS, max_pixels=DEMO_MAX_PIXELS, patch_size=patch_size)
         if config is not None and config.model_type == "glm4v":
             # GLM-4.1V: its own image processor (3-D smart_resize) at the demo's pixel caps; the
             # demo's vision_start / vision_end stand for <|begin_of_image|> / <|end_of_image|>.
-            from transformers import Glm4vImageProcessorPil
-
-            self.processor = Glm4vImageProcessorPil(
+            self.processor = image_processor_class("Glm4vImageProcessorPil")(
                 size={"shortest_edge": DEMO_MIN_PIXELS, "longest_edge": DEMO_MAX_PIXELS},
                 patch_size=patch_size)
         ids = {t: self.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
@@ -153,20 +151,17 @@ class CropImages:
 
     def __init__(self, config) -> None:
         from collate import PackedCollator
+        from tokenbal.hf_compat import image_processor_class
 
         self.layout = PackedCollator.from_config(config).anyres
         side = self.layout.crop_size if hasattr(self.layout, "crop_size") else self.layout.tile_size
         if config.model_type == "internvl":
-            from transformers import GotOcr2ImageProcessorPil
-
-            self.processor = GotOcr2ImageProcessorPil(size={"height": side, "width": side},
-                                                      crop_to_patches=True)
+            self.processor = image_processor_class("GotOcr2ImageProcessorPil")(
+                size={"height": side, "width": side}, crop_to_patches=True)
         else:
-            import transformers
-
             name = "LlavaNextImageProcessorPil" if config.model_type == "llava_next" else \
                 "LlavaOnevisionImageProcessorPil"
-            self.processor = getattr(transformers, name)(
+            self.processor = image_processor_class(name)(
                 size={"height": side, "width": side} if config.model_type == "llava_onevision"
                 else {"shortest_edge": side}, crop_size={"height": side, "width": side},
                 image_grid_pinpoints=[list(p) for p in self.layout.pinpoints])
@@ -201,11 +196,13 @@ def estimator_overrides(config) -> dict:
 def tiny_qwen2_vl_config(vocab_size: int, special_ids: dict[str, int]):
     from transformers import Qwen2VLConfig
 
+    from tokenbal.hf_compat import rope_config
+
     return Qwen2VLConfig(
         text_config=dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=None,
                          hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[4, 6, 6])),
+                         **rope_config(Qwen2VLConfig, 1e6, mrope_section=[4, 6, 6])),
         vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=special_ids["<|image_pad|>"], video_token_id=special_ids["<|video_pad|>"],
@@ -235,7 +232,7 @@ def load_model_config(path: str):
     own file works: its ``model_type`` picks the class)."""
     import json
 
-    import transformers
+    from tokenbal.hf_compat import require_class
 
     with open(path) as f:
         raw = json.load(f)
@@ -243,7 +240,7 @@ def load_model_config(path: str):
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"{path}: model_type {model_type!r} is not one this demo trains; supported: "
                          f"{sorted(MODEL_CLASSES)}")
-    return getattr(transformers, MODEL_CLASSES[model_type][0]).from_dict(raw)
+    return require_class(MODEL_CLASSES[model_type][0]).from_dict(raw)
 
 
 def match_tokenizer(config, vocab_size: int, special_ids: dict[str, int]) -> list[str]:
@@ -271,14 +268,14 @@ def match_tokenizer(config, vocab_size: int, special_ids: dict[str, int]) -> lis
 
 def build_model(config, seed: int):
     """Randomly initialised fp32 model of ``config``'s family (:data:`MODEL_CLASSES`), SDPA attention."""
-    import transformers
+    from tokenbal.hf_compat import require_class
 
     if config.model_type not in MODEL_CLASSES:
         raise ValueError(f"model_type {config.model_type!r} is not one this demo trains; supported: "
                          f"{sorted(MODEL_CLASSES)}")
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
-    return getattr(transformers, MODEL_CLASSES[config.model_type][1])(config).float()
+    return require_class(MODEL_CLASSES[config.model_type][1])(config).float()
 
 
 def special_token_ids(tokenizer_path: str) -> tuple[int, dict[str, int]]:

@@ -18,12 +18,13 @@ def tiny_qwen2_vl(seed: int = 0):
     """A one-layer Qwen2-VL (text and tower) with random weights from ``seed``."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+    from tokenbal.hf_compat import rope_config
+
     config = Qwen2VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                          bos_token_id=None, eos_token_id=None,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
+                         **rope_config(Qwen2VLConfig, 10000.0, mrope_section=[2, 3, 3])),
         vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, patch_size=14,
                            spatial_merge_size=2),
         image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
@@ -107,7 +108,9 @@ CHAT_TEMPLATE = (
 
 def tiny_qwen2_vl_processor():
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
+
+    from tokenbal.hf_compat import image_processor_class
 
     vocab = {f"w{i}": i for i in range(100)}
     vocab |= {r: 100 + i for i, r in enumerate(ROLES)}
@@ -118,8 +121,8 @@ def tiny_qwen2_vl_processor():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                         additional_special_tokens=[t for t in special if t.startswith("<|")])
     tokenizer.chat_template = CHAT_TEMPLATE
-    images = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
-                                      merge_size=2, temporal_patch_size=2)
+    images = image_processor_class("Qwen2VLImageProcessorPil")(
+        min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2, temporal_patch_size=2)
     # No video processor: ProcessorMixin's class check of that slot needs torchvision (not installable
     # beside this torch build), so the check is skipped for the None argument only.
     proc = object.__new__(Qwen2VLProcessor)

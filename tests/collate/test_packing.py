@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from collate import PackedBatch, PackedCollator
 from collate.packing import _should_pin
 from collate.positions import mrope_positions
+from tokenbal.hf_compat import get_rope_index
 
 IMG, VID, VS, VE = 60, 61, 62, 63
 MERGE = 2
@@ -139,7 +140,7 @@ def test_packed_positions_equal_hf_per_sample():
     for s in samples:
         ids = torch.as_tensor(s["input_ids"])[None]
         grid = torch.as_tensor(s["image_grid_thw"]) if "image_grid_thw" in s else None
-        pos, _ = model.get_rope_index(ids, mm_token_type_ids=(ids == IMG).int(), image_grid_thw=grid)
+        pos = get_rope_index(model, ids, mm_token_type_ids=(ids == IMG).int(), image_grid_thw=grid)
         ref.append(pos)
     assert torch.equal(b.position_ids, torch.cat(ref, dim=2))
 
@@ -273,6 +274,8 @@ def test_from_config_qwen25_and_unsupported():
 def test_from_config_qwen3_family(name):
     """Their get_rope_index is Qwen3-VL's code verbatim in transformers 5.24 (checked by diff)."""
     transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
     cfg = getattr(transformers, name)()
     coll = PackedCollator.from_config(cfg)
     assert coll.rope == "mrope" and coll.split_video_frames and coll.tokens_per_second is None
@@ -281,6 +284,10 @@ def test_from_config_qwen3_family(name):
 
 
 def _tiny_text(**extra) -> dict:
+    from transformers import Qwen2VLConfig
+
+    from tokenbal.hf_compat import rope_config
+
     return dict(
         hidden_size=16,
         intermediate_size=32,
@@ -290,7 +297,7 @@ def _tiny_text(**extra) -> dict:
         vocab_size=64,
         bos_token_id=None,
         eos_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]},
+        **rope_config(Qwen2VLConfig, 1e4, mrope_section=[1, 1, 2]),
         **extra,
     )
 
@@ -302,8 +309,8 @@ def _hf_packed(model, samples, seconds_key=False) -> torch.Tensor:
         kw = {}
         if seconds_key and "second_per_grid_ts" in s:
             kw["second_per_grid_ts"] = torch.as_tensor(s["second_per_grid_ts"], dtype=torch.float32)
-        pos, _ = model.get_rope_index(
-            ids,
+        pos = get_rope_index(
+            model, ids,
             mm_token_type_ids=(ids == IMG).int() + 2 * (ids == VID).int(),
             image_grid_thw=torch.as_tensor(s["image_grid_thw"]) if "image_grid_thw" in s else None,
             video_grid_thw=torch.as_tensor(s["video_grid_thw"]) if "video_grid_thw" in s else None,

@@ -14,6 +14,8 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel  # noqa: E402
 
+from tokenbal.hf_compat import get_rope_index, qwen2_5_vl_whole_seconds, rope_config  # noqa: E402
+
 IMG, VID, VS, VE = 60, 61, 62, 63
 MERGE = 2
 TPS = 2  # tokens_per_second of the tiny Qwen2.5-VL config
@@ -27,7 +29,7 @@ _TEXT = dict(
     vocab_size=64,
     bos_token_id=None,
     eos_token_id=None,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    **rope_config(Qwen2VLConfig, 10000.0, mrope_section=[1, 1, 2]),
 )
 _IDS = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
 
@@ -61,7 +63,7 @@ def qwen3vl() -> Qwen3VLModel:
     text = {
         **_TEXT,
         "head_dim": 8,
-        "rope_parameters": {**_TEXT["rope_parameters"], "mrope_section": [2, 1, 1]},
+        **rope_config(Qwen3VLConfig, 10000.0, mrope_section=[2, 1, 1]),
     }
     vision = dict(
         depth=1,
@@ -104,8 +106,8 @@ def hf_positions(model, ids, images, videos, seconds=None) -> np.ndarray:
     kwargs = {}
     if seconds is not None:
         kwargs["second_per_grid_ts"] = torch.as_tensor(seconds)
-    pos, _ = model.get_rope_index(
-        input_ids,
+    pos = get_rope_index(
+        model, input_ids,
         mm_token_type_ids=mm,
         image_grid_thw=torch.as_tensor(images) if len(images) else None,
         video_grid_thw=torch.as_tensor(videos) if len(videos) else None,
@@ -114,7 +116,12 @@ def hf_positions(model, ids, images, videos, seconds=None) -> np.ndarray:
     return pos[:, 0].numpy()
 
 
-def ours(ids, images, videos, seconds=None, tps=None) -> np.ndarray:
+# The installed transformers' Qwen2.5-VL rule for fractional seconds (4.57-5.9 truncate them to
+# whole seconds); the collator picks the same (PackedCollator.from_config).
+WHOLE_SECONDS = qwen2_5_vl_whole_seconds()
+
+
+def ours(ids, images, videos, seconds=None, tps=None, whole_seconds=None) -> np.ndarray:
     return mrope_positions(
         ids,
         images,
@@ -125,6 +132,7 @@ def ours(ids, images, videos, seconds=None, tps=None) -> np.ndarray:
         spatial_merge_size=MERGE,
         second_per_grid_ts=seconds,
         tokens_per_second=tps,
+        whole_seconds=WHOLE_SECONDS if whole_seconds is None else whole_seconds,
     )
 
 
@@ -215,9 +223,10 @@ def test_video_rule_golden_qwen25(qwen25vl):
     h_row = [0, 1] + [2 + (i // 2) % 2 for i in range(24)] + [13, 14, 15]
     w_row = [0, 1] + [2 + i % 2 for i in range(24)] + [13, 14, 15]
     np.testing.assert_array_equal(got, [t_row, h_row, w_row])
-    # transformers 5.24 restarts the trailing text at 2 + max(2, 2) = 4 (documented divergence).
+    # transformers 5.x restarts the trailing text at 2 + max(2, 2) = 4 (documented divergence);
+    # 4.57 resumes at max + 1, as we do.
     ref = hf_positions(qwen25vl, ids, np.zeros((0, 3), np.int64), videos, seconds=[1.0])
-    np.testing.assert_array_equal(ref[:, -3:], [[4, 5, 6]] * 3)
+    assert ref[:, -3:].tolist() in ([[4, 5, 6]] * 3, got[:, -3:].tolist())
     np.testing.assert_array_equal(ref[:, :-3], got[:, :-3])
 
 
@@ -232,8 +241,11 @@ def test_video_rule_golden_qwen2():
 
 def test_fractional_seconds_are_not_truncated():
     ids = np.array([VS] + [VID] * 4 + [VE], dtype=np.int64)
-    got = ours(ids, None, [[4, 2, 2]], seconds=[0.75], tps=2)  # interval 1.5
+    got = ours(ids, None, [[4, 2, 2]], seconds=[0.75], tps=2, whole_seconds=False)  # interval 1.5
     np.testing.assert_array_equal(got[0], [0, 1, 2, 4, 5, 6])  # floor(0, 1.5, 3, 4.5) + 1; then max+1
+    # transformers 4.57-5.9: 0.75 s truncates to 0 s, every frame at the block's start
+    got = ours(ids, None, [[4, 2, 2]], seconds=[2.75], tps=2, whole_seconds=True)  # interval 2 * 2
+    np.testing.assert_array_equal(got[0], [0, 1, 5, 9, 13, 14])
 
 
 @pytest.mark.parametrize(

@@ -53,3 +53,19 @@ def host_reads_of_step(model, batch, monkeypatch) -> list[str]:
     with HostReads(monkeypatch) as reads:
         model(**batch).loss.backward()
     return reads.seen
+
+
+def skip_unless_tower_takes(visual, *inputs: str) -> None:
+    """Skip a sync-free / batch-segment check where the installed transformers' vision tower cannot
+    take the collator's precomputed ``inputs`` (it derives them from ``grid_thw`` on the host: before
+    5.9 for segments and rotary ids, before 5.19 for Qwen3-VL's interpolation taps). The packed
+    forward there is still exact; the other tests check that."""
+    import pytest
+    import transformers
+
+    from tokenbal.hf_compat import tower_inputs
+
+    missing = [name for name in inputs if name not in tower_inputs(visual)]
+    if missing:
+        pytest.skip(f"transformers {transformers.__version__}: {type(visual).__name__} derives "
+                    f"{', '.join(missing)} from grid_thw itself (host reads)")

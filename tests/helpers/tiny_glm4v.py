@@ -17,12 +17,14 @@ EST = dict(min_pixels=2 * 28 * 28, max_pixels=2 * 28 * 28 * 12)
 def tiny_config(attn: str = "sdpa"):
     from transformers import Glm4vConfig
 
+    from tokenbal.hf_compat import rope_config
+
     # head_dim 32, partial_rotary_factor 0.5: 16 channels rotate (8 frequencies, sections 2/3/3).
     return Glm4vConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3], "partial_rotary_factor": 0.5}),
+                         **rope_config(Glm4vConfig, 10000.0, mrope_section=[2, 3, 3],
+                                       partial_rotary_factor=0.5)),
         vision_config=dict(depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
                            temporal_patch_size=2, out_hidden_size=64, intermediate_size=64, image_size=56),
         image_token_id=IMG, video_token_id=VIDEO_TOKEN, image_start_token_id=ISTART, image_end_token_id=IEND,

@@ -17,10 +17,12 @@ def tiny_config():
     model class; this is only the config)."""
     from transformers import Qwen2VLConfig
 
+    from tokenbal.hf_compat import rope_config
+
     return Qwen2VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, eos_token_id=None,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[1, 1, 2])),
+                         **rope_config(Qwen2VLConfig, 1e4, mrope_section=[1, 1, 2])),
         vision_config=dict(depth=2, embed_dim=16, hidden_size=32, num_heads=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2),
         image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART, vision_end_token_id=VEND,

@@ -11,6 +11,8 @@ PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal_patch * patch * patch
 def tiny_config(attn: str = "sdpa"):
     from transformers import Qwen2VLConfig
 
+    from tokenbal.hf_compat import rope_config
+
     return Qwen2VLConfig(
         text_config=dict(
             vocab_size=VOCAB,
@@ -22,7 +24,7 @@ def tiny_config(attn: str = "sdpa"):
             max_position_embeddings=4096,
             bos_token_id=None,
             eos_token_id=None,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            **rope_config(Qwen2VLConfig, 10000.0, mrope_section=[2, 3, 3]),
         ),
         vision_config=dict(
             depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2

@@ -17,6 +17,8 @@ DEEPSTACK = [0, 1]
 def tiny_config(attn: str = "sdpa"):
     from transformers import Qwen3VLConfig
 
+    from tokenbal.hf_compat import rope_config
+
     # head_dim 32 -> 16 rotary frequencies; section (6, 5, 5) interleaves as THW THW ... THW T, the
     # real checkpoints' (24, 20, 20) pattern in small. 3 text layers: deepstack feeds layers 0 and
     # 1, layer 2 gets none. num_position_embeddings 16: a 4x4 learned grid, interpolated to every
@@ -25,8 +27,7 @@ def tiny_config(attn: str = "sdpa"):
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, bos_token_id=None,
                          eos_token_id=None, max_position_embeddings=4096,
-                         rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[6, 5, 5],
-                                              mrope_interleaved=True)),
+                         **rope_config(Qwen3VLConfig, 1e4, mrope_section=[6, 5, 5], mrope_interleaved=True)),
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
                            num_position_embeddings=16, deepstack_visual_indexes=DEEPSTACK),

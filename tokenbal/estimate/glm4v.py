@@ -42,16 +42,34 @@ def _upscaled(h: np.ndarray, w: np.ndarray, factor: int) -> tuple[np.ndarray, np
 
 
 def smart_resize_3d_np(
-    t: int, h: np.ndarray, w: np.ndarray, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+    t: int, h: np.ndarray, w: np.ndarray, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int,
+    upscale_small: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorised :func:`tokenbal.estimate.qwen.smart_resize_3d` for a constant frame count ``t``."""
+    """Vectorised :func:`tokenbal.estimate.qwen.smart_resize_3d` for a constant frame count ``t``.
+    ``upscale_small=False``: transformers 4.57's rule, a side shorter than ``factor`` is refused."""
     h0, w0 = h, w
+    if not upscale_small:
+        small = np.flatnonzero((h < factor) | (w < factor))
+        if small.size:
+            i = int(small[0])
+            raise ValueError(_small_side_message(int(w0[i]), int(h0[i]), factor, f"element {i}: "))
     h, w = _upscaled(h, w, factor)
     _ratio_error_np(h, w, h0, w0)
     h_bar = np.round(h / factor).astype(np.int64) * factor
     w_bar = np.round(w / factor).astype(np.int64) * factor
     t_bar = round(t / temporal_factor) * temporal_factor
     return fit_budget_np(h, w, h_bar, w_bar, factor, min_pixels, max_pixels, frames=t, rounded_frames=t_bar)
+
+
+def _small_side_message(width: int, height: int, factor: int, where: str = "") -> str:
+    return (f"{where}image {width}x{height} (width x height) has a side shorter than {factor}, which "
+            "this transformers' GLM-4V smart_resize refuses (4.57; later releases scale it up)")
+
+
+def _upscales_small() -> bool:
+    from tokenbal.hf_compat import glm4v_upscales_small
+
+    return glm4v_upscales_small()
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,8 @@ class Glm4vEstimator(PatchGridEstimator):
         """(width, height) of the image the vision encoder sees."""
         w, h = as_dim(width, "width"), as_dim(height, "height")
         t = self.temporal_patch_size
+        if (h < self.factor or w < self.factor) and not _upscales_small():
+            raise ValueError(_small_side_message(w, h, self.factor))
         # the same check smart_resize_3d makes, with a message about an image, not a video frame
         h0, w0 = np.array([h]), np.array([w])
         _ratio_error_np(*_upscaled(h0, w0, self.factor), h0, w0, batch=False)
@@ -94,7 +114,7 @@ class Glm4vEstimator(PatchGridEstimator):
         """Vectorised :meth:`image_tokens`; identical values, int64."""
         w, h = pair_dims(widths, heights)
         t, f = self.temporal_patch_size, self.factor
-        h2, w2 = smart_resize_3d_np(t, h, w, t, f, self.min_pixels, self.max_pixels)
+        h2, w2 = smart_resize_3d_np(t, h, w, t, f, self.min_pixels, self.max_pixels, _upscales_small())
         return (h2 // f) * (w2 // f)
 
 

@@ -108,15 +108,28 @@ def smart_resize_3d(
     factor: int,
     min_pixels: int,
     max_pixels: int,
+    *,
+    check_frames: bool = True,
+    upscale_small: bool = True,
+    ceil_frames: bool = False,
 ) -> tuple[int, int]:
     """transformers ``qwen3_vl`` video ``smart_resize``: the pixel budget covers the whole clip
-    (``t * h * w``) and sides shorter than ``factor`` are first scaled up."""
-    if num_frames < temporal_factor:
+    (``t * h * w``) and sides shorter than ``factor`` are first scaled up.
+
+    The keywords select an older release's variant (:func:`tokenbal.hf_compat.qwen3_vl_video_resize`
+    reads them off the installed one): ``upscale_small=False`` refuses a side shorter than
+    ``factor`` (4.57-5.9), ``ceil_frames=True`` rounds the frame count up to the temporal patch
+    (5.6-5.9; others round half to even), ``check_frames=False`` accepts fewer frames than the
+    temporal patch (5.6-5.9)."""
+    if check_frames and num_frames < temporal_factor:
         raise ValueError(
             f"video has {num_frames} frame(s) after sampling; Qwen3-VL's video smart_resize needs at least "
             f"temporal_patch_size={temporal_factor}"
         )
     if height < factor or width < factor:
+        if not upscale_small:
+            raise ValueError(f"video frame {width}x{height} (width x height) has a side shorter than "
+                             f"{factor}, which this transformers' Qwen3-VL video smart_resize refuses")
         scale = max(factor / height, factor / width)
         height = int(height * scale)
         width = int(width * scale)
@@ -124,7 +137,10 @@ def smart_resize_3d(
         raise _ratio_error(height, width, "video frame")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if ceil_frames:
+        t_bar = math.ceil(num_frames / temporal_factor) * temporal_factor
+    else:
+        t_bar = round(num_frames / temporal_factor) * temporal_factor
     if t_bar * h_bar * w_bar > max_pixels:
         beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
@@ -367,7 +383,9 @@ class QwenVLEstimator(PatchGridEstimator):
             if self.cap_pixels_per_frame:
                 per_frame = max(min(self.max_video_tokens * f * f, hi // t), int(lo * 1.05))
                 hi = per_frame * t
-            return smart_resize_3d(t, h, w, self.temporal_patch_size, f, lo, hi)
+            from tokenbal.hf_compat import qwen3_vl_video_resize
+
+            return smart_resize_3d(t, h, w, self.temporal_patch_size, f, lo, hi, **qwen3_vl_video_resize())
         if self.cap_pixels_per_frame:
             total_pixels = int(self.max_video_tokens * f * f * 0.9)
             hi = max(min(hi, total_pixels * self.temporal_patch_size // t), int(lo * 1.05))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from collate.positions import glm4v_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
 from tests.helpers.reference import (  # noqa: E402
     backward_and_compare,
     forward_calls,
@@ -42,6 +43,7 @@ from tests.helpers.tiny_glm4v import (  # noqa: E402
     tiny_config,
     video_plan,
 )
+from tokenbal.hf_compat import checkpointing_enable, get_rope_index, tower_inputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +99,9 @@ def hf_positions(model, sample: dict) -> torch.Tensor:
     """HF's ``get_rope_index`` for one sample; a text-only one counts 0..n-1 on all 3 rows."""
     x = sample["input_ids"][None]
     if "image_grid_thw" in sample or "video_grid_thw" in sample:
-        want, _ = model.model.get_rope_index(x, mm_token_type_ids(x),
-                                             image_grid_thw=sample.get("image_grid_thw"),
-                                             video_grid_thw=sample.get("video_grid_thw"))
-        return want
+        return get_rope_index(model.model, x, mm_token_type_ids=mm_token_type_ids(x),
+                              image_grid_thw=sample.get("image_grid_thw"),
+                              video_grid_thw=sample.get("video_grid_thw"))
     return torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
 
 
@@ -178,7 +179,7 @@ def test_eager_reference_and_gradient_checkpointing():
     torch.manual_seed(3)
     ref = Glm4vForConditionalGeneration(tiny_config("eager")).float().train()  # dropout 0 in this config
     packed = enable_packed(copy.deepcopy(ref))
-    packed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_enable(packed)
     assert packed.model.language_model.layers[0].gradient_checkpointing
     samples = make_samples()
     want = reference_loss(ref, samples)
@@ -219,7 +220,9 @@ def test_packed_path_uses_glm_rope_varlen_and_one_tower_call(reference, monkeypa
     with forward_calls(packed.model.visual, record="inputs") as towers, torch.no_grad():
         packed(**batch)
     n_layers = len(packed.model.language_model.layers)
-    assert calls == {"rope": n_layers, "attn": n_layers + 2}  # + the 2 vision blocks
+    # + the 2 vision blocks, where the tower takes the batch's segments (transformers 5.9+)
+    n_vision = 2 if "cu_seqlens" in tower_inputs(packed.model.visual) else 0
+    assert calls == {"rope": n_layers, "attn": n_layers + n_vision}
     assert len(towers) == 1  # images and video frames in one call
 
 
@@ -230,6 +233,7 @@ def test_glm_rope_equals_hf_rotary(dtype):
     from transformers.models.glm4v import modeling_glm4v as hf
 
     from collate.models.glm4v import glm_rope
+    from tokenbal.hf_compat import mrope_section
 
     config = tiny_config().text_config
     rotary = hf.Glm4vTextRotaryEmbedding(config)
@@ -237,9 +241,13 @@ def test_glm_rope_equals_hf_rotary(dtype):
     q, k = torch.randn(1, 2, 11, 32, generator=g).to(dtype), torch.randn(1, 1, 11, 32, generator=g).to(dtype)
     pos = torch.randint(0, 5000, (3, 1, 11), generator=g)
     cos, sin = rotary(q, pos)
-    want_q, want_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    section = mrope_section(SimpleNamespace(rotary_emb=rotary, config=config))
+    if hasattr(hf, "apply_rotary_pos_emb"):  # 5.x: the rotary module applies the sections
+        want_q, want_k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+    else:  # 4.57: the attention does
+        want_q, want_k = hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, list(section))
     got_q, got_k = glm_rope(q[0].transpose(0, 1), k[0].transpose(0, 1), pos, rotary.inv_freq,
-                            tuple(rotary.mrope_section), False, rotary.attention_scaling)
+                            section, False, rotary.attention_scaling)
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
     assert torch.equal(got_q[..., 16:], q[0].transpose(0, 1)[..., 16:])  # the unrotated half
 
@@ -259,6 +267,7 @@ def test_text_only_batch_runs_the_idle_tower(reference):
 
 @pytest.mark.parametrize("mix", ["vision", "text only"])
 def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypatch):
+    skip_unless_tower_takes(reference.model.visual, "cu_seqlens", "position_ids")
     packed = enable_packed(copy.deepcopy(reference))
     samples = make_samples()
     batch = collator(reference)(text_only(samples) if mix == "text only" else samples)

@@ -23,9 +23,10 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
+from tokenbal.hf_compat import qwen2_5_vl_whole_seconds  # noqa: E402
 
 TOKENS_PER_SECOND = 2
 
@@ -66,8 +67,10 @@ def unpacked_loss_sum(model, sample: dict) -> torch.Tensor:
     """transformers' forward on one unpadded sample (its own tower call), times its loss tokens."""
     ids = sample["input_ids"]
     seconds = sample.get("second_per_grid_ts")
+    # the installed transformers' time-step rule, as the collator uses it (whole seconds to 5.9)
     timing = {} if seconds is None else dict(second_per_grid_ts=seconds.numpy(),
-                                             tokens_per_second=TOKENS_PER_SECOND)
+                                             tokens_per_second=TOKENS_PER_SECOND,
+                                             whole_seconds=qwen2_5_vl_whole_seconds())
     pos = mrope_positions(ids.numpy(), sample.get("image_grid_thw"), sample.get("video_grid_thw"),
                           image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
                           spatial_merge_size=2, **timing)
@@ -97,6 +100,7 @@ def test_vision_attention_runs_on_the_batch_segments(monkeypatch):
     import collate.models.core as patch
 
     config, reference = build("qwen2_5_vl")
+    skip_unless_tower_takes(reference.model.visual, "cu_seqlens", "window_index")
     packed = enable_packed(copy.deepcopy(reference))
     batch = PackedCollator.from_config(config, pin_memory=False)(with_video_seconds(make_samples()))
     seen = []
@@ -124,6 +128,7 @@ def test_packed_forward_and_backward_read_nothing_back(kind, mix, monkeypatch):
     would be, so counting them here is the CPU-side proof (scripts/check_gpu.py repeats it under
     ``torch.cuda.set_sync_debug_mode("error")``). A text-only batch runs the idle dummy image."""
     config, reference = build(kind)
+    skip_unless_tower_takes(reference.model.visual, "cu_seqlens", "position_ids")
     packed = enable_packed(reference)
     samples = with_video_seconds(make_samples())
     if mix == "text only":

@@ -29,8 +29,16 @@ from tokenbal.estimate.qwen import qvu_smart_resize, smart_resize, smart_resize_
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from transformers import Qwen2VLImageProcessorPil  # noqa: E402
-from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf_qwen2_img  # noqa: E402
+
+from tests.helpers.oracles import require_oracle  # noqa: E402
+from tokenbal.hf_compat import (  # noqa: E402
+    image_processing_module,
+    image_processor_class,
+    qwen3_vl_video_resize,
+)
+
+Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
+hf_qwen2_img = image_processing_module("qwen2_vl")
 
 # importlib, not ``from ... import``: the package's lazy loader hands out a torchvision-requiring
 # dummy for the submodule, while the module itself only needs torchvision to resize pixels.
@@ -450,6 +458,7 @@ def test_qwen3_video_against_processor_helpers(cap):
                 with pytest.raises(ValueError, match="needs at least temporal_patch_size=2"):
                     est.video_tokens(total, w, h, fps)
                 continue
+            require_oracle(proc, "get_num_of_video_patches")
             patches = proc.get_num_of_video_patches(t, h, w, {})
             assert est.video_tokens(total, w, h, fps) == patches // 4, (total, fps, w, h)
             grid_t, gh, gw = est.video_grid(total, w, h, fps)
@@ -470,14 +479,15 @@ def test_smart_resize_3d_port_equals_transformers():
         (rng.choice([2, 3, 4, 7, 64, 768]), rng.randint(1, 4000), rng.randint(1, 4000)) for _ in range(3000)
     ]
     cases += [(2, 1, 1), (4, 31, 33), (2, 10, 2000), (768, 1080, 1920)]
+    rule = qwen3_vl_video_resize()  # the installed release's variant
     for t, h, w in cases:
         try:
             want = hf_qwen3_vid.smart_resize(t, h, w, 2, 32, 4096, 25165824)
         except ValueError:
             with pytest.raises(ValueError):
-                smart_resize_3d(t, h, w, 2, 32, 4096, 25165824)
+                smart_resize_3d(t, h, w, 2, 32, 4096, 25165824, **rule)
             continue
-        assert smart_resize_3d(t, h, w, 2, 32, 4096, 25165824) == want, (t, h, w)
+        assert smart_resize_3d(t, h, w, 2, 32, 4096, 25165824, **rule) == want, (t, h, w)
 
 
 @pytest.mark.parametrize(
@@ -535,6 +545,7 @@ def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
     proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     assert all(est.image_tokens(w, h) == hf_pixel_free_tokens(proc, w, h) for w, h in GRID[::5])
     vproc = hf_qwen3_vid.Qwen3VLVideoProcessor.from_pretrained(tmp_path)
+    require_oracle(vproc, "get_num_of_video_patches")
     assert vproc.get_num_of_video_patches(120, 1080, 1920, {}) // 4 == est.video_tokens(120, 1920, 1080, None)
 
 

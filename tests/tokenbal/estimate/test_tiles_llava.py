@@ -21,11 +21,12 @@ from tokenbal.estimate import get_estimator, load_estimator
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
-from transformers import (  # noqa: E402
-    GotOcr2ImageProcessorPil,
-)
 
+from tests.helpers.oracles import require_oracle  # noqa: E402
 from tests.helpers.processors import NEXT_PINPOINTS, write_json  # noqa: E402
+from tokenbal.hf_compat import image_processor_class  # noqa: E402
+
+GotOcr2ImageProcessorPil = image_processor_class("GotOcr2ImageProcessorPil")
 
 EDGE = [
     (1, 1),
@@ -158,6 +159,7 @@ def test_llava_onevision_real_images_and_multi_image(ov_proc):
         bh, bw = _best(est, w, h)
         assert n_crops == 1 + (bh // 384) * (bw // 384), (w, h)
         # the processor's own placeholder string for this image (single-image sample)
+        require_oracle(ov_proc, "replace_image_token")
         single = ov_proc.replace_image_token({**out, "batch_num_images": [1]}, image_idx=0)
         assert single.count("<image>") == est.image_tokens(w, h)
         multi = ov_proc.replace_image_token({**out, "batch_num_images": [2]}, image_idx=0)
@@ -259,6 +261,7 @@ def test_video_tokens_equal_processor_placeholders(ov_proc):
     ov_proc.video_token = "<video>"
     for frames in (1, 8, 33):
         video = {"pixel_values_videos": [np.zeros((frames, 3, 384, 384), dtype=np.float32)]}
+        require_oracle(ov_proc, "replace_video_token")
         want = ov_proc.replace_video_token(video, video_idx=0).count("<video>")
         assert get_estimator("llava-onevision").video_tokens(frames, 640, 480, None) == want
         assert get_estimator("llava-onevision", video_frames=frames).video_tokens(900, 640, 480, 30.0) == want

@@ -10,7 +10,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from PIL import Image  # noqa: E402
-from transformers import LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor  # noqa: E402
+from transformers import LlavaOnevisionProcessor  # noqa: E402
+
+from tokenbal.hf_compat import image_processor_class  # noqa: E402
+
+LlavaOnevisionImageProcessorPil = image_processor_class("LlavaOnevisionImageProcessorPil")
 
 from tests.helpers.corpus import Sample, write_shard  # noqa: E402
 from tokenbal.index import TokenIndex, build_index  # noqa: E402

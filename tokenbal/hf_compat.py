@@ -1,0 +1,333 @@
+"""Every difference between the transformers versions tokenbal supports, in one module.
+
+The supported range is transformers 4.57 (MindSpeed-MM's pin, the oldest with Qwen3-VL) to the
+newest 5.x. Everything here is *feature detection*: a signature, an attribute, a module-level
+helper, or (for a rule buried inside a method body) the installed method's own answer on a tiny
+input. No function compares version numbers, except :func:`require_class`, which only *words* an
+error with the release that added a family. transformers is imported lazily, inside the
+functions: ``import tokenbal.hf_compat`` does not import it.
+
+The model patches (``collate.models``), the collator's positions (``collate.positions`` through
+:func:`qwen2_5_vl_whole_seconds`), the estimators and the tests ask here; nothing else in the
+package branches on what transformers has.
+
+What differs, oldest first (found by reading each release's modeling files):
+
+============================  ======================================================================
+rotary ``mrope_section``       4.57: ``config.rope_scaling["mrope_section"]`` read by the attention;
+                               5.6-5.9: ``config.rope_parameters["mrope_section"]``; 5.1x+: an
+                               attribute of the text rotary module (:func:`mrope_section`)
+text config rotary kwargs      4.57: ``rope_theta`` + ``rope_scaling``; 5.x: ``rope_parameters``
+                               (:func:`rope_config`)
+vision tower inputs            4.57-5.6 derive ``cu_seqlens`` / rotary ids from ``grid_thw`` (a
+                               caller cannot hand them in); 5.9 pops precomputed ones
+                               (``transformers.vision_utils``); 5.19+ also ``max_seqlen`` and
+                               Qwen3-VL's interpolation taps (:func:`tower_inputs`)
+vision tower output            4.57: a tensor (Qwen3-VL: ``(tensor, deepstack list)``); 5.x:
+                               ``BaseModelOutputWithPooling`` (:func:`tower_output`)
+InternVL image features        4.57: a tensor; 5.x: an output object (:func:`internvl_image_features`)
+``get_rope_index``             5.x takes ``mm_token_type_ids`` (:func:`get_rope_index`)
+Qwen2.5-VL video time steps    up to 5.9 ``second_per_grid_ts`` is truncated to whole seconds;
+                               later releases keep the fraction (:func:`qwen2_5_vl_whole_seconds`)
+image processor class names    5.x ``XImageProcessorPil`` (PIL backend) is 4.57's ``XImageProcessor``
+                               (:func:`image_processor_class`)
+============================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "MIN_VERSION", "FAMILY_ADDED_IN", "transformers_version", "require_class", "rope_config",
+    "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
+    "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
+    "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
+]
+
+# The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
+MIN_VERSION = "4.57"
+
+# The transformers release that added each family's model classes: only used to word the error
+# when the installed transformers lacks one (every family here exists in MIN_VERSION).
+FAMILY_ADDED_IN: dict[str, str] = {
+    "Qwen2VL": "4.45", "Qwen2_5_VL": "4.49", "Qwen3VL": "4.57", "Qwen3VLMoe": "4.57",
+    "Glm4v": "4.53", "InternVL": "4.52", "LlavaNext": "4.39", "LlavaOnevision": "4.45",
+}
+
+
+def transformers_version() -> str:
+    """The installed transformers' version string ("none" when it is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        return "none"
+    return str(transformers.__version__)
+
+
+def require_class(name: str) -> Any:
+    """``transformers.<name>``, or ``ImportError`` naming the installed version and the release
+    that added the family (the prefix of ``name`` in :data:`FAMILY_ADDED_IN`)."""
+    import transformers
+
+    found = getattr(transformers, name, None)
+    if found is not None:
+        return found
+    family = max((k for k in FAMILY_ADDED_IN if name.startswith(k)), key=len, default=None)
+    added = f"; it was added in transformers {FAMILY_ADDED_IN[family]}" if family else ""
+    raise ImportError(f"transformers {transformers.__version__} has no {name}{added} "
+                      f"(tokenbal supports transformers >= {MIN_VERSION})")
+
+
+def accepts_kwarg(fn: Any, name: str) -> bool:
+    """Whether callable ``fn`` takes keyword ``name`` (explicitly, not just through ``**kwargs``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# -- configs ----------------------------------------------------------------------------------------
+def rope_config(config_class: Any, rope_theta: float, rope_type: str = "default", **params: Any) -> dict:
+    """The rotary kwargs of a text config (``config_class``: it, or the composite config whose
+    ``text_config`` it is) for the installed transformers: ``rope_parameters``
+    (5.x: theta, type, ``mrope_section``, ``partial_rotary_factor``, ... in one dict) or 4.x's
+    ``rope_theta`` + ``rope_scaling`` (the type and sections) with ``partial_rotary_factor`` as its
+    own argument. Detected from ``config_class.__init__``'s signature."""
+    config_class = (getattr(config_class, "sub_configs", None) or {}).get("text_config", config_class)
+    if accepts_kwarg(config_class.__init__, "rope_parameters"):
+        return {"rope_parameters": {"rope_type": rope_type, "rope_theta": rope_theta, **params}}
+    out: dict[str, Any] = {"rope_theta": rope_theta}
+    if "partial_rotary_factor" in params:
+        out["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    params.pop("mrope_interleaved", None)  # 4.x's Qwen3-VL always interleaves
+    if params or rope_type != "default":
+        out["rope_scaling"] = {"rope_type": rope_type, **params}
+    return out
+
+
+# -- text rotary ------------------------------------------------------------------------------------
+def mrope_section(text_model: Any) -> tuple[int, ...] | None:
+    """The M-RoPE section sizes the text model's own forward uses, or None if it has none.
+
+    Newer releases keep them on the rotary module (``rotary_emb.mrope_section``); 5.6-5.9 read
+    ``config.rope_parameters["mrope_section"]`` in the attention and 4.57 reads
+    ``config.rope_scaling["mrope_section"]``."""
+    rope = getattr(text_model, "rotary_emb", None)
+    section = getattr(rope, "mrope_section", None)
+    if section is None:
+        config = getattr(text_model, "config", None)
+        for name in ("rope_parameters", "rope_scaling"):
+            params = getattr(config, name, None)
+            if isinstance(params, dict) and params.get("mrope_section") is not None:
+                section = params["mrope_section"]
+                break
+    return None if section is None else tuple(int(s) for s in section)
+
+
+# -- vision towers ----------------------------------------------------------------------------------
+# Helpers of ``transformers.vision_utils`` a tower module imports -> the kwargs that tower pops
+# (so a caller may hand them in precomputed).
+_TOWER_HELPERS: dict[str, tuple[str, ...]] = {
+    "get_vision_cu_seqlens": ("cu_seqlens",),
+    "get_vision_attention_seqlens": ("cu_seqlens", "max_seqlen"),
+    "get_vision_position_ids": ("position_ids",),
+    "get_vision_window_index": ("window_index", "cu_window_seqlens"),
+    "get_vision_interpolation_indices_and_weights": ("interp_indices", "interp_weights"),
+}
+
+
+def tower_inputs(visual: Any) -> frozenset[str]:
+    """The precomputed inputs this vision tower's forward takes from its kwargs (empty: it derives
+    everything from ``grid_thw`` itself, and a kwarg of the same name would reach its blocks twice).
+
+    Read from what the tower's modeling module imported from ``transformers.vision_utils`` (5.9+):
+    each helper pops its inputs when given. ``max_seqlen`` (5.19+, ``get_vision_attention_seqlens``)
+    and Qwen3-VL's taps (``interp_*``) came later than ``cu_seqlens``."""
+    module = sys.modules.get(type(visual).__module__)
+    names: set[str] = set()
+    for helper, popped in _TOWER_HELPERS.items():
+        if getattr(getattr(module, helper, None), "__module__", "").endswith("vision_utils"):
+            names.update(popped)
+    if "window_index" in names and hasattr(module, "get_max_seqlen"):
+        names.add("max_window_seqlen")  # Qwen2.5-VL 5.19+: popped with ``get_max_seqlen``
+    return frozenset(names)
+
+
+@dataclass
+class TowerOutput:
+    """A grid tower's output on every version: the merged features and (Qwen3-VL) the DeepStack
+    maps. ``raw`` is what the tower returned."""
+
+    pooler_output: Any
+    deepstack_features: list | None = None
+    raw: Any = None
+
+
+def tower_output(out: Any) -> TowerOutput:
+    """Normalise a Qwen-VL / GLM-4V tower's return value: 5.x returns an output object with
+    ``pooler_output`` (and ``deepstack_features``); 4.57 returns the merged tensor, or Qwen3-VL's
+    ``(merged, deepstack list)`` tuple."""
+    if hasattr(out, "pooler_output"):
+        return TowerOutput(out.pooler_output, getattr(out, "deepstack_features", None), out)
+    if isinstance(out, tuple):
+        return TowerOutput(out[0], list(out[1]) if len(out) > 1 and out[1] is not None else None, out)
+    return TowerOutput(out, None, out)
+
+
+def internvl_image_features(model: Any, pixels: Any) -> Any:
+    """InternVL's ``(tiles, tokens_per_tile, hidden)`` features from ``model.model.get_image_features``:
+    5.x returns an output object (``return_dict=True`` asks for it), 4.57 the tensor."""
+    config = model.config
+    inner = model.model
+    kwargs = dict(vision_feature_layer=config.vision_feature_layer,
+                  vision_feature_select_strategy=config.vision_feature_select_strategy)
+    if accepts_kwarg(inner.get_image_features, "kwargs") or accepts_kwarg(inner.get_image_features,
+                                                                           "return_dict"):
+        kwargs["return_dict"] = True
+    out = inner.get_image_features(pixels, **kwargs)
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+
+
+# -- positions --------------------------------------------------------------------------------------
+def get_rope_index(model: Any, input_ids: Any, *, image_grid_thw: Any = None, video_grid_thw: Any = None,
+                   attention_mask: Any = None, mm_token_type_ids: Any = None, **extra: Any) -> Any:
+    """``model.get_rope_index`` (a Qwen-VL / GLM-4V ``...Model``) with the arguments the installed
+    version takes: 5.x requires ``mm_token_type_ids`` (0 text, 1 image, 2 video; built from the
+    config's token ids when not given), 4.57 has no such argument. Returns the position ids."""
+    import torch
+
+    fn = model.get_rope_index
+    kwargs: dict[str, Any] = dict(image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                                  attention_mask=attention_mask, **extra)
+    if accepts_kwarg(fn, "mm_token_type_ids"):
+        if mm_token_type_ids is None:
+            config = model.config
+            mm_token_type_ids = torch.zeros_like(input_ids, dtype=torch.int32)
+            mm_token_type_ids[input_ids == config.image_token_id] = 1
+            video = getattr(config, "video_token_id", None)
+            if video is not None:
+                mm_token_type_ids[input_ids == video] = 2
+        kwargs["mm_token_type_ids"] = mm_token_type_ids
+    return fn(input_ids, **kwargs)[0]
+
+
+@functools.cache
+def qwen2_5_vl_whole_seconds() -> bool:
+    """Whether the installed transformers' Qwen2.5-VL ``get_rope_index`` truncates
+    ``second_per_grid_ts`` to whole seconds before scaling by ``tokens_per_second`` (4.57 casts it
+    to int64, 5.6-5.9 call ``int()``; later releases keep the fraction, so 0.5 s per grid at 2
+    tokens/s steps the temporal position by 1, not 0).
+
+    The rule sits inside the method body, so it is asked of the method itself: the installed
+    ``Qwen2_5_VLModel.get_rope_index`` on a meta-device tiny model (no weights), one 2-frame video
+    at 0.5 s per grid, 2 tokens per second. False (the newest rule) without transformers."""
+    try:
+        import torch
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
+    except ImportError:
+        return False
+    text = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+
+    text.update(rope_config(Qwen2_5_VLTextConfig, 1e4, mrope_section=[1, 0, 1]))
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=1, hidden_size=8, out_hidden_size=8,
+                                                                   intermediate_size=8, num_heads=1,
+                                                                   tokens_per_second=2),
+                              image_token_id=10, video_token_id=11, vision_start_token_id=12)
+    with torch.device("meta"):
+        model = Qwen2_5_VLModel(config)
+    ids = torch.tensor([[12, 11, 11]])  # <vision_start>, then 2 frames x 1 merged token each
+    pos = get_rope_index(model, ids, video_grid_thw=torch.tensor([[2, 2, 2]]),
+                         second_per_grid_ts=torch.tensor([0.5]), attention_mask=torch.ones_like(ids))
+    temporal = pos[0, 0, 1:].tolist()
+    return temporal[1] == temporal[0]
+
+
+@functools.cache
+def qwen3_vl_video_resize() -> dict[str, bool]:
+    """The installed transformers' Qwen3-VL video ``smart_resize`` variant, as the keywords of
+    :func:`tokenbal.estimate.qwen.smart_resize_3d`. Three generations: 4.57 (refuses a side shorter
+    than the factor, needs ``t >= temporal_patch_size``, rounds ``t`` half to even), 5.6-5.9
+    (refuses short sides, no frame check, rounds ``t`` up), 5.19+ (scales short sides up, frame
+    check, rounds half to even). Asked of the function itself on three tiny inputs; the newest
+    rule without transformers."""
+    newest = {"check_frames": True, "upscale_small": True, "ceil_frames": False}
+    try:
+        import importlib
+
+        fn = importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl").smart_resize
+    except (ImportError, AttributeError):
+        return newest
+
+    def raises(*args: int) -> bool:
+        try:
+            fn(*args)
+        except ValueError:
+            return True
+        return False
+
+    # (num_frames, height, width, temporal_factor, factor, min_pixels, max_pixels)
+    return {
+        "check_frames": raises(1, 64, 64, 2, 32, 1, 10**9),
+        "upscale_small": not raises(2, 16, 64, 2, 32, 1, 10**9),
+        # 5 frames of 64x64 under 20000 pixels: t rounded half to even (4) fits, rounded up (6) does not
+        "ceil_frames": tuple(fn(5, 64, 64, 2, 32, 1, 20000)) != (64, 64),
+    }
+
+
+@functools.cache
+def glm4v_upscales_small() -> bool:
+    """Whether the installed GLM-4V image ``smart_resize`` scales a side shorter than its factor (28)
+    up (5.x) or refuses the image (4.57). Asked of the function; True without transformers."""
+    try:
+        fn = image_processing_module("glm4v").smart_resize
+    except (ImportError, AttributeError):
+        return True
+    try:
+        fn(2, 16, 64, 2, 28, 1, 10**9)
+    except ValueError:
+        return False
+    return True
+
+
+# -- processors -------------------------------------------------------------------------------------
+def image_processor_class(name: str) -> Any:
+    """An image processor class by its 5.x name: ``XImageProcessorPil`` (5.x's PIL backend) is
+    4.57's slow ``XImageProcessor`` (its fast one needs torchvision), the same resizing rule."""
+    import transformers
+
+    found = getattr(transformers, name, None)
+    if found is None and name.endswith("Pil"):
+        found = getattr(transformers, name[: -len("Pil")], None)
+    if found is None:
+        return require_class(name)
+    return found
+
+
+# -- training ---------------------------------------------------------------------------------------
+def checkpointing_enable(model: Any, use_reentrant: bool = False) -> None:
+    """Turn on the model's activation checkpointing: 5.x names it ``activation_checkpointing_enable``
+    (``activation_checkpointing_kwargs``), 4.57 ``gradient_checkpointing_enable``
+    (``gradient_checkpointing_kwargs``)."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def image_processing_module(model: str) -> Any:
+    """The module of ``model``'s (e.g. ``"qwen2_vl"``) PIL image processor and its ``smart_resize``:
+    5.x ``image_processing_pil_<model>``, 4.57 ``image_processing_<model>`` (the slow, PIL one)."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"transformers.models.{model}.image_processing_pil_{model}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"transformers.models.{model}.image_processing_{model}")
