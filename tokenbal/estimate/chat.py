@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenbal.hf_compat import glm4v_upscales_small
+
 # estimator family -> the placeholder its processor's template renders, for folders read without the
 # processor class (``from_pretrained``); a loaded processor says it itself (``processor.image_token``).
 _FAMILY_IMAGE_TOKEN = {**{family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")},
@@ -166,8 +168,8 @@ class ChatTokenCounter:
                       add_special_tokens=_probe_add_special_tokens(processor, tokenizer),
                       source=type(processor).__name__, family=family, expansion=expansion,
                       converts_image_url=_probe_image_url(render))
-        if family == "glm-4.1v":
-            counter.min_image_side = _version_glm_min_side(processor, estimator)
+        if family == "glm-4.1v" and not glm4v_upscales_small():   # 4.57 refuses such images
+            counter.min_image_side = int(estimator.patch_size) * int(estimator.merge_size)
         video = getattr(processor, "video_token", None)
         counter.video_token = video if isinstance(video, str) and video and video != image_token else None
         return counter
@@ -572,21 +574,6 @@ def _probe_add_special_tokens(processor: Any, tokenizer: Any) -> bool:
 
 # -- VERSION-DEPENDENT behaviour, detected on the installed transformers (candidates for
 # -- tokenbal/hf_compat.py, the one module for version differences) ------------------------------
-
-def _version_glm_min_side(processor: Any, estimator: Any) -> int:
-    """GLM-4.1V's image processor raises on images with a side below ``patch * merge`` px in
-    transformers 4.57 ("height:... or width:... must be larger than factor"); later releases
-    upscale them. Detected by running the processor's own image processor on one tiny image:
-    returns that side when it raises, else 0."""
-    from PIL import Image
-
-    factor = int(estimator.patch_size) * int(estimator.merge_size)
-    try:
-        processor.image_processor(images=[Image.new("RGB", (factor - 1, 2 * factor))])
-    except ValueError:
-        return factor
-    return 0
-
 
 def _probe_image_url(render: Callable[..., list[str]]) -> bool:
     """Whether the renderer turns OpenAI ``image_url`` parts into image parts (transformers 5.x
