@@ -4,7 +4,7 @@ A missing one is a :class:`MissingExtraError` whose one-line message names the e
 (``pip install 'tokenbal[parquet]'``), raised before any work starts where the need is known up
 front (a Parquet source, a URL) and at first use otherwise (the first video member). It is an
 ``ImportError``, so code that already handles those keeps working; the CLI prints it as
-``tokenbal: error: ...`` without a traceback, and a build never turns it into one error per file.
+``tokenbal <command>: error: ...`` without a traceback, and a build never turns it into one error per file.
 """
 
 from __future__ import annotations

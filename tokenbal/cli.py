@@ -587,14 +587,22 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _report(args: argparse.Namespace, code: int) -> int:
-    """One ``tokenbal: error:`` line for the exception being handled (its traceback with -v)."""
+    """One ``tokenbal <command>: error:`` line for the exception being handled (its traceback with
+    -v), the command named as argparse names it in a usage error (``tokenbal index build``)."""
     e = sys.exc_info()[1]
     if args.verbose:
         import traceback
 
         traceback.print_exc()
-    print(f"tokenbal: error: {e}", file=sys.stderr)
+    print(f"{_command_name(args)}: error: {e}", file=sys.stderr)
     return code
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """``tokenbal index build``: the program, the command and its sub-command, if any."""
+    command = getattr(args, "command", None)
+    sub = getattr(args, f"{command}_command", None) if command else None
+    return " ".join(part for part in ("tokenbal", command, sub) if part)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ _FLOOR = 1e-4  # ratios closer to 1 than this are drawn on the floor line
 
 class PlotExtraMissing(ImportError, ValueError):
     """matplotlib is not installed. Also a ``ValueError``, so the CLI reports it as a usage error
-    (``tokenbal: error: ...``, exit 2) rather than a traceback."""
+    (``tokenbal <command>: error: ...``, exit 2) rather than a traceback."""
 
 
 def pyplot() -> Any:

@@ -19,6 +19,11 @@ from tests.helpers.paths import REPO
 from tokenbal.cli import main
 from tokenbal.index import TokenIndex, build_index
 
+# every error line names its command, as argparse's usage errors do
+BUILD = "tokenbal index build: error: "
+SIMULATE = "tokenbal plan simulate: error: "
+DEMO = "tokenbal demo: error: "
+
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:
     """``tokenbal ARGS`` in this process: (exit status, stdout, stderr), argparse's SystemExit too."""
@@ -64,8 +69,8 @@ def test_build_usage_errors(clean, tmp_path, capsys, extra, message):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--stages"], "tokenbal plan simulate: error: --stages needs --cost flops"),
-    (["--model-config", "config.json"], "tokenbal plan simulate: error: --model-config is used by --cost "
+    (["--stages"], SIMULATE + "--stages needs --cost flops"),
+    (["--model-config", "config.json"], SIMULATE + "--model-config is used by --cost "
                                         "flops only"),
     (["--world-size", "8", "--sp-size", "3"], "error: --sp-size 3 must divide --world-size 8"),
 ])
@@ -80,7 +85,7 @@ def test_simulate_checks_the_plan_settings_before_reading_the_index(tmp_path, ca
     # One PlanSettings over the 4 data-parallel groups, checked before the (missing) index is opened.
     code, _, err = run(["plan", "simulate", "--index", str(tmp_path / "none"), "--world-size", "8",
                         "--sp-size", "2", "--global-batch-size", "2"], capsys)
-    assert code == 2 and "tokenbal: error: global_batch_size=2 is smaller than num_replicas=4" in err
+    assert code == 2 and SIMULATE + "global_batch_size=2 is smaller than num_replicas=4" in err
 
 
 def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
@@ -90,7 +95,7 @@ def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
     common = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4",
               "--cost", "flops"]
     code, _, err = run([*common, "--model-config", str(bad)], capsys)
-    assert code == 2 and err.startswith(f"tokenbal: error: --model-config {bad} is not valid JSON")
+    assert code == 2 and err.startswith(SIMULATE + f"--model-config {bad} is not valid JSON")
     code, _, err = run([*common, "--model-config", str(tmp_path / "none.json")], capsys)
     assert code == 2 and "no such file" in err
     bad.write_text(json.dumps({"hidden_size": 64}))
@@ -110,7 +115,7 @@ def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
     code, out, err = run(["plan", "simulate", "--index", index, "--world-size", "512",
                           "--global-batch-size", "512"], capsys)
     assert code == 2 and out == ""
-    assert err.strip() == ("tokenbal: error: 512 ranks but only 12 samples: every step would leave at least "
+    assert err.strip() == (SIMULATE + "512 ranks but only 12 samples: every step would leave at least "
                            "500 rank(s) without a sample; simulate at most 12 (data-parallel) ranks, or a "
                            "larger index")
 
@@ -141,7 +146,7 @@ def test_build_exit_status_counts_bad_shards_and_samples(tmp_path, capsys):
     args = ["index", "build", *corpus.shards, "-q"]
     code, out, err = run([*args, "--out", str(tmp_path / "a")], capsys)
     assert code == 1 and out.startswith(f"indexed {len(corpus.good)} samples")
-    assert ("tokenbal index build: error: 1 of 3 shards could not be indexed (allowed: 0, "
+    assert (BUILD + "1 of 3 shards could not be indexed (allowed: 0, "
             f"--max-bad-shards): {truncated} (truncated: ") in err
     assert "the index was written without them" in err
     assert len(TokenIndex.open(tmp_path / "a")) == len(corpus.good)    # written all the same
@@ -163,7 +168,7 @@ def test_build_refuses_to_replace_an_index_of_other_settings(clean, tmp_path, ca
     before = TokenIndex.open(out).build_id
     code, _, err = run([*args[:3], corpus.shards[2], *args[4:], "--model", "internvl"], capsys)
     assert code == 2
-    assert err.startswith(f"tokenbal: error: --out {out} holds an index of 8 samples from 2 shards built "
+    assert err.startswith(BUILD + f"--out {out} holds an index of 8 samples from 2 shards built "
                           "with other settings (model: index 'qwen2-vl', this build 'internvl'); pass "
                           "--rebuild")
     code, _, err = run([*args, "--estimator-option", "max_pixels=200704"], capsys)
@@ -198,7 +203,7 @@ def test_a_second_build_of_one_folder_is_one_line_exit_1(clean, tmp_path, capsys
     finally:
         done.set()
         holder.join(60)
-    assert code == 1 and err.startswith(f"tokenbal: error: another build is writing the index {out}")
+    assert code == 1 and err.startswith(BUILD + f"another build is writing the index {out}")
     assert err.count("\n") == 1
 
 
@@ -227,7 +232,7 @@ def test_parquet_build_and_export_without_pyarrow_name_the_extra(clean, tmp_path
     code, out, err = run(["index", "build", str(tmp_path / "t.parquet"), "--out", str(tmp_path / "i"), "-q"],
                          capsys)
     assert code == 1 and out == "" and not (tmp_path / "i").exists()
-    assert err == ("tokenbal: error: Parquet sources need pyarrow, which is not installed: "
+    assert err == (BUILD + "Parquet sources need pyarrow, which is not installed: "
                    "pip install 'tokenbal[parquet]'\n")
     code, _, err = run(["index", "export", str(tmp_path / "x"), "--index", index], capsys)
     assert code == 1 and err.count("\n") == 1 and "pip install 'tokenbal[parquet]'" in err
@@ -245,7 +250,7 @@ def test_video_build_without_av_names_the_extra(tmp_path, capsys, monkeypatch):
     _block(monkeypatch, "av")
     code, _, err = run(["index", "build", shard, "--out", str(tmp_path / "i"), "-q"], capsys)
     assert code == 1
-    assert err == ("tokenbal: error: video samples need av (PyAV), which is not installed: "
+    assert err == (BUILD + "video samples need av (PyAV), which is not installed: "
                    "pip install 'tokenbal[video]'\n")
 
 
@@ -262,7 +267,7 @@ def test_url_sources_without_their_fsspec_backend_say_what_to_install(tmp_path, 
     code, _, err = run(["index", "build", "gs://bucket/data-000.tar", "--out", str(tmp_path / "i"), "-q"],
                        capsys)
     assert code == 1 and err.count("\n") == 1
-    assert err.startswith("tokenbal: error: gs:// sources need an fsspec backend that is not installed")
+    assert err.startswith(BUILD + "gs:// sources need an fsspec backend that is not installed")
     assert "gcsfs for gs://" in err
 
 
@@ -315,19 +320,19 @@ def test_processor_and_tokenizer_without_their_packages_name_the_extra(text_rows
     done = run_without(["transformers"], ["index", "build", text_rows, "--processor", str(tmp_path / "proc"),
                                           "--out", str(tmp_path / "i"), "-q"], tmp_path)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr == ("tokenbal: error: --processor (counting through the processor's chat template) "
+    assert done.stderr == (BUILD + "--processor (counting through the processor's chat template) "
                            "need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
     done = run_without(["tokenizers"], ["index", "build", text_rows, "--tokenizer", str(tmp_path / "proc"),
                                         "--out", str(tmp_path / "i"), "-q"], tmp_path)
     assert done.returncode == 1 and done.stderr == (
-        "tokenbal: error: exact text counts (--tokenizer) need tokenizers, which is not installed: "
+        BUILD + "exact text counts (--tokenizer) need tokenizers, which is not installed: "
         "pip install 'tokenbal[hf]'\n")
 
 
 def test_demo_without_transformers_is_one_line(tmp_path):
     done = run_without(["transformers"], ["demo", "--workdir", str(tmp_path / "w")], tmp_path)
     assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr == ("tokenbal: error: tokenbal demo (it trains a tiny model with transformers' "
+    assert done.stderr == (DEMO + "tokenbal demo (it trains a tiny model with transformers' "
                            "classes) need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
 
 
@@ -335,14 +340,14 @@ def test_processor_mistakes_are_named(text_rows, tmp_path, capsys):
     out = str(tmp_path / "i")
     missing = str(tmp_path / "none")
     code, _, err = run(["index", "build", text_rows, "--processor", missing, "--out", out, "-q"], capsys)
-    assert code == 2 and err == f"tokenbal: error: --processor {tmp_path / 'none'}: no such folder\n"
+    assert code == 2 and err == BUILD + f"--processor {tmp_path / 'none'}: no such folder\n"
     code, _, err = run(["index", "build", text_rows, "--processor", text_rows, "--out", out, "-q"], capsys)
-    assert code == 2 and err.startswith(f"tokenbal: error: --processor {text_rows} is a file; give the ")
+    assert code == 2 and err.startswith(BUILD + f"--processor {text_rows} is a file; give the ")
     (tmp_path / "proc").mkdir()
     code, _, err = run(["index", "build", text_rows, "--processor", str(tmp_path / "proc"), "--model",
                         "internvl", "--out", out, "-q"], capsys)
     assert code == 2 and err.splitlines()[-1] == (
-        "tokenbal index build: error: give --processor or --model, not both (--processor "
+        BUILD + "give --processor or --model, not both (--processor "
         f"{tmp_path / 'proc'} gives the estimator; --model internvl would be ignored)")
     assert not os.path.exists(out)
 
@@ -350,13 +355,13 @@ def test_processor_mistakes_are_named(text_rows, tmp_path, capsys):
 def test_host_based_url_sources_need_their_host(tmp_path, capsys):
     pytest.importorskip("fsspec")
     code, _, err = run(["index", "build", "ftp:///data/a.tar", "--out", str(tmp_path / "i"), "-q"], capsys)
-    assert code == 2 and err == ("tokenbal: error: ftp:// sources need host, which neither the URL nor "
+    assert code == 2 and err == (BUILD + "ftp:// sources need host, which neither the URL nor "
                                  "--storage-option gives (e.g. ftp://HOST/path/data.tar, or --storage-option "
                                  "host=...)\n")
     # The host is read from the URL; a store that refuses the connection is named by its URL.
     url = "ftp://127.0.0.1:1/data/a.tar"
     code, _, err = run(["index", "build", url, "--out", str(tmp_path / "i"), "-q"], capsys)
-    assert code == 1 and err.startswith(f"tokenbal: error: {url}: cannot connect to its store (")
+    assert code == 1 and err.startswith(BUILD + f"{url}: cannot connect to its store (")
     assert err.count("\n") == 1
 
 
@@ -388,5 +393,5 @@ def test_a_full_disk_names_the_file(clean, tmp_path, capsys, monkeypatch):
     code, _, err = run(["index", "build", *corpus.shards, "--out", str(tmp_path / "i"), "-q"], capsys)
     monkeypatch.setattr(build.shutil, "copyfileobj", shutil.copyfileobj)
     assert code == 1 and err.count("\n") == 1
-    assert err.startswith("tokenbal: error: [Errno 28] No space left on device: '") and ".npy'" in err
+    assert err.startswith(BUILD + "[Errno 28] No space left on device: '") and ".npy'" in err
     assert f".{os.path.basename(tmp_path / 'i')}." in err       # the build's folder beside --out

@@ -157,7 +157,7 @@ def test_demo_model_is_a_config_file_not_an_estimator_name(tmp_path, capsys, con
         path.write_text(json.dumps(config))
     assert main(["demo", "--model", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tokenbal: error: --model") and message in err and "unknown --model" not in err
+    assert err.startswith("tokenbal demo: error: --model") and message in err and "unknown --model" not in err
 
 
 @pytest.mark.slow

@@ -63,4 +63,4 @@ def test_without_matplotlib_the_cli_names_the_extra(monkeypatch, tmp_path, capsy
         plot_step_ratios({"a": np.ones(2)}, tmp_path / "x.png")
     assert main(["index", "stats", str(out), "--plot", str(tmp_path / "h.png")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "tokenbal: error: plots need matplotlib: pip install 'tokenbal[plot]'"
+    assert err == "tokenbal index stats: error: plots need matplotlib: pip install 'tokenbal[plot]'"

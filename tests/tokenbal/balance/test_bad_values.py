@@ -12,6 +12,8 @@ from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.simulate import simulate
 from tokenbal.cli import main
 
+SIMULATE = "tokenbal plan simulate: error: "   # the CLI's error prefix names the command
+
 BIG = 2**64 - 1
 
 BAD_LENGTHS = [
@@ -125,7 +127,7 @@ def test_plan_simulate_huge_global_batch_is_one_line_before_the_index(capsys, tm
                  "--global-batch-size", "99999999999999999999"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err == ("tokenbal: error: global_batch_size must be below 2**62 (4611686018427387904), got "
+    assert err == (SIMULATE + "global_batch_size must be below 2**62 (4611686018427387904), got "
                    "99999999999999999999: larger than any data set, and the planner's int64 arithmetic would "
                    "overflow\n")
 

@@ -310,4 +310,4 @@ def test_cli_build_against_a_store_that_stalls_reads_ends_naming_the_url(tmp_pat
                               str(tmp_path / "j"), "-q", "--timeout", "0.5", "--total-timeout", "4"],
                              env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and "Traceback" not in run.stderr
-        assert f"tokenbal: error: {url}: cannot read object info" in run.stderr
+        assert f"tokenbal index build: error: {url}: cannot read object info" in run.stderr

@@ -50,7 +50,7 @@ def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_ru
     assert "holds the traces of 2 runs" in message and "--run N" in message
     assert message.count("1 of 2 ranks (rank 1 missing)") == 1 and message.count("(rank 0 missing)") == 1
     code, out, err = run_cli(["profile", str(tmp_path)], capsys)
-    assert code == 2 and out == "" and err.startswith("tokenbal: error: ") and err.count("\n") == 1
+    assert code == 2 and out == "" and err.startswith("tokenbal profile: error: ") and err.count("\n") == 1
     # --run 1 (run A, the older): analysed as 1 of 2 ranks, rank 1 named missing, B's file named
     p = profile_run(str(tmp_path), run=1)
     assert p.ranks == [0] and p.world_size == 2 and p.missing_ranks == [1]
@@ -175,7 +175,7 @@ def test_deeply_nested_json_and_bad_ranks_name_the_file(tmp_path, capsys):
         info = {"rank": rank, "world_size": 2}
         (bad / "t.json").write_text(json.dumps(_trace([STEP], distributedInfo=info)))
         code, _, err = run_cli(["profile", str(bad)], capsys)
-        assert code == 2 and err == f"tokenbal: error: {bad / 't.json'}: {message}\n"
+        assert code == 2 and err == f"tokenbal profile: error: {bad / 't.json'}: {message}\n"
 
 
 def test_a_folder_with_compare_is_a_usage_error(tmp_path, capsys):
