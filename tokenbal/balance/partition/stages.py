@@ -436,9 +436,8 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
-            roomy = np.argsort(over[k], kind="stable")
             a = np.repeat(src, roomy_bins)
-            bb = roomy[(np.arange(len(a)) + rnd * roomy_bins) % nb]
+            bb = _ranked(over[k], rnd * roomy_bins, len(a))
             pairs = counts[a] * counts[bb]
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
                              np.repeat(counts[bb], pairs))
@@ -501,6 +500,29 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         slot_item[pi], slot_item[pj] = sj, si
         slot_of[si], slot_of[sj] = pj, pi
     return home // R, home % R
+
+
+def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
+    """``np.argsort(x, kind="stable")[(start + np.arange(m)) % len(x)]`` without sorting all of ``x``
+    when ``m`` is small: the ranks wanted are one or two runs, found by a partition on the unique key
+    ``x·len + index`` (whose order is the stable order of ``x``) and sorted alone. Same answer."""
+    n = len(x)
+    lo = int(x.min(initial=0))
+    span = int(x.max(initial=0)) - lo + 1
+    if 4 * m >= n or span >= (1 << 62) // max(n, 1):
+        return np.argsort(x, kind="stable")[(start + np.arange(m)) % n]
+    key = (x - lo) * n + np.arange(n)
+    start %= n
+    runs = [(start, min(n, start + m))] + ([(0, start + m - n)] if start + m > n else [])
+    out = []
+    for a, b in runs:
+        if b - a >= n:
+            part = np.argsort(key)
+        else:
+            part = np.argpartition(key, (a, b - 1) if b - 1 > a else a)[a:b]
+            part = part[np.argsort(key[part])]
+        out.append(part)
+    return np.concatenate(out) if len(out) > 1 else out[0]
 
 
 def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, num_bins: int, *,
