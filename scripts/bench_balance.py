@@ -36,6 +36,10 @@ import numpy as np
 from harness import environment_line, measure, ratio, timed
 
 import tokenbal.balance.plan
+import tokenbal.balance.plan.common
+import tokenbal.balance.plan.counts
+import tokenbal.balance.plan.padded
+import tokenbal.balance.plan.stages
 from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.simulate import balance_summary, count_sharded_step_tokens, per_step_partition_tokens
 from tokenbal.estimate import get_estimator
@@ -126,15 +130,17 @@ def previous_planner() -> Iterator[None]:
     """Plan as PLAN_VERSION 5 did: windows of 128 samples per rank, equal lengths in dataset index
     order, and with stages the plain fill (no profile sub-windows) followed by the cross-step and
     in-step stage refinement."""
-    names = ("default_window", "_STAGE_GROUP", "_TIE_BY_POS")
-    saved = [getattr(tokenbal.balance.plan, k) for k in names]
-    for k, v in zip(names, (_previous_default_window, 0, 0), strict=True):
-        setattr(tokenbal.balance.plan, k, v)
+    plan = tokenbal.balance.plan
+    where = ((plan, "default_window"), (plan.counts, "default_window"), (plan.padded, "default_window"),
+             (plan.stages, "_STAGE_GROUP"), (plan.common, "_TIE_BY_POS"))
+    saved = [getattr(m, k) for m, k in where]
+    for (m, k), v in zip(where, (_previous_default_window,) * 3 + (0, 0), strict=True):
+        setattr(m, k, v)
     try:
         yield
     finally:
-        for k, v in zip(names, saved, strict=True):
-            setattr(tokenbal.balance.plan, k, v)
+        for (m, k), v in zip(where, saved, strict=True):
+            setattr(m, k, v)
 
 
 def _pairs_again(a, b) -> tuple[float, float]:
@@ -279,12 +285,13 @@ def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats
 @contextlib.contextmanager
 def exact_fill() -> Iterator[None]:
     """Plan with the exact one-item-at-a-time window fill (the baseline of the batched fill)."""
-    saved = tokenbal.balance.plan._BATCH_PER_RANK
-    tokenbal.balance.plan._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
+    common = tokenbal.balance.plan.common
+    saved = common._BATCH_PER_RANK
+    common._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
     try:
         yield
     finally:
-        tokenbal.balance.plan._BATCH_PER_RANK = saved
+        common._BATCH_PER_RANK = saved
 
 
 def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
@@ -762,7 +769,7 @@ def main() -> None:
                     "PLAN_VERSION 7 in the same run")
     ap.add_argument("--fill-jitter", type=float, default=0.0,
                     help="--token-mixtures: jitter of the sizes the window-fill candidate sorts "
-                    "(plan._FILL_JITTER; 0 = the default plan)")
+                    "(plan.counts._FILL_JITTER; 0 = the default plan)")
     ap.add_argument("--mixture-cost", default="square", choices=("square", "flops"))
     ap.add_argument("--mixture-points", default="", help="R values to run (default all), e.g. 8,64")
     ap.add_argument("--repeat-draws", type=int, default=3, help="draws whose next epoch is planned too")
@@ -788,7 +795,7 @@ def main() -> None:
         bench_exhaustive(args.exhaustive, args.mixture_cost)
         return
     if args.token_mixtures:
-        tokenbal.balance.plan._FILL_JITTER = args.fill_jitter
+        tokenbal.balance.plan.counts._FILL_JITTER = args.fill_jitter
         keep = {int(x) for x in args.mixture_points.split(",") if x}
         print(environment_line())
         bench_token_mixtures(args.token_mixtures, tuple(p for p in TOKEN_POINTS if not keep or p[0] in keep),
