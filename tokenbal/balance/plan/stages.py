@@ -36,6 +36,11 @@ _COMPOSE_WITH_FILL = 1
 # 1.0407 / 1.0238 / 1.0309 / 1.0238 in 5.9 s, 32: 1.0368 / 1.0197 / 1.0187 / 1.0187 in 7.1 s,
 # 48: 1.0358 / 1.0179 / 1.0168 / 1.0137 in 8.5 s, 96: 1.0275 / 1.0166 / 1.0102 / 1.0069 in 12.9 s.
 _COMPOSE_LEVEL_ROUNDS = 32
+# PLAN_VERSION 12 (issue 49): those rounds within a budget of max(2^20, ranks · 2^14) samples × rounds
+# per composition (at least _STAGE_LEVEL_MIN rounds), so the work grows with the epoch, not with
+# rounds × steps: 100k samples on 8 ranks level 10 rounds, not 32; 512 ranks and more keep 32.
+_COMPOSE_LEVEL_FLOOR = 1 << 20
+_COMPOSE_LEVEL_PER_RANK = 1 << 14
 # Stage mode (PLAN_VERSION 9): windows of up to _GROUPED_ITEMS samples split by the grouped stage fill
 # (_plan_stage_window); the heaviest steps, up to _STAGE_REFILL_ITEMS samples, planned again by
 # version 7's composition (_compose_fill) and kept where that is faster. 0: version 7's plan.
@@ -58,7 +63,18 @@ _STAGE_SHARE_GROUPS = (2, 4)
 # (2^17 refilled, one group): 16 rounds 1.0606 / 1.0719 / 1.0400, 4 rounds 1.0608 / 1.0723 (6) / 1.0401
 # in ~1 s less.
 _STAGE_REFILL_ROUNDS = 4
-_STAGE_REFILL_FRACTIONS = (1, 2, 4)
+# Short epochs' refill: the heaviest hmax / d steps for each d here (the best kept), composed with the
+# profile-fill candidate when _SHORT_WITH_FILL. PLAN_VERSION 11: (1, 2, 4) with it, i.e. on an epoch of
+# 10k samples on 8 ranks the whole window composed three times over and again whole by the caller,
+# each twice. PLAN_VERSION 12: one size, no profile-fill candidate; 6 square draws at (8, 16, 200
+# steps) median figure 1.0214 -> 1.0215, (512, 1024, 40 steps) 4 draws 1.3378 -> 1.3330, (64, 128, 100)
+# 4 draws 1.2413 -> 1.2432, for 1/3 of the time (scripts/bench_balance.py, docs/BENCHMARKS.md issue 49).
+_STAGE_REFILL_FRACTIONS = (4,)
+_SHORT_WITH_FILL = 0
+# The exact swap search between the steps of a composition (partition.stages._swap_window) stops after
+# this many swaps (PLAN_VERSION 11: 4 per step, ~0.1-0.2 ms each: 2 s per composition of 100k samples on
+# 8 ranks). It takes the step furthest above its ideal first, so the cap keeps the worst steps' swaps.
+_COMPOSE_SWAPS = 256
 _STAGE_WHOLE_ITEMS = 1 << 18
 # The final leveling of a short stage epoch (_level_stage_plan): every step trades samples with every
 # other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
@@ -69,9 +85,21 @@ _STAGE_WHOLE_ITEMS = 1 << 18
 # of 2^24, 1.0009 with 1,024 rounds. With 8 ranks the time falls in rare steps (every bin at a
 # maximum must drop): patience 64 stopped draw 9 at 1.0186, 256 reached 1.0166 (as 1,024 rounds did).
 # See docs/bench/balance.md, "PLAN_VERSION 10".
+# PLAN_VERSION 12 (issue 49): the budget is max(_STAGE_LEVEL_FLOOR, ranks · _STAGE_LEVEL_PER_RANK), at most
+# _STAGE_LEVEL_WORK, samples × rounds (at least _STAGE_LEVEL_MIN rounds): wide steps, where dozens of
+# bins sit near a stage's maximum, keep what version 11 spent (512 ranks and up: 2^25), while 8 ranks,
+# where the time falls in rare steps, spend 2^20 (10k samples: 104 rounds, not 1,024; 100k: 10, not
+# 335). The leveling (and the pools' leveling) also stops once the last _STAGE_LEVEL_STALL[0] rounds
+# gained less than _STAGE_LEVEL_STALL[1] of the epoch's stage time (an anytime stop); each pool of
+# _level_stage_plan gets the budget >> _STAGE_POOL_SHIFT (version 11: 2^23 whatever the ranks).
 _STAGE_LEVEL_ROUNDS = 1024
 _STAGE_LEVEL_WORK = 1 << 25
 _STAGE_LEVEL_PATIENCE = 256
+_STAGE_LEVEL_MIN = 8
+_STAGE_LEVEL_FLOOR = 1 << 20
+_STAGE_LEVEL_PER_RANK = 1 << 16
+_STAGE_LEVEL_STALL = (64, (1, 20000))
+_STAGE_POOL_SHIFT = 2
 # Short stage epochs, after the leveling (PLAN_VERSION 11): the heaviest 2 / 4 / 8 / 16 steps
 # (up to 2^16 samples) composed again from their pooled samples, the best pool kept where faster;
 # 0: off. 4,096 ranks, 24 steps, 20 square draws: 11 faster, none slower, draw 9 1.1812 -> 1.1205
@@ -82,8 +110,8 @@ _STAGE_POOL = 1
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
                    vrank: np.ndarray, S: int, R: int, k: int, lens: np.ndarray | None, budget: int | None,
-                   cross: bool = True, rounds: int | None = None, level_rounds: int | None = None
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   cross: bool = True, rounds: int | None = None, level_rounds: int | None = None,
+                   max_swaps: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Balance the stages of every micro-step (step s, micro-batch j: virtual ranks r·k + j): first
     swaps between the micro-steps of a window (:func:`tokenbal.balance.partition.swap_stages_across_steps`),
     then moves and swaps inside each (:func:`tokenbal.balance.partition.refine_stages_many`). Returns the new
@@ -98,7 +126,7 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     if cross:
         more = {} if level_rounds is None else {"level_rounds": level_rounds}
         group, bins = swap_stages_across_steps(c, group, bins, window, R, capacity=budget,
-                                               capacity_costs=cap_costs, **more)
+                                               capacity_costs=cap_costs, max_swaps=max_swaps, **more)
     step, vrank = group // k, bins * k + group % k
     group = step * k + vrank % k
     order = np.argsort(group, kind="stable")
@@ -153,13 +181,15 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
         candidates.append((perm_b, step_b, rank_b))
     best = None
     base = win_of_item * W
+    work = max(_COMPOSE_LEVEL_FLOOR, R * _COMPOSE_LEVEL_PER_RANK)
+    level_rounds = min(_COMPOSE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(perm), 1)))
     for p, st, rk in candidates:
         # The stage refinement (swaps across the window's steps, then inside each) depends on which
         # samples share a window and a step, not on the steps' order or the ranks' labels, so it runs
         # here, before the caller shuffles both; each window keeps the candidate that ends faster.
         st, rk = _refine_stages(stages, p, win_of_item, base + st, rk, G * W, R, 1, None, None,
                                 cross=True, rounds=refine_rounds or _REFINE_ROUNDS,
-                                level_rounds=_COMPOSE_LEVEL_ROUNDS)
+                                level_rounds=level_rounds, max_swaps=_COMPOSE_SWAPS)
         st = st - base
         t = _split_time(stages[p], win_of_item, st, rk, G, W, R)
         if best is None:
@@ -215,15 +245,17 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     # A short epoch is also planned whole by version 7's composition (with its tail step, which then
     # trades samples with the others); the faster of the two plans is kept.
     zero = np.zeros(len(perm), np.int64)
-    p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng)
+    p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
+                                 with_fill=bool(_SHORT_WITH_FILL))
     whole = (p, zero, np.array([S], np.int64), st, rk)
     chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
-    rounds = min(_STAGE_LEVEL_ROUNDS, _STAGE_LEVEL_WORK // max(len(perm), 1))
-    return _level_stage_plan(stages, *chosen, R, rounds)
+    work = min(_STAGE_LEVEL_WORK, max(_STAGE_LEVEL_FLOOR, R * _STAGE_LEVEL_PER_RANK))
+    rounds = min(_STAGE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(perm), 1)))
+    return _level_stage_plan(stages, *chosen, R, rounds, work >> _STAGE_POOL_SHIFT)
 
 
 def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
-                      step_w: np.ndarray, rank: np.ndarray, R: int, rounds: int
+                      step_w: np.ndarray, rank: np.ndarray, R: int, rounds: int, pool_work: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A short stage epoch's plan (perm, window, steps per window, step, rank) after ``rounds`` rounds
     of leveling swaps among all its rank-steps (:func:`tokenbal.balance.partition.level_stage_bins`)
@@ -244,9 +276,10 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
 
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
     c = stages[perm]
-    g, rank = level_stage_bins(c, first[win] + step_w, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE)
+    g, rank = level_stage_bins(c, first[win] + step_w, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE,
+                               stall=_STAGE_LEVEL_STALL)
     if _STAGE_POOL:
-        g, rank = pool_heaviest_steps(c, g, rank, R)
+        g, rank = pool_heaviest_steps(c, g, rank, R, work=pool_work, stall=_STAGE_LEVEL_STALL)
     win = np.searchsorted(first, g, side="right") - 1
     return perm, win, steps_in_win, g - first[win], rank
 
@@ -317,7 +350,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
 
 def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, step: np.ndarray,
                         rank: np.ndarray, W: int, R: int, h: int, rng: np.random.Generator | None,
-                        with_fill: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+                        short: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """The ``h`` heaviest of a window's ``W`` steps (by ``Σ_stage max_rank``) planned again by
     :func:`_compose_fill`; returns ``(items, step, rank, time saved)``, unchanged where that is not faster."""
     N = len(items) // W
@@ -327,8 +360,9 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
     chosen[top] = True
     sel = np.flatnonzero(chosen[step])                  # in permutation order
     p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
-                                 np.full((1, h), N, np.int64), R, rng, with_fill=with_fill,
-                                 refine_rounds=None if with_fill else _STAGE_REFILL_ROUNDS)
+                                 np.full((1, h), N, np.int64), R, rng,
+                                 with_fill=short and bool(_SHORT_WITH_FILL),
+                                 refine_rounds=None if short else _STAGE_REFILL_ROUNDS)
     redone = _step_times(stages[p], st * R + rk, h, R).sum()
     gain = float(loads[top].sum() - redone)
     if gain <= 0:
