@@ -64,13 +64,21 @@ _STAGE_SHARE_GROUPS = (2, 4)
 # in ~1 s less.
 _STAGE_REFILL_ROUNDS = 4
 # Short epochs' refill: the heaviest hmax / d steps for each d here (the best kept), composed with the
-# profile-fill candidate when _SHORT_WITH_FILL. PLAN_VERSION 11: (1, 2, 4) with it, i.e. on an epoch of
-# 10k samples on 8 ranks the whole window composed three times over and again whole by the caller,
-# each twice. PLAN_VERSION 12: one size, no profile-fill candidate; 6 square draws at (8, 16, 200
-# steps) median figure 1.0214 -> 1.0215, (512, 1024, 40 steps) 4 draws 1.3378 -> 1.3330, (64, 128, 100)
-# 4 draws 1.2413 -> 1.2432, for 1/3 of the time (scripts/bench_balance.py, docs/BENCHMARKS.md issue 49).
-_STAGE_REFILL_FRACTIONS = (4,)
-_SHORT_WITH_FILL = 0
+# profile-fill candidate from _SHORT_FILL_RANKS ranks on. PLAN_VERSION 11 tried every d with the
+# candidate: on 10k samples on 8 ranks the whole window composed three times over (and again whole by the
+# caller), each twice. PLAN_VERSION 12: the largest d only, no candidate below _SHORT_FILL_RANKS; the
+# smaller d only where they refill at most _STAGE_REFILL_SMALL samples (tiny epochs: with one sample per
+# rank the whole window refilled finds the optimum, tests/tokenbal/balance/test_mixture_balance.py).
+# Median figure of square draws: (8, 16, 200 steps), 6 draws, 1.0214 -> 1.0215 with the largest d alone,
+# -> 1.0194 without the candidate (docs/bench/balance.md, "PLAN_VERSION 12").
+_STAGE_REFILL_FRACTIONS = (1, 2, 4)
+_STAGE_REFILL_SMALL = 2048
+# Short epochs on this many ranks or more keep version 11's refill (every d, with the profile-fill
+# candidate): with hundreds of ranks it costs little beside the leveling and it decides some draws (512
+# ranks, 40 steps, draw 4: 1.2160 without the candidate, 1.1598 with, version 11 1.1602; 4,096 ranks,
+# 24 steps, draw 2: 1.1470 with the largest d only, 1.1121 with every d, as version 11). At 8 ranks, 10k
+# samples, the candidate took 0.52 -> 0.82 s for no gain.
+_SHORT_FILL_RANKS = 256
 # The exact swap search between the steps of a composition (partition.stages._swap_window) stops after
 # this many swaps (PLAN_VERSION 11: 4 per step, ~0.1-0.2 ms each: 2 s per composition of 100k samples on
 # 8 ranks). It takes the step furthest above its ideal first, so the cap keeps the worst steps' swaps.
@@ -246,7 +254,7 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     # trades samples with the others); the faster of the two plans is kept.
     zero = np.zeros(len(perm), np.int64)
     p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
-                                 with_fill=bool(_SHORT_WITH_FILL))
+                                 with_fill=R >= _SHORT_FILL_RANKS)
     whole = (p, zero, np.array([S], np.int64), st, rk)
     chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
     work = min(_STAGE_LEVEL_WORK, max(_STAGE_LEVEL_FLOOR, R * _STAGE_LEVEL_PER_RANK))
@@ -338,10 +346,12 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     _, step, rank = best
     hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
     if short:
-        # Short epochs (whose whole plan the caller also makes): the best of several sizes, composed
-        # as version 7 does (with its profile-fill candidate).
+        # Short epochs (whose whole plan the caller also makes): the best of several sizes (the smaller
+        # ones only where they are cheap), composed as version 7 does.
         tries = [_refill_stage_steps(lens, stages, items, step, rank, W, R, max(1, hmax // d), rng, True)
-                 for d in sorted(set(_STAGE_REFILL_FRACTIONS))]
+                 for d in sorted(set(_STAGE_REFILL_FRACTIONS))
+                 if d == max(_STAGE_REFILL_FRACTIONS) or hmax // d * N <= _STAGE_REFILL_SMALL
+                 or R >= _SHORT_FILL_RANKS]
         return max(tries, key=lambda t: t[3])[:3]
     # Long epochs: the heaviest steps once, by sorted orders only (the profile fill doubles the cost;
     # a second refill of the 16k heaviest samples with it: 1M on 512 ranks 1.0606 -> 1.0575 for +1.2 s).
@@ -361,7 +371,7 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
     sel = np.flatnonzero(chosen[step])                  # in permutation order
     p, _, st, rk = _compose_fill(lens, stages, items[sel], np.zeros(len(sel), np.int64),
                                  np.full((1, h), N, np.int64), R, rng,
-                                 with_fill=short and bool(_SHORT_WITH_FILL),
+                                 with_fill=short and R >= _SHORT_FILL_RANKS,
                                  refine_rounds=None if short else _STAGE_REFILL_ROUNDS)
     redone = _step_times(stages[p], st * R + rk, h, R).sum()
     gain = float(loads[top].sum() - redone)
