@@ -36,6 +36,10 @@ import numpy as np
 from harness import environment_line, measure, ratio, timed
 
 import tokenbal.balance.plan
+import tokenbal.balance.plan.common
+import tokenbal.balance.plan.counts
+import tokenbal.balance.plan.padded
+import tokenbal.balance.plan.stages
 from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.simulate import balance_summary, count_sharded_step_tokens, per_step_partition_tokens
 from tokenbal.estimate import get_estimator
@@ -126,15 +130,17 @@ def previous_planner() -> Iterator[None]:
     """Plan as PLAN_VERSION 5 did: windows of 128 samples per rank, equal lengths in dataset index
     order, and with stages the plain fill (no profile sub-windows) followed by the cross-step and
     in-step stage refinement."""
-    names = ("default_window", "_STAGE_GROUP", "_TIE_BY_POS")
-    saved = [getattr(tokenbal.balance.plan, k) for k in names]
-    for k, v in zip(names, (_previous_default_window, 0, 0), strict=True):
-        setattr(tokenbal.balance.plan, k, v)
+    plan = tokenbal.balance.plan
+    where = ((plan, "default_window"), (plan.counts, "default_window"), (plan.padded, "default_window"),
+             (plan.stages, "_STAGE_GROUP"), (plan.common, "_TIE_BY_POS"))
+    saved = [getattr(m, k) for m, k in where]
+    for (m, k), v in zip(where, (_previous_default_window,) * 3 + (0, 0), strict=True):
+        setattr(m, k, v)
     try:
         yield
     finally:
-        for k, v in zip(names, saved, strict=True):
-            setattr(tokenbal.balance.plan, k, v)
+        for (m, k), v in zip(where, saved, strict=True):
+            setattr(m, k, v)
 
 
 def _pairs_again(a, b) -> tuple[float, float]:
@@ -279,12 +285,13 @@ def bench_budget(n: int, budget: int, ranks: tuple[int, ...], seed: int, repeats
 @contextlib.contextmanager
 def exact_fill() -> Iterator[None]:
     """Plan with the exact one-item-at-a-time window fill (the baseline of the batched fill)."""
-    saved = tokenbal.balance.plan._BATCH_PER_RANK
-    tokenbal.balance.plan._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
+    common = tokenbal.balance.plan.common
+    saved = common._BATCH_PER_RANK
+    common._BATCH_PER_RANK = 0        # batch 0 -> fill_windows' exact loop
     try:
         yield
     finally:
-        tokenbal.balance.plan._BATCH_PER_RANK = saved
+        common._BATCH_PER_RANK = saved
 
 
 def _row(name: str, ratios: np.ndarray, lb: np.ndarray | None = None) -> str:
@@ -395,6 +402,7 @@ V7_COMMIT = "8e630dd"           # main with PLAN_VERSION 7 (issue 32, part 1: st
 V8_COMMIT = "54ee978"           # main with PLAN_VERSION 8 (issue 32, part 2: tokens mode; stage plans as v7)
 V9_COMMIT = "96a634c"           # main with PLAN_VERSION 9 (issue 32, part 3: the grouped stage fill)
 V10_COMMIT = "1f0ba66"          # main with PLAN_VERSION 10 (issue 32, part 4: short stage epochs leveled)
+V11_COMMIT = "fc8c858"          # main with PLAN_VERSION 11 (issue 32, parts 7-8: heaviest steps pooled)
 TOKEN_POINTS = ((8, 16, 4000), (64, 128, 1000), (512, 1024, 200), (512, 1024, 976), (4096, 8192, 60))
 MIXTURE_POINTS = ((8, 16, 200), (64, 128, 100), (512, 1024, 40), (4096, 8192, 24))   # (R, N, steps)
 GOALS = {8: 1.01, 64: 1.02, 512: 1.04, 4096: 1.06}
@@ -437,7 +445,7 @@ def _steps_of(plan, n: int) -> np.ndarray:
 
 
 def bench_mixtures(draws: int, points: tuple, model_name: str, repeat_draws: int,
-                   previous: str = V10_COMMIT) -> None:
+                   previous: str = V11_COMMIT) -> None:
     """Worst / median over random mixture draws (tokenbal.balance.mixtures) of the epoch's stage figure
     Σ_steps Σ_stages max_rank / ideal: the plan now, the planner at git commit ``previous`` (same
     process; "prev"), and the floors of their compositions and of a length-grouped composition (HF's
@@ -657,6 +665,53 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: str | No
               f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB{figure}", flush=True)
 
 
+# Issue 49: (samples, ranks, samples per rank per step, grad_accum); the issue's table first, then 16 and
+# 4,096 ranks, 8 samples per rank and grad_accum 2.
+SCALE_TABLE = ((10_000, 8, 2, 1), (30_000, 8, 2, 1), (100_000, 8, 2, 1), (200_000, 8, 2, 1),
+               (1_000_000, 8, 2, 1), (30_000, 64, 2, 1), (1_000_000, 512, 2, 1))
+SCALE_MORE = ((30_000, 16, 2, 1), (40_960, 512, 2, 1), (196_608, 4096, 2, 1), (100_000, 8, 8, 1),
+              (100_000, 8, 2, 2))
+
+
+def bench_plan_scale_table(rows: tuple, seed: int, previous: str | None, repeats: int,
+                           previous_max: int) -> None:
+    """Issue 49: CPU seconds (``time.process_time``, median of ``repeats``) of ``plan_epoch`` on each row's
+    samples of mixture ``seed`` (square stage costs): tokens mode, stages (``cost=``, ``stages=``) now,
+    and stages by the planner at git commit ``previous`` (one run; skipped above ``previous_max``
+    samples), all in this process; the ratios stages / tokens (the issue's target: <= 10, or <= 0.25 s)
+    and previous / now."""
+    from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
+    from tokenbal.balance.plan import PLAN_VERSION
+    from tokenbal.balance.plan import plan_epoch as plan_now
+    from tokenbal.balance.simulate import epoch_stage_figure
+
+    old = planner_at(previous) if previous else None
+    print(f"now = PLAN_VERSION {PLAN_VERSION}, previous = {previous}; CPU s, median of {repeats} "
+          "(previous: 1 run); figure = Σ_steps Σ_stages max_rank / ideal")
+    print(f"{'samples':>9} {'ranks':>5} {'per rank':>8} {'ga':>3} | {'tokens':>7} {'stages':>7} {'ratio':>6} "
+          f"{'ok':>3} | {'previous':>8} {'prev/now':>8} | {'figure now':>10} {'previous':>9}", flush=True)
+    for n, R, per, ga in rows:
+        s = draw_samples(random_mixture(seed), n, seed)
+        c = stage_costs(s)
+        lengths = s.lengths
+        del s
+        kw = {"global_batch_size": per * R * ga, "grad_accum": ga, "seed": seed}
+        tokens_plan = partial(plan_now, lengths, R, **kw)
+        stage_plan = partial(plan_now, lengths, R, cost=c.sum(1), stages=c, **kw)
+        tok = measure(tokens_plan, repeats=repeats, warmup=0).cpu_median
+        plan, _, _ = timed(stage_plan)
+        now = measure(stage_plan, repeats=repeats, warmup=0).cpu_median
+        fig = epoch_stage_figure(plan, c)
+        prev, pfig = float("nan"), float("nan")
+        if old is not None and n <= previous_max:
+            pplan, _, prev = timed(partial(old, lengths, R, cost=c.sum(1), stages=c, **kw))
+            pfig = epoch_stage_figure(pplan, c)
+        r = now / tok if tok > 0 else float("inf")
+        ok = "yes" if now <= max(10 * tok, 0.25) else "NO"
+        print(f"{n:>9} {R:>5} {per:>8} {ga:>3} | {tok:7.3f} {now:7.2f} {r:6.1f} {ok:>3} | {prev:8.2f} "
+              f"{prev / now:8.1f} | {fig:10.4f} {pfig:9.4f}", flush=True)
+
+
 PADDED_POINTS = ((2, 4, 1), (8, 4, 1), (8, 2, 2), (2, 8, 1))   # (ranks, per-device batch, grad accum)
 
 
@@ -749,9 +804,10 @@ def main() -> None:
                     help="issue 32: stage balance over DRAWS random mixtures at every scale, the planner "
                     "at --previous in the same run, against the length-grouped composition's floor, its "
                     "equal-count floor and its split by tokenbal's split (simulate.split_figure)")
-    ap.add_argument("--previous", default=V10_COMMIT, metavar="COMMIT",
+    ap.add_argument("--previous", default=V11_COMMIT, metavar="COMMIT",
                     help=f"--mixtures / --plan-scale --with-previous: the git commit whose planner runs "
-                    f"beside the current one (default {V10_COMMIT}, PLAN_VERSION 10; {V9_COMMIT}: "
+                    f"beside the current one (default {V11_COMMIT}, PLAN_VERSION 11; {V10_COMMIT}: "
+                    f"PLAN_VERSION 10; {V9_COMMIT}: "
                     f"PLAN_VERSION 9; {V8_COMMIT}: "
                     f"PLAN_VERSION 8; {V6_COMMIT}: PLAN_VERSION 6; none: --mixtures without it)")
     ap.add_argument("--exhaustive", type=int, default=0, metavar="DRAWS",
@@ -762,12 +818,16 @@ def main() -> None:
                     "PLAN_VERSION 7 in the same run")
     ap.add_argument("--fill-jitter", type=float, default=0.0,
                     help="--token-mixtures: jitter of the sizes the window-fill candidate sorts "
-                    "(plan._FILL_JITTER; 0 = the default plan)")
+                    "(plan.counts._FILL_JITTER; 0 = the default plan)")
     ap.add_argument("--mixture-cost", default="square", choices=("square", "flops"))
     ap.add_argument("--mixture-points", default="", help="R values to run (default all), e.g. 8,64")
     ap.add_argument("--repeat-draws", type=int, default=3, help="draws whose next epoch is planned too")
     ap.add_argument("--plan-scale", default="", metavar="N,R,MODE",
-                    help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages")
+                    help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages; "
+                    "'table': issue 49's table (stages vs tokens vs --previous, CPU medians), 'more': its "
+                    "16 / 4,096-rank, 8-per-rank and grad_accum rows, 'all': both")
+    ap.add_argument("--previous-max", type=int, default=300_000,
+                    help="--plan-scale table: run the --previous planner up to this many samples")
     ap.add_argument("--mmap", action="store_true",
                     help="--plan-scale tokens: lengths memory-mapped from an int32 .npy (100M samples)")
     ap.add_argument("--with-v6", action="store_true", help="--plan-scale: time the v6 planner too")
@@ -788,11 +848,17 @@ def main() -> None:
         bench_exhaustive(args.exhaustive, args.mixture_cost)
         return
     if args.token_mixtures:
-        tokenbal.balance.plan._FILL_JITTER = args.fill_jitter
+        tokenbal.balance.plan.counts._FILL_JITTER = args.fill_jitter
         keep = {int(x) for x in args.mixture_points.split(",") if x}
         print(environment_line())
         bench_token_mixtures(args.token_mixtures, tuple(p for p in TOKEN_POINTS if not keep or p[0] in keep),
                              args.repeat_draws)
+        return
+    if args.plan_scale in ("table", "more", "all"):
+        print(environment_line())
+        rows = {"table": SCALE_TABLE, "more": SCALE_MORE, "all": SCALE_TABLE + SCALE_MORE}[args.plan_scale]
+        bench_plan_scale_table(rows, args.seed, None if args.previous == "none" else args.previous,
+                               args.repeats or 3, args.previous_max)
         return
     if args.plan_scale:
         n, R, mode = args.plan_scale.split(",")

@@ -11,7 +11,8 @@ Data flow, one file per step:
   of steps at once (``window``), and the refinement of steps made of synchronised stages
   (``stages``). Arrays in, arrays out.
 * :mod:`tokenbal.balance.plan` — :func:`~tokenbal.balance.plan.plan_epoch`: which samples every rank
-  reads at every step, from the resolved arrays and the settings.
+  reads at every step, from the resolved arrays and the settings; one module per planning mode
+  (``plan.counts``, ``plan.stages``, ``plan.budget``, ``plan.padded``).
 * :mod:`tokenbal.balance.simulate` — balance metrics and the comparison with DistributedSampler and
   per-step partitioning (``tokenbal plan simulate``).
 * :mod:`tokenbal.balance.sampler` — the DataLoader facade (:class:`TokenBalancedBatchSampler`).

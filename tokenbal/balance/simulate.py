@@ -15,7 +15,8 @@ from tokenbal._checks import nonneg_int as _nonneg_int
 from tokenbal._checks import positive_int as _positive_int
 from tokenbal.balance.cost import resolve, to_int_costs
 from tokenbal.balance.partition import partition
-from tokenbal.balance.plan import EpochPlan, _compose_fill, _step_times, plan_epoch
+from tokenbal.balance.plan import EpochPlan, plan_epoch
+from tokenbal.balance.plan.stages import _compose_fill, _step_times
 from tokenbal.balance.settings import PlanSettings
 
 __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower_bound",

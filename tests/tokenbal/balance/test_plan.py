@@ -198,7 +198,7 @@ def test_balance_on_heavy_tailed_mixture_beats_count_sharding(R, N):
 def test_batched_fill_balances_about_as_well_as_the_exact_fill(R, N, monkeypatch):
     # The batched window fill (many items per round) must stay close to the exact one-at-a-time
     # rule it approximates: within 25% of its imbalance (+0.001), mean and p95.
-    import tokenbal.balance.plan as plan_mod
+    import tokenbal.balance.plan.common as plan_mod
 
     lengths = mixture_lengths()
     batched = step_balance(plan_epoch(lengths, R, global_batch_size=N, seed=1).step_rank_tokens(lengths))
@@ -417,7 +417,7 @@ def test_simulate_sp_size_balances_data_parallel_groups(index_dir, capsys):
 def test_jittered_window_fill_candidate_keeps_the_contract(monkeypatch):
     # _FILL_JITTER (off by default) sorts the window-fill candidate by jittered sizes: the plan must
     # still hold every sample once in equal steps, and change from epoch to epoch.
-    import tokenbal.balance.plan as plan_mod
+    import tokenbal.balance.plan.counts as plan_mod
 
     monkeypatch.setattr(plan_mod, "_FILL_JITTER", 0.1)
     lengths = mixture_lengths(4000)

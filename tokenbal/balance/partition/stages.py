@@ -41,6 +41,13 @@ _POOL_PATIENCE = 64
 _POOL_SLACK = (1, 10)
 
 
+# Work done so far, in item visits: each round of the in-step refinement adds its steps' items x partners,
+# each swap-search round its sources x partners, each leveling round the items it levels. Only read (and
+# reset) by tests that bound the planner's work (tests/tokenbal/balance/test_stage_work.py); never used
+# to plan, so plans do not depend on it.
+work_done = {"refine": 0, "swap": 0, "level": 0}
+
+
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
     """``Σ_k max_b load[b, k]``: the time of a step whose K stages each end in a barrier."""
     c = np.asarray(stage_costs, np.int64)
@@ -115,6 +122,7 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
         if not active.size:
             break
         still = []
+        work_done["refine"] += len(active) * M * P
         for lo in range(0, len(active), chunk):
             g = active[lo:lo + chunk]
             still.append(g[_best_moves(g, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R, P,
@@ -199,7 +207,8 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
 def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, window: np.ndarray,
                              num_bins: int, *, capacity: int | None = None,
                              capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4,
-                             level_rounds: int = _LEVEL_ROUNDS) -> tuple[np.ndarray, np.ndarray]:
+                             level_rounds: int = _LEVEL_ROUNDS, max_swaps: int | None = None
+                             ) -> tuple[np.ndarray, np.ndarray]:
     """Swap items between bins of the groups (steps) of the same window where that lowers
     ``Σ_group Σ_stage max_bin load``; returns the items' new ``(group, bins)``.
 
@@ -242,7 +251,7 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
         new_g, new_b = _level_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
                                      int(level_rounds))
         new_g, new_b = _swap_window(c[idx], tot[idx], new_g, new_b, len(g_ids), R, capacity,
-                                    rounds_per_group * len(g_ids), never)
+                                    min(rounds_per_group * len(g_ids), max_swaps or 1 << 62), never)
         group[idx] = g_ids[new_g]
         bins[idx] = new_b
     return group, bins
@@ -250,7 +259,8 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
 
 def level_stage_bins(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, num_bins: int, *,
                      rounds: int = _LEVEL_ROUNDS, patience: int | None = None, capacity: int | None = None,
-                     capacity_costs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     capacity_costs: np.ndarray | None = None,
+                     stall: tuple[int, tuple[int, int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Up to ``rounds`` rounds of leveling swaps among all the bins of all the groups (steps of
     ``num_bins`` bins each), stopping early once ``Σ_group Σ_stage max_bin`` has not fallen for
     ``patience`` rounds; returns the items' new ``(group, bins)``.
@@ -272,7 +282,7 @@ def level_stage_bins(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarra
     tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
     g_ids, g_local = np.unique(group, return_inverse=True)
     new_g, new_b = _level_window(c, tot, g_local.reshape(-1), bins, len(g_ids), R, capacity, int(rounds),
-                                 patience)
+                                 patience, stall)
     return g_ids[new_g], new_b
 
 
@@ -316,6 +326,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         if end > G:
             theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
         gj, bj = g[theirs], b[theirs]
+        work_done["swap"] += len(mine) * len(theirs)
         other_j = np.where(top[gj, 0] != bj[:, None], topv[gj, 0], topv[gj, 1])          # (nj, K)
         other_i = np.where(top[s, 0][None, :] != b[mine][:, None], topv[s, 0][None, :], topv[s, 1][None, :])
         d = c[theirs][None, :, :] - c[mine][:, None, :]                       # step s's bin gains d
@@ -358,7 +369,8 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
 
 
 def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
-                  capacity: int | None, rounds: int, patience: int | None = None
+                  capacity: int | None, rounds: int, patience: int | None = None,
+                  stall: tuple[int, tuple[int, int]] | None = None
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Rounds of many disjoint one-for-one swaps among the G·R bins of a window (any two bins, of
     the same step or not); returns the items' new (group, bin).
@@ -402,15 +414,24 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
+    history = []
     for rnd in range(rounds):
+        work_done["level"] += n
         per_step = loads.reshape(K, G, R)
         top = per_step.max(2)
-        if patience is not None:
+        if patience is not None or stall is not None:
             objective = int(top.sum())
             idle = 0 if fastest is None or objective < fastest else idle + 1
             fastest = objective if fastest is None else min(fastest, objective)
-            if idle >= patience:
+            if patience is not None and idle >= patience:
                 break
+            if stall is not None:
+                # Anytime: stop once the last `span` rounds gained less than `rate` of the objective
+                # (integer test, the same on every machine).
+                span, (num_r, den_r) = stall
+                history.append(objective)
+                if len(history) > span and (history[-span - 1] - objective) * den_r < num_r * objective:
+                    break
         mean = -(-per_step.sum(2) // R)
         over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
         room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
@@ -436,9 +457,8 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
-            roomy = np.argsort(over[k], kind="stable")
             a = np.repeat(src, roomy_bins)
-            bb = roomy[(np.arange(len(a)) + rnd * roomy_bins) % nb]
+            bb = _ranked(over[k], rnd * roomy_bins, len(a))
             pairs = counts[a] * counts[bb]
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
                              np.repeat(counts[bb], pairs))
@@ -503,8 +523,32 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     return home // R, home % R
 
 
+def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
+    """``np.argsort(x, kind="stable")[(start + np.arange(m)) % len(x)]`` without sorting all of ``x``
+    when ``m`` is small: the ranks wanted are one or two runs, found by a partition on the unique key
+    ``x·len + index`` (whose order is the stable order of ``x``) and sorted alone. Same answer."""
+    n = len(x)
+    lo = int(x.min(initial=0))
+    span = int(x.max(initial=0)) - lo + 1
+    if 4 * m >= n or span >= (1 << 62) // max(n, 1):
+        return np.argsort(x, kind="stable")[(start + np.arange(m)) % n]
+    key = (x - lo) * n + np.arange(n)
+    start %= n
+    runs = [(start, min(n, start + m))] + ([(0, start + m - n)] if start + m > n else [])
+    out = []
+    for a, b in runs:
+        if b - a >= n:
+            part = np.argsort(key)
+        else:
+            part = np.argpartition(key, (a, b - 1) if b - 1 > a else a)[a:b]
+            part = part[np.argsort(key[part])]
+        out.append(part)
+    return np.concatenate(out) if len(out) > 1 else out[0]
+
+
 def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, num_bins: int, *,
-                        pools: tuple[int, ...] = _POOL_STEPS, max_items: int = _POOL_ITEMS
+                        pools: tuple[int, ...] = _POOL_STEPS, max_items: int = _POOL_ITEMS,
+                        work: int | None = None, stall: tuple[int, tuple[int, int]] | None = None
                         ) -> tuple[np.ndarray, np.ndarray]:
     """The ``h`` heaviest steps (by ``Σ_stage max_bin``) composed again from their pooled samples, for
     each ``h`` in ``pools``; the pool that gains most is kept, none where none gains. Returns the
@@ -550,8 +594,8 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         new_g, new_b, start = _deal_pool(x, h, R)
         if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
-        rounds = min(_POOL_ROUNDS, _POOL_WORK // len(x))
-        new_g, new_b = _level_window(x, x.sum(1), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE)
+        rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // len(x))
+        new_g, new_b = _level_window(x, x.sum(1), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
         pooled = np.zeros((h, R, K), np.int64)
         np.add.at(pooled, (new_g, new_b), x)
         gain = before - int(pooled.max(1).sum())
