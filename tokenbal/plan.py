@@ -1,7 +1,8 @@
 """Deprecated old import path of :mod:`tokenbal.balance.plan` and :mod:`tokenbal.balance.simulate`
 (removed in tokenbal 0.3.0): the public names of both, as the single-file planner had them. Import
 them from :mod:`tokenbal.balance.plan` (planning) and :mod:`tokenbal.balance.simulate` (metrics,
-the simulator) instead; module-level settings are only read from the mode modules of :mod:`tokenbal.balance.plan`."""
+the simulator) instead; module-level settings are only read from the mode modules of
+:mod:`tokenbal.balance.plan`."""
 
 import warnings
 
