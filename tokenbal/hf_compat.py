@@ -310,7 +310,47 @@ def image_processor_class(name: str) -> Any:
     return found
 
 
+def processor_attributes(processor_or_class: Any) -> list[str]:
+    """The sub-processor slots of a processor (``["image_processor", "tokenizer", ...]``): 5.x asks
+    ``get_attributes()``, 4.57 keeps a class-level ``attributes`` list."""
+    get = getattr(processor_or_class, "get_attributes", None)
+    return list(get()) if callable(get) else list(getattr(processor_or_class, "attributes", []))
+
+
+def set_processor_attributes(processor_or_class: Any, names: list[str]) -> None:
+    """Narrow the sub-processor slots a processor saves and loads to ``names``, on either API."""
+    names = list(names)
+    if callable(getattr(processor_or_class, "get_attributes", None)):
+        processor_or_class.get_attributes = lambda: list(names)
+    if hasattr(processor_or_class, "attributes"):
+        processor_or_class.attributes = list(names)
+
+
 # -- training ---------------------------------------------------------------------------------------
+def revert_weight_conversion(model: Any, state_dict: dict) -> dict:
+    """``state_dict`` under the names ``save_pretrained`` writes: 5.x converts some weights at load
+    (``transformers.core_model_loading``) and reverts that when saving; 4.57 renames keys by the
+    model's ``_checkpoint_conversion_mapping`` (regex -> replacement) and saves under the reverse
+    mapping (e.g. Qwen2-VL's ``model.visual.`` as ``visual.``), the first pattern that matches wins."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion as revert
+    except ImportError:
+        import re
+
+        mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+        reverse = [(pattern, re.sub(r"\(.*\)", "", original.lstrip("^")))
+                   for original, pattern in mapping.items()]
+        saved = {}
+        for key, value in state_dict.items():
+            for pattern, replacement in reverse:
+                key, replaced = re.subn(pattern, replacement, key)
+                if replaced:
+                    break
+            saved[key] = value
+        return saved
+    return revert(model, state_dict)
+
+
 def checkpointing_enable(model: Any, use_reentrant: bool = False) -> None:
     """Turn on the model's activation checkpointing: 5.x names it ``activation_checkpointing_enable``
     (``activation_checkpointing_kwargs``), 4.57 ``gradient_checkpointing_enable``

@@ -110,7 +110,7 @@ def tiny_qwen2_vl_processor():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2VLProcessor
 
-    from tokenbal.hf_compat import image_processor_class
+    from tokenbal.hf_compat import image_processor_class, processor_attributes, set_processor_attributes
 
     vocab = {f"w{i}": i for i in range(100)}
     vocab |= {r: 100 + i for i, r in enumerate(ROLES)}
@@ -127,13 +127,15 @@ def tiny_qwen2_vl_processor():
     # beside this torch build), so the check is skipped for the None argument only.
     proc = object.__new__(Qwen2VLProcessor)
     check = Qwen2VLProcessor.check_argument_for_proper_class
-    proc.check_argument_for_proper_class = lambda name, arg: None if arg is None else check(proc, name, arg)
+    # (4.57 also insists on a Qwen2Tokenizer class; the tiny tokenizer is a PreTrainedTokenizerFast.)
+    proc.check_argument_for_proper_class = (
+        lambda name, arg: None if arg is None or name == "tokenizer" else check(proc, name, arg))
     Qwen2VLProcessor.__init__(proc, image_processor=images, tokenizer=tokenizer, video_processor=None,
                               chat_template=CHAT_TEMPLATE)
     del proc.check_argument_for_proper_class
     # ...and saving (the Trainer writes the processor into every checkpoint) skips that empty slot.
-    names = [a for a in type(proc).get_attributes() if getattr(proc, a, None) is not None]
-    proc.get_attributes = lambda: names
+    names = [a for a in processor_attributes(type(proc)) if getattr(proc, a, None) is not None]
+    set_processor_attributes(proc, names)
     return proc
 
 

@@ -75,13 +75,15 @@ def load_processor(path: str | os.PathLike, **kwargs: Any) -> Any:
     processor (a warning says so; images and text work, videos need torchvision)."""
     from transformers import AutoProcessor
 
+    from tokenbal.hf_compat import processor_attributes
+
     try:
         return AutoProcessor.from_pretrained(path, **kwargs)
     except ImportError as e:
         if "torchvision" not in str(e).lower():
             raise
         cls = _processor_class(path)
-        if cls is None or "video_processor" not in cls.get_attributes():
+        if cls is None or "video_processor" not in processor_attributes(cls):
             raise
     log.warning("%s: its video processor needs torchvision, which is not installed; loading %s for "
                 "images and text only (pip install torchvision for videos)", path, cls.__name__)
@@ -109,12 +111,14 @@ def _without_video(cls: Any) -> Any:
     class per ``cls``, and its instances pickle (DataLoader workers under spawn)."""
 
     class NoVideo(cls):
-        @classmethod
-        def get_attributes(klass) -> list[str]:
-            return [a for a in super().get_attributes() if a != "video_processor"]
-
         def __reduce__(self):
             return _rebuild_without_video, (cls, self.__dict__)
+
+    if callable(getattr(cls, "get_attributes", None)):   # transformers 5.x
+        NoVideo.get_attributes = classmethod(
+            lambda klass: [a for a in cls.get_attributes() if a != "video_processor"])
+    else:                                                # 4.57: a class-level list
+        NoVideo.attributes = [a for a in cls.attributes if a != "video_processor"]
 
     NoVideo.__name__ = NoVideo.__qualname__ = cls.__name__
     return NoVideo

@@ -303,7 +303,7 @@ def load_checkpoint_weights(model: Any, checkpoint_dir: str) -> bool:
     missing = [k for k in own if k not in names and k not in tied]   # tied weights are saved once
     if not missing:
         return False
-    from transformers.core_model_loading import revert_weight_conversion
+    from tokenbal.hf_compat import revert_weight_conversion
 
     # The saved name of each of the model's tensors: revert the conversion on the model's own state
     # dict and follow each tensor object (a pure renaming keeps them; merges or splits do not).
