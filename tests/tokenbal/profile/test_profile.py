@@ -91,12 +91,16 @@ def test_a_scalar_read_in_the_step_is_found(tmp_path):
 
 def _hf_rope_step():
     # transformers' own rotation (rotate_half: slice, negate, concatenate), as Qwen2-VL's attention runs it
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as hf
 
     tokens, heads, dim = 256, 4, 32
     q, k = torch.randn(1, heads, tokens, dim), torch.randn(1, 2, tokens, dim)
-    cos, sin = torch.randn(1, tokens, dim), torch.randn(1, tokens, dim)
-    return lambda: apply_rotary_pos_emb(q, k, cos, sin)
+    if hasattr(hf, "apply_rotary_pos_emb"):   # 5.19 and later: cos / sin already interleaved per axis
+        cos, sin = torch.randn(1, tokens, dim), torch.randn(1, tokens, dim)
+        return lambda: hf.apply_rotary_pos_emb(q, k, cos, sin)
+    # before 5.19 (4.57-5.9): one (t, h, w) cos / sin each, split by mrope_section inside the call
+    cos, sin = torch.randn(3, 1, tokens, dim), torch.randn(3, 1, tokens, dim)
+    return lambda: hf.apply_multimodal_rotary_pos_emb(q, k, cos, sin, [4, 6, 6])
 
 
 def _fused_rope_step():
