@@ -9,6 +9,7 @@ rank fails or the whole run exceeds ``timeout`` seconds, so a bug fails fast ins
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import socket
@@ -28,12 +29,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _crash_report(out_dir: str, rank: int) -> str:
+    try:
+        with open(os.path.join(out_dir, f"rank{rank}.crash")) as f:
+            stacks = f.read().strip()
+    except OSError:
+        return ""
+    return f"; its Python stacks at the crash:\n{stacks}" if stacks else ""
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str,
             collective_timeout: float, backend: str, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
 
+    # A native crash (SIGSEGV, SIGABRT) leaves no result; the Python stacks of every thread at the
+    # moment of the crash go to this file, which the parent shows in its error.
+    crash_log = open(os.path.join(out_dir, f"rank{rank}.crash"), "w")  # noqa: SIM115 - open until exit
+    faulthandler.enable(file=crash_log, all_threads=True)
     torch.set_num_threads(threads)
     result: dict[str, Any]
     try:
@@ -79,7 +93,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
         for r in range(world_size):
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
-                failures.append(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                failures.append(f"rank {r} exited with code {procs[r].exitcode} and no result"
+                                + _crash_report(out_dir, r))
                 continue
             with open(path, "rb") as f:
                 res = pickle.load(f)

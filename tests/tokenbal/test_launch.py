@@ -24,3 +24,20 @@ def test_run_ranks_returns_each_rank_result():
 def test_run_ranks_reports_a_failing_rank_instead_of_hanging():
     with pytest.raises(RuntimeError, match="boom on rank 1"):
         run_ranks(_fail_on_rank1, 2, timeout=60, collective_timeout=10)
+
+
+def _crash_on_rank1(rank, world_size):
+    if rank == 1:
+        import faulthandler
+
+        faulthandler._sigsegv()  # a native crash: no Python exception, no result file
+    dist.barrier()
+
+
+def test_run_ranks_shows_the_python_stacks_of_a_rank_that_crashed_natively():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_crash_on_rank1, 2, timeout=60, collective_timeout=10)
+    message = str(info.value)
+    assert "rank 1 exited with code -11 and no result" in message
+    assert "Fatal Python error: Segmentation fault" in message
+    assert "_crash_on_rank1" in message  # the crashing frame is named
