@@ -1,13 +1,21 @@
-"""Inputs of the framework checks (tests/frameworks): a tiny multimodal chat corpus of real image
-files (some above LLaMA-Factory's ``image_max_pixels``, so its own resize matters), written in each
-framework's dataset format, and the tiny random Qwen2-VL checkpoint folder they train."""
+"""Inputs and checks of the LLaMA-Factory / ms-swift framework tests
+(tests/tokenbal/integrations/frameworks): a tiny multimodal chat corpus of real image files (some
+above LLaMA-Factory's ``image_max_pixels``, so its own resize matters), written in each framework's
+dataset format, the tiny random Qwen2-VL checkpoint folder they train, and what both tests assert on
+the steps their recording drivers (tests.helpers.framework_record) wrote."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import socket
+import subprocess
+import time
 from pathlib import Path
+
+from tests.helpers.paths import REPO
 
 WORDS = ("the cat sat on a mat while red birds sang over green hills near blue water and old "
          "trees watched quiet boats drift past small houses").split()
@@ -117,3 +125,102 @@ def swift_args(data: Path, model: str, out: Path, *extra: str) -> list[str]:
             "--max_pixels", str(160 * 160), "--torch_dtype", "float32", "--report_to", "none",
             "--ddp_backend", "gloo", "--seed", "7", "--data_seed", "11", "--save_only_model", "false",
             "--ddp_find_unused_parameters", "true", "--gradient_checkpointing", "false", *extra]
+
+
+# -- running a framework's CLI ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(cmd: list[str], name: str, env: dict) -> subprocess.CompletedProcess:
+    """``cmd`` from the repository root with the CPU-rank environment, this checkout first on
+    PYTHONPATH and ``env`` on top; output captured, the wall time printed."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, **env_for_ranks(), "PYTHONPATH": path, **env}
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=1200)
+    print(f"{name}: rc {done.returncode} in {time.monotonic() - start:.0f} s")
+    return done
+
+
+def assert_ok(done: subprocess.CompletedProcess) -> None:
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+
+
+# -- what the recording drivers wrote ----------------------------------------------------------------
+
+def steps(record: Path, world: int) -> dict[int, list[dict]]:
+    """step -> each rank's record of it, in rank order."""
+    out: dict[int, list[dict]] = {}
+    for r in range(world):
+        for line in (record / f"rank{r}.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            out.setdefault(rec["step"], []).append(rec)
+    return out
+
+
+def figures(steps_: dict[int, list[dict]]) -> tuple[float, float]:
+    """(mean over steps of max ÷ mean real tokens over the ranks, padded ÷ real tokens in all)."""
+    ratios = [max(r["real"] for r in recs) / (sum(r["real"] for r in recs) / len(recs))
+              for recs in steps_.values()]
+    padded = sum(r["padded"] for recs in steps_.values() for r in recs)
+    real = sum(r["real"] for recs in steps_.values() for r in recs)
+    return sum(ratios) / len(ratios), padded / real
+
+
+def batches(steps_: dict[int, list[dict]]) -> dict[int, list[list[int]]]:
+    """step -> each rank's rows, in rank order."""
+    return {s: [r["rows"] for r in recs] for s, recs in steps_.items()}
+
+
+def epochs_of(steps_: dict[int, list[dict]], n: int, epochs: int, world: int) -> list[int]:
+    """Asserts every rank trained every step and every row exactly once per epoch; returns each
+    epoch's number of steps (a token budget's epochs may differ in length)."""
+    assert sorted(steps_) == list(range(1, len(steps_) + 1))
+    assert all(len(recs) == world for recs in steps_.values())           # every rank, every step
+    out, seen, count = [], [], 0
+    for s in sorted(steps_):
+        seen += [i for r in steps_[s] for i in r["rows"]]
+        count += 1
+        if len(seen) >= n:
+            assert sorted(seen) == list(range(n)), f"epoch {len(out)}"  # each row once
+            out.append(count)
+            seen, count = [], 0
+    assert not seen and len(out) == epochs, (out, seen)
+    return out
+
+
+def assert_resumed(full: dict, killed: dict, resumed: dict, save_at: int, kill_at: int) -> None:
+    """The killed run trained the full run's first steps, the resumed one exactly the rest after
+    the checkpoint at ``save_at``."""
+    full, k_steps, r_steps = batches(full), batches(killed), batches(resumed)
+    assert sorted(k_steps) == list(range(1, kill_at + 1))
+    assert k_steps == {s: full[s] for s in k_steps}
+    assert r_steps == {s: full[s] for s in range(save_at + 1, max(full) + 1)}
+
+
+def assert_packed(steps_: dict[int, list[dict]], budget: int) -> None:
+    """Every micro-batch one packed row, no padding, at most ``budget`` real tokens per rank."""
+    for recs in steps_.values():
+        for r in recs:
+            assert r["packed"] and r["padded"] == r["real"], r
+            assert r["real"] <= budget, r
+
+
+def assert_first_step_loss(steps_: dict[int, list[dict]], *, global_mean: bool) -> list[float]:
+    """The first step's training loss on every rank against its samples' own unpacked losses:
+    LLaMA-Factory's normalisation (``global_mean=False``), the token mean of the rank's packed row;
+    ms-swift's (``True``), the row's loss sum over all ranks' loss tokens × the world size (the
+    global token mean, as DDP averages the ranks' gradients). Returns the losses."""
+    recs = steps_[1]
+    world, tokens = len(recs), sum(r["ref_tokens"] for r in recs)
+    out = []
+    for r in recs:
+        expect = r["ref_sum"] / tokens * world if global_mean else r["ref_sum"] / r["ref_tokens"]
+        assert math.isfinite(r["loss"])
+        assert math.isclose(r["loss"], expect, rel_tol=1e-4), (r["loss"], expect)
+        out.append(r["loss"])
+    return out

@@ -5,10 +5,11 @@
 in place of ``llamafactory-cli train CONFIG.yaml``: the same YAML (and the same ``key=value``
 overrides), with tokenbal's options under a top-level ``tokenbal:`` key (``tokenbal: {}`` for the
 defaults; any :class:`~tokenbal.integrations.hf.TokenBalancingMixin` ``sampler_options`` key, e.g.
-``max_tokens_per_rank``, ``seed``, ``window``, ``cost``). Several ranks as LLaMA-Factory's own CLI
-starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m tokenbal.integrations.llamafactory train
-CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``), or under
-``torchrun --nproc-per-node 2 -m tokenbal.integrations.llamafactory train CONFIG.yaml``.
+``max_tokens_per_rank``, ``seed``, ``window``, ``cost``; and ``packed: true``, see below). Several
+ranks as LLaMA-Factory's own CLI starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m
+tokenbal.integrations.llamafactory train CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` /
+``MASTER_ADDR`` / ``MASTER_PORT``), or under ``torchrun --nproc-per-node 2 -m
+tokenbal.integrations.llamafactory train CONFIG.yaml``.
 
 What it changes in LLaMA-Factory's ``sft`` stage, and nothing else: its trainer
 (``CustomSeq2SeqTrainer``) gets :class:`~tokenbal.integrations.hf.TokenBalancingMixin` in front, so
@@ -23,12 +24,21 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   processor's ``smart_resize``. Every row is then compared with LLaMA-Factory's tokenized
   ``input_ids``: a row that disagrees (an image the estimate sizes differently, a row cut at
   ``cutoff_len``) is an error naming it, never a silent plan.
+- **Packed** (``tokenbal: {packed: true, max_tokens_per_rank: N}``), the alternative to
+  LLaMA-Factory's ``packing`` / ``neat_packing``: each rank's micro-batch is one packed row of whole
+  samples, at most ``N`` real tokens, no padding (:class:`collate.PackedCollator` with ``cu_seqlens``
+  and per-sample M-RoPE ids; the model patched by :func:`collate.models.enable_packed`). The rows stay
+  LLaMA-Factory's: its tokenized ``input_ids`` / ``labels`` (its template, its label mask), and each
+  row's images through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
+  (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` the packed rows hold
+  ``per_device_train_batch_size`` samples.
 - **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
-  (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is.
+  (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is: padded,
+  the token mean of each micro-batch; packed, the token mean of each rank's packed row (as with
+  LLaMA-Factory's own ``neat_packing``), equal to the token-weighted mean of its samples' own losses.
 - **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
   (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
-  tokenbal's ``packed: true`` (not wired through LLaMA-Factory yet), multimodal plugins other than the
-  Qwen2-VL family, video and audio rows.
+  multimodal plugins other than the Qwen2-VL family, video and audio rows.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["llamafactory_lengths", "main", "trainer_class"]
+__all__ = ["LlamaFactorySamples", "llamafactory_lengths", "main", "trainer_class"]
 
 logger = logging.getLogger("tokenbal")
 
@@ -159,12 +169,49 @@ def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndar
 
 # -- the trainer ------------------------------------------------------------------------------------
 
+class LlamaFactorySamples:
+    """The packed path's collator over LLaMA-Factory's tokenized rows: each row becomes one sample of
+    :class:`collate.PackedCollator` (its ``input_ids`` and ``labels`` as LLaMA-Factory made them, its
+    images through LLaMA-Factory's own mm_plugin ``get_mm_inputs``: the plugin's resize, then the
+    processor), and ``packer`` packs them into one row. Floating tensors are cast to
+    ``compute_dtype``, as LLaMA-Factory's own collator casts them."""
+
+    def __init__(self, packer: Any, template: Any, processor: Any, compute_dtype: Any = None) -> None:
+        self.packer, self.template, self.processor = packer, template, processor
+        self.compute_dtype = compute_dtype
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        images = list(row.get("images") or [])
+        if row.get("videos") or row.get("audios"):
+            raise ValueError("tokenbal: videos and audios are not supported in LLaMA-Factory's packed rows")
+        out: dict[str, Any] = {"input_ids": np.asarray(row["input_ids"], np.int64),
+                               "labels": np.asarray(row["labels"], np.int64)}
+        if images:
+            plugin = self.template.mm_plugin
+            mm = plugin.get_mm_inputs(images, [], [], [len(images)], [0], [0], [list(row["input_ids"])],
+                                      self.processor)
+            for key in ("pixel_values", "image_grid_thw"):
+                if mm.get(key) is not None:
+                    value = mm[key]
+                    if self.compute_dtype is not None and torch.is_floating_point(value):
+                        value = value.to(self.compute_dtype)
+                    out[key] = value
+        return out
+
+    def __call__(self, rows: list[dict[str, Any]]) -> Any:
+        return self.packer([self.sample(row) for row in rows])
+
+
 def trainer_class(base: Any, options: dict[str, Any]) -> Any:
     """``base`` (LLaMA-Factory's ``CustomSeq2SeqTrainer``) with the token-balancing mixin in front and
-    tokenbal's ``options`` (the YAML's ``tokenbal:`` mapping) as its ``sampler_options``."""
+    tokenbal's ``options`` (the YAML's ``tokenbal:`` mapping) as its ``sampler_options``; ``packed:
+    true`` in them selects packed rows (:class:`LlamaFactorySamples`)."""
     from tokenbal.integrations.hf import TokenBalancingMixin
 
     opts = dict(options)
+    packed = bool(opts.pop("packed", False))
 
     class TokenBalancedSeq2SeqTrainer(TokenBalancingMixin, base):
         # LLaMA-Factory normalises a multimodal loss per micro-batch on purpose; keep it, say so once.
@@ -173,12 +220,21 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             collator = kwargs.get("data_collator")
-            lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"),
-                                           getattr(collator, "template", None))
+            template = getattr(collator, "template", None)
+            lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"), template)
             options = dict(opts)
             if getattr(kwargs.get("finetuning_args"), "disable_shuffling", False):
                 options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
-            super().__init__(*args, token_lengths=lengths, sampler_options=options, **kwargs)
+            if packed:
+                from collate import PackedCollator
+
+                model = kwargs.get("model")
+                if model is None or not hasattr(model, "config"):
+                    raise ValueError("tokenbal: packed: true needs LLaMA-Factory's model instance")
+                kwargs["data_collator"] = LlamaFactorySamples(
+                    PackedCollator.from_config(model.config), template, kwargs.get("processor"),
+                    getattr(collator, "compute_dtype", None))
+            super().__init__(*args, token_lengths=lengths, sampler_options=options, packed=packed, **kwargs)
 
     TokenBalancedSeq2SeqTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSeq2SeqTrainer
@@ -204,10 +260,8 @@ def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         options = {}
     if not isinstance(options, dict):
         raise SystemExit(f"tokenbal: the config's `tokenbal:` key must be a mapping, got {options!r}")
-    if options.get("packed"):
-        raise SystemExit("tokenbal: `packed: true` is not available through LLaMA-Factory yet (its rows are "
-                         "tokenized and padded by LLaMA-Factory); use padded batches (the default)")
-    options.pop("packed", None)
+    if not isinstance(options.get("packed", False), bool):
+        raise SystemExit(f"tokenbal: `packed:` must be true or false, got {options['packed']!r}")
     stage = args.get("stage", "sft")
     if stage != "sft":
         raise SystemExit(f"tokenbal: stage {stage!r} is not supported (only stage: sft)")
