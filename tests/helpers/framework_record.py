@@ -109,6 +109,9 @@ def recording(base: type, framework: str, all_ids: Callable[[Any], list[list[int
             loss = super().training_step(model, inputs, *args, **kwargs)
             if first:
                 record["loss"] = float(loss)
+                items = args[0] if args else kwargs.get("num_items_in_batch")
+                record["num_items_in_batch"] = None if items is None else int(items)
+                record["distributed_type"] = str(self.accelerator.distributed_type)
             _write(f"rank{_rank()}.jsonl", record)
             return loss
 

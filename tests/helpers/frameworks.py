@@ -124,7 +124,9 @@ def swift_args(data: Path, model: str, out: Path, *extra: str) -> list[str]:
             "--save_steps", "1000", "--logging_steps", "1", "--dataloader_num_workers", "0",
             "--max_pixels", str(160 * 160), "--torch_dtype", "float32", "--report_to", "none",
             "--ddp_backend", "gloo", "--seed", "7", "--data_seed", "11", "--save_only_model", "false",
-            "--ddp_find_unused_parameters", "true", "--gradient_checkpointing", "false", *extra]
+            "--ddp_find_unused_parameters", "true", "--gradient_checkpointing", "false",
+            # without it accelerate sees no distributed CPU run (DistributedType.NO): no DDP, no gathers
+            "--use_cpu", "true", *extra]
 
 
 # -- running a framework's CLI ------------------------------------------------------------------------
@@ -216,6 +218,7 @@ def assert_first_step_loss(steps_: dict[int, list[dict]], *, global_mean: bool) 
     ms-swift's (``True``), the row's loss sum over all ranks' loss tokens × the world size (the
     global token mean, as DDP averages the ranks' gradients). Returns the losses."""
     recs = steps_[1]
+    assert all(r["distributed_type"] != "DistributedType.NO" for r in recs), recs   # a real DDP run
     world, tokens = len(recs), sum(r["ref_tokens"] for r in recs)
     out = []
     for r in recs:

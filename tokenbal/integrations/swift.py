@@ -91,7 +91,20 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
     opts = dict(options or {})
     packed = bool(opts.pop("packed", False))
 
-    class TokenBalancedSwiftTrainer(TokenBalancingMixin, base):
+    class CollatorSlot(base):
+        """ms-swift builds its trainer's collator itself (``_get_data_collator``) and passes it on:
+        the packed collator the mixin made (``data_collator``) is handed over through that hook."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._tokenbal_collator = kwargs.pop("data_collator", None)
+            super().__init__(*args, **kwargs)
+
+        def _get_data_collator(self, *args: Any, **kwargs: Any) -> Any:
+            if self._tokenbal_collator is not None:
+                return self._tokenbal_collator
+            return super()._get_data_collator(*args, **kwargs)
+
+    class TokenBalancedSwiftTrainer(TokenBalancingMixin, CollatorSlot):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             train_args = kwargs.get("args")
             for flag in ("packing", "padding_free"):
@@ -103,14 +116,8 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
             dataset = kwargs.get("train_dataset")
             if dataset is None or not hasattr(dataset, "__len__"):
                 raise ValueError("tokenbal: ms-swift's train dataset must have a length (no --streaming)")
+            _check_placeholder_ids(kwargs.get("template"), kwargs.get("model"))
             lengths = swift_lengths(dataset)
-            if packed:
-                from collate import PackedCollator
-
-                model = kwargs.get("model")
-                if model is None or not hasattr(model, "config"):
-                    raise ValueError("tokenbal: packed=True needs ms-swift's model instance")
-                kwargs["data_collator"] = PackedCollator.from_config(model.config)
             super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), packed=packed,
                              **kwargs)
             if packed:
@@ -120,6 +127,21 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
 
     TokenBalancedSwiftTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSwiftTrainer
+
+
+def _check_placeholder_ids(template: Any, model: Any) -> None:
+    """ms-swift's Qwen-VL templates name their image / video placeholder by a fixed id (Qwen2-VL's
+    vocabulary: ``image_token_id = 151655``), not the tokenizer's. A checkpoint whose tokenizer puts
+    it elsewhere is encoded with one unexpanded placeholder per image: lengths short by every image's
+    tokens, and the vision features scattered to the wrong place. Refuse that, naming both ids."""
+    config = getattr(model, "config", None)
+    for kind in ("image", "video"):
+        ours = getattr(template, f"{kind}_token_id", None)
+        theirs = getattr(config, f"{kind}_token_id", None)
+        if ours is not None and theirs is not None and int(ours) != int(theirs):
+            raise ValueError(f"tokenbal: ms-swift's template {type(template).__name__} uses {kind}_token_id="
+                             f"{ours} but the model's config has {kind}_token_id={theirs}: ms-swift would "
+                             f"not expand the {kind} placeholders of this checkpoint")
 
 
 def _no_post_encode_hook(models: Any) -> None:

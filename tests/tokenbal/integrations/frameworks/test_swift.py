@@ -10,15 +10,17 @@ gloo ranks with a tiny random Qwen2-VL and its ``qwen2_vl`` template, with and w
   items to the trainer (after its load-time shuffle, ``--data_seed``);
 - per-step balance (max ÷ mean real tokens over the ranks) and padded ÷ real tokens against
   ms-swift's default sampler on the same data, in the same test;
+- packed rows (a plugin file with ``register(packed=True, max_tokens_per_rank=B)``): no rank's row
+  over ``B``, no padding, the first step's loss equal to ms-swift's global token mean of the samples'
+  own unpacked losses;
 - a run killed after a mid-epoch checkpoint, resumed with ``--resume_from_checkpoint``, trains
-  exactly the steps the uninterrupted run trained.
+  exactly the steps the uninterrupted run trained (padded and packed).
 
 `make test-frameworks`."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -30,9 +32,11 @@ from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
-N, WORLD, PER_DEVICE = 24, 2, 2
-STEPS = N // (WORLD * PER_DEVICE)   # 6 per epoch, 2 epochs
+N, WORLD, EPOCHS = 24, 2, 2
+STEPS = N // (WORLD * 2)            # padded: 2 rows per rank and step, 6 steps per epoch
 SAVE_AT, KILL_AT = 8, 10
+BUDGET = 320                        # packed: real tokens per rank and step
+TOKENBAL_PLUGIN = REPO / "tokenbal" / "integrations" / "swift_plugin" / "tokenbal_plugin.py"
 
 
 @pytest.fixture(scope="module")
@@ -46,84 +50,47 @@ def sw(tmp_path_factory):
     fw.write_images(rows, root / "images")
     model = fw.checkpoint(root / "Qwen2-VL-tiny", rows)
     data = fw.swift_dataset(root / "data", rows)
-    return {"python": Path(python), "root": root, "rows": rows, "model": model, "data": data}
+    # the docs' own-options recipe: a plugin file of one's own
+    packed_plugin = root / "packed_plugin.py"
+    packed_plugin.write_text("from tokenbal.integrations.swift import register\n"
+                             f"register(packed=True, max_tokens_per_rank={BUDGET})\n")
+    return {"python": Path(python), "root": root, "rows": rows, "model": model, "data": data,
+            "packed_plugin": packed_plugin}
 
 
-def _run(sw: dict, name: str, *, tokenbal: bool, extra: tuple = (), env: dict | None = None,
+def _run(sw: dict, name: str, *, plugin: Path | None, extra: tuple = (), env: dict | None = None,
          record_name: str = "record"):
-    import subprocess
-
+    """One ``swift sft`` run; returns (completed process, its steps or None, output folder)."""
     out = sw["root"] / name / "out"
     record = sw["root"] / name / record_name
-    plugins = []
-    if tokenbal:
-        plugins.append(str(REPO / "tokenbal" / "integrations" / "swift_plugin" / "tokenbal_plugin.py"))
-    plugins.append(str(REPO / "tests" / "helpers" / "swift_record.py"))
+    plugins = [*([str(plugin)] if plugin else []), str(REPO / "tests" / "helpers" / "swift_record.py")]
     args = fw.swift_args(sw["data"], sw["model"], out, *extra, "--external_plugins", *plugins)
-    full_env = {**os.environ, **fw.env_for_ranks(), "RECORD_DIR": str(record), "NPROC_PER_NODE": str(WORLD),
-                "MASTER_PORT": str(_free_port()),
-                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-                **(env or {})}
-    start = time.monotonic()
-    done = subprocess.run([str(sw["python"].parent / "swift"), *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=1200)
-    print(f"{name}/{record_name}: rc {done.returncode} in {time.monotonic() - start:.0f} s")
-    return done, record, out
+    done = fw.run_cli([str(sw["python"].parent / "swift"), *args], f"{name}/{record_name}",
+                      {"RECORD_DIR": str(record), "NPROC_PER_NODE": str(WORLD),
+                       "MASTER_PORT": str(fw.free_port()), **(env or {})})
+    steps = fw.steps(record, WORLD) if (record / "rank0.jsonl").is_file() else None
+    return done, steps, out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ok(done) -> None:
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-
-
-def _steps(record: Path) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for r in range(WORLD):
-        for line in (record / f"rank{r}.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            out.setdefault(rec["step"], []).append(rec)
-    return out
-
-
-def _figures(steps: dict[int, list[dict]]) -> tuple[float, float]:
-    ratios = [max(r["real"] for r in recs) / (sum(r["real"] for r in recs) / len(recs))
-              for recs in steps.values()]
-    padded = sum(r["padded"] for recs in steps.values() for r in recs)
-    real = sum(r["real"] for recs in steps.values() for r in recs)
-    return sum(ratios) / len(ratios), padded / real
-
-
-def _exactly_once(steps: dict[int, list[dict]]) -> None:
-    assert sorted(steps) == list(range(1, 2 * STEPS + 1))
-    assert all(len(recs) == WORLD for recs in steps.values())
-    for epoch in range(2):
-        rows = [i for s in range(epoch * STEPS + 1, (epoch + 1) * STEPS + 1)
-                for r in steps[s] for i in r["rows"]]
-        assert sorted(rows) == list(range(N)), f"epoch {epoch}"
+def _lengths_equal(out: Path) -> None:
+    lengths = json.loads((out.parent / "record" / "lengths.json").read_text())
+    assert lengths["tokenbal"] == lengths["swift"]                      # 100 % of the items
 
 
 @pytest.mark.parametrize("lazy", ["true", "false"])
 def test_swift_sft_token_balanced(sw, lazy):
-    done, record, _ = _run(sw, f"tokenbal-lazy-{lazy}", tokenbal=True, extra=("--lazy_tokenize", lazy))
-    _ok(done)
-    steps = _steps(record)
-    _exactly_once(steps)
-    lengths = json.loads((record / "lengths.json").read_text())
-    assert lengths["tokenbal"] == lengths["swift"]                      # 100 % of the items
+    done, steps, out = _run(sw, f"tokenbal-lazy-{lazy}", plugin=TOKENBAL_PLUGIN,
+                            extra=("--lazy_tokenize", lazy))
+    fw.assert_ok(done)
+    assert fw.epochs_of(steps, N, EPOCHS, WORLD) == [STEPS] * EPOCHS
     # ms-swift shuffles at load (--data_seed): the items are not in file order, the plan follows them
+    _lengths_equal(out)
     if lazy == "false":
-        default, d_record, _ = _run(sw, "default", tokenbal=False, extra=("--lazy_tokenize", lazy))
-        _ok(default)
-        _exactly_once(_steps(d_record))
-        balance, pad = _figures(steps)
-        d_balance, d_pad = _figures(_steps(d_record))
+        default, d_steps, _ = _run(sw, "default", plugin=None, extra=("--lazy_tokenize", lazy))
+        fw.assert_ok(default)
+        fw.epochs_of(d_steps, N, EPOCHS, WORLD)
+        balance, pad = fw.figures(steps)
+        d_balance, d_pad = fw.figures(d_steps)
         print(f"per-step max/mean real tokens: tokenbal {balance:.3f}, ms-swift default {d_balance:.3f}; "
               f"padded/real: tokenbal {pad:.3f}, default {d_pad:.3f}")
         assert balance < d_balance
@@ -131,21 +98,38 @@ def test_swift_sft_token_balanced(sw, lazy):
 
 
 def test_swift_kill_and_resume_exact(sw):
-    full, f_record, _ = _run(sw, "full", tokenbal=True, extra=("--save_steps", str(SAVE_AT)))
-    _ok(full)
-    killed, k_record, out = _run(sw, "killed", tokenbal=True, extra=("--save_steps", str(SAVE_AT)),
-                                 env={"KILL_AT": str(KILL_AT)})
+    full, f_steps, _ = _run(sw, "full", plugin=TOKENBAL_PLUGIN, extra=("--save_steps", str(SAVE_AT)))
+    fw.assert_ok(full)
+    killed, k_steps, out = _run(sw, "killed", plugin=TOKENBAL_PLUGIN, extra=("--save_steps", str(SAVE_AT)),
+                                env={"KILL_AT": str(KILL_AT)})
     assert killed.returncode != 0
     ckpt = out / f"checkpoint-{SAVE_AT}"
     assert json.loads((ckpt / "tokenbal_sampler.json").read_text())["epoch"] == 1
-    resumed, r_record, _ = _run(sw, "killed", tokenbal=True, record_name="resumed",
-                                extra=("--save_steps", str(SAVE_AT), "--resume_from_checkpoint", str(ckpt)))
-    _ok(resumed)
+    resumed, r_steps, _ = _run(sw, "killed", plugin=TOKENBAL_PLUGIN, record_name="resumed",
+                               extra=("--save_steps", str(SAVE_AT), "--resume_from_checkpoint", str(ckpt)))
+    fw.assert_ok(resumed)
+    fw.assert_resumed(f_steps, k_steps, r_steps, SAVE_AT, KILL_AT)
 
-    def batches(steps: dict) -> dict[int, list[list[int]]]:
-        return {s: [r["rows"] for r in recs] for s, recs in steps.items()}
 
-    whole, k_steps, r_steps = batches(_steps(f_record)), batches(_steps(k_record)), batches(_steps(r_record))
-    assert sorted(k_steps) == list(range(1, KILL_AT + 1))
-    assert k_steps == {s: whole[s] for s in k_steps}
-    assert r_steps == {s: whole[s] for s in range(SAVE_AT + 1, 2 * STEPS + 1)}
+def test_swift_packed_rows_under_a_token_budget(sw):
+    done, steps, out = _run(sw, "packed", plugin=sw["packed_plugin"])
+    fw.assert_ok(done)
+    per_epoch = fw.epochs_of(steps, N, EPOCHS, WORLD)
+    fw.assert_packed(steps, BUDGET)
+    _lengths_equal(out)
+    losses = fw.assert_first_step_loss(steps, global_mean=True)     # ms-swift's global token mean
+    balance, _ = fw.figures(steps)
+    fill = sum(r["real"] for recs in steps.values() for r in recs) / (len(steps) * WORLD * BUDGET)
+    print(f"packed, budget {BUDGET}: steps per epoch {per_epoch}; first-step losses {losses}; per-step "
+          f"max/mean real tokens {balance:.3f}; fill (real / steps x ranks x budget) {fill:.3f}")
+
+    save_at = per_epoch[0] + per_epoch[1] // 2
+    kill_at = save_at + 1
+    killed, k_steps, k_out = _run(sw, "packed-killed", plugin=sw["packed_plugin"],
+                                  extra=("--save_steps", str(save_at)), env={"KILL_AT": str(kill_at)})
+    assert killed.returncode != 0
+    ckpt = k_out / f"checkpoint-{save_at}"
+    resumed, r_steps, _ = _run(sw, "packed-killed", plugin=sw["packed_plugin"], record_name="resumed",
+                               extra=("--save_steps", str(save_at), "--resume_from_checkpoint", str(ckpt)))
+    fw.assert_ok(resumed)
+    fw.assert_resumed(steps, k_steps, r_steps, save_at, kill_at)
