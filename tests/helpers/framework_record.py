@@ -96,9 +96,11 @@ def recording(base: type, framework: str, all_ids: Callable[[Any], list[list[int
                 self._row_of = {tuple(i): n for n, i in enumerate(ids)}
                 if _rank() == 0:
                     planned = getattr(self, "tokenbal_sampler", None)
+                    video = getattr(self.model.config, "video_token_id", None)
                     with open(os.path.join(os.environ["RECORD_DIR"], "lengths.json"), "w") as f:
                         json.dump({framework: [len(i) for i in ids],
-                                   "tokenbal": None if planned is None else planned.lengths.tolist()}, f)
+                                   "tokenbal": None if planned is None else planned.lengths.tolist(),
+                                   "video_tokens": [sum(t == video for t in i) for i in ids]}, f)
             rows, real, padded = _rows_of(inputs)
             packed = inputs.get("seq_lens") is not None
             record = {"step": self.state.global_step + 1, "rows": [self._row_of.get(tuple(r)) for r in rows],

@@ -50,6 +50,25 @@ def write_images(rows: list[dict], folder: Path) -> None:
             r["images"].append(str(path))
 
 
+def write_videos(rows: list[dict], folder: Path, seed: int = 1) -> None:
+    """Gives every other row one real mp4 (``row["videos"]``: absolute paths) of 3-40 frames at 1-30
+    fps and 40-300 px per side, so LLaMA-Factory's ``video_fps`` / ``video_maxlen`` sampling and
+    ``video_max_pixels`` resize all matter."""
+    from tests.helpers.videos import write_video
+
+    rnd = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r["videos"] = []
+        if r["id"] % 2:
+            continue
+        path = folder / f"{r['id']}.mp4"
+        n, fps = rnd.randint(3, 40), rnd.choice((1, 2, 5, 12, 30))
+        w, h = 2 * rnd.randint(20, 150), 2 * rnd.randint(20, 150)   # even sides: yuv420p
+        write_video(str(path), n, w, h, fps)
+        r["videos"].append(str(path))
+
+
 def checkpoint(path: Path, rows: list[dict]) -> str:
     """The tiny random Qwen2-VL (tests.helpers.processors.qwen2_vl_checkpoint) with a tokenizer over
     ``rows``' words, its image processor saved under the class name every transformers 4.57-5.x loads."""
@@ -68,13 +87,15 @@ def llamafactory_project(folder: Path, rows: list[dict], model: str, *, extra: d
     """A LLaMA-Factory dataset (sharegpt, ``<image>`` placeholders) and a training YAML; returns the
     YAML's path. ``extra``: more top-level keys (``tokenbal: {...}``, ``resume_from_checkpoint``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = [{"messages": [{"role": "user", "content": "<image>" * len(r["images"]) + r["question"]},
+    videos = any(r.get("videos") for r in rows)
+    data = [{"messages": [{"role": "user", "content": "<video>" * len(r.get("videos", ())) +
+                           "<image>" * len(r["images"]) + r["question"]},
                           {"role": "assistant", "content": r["answer"]}],
-             "images": r["images"]} for r in rows]
+             "images": r["images"], **({"videos": r.get("videos", [])} if videos else {})} for r in rows]
     (folder / "data.json").write_text(json.dumps(data))
     (folder / "dataset_info.json").write_text(json.dumps({"tiny_mm": {
         "file_name": "data.json", "formatting": "sharegpt",
-        "columns": {"messages": "messages", "images": "images"},
+        "columns": {"messages": "messages", "images": "images", **({"videos": "videos"} if videos else {})},
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                  "assistant_tag": "assistant"}}}))
     cfg = {

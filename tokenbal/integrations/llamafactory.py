@@ -38,7 +38,11 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   LLaMA-Factory's own ``neat_packing``), equal to the token-weighted mean of its samples' own losses.
 - **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
   (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
-  multimodal plugins other than the Qwen2-VL family, video and audio rows.
+  multimodal plugins other than ``Qwen2VLPlugin`` (named in the message), audio rows.
+
+Videos (``Qwen2VLPlugin``): counted from the container header as LLaMA-Factory itself counts them
+(:func:`lf_video_tokens`: its ``video_fps`` / ``video_maxlen`` / ``video_max_pixels`` /
+``video_min_pixels``), and checked against its ``input_ids`` like images.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LlamaFactorySamples", "llamafactory_lengths", "main", "trainer_class"]
+__all__ = ["LlamaFactorySamples", "lf_image_size", "lf_video_frames", "lf_video_tokens",
+           "llamafactory_lengths", "main", "trainer_class"]
 
 logger = logging.getLogger("tokenbal")
 
@@ -83,6 +88,56 @@ def lf_image_size(width: int, height: int, max_pixels: int, min_pixels: int) -> 
     if height / width > 200:
         width, height = width, width * 180
     return width, height
+
+
+def lf_video_frames(frames: int, duration: float, video_fps: float, video_maxlen: int) -> int:
+    """The frames LLaMA-Factory 0.9.5's Qwen-VL plugin counts for a video whose stream header says
+    ``frames`` frames over ``duration`` seconds (``BasePlugin._get_video_sample_indices``:
+    ``floor(duration x video_fps)``, at least 1, at most ``frames`` and ``video_maxlen``; a header
+    without a frame count gets ``video_maxlen``), rounded up to even (its plugin repeats the last)."""
+    import math
+
+    if frames == 0:
+        n = video_maxlen
+    else:
+        n = min(frames, video_maxlen, max(1, math.floor(duration * video_fps)))
+    return n + n % 2
+
+
+def lf_video_tokens(video: Any, processor: Any) -> int:
+    """Video placeholder tokens LLaMA-Factory 0.9.5's ``Qwen2VLPlugin`` expands ``video`` (a path) to,
+    from the container header alone, as its own ``_get_qwen_video_grid_metadata`` does: the header's
+    frame count, stream duration and frame size; its ``video_fps`` / ``video_maxlen`` sampling
+    (:func:`lf_video_frames`); its resize to ``video_max_pixels`` / ``video_min_pixels``
+    (:func:`lf_image_size`); the video processor's ``smart_resize`` and patch sizes. Raises
+    ``ValueError`` where LLaMA-Factory would decode the video to count it (no duration or frame rate
+    in the header), which tokenbal does not model."""
+    import math
+
+    from tokenbal.estimate.qwen import smart_resize
+    from tokenbal.index.video import _av
+
+    av = _av()
+    with av.open(os.fspath(video), "r") as container:   # headers only: no frame is decoded
+        stream = next((s for s in container.streams if s.type == "video"), None)
+        if stream is None or stream.duration is None or not stream.average_rate:
+            raise ValueError(f"{video}: no video stream with a duration and frame rate in its header; "
+                             "LLaMA-Factory decodes such a video to count it, which tokenbal does not model")
+        frames, duration = int(stream.frames), float(stream.duration * stream.time_base)
+        width, height = int(stream.width), int(stream.height)
+    image_processor = processor.image_processor
+    video_processor = getattr(processor, "video_processor", None) or image_processor
+    size = video_processor.size
+    min_px = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
+    max_px = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+    n = lf_video_frames(frames, duration, float(getattr(processor, "video_fps", 2.0)),
+                        int(getattr(processor, "video_maxlen", 128)))
+    w, h = lf_image_size(width, height, int(getattr(processor, "video_max_pixels", 256 * 256)),
+                         int(getattr(processor, "video_min_pixels", 16 * 16)))
+    patch, merge = int(video_processor.patch_size), int(video_processor.merge_size)
+    rh, rw = smart_resize(h, w, patch * merge, min_px, max_px)
+    cells = math.ceil(n / int(video_processor.temporal_patch_size)) * (rh // patch) * (rw // patch)
+    return cells // int(image_processor.merge_size) ** 2
 
 
 def _image_path(image: Any) -> Any:
@@ -137,24 +192,40 @@ def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndar
             raise ValueError("tokenbal: the template does not expand image tokens (expand_mm_tokens=False)")
         estimator = estimator_from_processor(processor)
         image_token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+        video_token = getattr(plugin, "video_token", None)
+        video_token_id = (None if video_token is None
+                          else processor.tokenizer.convert_tokens_to_ids(video_token))
         max_px = int(processor.image_max_pixels)
         min_px = int(processor.image_min_pixels)
     lengths, wrong = [], []
     for i, row in enumerate(_rows(dataset, ("input_ids", "images", "videos", "audios"))):
         ids = np.asarray(row["input_ids"])
-        if row.get("videos") or row.get("audios"):
-            raise ValueError(f"tokenbal: row {i} has videos or audios; tokenbal's LLaMA-Factory lengths "
-                             "cover text and image rows")
-        images = row.get("images") or []
+        if row.get("audios"):
+            raise ValueError(f"tokenbal: row {i} has audios; tokenbal's LLaMA-Factory lengths cover text, "
+                             "image and video rows")
+        images, videos = row.get("images") or [], row.get("videos") or []
         n = len(ids)
-        if images:
+        if images or videos:
             if estimator is None:
-                raise ValueError(f"tokenbal: row {i} has images but LLaMA-Factory loaded no processor")
+                raise ValueError(f"tokenbal: row {i} has images or videos but LLaMA-Factory loaded no "
+                                 "processor")
             text = n - int((ids == image_token_id).sum())
             vision = 0
             for image in images:
                 w, h = lf_image_size(*_header_size(_image_path(image)), max_px, min_px)
                 vision += int(estimator.image_tokens(w, h))
+            if videos:
+                if video_token_id is None:
+                    raise ValueError(f"tokenbal: row {i} has videos but {plugin_name} has no video token")
+                text -= int((ids == video_token_id).sum())
+                for video in videos:
+                    if not isinstance(video, (str, os.PathLike)):
+                        raise ValueError(f"tokenbal: row {i}: a video given as frames, not a file, is not "
+                                         "modelled (LLaMA-Factory counts it by decoding)")
+                    try:
+                        vision += lf_video_tokens(video, processor)
+                    except ValueError as e:
+                        raise ValueError(f"tokenbal: row {i}: {e}") from None
             n = text + vision
             if n != len(ids):
                 wrong.append((i, n, len(ids)))
@@ -185,7 +256,8 @@ class LlamaFactorySamples:
 
         images = list(row.get("images") or [])
         if row.get("videos") or row.get("audios"):
-            raise ValueError("tokenbal: videos and audios are not supported in LLaMA-Factory's packed rows")
+            raise ValueError("tokenbal: videos and audios are not supported in LLaMA-Factory's packed rows "
+                             "yet (padded batches count videos)")
         out: dict[str, Any] = {"input_ids": np.asarray(row["input_ids"], np.int64),
                                "labels": np.asarray(row["labels"], np.int64)}
         if images:
@@ -227,6 +299,12 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
                 options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
             if packed:
                 from collate import PackedCollator
+
+                rows = _rows(kwargs["train_dataset"], ("input_ids", "videos"))
+                with_video = [i for i, row in enumerate(rows) if row.get("videos")]
+                if with_video:
+                    raise ValueError(f"tokenbal: packed: true does not take video rows yet "
+                                     f"({len(with_video)} rows, e.g. row {with_video[0]}); use padded rows")
 
                 model = kwargs.get("model")
                 if model is None or not hasattr(model, "config"):

@@ -14,7 +14,10 @@ Qwen2-VL and its ``qwen2_vl`` template, with and without tokenbal's integration
   own unpacked losses, against LLaMA-Factory's own ``neat_packing`` (cutoff ``B``) in the same test;
 - a run killed after a mid-epoch checkpoint, resumed with ``resume_from_checkpoint``, trains exactly
   the steps the uninterrupted run trained (padded and packed);
-- the ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2`` launch of LLaMA-Factory's users.
+- the ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2`` launch of LLaMA-Factory's users;
+- video rows (real mp4 files): lengths from the container headers under LLaMA-Factory's
+  ``video_fps`` / ``video_maxlen`` / ``video_max_pixels``, equal to its own ``len(input_ids)`` on
+  every row, and trained on (packed rows refuse them, naming a row).
 
 `make test-frameworks`; the environment takes ~5.5 min to build the first time (6.6 GB)."""
 
@@ -154,3 +157,22 @@ def test_llamafactory_force_torchrun_launch_and_cutoff_error(lf):
                      overrides=("cutoff_len=40",))   # under torchrun, the other launch users have
     assert cut.returncode != 0
     assert "disagree with what LLaMA-Factory tokenized" in cut.stderr + cut.stdout
+
+
+def test_llamafactory_video_rows_lengths_from_headers(lf, tmp_path):
+    rows = [dict(r) for r in lf["rows"]]
+    fw.write_videos(rows, tmp_path / "videos")
+    video = {"video_fps": 3.0, "video_maxlen": 8, "video_max_pixels": 96 * 96}
+    done, steps, folder = _run({**lf, "rows": rows}, "video", tokenbal={}, extra=video,
+                               overrides=("max_steps=2",))
+    fw.assert_ok(done)
+    _lengths_equal(folder)                          # every row, videos included
+    assert len(steps) == 2
+    counts = json.loads((folder / "record" / "lengths.json").read_text())["video_tokens"]
+    assert [c > 0 for c in counts] == [bool(r["videos"]) for r in rows]   # LF expanded every video
+    assert len(set(c for c in counts if c)) > 3                            # of many sizes
+
+    packed, _, _ = _run({**lf, "rows": rows}, "video-packed", extra=video, overrides=("max_steps=2",),
+                        tokenbal={"packed": True, "max_tokens_per_rank": 400})
+    assert packed.returncode != 0
+    assert "packed: true does not take video rows yet (12 rows, e.g. row 0)" in packed.stderr + packed.stdout
