@@ -176,3 +176,34 @@ def test_llamafactory_video_rows_lengths_from_headers(lf, tmp_path):
                         tokenbal={"packed": True, "max_tokens_per_rank": 400})
     assert packed.returncode != 0
     assert "packed: true does not take video rows yet (12 rows, e.g. row 0)" in packed.stderr + packed.stdout
+
+
+_PLUGIN_CHECK = """
+import sys, datasets
+from transformers import AutoProcessor
+from llamafactory.data.mm_plugin import get_mm_plugin
+from tokenbal.integrations.llamafactory import llamafactory_lengths
+
+processor = AutoProcessor.from_pretrained(sys.argv[1])
+rows = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "images": [[sys.argv[2]]]})
+for name, kw in [("qwen3_vl", dict(image_token="<|image_pad|>", video_token="<|video_pad|>")),
+                 ("llava", dict(image_token="<image>")), ("llava_next", dict(image_token="<image>")),
+                 ("intern_vl", dict(image_token="<image>", video_token="<video>"))]:
+    template = type("Template", (), {"mm_plugin": get_mm_plugin(name, **kw)})()
+    try:
+        llamafactory_lengths(rows, processor, template)
+    except ValueError as e:
+        print(name, "->", e)
+"""
+
+
+def test_llamafactory_other_mm_plugins_are_refused_by_name(lf):
+    # LLaMA-Factory 0.9.5's own plugins of tokenbal's other families: not modelled, so refused,
+    # naming the plugin, before any row is planned
+    image = next(i for r in lf["rows"] for i in r["images"])
+    done = fw.run_cli([lf["python"], "-c", _PLUGIN_CHECK, lf["model"], image], "plugins", {})
+    fw.assert_ok(done)
+    for name, cls in [("qwen3_vl", "Qwen3VLPlugin"), ("llava", "LlavaPlugin"),
+                      ("llava_next", "LlavaNextPlugin"), ("intern_vl", "InternVLPlugin")]:
+        line = f"{name} -> tokenbal: LLaMA-Factory's {cls} is not modelled (supported: Qwen2VLPlugin"
+        assert line in done.stdout, done.stdout + done.stderr[-3000:]
