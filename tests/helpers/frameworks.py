@@ -10,12 +10,14 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
 
+from tests.helpers.dist_utils import free_port
 from tests.helpers.paths import REPO
+
+__all__ = ["free_port"]   # the tests' free loopback port, where the framework tests look for it
 
 WORDS = ("the cat sat on a mat while red birds sang over green hills near blue water and old "
          "trees watched quiet boats drift past small houses").split()
@@ -152,10 +154,49 @@ def swift_args(data: Path, model: str, out: Path, *extra: str) -> list[str]:
 
 # -- running a framework's CLI ------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def driver_environ() -> dict:
+    """The environment of the verl / VeOmni / torchtitan drivers: this checkout on PYTHONPATH, one
+    thread per rank."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def prepared_env(env: str, driver: Path | None = None, tmp: Path | None = None,
+                 environ: dict | None = None) -> Path:
+    """The python of environment ``env`` (built on first use; the time it took is printed), after
+    ``DRIVER prepare TMP`` ran in it when a driver is given (the verl / VeOmni / torchtitan tests)."""
+    from tests.helpers.envs import env_python
+
+    start = time.monotonic()
+    python = Path(env_python(env))
+    print(f"{env} environment ready in {time.monotonic() - start:.0f} s: {python}")
+    if driver is not None:
+        prep = subprocess.run([str(python), str(driver), "prepare", str(tmp)], env=environ,
+                              capture_output=True, text=True, timeout=600)
+        assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
+    return python
+
+
+def driver_on_ranks(python: Path, driver: Path, tmp: Path, environ: dict, name: str, ranks: int = 2) -> list:
+    """``DRIVER TMP`` on ``ranks`` gloo ranks under torchrun; returns each rank's
+    ``TMP/NAME.rank{r}.json``."""
+    start = time.monotonic()
+    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-port", str(free_port()), str(driver), str(tmp)]
+    out = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900)
+    print(f"{name} data path, {ranks} ranks: {time.monotonic() - start:.0f} s")
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+    return [json.loads((tmp / f"{name}.rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def setup(env: str, root: Path, n: int) -> dict:
+    """What a framework test module starts from: environment ``env`` (built on first use; the time
+    it took is printed), ``n`` corpus rows with their image files under ``root``, and the tiny
+    Qwen2-VL checkpoint over them."""
+    python = prepared_env(env)
+    rows = corpus(n)
+    write_images(rows, root / "images")
+    model = checkpoint(root / "Qwen2-VL-tiny", rows)
+    return {"python": python, "root": root, "rows": rows, "model": model}
 
 
 def run_cli(cmd: list[str], name: str, env: dict) -> subprocess.CompletedProcess:
@@ -192,6 +233,17 @@ def figures(steps_: dict[int, list[dict]]) -> tuple[float, float]:
     padded = sum(r["padded"] for recs in steps_.values() for r in recs)
     real = sum(r["real"] for recs in steps_.values() for r in recs)
     return sum(ratios) / len(ratios), padded / real
+
+
+def assert_beats_default(steps_: dict, default: dict, name: str) -> None:
+    """tokenbal's padded steps against the framework's default sampler's on the same rows: better
+    per-step balance and less padding (both figures printed)."""
+    balance, pad = figures(steps_)
+    d_balance, d_pad = figures(default)
+    print(f"per-step max/mean real tokens: tokenbal {balance:.3f}, {name} default {d_balance:.3f}; "
+          f"padded/real: tokenbal {pad:.3f}, default {d_pad:.3f}")
+    assert balance < d_balance
+    assert pad < d_pad
 
 
 def batches(steps_: dict[int, list[dict]]) -> dict[int, list[list[int]]]:

@@ -24,12 +24,10 @@ Qwen2-VL and its ``qwen2_vl`` template, with and without tokenbal's integration
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from tests.helpers import frameworks as fw
-from tests.helpers.envs import env_python
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
@@ -42,14 +40,7 @@ BUDGET = 320                        # packed: real tokens per rank and step
 @pytest.fixture(scope="module")
 def lf(tmp_path_factory):
     pytest.importorskip("transformers")
-    start = time.monotonic()
-    python = env_python("llamafactory")
-    print(f"llamafactory environment ready in {time.monotonic() - start:.0f} s: {python}")
-    root = tmp_path_factory.mktemp("lf")
-    rows = fw.corpus(N)
-    fw.write_images(rows, root / "images")
-    model = fw.checkpoint(root / "Qwen2-VL-tiny", rows)
-    return {"python": str(python), "root": root, "rows": rows, "model": model}
+    return fw.setup("llamafactory", tmp_path_factory.mktemp("lf"), N)
 
 
 def _run(lf: dict, name: str, *, tokenbal: dict | None, env: dict | None = None, extra: dict | None = None,
@@ -66,7 +57,7 @@ def _run(lf: dict, name: str, *, tokenbal: dict | None, env: dict | None = None,
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
               str(fw.free_port())] if torchrun else []
     env = {"RECORD_DIR": str(record), **({"TOKENBAL": "1"} if tokenbal is not None else {}), **(env or {})}
-    done = fw.run_cli([lf["python"], *launch, "-m", module, "train", str(project), *overrides],
+    done = fw.run_cli([str(lf["python"]), *launch, "-m", module, "train", str(project), *overrides],
                       f"{name}/{record_name}", env)
     steps = fw.steps(record, WORLD) if (record / "rank0.jsonl").is_file() else None
     return done, steps, folder
@@ -88,12 +79,7 @@ def test_llamafactory_cli_token_balanced(lf):
 
     default, d_steps, _ = _run(lf, "default", tokenbal=None)
     fw.assert_ok(default)
-    balance, pad = fw.figures(steps)
-    d_balance, d_pad = fw.figures(d_steps)
-    print(f"per-step max/mean real tokens: tokenbal {balance:.3f}, LLaMA-Factory default {d_balance:.3f}; "
-          f"padded/real: tokenbal {pad:.3f}, default {d_pad:.3f}")
-    assert balance < d_balance
-    assert pad < d_pad
+    fw.assert_beats_default(steps, d_steps, "LLaMA-Factory")
 
     # killed two steps after a mid-epoch checkpoint, then resumed: the steps of the uninterrupted run
     killed, k_steps, k_folder = _run(lf, "killed", tokenbal={}, env={"KILL_AT": str(KILL_AT)},
@@ -201,7 +187,7 @@ def test_llamafactory_other_mm_plugins_are_refused_by_name(lf):
     # LLaMA-Factory 0.9.5's own plugins of tokenbal's other families: not modelled, so refused,
     # naming the plugin, before any row is planned
     image = next(i for r in lf["rows"] for i in r["images"])
-    done = fw.run_cli([lf["python"], "-c", _PLUGIN_CHECK, lf["model"], image], "plugins", {})
+    done = fw.run_cli([str(lf["python"]), "-c", _PLUGIN_CHECK, lf["model"], image], "plugins", {})
     fw.assert_ok(done)
     for name, cls in [("qwen3_vl", "Qwen3VLPlugin"), ("llava", "LlavaPlugin"),
                       ("llava_next", "LlavaNextPlugin"), ("intern_vl", "InternVLPlugin")]:

@@ -21,13 +21,11 @@ gloo ranks with a tiny random Qwen2-VL and its ``qwen2_vl`` template, with and w
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import frameworks as fw
-from tests.helpers.envs import env_python
 from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
@@ -42,20 +40,13 @@ TOKENBAL_PLUGIN = REPO / "tokenbal" / "integrations" / "swift_plugin" / "tokenba
 @pytest.fixture(scope="module")
 def sw(tmp_path_factory):
     pytest.importorskip("transformers")
-    start = time.monotonic()
-    python = env_python("swift")
-    print(f"swift environment ready in {time.monotonic() - start:.0f} s: {python}")
-    root = tmp_path_factory.mktemp("swift")
-    rows = fw.corpus(N)
-    fw.write_images(rows, root / "images")
-    model = fw.checkpoint(root / "Qwen2-VL-tiny", rows)
-    data = fw.swift_dataset(root / "data", rows)
+    sw = fw.setup("swift", tmp_path_factory.mktemp("swift"), N)
+    sw["data"] = fw.swift_dataset(sw["root"] / "data", sw["rows"])
     # the docs' own-options recipe: a plugin file of one's own
-    packed_plugin = root / "packed_plugin.py"
-    packed_plugin.write_text("from tokenbal.integrations.swift import register\n"
-                             f"register(packed=True, max_tokens_per_rank={BUDGET})\n")
-    return {"python": Path(python), "root": root, "rows": rows, "model": model, "data": data,
-            "packed_plugin": packed_plugin}
+    sw["packed_plugin"] = sw["root"] / "packed_plugin.py"
+    sw["packed_plugin"].write_text("from tokenbal.integrations.swift import register\n"
+                                   f"register(packed=True, max_tokens_per_rank={BUDGET})\n")
+    return sw
 
 
 def _run(sw: dict, name: str, *, plugin: Path | None, extra: tuple = (), env: dict | None = None,
@@ -89,12 +80,7 @@ def test_swift_sft_token_balanced(sw, lazy):
         default, d_steps, _ = _run(sw, "default", plugin=None, extra=("--lazy_tokenize", lazy))
         fw.assert_ok(default)
         fw.epochs_of(d_steps, N, EPOCHS, WORLD)
-        balance, pad = fw.figures(steps)
-        d_balance, d_pad = fw.figures(d_steps)
-        print(f"per-step max/mean real tokens: tokenbal {balance:.3f}, ms-swift default {d_balance:.3f}; "
-              f"padded/real: tokenbal {pad:.3f}, default {d_pad:.3f}")
-        assert balance < d_balance
-        assert pad < d_pad
+        fw.assert_beats_default(steps, d_steps, "ms-swift")
 
 
 def test_swift_kill_and_resume_exact(sw):
