@@ -63,9 +63,10 @@ def _run(lf: dict, name: str, *, tokenbal: dict | None, env: dict | None = None,
     return done, steps, folder
 
 
-def _lengths_equal(folder) -> None:
+def _lengths_equal(folder) -> list[int]:
     lengths = json.loads((folder / "record" / "lengths.json").read_text())
     assert lengths["tokenbal"] == lengths["llamafactory"]                  # 100 % of the rows
+    return lengths["tokenbal"]
 
 
 def test_llamafactory_cli_token_balanced(lf):
@@ -99,7 +100,7 @@ def test_llamafactory_packed_rows_under_a_token_budget(lf):
     fw.assert_ok(tb)
     per_epoch = fw.epochs_of(steps, N, EPOCHS, WORLD)
     fw.assert_packed(steps, BUDGET)
-    _lengths_equal(folder)
+    lengths = _lengths_equal(folder)
     losses = fw.assert_first_step_loss(steps, global_mean=False)   # LLaMA-Factory's micro-batch mean
     fill = sum(r["real"] for recs in steps.values() for r in recs) / (len(steps) * WORLD * BUDGET)
     balance, _ = fw.figures(steps)
@@ -110,7 +111,8 @@ def test_llamafactory_packed_rows_under_a_token_budget(lf):
     fw.assert_ok(neat)
     n_balance, n_pad = fw.figures(n_steps)
     n_fill = sum(r["real"] for recs in n_steps.values() for r in recs) / (len(n_steps) * WORLD * BUDGET)
-    print(f"packed, budget {BUDGET}: steps per epoch {per_epoch}; first-step losses {losses}; per-step "
+    print(f"packed, budget {BUDGET}, rows of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all): "
+          f"steps per epoch {per_epoch}; first-step losses {losses}; per-step "
           f"max/mean real tokens: tokenbal {balance:.3f}, neat_packing {n_balance:.3f}; fill (real / "
           f"steps x ranks x budget): tokenbal {fill:.3f}, neat_packing {n_fill:.3f} ({len(n_steps)} steps); "
           f"padded/real: tokenbal 1.000, neat_packing {n_pad:.3f}")

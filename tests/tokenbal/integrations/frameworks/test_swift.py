@@ -63,9 +63,10 @@ def _run(sw: dict, name: str, *, plugin: Path | None, extra: tuple = (), env: di
     return done, steps, out
 
 
-def _lengths_equal(out: Path) -> None:
+def _lengths_equal(out: Path) -> list[int]:
     lengths = json.loads((out.parent / "record" / "lengths.json").read_text())
     assert lengths["tokenbal"] == lengths["swift"]                      # 100 % of the items
+    return lengths["tokenbal"]
 
 
 @pytest.mark.parametrize("lazy", ["true", "false"])
@@ -102,11 +103,12 @@ def test_swift_packed_rows_under_a_token_budget(sw):
     fw.assert_ok(done)
     per_epoch = fw.epochs_of(steps, N, EPOCHS, WORLD)
     fw.assert_packed(steps, BUDGET)
-    _lengths_equal(out)
+    lengths = _lengths_equal(out)
     losses = fw.assert_first_step_loss(steps, global_mean=True)     # ms-swift's global token mean
     balance, _ = fw.figures(steps)
     fill = sum(r["real"] for recs in steps.values() for r in recs) / (len(steps) * WORLD * BUDGET)
-    print(f"packed, budget {BUDGET}: steps per epoch {per_epoch}; first-step losses {losses}; per-step "
+    print(f"packed, budget {BUDGET}, rows of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all): "
+          f"steps per epoch {per_epoch}; first-step losses {losses}; per-step "
           f"max/mean real tokens {balance:.3f}; fill (real / steps x ranks x budget) {fill:.3f}")
 
     save_at = per_epoch[0] + per_epoch[1] // 2
