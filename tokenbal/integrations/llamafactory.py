@@ -30,8 +30,9 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   and per-sample M-RoPE ids; the model patched by :func:`collate.models.enable_packed`). The rows stay
   LLaMA-Factory's: its tokenized ``input_ids`` / ``labels`` (its template, its label mask), and each
   row's images through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
-  (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` the packed rows hold
-  ``per_device_train_batch_size`` samples.
+  (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` a step holds
+  ``per_device_train_batch_size`` x ranks x ``gradient_accumulation_steps`` samples, split by tokens.
+  Video rows are not packed yet (refused before training).
 - **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
   (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is: padded,
   the token mean of each micro-batch; packed, the token mean of each rank's packed row (as with
