@@ -54,26 +54,32 @@ def reference_losses(model: Any, inputs: dict) -> tuple[float, int]:
     # transformers 5.6 and newer want the token types with the grids (older ones have no such input)
     types = "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
     merge = int(getattr(model.config.vision_config, "spatial_merge_size", 2))
-    image_token = int(model.config.image_token_id)
     ids, labels = inputs["input_ids"][0], inputs["labels"][0]
-    grids = inputs.get("image_grid_thw")
-    pixels = inputs.get("pixel_values")
-    total, tokens, start, g, p = 0.0, 0, 0, 0, 0
+    # per kind: its placeholder id, token type, grids, pixels, and the next grid / pixel row to take
+    kinds = [{"token": int(token), "type": kind_type, "grids": inputs.get(grid_key),
+              "pixels": inputs.get(pix_key), "g": 0, "p": 0, "keys": (pix_key, grid_key)}
+             for token, kind_type, pix_key, grid_key in (
+                 (model.config.image_token_id, 1, "pixel_values", "image_grid_thw"),
+                 (getattr(model.config, "video_token_id", -1), 2, "pixel_values_videos", "video_grid_thw"))]
+    total, tokens, start = 0.0, 0, 0
     with torch.no_grad():
         for n in inputs["seq_lens"]:
             s_ids, s_labels = ids[start:start + n], labels[start:start + n]
             start += n
-            want, got, kw = int((s_ids == image_token).sum()), 0, {}
-            first_g, first_p = g, p
-            while got < want:
-                cells = int(grids[g].prod())
-                got += cells // merge**2
-                p += cells
-                g += 1
-            if want:
-                kw = {"pixel_values": pixels[first_p:p], "image_grid_thw": grids[first_g:g]}
-                if types:
-                    kw["mm_token_type_ids"] = (s_ids == image_token).long()[None]
+            kw, token_types = {}, torch.zeros_like(s_ids)
+            for k in kinds:
+                want, got, first_g, first_p = int((s_ids == k["token"]).sum()), 0, k["g"], k["p"]
+                while got < want:
+                    cells = int(k["grids"][k["g"]].prod())
+                    got += cells // merge**2
+                    k["p"] += cells
+                    k["g"] += 1
+                if want:
+                    kw[k["keys"][0]] = k["pixels"][first_p:k["p"]]
+                    kw[k["keys"][1]] = k["grids"][first_g:k["g"]]
+                    token_types[s_ids == k["token"]] = k["type"]
+            if kw and types:
+                kw["mm_token_type_ids"] = token_types[None]
             count = int((s_labels[1:] != -100).sum())
             if count == 0:
                 continue

@@ -32,7 +32,7 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   row's images through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
   (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` a step holds
   ``per_device_train_batch_size`` x ranks x ``gradient_accumulation_steps`` samples, split by tokens.
-  Video rows are not packed yet (refused before training).
+  Image and video rows are packed alike (each video through the plugin's own frame sampling).
 - **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
   (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is: padded,
   the token mean of each micro-batch; packed, the token mean of each rank's packed row (as with
@@ -255,20 +255,21 @@ class LlamaFactorySamples:
     def sample(self, row: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        images = list(row.get("images") or [])
-        if row.get("videos") or row.get("audios"):
-            raise ValueError("tokenbal: videos and audios are not supported in LLaMA-Factory's packed rows "
-                             "yet (padded batches count videos)")
+        images, videos = list(row.get("images") or []), list(row.get("videos") or [])
+        if row.get("audios"):
+            raise ValueError("tokenbal: audio rows are not supported in LLaMA-Factory's packed rows")
         out: dict[str, Any] = {"input_ids": np.asarray(row["input_ids"], np.int64),
                                "labels": np.asarray(row["labels"], np.int64)}
-        if images:
+        if images or videos:
             plugin = self.template.mm_plugin
-            mm = plugin.get_mm_inputs(images, [], [], [len(images)], [0], [0], [list(row["input_ids"])],
-                                      self.processor)
-            for key in ("pixel_values", "image_grid_thw"):
+            mm = plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0],
+                                      [list(row["input_ids"])], self.processor)
+            for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                        "second_per_grid_ts"):
                 if mm.get(key) is not None:
-                    value = mm[key]
-                    if self.compute_dtype is not None and torch.is_floating_point(value):
+                    value = torch.as_tensor(mm[key])
+                    if self.compute_dtype is not None and torch.is_floating_point(value) and key != \
+                            "second_per_grid_ts":
                         value = value.to(self.compute_dtype)
                     out[key] = value
         return out
@@ -300,12 +301,6 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
                 options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
             if packed:
                 from collate import PackedCollator
-
-                rows = _rows(kwargs["train_dataset"], ("input_ids", "videos"))
-                with_video = [i for i, row in enumerate(rows) if row.get("videos")]
-                if with_video:
-                    raise ValueError(f"tokenbal: packed: true does not take video rows yet "
-                                     f"({len(with_video)} rows, e.g. row {with_video[0]}); use padded rows")
 
                 model = kwargs.get("model")
                 if model is None or not hasattr(model, "config"):

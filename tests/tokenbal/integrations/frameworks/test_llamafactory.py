@@ -17,7 +17,7 @@ Qwen2-VL and its ``qwen2_vl`` template, with and without tokenbal's integration
 - the ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2`` launch of LLaMA-Factory's users;
 - video rows (real mp4 files): lengths from the container headers under LLaMA-Factory's
   ``video_fps`` / ``video_maxlen`` / ``video_max_pixels``, equal to its own ``len(input_ids)`` on
-  every row, and trained on (packed rows refuse them, naming a row).
+  every row, and trained on, padded and packed (the packed first-step loss per sample).
 
 `make test-frameworks`; the environment takes ~5.5 min to build the first time (6.6 GB)."""
 
@@ -160,10 +160,14 @@ def test_llamafactory_video_rows_lengths_from_headers(lf, tmp_path):
     assert [c > 0 for c in counts] == [bool(r["videos"]) for r in rows]   # LF expanded every video
     assert len(set(c for c in counts if c)) > 3                            # of many sizes
 
-    packed, _, _ = _run({**lf, "rows": rows}, "video-packed", extra=video, overrides=("max_steps=2",),
-                        tokenbal={"packed": True, "max_tokens_per_rank": 400})
-    assert packed.returncode != 0
-    assert "packed: true does not take video rows yet (12 rows, e.g. row 0)" in packed.stderr + packed.stdout
+    # packed: the videos through LLaMA-Factory's own plugin, the first step's loss per sample
+    options = {"packed": True, "max_tokens_per_rank": 400}
+    packed, p_steps, p_folder = _run({**lf, "rows": rows}, "video-packed", extra=video,
+                                     overrides=("max_steps=2",), tokenbal=options)
+    fw.assert_ok(packed)
+    _lengths_equal(p_folder)
+    fw.assert_packed(p_steps, 400)
+    fw.assert_first_step_loss(p_steps, global_mean=False)
 
 
 _PLUGIN_CHECK = """
