@@ -29,7 +29,7 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   samples, at most ``N`` real tokens, no padding (:class:`collate.PackedCollator` with ``cu_seqlens``
   and per-sample M-RoPE ids; the model patched by :func:`collate.models.enable_packed`). The rows stay
   LLaMA-Factory's: its tokenized ``input_ids`` / ``labels`` (its template, its label mask), and each
-  row's images through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
+  row's images and videos through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
   (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` a step holds
   ``per_device_train_batch_size`` x ranks x ``gradient_accumulation_steps`` samples, split by tokens.
   Image and video rows are packed alike (each video through the plugin's own frame sampling).
@@ -244,8 +244,8 @@ def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndar
 class LlamaFactorySamples:
     """The packed path's collator over LLaMA-Factory's tokenized rows: each row becomes one sample of
     :class:`collate.PackedCollator` (its ``input_ids`` and ``labels`` as LLaMA-Factory made them, its
-    images through LLaMA-Factory's own mm_plugin ``get_mm_inputs``: the plugin's resize, then the
-    processor), and ``packer`` packs them into one row. Floating tensors are cast to
+    images and videos through LLaMA-Factory's own mm_plugin ``get_mm_inputs``: the plugin's resize and
+    frame sampling, then the processor), and ``packer`` packs them into one row. Floating tensors are cast to
     ``compute_dtype``, as LLaMA-Factory's own collator casts them."""
 
     def __init__(self, packer: Any, template: Any, processor: Any, compute_dtype: Any = None) -> None:
