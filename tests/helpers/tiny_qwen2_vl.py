@@ -35,3 +35,15 @@ def tiny_config(attn: str = "sdpa"):
         vision_end_token_id=VEND,
         attn_implementation=attn,
     )
+
+
+def tiny_config_for(tokenizer, attn: str = "eager"):
+    """:func:`tiny_config` over ``tokenizer``'s vocabulary, its vision token ids read from it (the
+    framework drivers' checkpoints, whose tokenizer is a real one)."""
+    cfg = tiny_config(attn=attn)
+    cfg.text_config.vocab_size = len(tokenizer)
+    ids = {t: tokenizer.convert_tokens_to_ids(t)
+           for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    cfg.image_token_id, cfg.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
+    cfg.vision_start_token_id, cfg.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    return cfg

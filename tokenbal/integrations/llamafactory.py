@@ -5,10 +5,11 @@
 in place of ``llamafactory-cli train CONFIG.yaml``: the same YAML (and the same ``key=value``
 overrides), with tokenbal's options under a top-level ``tokenbal:`` key (``tokenbal: {}`` for the
 defaults; any :class:`~tokenbal.integrations.hf.TokenBalancingMixin` ``sampler_options`` key, e.g.
-``max_tokens_per_rank``, ``seed``, ``window``, ``cost``). Several ranks as LLaMA-Factory's own CLI
-starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m tokenbal.integrations.llamafactory train
-CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` / ``MASTER_ADDR`` / ``MASTER_PORT``), or under
-``torchrun --nproc-per-node 2 -m tokenbal.integrations.llamafactory train CONFIG.yaml``.
+``max_tokens_per_rank``, ``seed``, ``window``, ``cost``; and ``packed: true``, see below). Several
+ranks as LLaMA-Factory's own CLI starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m
+tokenbal.integrations.llamafactory train CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` /
+``MASTER_ADDR`` / ``MASTER_PORT``), or under ``torchrun --nproc-per-node 2 -m
+tokenbal.integrations.llamafactory train CONFIG.yaml``.
 
 What it changes in LLaMA-Factory's ``sft`` stage, and nothing else: its trainer
 (``CustomSeq2SeqTrainer``) gets :class:`~tokenbal.integrations.hf.TokenBalancingMixin` in front, so
@@ -23,12 +24,26 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   processor's ``smart_resize``. Every row is then compared with LLaMA-Factory's tokenized
   ``input_ids``: a row that disagrees (an image the estimate sizes differently, a row cut at
   ``cutoff_len``) is an error naming it, never a silent plan.
+- **Packed** (``tokenbal: {packed: true, max_tokens_per_rank: N}``), the alternative to
+  LLaMA-Factory's ``packing`` / ``neat_packing``: each rank's micro-batch is one packed row of whole
+  samples, at most ``N`` real tokens, no padding (:class:`collate.PackedCollator` with ``cu_seqlens``
+  and per-sample M-RoPE ids; the model patched by :func:`collate.models.enable_packed`). The rows stay
+  LLaMA-Factory's: its tokenized ``input_ids`` / ``labels`` (its template, its label mask), and each
+  row's images and videos through its own mm_plugin (``get_mm_inputs``: its resize, then the processor)
+  (:class:`LlamaFactorySamples`). Without ``max_tokens_per_rank`` a step holds
+  ``per_device_train_batch_size`` x ranks x ``gradient_accumulation_steps`` samples, split by tokens.
+  Image and video rows are packed alike (each video through the plugin's own frame sampling).
 - **Loss.** With a multimodal processor LLaMA-Factory normalises the loss per micro-batch
-  (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is.
+  (``model_accepts_loss_kwargs = False``, after transformers#36044); that is kept as it is: padded,
+  the token mean of each micro-batch; packed, the token mean of each rank's packed row (as with
+  LLaMA-Factory's own ``neat_packing``), equal to the token-weighted mean of its samples' own losses.
 - **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
   (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
-  tokenbal's ``packed: true`` (not wired through LLaMA-Factory yet), multimodal plugins other than the
-  Qwen2-VL family, video and audio rows.
+  multimodal plugins other than ``Qwen2VLPlugin`` (named in the message), audio rows.
+
+Videos (``Qwen2VLPlugin``): counted from the container header as LLaMA-Factory itself counts them
+(:func:`lf_video_tokens`: its ``video_fps`` / ``video_maxlen`` / ``video_max_pixels`` /
+``video_min_pixels``), and checked against its ``input_ids`` like images.
 """
 
 from __future__ import annotations
@@ -42,7 +57,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["llamafactory_lengths", "main", "trainer_class"]
+__all__ = ["LlamaFactorySamples", "lf_image_size", "lf_video_frames", "lf_video_tokens",
+           "llamafactory_lengths", "main", "trainer_class"]
 
 logger = logging.getLogger("tokenbal")
 
@@ -73,6 +89,56 @@ def lf_image_size(width: int, height: int, max_pixels: int, min_pixels: int) -> 
     if height / width > 200:
         width, height = width, width * 180
     return width, height
+
+
+def lf_video_frames(frames: int, duration: float, video_fps: float, video_maxlen: int) -> int:
+    """The frames LLaMA-Factory 0.9.5's Qwen-VL plugin counts for a video whose stream header says
+    ``frames`` frames over ``duration`` seconds (``BasePlugin._get_video_sample_indices``:
+    ``floor(duration x video_fps)``, at least 1, at most ``frames`` and ``video_maxlen``; a header
+    without a frame count gets ``video_maxlen``), rounded up to even (its plugin repeats the last)."""
+    import math
+
+    if frames == 0:
+        n = video_maxlen
+    else:
+        n = min(frames, video_maxlen, max(1, math.floor(duration * video_fps)))
+    return n + n % 2
+
+
+def lf_video_tokens(video: Any, processor: Any) -> int:
+    """Video placeholder tokens LLaMA-Factory 0.9.5's ``Qwen2VLPlugin`` expands ``video`` (a path) to,
+    from the container header alone, as its own ``_get_qwen_video_grid_metadata`` does: the header's
+    frame count, stream duration and frame size; its ``video_fps`` / ``video_maxlen`` sampling
+    (:func:`lf_video_frames`); its resize to ``video_max_pixels`` / ``video_min_pixels``
+    (:func:`lf_image_size`); the video processor's ``smart_resize`` and patch sizes. Raises
+    ``ValueError`` where LLaMA-Factory would decode the video to count it (no duration or frame rate
+    in the header), which tokenbal does not model."""
+    import math
+
+    from tokenbal.estimate.qwen import smart_resize
+    from tokenbal.index.video import _av
+
+    av = _av()
+    with av.open(os.fspath(video), "r") as container:   # headers only: no frame is decoded
+        stream = next((s for s in container.streams if s.type == "video"), None)
+        if stream is None or stream.duration is None or not stream.average_rate:
+            raise ValueError(f"{video}: no video stream with a duration and frame rate in its header; "
+                             "LLaMA-Factory decodes such a video to count it, which tokenbal does not model")
+        frames, duration = int(stream.frames), float(stream.duration * stream.time_base)
+        width, height = int(stream.width), int(stream.height)
+    image_processor = processor.image_processor
+    video_processor = getattr(processor, "video_processor", None) or image_processor
+    size = video_processor.size
+    min_px = size["shortest_edge"] if isinstance(size, dict) else size.shortest_edge
+    max_px = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+    n = lf_video_frames(frames, duration, float(getattr(processor, "video_fps", 2.0)),
+                        int(getattr(processor, "video_maxlen", 128)))
+    w, h = lf_image_size(width, height, int(getattr(processor, "video_max_pixels", 256 * 256)),
+                         int(getattr(processor, "video_min_pixels", 16 * 16)))
+    patch, merge = int(video_processor.patch_size), int(video_processor.merge_size)
+    rh, rw = smart_resize(h, w, patch * merge, min_px, max_px)
+    cells = math.ceil(n / int(video_processor.temporal_patch_size)) * (rh // patch) * (rw // patch)
+    return cells // int(image_processor.merge_size) ** 2
 
 
 def _image_path(image: Any) -> Any:
@@ -127,24 +193,40 @@ def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndar
             raise ValueError("tokenbal: the template does not expand image tokens (expand_mm_tokens=False)")
         estimator = estimator_from_processor(processor)
         image_token_id = processor.tokenizer.convert_tokens_to_ids(image_token)
+        video_token = getattr(plugin, "video_token", None)
+        video_token_id = (None if video_token is None
+                          else processor.tokenizer.convert_tokens_to_ids(video_token))
         max_px = int(processor.image_max_pixels)
         min_px = int(processor.image_min_pixels)
     lengths, wrong = [], []
     for i, row in enumerate(_rows(dataset, ("input_ids", "images", "videos", "audios"))):
         ids = np.asarray(row["input_ids"])
-        if row.get("videos") or row.get("audios"):
-            raise ValueError(f"tokenbal: row {i} has videos or audios; tokenbal's LLaMA-Factory lengths "
-                             "cover text and image rows")
-        images = row.get("images") or []
+        if row.get("audios"):
+            raise ValueError(f"tokenbal: row {i} has audios; tokenbal's LLaMA-Factory lengths cover text, "
+                             "image and video rows")
+        images, videos = row.get("images") or [], row.get("videos") or []
         n = len(ids)
-        if images:
+        if images or videos:
             if estimator is None:
-                raise ValueError(f"tokenbal: row {i} has images but LLaMA-Factory loaded no processor")
+                raise ValueError(f"tokenbal: row {i} has images or videos but LLaMA-Factory loaded no "
+                                 "processor")
             text = n - int((ids == image_token_id).sum())
             vision = 0
             for image in images:
                 w, h = lf_image_size(*_header_size(_image_path(image)), max_px, min_px)
                 vision += int(estimator.image_tokens(w, h))
+            if videos:
+                if video_token_id is None:
+                    raise ValueError(f"tokenbal: row {i} has videos but {plugin_name} has no video token")
+                text -= int((ids == video_token_id).sum())
+                for video in videos:
+                    if not isinstance(video, (str, os.PathLike)):
+                        raise ValueError(f"tokenbal: row {i}: a video given as frames, not a file, is not "
+                                         "modelled (LLaMA-Factory counts it by decoding)")
+                    try:
+                        vision += lf_video_tokens(video, processor)
+                    except ValueError as e:
+                        raise ValueError(f"tokenbal: row {i}: {e}") from None
             n = text + vision
             if n != len(ids):
                 wrong.append((i, n, len(ids)))
@@ -159,12 +241,51 @@ def llamafactory_lengths(dataset: Any, processor: Any, template: Any) -> np.ndar
 
 # -- the trainer ------------------------------------------------------------------------------------
 
+class LlamaFactorySamples:
+    """The packed path's collator over LLaMA-Factory's tokenized rows: each row becomes one sample of
+    :class:`collate.PackedCollator` (its ``input_ids`` and ``labels`` as LLaMA-Factory made them, its
+    images and videos through LLaMA-Factory's own mm_plugin ``get_mm_inputs``: the plugin's resize and
+    frame sampling, then the processor), and ``packer`` packs them into one row. Floating tensors are cast to
+    ``compute_dtype``, as LLaMA-Factory's own collator casts them."""
+
+    def __init__(self, packer: Any, template: Any, processor: Any, compute_dtype: Any = None) -> None:
+        self.packer, self.template, self.processor = packer, template, processor
+        self.compute_dtype = compute_dtype
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        images, videos = list(row.get("images") or []), list(row.get("videos") or [])
+        if row.get("audios"):
+            raise ValueError("tokenbal: audio rows are not supported in LLaMA-Factory's packed rows")
+        out: dict[str, Any] = {"input_ids": np.asarray(row["input_ids"], np.int64),
+                               "labels": np.asarray(row["labels"], np.int64)}
+        if images or videos:
+            plugin = self.template.mm_plugin
+            mm = plugin.get_mm_inputs(images, videos, [], [len(images)], [len(videos)], [0],
+                                      [list(row["input_ids"])], self.processor)
+            for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+                        "second_per_grid_ts"):
+                if mm.get(key) is not None:
+                    value = torch.as_tensor(mm[key])
+                    if self.compute_dtype is not None and torch.is_floating_point(value) and key != \
+                            "second_per_grid_ts":
+                        value = value.to(self.compute_dtype)
+                    out[key] = value
+        return out
+
+    def __call__(self, rows: list[dict[str, Any]]) -> Any:
+        return self.packer([self.sample(row) for row in rows])
+
+
 def trainer_class(base: Any, options: dict[str, Any]) -> Any:
     """``base`` (LLaMA-Factory's ``CustomSeq2SeqTrainer``) with the token-balancing mixin in front and
-    tokenbal's ``options`` (the YAML's ``tokenbal:`` mapping) as its ``sampler_options``."""
+    tokenbal's ``options`` (the YAML's ``tokenbal:`` mapping) as its ``sampler_options``; ``packed:
+    true`` in them selects packed rows (:class:`LlamaFactorySamples`)."""
     from tokenbal.integrations.hf import TokenBalancingMixin
 
     opts = dict(options)
+    packed = bool(opts.pop("packed", False))
 
     class TokenBalancedSeq2SeqTrainer(TokenBalancingMixin, base):
         # LLaMA-Factory normalises a multimodal loss per micro-batch on purpose; keep it, say so once.
@@ -173,12 +294,21 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             collator = kwargs.get("data_collator")
-            lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"),
-                                           getattr(collator, "template", None))
+            template = getattr(collator, "template", None)
+            lengths = llamafactory_lengths(kwargs["train_dataset"], kwargs.get("processor"), template)
             options = dict(opts)
             if getattr(kwargs.get("finetuning_args"), "disable_shuffling", False):
                 options.setdefault("shuffle", False)   # LLaMA-Factory's disable_shuffling: no shuffle
-            super().__init__(*args, token_lengths=lengths, sampler_options=options, **kwargs)
+            if packed:
+                from collate import PackedCollator
+
+                model = kwargs.get("model")
+                if model is None or not hasattr(model, "config"):
+                    raise ValueError("tokenbal: packed: true needs LLaMA-Factory's model instance")
+                kwargs["data_collator"] = LlamaFactorySamples(
+                    PackedCollator.from_config(model.config), template, kwargs.get("processor"),
+                    getattr(collator, "compute_dtype", None))
+            super().__init__(*args, token_lengths=lengths, sampler_options=options, packed=packed, **kwargs)
 
     TokenBalancedSeq2SeqTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSeq2SeqTrainer
@@ -204,10 +334,8 @@ def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         options = {}
     if not isinstance(options, dict):
         raise SystemExit(f"tokenbal: the config's `tokenbal:` key must be a mapping, got {options!r}")
-    if options.get("packed"):
-        raise SystemExit("tokenbal: `packed: true` is not available through LLaMA-Factory yet (its rows are "
-                         "tokenized and padded by LLaMA-Factory); use padded batches (the default)")
-    options.pop("packed", None)
+    if not isinstance(options.get("packed", False), bool):
+        raise SystemExit(f"tokenbal: `packed:` must be true or false, got {options['packed']!r}")
     stage = args.get("stage", "sft")
     if stage != "sft":
         raise SystemExit(f"tokenbal: stage {stage!r} is not supported (only stage: sft)")

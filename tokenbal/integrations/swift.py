@@ -7,7 +7,7 @@
 options write your own plugin file (any path)::
 
     from tokenbal.integrations.swift import register
-    register(max_tokens_per_rank=16384)       # any TokenBalancingMixin sampler_options
+    register(packed=True, max_tokens_per_rank=16384)   # or any TokenBalancingMixin sampler_options
 
 :func:`register` points ms-swift's trainer mapping (``TrainerFactory.TRAINER_MAPPING["causal_lm"]``,
 the trainer of ``swift sft``) at ms-swift's own ``Seq2SeqTrainer`` with
@@ -24,9 +24,19 @@ already trained as index lists, so no skipped sample is encoded or loaded).
 - **Order.** The dataset is indexed as ms-swift hands it to the trainer, after its load-time shuffle
   (``--dataset_shuffle``, ``--data_seed``); the plan's seed is ``--data_seed`` (else ``--seed``).
 - **Cost.** ms-swift pads each micro-batch to its longest row: planned with ``cost="padded"``.
+- **Packed** (``register(packed=True, max_tokens_per_rank=N)``), the alternative to ms-swift's
+  ``--packing`` / ``--padding_free``: each rank's micro-batch is one packed row of whole items, at
+  most ``N`` real tokens, no padding (:class:`collate.PackedCollator`: ``cu_seqlens`` and per-sample
+  M-RoPE ids; the model patched by :func:`collate.models.enable_packed`). The items are ms-swift's
+  own encoding (its template's ``input_ids``, ``labels``, ``pixel_values``, ``image_grid_thw``). The
+  packed model embeds the tokens and runs the vision tower itself, so ms-swift's post-encode hook
+  (which would replace ``input_ids`` by its own embeddings and drop the packing fields) is not
+  registered for this trainer.
+- **Loss.** ms-swift's own normalisation is kept: ``model_accepts_loss_kwargs`` with
+  ``average_tokens_across_devices``, i.e. each micro-batch's loss sum over the step's loss tokens on
+  all ranks (the global token mean), packed or padded.
 - **Refused**, with a message: ``--packing``, ``--padding_free`` and ``--sequence_parallel_size`` > 1
-  (rows of their own; plan them with ``max_tokens_per_rank`` and tokenbal's packed path instead),
-  streaming datasets.
+  (rows of their own; use ``packed=True`` with ``max_tokens_per_rank`` instead), streaming datasets.
 """
 
 from __future__ import annotations
@@ -75,28 +85,67 @@ def swift_lengths(dataset: Any, *, encode: Any = None) -> np.ndarray:
 
 def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
     """ms-swift's trainer ``base`` with the token-balancing mixin in front (``options``: its
-    ``sampler_options``)."""
+    ``sampler_options``, and ``packed``)."""
     from tokenbal.integrations.hf import TokenBalancingMixin
 
     opts = dict(options or {})
+    packed = bool(opts.pop("packed", False))
 
-    class TokenBalancedSwiftTrainer(TokenBalancingMixin, base):
+    class CollatorSlot(base):
+        """ms-swift builds its trainer's collator itself (``_get_data_collator``) and passes it on:
+        the packed collator the mixin made (``data_collator``) is handed over through that hook."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._tokenbal_collator = kwargs.pop("data_collator", None)
+            super().__init__(*args, **kwargs)
+
+        def _get_data_collator(self, *args: Any, **kwargs: Any) -> Any:
+            if self._tokenbal_collator is not None:
+                return self._tokenbal_collator
+            return super()._get_data_collator(*args, **kwargs)
+
+    class TokenBalancedSwiftTrainer(TokenBalancingMixin, CollatorSlot):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             train_args = kwargs.get("args")
             for flag in ("packing", "padding_free"):
                 if getattr(train_args, flag, False):
-                    raise ValueError(f"tokenbal: --{flag} is not supported with token-balanced padded "
-                                     "batches")
+                    raise ValueError(f"tokenbal: --{flag} is not supported with token-balanced batches (use "
+                                     "tokenbal's register(packed=True, max_tokens_per_rank=N) instead)")
             if int(getattr(train_args, "sequence_parallel_size", 1) or 1) > 1:
                 raise ValueError("tokenbal: --sequence_parallel_size > 1 is not supported")
             dataset = kwargs.get("train_dataset")
             if dataset is None or not hasattr(dataset, "__len__"):
                 raise ValueError("tokenbal: ms-swift's train dataset must have a length (no --streaming)")
+            _check_placeholder_ids(kwargs.get("template"), kwargs.get("model"))
             lengths = swift_lengths(dataset)
-            super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), **kwargs)
+            super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), packed=packed,
+                             **kwargs)
+            if packed:
+                # The packed model wrapper embeds the tokens and runs the vision tower itself; ms-swift's
+                # post-encode hook would swap input_ids for its own embeddings and drop cu_seqlens.
+                self.template.register_post_encode_hook = _no_post_encode_hook
 
     TokenBalancedSwiftTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSwiftTrainer
+
+
+def _check_placeholder_ids(template: Any, model: Any) -> None:
+    """ms-swift's Qwen-VL templates name their image / video placeholder by a fixed id (Qwen2-VL's
+    vocabulary: ``image_token_id = 151655``), not the tokenizer's. A checkpoint whose tokenizer puts
+    it elsewhere is encoded with one unexpanded placeholder per image: lengths short by every image's
+    tokens, and the vision features scattered to the wrong place. Refuse that, naming both ids."""
+    config = getattr(model, "config", None)
+    for kind in ("image", "video"):
+        ours = getattr(template, f"{kind}_token_id", None)
+        theirs = getattr(config, f"{kind}_token_id", None)
+        if ours is not None and theirs is not None and int(ours) != int(theirs):
+            raise ValueError(f"tokenbal: ms-swift's template {type(template).__name__} uses {kind}_token_id="
+                             f"{ours} but the model's config has {kind}_token_id={theirs}: ms-swift would "
+                             f"not expand the {kind} placeholders of this checkpoint")
+
+
+def _no_post_encode_hook(models: Any) -> None:
+    """Stands in for the template's ``register_post_encode_hook`` under the packed path."""
 
 
 def register(**sampler_options: Any) -> None:
@@ -105,8 +154,8 @@ def register(**sampler_options: Any) -> None:
     :class:`~tokenbal.integrations.hf.TokenBalancingMixin`'s."""
     from swift.trainers.trainer_factory import TrainerFactory
 
-    if sampler_options.pop("packed", False):
-        raise ValueError("tokenbal: packed=True is not available through ms-swift yet; use padded batches")
+    if not isinstance(sampler_options.get("packed", False), bool):
+        raise ValueError(f"tokenbal: packed must be True or False, got {sampler_options['packed']!r}")
     _OPTIONS.clear()
     _OPTIONS.update(sampler_options)
     TrainerFactory.TRAINER_MAPPING["causal_lm"] = f"{__name__}.TokenBalancedSeq2SeqTrainer"

@@ -1,5 +1,6 @@
 """The framework adapters' own pieces that run without the frameworks (their end-to-end checks,
-through LLaMA-Factory's and ms-swift's real CLIs, are tests/frameworks, `make test-frameworks`)."""
+through LLaMA-Factory's and ms-swift's real CLIs, are tests/tokenbal/integrations/frameworks,
+`make test-frameworks`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenbal.integrations.llamafactory import lf_image_size, main
+from tokenbal.integrations.llamafactory import lf_image_size, lf_video_frames, main
 from tokenbal.integrations.swift import plugin_path, swift_lengths
 
 
@@ -38,6 +39,18 @@ def test_lf_image_size_examples():
     assert lf_image_size(420, 420, 160 * 160, 32 * 32) == (160, 160)     # shrunk before the processor
     assert lf_image_size(100, 50, 160 * 160, 32 * 32) == (100, 50)       # untouched
     assert lf_image_size(10, 300, 160 * 160, 32 * 32) == (28, 300)       # short side raised to 28
+
+
+@given(st.integers(0, 5000), st.floats(0.01, 600), st.sampled_from([0.5, 1.0, 2.0, 3.0]), st.integers(1, 256))
+def test_lf_video_frames_is_llamafactorys_sampling(frames, duration, fps, maxlen):
+    # LLaMA-Factory 0.9.5: BasePlugin._get_video_sample_indices (len of its linspace), then
+    # Qwen2VLPlugin's even frame count (the last frame repeated)
+    if frames == 0:
+        n = len(np.linspace(0, maxlen - 1, maxlen))
+    else:
+        want = min(frames, maxlen, max(1, math.floor(duration * fps)))
+        n = len(np.linspace(0, frames - 1, want).astype(np.int32))
+    assert lf_video_frames(frames, duration, fps, maxlen) == n + n % 2
 
 
 def test_swift_lengths_reads_per_row_lists():

@@ -7,17 +7,11 @@ torchtitan's trainer is not run (its Qwen-VL training is GPU-only; see docs/inte
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import free_port
-from tests.helpers.envs import env_python
-from tests.helpers.paths import REPO
+from tests.helpers import frameworks as fw
 
 pytestmark = pytest.mark.frameworks
 
@@ -27,22 +21,10 @@ ROWS = 24
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    start = time.monotonic()
-    python = env_python("torchtitan")
-    print(f"torchtitan env ready in {time.monotonic() - start:.0f} s")
     tmp = tmp_path_factory.mktemp("torchtitan")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
-    prep = subprocess.run([str(python), str(DRIVER), "prepare", str(tmp)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
-    start = time.monotonic()
-    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(DRIVER), str(tmp)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    print(f"torchtitan data path, 2 ranks: {time.monotonic() - start:.0f} s")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    return [json.loads((tmp / f"titan.rank{r}.json").read_text()) for r in range(2)]
+    env = {**fw.driver_environ(), "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
+    python = fw.prepared_env("torchtitan", DRIVER, tmp, env)
+    return fw.driver_on_ranks(python, DRIVER, tmp, env, "titan")
 
 
 def test_one_epoch_every_sample_once_same_steps(run):

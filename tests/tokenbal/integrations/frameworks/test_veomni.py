@@ -9,16 +9,13 @@ native loader, resumed from its own checkpoints mid-epoch and at an epoch's end.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import free_port
-from tests.helpers.envs import env_python
-from tests.helpers.paths import REPO
+from tests.helpers import frameworks as fw
 
 pytestmark = pytest.mark.frameworks
 
@@ -28,22 +25,10 @@ ROWS = 40
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    start = time.monotonic()
-    python = env_python("veomni")
-    print(f"veomni env ready in {time.monotonic() - start:.0f} s")
     tmp = tmp_path_factory.mktemp("veomni")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TOKENBAL_INDEX": str(tmp / "index")}
-    prep = subprocess.run([str(python), str(DRIVER), "prepare", str(tmp)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
-    start = time.monotonic()
-    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), str(DRIVER), str(tmp)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    print(f"veomni data path, 2 ranks: {time.monotonic() - start:.0f} s")
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    return [json.loads((tmp / f"veomni.rank{r}.json").read_text()) for r in range(2)]
+    env = {**fw.driver_environ(), "TOKENBAL_INDEX": str(tmp / "index")}
+    python = fw.prepared_env("veomni", DRIVER, tmp, env)
+    return fw.driver_on_ranks(python, DRIVER, tmp, env, "veomni")
 
 
 def _rows(ranks, kind, epoch):
@@ -97,18 +82,14 @@ OPS = ("attn", "moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_po
 def trainer_runs(tmp_path_factory):
     """VeOmni's VLMTrainer, 2 epochs of 4 steps: tokenbal's entry (checkpoints every 2 steps), VeOmni's
     native loader, and tokenbal's resumed from VeOmni's checkpoints after step 2 and step 4."""
-    python = env_python("veomni")
     tmp = tmp_path_factory.mktemp("veomni-trainer")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TOKENBAL_INDEX": str(tmp / "index"), "WANDB_MODE": "disabled"}
-    prep = subprocess.run([str(python), str(TRAINER), "prepare", str(tmp)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
+    env = {**fw.driver_environ(), "TOKENBAL_INDEX": str(tmp / "index"), "WANDB_MODE": "disabled"}
+    python = fw.prepared_env("veomni", TRAINER, tmp, env)
 
     def train(name, kind, *extra):
         args = [f"--model.{k}" for k in ("config_path", "model_path", "tokenizer_path")]
         cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(TRAINER), "train", str(tmp), name,
+               str(fw.free_port()), str(TRAINER), "train", str(tmp), name,
                *[x for a in args for x in (a, str(tmp / "model"))],
                "--data.train_path", str(tmp / "train.jsonl"), "--data.chat_template", "qwen2vl",
                "--data.max_seq_len", "2048", "--data.dataloader.type", kind,

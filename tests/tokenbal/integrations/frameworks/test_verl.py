@@ -7,7 +7,6 @@ and records, per rank and step, the rows trained and verl's own token count of e
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -15,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist_utils import free_port
-from tests.helpers.envs import env_python
-from tests.helpers.paths import REPO
+from tests.helpers import frameworks as fw
 
 pytestmark = pytest.mark.frameworks
 
@@ -26,8 +23,7 @@ ROWS, BATCH = 24, 8                 # 3 steps per epoch of 8 samples over 2 DP r
 
 
 def _env(tmp: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1", "HOME": str(tmp)}
+    env = {**fw.driver_environ(), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1", "HOME": str(tmp)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
@@ -35,7 +31,7 @@ def _env(tmp: Path) -> dict:
 def _train(python: Path, tmp: Path, which: str, name: str, *overrides: str) -> list[list[dict]]:
     log = tmp / f"{name}.json"
     cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), str(DRIVER), "train", which, str(log),
+           str(fw.free_port()), str(DRIVER), "train", which, str(log),
            f"data.train_files={tmp / 'train.parquet'}", f"model.path={tmp / 'model'}",
            f"data.train_batch_size={BATCH}", "data.micro_batch_size_per_gpu=2",
            "data.max_token_len_per_gpu=4096", "data.max_length=4096", "data.num_workers=0",
@@ -58,13 +54,8 @@ def _train(python: Path, tmp: Path, which: str, name: str, *overrides: str) -> l
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    start = time.monotonic()
-    python = env_python("verl")
-    print(f"verl env ready in {time.monotonic() - start:.0f} s")
     tmp = tmp_path_factory.mktemp("verl")
-    prep = subprocess.run([str(python), str(DRIVER), "prepare", str(tmp)], env=_env(tmp), capture_output=True,
-                          text=True, timeout=600)
-    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-6000:]
+    python = fw.prepared_env("verl", DRIVER, tmp, _env(tmp))
     tb = ["+tokenbal.index=" + str(tmp / "index")]
     full = _train(python, tmp, "tokenbal", "full", "trainer.total_epochs=2", "trainer.save_freq=1", *tb)
     default = _train(python, tmp, "verl", "default", "trainer.total_epochs=2", "trainer.save_freq=-1")
@@ -119,7 +110,7 @@ def test_gathered_lengths_cover_every_rank(runs):
 
 
 def test_verls_collate_fails_on_a_text_only_row_first_and_tokenbals_does_not():
-    out = subprocess.run([str(env_python("verl")), str(DRIVER), "collate"], env=_env(Path("/tmp")),
+    out = subprocess.run([str(fw.prepared_env("verl")), str(DRIVER), "collate"], env=_env(Path("/tmp")),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "collate ok" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
 
@@ -152,7 +143,7 @@ def test_index_lengths_match_verls_own(runs):
 def test_rl_balance_batch_counts_the_vision_tower(tmp_path):
     # verl's RayPPOTrainer._balance_batch replaced by tokenbal's (patch_rl_trainer) on a DataProto whose
     # image rows and text rows have equal attention-mask sums; costs by Qwen2-VL-7B's dimensions
-    out = subprocess.run([str(env_python("verl")), str(DRIVER), "rl", str(tmp_path)], env=_env(tmp_path),
+    out = subprocess.run([str(fw.prepared_env("verl")), str(DRIVER), "rl", str(tmp_path)], env=_env(tmp_path),
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     print([line for line in out.stdout.splitlines() if line.startswith("rl ")])

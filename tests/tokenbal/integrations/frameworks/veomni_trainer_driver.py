@@ -29,19 +29,14 @@ def prepare(folder: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
     from tests.helpers import chat_processors as cp
-    from tests.helpers.tiny_qwen2_vl import tiny_config
+    from tests.helpers.tiny_qwen2_vl import tiny_config_for
     from tokenbal.cli import main as tokenbal_main
 
     proc = cp.processor(tok=cp.tokenizer(bos_post_processor=False), min_pixels=28 * 28 * 4,
                         max_pixels=28 * 28 * 64)
     cp.save_folder(proc, folder / "model")
     tok = proc.tokenizer
-    cfg = tiny_config(attn="eager")
-    cfg.text_config.vocab_size = len(tok)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                     "<|vision_end|>")}
-    cfg.image_token_id, cfg.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    cfg.vision_start_token_id, cfg.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    cfg = tiny_config_for(tok)
     torch.manual_seed(0)
     Qwen2VLForConditionalGeneration(cfg).save_pretrained(folder / "model")
     rng = random.Random(1)

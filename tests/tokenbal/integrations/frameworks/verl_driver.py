@@ -41,7 +41,7 @@ def prepare(folder: Path) -> None:
     from transformers import Qwen2VLForConditionalGeneration
 
     from tests.helpers import chat_processors as cp
-    from tests.helpers.tiny_qwen2_vl import tiny_config
+    from tests.helpers.tiny_qwen2_vl import tiny_config_for
 
     model_dir = folder / "model"
     # no BOS post-processor: verl tokenizes turn by turn and checks the concatenation against the whole
@@ -49,12 +49,7 @@ def prepare(folder: Path) -> None:
                         max_pixels=28 * 28 * 64)
     cp.save_folder(proc, model_dir)
     tok = proc.tokenizer
-    cfg = tiny_config(attn="eager")
-    cfg.text_config.vocab_size = len(tok)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
-                                                     "<|vision_end|>")}
-    cfg.image_token_id, cfg.video_token_id = ids["<|image_pad|>"], ids["<|video_pad|>"]
-    cfg.vision_start_token_id, cfg.vision_end_token_id = ids["<|vision_start|>"], ids["<|vision_end|>"]
+    cfg = tiny_config_for(tok)
     cfg.text_config.bos_token_id = tok.bos_token_id
     cfg.text_config.eos_token_id = tok.eos_token_id
     cfg.text_config.pad_token_id = tok.pad_token_id

@@ -1,0 +1,123 @@
+"""ms-swift 4.6.0, installed from the registry into its own environment (tests/envs/swift.txt, built on
+first use by scripts/envs.py), trained through its own CLI (``swift sft``, ``NPROC_PER_NODE=2``) on 2
+gloo ranks with a tiny random Qwen2-VL and its ``qwen2_vl`` template, with and without tokenbal's
+``--external_plugins`` file:
+
+- every sample exactly once per epoch across the ranks, the same number of steps on each rank, with
+  lazy tokenization (ms-swift's multimodal default) and with ``--lazy_tokenize false`` (its per-row
+  ``lengths`` lists);
+- the planned lengths equal ms-swift's own encoding of every item, in the order ms-swift hands the
+  items to the trainer (after its load-time shuffle, ``--data_seed``);
+- per-step balance (max ÷ mean real tokens over the ranks) and padded ÷ real tokens against
+  ms-swift's default sampler on the same data, in the same test;
+- packed rows (a plugin file with ``register(packed=True, max_tokens_per_rank=B)``): no rank's row
+  over ``B``, no padding, the first step's loss equal to ms-swift's global token mean of the samples'
+  own unpacked losses;
+- a run killed after a mid-epoch checkpoint, resumed with ``--resume_from_checkpoint``, trains
+  exactly the steps the uninterrupted run trained (padded and packed).
+
+`make test-frameworks`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import frameworks as fw
+from tests.helpers.paths import REPO
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
+
+N, WORLD, EPOCHS = 24, 2, 2
+STEPS = N // (WORLD * 2)            # padded: 2 rows per rank and step, 6 steps per epoch
+SAVE_AT, KILL_AT = 8, 10
+BUDGET = 320                        # packed: real tokens per rank and step
+TOKENBAL_PLUGIN = REPO / "tokenbal" / "integrations" / "swift_plugin" / "tokenbal_plugin.py"
+
+
+@pytest.fixture(scope="module")
+def sw(tmp_path_factory):
+    pytest.importorskip("transformers")
+    sw = fw.setup("swift", tmp_path_factory.mktemp("swift"), N)
+    sw["data"] = fw.swift_dataset(sw["root"] / "data", sw["rows"])
+    # the docs' own-options recipe: a plugin file of one's own
+    sw["packed_plugin"] = sw["root"] / "packed_plugin.py"
+    sw["packed_plugin"].write_text("from tokenbal.integrations.swift import register\n"
+                                   f"register(packed=True, max_tokens_per_rank={BUDGET})\n")
+    return sw
+
+
+def _run(sw: dict, name: str, *, plugin: Path | None, extra: tuple = (), env: dict | None = None,
+         record_name: str = "record"):
+    """One ``swift sft`` run; returns (completed process, its steps or None, output folder)."""
+    out = sw["root"] / name / "out"
+    record = sw["root"] / name / record_name
+    plugins = [*([str(plugin)] if plugin else []), str(REPO / "tests" / "helpers" / "swift_record.py")]
+    args = fw.swift_args(sw["data"], sw["model"], out, *extra, "--external_plugins", *plugins)
+    done = fw.run_cli([str(sw["python"].parent / "swift"), *args], f"{name}/{record_name}",
+                      {"RECORD_DIR": str(record), "NPROC_PER_NODE": str(WORLD),
+                       "MASTER_PORT": str(fw.free_port()), **(env or {})})
+    steps = fw.steps(record, WORLD) if (record / "rank0.jsonl").is_file() else None
+    return done, steps, out
+
+
+def _lengths_equal(out: Path) -> list[int]:
+    lengths = json.loads((out.parent / "record" / "lengths.json").read_text())
+    assert lengths["tokenbal"] == lengths["swift"]                      # 100 % of the items
+    return lengths["tokenbal"]
+
+
+@pytest.mark.parametrize("lazy", ["true", "false"])
+def test_swift_sft_token_balanced(sw, lazy):
+    done, steps, out = _run(sw, f"tokenbal-lazy-{lazy}", plugin=TOKENBAL_PLUGIN,
+                            extra=("--lazy_tokenize", lazy))
+    fw.assert_ok(done)
+    assert fw.epochs_of(steps, N, EPOCHS, WORLD) == [STEPS] * EPOCHS
+    # ms-swift shuffles at load (--data_seed): the items are not in file order, the plan follows them
+    _lengths_equal(out)
+    if lazy == "false":
+        default, d_steps, _ = _run(sw, "default", plugin=None, extra=("--lazy_tokenize", lazy))
+        fw.assert_ok(default)
+        fw.epochs_of(d_steps, N, EPOCHS, WORLD)
+        fw.assert_beats_default(steps, d_steps, "ms-swift")
+
+
+def test_swift_kill_and_resume_exact(sw):
+    full, f_steps, _ = _run(sw, "full", plugin=TOKENBAL_PLUGIN, extra=("--save_steps", str(SAVE_AT)))
+    fw.assert_ok(full)
+    killed, k_steps, out = _run(sw, "killed", plugin=TOKENBAL_PLUGIN, extra=("--save_steps", str(SAVE_AT)),
+                                env={"KILL_AT": str(KILL_AT)})
+    assert killed.returncode != 0
+    ckpt = out / f"checkpoint-{SAVE_AT}"
+    assert json.loads((ckpt / "tokenbal_sampler.json").read_text())["epoch"] == 1
+    resumed, r_steps, _ = _run(sw, "killed", plugin=TOKENBAL_PLUGIN, record_name="resumed",
+                               extra=("--save_steps", str(SAVE_AT), "--resume_from_checkpoint", str(ckpt)))
+    fw.assert_ok(resumed)
+    fw.assert_resumed(f_steps, k_steps, r_steps, SAVE_AT, KILL_AT)
+
+
+def test_swift_packed_rows_under_a_token_budget(sw):
+    done, steps, out = _run(sw, "packed", plugin=sw["packed_plugin"])
+    fw.assert_ok(done)
+    per_epoch = fw.epochs_of(steps, N, EPOCHS, WORLD)
+    fw.assert_packed(steps, BUDGET)
+    lengths = _lengths_equal(out)
+    losses = fw.assert_first_step_loss(steps, global_mean=True)     # ms-swift's global token mean
+    balance, _ = fw.figures(steps)
+    fill = sum(r["real"] for recs in steps.values() for r in recs) / (len(steps) * WORLD * BUDGET)
+    print(f"packed, budget {BUDGET}, rows of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all): "
+          f"steps per epoch {per_epoch}; first-step losses {losses}; per-step "
+          f"max/mean real tokens {balance:.3f}; fill (real / steps x ranks x budget) {fill:.3f}")
+
+    save_at = per_epoch[0] + per_epoch[1] // 2
+    kill_at = save_at + 1
+    killed, k_steps, k_out = _run(sw, "packed-killed", plugin=sw["packed_plugin"],
+                                  extra=("--save_steps", str(save_at)), env={"KILL_AT": str(kill_at)})
+    assert killed.returncode != 0
+    ckpt = k_out / f"checkpoint-{save_at}"
+    resumed, r_steps, _ = _run(sw, "packed-killed", plugin=sw["packed_plugin"], record_name="resumed",
+                               extra=("--save_steps", str(save_at), "--resume_from_checkpoint", str(ckpt)))
+    fw.assert_ok(resumed)
+    fw.assert_resumed(steps, k_steps, r_steps, save_at, kill_at)
