@@ -137,7 +137,7 @@ class ChatTokenCounter:
         self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
         self.video_token: str | None = None   # the processor's video placeholder (counted when videos are given)
         self.processor: Any = None            # the loaded processor: its replace_video_token writes video text
-        self._video_texts: dict[tuple, str] = {}
+        self._video_texts: dict[tuple, tuple[str, int]] = {}
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -354,8 +354,9 @@ class ChatTokenCounter:
                 "part in the messages, and each video part a video)")
         return n_videos
 
-    def video_text(self, info: Any, row: int = 0, where: str = "") -> str:
-        """What the processor writes in place of the placeholder of a video with header ``info``."""
+    def video_text(self, info: Any, row: int = 0, where: str = "") -> tuple[str, int]:
+        """What the processor writes in place of the placeholder of a video with header ``info``, and
+        the number of frames it keeps of it."""
         from tokenbal.estimate.chat_video import VideoCountError, check_video_support, video_replacement
 
         key = (int(info.frames), float(info.fps), int(info.width), int(info.height))
@@ -387,8 +388,14 @@ class ChatTokenCounter:
         for r, text in enumerate(texts):
             image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
                                 for j in range(starts[r], starts[r + 1])])
-            video_texts = iter([self.video_text(info, first_row + r, str(k))
-                                for k, info in enumerate(videos[r] or ())])
+            replaced = [self.video_text(info, first_row + r, str(k)) for k, info in enumerate(videos[r] or ())]
+            if self.family == "internvl" and replaced:
+                from tokenbal.estimate.chat_video import internvl_row_rejected
+
+                why = internvl_row_rejected(text, self.image_token, self.video_token, [n for _, n in replaced])
+                if why:
+                    raise ChatCountError(f"row {first_row + r}: {why}")
+            video_texts = iter([t for t, _ in replaced])
             text = pattern.sub(lambda m, i=image_texts, v=video_texts: next(v if m.group(0) == self.video_token
                                                                             else i), text)
             for token in collapsible:

@@ -72,10 +72,11 @@ def check_video_support(processor: Any, family: str | None, est: Any) -> None:
                                   f"not modelled (only the checkpoints' {want}, sampled frames)")
 
 
-def video_replacement(processor: Any, family: str, est: Any, info: Any) -> str:
+def video_replacement(processor: Any, family: str, est: Any, info: Any) -> tuple[str, int]:
     """The text the processor puts in place of this video's placeholder (``info``: a
-    :class:`tokenbal.index.video.VideoInfo` of the file). ``ValueError`` with the reason when the
-    processor would reject the video (too short to sample, ...)."""
+    :class:`tokenbal.index.video.VideoInfo` of the file), and the number of frames it keeps.
+    ``ValueError`` with the reason when the processor would reject the video (too short to
+    sample, ...)."""
     indices, grid = sample_video(processor, family, est, info)
     from transformers.video_utils import VideoMetadata
 
@@ -85,7 +86,21 @@ def video_replacement(processor: Any, family: str, est: Any, info: Any) -> str:
     shape_only = np.broadcast_to(np.zeros((), np.uint8), (len(indices), 3, 1, 1))   # no memory
     inputs = {"video_grid_thw": np.asarray([grid if grid is not None else (len(indices), 1, 1)], np.int64),
               "video_metadata": [md], "pixel_values_videos": [shape_only]}
-    return str(processor.replace_video_token(inputs, 0))
+    return str(processor.replace_video_token(inputs, 0)), len(indices)
+
+
+def internvl_row_rejected(text: str, image_token: str, video_token: str, frames: list[int]) -> str | None:
+    """Why transformers' ``InternVLProcessor`` raises on a row, or None: it stacks a row's videos
+    into one tensor (so they must keep the same number of frames), and its pixel batches fail when
+    a video comes before the first image (both seen on transformers 5.19, the oracle env:
+    ``stack expects each tensor to be equal size`` / ``expected Tensor as element 1``)."""
+    if len(set(frames)) > 1:
+        return (f"its videos keep different numbers of frames ({frames}); InternVLProcessor stacks them "
+                "and raises")
+    first_image, first_video = text.find(image_token), text.find(video_token)
+    if first_image >= 0 and 0 <= first_video < first_image:
+        return "a video comes before the first image; InternVLProcessor raises on such a row"
+    return None
 
 
 def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list[int], tuple | None]:
