@@ -367,8 +367,10 @@ def save_folder(proc, family: str, folder):
 
 # -- videos ----------------------------------------------------------------------------------------
 
-VIDEO_CLASS = {"qwen2-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"), "qwen2.5-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
-               "qwen3-vl": ("qwen3_vl", "Qwen3VLVideoProcessor"), "glm-4.1v": ("glm4v", "Glm4vVideoProcessor"),
+VIDEO_CLASS = {"qwen2-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
+               "qwen2.5-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
+               "qwen3-vl": ("qwen3_vl", "Qwen3VLVideoProcessor"),
+               "glm-4.1v": ("glm4v", "Glm4vVideoProcessor"),
                "llava-onevision": ("llava_onevision", "LlavaOnevisionVideoProcessor"),
                "internvl": ("internvl", "InternVLVideoProcessor")}
 # per family, the video settings tested: the class defaults at tiny frame sizes, and a sampling variant
@@ -402,7 +404,8 @@ class StandInVideoProcessor:
         from tests.helpers.videos import import_without_torchvision
 
         module, name = VIDEO_CLASS[family]
-        cls = getattr(import_without_torchvision(f"transformers.models.{module}.video_processing_{module}"), name)
+        mod = import_without_torchvision(f"transformers.models.{module}.video_processing_{module}")
+        cls = getattr(mod, name)
         self.__dict__.update({k: getattr(cls, k) for k in _STANDIN_KEYS if hasattr(cls, k)})
         self.__dict__.update(overrides)
         if isinstance(self.__dict__.get("size"), dict):
@@ -476,7 +479,9 @@ def random_video_rows(n: int, seed: int, videos: list[str], images: bool = True)
                 parts.append({"type": "video"})
         rng.shuffle(parts)
         parts.insert(rng.randint(0, len(parts)), {"type": "text", "text": _text(rng)})
-        msgs = [{"role": "system", "content": [{"type": "text", "text": _text(rng)}]}] if rng.random() < 0.3 else []
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": [{"type": "text", "text": _text(rng)}]})
         msgs += [{"role": "user", "content": parts},
                  {"role": "assistant", "content": [{"type": "text", "text": _text(rng)}]}]
         if shape.startswith("inline"):

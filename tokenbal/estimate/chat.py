@@ -135,8 +135,8 @@ class ChatTokenCounter:
         self._affix_tokens: int | None = None
         self._fingerprint: str | None = None
         self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
-        self.video_token: str | None = None   # the processor's video placeholder (counted when videos are given)
-        self.processor: Any = None            # the loaded processor: its replace_video_token writes video text
+        self.video_token: str | None = None   # the processor's video placeholder (videos given: counted)
+        self.processor: Any = None            # the loaded processor (its replace_video_token writes videos)
         self._video_texts: dict[tuple, tuple[str, int]] = {}
 
     # -- construction ----------------------------------------------------------------------------
@@ -328,7 +328,8 @@ class ChatTokenCounter:
                                                       minlength=len(texts)).astype(np.int64)
         return total, n_tokens, owner
 
-    def _check_videos(self, texts: list[str], videos: Sequence[Sequence[Any]] | None, first_row: int) -> np.ndarray:
+    def _check_videos(self, texts: list[str], videos: Sequence[Sequence[Any]] | None,
+                      first_row: int) -> np.ndarray:
         """Videos per row, checked against the video placeholders the template rendered."""
         n_videos = np.zeros(len(texts), np.int64)
         if videos is not None:
@@ -346,12 +347,12 @@ class ChatTokenCounter:
                     f"({token!r}); this count has no videos given (index such samples with `tokenbal "
                     "index build`, or count them with dataset_lengths)")
             if token is None:
-                raise ChatCountError(f"row {first_row + r} has {n_videos[r]} video(s) but {self.source} has no "
-                                     "video placeholder token, so it takes no videos")
+                raise ChatCountError(f"row {first_row + r} has {n_videos[r]} video(s) but {self.source} has "
+                                     "no video placeholder token, so it takes no videos")
             raise ChatCountError(
-                f"row {first_row + r}: the chat template renders {found} video placeholder(s) ({token!r}) but "
-                f"the row has {n_videos[r]} video(s); the processor raises on this (each video needs a video "
-                "part in the messages, and each video part a video)")
+                f"row {first_row + r}: the chat template renders {found} video placeholder(s) ({token!r}) "
+                f"but the row has {n_videos[r]} video(s); the processor raises on this (each video needs a "
+                "video part in the messages, and each video part a video)")
         return n_videos
 
     def video_text(self, info: Any, row: int = 0, where: str = "") -> tuple[str, int]:
@@ -388,20 +389,22 @@ class ChatTokenCounter:
         for r, text in enumerate(texts):
             image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
                                 for j in range(starts[r], starts[r + 1])])
-            replaced = [self.video_text(info, first_row + r, str(k)) for k, info in enumerate(videos[r] or ())]
+            replaced = [self.video_text(info, first_row + r, str(k))
+                        for k, info in enumerate(videos[r] or ())]
             if self.family == "internvl" and replaced:
                 from tokenbal.estimate.chat_video import internvl_row_rejected
 
-                why = internvl_row_rejected(text, self.image_token, self.video_token, [n for _, n in replaced])
+                frames = [n for _, n in replaced]
+                why = internvl_row_rejected(text, self.image_token, self.video_token, frames)
                 if why:
                     raise ChatCountError(f"row {first_row + r}: {why}")
             video_texts = iter([t for t, _ in replaced])
-            text = pattern.sub(lambda m, i=image_texts, v=video_texts: next(v if m.group(0) == self.video_token
-                                                                            else i), text)
+            text = pattern.sub(lambda m, i=image_texts, v=video_texts:
+                               next(v if m.group(0) == self.video_token else i), text)
             for token in collapsible:
                 copies = text.count(token)
                 if copies:
-                    text = re.sub(f"(?:{re.escape(token)})+", lambda m: token, text)
+                    text = re.sub(f"(?:{re.escape(token)})+", lambda m, t=token: t, text)
                     extra[r] += copies - text.count(token)
             out.append(text)
         total = self._tokens(out) + extra

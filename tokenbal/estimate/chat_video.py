@@ -63,10 +63,12 @@ def check_video_support(processor: Any, family: str | None, est: Any) -> None:
         size = dict(getattr(vp, "size", None) or {})
         want = {"shortest_edge": GLM_VIDEO["min_pixels"], "longest_edge": GLM_VIDEO["max_pixels"]}
         got = {k: size.get(k) for k in want}
-        geometry = (getattr(vp, "patch_size", 14), getattr(vp, "merge_size", 2), getattr(vp, "temporal_patch_size", 2))
+        geometry = (getattr(vp, "patch_size", 14), getattr(vp, "merge_size", 2),
+                    getattr(vp, "temporal_patch_size", 2))
+        max_duration = int(getattr(vp, "max_duration", GLM_VIDEO["max_duration"]) or 0)
         if (got != want or geometry != (est.patch_size, est.merge_size, est.temporal_patch_size)
                 or not getattr(vp, "do_sample_frames", True)
-                or int(getattr(vp, "max_duration", GLM_VIDEO["max_duration"]) or 0) != GLM_VIDEO["max_duration"]):
+                or max_duration != GLM_VIDEO["max_duration"]):
             raise VideoCountError(f"{name}: GLM-4.1V video settings size={got}, patch/merge/temporal="
                                   f"{geometry}, do_sample_frames={getattr(vp, 'do_sample_frames', None)} are "
                                   f"not modelled (only the checkpoints' {want}, sampled frames)")
@@ -117,8 +119,9 @@ def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list
         if nframes is None and fps is None:
             raise VideoCountError(f"{type(processor).__name__}: do_sample_frames with neither fps nor "
                                   "num_frames: the processor itself cannot sample")
-        over = {k: v for k, v in (("video_min_frames", s["min_frames"]), ("video_max_frames", s["max_frames"]),
-                                  ("video_fps", fps)) if v is not None}
+        pairs = (("video_min_frames", s["min_frames"]), ("video_max_frames", s["max_frames"]),
+                 ("video_fps", fps))
+        over = {k: v for k, v in pairs if v is not None}
         e = est.replace(**over) if over else est
         plan = plan_video(e, _request(info, nframes=nframes))
         return list(plan.indices), plan.grid

@@ -92,8 +92,9 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
     path = None
     if cache:
         files = _files_digest(ds, counter, messages, image_col, video_col)
-        key = hashlib.sha256("\0".join([str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col),
-                                        str(video_col), counter.fingerprint, files]).encode()).hexdigest()[:24]
+        parts = [str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col), str(video_col),
+                 counter.fingerprint, files]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
         path = _cache_file(ds, key)
     else:
         key = hashlib.sha256(str(ds._fingerprint).encode()).hexdigest()[:24]
@@ -107,7 +108,8 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
     columns = [messages] + [c for c in (image_col, video_col) if c]
     table_ds = ds.select_columns(columns).with_format("arrow")
     if num_proc and num_proc > 1 and len(ds) > 1:
-        out = table_ds.map(_MapCount(counter, messages, image_col, video_col), batched=True, batch_size=BATCH_ROWS,
+        out = table_ds.map(_MapCount(counter, messages, image_col, video_col), batched=True,
+                           batch_size=BATCH_ROWS,
                            with_indices=True, num_proc=int(num_proc), remove_columns=columns,
                            keep_in_memory=True, new_fingerprint=f"tokenbal-lengths-{key}")
         lengths = np.asarray(out.with_format("numpy")["tokenbal_length"], dtype=np.int64)
@@ -227,11 +229,10 @@ def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col
 
 def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_row: int, messages: str,
             video_col: str | None) -> list | None:
-    """Per row, the headers of its videos (the videos column's value, else its video parts'), or
-    None when no row has any."""
+    """Per row, the headers of its videos (the videos column's value, else its video parts')."""
     from tokenbal.estimate.chat_video import probe_row_video
 
-    out, found = [], False
+    out = []
     for r, conv in enumerate(convs):
         value = column[r] if column is not None else None
         if value is None or (isinstance(value, (list, tuple)) and not value):
@@ -239,8 +240,7 @@ def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_r
         else:
             items, field = (value if isinstance(value, (list, tuple)) else [value]), str(video_col)
         out.append([probe_row_video(v, first_row + r, f"{field}[{j}]") for j, v in enumerate(items)])
-        found = found or bool(items)
-    return out if found else None
+    return out
 
 
 def _conversation(value: Any, row: int, field: str) -> list:
@@ -260,7 +260,8 @@ def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: i
                error: Exception, videos: list | None = None) -> Exception:
     for r, conv in enumerate(convs):
         try:
-            counter.count([conv], [sizes[r]], first_row + r, videos=[videos[r]] if videos is not None else None)
+            counter.count([conv], [sizes[r]], first_row + r,
+                          videos=[videos[r]] if videos is not None else None)
         except Exception as e:  # noqa: BLE001 - re-raised below with the row named
             return ValueError(f"row {first_row + r}: {type(e).__name__}: {e}")
     return error

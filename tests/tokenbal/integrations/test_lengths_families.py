@@ -281,15 +281,15 @@ def _process_row_case(proc, rotated: bytes, tmp_path, PackedTrainCollator, proce
 
 
 def test_a_video_row_is_refused_naming_it():
-    """Videos through a processor need its video processor (torchvision); such rows are named, not
-    counted as one placeholder token."""
+    """A video row whose file cannot be read is named with the file (video rows are counted from
+    their headers: tests/tokenbal/integrations/test_lengths_videos.py), not counted as one token."""
     proc = _processor_or_skip("qwen2-vl", subclass=False)
     text_part = "{% elif c['type'] == 'text' %}"
     video_part = "{% elif c['type'] == 'video' %}" + proc.video_token
     proc.chat_template = proc.chat_template.replace(text_part, video_part + text_part)
     rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []},
             {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}], "images": []}]
-    with pytest.raises(ValueError, match=r"row 1: the chat template renders a video placeholder"):
+    with pytest.raises(ValueError, match=r"row 1: video messages video part\[0\] \('a.mp4'\): "):
         dataset_lengths(rows, proc)
 
 
