@@ -6,7 +6,10 @@ images=[r[images]] or None, tokenize=True, return_dict=True)["input_ids"][0])``:
 :class:`tokenbal.estimate.chat.ChatTokenCounter` renders the processor's chat template with
 transformers' own machinery, tokenizes the rendered texts in batches with the processor's
 tokenizer, and adds each image's placeholder tokens from the tokenbal estimator built from the
-processor's own image-processor settings (min / max pixels, patch and merge sizes).
+processor's own image-processor settings (min / max pixels, patch and merge sizes). Videos (a
+``videos`` column, or the ``{"type": "video"}`` parts' files) are counted from their container
+headers with the processor's own video settings and its own ``replace_video_token`` text
+(:mod:`tokenbal.estimate.chat_video`).
 
 Images are never decoded: a ``datasets.Dataset`` is read as Arrow (``with_format("arrow")``), so an
 ``Image()`` column, decoded or ``Image(decode=False)``, gives its stored bytes / path, and only the
@@ -16,8 +19,9 @@ processor sees them), ``{"bytes", "path"}`` dicts, paths or bytes.
 
 Results of a ``datasets.Dataset`` are cached under its cache folder (``<cache dir>/tokenbal-lengths-
 <key>.npy``; in-memory datasets: ``$TOKENBAL_CACHE`` or ``~/.cache/tokenbal/lengths``), keyed by the
-dataset's ``_fingerprint``, the column names and the counter's fingerprint (vocabulary, chat
-template, special tokens, estimator settings), so a changed dataset or processor is recounted.
+dataset's ``_fingerprint``, the column names, the counter's fingerprint (vocabulary, chat
+template, special tokens, estimator settings) and the path, size and mtime of every image and video
+file the rows name, so a changed dataset, processor or file is recounted.
 """
 
 from __future__ import annotations
