@@ -685,8 +685,8 @@ def _auto_processor(d: Path) -> Any:
     """The folder's processor as ``AutoProcessor`` loads it, when it loads here with a chat template
     and a family tokenbal knows (then its own tokens and settings are used); else None (e.g. its
     video processor needs torchvision), and the folder's files are read directly. Idefics3 /
-    SmolVLM folders whose processor does not load here (a missing dependency) are refused, naming
-    the transformers version and what its loading asked for."""
+    SmolVLM folders whose processor does not load here are refused, naming the transformers
+    version, the loading error and the known requirements missing here."""
     try:
         from transformers import AutoProcessor
 
@@ -697,25 +697,27 @@ def _auto_processor(d: Path) -> Any:
             return None
         processor_family(proc)
         return proc
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - any failure to load: read the files instead (but see below)
         _refuse_unloadable(d, e)
         return None
-    except Exception:  # noqa: BLE001 - any other failure to load: read the files instead
-        return None
 
 
-def _refuse_unloadable(d: Path, error: ImportError) -> None:
+def _refuse_unloadable(d: Path, error: Exception) -> None:
+    import importlib.util
+
     from tokenbal.estimate.vision import _family_from_processor_files, _processor_dicts
     from tokenbal.hf_compat import transformers_version
 
     family = _family_from_processor_files(d, _processor_dicts(d)[0])
     if family in _NEEDS_LOADED_PROCESSOR:
-        reason = " ".join(str(error).split())[:300]
+        reason = " ".join(str(error).split())[:160]
+        missing = [m for m in ("torchvision", "num2words") if importlib.util.find_spec(m) is None]
         raise ValueError(f"{str(d)!r}: its {family} processor does not load with transformers "
-                         f"{transformers_version()} here ({type(error).__name__}: {reason}); {family} "
-                         "lengths are counted through the loaded processor: install what it asks for (its "
-                         "image / video processor needs torchvision on transformers 4.57-5.9, its "
-                         "processor num2words) or use a transformers where it loads") from error
+                         f"{transformers_version()} here ({type(error).__name__}: {reason}); missing here: "
+                         f"{', '.join(missing) or 'nothing tokenbal knows of'}. {family} lengths are counted "
+                         "through the loaded processor: install what it needs (on transformers 4.57-5.9 its "
+                         "image / video processor needs torchvision, its processor num2words) or use a "
+                         "transformers where it loads") from error
 
 
 def _processor_template(processor: Any) -> str:

@@ -185,8 +185,9 @@ def test_verify_names_the_processor_file_that_changed(setup, tmp_path, capsys):
     assert main(["index", "verify", out]) == 1
     assert f"processor folder missing: {mine}" in capsys.readouterr().out
 
-FOLDER_FAMILIES = ["internvl", "idefics3", "smolvlm", "glm-4.1v", "llava-onevision", "llava-next", "qwen3-vl",
-                   "llava"]
+# SmolVLM: test_a_tile_family_folder_whose_processor_does_not_load_is_refused (its folder loads only
+# where its video processor's torchvision is installed)
+FOLDER_FAMILIES = ["internvl", "idefics3", "glm-4.1v", "llava-onevision", "llava-next", "qwen3-vl", "llava"]
 
 
 @pytest.mark.parametrize("family", FOLDER_FAMILIES)
@@ -254,9 +255,9 @@ def test_a_tile_family_folder_whose_processor_does_not_load_is_refused(family, t
         from transformers import AutoProcessor
 
         proc = AutoProcessor.from_pretrained(str(folder))
-    except ImportError:
+    except Exception:  # noqa: BLE001 - ImportError on 4.57, "Unrecognized image processor" on 5.6 / 5.9
         message = rf"{family} processor does not load with transformers {transformers_version()} here"
-        requirement = r" \((ModuleNotFoundError|ImportError): .*(torchvision|num2words)"
+        requirement = r" \(.*\); missing here: .*(torchvision|num2words)"
         with pytest.raises(ValueError, match=message + requirement):
             ChatTokenCounter.from_pretrained(folder)
         assert main(args) != 0
