@@ -53,6 +53,18 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
                     accepted.append(i)
                 else:
                     wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
+            # the packed Trainer's collator step: the processor's own output for the row
+            from tokenbal.integrations.trainer_support import process_row
+
+            collated = 0
+            for i in [i for i in accepted if len(rows[i]["files"]) <= 1][:12]:
+                # (rows of 2+ videos: OneVision / InternVL stack a row's videos into one tensor,
+                # which fails for different frame counts with return_tensors="pt")
+                got = len(process_row(rows[i], proc)["input_ids"])
+                want = int(dataset_lengths([rows[i]], proc)[0])
+                collated += 1
+                if got != want:
+                    wrong.append({"row": i, "process_row": got, "dataset_lengths": want})
             # the same rows as a datasets.Dataset (a Video(decode=False) column where the rows hold
             # files), counted in one call and with num_proc=2
             table = [{"messages": rows[i]["messages"], "images": rows[i]["images"],
@@ -70,7 +82,7 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
             failed += len(wrong)
             shapes = sorted({rows[i]["shape"] for i in accepted})
             print(json.dumps({"family": family, "settings": settings, "rows": len(rows), "agree": agree,
-                              "both_reject": rejected, "wrong": wrong[:5], "n_wrong": len(wrong),
+                              "both_reject": rejected, "process_row": collated, "wrong": wrong[:5], "n_wrong": len(wrong),
                               "shapes": shapes, "videos": n_videos}), flush=True)
     return 1 if failed else 0
 

@@ -213,7 +213,8 @@ def test_real_video_processors():
     """Against the real video processors (torchvision) in the ``swift`` side env (transformers 5.19,
     torchvision 0.29.1, PyAV): 40 random videos (mp4 / webm / avi, 33-128 px, 5-30 fps, 4-80
     frames, some variable-rate), 60 random rows per family x video settings, every row shape; rows
-    the processor rejects must be rejected naming the row; a ``datasets`` Video column, num_proc=2."""
+    the processor rejects must be rejected naming the row; a ``datasets`` Video column, num_proc=2;
+    ``process_row`` (the packed Trainer's collator) on one-video rows gives the counted length."""
     from tests.helpers.envs import run_in_env
     from tests.helpers.paths import REPO
 
@@ -226,3 +227,4 @@ def test_real_video_processors():
     assert {r["family"] for r in results} == set(fp.VIDEO_FAMILIES)
     for r in results:
         assert r["n_wrong"] == 0 and r["agree"] >= 40 and len(r["shapes"]) == len(fp.VIDEO_SHAPES), r
+        assert r["process_row"] >= 10, r   # the packed Trainer's collator step, one-video rows
