@@ -82,8 +82,8 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
             failed += len(wrong)
             shapes = sorted({rows[i]["shape"] for i in accepted})
             print(json.dumps({"family": family, "settings": settings, "rows": len(rows), "agree": agree,
-                              "both_reject": rejected, "process_row": collated, "wrong": wrong[:5], "n_wrong": len(wrong),
-                              "shapes": shapes, "videos": n_videos}), flush=True)
+                              "both_reject": rejected, "process_row": collated, "wrong": wrong[:5],
+                              "n_wrong": len(wrong), "shapes": shapes, "videos": n_videos}), flush=True)
     return 1 if failed else 0
 
 
