@@ -407,6 +407,8 @@ class StandInVideoProcessor:
         mod = import_without_torchvision(f"transformers.models.{module}.video_processing_{module}")
         cls = getattr(mod, name)
         self.__dict__.update({k: getattr(cls, k) for k in _STANDIN_KEYS if hasattr(cls, k)})
+        for k in ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames"):
+            self.__dict__.setdefault(k, None)   # the real instances have them all (None: unset)
         self.__dict__.update(overrides)
         if isinstance(self.__dict__.get("size"), dict):
             self.size = dict(self.size)

@@ -225,7 +225,8 @@ class ChatTokenCounter:
             special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True, default=str)
             for part in (vocab, self.chat_template, special, str(self.image_token), str(self.expansion),
                          str(self.family), str(self.add_special_tokens), str(self.converts_image_url),
-                         str(self.min_image_side),
+                         str(self.min_image_side), str(self.video_token),
+                         _video_settings_digest(self.processor),
                          type(self.estimator).__name__,
                          json.dumps(getattr(self.estimator, "config", None), sort_keys=True, default=str)):
                 h.update(part.encode("utf-8"))
@@ -718,6 +719,16 @@ def _refuse_unloadable(d: Path, error: Exception) -> None:
                          "through the loaded processor: install what it needs (on transformers 4.57-5.9 its "
                          "image / video processor needs torchvision, its processor num2words) or use a "
                          "transformers where it loads") from error
+
+
+def _video_settings_digest(processor: Any) -> str:
+    """The processor's video processor settings (sampling, sizes), for the fingerprint: a changed
+    ``fps`` or ``num_frames`` changes video rows' counts."""
+    vp = getattr(processor, "video_processor", None)
+    to_dict = getattr(vp, "to_dict", None)
+    if not callable(to_dict):
+        return "none"
+    return json.dumps(to_dict(), sort_keys=True, default=str)
 
 
 def _processor_template(processor: Any) -> str:

@@ -65,7 +65,8 @@ def check_video_support(processor: Any, family: str | None, est: Any) -> None:
         got = {k: size.get(k) for k in want}
         geometry = (getattr(vp, "patch_size", 14), getattr(vp, "merge_size", 2),
                     getattr(vp, "temporal_patch_size", 2))
-        max_duration = int(getattr(vp, "max_duration", GLM_VIDEO["max_duration"]) or 0)
+        max_duration = getattr(vp, "max_duration", None)
+        max_duration = GLM_VIDEO["max_duration"] if max_duration is None else int(max_duration)
         if (got != want or geometry != (est.patch_size, est.merge_size, est.temporal_patch_size)
                 or not getattr(vp, "do_sample_frames", True)
                 or max_duration != GLM_VIDEO["max_duration"]):

@@ -161,6 +161,14 @@ def test_a_datasets_video_column_with_num_proc_and_a_changed_file(videos, tmp_pa
     np.testing.assert_array_equal(dataset_lengths(ds, proc), want)
     np.testing.assert_array_equal(dataset_lengths(ds, proc, num_proc=2, cache=False), want)
     assert list(tmp_path.glob("tokenbal-lengths-*.npy"))
+    # other video settings on the same processor: a new cache key, recounted
+    vp = proc.video_processor
+    saved = (vp.do_sample_frames, vp.fps)
+    vp.do_sample_frames, vp.fps = True, 1.0
+    np.testing.assert_array_equal(dataset_lengths(ds, proc), dataset_lengths(rows, proc))
+    assert not np.array_equal(dataset_lengths(ds, proc), want)
+    vp.do_sample_frames, vp.fps = saved
+    np.testing.assert_array_equal(dataset_lengths(ds, proc), want)
     # a video file replaced by a longer one under the same path: recounted, not served from the cache
     target = next(r["files"][0] for r in rows if r["files"])
     from tests.helpers.videos import write_video
