@@ -157,6 +157,31 @@ def content_videos(conversation: Any) -> list[Any]:
     return out
 
 
+# headers read from files, by (path, size, mtime): rows often share a video (several questions on one
+# clip); a changed file has a new key. Bounded: cleared when full.
+_PROBED: dict[tuple, Any] = {}
+_PROBED_MAX = 1 << 16
+
+
+def _probe_file(path: str) -> Any:
+    import os
+
+    from tokenbal.index.video import VideoError, probe_video
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise VideoError(f"cannot read the video: {e}") from None
+    key = (path, st.st_size, st.st_mtime_ns)
+    info = _PROBED.get(key)
+    if info is None:
+        info = probe_video(path)
+        if len(_PROBED) >= _PROBED_MAX:
+            _PROBED.clear()
+        _PROBED[key] = info
+    return info
+
+
 def probe_row_video(value: Any, row: int, where: str) -> Any:
     """The :class:`~tokenbal.index.video.VideoInfo` of one row video (a path, bytes, or a
     ``{"bytes", "path"}`` dict), else ``ValueError`` naming the row, the field and the file."""
@@ -177,7 +202,7 @@ def probe_row_video(value: Any, row: int, where: str) -> Any:
         raise ValueError(f"row {row}: video {where} is a {type(value).__name__}; expected a path, bytes or a "
                          "{bytes, path} dict (a video file; decoded frame lists are not counted)")
     try:
-        return probe_video(src)
+        return _probe_file(name) if name is not None else probe_video(src)
     except (VideoError, OSError, ImportError) as e:
         label = f" ({name!r})" if name else f" ({len(src)} bytes)"
         raise ValueError(f"row {row}: video {where}{label}: {e}") from e
