@@ -37,17 +37,34 @@ PLACEHOLDER = {
 FAMILIES = sorted(PLACEHOLDER)
 
 
-def template(family: str, bos: bool = False) -> str:
+# the family's video part as its checkpoints' templates render it ({V}: the processor's video token)
+VIDEO_PLACEHOLDER = {
+    "qwen2-vl": "<|vision_start|>{V}<|vision_end|>",
+    "qwen2.5-vl": "<|vision_start|>{V}<|vision_end|>",
+    "qwen3-vl": "<|vision_start|>{V}<|vision_end|>",
+    "glm-4.1v": "<|begin_of_video|>{V}<|end_of_video|>",
+    "internvl": "{V}\n",
+    "llava-onevision": "{V}\n",
+}
+VIDEO_FAMILIES = sorted(VIDEO_PLACEHOLDER)
+
+
+def template(family: str, bos: bool = False, video_token: str | None = None) -> str:
     """A chat template in the family's layout: string or part-list content, system and multi-turn,
-    OpenAI ``image_url`` parts rendered as images (as the checkpoints' templates do)."""
+    OpenAI ``image_url`` parts rendered as images (as the checkpoints' templates do); with
+    ``video_token``, ``{"type": "video"}`` parts rendered as the family's video part."""
     ph = PLACEHOLDER[family].replace("\n", "\\n")
+    video = ""
+    if video_token is not None:
+        vph = VIDEO_PLACEHOLDER[family].replace("{V}", video_token).replace("\n", "\\n")
+        video = "{% elif c['type'] == 'video' %}{{ '" + vph + "' }}"
     return (
         ("{{ bos_token }}" if bos else "")
         + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
         "{{ m['content'] }}{% else %}{% for c in m['content'] %}"
         "{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
-        "{{ '" + ph + "' }}{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-        "<|im_end|>\n{% endfor %}"
+        "{{ '" + ph + "' }}" + video + "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
     )
 
 
@@ -346,3 +363,166 @@ def save_folder(proc, family: str, folder):
     (folder / "processor_config.json").write_text(json.dumps({"processor_class": name, **own}))
     (folder / "chat_template.jinja").write_text(proc.chat_template)
     return folder
+
+
+# -- videos ----------------------------------------------------------------------------------------
+
+VIDEO_CLASS = {"qwen2-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
+               "qwen2.5-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
+               "qwen3-vl": ("qwen3_vl", "Qwen3VLVideoProcessor"),
+               "glm-4.1v": ("glm4v", "Glm4vVideoProcessor"),
+               "llava-onevision": ("llava_onevision", "LlavaOnevisionVideoProcessor"),
+               "internvl": ("internvl", "InternVLVideoProcessor")}
+# per family, the video settings tested: the class defaults at tiny frame sizes, and a sampling variant
+VIDEO_SETTINGS = {
+    "qwen2-vl": [{}, {"do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": 12}],
+    "qwen2.5-vl": [{}, {"do_sample_frames": True, "fps": 1.0}],
+    "qwen3-vl": [{}, {"fps": 1.0, "min_frames": 2, "max_frames": 8}],
+    "glm-4.1v": [{}],
+    "llava-onevision": [{}, {"do_sample_frames": True, "num_frames": 6}],
+    "internvl": [{}, {"do_sample_frames": True, "num_frames": 5}],
+}
+_STANDIN_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "size", "patch_size",
+                 "merge_size", "temporal_patch_size", "max_duration")
+
+
+def _video_size(family: str) -> dict:
+    if family.startswith("qwen"):
+        p = 16 if family == "qwen3-vl" else 14
+        return {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}, "patch_size": p}
+    if family == "glm-4.1v":
+        return {}   # only the checkpoints' size is modelled
+    return {"size": {"height": 56, "width": 56}}
+
+
+class StandInVideoProcessor:
+    """A video processor's settings without the class (it needs torchvision, absent in CI): the real
+    class's own defaults (read off the class, imported with shape-only torchvision stand-ins), with
+    the test's overrides. Enough for what counting reads; it cannot process frames."""
+
+    def __init__(self, family: str, **overrides):
+        from tests.helpers.videos import import_without_torchvision
+
+        module, name = VIDEO_CLASS[family]
+        mod = import_without_torchvision(f"transformers.models.{module}.video_processing_{module}")
+        cls = getattr(mod, name)
+        self.__dict__.update({k: getattr(cls, k) for k in _STANDIN_KEYS if hasattr(cls, k)})
+        for k in ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames"):
+            self.__dict__.setdefault(k, None)   # the real instances have them all (None: unset)
+        self.__dict__.update(overrides)
+        if isinstance(self.__dict__.get("size"), dict):
+            self.size = dict(self.size)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def video_processor(family: str, real: bool, **settings):
+    """The family's video processor at tiny frame sizes (``real``: the transformers class, which
+    needs torchvision; else :class:`StandInVideoProcessor`)."""
+    kwargs = {**_video_size(family), **settings}
+    if not real:
+        return StandInVideoProcessor(family, **kwargs)
+    import transformers
+
+    return getattr(transformers, VIDEO_CLASS[family][1])(**kwargs)
+
+
+def video_family_processor(family: str, real: bool, settings: dict | None = None, subclass: bool = False):
+    """:func:`processor` with a video processor and a template that renders video parts."""
+    proc = processor(family, subclass=subclass)
+    proc.video_processor = video_processor(family, real, **(settings or {}))
+    proc.chat_template = template(family, video_token=proc.video_token)
+    return proc
+
+
+VIDEO_SHAPES = ("column", "column_bytes", "column_dict", "parts", "inline_video", "inline_path", "inline_url")
+
+
+def write_videos(folder, n: int, seed: int) -> list[str]:
+    """``n`` small videos of varied container (mp4 / webm / avi), size, rate and duration."""
+    from tests.helpers.videos import write_video
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ext = rng.choice(["mp4", "mp4", "webm", "avi"])
+        w, h = rng.choice([(64, 48), (48, 80), (96, 40), (33, 57), (128, 72), (40, 40)])
+        if ext != "avi":
+            w, h = w + w % 2, h + h % 2   # yuv420p
+        fps = rng.choice([5, 10, 12.5, 24, 25, 30])
+        frames = rng.randint(4, 80)
+        kw = {"gaps_ms": [33, 50, 100]} if ext == "mp4" and rng.random() < 0.2 else {}
+        out.append(write_video(str(folder / f"v{seed}_{i}.{ext}"), frames, w, h, fps, **kw))
+    return out
+
+
+def random_video_rows(n: int, seed: int, videos: list[str], images: bool = True) -> list:
+    """Rows ``{"messages", "images", "videos", "shape"}`` with 1-2 videos (a quarter with none) and,
+    with ``images``, 0-2 images, in the video row shapes: ``column`` (``{"type": "video"}`` parts
+    + a videos column of paths), ``column_bytes`` / ``column_dict`` (the column holds the file's
+    bytes / a ``{bytes, path}`` dict, as ``datasets.Video(decode=False)`` gives it), ``parts``
+    (the column given, parts named too), ``inline_*`` (the parts name the file under ``video`` /
+    ``path`` / ``url``, no column)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        shape = rng.choice(VIDEO_SHAPES)
+        n_vid = rng.choice([0, 1, 1, 1, 2])
+        vids = [rng.choice(videos) for _ in range(n_vid)]
+        imgs = [random_image(rng) for _ in range(rng.choice([0, 0, 1, 2]) if images else 0)]
+        parts = [{"type": "image"} for _ in imgs]
+        for v in vids:
+            if shape.startswith("inline"):
+                parts.append({"type": "video", shape.split("_")[1]: v})
+            elif shape == "parts":
+                parts.append({"type": "video", "video": v})
+            else:
+                parts.append({"type": "video"})
+        rng.shuffle(parts)
+        parts.insert(rng.randint(0, len(parts)), {"type": "text", "text": _text(rng)})
+        msgs = []
+        if rng.random() < 0.3:
+            msgs.append({"role": "system", "content": [{"type": "text", "text": _text(rng)}]})
+        msgs += [{"role": "user", "content": parts},
+                 {"role": "assistant", "content": [{"type": "text", "text": _text(rng)}]}]
+        if shape.startswith("inline"):
+            column = []
+        elif shape == "column_bytes":
+            column = [open(v, "rb").read() for v in vids]
+        elif shape == "column_dict":
+            column = [{"bytes": open(v, "rb").read(), "path": None} for v in vids]
+        else:
+            column = list(vids)
+        # images go in the column in the order of their parts; videos likewise
+        rows.append({"messages": msgs, "images": imgs, "videos": column, "files": vids, "shape": shape})
+    return rows
+
+
+def decode_video(path: str):
+    """Every frame of ``path`` (PyAV) and the ``VideoMetadata`` a decoder of the whole file reports
+    (frames decoded, the stream's average rate): what the processor receives when it loads the file."""
+    import av
+    from transformers.video_utils import VideoMetadata
+
+    with av.open(path) as c:
+        fps = float(c.streams.video[0].average_rate)
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+    return frames, VideoMetadata(total_num_frames=len(frames), fps=fps, duration=len(frames) / fps,
+                                 width=frames.shape[2], height=frames.shape[1],
+                                 frames_indices=list(range(len(frames))))
+
+
+def video_oracle(proc, row: dict) -> int:
+    """What the installed transformers' processor gives for a video row (needs its video processor,
+    i.e. torchvision): the template rendered, the images and the videos (each file decoded whole,
+    as the processor's loader does) handed to the processor, with the special-token rule."""
+    text = proc.apply_chat_template([[dict(m) for m in row["messages"]]], tokenize=False)
+    text = text[0] if isinstance(text, list) else text
+    images = list(row["images"])
+    decoded = [decode_video(v) for v in row["files"]]
+    kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
+    if decoded:
+        kw.update(videos=[[d[0] for d in decoded]], video_metadata=[[d[1] for d in decoded]])
+    out = proc(text=[text], images=[[load(v) for v in images]] if images else None, **kw)
+    return int(np.asarray(out["input_ids"][0]).shape[-1])

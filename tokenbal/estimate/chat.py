@@ -135,7 +135,9 @@ class ChatTokenCounter:
         self._affix_tokens: int | None = None
         self._fingerprint: str | None = None
         self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
-        self.video_token: str | None = None   # a row that renders it is refused (videos not counted here)
+        self.video_token: str | None = None   # the processor's video placeholder (videos given: counted)
+        self.processor: Any = None            # the loaded processor (its replace_video_token writes videos)
+        self._video_texts: dict[tuple, tuple[str, int]] = {}
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -172,6 +174,7 @@ class ChatTokenCounter:
             counter.min_image_side = int(estimator.patch_size) * int(estimator.merge_size)
         video = getattr(processor, "video_token", None)
         counter.video_token = video if isinstance(video, str) and video and video != image_token else None
+        counter.processor = processor
         return counter
 
     @classmethod
@@ -222,7 +225,8 @@ class ChatTokenCounter:
             special = json.dumps(self.tokenizer.special_tokens_map, sort_keys=True, default=str)
             for part in (vocab, self.chat_template, special, str(self.image_token), str(self.expansion),
                          str(self.family), str(self.add_special_tokens), str(self.converts_image_url),
-                         str(self.min_image_side),
+                         str(self.min_image_side), str(self.video_token),
+                         _video_settings_digest(self.processor),
                          type(self.estimator).__name__,
                          json.dumps(getattr(self.estimator, "config", None), sort_keys=True, default=str)):
                 h.update(part.encode("utf-8"))
@@ -256,11 +260,20 @@ class ChatTokenCounter:
         when the installed processor converts them)."""
         return content_images(conversation, image_url=self.converts_image_url)
 
+    def row_videos(self, conversation: Sequence[Any]) -> list[Any]:
+        """The videos a processor collects from a conversation's ``{"type": "video"}`` parts."""
+        from tokenbal.estimate.chat_video import content_videos
+
+        return content_videos(conversation)
+
     def count(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
-              first_row: int = 0, images: Sequence[Any] | None = None) -> np.ndarray:
-        """Total tokens per conversation (int64). ``first_row`` numbers the rows in errors."""
+              first_row: int = 0, images: Sequence[Any] | None = None,
+              videos: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
+        """Total tokens per conversation (int64). ``first_row`` numbers the rows in errors.
+        ``videos[r]``: the :class:`~tokenbal.index.video.VideoInfo` of row ``r``'s videos, in the
+        order the processor receives them (None: rows without videos)."""
         texts = self.render(conversations, images)
-        return self._count_texts(texts, sizes, first_row)[0]
+        return self._count_texts(texts, sizes, first_row, videos)[0]
 
     def count_split(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
                     first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -286,7 +299,8 @@ class ChatTokenCounter:
         vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64)
         return total - vision, vision
 
-    def _count_texts(self, texts: list[str], sizes: Sequence[Sequence[tuple[int, int]]], first_row: int):
+    def _count_texts(self, texts: list[str], sizes: Sequence[Sequence[tuple[int, int]]], first_row: int,
+                     videos: Sequence[Sequence[Any]] | None = None):
         if len(sizes) != len(texts):
             raise ValueError(f"{len(texts)} conversations but {len(sizes)} image lists")
         n_images = np.fromiter((len(s) for s in sizes), dtype=np.int64, count=len(sizes))
@@ -298,15 +312,11 @@ class ChatTokenCounter:
                     f"row {first_row + r}: the chat template renders {found} image placeholder(s) "
                     f"({token!r}) but the row has {n_images[r]} image(s); the processor raises on this "
                     "(each image needs an image part in the messages, and each image part an image)")
-        if self.video_token:
-            for r, text in enumerate(texts):
-                if self.video_token in text:
-                    raise ChatCountError(
-                        f"row {first_row + r}: the chat template renders a video placeholder "
-                        f"({self.video_token!r}); dataset_lengths does not count videos through a processor "
-                        "yet: index such rows with `tokenbal index build` (videos from container headers)")
+        n_videos = self._check_videos(texts, videos, first_row)
         owner = np.repeat(np.arange(len(texts)), n_images)
         n_tokens, grids = self._image_tokens(sizes, owner, n_images, first_row)
+        if n_videos.any():
+            return self._count_with_videos(texts, videos, n_videos, n_tokens, grids, owner, first_row)
         if not len(n_tokens):
             return self._tokens(texts), n_tokens, owner
         if not self._shortcut_checked and not self.expand:
@@ -317,6 +327,88 @@ class ChatTokenCounter:
             per = self._expansion_tokens(n_tokens, grids)
             total = self._tokens(texts) + np.bincount(owner, weights=per - 1,
                                                       minlength=len(texts)).astype(np.int64)
+        return total, n_tokens, owner
+
+    def _check_videos(self, texts: list[str], videos: Sequence[Sequence[Any]] | None,
+                      first_row: int) -> np.ndarray:
+        """Videos per row, checked against the video placeholders the template rendered."""
+        n_videos = np.zeros(len(texts), np.int64)
+        if videos is not None:
+            if len(videos) != len(texts):
+                raise ValueError(f"{len(texts)} conversations but {len(videos)} video lists")
+            n_videos = np.fromiter((len(v or ()) for v in videos), np.int64, count=len(texts))
+        token = self.video_token
+        for r, text in enumerate(texts):
+            found = text.count(token) if token else 0
+            if found == n_videos[r]:
+                continue
+            if videos is None:
+                raise ChatCountError(
+                    f"row {first_row + r}: the chat template renders {found} video placeholder(s) "
+                    f"({token!r}); this count has no videos given (index such samples with `tokenbal "
+                    "index build`, or count them with dataset_lengths)")
+            if token is None:
+                raise ChatCountError(f"row {first_row + r} has {n_videos[r]} video(s) but {self.source} has "
+                                     "no video placeholder token, so it takes no videos")
+            raise ChatCountError(
+                f"row {first_row + r}: the chat template renders {found} video placeholder(s) ({token!r}) "
+                f"but the row has {n_videos[r]} video(s); the processor raises on this (each video needs a "
+                "video part in the messages, and each video part a video)")
+        return n_videos
+
+    def video_text(self, info: Any, row: int = 0, where: str = "") -> tuple[str, int]:
+        """What the processor writes in place of the placeholder of a video with header ``info``, and
+        the number of frames it keeps of it."""
+        from tokenbal.estimate.chat_video import VideoCountError, check_video_support, video_replacement
+
+        key = (int(info.frames), float(info.fps), int(info.width), int(info.height))
+        text = self._video_texts.get(key)
+        if text is None:
+            try:
+                check_video_support(self.processor, self.family, self.estimator)
+                text = video_replacement(self.processor, self.family, self.estimator, info)
+            except VideoCountError as e:
+                raise ChatCountError(f"row {row}: video {where}: {e}") from None
+            except ValueError as e:
+                raise ChatCountError(f"row {row}: video {where} ({info.frames} frames, {info.width}x"
+                                     f"{info.height} at {info.fps:g} fps): {e}") from None
+            self._video_texts[key] = text
+        return text
+
+    def _count_with_videos(self, texts, videos, n_videos, n_tokens, grids, owner, first_row):
+        """Rows with videos: the text with every image and video placeholder replaced as the processor
+        replaces them (one pass, in order), tokenized; a run of an added placeholder token counts
+        as its length without being tokenized (each copy is one token)."""
+        import re
+
+        exp = self.expansion or Expansion(self.image_token or "")
+        starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(texts)))]).astype(int)
+        pattern = re.compile("|".join(re.escape(t) for t in (self.video_token, self.image_token) if t))
+        added = set(getattr(self.tokenizer, "get_added_vocab", dict)())
+        collapsible = [t for t in (self.video_token, self.image_token) if t and t in added]
+        out, extra = [], np.zeros(len(texts), np.int64)
+        for r, text in enumerate(texts):
+            image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
+                                for j in range(starts[r], starts[r + 1])])
+            replaced = [self.video_text(info, first_row + r, str(k))
+                        for k, info in enumerate(videos[r] or ())]
+            if self.family == "internvl" and replaced:
+                from tokenbal.estimate.chat_video import internvl_row_rejected
+
+                frames = [n for _, n in replaced]
+                why = internvl_row_rejected(text, self.image_token, self.video_token, frames)
+                if why:
+                    raise ChatCountError(f"row {first_row + r}: {why}")
+            video_texts = iter([t for t, _ in replaced])
+            text = pattern.sub(lambda m, i=image_texts, v=video_texts:
+                               next(v if m.group(0) == self.video_token else i), text)
+            for token in collapsible:
+                copies = text.count(token)
+                if copies:
+                    text = re.sub(f"(?:{re.escape(token)})+", lambda m, t=token: t, text)
+                    extra[r] += copies - text.count(token)
+            out.append(text)
+        total = self._tokens(out) + extra
         return total, n_tokens, owner
 
     def _image_tokens(self, sizes, owner: np.ndarray, n_images: np.ndarray, first_row: int):
@@ -585,10 +677,17 @@ def _probe_image_url(render: Callable[..., list[str]]) -> bool:
         return True
 
 
+# families whose text layout (Idefics3 / SmolVLM tiles) is counted only through a loaded processor:
+# where this transformers cannot load it, no processor of the installed version exists to be exact to
+_NEEDS_LOADED_PROCESSOR = ("idefics3", "smolvlm")
+
+
 def _auto_processor(d: Path) -> Any:
     """The folder's processor as ``AutoProcessor`` loads it, when it loads here with a chat template
     and a family tokenbal knows (then its own tokens and settings are used); else None (e.g. its
-    video processor needs torchvision), and the folder's files are read directly."""
+    video processor needs torchvision), and the folder's files are read directly. Idefics3 /
+    SmolVLM folders whose processor does not load here are refused, naming the transformers
+    version, the loading error and the known requirements missing here."""
     try:
         from transformers import AutoProcessor
 
@@ -599,8 +698,37 @@ def _auto_processor(d: Path) -> Any:
             return None
         processor_family(proc)
         return proc
-    except Exception:  # noqa: BLE001 - any failure to load: read the files instead
+    except Exception as e:  # noqa: BLE001 - any failure to load: read the files instead (but see below)
+        _refuse_unloadable(d, e)
         return None
+
+
+def _refuse_unloadable(d: Path, error: Exception) -> None:
+    import importlib.util
+
+    from tokenbal.estimate.vision import _family_from_processor_files, _processor_dicts
+    from tokenbal.hf_compat import transformers_version
+
+    family = _family_from_processor_files(d, _processor_dicts(d)[0])
+    if family in _NEEDS_LOADED_PROCESSOR:
+        reason = " ".join(str(error).split())[:160]
+        missing = [m for m in ("torchvision", "num2words") if importlib.util.find_spec(m) is None]
+        raise ValueError(f"{str(d)!r}: its {family} processor does not load with transformers "
+                         f"{transformers_version()} here ({type(error).__name__}: {reason}); missing here: "
+                         f"{', '.join(missing) or 'nothing tokenbal knows of'}. {family} lengths are counted "
+                         "through the loaded processor: install what it needs (on transformers 4.57-5.9 its "
+                         "image / video processor needs torchvision, its processor num2words) or use a "
+                         "transformers where it loads") from error
+
+
+def _video_settings_digest(processor: Any) -> str:
+    """The processor's video processor settings (sampling, sizes), for the fingerprint: a changed
+    ``fps`` or ``num_frames`` changes video rows' counts."""
+    vp = getattr(processor, "video_processor", None)
+    to_dict = getattr(vp, "to_dict", None)
+    if not callable(to_dict):
+        return "none"
+    return json.dumps(to_dict(), sort_keys=True, default=str)
 
 
 def _processor_template(processor: Any) -> str:

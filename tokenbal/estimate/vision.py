@@ -158,7 +158,7 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
         cfg, model_type = {}, family
     else:
         model_type = str(cfg.get("model_type", ""))
-        family = _ALIASES.get(model_type)
+        family = _ALIASES.get(model_type) or ("llava" if model_type == "llava" else None)
     if family is None:
         raise ValueError(
             f"{str(d / 'config.json')!r}: model_type {model_type!r} has no estimator; "
@@ -178,6 +178,8 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
         settings = _glm4v_settings(image)
     elif family == "phi-4-multimodal":
         settings = {"dynamic_hd": int(image.get("dynamic_hd", 36))}
+    elif family == "llava":   # LLaVA-1.5: one fixed count per image, a one-tile ``tiles`` estimator
+        return get_estimator("tiles", **{**_llava_folder_settings(d, cfg, image), **overrides})
     else:
         settings = _llava_settings(family, cfg, image)
     return get_estimator(family, **{**settings, **overrides})
@@ -317,6 +319,25 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
     return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
+
+
+def _llava_folder_settings(d: Path, cfg: dict, image: dict) -> dict:
+    """LLaVA-1.5 from a folder: the patch size, feature strategy and extra tokens the processor
+    reads (``processor_config.json``, which ``LlavaProcessor.save_pretrained`` writes; a key it
+    lacks takes ``LlavaProcessor``'s default), else the checkpoint's ``config.json``
+    (``vision_config.patch_size``, ``vision_feature_select_strategy``) with the CLIP tower's CLS
+    position counted (``num_additional_image_tokens`` 1, what the llava-hf processor configs say:
+    576 tokens per 336-px image with the ``default`` strategy)."""
+    proc = _read_json(d / "processor_config.json")
+    extra = 1 if proc is None else proc.get("num_additional_image_tokens", 0)
+    proc = proc or {}
+    patch = proc.get("patch_size") or (cfg.get("vision_config") or {}).get("patch_size")
+    if patch is None:
+        raise ValueError(f"{str(d)!r}: LLaVA folder without a patch size (processor_config.json patch_size "
+                         "or config.json vision_config.patch_size), so its image tokens are unknown")
+    strategy = proc.get("vision_feature_select_strategy") or cfg.get("vision_feature_select_strategy",
+                                                                     "default")
+    return _llava_fixed_settings(str(d), image, int(patch), str(strategy), int(extra or 0))
 
 
 def _llava_fixed_settings(name: str, image: dict, patch: int, strategy: str, extra: int) -> dict:

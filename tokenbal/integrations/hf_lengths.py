@@ -6,7 +6,10 @@ images=[r[images]] or None, tokenize=True, return_dict=True)["input_ids"][0])``:
 :class:`tokenbal.estimate.chat.ChatTokenCounter` renders the processor's chat template with
 transformers' own machinery, tokenizes the rendered texts in batches with the processor's
 tokenizer, and adds each image's placeholder tokens from the tokenbal estimator built from the
-processor's own image-processor settings (min / max pixels, patch and merge sizes).
+processor's own image-processor settings (min / max pixels, patch and merge sizes). Videos (a
+``videos`` column, or the ``{"type": "video"}`` parts' files) are counted from their container
+headers with the processor's own video settings and its own ``replace_video_token`` text
+(:mod:`tokenbal.estimate.chat_video`).
 
 Images are never decoded: a ``datasets.Dataset`` is read as Arrow (``with_format("arrow")``), so an
 ``Image()`` column, decoded or ``Image(decode=False)``, gives its stored bytes / path, and only the
@@ -16,8 +19,9 @@ processor sees them), ``{"bytes", "path"}`` dicts, paths or bytes.
 
 Results of a ``datasets.Dataset`` are cached under its cache folder (``<cache dir>/tokenbal-lengths-
 <key>.npy``; in-memory datasets: ``$TOKENBAL_CACHE`` or ``~/.cache/tokenbal/lengths``), keyed by the
-dataset's ``_fingerprint``, the column names and the counter's fingerprint (vocabulary, chat
-template, special tokens, estimator settings), so a changed dataset or processor is recounted.
+dataset's ``_fingerprint``, the column names, the counter's fingerprint (vocabulary, chat
+template, special tokens, estimator settings) and the path, size and mtime of every image and video
+file the rows name, so a changed dataset, processor or file is recounted.
 """
 
 from __future__ import annotations
@@ -34,28 +38,31 @@ from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter
 
 logger = logging.getLogger("tokenbal")
 
-CACHE_VERSION = 1      # bump when the counting rules change, so old cache files are not reused
+CACHE_VERSION = 2      # bump when the counting rules change, so old cache files are not reused
 BATCH_ROWS = 1000
 
 
 def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
-                    images: str | None = "images", num_proc: int | None = None,
-                    cache: bool = True) -> np.ndarray:
+                    images: str | None = "images", videos: str | None = "videos",
+                    num_proc: int | None = None, cache: bool = True) -> np.ndarray:
     """Token count of every row of ``dataset`` under ``processor`` (int64, in row order); see the
     module docstring. ``processor`` may also be a tokenizer (text-only rows, counted as its
     ``apply_chat_template(messages, tokenize=True)``). ``images=None`` (or a dataset without that
-    column) takes the images named in the messages' image parts. ``num_proc`` > 1 counts a
+    column) takes the images named in the messages' image parts; ``videos`` likewise for video
+    files (paths, bytes or ``{bytes, path}``; else the ``{"type": "video"}`` parts' ``video`` /
+    ``url`` / ``path``), counted from their container headers with the processor's own video
+    settings (``tokenbal.estimate.chat_video``). ``num_proc`` > 1 counts a
     ``datasets.Dataset`` in that many processes (``Dataset.map``). Raises ``ValueError`` naming the
     row for a row the processor would reject (placeholders and images disagree) or whose image
-    header cannot be read."""
+    or video header cannot be read."""
     counter = ChatTokenCounter.from_processor(processor)
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"dataset_lengths needs a map-style dataset (len and indexing), got "
                         f"{type(dataset).__name__}; for an IterableDataset, index it offline "
                         "(tokenbal index build --processor DIR)")
     if _is_hf_dataset(dataset):
-        return _dataset_lengths_hf(dataset, counter, messages, images, num_proc, cache)
-    return _rows_lengths(dataset, counter, messages, images)
+        return _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache)
+    return _rows_lengths(dataset, counter, messages, images, videos)
 
 
 # -- datasets.Dataset ------------------------------------------------------------------------------
@@ -69,11 +76,12 @@ def _is_hf_dataset(obj: Any) -> bool:
 
 
 def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, images: str | None,
-                        num_proc: int | None, cache: bool) -> np.ndarray:
+                        videos: str | None, num_proc: int | None, cache: bool) -> np.ndarray:
     if messages not in ds.column_names:
         raise ValueError(f"dataset has no {messages!r} column (columns: {', '.join(ds.column_names)}); "
                          "pass messages=<column of chat turns>")
     image_col = images if images is not None and images in ds.column_names else None
+    video_col = videos if videos is not None and videos in ds.column_names else None
     transform = _transform(ds)
     if transform is not None:
         # The rows the Trainer loads are the transform's output: count those (no cache: a
@@ -84,12 +92,13 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
             raise ValueError(f"the dataset's transform ({name!r}) returns the columns {sorted(rows[0])}, "
                              f"without {messages!r}: its rows cannot be counted as chat rows; pass "
                              "messages=<the transformed column of chat turns>")
-        return _rows_lengths(rows, counter, messages, images)
+        return _rows_lengths(rows, counter, messages, images, videos)
     path = None
     if cache:
-        files = _files_digest(ds, counter, messages, image_col)
-        key = hashlib.sha256("\0".join([str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col),
-                                        counter.fingerprint, files]).encode()).hexdigest()[:24]
+        files = _files_digest(ds, counter, messages, image_col, video_col)
+        parts = [str(CACHE_VERSION), str(ds._fingerprint), messages, str(image_col), str(video_col),
+                 counter.fingerprint, files]
+        key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
         path = _cache_file(ds, key)
     else:
         key = hashlib.sha256(str(ds._fingerprint).encode()).hexdigest()[:24]
@@ -100,15 +109,16 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
                 return cached
         except (OSError, ValueError):
             pass   # a damaged cache file is recomputed and replaced
-    columns = [messages] + ([image_col] if image_col else [])
+    columns = [messages] + [c for c in (image_col, video_col) if c]
     table_ds = ds.select_columns(columns).with_format("arrow")
     if num_proc and num_proc > 1 and len(ds) > 1:
-        out = table_ds.map(_MapCount(counter, messages, image_col), batched=True, batch_size=BATCH_ROWS,
+        out = table_ds.map(_MapCount(counter, messages, image_col, video_col), batched=True,
+                           batch_size=BATCH_ROWS,
                            with_indices=True, num_proc=int(num_proc), remove_columns=columns,
                            keep_in_memory=True, new_fingerprint=f"tokenbal-lengths-{key}")
         lengths = np.asarray(out.with_format("numpy")["tokenbal_length"], dtype=np.int64)
     else:
-        parts = [_count_table(counter, table_ds[a:a + BATCH_ROWS], messages, image_col, a)
+        parts = [_count_table(counter, table_ds[a:a + BATCH_ROWS], messages, image_col, a, video_col)
                  for a in range(0, len(ds), BATCH_ROWS)]
         lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if path is not None:
@@ -145,20 +155,23 @@ class _TransformedRows:
         return self._rows[i - self._start]
 
 
-def _files_digest(ds: Any, counter: ChatTokenCounter, messages: str, image_col: str | None) -> str:
-    """A digest of the image files the rows name by path (each path's size and mtime): the dataset's
+def _files_digest(ds: Any, counter: ChatTokenCounter, messages: str, image_col: str | None,
+                  video_col: str | None = None) -> str:
+    """A digest of the image and video files the rows name by path (each path's size and mtime): the dataset's
     fingerprint covers its own bytes, not the files behind its paths, so a changed file must change
     the cache key. Images held as bytes are covered by the fingerprint already."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     h = hashlib.sha256()
-    table_ds = ds.select_columns([messages] + ([image_col] if image_col else [])).with_format("arrow")
+    table_ds = ds.select_columns([messages] + [c for c in (image_col, video_col) if c]).with_format("arrow")
     for a in range(0, len(ds), 4 * BATCH_ROWS):
         table = table_ds[a:a + 4 * BATCH_ROWS]
         paths: list = []
-        if image_col is not None:
-            col = table.column(image_col).combine_chunks()
+        for media_col in (image_col, video_col):
+            if media_col is None:
+                continue
+            col = table.column(media_col).combine_chunks()
             flat = col.flatten() if (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)) else col
             if pa.types.is_struct(flat.type):
                 names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
@@ -170,10 +183,11 @@ def _files_digest(ds: Any, counter: ChatTokenCounter, messages: str, image_col: 
             elif pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
                 paths.extend(flat.drop_null().to_pylist())
         text = table.column(messages)
-        if "image" in str(text.type) or "url" in str(text.type) or "path" in str(text.type):
+        if any(k in str(text.type) for k in ("image", "url", "path", "video")):
             for conv in text.to_pylist():
                 if isinstance(conv, list):
                     paths.extend(v for v in counter.row_images(conv) if isinstance(v, str))
+                    paths.extend(v for v in counter.row_videos(conv) if isinstance(v, str))
         for path in paths:
             try:
                 st = os.stat(path)
@@ -186,16 +200,18 @@ def _files_digest(ds: Any, counter: ChatTokenCounter, messages: str, image_col: 
 class _MapCount:
     """The ``Dataset.map`` function of ``num_proc`` > 1 (a class, so it pickles to the workers)."""
 
-    def __init__(self, counter: ChatTokenCounter, messages: str, image_col: str | None) -> None:
-        self.counter, self.messages, self.image_col = counter, messages, image_col
+    def __init__(self, counter: ChatTokenCounter, messages: str, image_col: str | None,
+                 video_col: str | None = None) -> None:
+        self.counter, self.messages, self.image_col, self.video_col = counter, messages, image_col, video_col
 
     def __call__(self, table: Any, indices: list[int]) -> dict:
         first = int(indices[0]) if len(indices) else 0
-        return {"tokenbal_length": _count_table(self.counter, table, self.messages, self.image_col, first)}
+        return {"tokenbal_length": _count_table(self.counter, table, self.messages, self.image_col, first,
+                                                self.video_col)}
 
 
 def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
-                 first_row: int) -> np.ndarray:
+                 first_row: int, video_col: str | None = None) -> np.ndarray:
     values = table.column(messages).to_pylist()
     convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(values)]
     sizes = _arrow_sizes(table.column(image_col), first_row, image_col) if image_col is not None else None
@@ -205,12 +221,30 @@ def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col
         if not sizes[r]:   # no images column value: the images named in the parts
             sizes[r] = [_image_size(im, first_row + r, f"{messages} image part {j}")
                         for j, im in enumerate(counter.row_images(conv))]
+    column = table.column(video_col).to_pylist() if video_col is not None else None
+    infos = _videos(counter, convs, column, first_row, messages, video_col)
     try:
-        return counter.count(convs, sizes, first_row)
+        return counter.count(convs, sizes, first_row, videos=infos)
     except ChatCountError:
         raise
     except Exception as e:   # the template raising on a row: find the row, name it
-        raise _row_error(counter, convs, sizes, first_row, e) from e
+        raise _row_error(counter, convs, sizes, first_row, e, infos) from e
+
+
+def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_row: int, messages: str,
+            video_col: str | None) -> list | None:
+    """Per row, the headers of its videos (the videos column's value, else its video parts')."""
+    from tokenbal.estimate.chat_video import probe_row_video
+
+    out = []
+    for r, conv in enumerate(convs):
+        value = column[r] if column is not None else None
+        if value is None or (isinstance(value, (list, tuple)) and not value):
+            items, field = counter.row_videos(conv), f"{messages} video part"
+        else:
+            items, field = (value if isinstance(value, (list, tuple)) else [value]), str(video_col)
+        out.append([probe_row_video(v, first_row + r, f"{field}[{j}]") for j, v in enumerate(items)])
+    return out
 
 
 def _conversation(value: Any, row: int, field: str) -> list:
@@ -227,10 +261,11 @@ def _conversation(value: Any, row: int, field: str) -> list:
 
 
 def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
-               error: Exception) -> Exception:
+               error: Exception, videos: list | None = None) -> Exception:
     for r, conv in enumerate(convs):
         try:
-            counter.count([conv], [sizes[r]], first_row + r)
+            counter.count([conv], [sizes[r]], first_row + r,
+                          videos=[videos[r]] if videos is not None else None)
         except Exception as e:  # noqa: BLE001 - re-raised below with the row named
             return ValueError(f"row {first_row + r}: {type(e).__name__}: {e}")
     return error
@@ -262,11 +297,12 @@ def _save(path: str, lengths: np.ndarray) -> None:
 
 # -- any sequence of row dicts ---------------------------------------------------------------------
 
-def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None) -> np.ndarray:
+def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None,
+                  videos: str | None = None) -> np.ndarray:
     n = len(rows)
     out = []
     for a in range(0, n, BATCH_ROWS):
-        convs, sizes = [], []
+        convs, sizes, column = [], [], []
         for r in range(a, min(n, a + BATCH_ROWS)):
             row = rows[r]
             if not isinstance(row, dict) or messages not in row:
@@ -279,12 +315,14 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
             else:
                 sizes.append(_row_sizes(value, r, images))
             convs.append(conv)
+            column.append(row.get(videos) if videos is not None else None)
+        infos = _videos(counter, convs, column, a, messages, videos)
         try:
-            out.append(counter.count(convs, sizes, a))
+            out.append(counter.count(convs, sizes, a, videos=infos))
         except ChatCountError:
             raise
         except Exception as e:   # the template raising on a row: find the row, name it
-            raise _row_error(counter, convs, sizes, a, e) from e
+            raise _row_error(counter, convs, sizes, a, e, infos) from e
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 

@@ -133,13 +133,15 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     conv = _conversation(row[messages], index, messages)
     values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
     imgs = [_as_image(v) for v in values]
+    video_kwargs = _row_videos(row, conv, processor, index, messages)
     extra = {"images": [imgs]} if "images" in template_variables(_template(processor)) else {}
     # copies of the messages: transformers 5.6 - 5.9 reassign message["content"] in place
     text = processor.apply_chat_template([[dict(m) for m in conv]], tokenize=False, **extra)
     text = text[0] if isinstance(text, (list, tuple)) else text
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
-    out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kwargs)
+    out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kwargs,
+                    **video_kwargs)
     ids = torch.as_tensor(out["input_ids"])[0].long()
     labels = ids.clone()
     masked = set(int(t) for t in ignore_token_ids)
@@ -158,6 +160,45 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
         if out.get(key) is not None:
             sample[key] = out[key]
     return sample
+
+
+_VIDEO_ESTIMATOR: dict[int, tuple[Any, str, Any]] = {}
+
+
+def _row_videos(row: dict[str, Any], conv: list, processor: Any, index: Any, messages: str,
+                videos: str = "videos") -> dict[str, Any]:
+    """The processor's video arguments for a row's videos (its ``videos`` column, else its
+    ``{"type": "video"}`` parts' files): only the frames the processor keeps are decoded (PyAV), the
+    ones ``dataset_lengths`` counted (``tokenbal.estimate.chat_video.sample_video``, checked equal to
+    the video processors' own sampling), handed over with their metadata and ``do_sample_frames``
+    off, so the processor resizes, patchifies and writes the prompt text from exactly those frames."""
+    from tokenbal.estimate.chat_video import content_videos
+
+    values = row.get(videos) or content_videos(conv)
+    if not values:
+        return {}
+    from transformers.video_utils import VideoMetadata
+
+    from tokenbal.estimate.chat_video import check_video_support, probe_row_video, sample_video
+    from tokenbal.estimate.vision import estimator_from_processor, processor_family
+    from tokenbal.index.video import decode_frames
+
+    cached = _VIDEO_ESTIMATOR.get(id(processor))
+    if cached is None or cached[0] is not processor:
+        cached = (processor, processor_family(processor), estimator_from_processor(processor))
+        _VIDEO_ESTIMATOR[id(processor)] = cached
+    _, family, est = cached
+    check_video_support(processor, family, est)
+    frames, metadata = [], []
+    for j, value in enumerate(values if isinstance(values, (list, tuple)) else [values]):
+        info = probe_row_video(value, index, f"{videos}[{j}]")
+        indices, _ = sample_video(processor, family, est, info)
+        src = value.get("bytes") or value.get("path") if isinstance(value, dict) else value
+        frames.append(decode_frames(bytes(src) if isinstance(src, (bytearray, memoryview)) else src, indices))
+        metadata.append(VideoMetadata(total_num_frames=int(info.frames), fps=float(info.fps),
+                                      duration=float(info.frames / info.fps), width=int(info.width),
+                                      height=int(info.height), frames_indices=list(indices)))
+    return {"videos": [frames], "video_metadata": [metadata], "do_sample_frames": False}
 
 
 def _template(processor: Any) -> str:

@@ -185,7 +185,9 @@ def test_verify_names_the_processor_file_that_changed(setup, tmp_path, capsys):
     assert main(["index", "verify", out]) == 1
     assert f"processor folder missing: {mine}" in capsys.readouterr().out
 
-FOLDER_FAMILIES = ["internvl", "idefics3", "glm-4.1v", "llava-onevision", "llava-next", "qwen3-vl"]
+# SmolVLM: test_a_tile_family_folder_whose_processor_does_not_load_is_refused (its folder loads only
+# where its video processor's torchvision is installed)
+FOLDER_FAMILIES = ["internvl", "idefics3", "glm-4.1v", "llava-onevision", "llava-next", "qwen3-vl", "llava"]
 
 
 @pytest.mark.parametrize("family", FOLDER_FAMILIES)
@@ -214,3 +216,92 @@ def test_every_family_folder(family, tmp_path):
     idx = TokenIndex.open(tmp_path / "idx")
     np.testing.assert_array_equal(idx.lengths, want)
     assert idx.vision_tokens.sum() > 0 and not idx.errors
+
+
+def _handmade_tile_folder(family: str, folder):
+    """An Idefics3 / SmolVLM processor folder written without its classes (which may not load here):
+    tokenizer files, the image processor's and the processor's settings, the chat template."""
+    from tests.helpers import family_processors as fp
+
+    folder.mkdir(parents=True)
+    fp.tokenizer().save_pretrained(str(folder))
+    name = "Idefics3" if family == "idefics3" else "SmolVLM"
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": f"{name}ImageProcessor", "processor_class": f"{name}Processor",
+        "do_image_splitting": True, "do_resize": True, "size": {"longest_edge": 128},
+        "max_image_size": {"longest_edge": 32}}))
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": f"{name}Processor",
+                                                              "image_seq_len": 3}))
+    (folder / "chat_template.jinja").write_text(fp.template(family))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_a_tile_family_folder_whose_processor_does_not_load_is_refused(family, tmp_path, capsys):
+    """Idefics3 / SmolVLM are counted through their loaded processor. Where this transformers cannot
+    load it (SmolVLM on 4.57: its module imports torchvision; 5.6 / 5.9: its image processor asks
+    for torchvision; no num2words), ``--processor DIR`` is refused naming the version and the
+    requirement; where it loads, the folder's lengths are the processor's."""
+    from tests.helpers import family_processors as fp
+    from tokenbal.estimate.chat import ChatTokenCounter
+    from tokenbal.hf_compat import transformers_version
+
+    folder = _handmade_tile_folder(family, tmp_path / family)
+    rows = fp.materialise(fp.random_rows(20, seed=9, shapes=("inline", "string")), tmp_path)
+    src = tmp_path / "train.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
+    args = ["index", "build", str(src), "--processor", str(folder), "--out", str(tmp_path / "idx"), "-q"]
+    try:
+        from transformers import AutoProcessor
+
+        proc = AutoProcessor.from_pretrained(str(folder))
+    except Exception:  # noqa: BLE001 - ImportError on 4.57, "Unrecognized image processor" on 5.6 / 5.9
+        message = rf"{family} processor does not load with transformers {transformers_version()} here"
+        requirement = r" \(.*\); missing here: .*(torchvision|num2words)"
+        with pytest.raises(ValueError, match=message + requirement):
+            ChatTokenCounter.from_pretrained(folder)
+        assert main(args) != 0
+        assert f"does not load with transformers {transformers_version()}" in capsys.readouterr().err
+        return
+    if family == "smolvlm" and getattr(proc, "video_processor", None) is None:   # see fp.processor
+        import types
+
+        proc.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+    assert main(args) == 0
+    want = [fp.oracle(proc, r) for r in rows]
+    np.testing.assert_array_equal(TokenIndex.open(tmp_path / "idx").lengths, want)
+
+
+def test_llava_1_5_folders_at_the_checkpoint_settings(tmp_path):
+    """LLaVA-1.5 (336-px centre crop, CLIP patch 14, ``default`` strategy, one extra token: 576 per
+    image): ``--processor DIR`` gives ``LlavaProcessor``'s own counts, ``--model DIR`` of a
+    checkpoint folder (config.json + preprocessor_config.json) 576 vision tokens per image."""
+    from tests.helpers import family_processors as fp
+
+    proc = fp._build(fp.processor_class("llava"),
+                     image_processor=fp._pil("CLIPImageProcessor")(size={"shortest_edge": 336},
+                                                                   crop_size={"height": 336, "width": 336}),
+                     tokenizer=fp.tokenizer(), chat_template=fp.template("llava"), patch_size=14,
+                     vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    folder = fp.save_folder(proc, "llava", tmp_path / "llava")
+    rows = fp.materialise(fp.random_rows(30, seed=15, shapes=("inline", "string")), tmp_path)
+    src = tmp_path / "train.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
+    out = str(tmp_path / "a")
+    assert main(["index", "build", str(src), "--processor", str(folder), "--out", out, "-q"]) == 0
+    idx = TokenIndex.open(tmp_path / "a")
+    np.testing.assert_array_equal(idx.lengths, [fp.oracle(proc, r) for r in rows])
+    from tokenbal.estimate.chat import content_images
+
+    n_images = np.array([len(content_images(r["messages"])) for r in rows])
+    assert set(n_images) >= {0, 1, 2} and np.array_equal(idx.vision_tokens, 576 * n_images)
+    # the checkpoint folder (no processor_config.json): the model's 576 per image
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "llava", "vision_feature_select_strategy":
+                                                  "default", "vision_config": {"patch_size": 14}}))
+    proc.image_processor.save_pretrained(str(ckpt))
+    from tokenbal.estimate import load_estimator
+
+    est = load_estimator(ckpt)
+    assert est.image_tokens(1000, 700) == est.image_tokens(50, 3000) == 576

@@ -93,6 +93,21 @@ def _json_messages(messages):
     return out
 
 
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "internvl", "llava-onevision"])
+def test_num_proc_gives_the_same_lengths(family, rows, tmp_path, monkeypatch):
+    """``num_proc=2`` (``Dataset.map`` workers, each with a pickled counter) counts every row as one
+    process does, images as bytes and as paths, and the cache holds the same array."""
+    monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
+    proc = _processor_or_skip(family, subclass=False)
+    column = [r for r in rows if r["shape"] == "column"][:60]
+    ds = datasets.Dataset.from_list([{"messages": r["messages"], "images": r["images"]} for r in column])
+    one = dataset_lengths(ds, proc, cache=False)
+    np.testing.assert_array_equal(one, [fp.oracle(proc, r) for r in column])
+    np.testing.assert_array_equal(dataset_lengths(ds, proc, num_proc=2, cache=False), one)
+    np.testing.assert_array_equal(dataset_lengths(ds, proc, num_proc=2), one)   # cached by the workers' run
+    np.testing.assert_array_equal(dataset_lengths(ds, proc), one)
+
+
 def test_literal_apply_chat_template_where_it_runs(rows):
     """Where the installed transformers takes ``images=`` (5.24 and later), the literal expression
     of the contract equals the count."""
@@ -281,15 +296,15 @@ def _process_row_case(proc, rotated: bytes, tmp_path, PackedTrainCollator, proce
 
 
 def test_a_video_row_is_refused_naming_it():
-    """Videos through a processor need its video processor (torchvision); such rows are named, not
-    counted as one placeholder token."""
+    """A video row whose file cannot be read is named with the file (video rows are counted from
+    their headers: tests/tokenbal/integrations/test_lengths_videos.py), not counted as one token."""
     proc = _processor_or_skip("qwen2-vl", subclass=False)
     text_part = "{% elif c['type'] == 'text' %}"
     video_part = "{% elif c['type'] == 'video' %}" + proc.video_token
     proc.chat_template = proc.chat_template.replace(text_part, video_part + text_part)
     rows = [{"messages": [{"role": "user", "content": "hi"}], "images": []},
             {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}], "images": []}]
-    with pytest.raises(ValueError, match=r"row 1: the chat template renders a video placeholder"):
+    with pytest.raises(ValueError, match=r"row 1: video messages video part\[0\] \('a.mp4'\): "):
         dataset_lengths(rows, proc)
 
 

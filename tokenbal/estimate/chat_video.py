@@ -1,0 +1,208 @@
+"""Videos in chat rows, counted as a transformers processor counts them, from container headers.
+
+A processor's ``__call__`` replaces the ``i``-th video placeholder of the rendered text with
+``processor.replace_video_token(video_inputs, i)``: placeholders × the video's token count, plus
+whatever the family writes around them (Qwen3-VL's ``<t seconds>`` and per-frame vision start /
+end, GLM-4.1V's per-frame image markers and whole-second stamps, InternVL's ``FrameN:`` labels).
+What that method reads of the processed video is its shape only: ``video_grid_thw`` (frames,
+height, width in patches), the sampled frames' indices and the source fps (``video_metadata``),
+and the number of frames (``pixel_values_videos[i].shape[0]``).
+
+:func:`video_replacement` computes those from the container header alone
+(:func:`tokenbal.index.video.probe_video`: frames, fps, size; no frame decoded) with the frame
+sampling and resize rules of :mod:`tokenbal.estimate.video` at the processor's own video settings
+(``do_sample_frames``, ``fps``, ``num_frames``, ``min_frames`` / ``max_frames``, ``size``), and
+calls the processor's own ``replace_video_token`` on shape-only stand-ins, so the text around the
+placeholders is the installed transformers' own. Processors without ``replace_video_token``
+(transformers before its multimodal-replacement API) are refused with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenbal.estimate.video import GLM_VIDEO, VideoRequest, plan_video
+
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "llava-onevision", "internvl")
+
+
+class VideoCountError(ValueError):
+    """A video a processor would take but whose tokens are not modelled (the message says why)."""
+
+
+def video_settings(processor: Any) -> dict:
+    """The processor's video sampling settings that change counts (``do_sample_frames``, ``fps``,
+    ``num_frames``, ``min_frames``, ``max_frames``), read off its video processor."""
+    vp = getattr(processor, "video_processor", None)
+    if vp is None:
+        raise VideoCountError(f"{type(processor).__name__} has no video processor (transformers builds "
+                              "none without torchvision), so it cannot take videos")
+    return {k: getattr(vp, k, None) for k in ("do_sample_frames", "fps", "num_frames", "min_frames",
+                                                "max_frames")}
+
+
+def check_video_support(processor: Any, family: str | None, est: Any) -> None:
+    """``VideoCountError`` when the processor's videos cannot be counted here: an unsupported
+    family, no video processor, no ``replace_video_token``, or settings not modelled."""
+    name = type(processor).__name__
+    if family not in VIDEO_FAMILIES:
+        raise VideoCountError(f"{name} ({family}): videos are counted for the families "
+                              f"{', '.join(VIDEO_FAMILIES)} only")
+    video_settings(processor)
+    if not callable(getattr(processor, "replace_video_token", None)):
+        from tokenbal.hf_compat import transformers_version
+
+        raise VideoCountError(f"{name}: this transformers ({transformers_version()}) has no "
+                              "processor.replace_video_token, which tokenbal calls to write a video's "
+                              "text exactly as the processor does; counting videos needs a transformers "
+                              "whose processors have it (5.19 and later)")
+    if family == "glm-4.1v":
+        vp = processor.video_processor
+        size = dict(getattr(vp, "size", None) or {})
+        want = {"shortest_edge": GLM_VIDEO["min_pixels"], "longest_edge": GLM_VIDEO["max_pixels"]}
+        got = {k: size.get(k) for k in want}
+        geometry = (getattr(vp, "patch_size", 14), getattr(vp, "merge_size", 2),
+                    getattr(vp, "temporal_patch_size", 2))
+        max_duration = getattr(vp, "max_duration", None)
+        max_duration = GLM_VIDEO["max_duration"] if max_duration is None else int(max_duration)
+        if (got != want or geometry != (est.patch_size, est.merge_size, est.temporal_patch_size)
+                or not getattr(vp, "do_sample_frames", True)
+                or max_duration != GLM_VIDEO["max_duration"]):
+            raise VideoCountError(f"{name}: GLM-4.1V video settings size={got}, patch/merge/temporal="
+                                  f"{geometry}, do_sample_frames={getattr(vp, 'do_sample_frames', None)} are "
+                                  f"not modelled (only the checkpoints' {want}, sampled frames)")
+
+
+def video_replacement(processor: Any, family: str, est: Any, info: Any) -> tuple[str, int]:
+    """The text the processor puts in place of this video's placeholder (``info``: a
+    :class:`tokenbal.index.video.VideoInfo` of the file), and the number of frames it keeps.
+    ``ValueError`` with the reason when the processor would reject the video (too short to
+    sample, ...)."""
+    indices, grid = sample_video(processor, family, est, info)
+    from transformers.video_utils import VideoMetadata
+
+    md = VideoMetadata(total_num_frames=int(info.frames), fps=float(info.fps),
+                       duration=float(info.frames / info.fps), width=int(info.width), height=int(info.height),
+                       frames_indices=list(indices))
+    shape_only = np.broadcast_to(np.zeros((), np.uint8), (len(indices), 3, 1, 1))   # no memory
+    inputs = {"video_grid_thw": np.asarray([grid if grid is not None else (len(indices), 1, 1)], np.int64),
+              "video_metadata": [md], "pixel_values_videos": [shape_only]}
+    return str(processor.replace_video_token(inputs, 0)), len(indices)
+
+
+def internvl_row_rejected(text: str, image_token: str, video_token: str, frames: list[int]) -> str | None:
+    """Why transformers' ``InternVLProcessor`` raises on a row, or None: it stacks a row's videos
+    into one tensor (so they must keep the same number of frames), and its pixel batches fail when
+    a video comes before the first image (both seen on transformers 5.19, the oracle env:
+    ``stack expects each tensor to be equal size`` / ``expected Tensor as element 1``)."""
+    if len(set(frames)) > 1:
+        return (f"its videos keep different numbers of frames ({frames}); InternVLProcessor stacks them "
+                "and raises")
+    first_image, first_video = text.find(image_token), text.find(video_token)
+    if first_image >= 0 and 0 <= first_video < first_image:
+        return "a video comes before the first image; InternVLProcessor raises on such a row"
+    return None
+
+
+def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list[int], tuple | None]:
+    """(source frame indices the processor's video processor keeps, ``video_grid_thw`` or None)."""
+    s = video_settings(processor)
+    total = int(info.frames)
+    sample = bool(s["do_sample_frames"])
+    nframes = s["num_frames"] if sample else None
+    fps = s["fps"] if sample and nframes is None else None
+    if family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl"):
+        if not sample:   # every decoded frame (odd counts: the processor repeats the last one)
+            grid = est.video_grid(total, info.width, info.height, None)
+            return list(range(total)), tuple(int(x) for x in grid)
+        if nframes is None and fps is None:
+            raise VideoCountError(f"{type(processor).__name__}: do_sample_frames with neither fps nor "
+                                  "num_frames: the processor itself cannot sample")
+        pairs = (("video_min_frames", s["min_frames"]), ("video_max_frames", s["max_frames"]),
+                 ("video_fps", fps))
+        over = {k: v for k, v in pairs if v is not None}
+        e = est.replace(**over) if over else est
+        plan = plan_video(e, _request(info, nframes=nframes))
+        return list(plan.indices), plan.grid
+    if family == "glm-4.1v":
+        plan = plan_video(est, _request(info, sample_fps=s["fps"]))
+        return list(plan.indices), plan.grid
+    # LLaVA-OneVision / InternVL: the frame count is all that counts
+    if not sample:
+        return list(range(total)), None
+    plan = plan_video(est.replace(video_frames=None), _request(info, nframes=nframes, sample_fps=fps))
+    return list(plan.indices), None
+
+
+def _request(info: Any, nframes: int | None = None, sample_fps: float | None = None) -> VideoRequest:
+    return VideoRequest(frames=int(info.frames), fps=float(info.fps), width=int(info.width),
+                        height=int(info.height), nframes=None if nframes is None else int(nframes),
+                        sample_fps=None if sample_fps is None else float(sample_fps))
+
+
+def content_videos(conversation: Any) -> list[Any]:
+    """The videos named inside a conversation's content parts, in order, as a processor's
+    ``apply_chat_template`` collects them: the non-``None`` ``video`` / ``url`` / ``path`` of
+    ``{"type": "video"}`` parts."""
+    out = []
+    for message in conversation:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "video":
+                out.extend(part[k] for k in ("video", "url", "path") if part.get(k) is not None)
+    return out
+
+
+# headers read from files, by (path, size, mtime): rows often share a video (several questions on one
+# clip); a changed file has a new key. Bounded: cleared when full.
+_PROBED: dict[tuple, Any] = {}
+_PROBED_MAX = 1 << 16
+
+
+def _probe_file(path: str) -> Any:
+    import os
+
+    from tokenbal.index.video import VideoError, probe_video
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise VideoError(f"cannot read the video: {e}") from None
+    key = (path, st.st_size, st.st_mtime_ns)
+    info = _PROBED.get(key)
+    if info is None:
+        info = probe_video(path)
+        if len(_PROBED) >= _PROBED_MAX:
+            _PROBED.clear()
+        _PROBED[key] = info
+    return info
+
+
+def probe_row_video(value: Any, row: int, where: str) -> Any:
+    """The :class:`~tokenbal.index.video.VideoInfo` of one row video (a path, bytes, or a
+    ``{"bytes", "path"}`` dict), else ``ValueError`` naming the row, the field and the file."""
+    import os
+
+    from tokenbal.index.video import VideoError, probe_video
+
+    src, name = value, None
+    if isinstance(value, dict):
+        src = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(src, (str, os.PathLike)):
+        name = os.fspath(src)
+        if "://" in name:
+            raise ValueError(f"row {row}: video {where} {name!r} is a URL; only local video files are read")
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        src = bytes(src)
+    else:
+        raise ValueError(f"row {row}: video {where} is a {type(value).__name__}; expected a path, bytes or a "
+                         "{bytes, path} dict (a video file; decoded frame lists are not counted)")
+    try:
+        return _probe_file(name) if name is not None else probe_video(src)
+    except (VideoError, OSError, ImportError) as e:
+        label = f" ({name!r})" if name else f" ({len(src)} bytes)"
+        raise ValueError(f"row {row}: video {where}{label}: {e}") from e
