@@ -42,6 +42,9 @@ _POOL_ROUNDS = 512
 _POOL_WORK = 1 << 23
 _POOL_PATIENCE = 64
 _POOL_SLACK = (1, 10)
+# What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
+# as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
+_ROUND_ITEMS = 1024
 
 
 # Work done so far, in item visits: each round of the in-step refinement adds its steps' items x partners,
@@ -674,7 +677,7 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         new_g, new_b, start = _deal_pool(x, h, R)
         if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
-        rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // len(x))
+        rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
         new_g, new_b = _level_window(x, x.sum(1), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
         pooled = np.zeros((h, R, K), np.int64)
         np.add.at(pooled, (new_g, new_b), x)
