@@ -234,7 +234,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
