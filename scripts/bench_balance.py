@@ -665,12 +665,18 @@ def bench_plan_scale(n: int, R: int, stages: bool, seed: int, previous: str | No
               f"{cpu:.2f} s; peak RSS so far {rss:.2f} GB{figure}", flush=True)
 
 
-# Issue 49: (samples, ranks, samples per rank per step, grad_accum); the issue's table first, then 16 and
-# 4,096 ranks, 8 samples per rank and grad_accum 2.
-SCALE_TABLE = ((10_000, 8, 2, 1), (30_000, 8, 2, 1), (100_000, 8, 2, 1), (200_000, 8, 2, 1),
-               (1_000_000, 8, 2, 1), (30_000, 64, 2, 1), (1_000_000, 512, 2, 1))
-SCALE_MORE = ((30_000, 16, 2, 1), (40_960, 512, 2, 1), (196_608, 4096, 2, 1), (100_000, 8, 8, 1),
-              (100_000, 8, 2, 2))
+# Issue 49: (samples, ranks, samples per rank per step, grad_accum, budget); budget None: count mode
+# (global batch = per rank x ranks x grad_accum), else max_tokens_per_rank = max(largest sample, budget x
+# the mean sample) in each mode's units (the stage plan's resolved cost units), per rank not set. The
+# issue's table first, then 16 / 64 / 4,096 ranks, 8 per rank, grad_accum and token-budget rows.
+SCALE_TABLE = ((10_000, 8, 2, 1, None), (30_000, 8, 2, 1, None), (100_000, 8, 2, 1, None),
+               (200_000, 8, 2, 1, None), (1_000_000, 8, 2, 1, None), (30_000, 64, 2, 1, None),
+               (1_000_000, 512, 2, 1, None))
+SCALE_MORE = ((30_000, 16, 2, 1, None), (40_960, 512, 2, 1, None), (196_608, 4096, 2, 1, None),
+              (100_000, 8, 8, 1, None), (10_000, 8, 2, 2, None), (100_000, 8, 2, 2, None),
+              (20_000, 8, None, 1, 4), (100_000, 8, None, 1, 4), (100_000, 8, None, 1, 16),
+              (100_000, 8, None, 2, 4), (100_000, 64, None, 1, 16))
+V12_COMMIT = "c8dd161"          # main with PLAN_VERSION 12 (issue 49, part 1: short epochs within a budget)
 
 
 def bench_plan_scale_table(rows: tuple, seed: int, previous: str | None, repeats: int,
@@ -680,6 +686,7 @@ def bench_plan_scale_table(rows: tuple, seed: int, previous: str | None, repeats
     and stages by the planner at git commit ``previous`` (one run; skipped above ``previous_max``
     samples), all in this process; the ratios stages / tokens (the issue's target: <= 10, or <= 0.25 s)
     and previous / now."""
+    from tokenbal.balance.cost import resolve
     from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
     from tokenbal.balance.plan import PLAN_VERSION
     from tokenbal.balance.plan import plan_epoch as plan_now
@@ -687,16 +694,25 @@ def bench_plan_scale_table(rows: tuple, seed: int, previous: str | None, repeats
 
     old = planner_at(previous) if previous else None
     print(f"now = PLAN_VERSION {PLAN_VERSION}, previous = {previous}; CPU s, median of {repeats} "
-          "(previous: 1 run); figure = Σ_steps Σ_stages max_rank / ideal")
-    print(f"{'samples':>9} {'ranks':>5} {'per rank':>8} {'ga':>3} | {'tokens':>7} {'stages':>7} {'ratio':>6} "
-          f"{'ok':>3} | {'previous':>8} {'prev/now':>8} | {'figure now':>10} {'previous':>9}", flush=True)
-    for n, R, per, ga in rows:
+          "(previous: 1 run); figure = Σ_steps Σ_stages max_rank / ideal; budget = max_tokens_per_rank "
+          "in mean samples (at least the largest)")
+    print(f"{'samples':>9} {'ranks':>5} {'per rank':>8} {'ga':>3} {'budget':>6} | {'tokens':>7} "
+          f"{'stages':>7} {'ratio':>6} {'ok':>3} | {'previous':>8} {'prev/now':>8} | {'figure now':>10} "
+          f"{'previous':>9}", flush=True)
+    for n, R, per, ga, budget in rows:
         s = draw_samples(random_mixture(seed), n, seed)
         c = stage_costs(s)
         lengths = s.lengths
         del s
-        kw = {"global_batch_size": per * R * ga, "grad_accum": ga, "seed": seed}
-        tokens_plan = partial(plan_now, lengths, R, **kw)
+        if budget is None:
+            kw = kw_tok = {"global_batch_size": per * R * ga, "grad_accum": ga, "seed": seed}
+        else:
+            units = resolve(lengths, c.sum(1), c).costs
+            kw = {"max_tokens_per_rank": int(max(units.max(), budget * units.mean())), "grad_accum": ga,
+                  "seed": seed}
+            kw_tok = {"max_tokens_per_rank": int(max(lengths.max(), budget * lengths.mean())),
+                      "grad_accum": ga, "seed": seed}
+        tokens_plan = partial(plan_now, lengths, R, **kw_tok)
         stage_plan = partial(plan_now, lengths, R, cost=c.sum(1), stages=c, **kw)
         tok = measure(tokens_plan, repeats=repeats, warmup=0).cpu_median
         plan, _, _ = timed(stage_plan)
@@ -708,8 +724,8 @@ def bench_plan_scale_table(rows: tuple, seed: int, previous: str | None, repeats
             pfig = epoch_stage_figure(pplan, c)
         r = now / tok if tok > 0 else float("inf")
         ok = "yes" if now <= max(10 * tok, 0.25) else "NO"
-        print(f"{n:>9} {R:>5} {per:>8} {ga:>3} | {tok:7.3f} {now:7.2f} {r:6.1f} {ok:>3} | {prev:8.2f} "
-              f"{prev / now:8.1f} | {fig:10.4f} {pfig:9.4f}", flush=True)
+        print(f"{n:>9} {R:>5} {per or '-':>8} {ga:>3} {budget or '-':>6} | {tok:7.3f} {now:7.2f} {r:6.1f} "
+              f"{ok:>3} | {prev:8.2f} {prev / now:8.1f} | {fig:10.4f} {pfig:9.4f}", flush=True)
 
 
 PADDED_POINTS = ((2, 4, 1), (8, 4, 1), (8, 2, 2), (2, 8, 1))   # (ranks, per-device batch, grad accum)
@@ -825,7 +841,8 @@ def main() -> None:
     ap.add_argument("--plan-scale", default="", metavar="N,R,MODE",
                     help="planning time / RSS of N mixture samples on R ranks, MODE tokens or stages; "
                     "'table': issue 49's table (stages vs tokens vs --previous, CPU medians), 'more': its "
-                    "16 / 4,096-rank, 8-per-rank and grad_accum rows, 'all': both")
+                    "16 / 4,096-rank, 8-per-rank, grad_accum and token-budget rows, 'all': both "
+                    f"(issue 49's previous planner: --previous {V12_COMMIT}, PLAN_VERSION 12)")
     ap.add_argument("--previous-max", type=int, default=300_000,
                     help="--plan-scale table: run the --previous planner up to this many samples")
     ap.add_argument("--mmap", action="store_true",

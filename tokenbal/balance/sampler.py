@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -97,6 +98,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     only when there are fewer samples than ranks (or the token budget forces it); the collate
     function must then produce a dummy batch so the rank still joins the collectives.
 
+    ``plan_ahead=True``: when an epoch's iteration starts, the next epoch's plan is made in a
+    background thread (a daemon), so ``set_epoch(e + 1)`` finds it ready instead of stalling every rank
+    while it plans (stage plans of large epochs take seconds). The plan is the same as the one planned
+    in the foreground (``plan_epoch`` is a pure function of its inputs), so nothing about resume or
+    the cross-rank check changes; the thread only hides the time.
+
     ``settings=``: a :class:`~tokenbal.balance.settings.PlanSettings` instead of the planning keywords
     (``num_replicas``, ``global_batch_size`` / ``max_tokens_per_rank``, ``window``, ``grad_accum``,
     ``shuffle``, ``drop_last``, ``oversize``; one given next to it must agree). Either way the
@@ -111,7 +118,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
                  oversize: str = "error", verify: bool | None = None, stages: Any = None,
                  elastic: bool = False, dp_group: Any = None, device_mesh: Any = None,
-                 settings: PlanSettings | None = None, layout: Any = None) -> None:
+                 settings: PlanSettings | None = None, layout: Any = None, plan_ahead: bool = False) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
@@ -138,6 +145,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # None: check across ranks whenever a process group holds this sampler's ranks.
         self.verify = None if verify is None else bool(verify)
         self.elastic = bool(elastic)
+        # plan_ahead: the next epoch's plan is made in a background thread once an epoch starts.
+        self.plan_ahead = bool(plan_ahead)
+        self._ahead: dict[tuple, tuple[threading.Thread, list]] = {}
+        self._ahead_lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
         self.seed = int(seed)
         self.epoch = 0
@@ -178,10 +189,54 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         segments = self._segments if epoch == self.epoch else []
         key = (self.seed, epoch, json.dumps(segments, sort_keys=True))
         if key not in self._plans:
+            plan = self._take_ahead(key)
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = self._replan(segments, self.settings, epoch)
+            self._plans[key] = self._replan(segments, self.settings, epoch) if plan is None else plan
         return self._plans[key]
+
+    def _start_ahead(self) -> None:
+        """``plan_ahead``: start planning the epoch after the current one (no elastic segments: a new
+        epoch has none) in a daemon thread, unless it is planned or being planned already."""
+        key = (self.seed, self.epoch + 1, json.dumps([], sort_keys=True))
+        with self._ahead_lock:
+            if key in self._plans or key in self._ahead:
+                return
+            out: list = []
+            settings, seed, epoch = self.settings, self.seed, self.epoch + 1
+
+            def work() -> None:
+                try:
+                    out.append(plan_epoch(self.resolved, settings=settings, seed=seed, epoch=epoch))
+                except BaseException as e:  # noqa: BLE001 - handed to the foreground, which re-plans
+                    out.append(e)
+
+            thread = threading.Thread(target=work, name=f"tokenbal-plan-epoch-{epoch}", daemon=True)
+            self._ahead = {key: (thread, out)}    # one look-ahead at a time
+            thread.start()
+
+    def _take_ahead(self, key: tuple) -> EpochPlan | None:
+        """The background plan for ``key`` (waiting for it to finish), or None when there is none or
+        it failed (the foreground then plans, and raises what planning raises)."""
+        with self._ahead_lock:
+            entry = self._ahead.pop(key, None)
+        if entry is None:
+            return None
+        thread, out = entry
+        thread.join()
+        return out[0] if out and isinstance(out[0], EpochPlan) else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Threads and locks do not pickle (a sampler may be copied, e.g. into a checkpointed loader):
+        # the copy plans in the foreground until its next epoch starts.
+        state = dict(self.__dict__)
+        state["_ahead"], state["_ahead_lock"] = {}, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, **state})
+        self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
         """The settings of an earlier setup of this epoch (a checkpoint's fingerprint): its step
@@ -271,6 +326,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         plan = self.plan()
         self._verify_plan()
+        if self.plan_ahead:
+            self._start_ahead()
         total = plan.num_steps * self.grad_accum
         self._continue_where_the_loop_stopped(total)
         if self.cursor >= total and self._finished_here:

@@ -4,11 +4,16 @@ Counted, not timed: :data:`tokenbal.balance.partition.stages.work_done` adds up 
 every refinement round (the in-step moves, the swap search between steps, the leveling), which is
 where a stage plan's time goes. PLAN_VERSION 11 spent rounds × steps on short epochs (10k samples on
 8 ranks: ~4k item visits per sample, 8.5 s CPU against 0.04 s for the tokens plan); version 12 bounds
-every refinement by a budget proportional to the epoch, with a floor for small ones.
+every refinement by a budget proportional to the epoch, with a floor for small ones; version 13 does the
+same for the refinement after a plain fill (``grad_accum > 1``, a token budget), where a token budget
+that holds hundreds of samples per rank made a round quadratic in the step (20k samples on 8 ranks:
+~800M item visits, 36 s).
 """
 
+import numpy as np
 import pytest
 
+from tokenbal.balance.cost import resolve
 from tokenbal.balance.mixtures import draw_samples, random_mixture, stage_costs
 from tokenbal.balance.partition import stages as stage_ops
 from tokenbal.balance.plan import plan_epoch
@@ -29,8 +34,33 @@ def _work(n: int, R: int, per_rank: int, draw: int = 1, **kw) -> int:
 
 
 @pytest.mark.parametrize("R, per_rank, n, kw", [
-    (8, 2, 4000, {}), (8, 8, 8000, {}), (64, 2, 16000, {}), (8, 2, 4000, {"grad_accum": 2})])
+    (8, 2, 4000, {}), (8, 8, 8000, {}), (64, 2, 16000, {}), (8, 2, 4000, {"grad_accum": 2}),
+    (8, 2, 8000, {"grad_accum": 2}), (16, 4, 8000, {"grad_accum": 4})])
 def test_stage_plan_work_grows_at_most_linearly_with_the_epoch(R, per_rank, n, kw):
     small, large = _work(n, R, per_rank, **kw), _work(4 * n, R, per_rank, **kw)
     assert large <= 4 * small, (small, large)                   # 4x the samples, at most 4x the work
     assert large <= FLOOR + PER_SAMPLE * 4 * n, large            # and within a budget linear in n
+
+
+def _budget_work(n: int, R: int, per_sample: float, draw: int = 0, grad_accum: int = 1) -> tuple[int, int]:
+    """Work of a token-budget stage plan whose budget holds ``per_sample`` mean samples per rank-step
+    (at least the largest sample: no sample is over it); returns (work, rank-steps planned)."""
+    s = draw_samples(random_mixture(draw), n, draw)
+    c = stage_costs(s)
+    units = resolve(s.lengths, c.sum(1), c).costs               # the budget is in these units
+    budget = int(max(units.max(), per_sample * units.mean()))
+    for k in stage_ops.work_done:
+        stage_ops.work_done[k] = 0
+    plan = plan_epoch(s.lengths, R, max_tokens_per_rank=budget, grad_accum=grad_accum, seed=draw,
+                      cost=c.sum(1), stages=c)
+    slots = np.diff(plan.offsets)
+    assert slots.sum() == n
+    return sum(stage_ops.work_done.values()), len(slots)
+
+
+@pytest.mark.parametrize("per_sample, grad_accum", [(4, 1), (16, 1), (4, 2)])
+def test_budget_stage_plan_work_grows_at_most_linearly_with_the_epoch(per_sample, grad_accum):
+    # per_sample 4: the budget is the largest sample, ~150 mean samples per rank-step (crowded bins).
+    (small, _), (large, _) = (_budget_work(n, 8, per_sample, grad_accum=grad_accum) for n in (4000, 16000))
+    assert large <= 4 * small + FLOOR // 16, (small, large)
+    assert large <= FLOOR + PER_SAMPLE * 16000, large

@@ -14,6 +14,9 @@ __all__ = ["stage_objective", "refine_stages", "refine_stages_many", "swap_stage
 # refine_stages stops once a step is within this fraction of its lower bound: the last 0.1% is far
 # below the noise of any real step time and costs most of the rounds.
 _STAGE_TOLERANCE = 1e-3
+# refine_stages_many: in a bin with more items than this, only its largest this many take part (token-
+# budget steps of many small samples; count mode has fewer per rank and is unaffected).
+_CROWDED_ITEMS = 8
 # swap_stages_across_steps: items of the following steps a bottleneck item may be swapped with.
 _SWAP_PARTNERS = 1024
 # swap_stages_across_steps, first pass (_level_window): rounds of many disjoint swaps per window.
@@ -39,6 +42,9 @@ _POOL_ROUNDS = 512
 _POOL_WORK = 1 << 23
 _POOL_PATIENCE = 64
 _POOL_SLACK = (1, 10)
+# What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
+# as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
+_ROUND_ITEMS = 1024
 
 
 # Work done so far, in item visits: each round of the in-step refinement adds its steps' items x partners,
@@ -87,7 +93,13 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
                        equal_counts: bool = False, max_rounds: int | None = None) -> np.ndarray:
     """:func:`refine_stages` on G independent steps at once: ``stage_costs`` (G, M, K), ``bins``
     (G, M) with -1 for padding (an absent item). Every round takes each unfinished step's best move
-    in one vectorised pass, so the cost is rounds × passes, not steps × rounds × numpy calls."""
+    in one vectorised pass, so the cost is rounds × passes, not steps × rounds × numpy calls.
+
+    Steps of very different sizes (token-budget steps: a few giants or a thousand small samples) are
+    refined in classes of like size, so a round costs each step its own size, not the largest
+    step's (PLAN_VERSION 13; the same moves, fewer padding slots). In a bin with more than
+    ``_CROWDED_ITEMS`` items only its largest ``_CROWDED_ITEMS`` are moved or swapped: with a dozen
+    items per rank the largest carry the imbalance, and a round stays linear in the step."""
     c = np.asarray(stage_costs, np.int64)
     bins = np.asarray(bins, np.int64).copy()
     G, M, K = c.shape
@@ -95,6 +107,34 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
     if G == 0 or M < 2 or R < 2:
         return bins
     valid = bins >= 0
+    limit = 4 * M + R if max_rounds is None else int(max_rounds)
+    size = valid.sum(1)
+    # Size classes (powers of two of the step's item count), each with its items first in item order.
+    cls = np.frexp(np.maximum(size, 1).astype(np.float64))[1]
+    if cls.min() == cls.max() or M <= 64:
+        return _refine_stages_class(c, bins, valid, R, capacity, capacity_costs, equal_counts, limit)
+    cap_costs = None if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    for e in np.unique(cls):
+        rows = np.flatnonzero(cls == e)
+        cols = np.argsort(~valid[rows], axis=1, kind="stable")[:, :int(size[rows].max())]
+        sub = _refine_stages_class(np.take_along_axis(c[rows], cols[:, :, None], 1),
+                                   np.take_along_axis(bins[rows], cols, 1),
+                                   np.take_along_axis(valid[rows], cols, 1), R, capacity,
+                                   None if cap_costs is None
+                                   else np.take_along_axis(cap_costs[rows], cols, 1),
+                                   equal_counts, limit)
+        out = bins[rows]
+        np.put_along_axis(out, cols, sub, 1)
+        bins[rows] = out
+    return bins
+
+
+def _refine_stages_class(c: np.ndarray, bins: np.ndarray, valid: np.ndarray, R: int, capacity: int | None,
+                         capacity_costs: np.ndarray | None, equal_counts: bool, limit: int) -> np.ndarray:
+    """:func:`refine_stages_many` on steps of one size class (``bins`` is updated and returned)."""
+    G, M, K = c.shape
+    if M < 2:
+        return bins
     c = np.where(valid[:, :, None], c, 0)
     tot = c.sum(2) if capacity_costs is None else np.where(valid, np.asarray(capacity_costs, np.int64), 0)
     cap = None if capacity is None else int(capacity)
@@ -106,35 +146,33 @@ def refine_stages_many(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int,
     np.add.at(tload, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), tot[valid])
     counts = np.zeros((G, R), np.int64)
     np.add.at(counts, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), 1)
-    # Partners: every item (a swap), then one empty pseudo-item per bin (a move).
-    pc = np.concatenate([c, np.zeros((G, R, K), np.int64)], 1)
-    pt = np.concatenate([tot, np.zeros((G, R), np.int64)], 1)
-    P = M + R
-    is_move = np.r_[np.zeros(M, bool), np.ones(R, bool)]
+    crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
+    size = c.sum(2)
     # No assignment beats the stage means or the largest item of a stage; close enough, stop.
     bound = np.maximum(-(-c.sum(1) // R), c.max(1)).sum(1) * (1 + _STAGE_TOLERANCE)
     active = np.flatnonzero(loads.max(1).sum(1) > bound)
-    limit = 4 * M + R if max_rounds is None else int(max_rounds)
     never = np.iinfo(np.int64).max
     # Chunks of steps bound the (steps, items, partners, stages) temporaries to a few tens of MB.
-    chunk = max(1, 4_000_000 // (M * P * K))
+    width = min(M, R * _CROWDED_ITEMS) if crowded else M
+    chunk = max(1, 4_000_000 // (width * (width + R) * K))
+    limit = min(limit, 4 * width + R)                   # (no change where no bin is crowded)
     for _ in range(limit):
         if not active.size:
             break
         still = []
-        work_done["refine"] += len(active) * M * P
+        work_done["refine"] += len(active) * width * (width + R)
         for lo in range(0, len(active), chunk):
             g = active[lo:lo + chunk]
-            still.append(g[_best_moves(g, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R, P,
-                                       cap, equal_counts, never)])
+            still.append(g[_best_moves(g, c, tot, size, bins, valid, loads, tload, counts, R, cap,
+                                       equal_counts, never, crowded)])
         active = np.concatenate(still)
         if active.size:
             active = active[loads[active].max(1).sum(1) > bound[active]]
     return bins
 
 
-def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt, is_move, R: int, P: int,
-                cap: int | None, equal_counts: bool, never: int) -> np.ndarray:
+def _best_moves(g: np.ndarray, c, tot, size, bins, valid, loads, tload, counts, R: int, cap: int | None,
+                equal_counts: bool, never: int, crowded: bool) -> np.ndarray:
     """One round of :func:`refine_stages_many` for steps ``g``: apply each step's best improving
     move or swap in place; returns a bool mask of the steps that improved."""
     L = loads[g]                                                    # (g, R, K)
@@ -145,7 +183,19 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     is_source[np.arange(n_g)[:, None], L.argmax(1)] = True
     b = bins[g]
     home_all = np.where(valid[g], b, 0)
-    from_source = valid[g] & np.take_along_axis(is_source, home_all, 1)
+    eligible = valid[g]
+    if crowded:
+        # Each bin's _CROWDED_ITEMS largest items (ties in item order) take part, no others.
+        M = b.shape[1]
+        order = np.lexsort((np.broadcast_to(np.arange(M), b.shape), -size[g], np.where(eligible, b, R)),
+                           axis=-1)
+        sb = np.take_along_axis(np.where(eligible, b, R), order, 1)
+        first = np.concatenate([np.ones((n_g, 1), bool), sb[:, 1:] != sb[:, :-1]], 1)
+        start = np.maximum.accumulate(np.where(first, np.arange(M), 0), axis=1)
+        keep = np.empty_like(eligible)
+        np.put_along_axis(keep, order, np.arange(M) - start < _CROWDED_ITEMS, 1)
+        eligible = eligible & keep
+    from_source = eligible & np.take_along_axis(is_source, home_all, 1)
     Q = int(from_source.sum(1).max())
     if Q == 0:
         return np.zeros(n_g, bool)
@@ -153,10 +203,20 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     sel_ok = np.take_along_axis(from_source, sel, 1)
     home = np.take_along_axis(home_all, sel, 1)                    # (g, Q)
     ci = np.take_along_axis(c[g], sel[:, :, None], 1)              # (g, Q, K)
-    pb = np.concatenate([home_all, np.broadcast_to(np.arange(R), (n_g, R))], 1)   # (g, P)
-    p_ok = np.concatenate([valid[g], np.ones((n_g, R), bool)], 1)
-    # The largest load of every stage outside bins a and b: the first of the top three that is
-    # neither (padding bins -1 with load 0 never exceed a real maximum).
+    # Partners: the eligible items (a swap; in item order), then one empty pseudo-item per bin (a move).
+    if crowded:
+        E = int(eligible.sum(1).max())
+        pidx = np.argsort(~eligible, axis=1, kind="stable")[:, :E]
+    else:
+        E = b.shape[1]
+        pidx = np.broadcast_to(np.arange(E), (n_g, E))
+    pc = np.concatenate([np.take_along_axis(c[g], pidx[:, :, None], 1),
+                         np.zeros((n_g, R, c.shape[2]), np.int64)], 1)
+    pt = np.concatenate([np.take_along_axis(tot[g], pidx, 1), np.zeros((n_g, R), np.int64)], 1)
+    P = E + R
+    is_move = np.r_[np.zeros(E, bool), np.ones(R, bool)]
+    pb = np.concatenate([np.take_along_axis(home_all, pidx, 1), np.broadcast_to(np.arange(R), (n_g, R))], 1)
+    p_ok = np.concatenate([np.take_along_axis(eligible, pidx, 1), np.ones((n_g, R), bool)], 1)
     order = np.argsort(-L, axis=1, kind="stable")[:, :3]
     topv = np.take_along_axis(L, order, 1)
     if R < 3:
@@ -167,7 +227,7 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     t = [order[:, i][:, None, None, :] for i in range(3)]
     v = [topv[:, i][:, None, None, :] for i in range(3)]
     other = np.where((t[0] != a4) & (t[0] != b4), v[0], np.where((t[1] != a4) & (t[1] != b4), v[1], v[2]))
-    d = pc[g][:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
+    d = pc[:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
     La = np.take_along_axis(L, home[:, :, None], 1)[:, :, None, :]
     Lb = np.take_along_axis(L, pb[:, :, None], 1)[:, None, :, :]
     value = np.maximum(other, np.maximum(La + d, Lb - d)).sum(3)   # (g, Q, P)
@@ -177,7 +237,7 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     else:
         ok &= ~is_move[None, None, :] | (np.take_along_axis(counts[g], home, 1) > 1)[:, :, None]
     if cap is not None:
-        dt = pt[g][:, None, :] - np.take_along_axis(tot[g], sel, 1)[:, :, None]
+        dt = pt[:, None, :] - np.take_along_axis(tot[g], sel, 1)[:, :, None]
         ok &= ((np.take_along_axis(tload[g], home, 1)[:, :, None] + dt <= cap)
                & (np.take_along_axis(tload[g], pb, 1)[:, None, :] - dt <= cap))
     value = np.where(ok, value, never).reshape(n_g, -1)
@@ -189,7 +249,7 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
     src = home[better, u]
     dst = pb[better, w]
     swap = ~is_move[w]
-    partner = np.where(swap, w, 0)
+    partner = np.where(swap, pidx[better][np.arange(len(gi)), np.minimum(w, E - 1)], 0)
     # Steps are distinct, so these scatters never collide.
     bins[gi, item] = dst
     bins[gi[swap], partner[swap]] = src[swap]
@@ -207,8 +267,8 @@ def _best_moves(g: np.ndarray, c, tot, bins, valid, loads, tload, counts, pc, pt
 def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarray, window: np.ndarray,
                              num_bins: int, *, capacity: int | None = None,
                              capacity_costs: np.ndarray | None = None, rounds_per_group: int = 4,
-                             level_rounds: int = _LEVEL_ROUNDS, max_swaps: int | None = None
-                             ) -> tuple[np.ndarray, np.ndarray]:
+                             level_rounds: int = _LEVEL_ROUNDS, max_swaps: int | None = None,
+                             items_per_swap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swap items between bins of the groups (steps) of the same window where that lowers
     ``Σ_group Σ_stage max_bin load``; returns the items' new ``(group, bins)``.
 
@@ -225,6 +285,9 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
        bottleneck items for an item of another step, whichever swap lowers the two steps' objectives
        most (by at least 0.1% of the step); at most ``rounds_per_group`` swaps per group
        (:func:`_swap_window`). With few ranks this exact search finds what the first pass misses.
+       At most ``max_swaps`` per window, and with ``items_per_swap`` at most one per that many of the
+       window's items (at least one): a swap search costs about the same whatever the window, so
+       this keeps the pass linear in the epoch.
 
     One item for one item: every bin keeps its item count, so every count guarantee of the plan
     holds; with ``capacity`` no bin's sum of ``capacity_costs`` (default: the row sums) goes over
@@ -250,8 +313,10 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
             continue
         new_g, new_b = _level_window(c[idx], tot[idx], g_local, bins[idx], len(g_ids), R, capacity,
                                      int(level_rounds))
+        cap_swaps = max(1, int(len(idx) / items_per_swap)) if items_per_swap else 1 << 62
         new_g, new_b = _swap_window(c[idx], tot[idx], new_g, new_b, len(g_ids), R, capacity,
-                                    min(rounds_per_group * len(g_ids), max_swaps or 1 << 62), never)
+                                    min(rounds_per_group * len(g_ids), max_swaps or 1 << 62, cap_swaps),
+                                    never)
         group[idx] = g_ids[new_g]
         bins[idx] = new_b
     return group, bins
@@ -294,6 +359,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     np.add.at(loads, (g, b), c)
     tload = np.zeros((G, R), np.int64)
     np.add.at(tload, (g, b), tot)
+    size = c.sum(1)
     # How far a step is from perfectly balanced stages. Not its own lower bound (largest item per
     # stage): a step at that bound can still gain by trading the item that sets it.
     ideal = (-(-loads.sum(1) // R)).sum(1)
@@ -320,6 +386,14 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         hot[L.argmax(0)] = True
         mine = by_group[starts[s]:starts[s + 1]]
         mine = mine[hot[b[mine]]]
+        if len(mine) > _CROWDED_ITEMS * K:
+            # Crowded bins (token-budget steps of many small samples): each hot bin offers its
+            # _CROWDED_ITEMS largest items (ties in item order), as in refine_stages_many.
+            key = np.lexsort((mine, -size[mine], b[mine]))
+            mine = mine[key]
+            first = np.r_[True, b[mine][1:] != b[mine][:-1]]
+            start = np.maximum.accumulate(np.where(first, np.arange(len(mine)), 0))
+            mine = np.sort(mine[np.arange(len(mine)) - start < _CROWDED_ITEMS])
         # Steps s+1 .. s+reach, cyclically: one or two runs of by_group (groups are contiguous in it).
         end = s + 1 + reach
         theirs = by_group[starts[s + 1]:starts[min(end, G)]]
@@ -412,6 +486,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         place[k, by_stage[k]] = np.arange(n)
     bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
+    crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
@@ -459,9 +534,17 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             # gets the roomiest bins, the next source the next ones.
             a = np.repeat(src, roomy_bins)
             bb = _ranked(over[k], rnd * roomy_bins, len(a))
-            pairs = counts[a] * counts[bb]
+            # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
+            # of their items a round, a different run of them every round, so a round stays linear.
+            na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
+            pairs = na * nbb
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
-                             np.repeat(counts[bb], pairs))
+                             np.repeat(nbb, pairs))
+            if crowded:
+                ra = np.where(counts[a] > _CROWDED_ITEMS, rnd * _CROWDED_ITEMS, 0)
+                rb = np.where(counts[bb] > _CROWDED_ITEMS, rnd * _CROWDED_ITEMS, 0)
+                u = (u + np.repeat(ra, pairs)) % np.repeat(counts[a], pairs)
+                v = (v + np.repeat(rb, pairs)) % np.repeat(counts[bb], pairs)
             cand_i.append(slot_item[np.repeat(first_slot[a], pairs) + u])
             cand_j.append(slot_item[np.repeat(first_slot[bb], pairs) + v])
         if not cand_i:
@@ -594,7 +677,7 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         new_g, new_b, start = _deal_pool(x, h, R)
         if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
-        rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // len(x))
+        rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
         new_g, new_b = _level_window(x, x.sum(1), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
         pooled = np.zeros((h, R, K), np.int64)
         np.add.at(pooled, (new_g, new_b), x)

@@ -26,6 +26,14 @@ _COMPOSE_JITTER = 0.3
 # candidate was added): 16 rounds 1.0972 / 1.0815 / 1.0924 / 1.0991 in 5.6 s, unlimited 1.0939 /
 # 1.0740 / 1.0924 / 1.0984 in 9.7 s.
 _REFINE_ROUNDS = 16
+# The refinement after a plain fill (grad_accum > 1, token budget; PLAN_VERSION 13): at most
+# _REFINE_LEVEL_ROUNDS leveling rounds within _REFINE_LEVEL_WORK samples x rounds (at least
+# _STAGE_LEVEL_MIN), and max(_REFINE_SWAPS, samples / _REFINE_ITEMS_PER_SWAP) exact swaps, shared by the
+# windows in proportion to their samples (small epochs keep version 12's 4 per micro-step).
+_REFINE_LEVEL_ROUNDS = 16
+_REFINE_LEVEL_WORK = 1 << 20
+_REFINE_ITEMS_PER_SWAP = 512
+_REFINE_SWAPS = 512
 # Stage mode: compose steps by stage-cost vectors (_compose_fill, PLAN_VERSION 7); 0: version 6's
 # profile fill (_profile_fill), kept for comparison.
 _STAGE_COMPOSE = 1
@@ -132,7 +140,16 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     cap_costs = None if lens is None else lens[perm]
     group, bins = step * k + vrank % k, vrank // k
     if cross:
-        more = {} if level_rounds is None else {"level_rounds": level_rounds}
+        more = {}
+        if level_rounds is None:
+            # The refinement after a plain fill (grad_accum > 1, a token budget), PLAN_VERSION 13: its
+            # leveling rounds and swaps within a budget proportional to the epoch (version 12: 16 rounds
+            # and 4 swaps per micro-step, 100k samples on 8 ranks with grad_accum 2 in ~4.6 s).
+            more = {"level_rounds": min(_REFINE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN,
+                                                                  _REFINE_LEVEL_WORK // len(perm))),
+                    "items_per_swap": len(perm) / max(_REFINE_SWAPS, len(perm) // _REFINE_ITEMS_PER_SWAP)}
+        else:
+            more = {"level_rounds": level_rounds}
         group, bins = swap_stages_across_steps(c, group, bins, window, R, capacity=budget,
                                                capacity_costs=cap_costs, max_swaps=max_swaps, **more)
     step, vrank = group // k, bins * k + group % k
