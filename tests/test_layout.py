@@ -42,6 +42,8 @@ ALLOWED_TOKENBAL_TO_COLLATE = {
     ("tokenbal.integrations.hf", "collate.models"),
     # torchtitan's packed alternative to its padding collator: imported when packed_collate() is called
     ("tokenbal.integrations.torchtitan", "collate"),
+    # LLaMA-Factory's packed rows (tokenbal: {packed: true}): imported when packed rows are asked for
+    ("tokenbal.integrations.llamafactory", "collate"),
 }
 
 # Old module paths kept for users: each warns (DeprecationWarning, with its removal version) and the

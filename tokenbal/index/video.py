@@ -482,3 +482,47 @@ def _video_track_numbers(f, start: int, end: int) -> list[int]:
             if kind == 1 and number is not None:
                 out.append(number)
     return out
+
+
+# Videos of dataset rows (dataset_lengths, the packed Trainer collator). Headers read from files are
+# kept by (path, size, mtime): rows often share a video (several questions on one clip); a changed
+# file has a new key. Bounded: cleared when full.
+_PROBED: dict[tuple, VideoInfo] = {}
+_PROBED_MAX = 1 << 16
+
+
+def _probe_file(path: str) -> VideoInfo:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise VideoError(f"cannot read the video: {e}") from None
+    key = (path, st.st_size, st.st_mtime_ns)
+    info = _PROBED.get(key)
+    if info is None:
+        info = probe_video(path)
+        if len(_PROBED) >= _PROBED_MAX:
+            _PROBED.clear()
+        _PROBED[key] = info
+    return info
+
+
+def probe_row_video(value: object, row: int, where: str) -> VideoInfo:
+    """The :class:`VideoInfo` of one row video (a path, bytes, or a
+    ``{"bytes", "path"}`` dict), else ``ValueError`` naming the row, the field and the file."""
+    src, name = value, None
+    if isinstance(value, dict):
+        src = value.get("bytes") if value.get("bytes") is not None else value.get("path")
+    if isinstance(src, (str, os.PathLike)):
+        name = os.fspath(src)
+        if "://" in name:
+            raise ValueError(f"row {row}: video {where} {name!r} is a URL; only local video files are read")
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        src = bytes(src)
+    else:
+        raise ValueError(f"row {row}: video {where} is a {type(value).__name__}; expected a path, bytes or a "
+                         "{bytes, path} dict (a video file; decoded frame lists are not counted)")
+    try:
+        return _probe_file(name) if name is not None else probe_video(src)
+    except (VideoError, OSError, ImportError) as e:
+        label = f" ({name!r})" if name else f" ({len(src)} bytes)"
+        raise ValueError(f"row {row}: video {where}{label}: {e}") from e

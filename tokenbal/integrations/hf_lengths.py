@@ -234,7 +234,7 @@ def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col
 def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_row: int, messages: str,
             video_col: str | None) -> list | None:
     """Per row, the headers of its videos (the videos column's value, else its video parts')."""
-    from tokenbal.estimate.chat_video import probe_row_video
+    from tokenbal.index.video import probe_row_video
 
     out = []
     for r, conv in enumerate(convs):

@@ -179,9 +179,9 @@ def _row_videos(row: dict[str, Any], conv: list, processor: Any, index: Any, mes
         return {}
     from transformers.video_utils import VideoMetadata
 
-    from tokenbal.estimate.chat_video import check_video_support, probe_row_video, sample_video
+    from tokenbal.estimate.chat_video import check_video_support, sample_video
     from tokenbal.estimate.vision import estimator_from_processor, processor_family
-    from tokenbal.index.video import decode_frames
+    from tokenbal.index.video import decode_frames, probe_row_video
 
     cached = _VIDEO_ESTIMATOR.get(id(processor))
     if cached is None or cached[0] is not processor:
