@@ -31,6 +31,10 @@ Qwen2.5-VL video time steps    up to 5.9 ``second_per_grid_ts`` is truncated to 
                                later releases keep the fraction (:func:`qwen2_5_vl_whole_seconds`)
 image processor class names    5.x ``XImageProcessorPil`` (PIL backend) is 4.57's ``XImageProcessor``
                                (:func:`image_processor_class`)
+Qwen2-VL image ``size``        4.57's slow ``Qwen2VLImageProcessor`` (loaded without torchvision)
+                               drops a ``size`` from the files and keeps its class defaults unless
+                               ``min_pixels`` / ``max_pixels`` are given; its fast class and 5.x keep
+                               it (:func:`qwen2_vl_loaded_image_size_kept`)
 ============================  ======================================================================
 """
 
@@ -47,6 +51,7 @@ __all__ = [
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
+    "qwen2_vl_loaded_image_size_kept",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -308,6 +313,29 @@ def image_processor_class(name: str) -> Any:
     if found is None:
         return require_class(name)
     return found
+
+
+@functools.cache
+def qwen2_vl_loaded_image_size_kept() -> bool:
+    """Whether the Qwen2-VL image processor ``AutoImageProcessor`` loads on this install keeps the
+    ``size`` (pixel bounds) its files give. 4.57's slow ``Qwen2VLImageProcessor`` -- what 4.57 loads
+    without torchvision, for every Qwen2/2.5/3-VL checkpoint -- replaces any valid ``size`` by its
+    class defaults (56^2...28^2*1280 px) and honours only top-level ``min_pixels`` / ``max_pixels``;
+    the torchvision class (4.57 forces it whenever torchvision is installed) and every 5.x class keep
+    ``size``. Asked of the class that would load, on one probe size; True without transformers."""
+    try:
+        import transformers
+        from transformers.utils import is_torchvision_available
+    except ImportError:
+        return True
+    if is_torchvision_available():
+        cls = getattr(transformers, "Qwen2VLImageProcessorFast", None) or transformers.Qwen2VLImageProcessor
+    else:
+        cls = image_processor_class("Qwen2VLImageProcessorPil")
+    probe = {"shortest_edge": 1234, "longest_edge": 567890}
+    size = cls(size=dict(probe)).size
+    got = {k: size[k] if isinstance(size, dict) else getattr(size, k, None) for k in probe}
+    return got == probe
 
 
 def processor_attributes(processor_or_class: Any) -> list[str]:
