@@ -14,6 +14,7 @@ the same paths here.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import random
@@ -39,6 +40,18 @@ from tokenbal.hf_compat import (  # noqa: E402
 )
 
 Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
+_CLASS_SIZE = copy.deepcopy(getattr(Qwen2VLImageProcessorPil, "size", None))
+
+
+@pytest.fixture(autouse=True)
+def _pristine_class_size():
+    """5.6-5.9's ``Qwen2VLImageProcessorPil.__init__`` writes ``min_pixels`` / ``max_pixels`` into the
+    *class* ``size`` dict when no ``size`` is given (``size = self.size`` then item assignment), so a
+    processor built with them changes the defaults of every later one in the process. Each test
+    here starts from the class defaults as imported, whatever the tests before it built."""
+    yield
+    if _CLASS_SIZE is not None:
+        Qwen2VLImageProcessorPil.size = copy.deepcopy(_CLASS_SIZE)
 hf_qwen2_img = image_processing_module("qwen2_vl")
 
 # importlib, not ``from ... import``: the package's lazy loader hands out a torchvision-requiring
@@ -558,7 +571,10 @@ def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
     est = load_estimator(tmp_path)
     # the image processor these files load here (4.57 without torchvision: the slow class, which
     # drops `size` and counts with its class defaults; every other install keeps the hub bounds)
-    proc = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    except ImportError:  # 5.6-5.9 map the Fast type to the torchvision class only: the PIL one
+        proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
     if qwen2_vl_loaded_image_size_kept():
         assert est == get_estimator("qwen3-vl")
     else:
