@@ -31,11 +31,20 @@ Qwen2.5-VL video time steps    up to 5.9 ``second_per_grid_ts`` is truncated to 
                                later releases keep the fraction (:func:`qwen2_5_vl_whole_seconds`)
 image processor class names    5.x ``XImageProcessorPil`` (PIL backend) is 4.57's ``XImageProcessor``
                                (:func:`image_processor_class`)
+loss kwargs of a forward       4.57-5.9: Qwen3-VL, Qwen3-VL-MoE and GLM-4V's ``forward`` call
+                               ``self.loss_function(logits, labels, vocab_size)`` and drop
+                               ``shift_labels`` / ``num_items_in_batch``; later releases pass them
+                               (:func:`loss_kwargs_reach_loss`)
+Qwen2-VL image ``size``        4.57's slow ``Qwen2VLImageProcessor`` (loaded without torchvision)
+                               drops a ``size`` from the files and keeps its class defaults unless
+                               ``min_pixels`` / ``max_pixels`` are given; its fast class and 5.x keep
+                               it (:func:`qwen2_vl_loaded_image_size_kept`)
 ============================  ======================================================================
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -47,6 +56,7 @@ __all__ = [
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
+    "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -296,6 +306,41 @@ def glm4v_upscales_small() -> bool:
     return True
 
 
+# -- loss -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def loss_kwargs_reach_loss(model: Any, **loss_kwargs: Any) -> Any:
+    """Within the block, ``model.loss_function`` receives ``loss_kwargs`` (``shift_labels``,
+    ``num_items_in_batch``) even where ``model.forward`` does not hand them on.
+
+    Some forwards call ``self.loss_function(logits=..., labels=..., vocab_size=...)`` and drop the
+    ``**kwargs`` they were given (4.57-5.9: Qwen3-VL, Qwen3-VL-MoE, GLM-4V): a sequence-parallel
+    slice's ``shift_labels`` never arrive, so transformers shifts the slice's own labels and loses
+    the target across the cut, and ``num_items_in_batch`` (a summed loss's divisor) is ignored.
+    Later releases pass them on. So for the block the instance's ``loss_function`` is a wrapper
+    that adds the ones a call leaves out: a no-op where the forward passes them, no version test.
+    ``loss_function`` is transformers' settable property (``_loss_function`` on the instance)."""
+    loss_kwargs = {k: v for k, v in loss_kwargs.items() if v is not None}
+    if not loss_kwargs or not hasattr(type(model), "loss_function"):
+        yield
+        return
+    own = model.__dict__.get("_loss_function")
+    inner = model.loss_function
+
+    def loss_function(*args: Any, **kwargs: Any) -> Any:
+        for name, value in loss_kwargs.items():
+            kwargs.setdefault(name, value)
+        return inner(*args, **kwargs)
+
+    model.loss_function = loss_function
+    try:
+        yield
+    finally:
+        if own is None:
+            model.__dict__.pop("_loss_function", None)
+        else:
+            model.loss_function = own
+
+
 # -- processors -------------------------------------------------------------------------------------
 def image_processor_class(name: str) -> Any:
     """An image processor class by its 5.x name: ``XImageProcessorPil`` (5.x's PIL backend) is
@@ -308,6 +353,29 @@ def image_processor_class(name: str) -> Any:
     if found is None:
         return require_class(name)
     return found
+
+
+@functools.cache
+def qwen2_vl_loaded_image_size_kept() -> bool:
+    """Whether the Qwen2-VL image processor ``AutoImageProcessor`` loads on this install keeps the
+    ``size`` (pixel bounds) its files give. 4.57's slow ``Qwen2VLImageProcessor`` -- what 4.57 loads
+    without torchvision, for every Qwen2/2.5/3-VL checkpoint -- replaces any valid ``size`` by its
+    class defaults (56^2...28^2*1280 px) and honours only top-level ``min_pixels`` / ``max_pixels``;
+    the torchvision class (4.57 forces it whenever torchvision is installed) and every 5.x class keep
+    ``size``. Asked of the class that would load, on one probe size; True without transformers."""
+    try:
+        import transformers
+        from transformers.utils import is_torchvision_available
+    except ImportError:
+        return True
+    if is_torchvision_available():
+        cls = getattr(transformers, "Qwen2VLImageProcessorFast", None) or transformers.Qwen2VLImageProcessor
+    else:
+        cls = image_processor_class("Qwen2VLImageProcessorPil")
+    probe = {"shortest_edge": 1234, "longest_edge": 567890}
+    size = cls(size=dict(probe)).size
+    got = {k: size[k] if isinstance(size, dict) else getattr(size, k, None) for k in probe}
+    return got == probe
 
 
 def processor_attributes(processor_or_class: Any) -> list[str]:

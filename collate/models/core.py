@@ -520,7 +520,14 @@ def packed_model_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     text_model = text_model_of(self, family)
     kwargs["attention_mask"] = family.attention_mask(self, text_model, kwargs["inputs_embeds"])
     kwargs[PACKED_KWARG] = info
-    return call_original(self, *args, **kwargs)
+    if kwargs.get("labels") is None:
+        return call_original(self, *args, **kwargs)
+    from tokenbal import hf_compat
+
+    # a slice's shifted targets and the summed loss's divisor reach the loss on every release
+    with hf_compat.loss_kwargs_reach_loss(self, shift_labels=kwargs.get("shift_labels"),
+                                          num_items_in_batch=kwargs.get("num_items_in_batch")):
+        return call_original(self, *args, **kwargs)
 
 
 def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Module:

@@ -21,6 +21,7 @@ from tokenbal.estimate.llava import LlavaNextEstimator, LlavaOneVisionEstimator
 from tokenbal.estimate.phi4 import make_phi4
 from tokenbal.estimate.qwen import QWEN_FAMILIES, make_qwen
 from tokenbal.estimate.tiles import make_tiles
+from tokenbal.hf_compat import qwen2_vl_loaded_image_size_kept
 
 # accepted spellings (the keys, transformers' / the original repos' ``model_type``) -> key; the one
 # table of families and their spellings is tokenbal.estimate.families.
@@ -97,8 +98,8 @@ _QWEN3_VIDEO_CLASS = dict(shortest_edge=128 * 32 * 32, longest_edge=768 * 32 * 3
                           patch_size=16, merge_size=2, temporal_patch_size=2, max_video_tokens=768)
 
 
-def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool) -> tuple[int, int]:
-    size = dict(d.get("size") or {})
+def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool, size_kept: bool = True) -> tuple[int, int]:
+    size = dict(d.get("size") or {}) if size_kept else {}
     lo = size.get("shortest_edge", size.get("min_pixels"))
     hi = size.get("longest_edge", size.get("max_pixels"))
     if legacy_keys:  # Qwen2VL{Image,Video}Processor.__init__: top-level min/max_pixels win over size
@@ -109,10 +110,13 @@ def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool) -> tuple[int, i
     return int(lo), int(hi)
 
 
-def _qwen_settings(family: str, image: dict | None, video: dict | None) -> dict:
+def _qwen_settings(family: str, image: dict | None, video: dict | None, image_size_kept: bool = True) -> dict:
+    """``image_size_kept``: False where the image processor these files load drops their ``size``
+    (4.57's slow class, :func:`tokenbal.hf_compat.qwen2_vl_loaded_image_size_kept`)."""
     out: dict[str, Any] = {}
     img = image or {}
-    out["min_pixels"], out["max_pixels"] = _qwen_size(img, _QWEN_IMAGE_CLASS, legacy_keys=True)
+    out["min_pixels"], out["max_pixels"] = _qwen_size(img, _QWEN_IMAGE_CLASS, legacy_keys=True,
+                                                      size_kept=image_size_kept)
     for k in ("patch_size", "merge_size", "temporal_patch_size"):
         out[k] = int(img.get(k, _QWEN_IMAGE_CLASS[k]))
     vid = video or {}
@@ -169,7 +173,8 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
     elif image is None:
         raise FileNotFoundError(f"{str(d)!r} has neither preprocessor_config.json nor processor_config.json")
     elif family in QWEN_FAMILIES:
-        settings = _qwen_settings(family, image, video)
+        # the counts of the image processor these files load here (4.57 without torchvision drops size)
+        settings = _qwen_settings(family, image, video, image_size_kept=qwen2_vl_loaded_image_size_kept())
     elif family == "internvl":
         settings = _internvl_hf_settings(image, _read_json(d / "processor_config.json") or {})
     elif family in ("idefics3", "smolvlm"):

@@ -345,3 +345,22 @@ def test_fsdp2_rank_without_images_still_runs_the_sharded_vision_tower():
 
     errs = run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)
     assert max(errs) < 1e-5
+
+
+def test_packed_loss_takes_num_items_in_batch_and_a_row_without_targets_is_zero(reference):
+    """The packed call's ``num_items_in_batch`` reaches the loss (the summed loss over that divisor),
+    also where transformers' own forward drops its loss kwargs (4.57-5.9 call ``loss_function``
+    without them: ``hf_compat.loss_kwargs_reach_loss``); a row without a single target gives 0,
+    not NaN, so an empty rank cannot poison the reduced gradients."""
+    packed = enable_packed(copy.deepcopy(reference))
+    samples = make_samples()
+    batch = collate(reference, samples)
+    with torch.no_grad():
+        mean = packed(**batch).loss
+        summed = packed(**batch, num_items_in_batch=1000).loss
+        assert summed == pytest.approx(float(mean) * batch.num_loss_tokens / 1000, rel=1e-5)
+        empty = collate(reference, samples)
+        empty.labels.fill_(-100)
+        empty.num_loss_tokens = 0
+        assert float(packed(**empty).loss) == 0.0
+    assert "_loss_function" not in packed.__dict__  # the per-call wrapper is gone again

@@ -14,6 +14,7 @@ the same paths here.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import random
@@ -34,10 +35,23 @@ from tests.helpers.oracles import require_oracle  # noqa: E402
 from tokenbal.hf_compat import (  # noqa: E402
     image_processing_module,
     image_processor_class,
+    qwen2_vl_loaded_image_size_kept,
     qwen3_vl_video_resize,
 )
 
 Qwen2VLImageProcessorPil = image_processor_class("Qwen2VLImageProcessorPil")
+_CLASS_SIZE = copy.deepcopy(getattr(Qwen2VLImageProcessorPil, "size", None))
+
+
+@pytest.fixture(autouse=True)
+def _pristine_class_size():
+    """5.6-5.9's ``Qwen2VLImageProcessorPil.__init__`` writes ``min_pixels`` / ``max_pixels`` into the
+    *class* ``size`` dict when no ``size`` is given (``size = self.size`` then item assignment), so a
+    processor built with them changes the defaults of every later one in the process. Each test
+    here starts from the class defaults as imported, whatever the tests before it built."""
+    yield
+    if _CLASS_SIZE is not None:
+        Qwen2VLImageProcessorPil.size = copy.deepcopy(_CLASS_SIZE)
 hf_qwen2_img = image_processing_module("qwen2_vl")
 
 # importlib, not ``from ... import``: the package's lazy loader hands out a torchvision-requiring
@@ -106,11 +120,25 @@ def hf_real_grid(proc, w: int, h: int) -> tuple[int, int, int]:
     return tuple(int(x) for x in out["image_grid_thw"][0])
 
 
+def pil_processor(**settings):
+    """The installed PIL Qwen2-VL image processor with these pixel bounds. 4.57's slow class drops a
+    ``size`` argument (its ``__init__`` keeps its class defaults unless ``min_pixels`` /
+    ``max_pixels`` are given; its torchvision class keeps ``size``), so there the same bounds go in
+    as ``min_pixels`` / ``max_pixels``: the oracle is that version's own counting of those bounds."""
+    proc = Qwen2VLImageProcessorPil(**settings)
+    size = settings.get("size")
+    if size is not None and {k: proc.size[k] for k in size} != size:
+        rest = {k: v for k, v in settings.items() if k != "size"}
+        proc = Qwen2VLImageProcessorPil(**rest, min_pixels=size["shortest_edge"],
+                                        max_pixels=size["longest_edge"])
+    return proc
+
+
 @pytest.fixture(scope="module")
 def procs():
     return {
         "qwen2-vl": Qwen2VLImageProcessorPil(**HUB_QWEN2),
-        "qwen3-vl": Qwen2VLImageProcessorPil(**HUB_QWEN3),
+        "qwen3-vl": pil_processor(**HUB_QWEN3),
         "card": Qwen2VLImageProcessorPil(**{**HUB_QWEN2, **CARD}),
     }
 
@@ -541,8 +569,17 @@ def test_load_estimator_qwen3_folder_with_video_config(tmp_path):
         {**QWEN3_VIDEO_HUB, "fps": 2, "min_frames": 4, "max_frames": 768, "do_sample_frames": True},
     )
     est = load_estimator(tmp_path)
-    assert est == get_estimator("qwen3-vl")
-    proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    # the image processor these files load here (4.57 without torchvision: the slow class, which
+    # drops `size` and counts with its class defaults; every other install keeps the hub bounds)
+    try:
+        proc = transformers.AutoImageProcessor.from_pretrained(tmp_path)
+    except ImportError:  # 5.6-5.9 map the Fast type to the torchvision class only: the PIL one
+        proc = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    if qwen2_vl_loaded_image_size_kept():
+        assert est == get_estimator("qwen3-vl")
+    else:
+        bounds = (est.min_pixels, est.max_pixels)
+        assert bounds == (proc.min_pixels, proc.max_pixels) == (56 * 56, 28 * 28 * 1280)
     assert all(est.image_tokens(w, h) == hf_pixel_free_tokens(proc, w, h) for w, h in GRID[::5])
     vproc = hf_qwen3_vid.Qwen3VLVideoProcessor.from_pretrained(tmp_path)
     require_oracle(vproc, "get_num_of_video_patches")

@@ -38,7 +38,13 @@ def processor_counts(proc: LlavaOnevisionProcessor, sizes: list[tuple[int, int]]
     images = [Image.new("RGB", (w, h), (40, 80, 120)) for w, h in sizes]
     out = proc.image_processor(images=images, return_tensors="np")
     out = {**out, "batch_num_images": [len(sizes)]}
-    return [proc.replace_image_token(out, image_idx=j).count("<image>") for j in range(len(sizes))]
+    if hasattr(proc, "replace_image_token"):  # 5.x: the per-image expansion helper
+        return [proc.replace_image_token(out, image_idx=j).count("<image>") for j in range(len(sizes))]
+    # 4.57 has no per-image helper: the expansion its __call__ runs, on one "|"-separated prompt
+    height, width = out["pixel_values"][0][0].shape[-2:]
+    text, _ = proc._expand_image_tokens(["|".join(["<image>"] * len(sizes))], iter(out["image_sizes"]),
+                                        height, width, "<image>", iter([len(sizes)]))
+    return [part.count("<image>") for part in text[0].split("|")]
 
 
 def test_shared_onevision_images_count_as_the_processor_does(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("av")
 
 from tests.helpers.corpus import Sample, write_shard  # noqa: E402
+from tests.helpers.oracles import require_oracle  # noqa: E402
 from tests.helpers.videos import huge_header_avi, write_audio_only, write_no_frames, write_video  # noqa: E402
 from tokenbal.data.indexed import IndexedShardDataset, SampleReadError  # noqa: E402
 from tokenbal.estimate import get_estimator, get_text_counter  # noqa: E402
@@ -146,8 +147,11 @@ def test_dataset_decodes_the_sampled_frames(shard_index):
         assert np.array_equal(frames, decode_frames(src, want_idx))
         t, h, w = frames.shape[:3]
         plan = plan_video(est, reference_request(src))
-        assert proc.get_num_of_video_patches(t, h, w) // 4 == plan.tokens
+        if hasattr(proc, "get_num_of_video_patches"):
+            assert proc.get_num_of_video_patches(t, h, w) // 4 == plan.tokens
     assert isinstance(IndexedShardDataset(idx, decode=None)[0]["mp4"], bytes)
+    # the frames are checked above on every version; the count needs the processor's helper
+    require_oracle(proc, "get_num_of_video_patches")
 
 
 def test_annotation_videos_with_clip_fields(files, tmp_path):
