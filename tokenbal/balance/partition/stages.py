@@ -360,6 +360,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     tload = np.zeros((G, R), np.int64)
     np.add.at(tload, (g, b), tot)
     size = c.sum(1)
+    cost_t = np.ascontiguousarray(c.T)                                          # (K, n)
     # How far a step is from perfectly balanced stages. Not its own lower bound (largest item per
     # stage): a step at that bound can still gain by trading the item that sets it.
     ideal = (-(-loads.sum(1) // R)).sum(1)
@@ -401,12 +402,17 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
             theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
         gj, bj = g[theirs], b[theirs]
         work_done["swap"] += len(mine) * len(theirs)
-        other_j = np.where(top[gj, 0] != bj[:, None], topv[gj, 0], topv[gj, 1])          # (nj, K)
-        other_i = np.where(top[s, 0][None, :] != b[mine][:, None], topv[s, 0][None, :], topv[s, 1][None, :])
-        d = c[theirs][None, :, :] - c[mine][:, None, :]                       # step s's bin gains d
-        new_s = np.maximum(other_i[:, None, :], L[b[mine]][:, None, :] + d).sum(2)
-        new_j = np.maximum(other_j[None, :, :], loads[gj, bj][None, :, :] - d).sum(2)
-        delta = new_s - obj[s] + new_j - obj[gj][None, :]
+        bi = b[mine]
+        # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
+        # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
+        delta = np.broadcast_to(-obj[gj][None, :] - obj[s], (len(mine), len(theirs))).copy()
+        for k in range(K):
+            top_j, topv_j = top[gj, 0, k], topv[gj, :, k]
+            other_j = np.where(top_j != bj, topv_j[:, 0], topv_j[:, 1])                 # (nj,)
+            other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
+            d = cost_t[k, theirs][None, :] - cost_t[k, mine][:, None]   # step s's bin gains d
+            delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
+            delta += np.maximum(other_j[None, :], loads[gj, bj, k][None, :] - d)
         if capacity is not None:
             dt = tot[theirs][None, :] - tot[mine][:, None]
             ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
@@ -474,7 +480,6 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         np.add.at(loads[k], home, cost[k])
     tload = np.zeros(nb, np.int64)
     np.add.at(tload, home, tot)
-    step_of_bin = np.arange(nb) // R
     # Swapping items of about the same total keeps the fill's balance of the totals and moves only
     # the stages' shares: per stage, the items by (total bucket, stage cost). frexp is exact, so the
     # buckets (16 per octave) are the same on every machine.
@@ -487,6 +492,13 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
     crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
+    # Every bin the same count (count mode, no tail step): its items are a row of slot_grid (a view of
+    # slot_item, so it follows the swaps), and a pair of bins offers the same q x q item pairs.
+    uniform, slot_grid = None, None
+    q = int(counts[0]) if nb else 0
+    if nb and q and not crowded and (counts == q).all():
+        slot_grid = slot_item.reshape(nb, q)
+        uniform = (np.repeat(np.arange(q), q), np.tile(np.arange(q), q))
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
@@ -508,8 +520,8 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 if len(history) > span and (history[-span - 1] - objective) * den_r < num_r * objective:
                     break
         mean = -(-per_step.sum(2) // R)
-        over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
-        room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
+        over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
+        room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max unraised
         excess = np.maximum(over, 0).astype(np.float64)
         penalty = (excess * excess).sum(0)
         # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
@@ -519,11 +531,14 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             src = np.flatnonzero(over[k] > 0)
             if not src.size:
                 continue
-            src = src[np.argsort(-over[k, src], kind="stable")]
+            src = src[_stable_argsort(-over[k, src])]
             # Items of the same bucket with less of stage k, spread over all of them.
-            n_src = counts[src]
-            items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
-                              + np.arange(n_src.sum())]
+            if uniform is not None:
+                items = slot_grid[src].ravel()
+            else:
+                n_src = counts[src]
+                items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                                  + np.arange(n_src.sum())]
             lower = place[k, items] - bucket_first[items]
             items, lower = items[lower > 0], lower[lower > 0]
             offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
@@ -536,6 +551,11 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             bb = _ranked(over[k], rnd * roomy_bins, len(a))
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
+            if uniform is not None:
+                # Every bin holds the same count (count mode): the same pairs as below, as a grid.
+                cand_i.append(slot_grid[a][:, uniform[0]].ravel())
+                cand_j.append(slot_grid[bb][:, uniform[1]].ravel())
+                continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
@@ -606,6 +626,19 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     return home // R, home % R
 
 
+def _stable_argsort(x: np.ndarray) -> np.ndarray:
+    """``np.argsort(x, kind="stable")`` of an integer array, by sorting the unique key ``x·len + index``
+    (whose order is the stable order of ``x``): a plain sort of int64 is several times faster than a
+    stable argsort. Same answer."""
+    n = len(x)
+    if not n:
+        return np.zeros(0, np.int64)
+    lo = int(x.min())
+    if (int(x.max()) - lo + 1) >= (1 << 62) // n:
+        return np.argsort(x, kind="stable")
+    return np.sort((x - lo) * n + np.arange(n)) % n
+
+
 def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     """``np.argsort(x, kind="stable")[(start + np.arange(m)) % len(x)]`` without sorting all of ``x``
     when ``m`` is small: the ranks wanted are one or two runs, found by a partition on the unique key
@@ -613,9 +646,11 @@ def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     n = len(x)
     lo = int(x.min(initial=0))
     span = int(x.max(initial=0)) - lo + 1
-    if 4 * m >= n or span >= (1 << 62) // max(n, 1):
+    if span >= (1 << 62) // max(n, 1):
         return np.argsort(x, kind="stable")[(start + np.arange(m)) % n]
     key = (x - lo) * n + np.arange(n)
+    if 4 * m >= n:
+        return (np.sort(key) % n)[(start + np.arange(m)) % n]
     start %= n
     runs = [(start, min(n, start + m))] + ([(0, start + m - n)] if start + m > n else [])
     out = []
