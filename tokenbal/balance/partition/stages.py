@@ -494,11 +494,10 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
     # Every bin the same count (count mode, no tail step): its items are a row of slot_grid (a view of
     # slot_item, so it follows the swaps), and a pair of bins offers the same q x q item pairs.
-    uniform, slot_grid = None, None
+    slot_grid = None
     q = int(counts[0]) if nb else 0
     if nb and q and not crowded and (counts == q).all():
         slot_grid = slot_item.reshape(nb, q)
-        uniform = (np.repeat(np.arange(q), q), np.tile(np.arange(q), q))
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
@@ -533,7 +532,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 continue
             src = src[_stable_argsort(-over[k, src])]
             # Items of the same bucket with less of stage k, spread over all of them.
-            if uniform is not None:
+            if slot_grid is not None:
                 items = slot_grid[src].ravel()
             else:
                 n_src = counts[src]
@@ -551,10 +550,10 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             bb = _ranked(over[k], rnd * roomy_bins, len(a))
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
-            if uniform is not None:
+            if slot_grid is not None:
                 # Every bin holds the same count (count mode): the same pairs as below, as a grid.
-                cand_i.append(slot_grid[a][:, uniform[0]].ravel())
-                cand_j.append(slot_grid[bb][:, uniform[1]].ravel())
+                cand_i.append(np.repeat(slot_grid[a], q, axis=1).reshape(-1))
+                cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
@@ -570,23 +569,26 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         if not cand_i:
             break
         i, j = np.concatenate(cand_i), np.concatenate(cand_j)
-        A, B = home[i], home[j]
+        # (np.take: the same gathers as fancy indexing, without its overhead on these sizes.)
+        A, B = np.take(home, i), np.take(home, j)
         # First the cheap test that most candidates fail (a bin would rise above its step's max),
         # then the penalty of the rest.
-        d = [cost[k][j] - cost[k][i] for k in range(K)]    # bin A gains d, bin B loses it
+        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
+        room_a, room_b = np.take(room, A, axis=1), np.take(room, B, axis=1)
         ok = A != B
         for k in range(K):
-            ok &= (d[k] <= room[k][A]) & (d[k] >= -room[k][B])
+            ok &= (d[k] <= room_a[k]) & (d[k] >= -room_b[k])
         if capacity is not None:
             dt = tot[j] - tot[i]
             ok &= (tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)
         ok = np.flatnonzero(ok)
-        i, j, A, B = i[ok], j[ok], A[ok], B[ok]
-        gain = -(penalty[A] + penalty[B])
-        for k in range(K):
-            xa = np.maximum(over[k][A] + d[k][ok], 0).astype(np.float64)
-            xb = np.maximum(over[k][B] - d[k][ok], 0).astype(np.float64)
-            gain += xa * xa + xb * xb
+        i, j, A, B, d = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok), np.take(d, ok, axis=1)
+        xa = np.maximum(np.take(over, A, axis=1) + d, 0).astype(np.float64)
+        xb = np.maximum(np.take(over, B, axis=1) - d, 0).astype(np.float64)
+        terms = xa * xa + xb * xb
+        gain = -(np.take(penalty, A) + np.take(penalty, B))
+        for k in range(K):                                 # stage by stage: the float sums in one order
+            gain += terms[k]
         sel = np.flatnonzero(gain < 0)
         if not sel.size:
             continue
