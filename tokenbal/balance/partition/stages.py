@@ -657,12 +657,15 @@ def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     runs = [(start, min(n, start + m))] + ([(0, start + m - n)] if start + m > n else [])
     out = []
     for a, b in runs:
-        if b - a >= n:
-            part = np.argsort(key)
+        # The keys of ranks a .. b-1, by value (unique keys: the same set as an argpartition, and
+        # key % n is the index), with single-pivot partitions, cheaper than one at (a, b - 1).
+        if b <= n - a:
+            part = np.partition(key, b - 1)[:b] if b < n else key
+            part = np.partition(part, a)[a:] if a else part
         else:
-            part = np.argpartition(key, (a, b - 1) if b - 1 > a else a)[a:b]
-            part = part[np.argsort(key[part])]
-        out.append(part)
+            part = np.partition(key, a)[a:] if a else key
+            part = np.partition(part, b - a - 1)[:b - a] if b < n else part
+        out.append(np.sort(part) % n)
     return np.concatenate(out) if len(out) > 1 else out[0]
 
 
