@@ -405,14 +405,15 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         bi = b[mine]
         # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
         # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
-        delta = np.broadcast_to(-obj[gj][None, :] - obj[s], (len(mine), len(theirs))).copy()
+        delta = np.broadcast_to(-np.take(obj, gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
+        top_j, topv_j = np.take(top[:, 0], gj, axis=0), np.take(topv, gj, axis=0)   # (nj, K), (nj, 2, K)
+        load_j = loads[gj, bj]                                                      # (nj, K)
         for k in range(K):
-            top_j, topv_j = top[gj, 0, k], topv[gj, :, k]
-            other_j = np.where(top_j != bj, topv_j[:, 0], topv_j[:, 1])                 # (nj,)
+            other_j = np.where(top_j[:, k] != bj, topv_j[:, 0, k], topv_j[:, 1, k])   # (nj,)
             other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
-            d = cost_t[k, theirs][None, :] - cost_t[k, mine][:, None]   # step s's bin gains d
+            d = np.take(cost_t[k], theirs)[None, :] - np.take(cost_t[k], mine)[:, None]   # s's bin gains d
             delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
-            delta += np.maximum(other_j[None, :], loads[gj, bj, k][None, :] - d)
+            delta += np.maximum(other_j[None, :], load_j[:, k][None, :] - d)
         if capacity is not None:
             dt = tot[theirs][None, :] - tot[mine][:, None]
             ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
