@@ -231,15 +231,23 @@ def _best_moves(g: np.ndarray, c, tot, size, bins, valid, loads, tload, counts, 
     if R < 3:
         order = np.concatenate([order, np.full((n_g, 3 - R, L.shape[2]), -1)], 1)
         topv = np.concatenate([topv, np.zeros((n_g, 3 - R, L.shape[2]), np.int64)], 1)
-    a4 = home[:, :, None, None]
-    b4 = pb[:, None, :, None]
-    t = [order[:, i][:, None, None, :] for i in range(3)]
-    v = [topv[:, i][:, None, None, :] for i in range(3)]
-    other = np.where((t[0] != a4) & (t[0] != b4), v[0], np.where((t[1] != a4) & (t[1] != b4), v[1], v[2]))
-    d = pc[:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
-    La = np.take_along_axis(L, home[:, :, None], 1)[:, :, None, :]
-    Lb = np.take_along_axis(L, pb[:, :, None], 1)[:, None, :, :]
-    value = _last_sum(np.maximum(other, np.maximum(La + d, Lb - d)))   # (g, Q, P)
+    # The largest load of a stage outside bins a and b: the first of the top three bins (distinct)
+    # that is neither. Per (step, source item): the first two of them that are not a (e0 and the loads
+    # ev0, ev1), then per partner: ev0 unless e0 is b. The same values as testing all three against a, b.
+    a3 = home[:, :, None]                                          # (g, Q, 1)
+    t0, t1 = order[:, 0][:, None, :], order[:, 1][:, None, :]
+    v0, v1, v2 = topv[:, 0][:, None, :], topv[:, 1][:, None, :], topv[:, 2][:, None, :]
+    not_a = t0 != a3                                               # (g, Q, K)
+    e0, ev0 = np.where(not_a, t0, t1), np.where(not_a, v0, v1)
+    ev1 = np.where(not_a & (t1 != a3), v1, v2)
+    La = np.take_along_axis(L, home[:, :, None], 1)                # (g, Q, K)
+    Lb = np.take_along_axis(L, pb[:, :, None], 1)                  # (g, P, K)
+    pb3 = pb[:, None, :]
+    value = np.zeros((n_g, sel.shape[1], P), np.int64)             # (g, Q, P), summed stage by stage
+    for k in range(L.shape[2]):
+        other = np.where(e0[:, :, k, None] != pb3, ev0[:, :, k, None], ev1[:, :, k, None])
+        d = pc[:, None, :, k] - ci[:, :, None, k]                  # what bin a gains, bin b loses
+        value += np.maximum(other, np.maximum(La[:, :, k, None] + d, Lb[:, None, :, k] - d))
     ok = sel_ok[:, :, None] & p_ok[:, None, :] & (pb[:, None, :] != home[:, :, None])
     if equal_counts:
         ok &= ~is_move[None, None, :]
