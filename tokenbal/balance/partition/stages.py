@@ -490,7 +490,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     home = g * R + b                                       # every item's bin
     counts = np.bincount(home, minlength=nb)               # never changes: swaps are one for one
     first_slot = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    slot_item = np.argsort(home, kind="stable")            # the items of bin 0, then of bin 1, ...
+    slot_item = _stable_argsort(home)                      # the items of bin 0, then of bin 1, ...
     slot_of = np.empty(n, np.int64)
     slot_of[slot_item] = np.arange(n)
     loads = np.zeros((K, nb), np.int64)
@@ -503,7 +503,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     # buckets (16 per octave) are the same on every machine.
     mantissa, exponent = np.frexp(_last_sum(c).astype(np.float64))
     bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
-    by_stage = [np.lexsort((cost[k], bucket)) for k in range(K)]
+    by_stage = [_lexsort2(cost[k], bucket) for k in range(K)]
     place = np.empty((K, n), np.int64)
     for k in range(K):
         place[k, by_stage[k]] = np.arange(n)
@@ -657,6 +657,19 @@ def _stable_argsort(x: np.ndarray) -> np.ndarray:
     if (int(x.max()) - lo + 1) >= (1 << 62) // n:
         return np.argsort(x, kind="stable")
     return np.sort((x - lo) * n + np.arange(n)) % n
+
+
+def _lexsort2(minor: np.ndarray, major: np.ndarray) -> np.ndarray:
+    """``np.lexsort((minor, major))`` of two integer arrays, by sorting the unique key
+    ``(major·span + minor)·len + index`` where it fits in 63 bits. Same answer."""
+    n = len(minor)
+    if not n:
+        return np.zeros(0, np.int64)
+    lo_a, lo_b = int(minor.min()), int(major.min())
+    span_a, span_b = int(minor.max()) - lo_a + 1, int(major.max()) - lo_b + 1
+    if span_a * span_b * n >= 1 << 62:
+        return np.lexsort((minor, major))
+    return np.sort(((major - lo_b) * span_a + (minor - lo_a)) * n + np.arange(n)) % n
 
 
 def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
