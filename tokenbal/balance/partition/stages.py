@@ -591,16 +591,20 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         A, B = np.take(home, i), np.take(home, j)
         # First the cheap test that most candidates fail (a bin would rise above its step's max),
         # then the penalty of the rest.
-        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
-        room_a, room_b = np.take(room, A, axis=1), np.take(room, B, axis=1)
-        ok = A != B
-        for k in range(K):
-            ok &= (d[k] <= room_a[k]) & (d[k] >= -room_b[k])
+        # Stage by stage, each test on the candidates that passed the previous ones (the same set as
+        # testing all at once, fewer gathers: most fail the first).
+        d0 = np.take(cost[0], j) - np.take(cost[0], i)   # bin A gains d, bin B loses it
+        ok = np.flatnonzero((A != B) & (d0 <= np.take(room[0], A)) & (d0 >= -np.take(room[0], B)))
+        i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        for k in range(1, K):
+            dk = np.take(cost[k], j) - np.take(cost[k], i)
+            ok = np.flatnonzero((dk <= np.take(room[k], A)) & (dk >= -np.take(room[k], B)))
+            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
         if capacity is not None:
             dt = tot[j] - tot[i]
-            ok &= (tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)
-        ok = np.flatnonzero(ok)
-        i, j, A, B, d = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok), np.take(d, ok, axis=1)
+            ok = np.flatnonzero((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity))
+            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
         xa = np.maximum(np.take(over, A, axis=1) + d, 0).astype(np.float64)
         xb = np.maximum(np.take(over, B, axis=1) - d, 0).astype(np.float64)
         terms = xa * xa + xb * xb
