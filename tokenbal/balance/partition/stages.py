@@ -54,6 +54,15 @@ _ROUND_ITEMS = 1024
 work_done = {"refine": 0, "swap": 0, "level": 0}
 
 
+def _last_sum(x: np.ndarray) -> np.ndarray:
+    """``x.sum(-1)`` of an integer array whose last axis is short (the K stages), as K - 1 elementwise
+    additions: numpy's reduction over a short last axis is tens of times slower. Integers: same values."""
+    out = x[..., 0].astype(np.int64)
+    for k in range(1, x.shape[-1]):
+        out += x[..., k]
+    return out
+
+
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
     """``Σ_k max_b load[b, k]``: the time of a step whose K stages each end in a barrier."""
     c = np.asarray(stage_costs, np.int64)
@@ -82,7 +91,7 @@ def refine_stages(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int, *,
     c = np.asarray(stage_costs, np.int64)
     if c.ndim != 2:
         raise ValueError(f"stage_costs must be (n, K), got shape {c.shape}")
-    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    tot = _last_sum(c) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
     out = refine_stages_many(c[None], np.asarray(bins, np.int64)[None], int(num_bins), capacity=capacity,
                              capacity_costs=tot[None], equal_counts=equal_counts, max_rounds=max_rounds)
     return out[0]
@@ -136,7 +145,7 @@ def _refine_stages_class(c: np.ndarray, bins: np.ndarray, valid: np.ndarray, R: 
     if M < 2:
         return bins
     c = np.where(valid[:, :, None], c, 0)
-    tot = c.sum(2) if capacity_costs is None else np.where(valid, np.asarray(capacity_costs, np.int64), 0)
+    tot = _last_sum(c) if capacity_costs is None else np.where(valid, np.asarray(capacity_costs, np.int64), 0)
     cap = None if capacity is None else int(capacity)
     rows = np.arange(G)[:, None]
     home_of = np.where(valid, bins, 0)
@@ -147,7 +156,7 @@ def _refine_stages_class(c: np.ndarray, bins: np.ndarray, valid: np.ndarray, R: 
     counts = np.zeros((G, R), np.int64)
     np.add.at(counts, (np.broadcast_to(rows, bins.shape)[valid], home_of[valid]), 1)
     crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
-    size = c.sum(2)
+    size = _last_sum(c)
     # No assignment beats the stage means or the largest item of a stage; close enough, stop.
     bound = np.maximum(-(-c.sum(1) // R), c.max(1)).sum(1) * (1 + _STAGE_TOLERANCE)
     active = np.flatnonzero(loads.max(1).sum(1) > bound)
@@ -222,15 +231,23 @@ def _best_moves(g: np.ndarray, c, tot, size, bins, valid, loads, tload, counts, 
     if R < 3:
         order = np.concatenate([order, np.full((n_g, 3 - R, L.shape[2]), -1)], 1)
         topv = np.concatenate([topv, np.zeros((n_g, 3 - R, L.shape[2]), np.int64)], 1)
-    a4 = home[:, :, None, None]
-    b4 = pb[:, None, :, None]
-    t = [order[:, i][:, None, None, :] for i in range(3)]
-    v = [topv[:, i][:, None, None, :] for i in range(3)]
-    other = np.where((t[0] != a4) & (t[0] != b4), v[0], np.where((t[1] != a4) & (t[1] != b4), v[1], v[2]))
-    d = pc[:, None, :, :] - ci[:, :, None, :]                    # what bin a gains, bin b loses
-    La = np.take_along_axis(L, home[:, :, None], 1)[:, :, None, :]
-    Lb = np.take_along_axis(L, pb[:, :, None], 1)[:, None, :, :]
-    value = np.maximum(other, np.maximum(La + d, Lb - d)).sum(3)   # (g, Q, P)
+    # The largest load of a stage outside bins a and b: the first of the top three bins (distinct)
+    # that is neither. Per (step, source item): the first two of them that are not a (e0 and the loads
+    # ev0, ev1), then per partner: ev0 unless e0 is b. The same values as testing all three against a, b.
+    a3 = home[:, :, None]                                          # (g, Q, 1)
+    t0, t1 = order[:, 0][:, None, :], order[:, 1][:, None, :]
+    v0, v1, v2 = topv[:, 0][:, None, :], topv[:, 1][:, None, :], topv[:, 2][:, None, :]
+    not_a = t0 != a3                                               # (g, Q, K)
+    e0, ev0 = np.where(not_a, t0, t1), np.where(not_a, v0, v1)
+    ev1 = np.where(not_a & (t1 != a3), v1, v2)
+    La = np.take_along_axis(L, home[:, :, None], 1)                # (g, Q, K)
+    Lb = np.take_along_axis(L, pb[:, :, None], 1)                  # (g, P, K)
+    pb3 = pb[:, None, :]
+    value = np.zeros((n_g, sel.shape[1], P), np.int64)             # (g, Q, P), summed stage by stage
+    for k in range(L.shape[2]):
+        other = np.where(e0[:, :, k, None] != pb3, ev0[:, :, k, None], ev1[:, :, k, None])
+        d = pc[:, None, :, k] - ci[:, :, None, k]                  # what bin a gains, bin b loses
+        value += np.maximum(other, np.maximum(La[:, :, k, None] + d, Lb[:, None, :, k] - d))
     ok = sel_ok[:, :, None] & p_ok[:, None, :] & (pb[:, None, :] != home[:, :, None])
     if equal_counts:
         ok &= ~is_move[None, None, :]
@@ -300,7 +317,7 @@ def swap_stages_across_steps(stage_costs: np.ndarray, group: np.ndarray, bins: n
     R = int(num_bins)
     if R < 2 or len(c) < 2:
         return group, bins
-    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    tot = _last_sum(c) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
     never = np.iinfo(np.int64).max
     order = np.argsort(window, kind="stable")
     bounds = np.searchsorted(window[order], np.arange(int(window.max(initial=-1)) + 2))
@@ -344,7 +361,7 @@ def level_stage_bins(stage_costs: np.ndarray, group: np.ndarray, bins: np.ndarra
     R = int(num_bins)
     if R < 2 or len(c) < 2 or rounds <= 0:
         return group.copy(), bins.copy()
-    tot = c.sum(1) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
+    tot = _last_sum(c) if capacity_costs is None else np.asarray(capacity_costs, np.int64)
     g_ids, g_local = np.unique(group, return_inverse=True)
     new_g, new_b = _level_window(c, tot, g_local.reshape(-1), bins, len(g_ids), R, capacity, int(rounds),
                                  patience, stall)
@@ -359,7 +376,8 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     np.add.at(loads, (g, b), c)
     tload = np.zeros((G, R), np.int64)
     np.add.at(tload, (g, b), tot)
-    size = c.sum(1)
+    size = _last_sum(c)
+    cost_t = np.ascontiguousarray(c.T)                                          # (K, n)
     # How far a step is from perfectly balanced stages. Not its own lower bound (largest item per
     # stage): a step at that bound can still gain by trading the item that sets it.
     ideal = (-(-loads.sum(1) // R)).sum(1)
@@ -401,12 +419,18 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
             theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
         gj, bj = g[theirs], b[theirs]
         work_done["swap"] += len(mine) * len(theirs)
-        other_j = np.where(top[gj, 0] != bj[:, None], topv[gj, 0], topv[gj, 1])          # (nj, K)
-        other_i = np.where(top[s, 0][None, :] != b[mine][:, None], topv[s, 0][None, :], topv[s, 1][None, :])
-        d = c[theirs][None, :, :] - c[mine][:, None, :]                       # step s's bin gains d
-        new_s = np.maximum(other_i[:, None, :], L[b[mine]][:, None, :] + d).sum(2)
-        new_j = np.maximum(other_j[None, :, :], loads[gj, bj][None, :, :] - d).sum(2)
-        delta = new_s - obj[s] + new_j - obj[gj][None, :]
+        bi = b[mine]
+        # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
+        # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
+        delta = np.broadcast_to(-np.take(obj, gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
+        top_j, topv_j = np.take(top[:, 0], gj, axis=0), np.take(topv, gj, axis=0)   # (nj, K), (nj, 2, K)
+        load_j = loads[gj, bj]                                                      # (nj, K)
+        for k in range(K):
+            other_j = np.where(top_j[:, k] != bj, topv_j[:, 0, k], topv_j[:, 1, k])   # (nj,)
+            other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
+            d = np.take(cost_t[k], theirs)[None, :] - np.take(cost_t[k], mine)[:, None]   # s's bin gains d
+            delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
+            delta += np.maximum(other_j[None, :], load_j[:, k][None, :] - d)
         if capacity is not None:
             dt = tot[theirs][None, :] - tot[mine][:, None]
             ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
@@ -466,7 +490,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     home = g * R + b                                       # every item's bin
     counts = np.bincount(home, minlength=nb)               # never changes: swaps are one for one
     first_slot = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    slot_item = np.argsort(home, kind="stable")            # the items of bin 0, then of bin 1, ...
+    slot_item = _stable_argsort(home)                      # the items of bin 0, then of bin 1, ...
     slot_of = np.empty(n, np.int64)
     slot_of[slot_item] = np.arange(n)
     loads = np.zeros((K, nb), np.int64)
@@ -474,19 +498,24 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         np.add.at(loads[k], home, cost[k])
     tload = np.zeros(nb, np.int64)
     np.add.at(tload, home, tot)
-    step_of_bin = np.arange(nb) // R
     # Swapping items of about the same total keeps the fill's balance of the totals and moves only
     # the stages' shares: per stage, the items by (total bucket, stage cost). frexp is exact, so the
     # buckets (16 per octave) are the same on every machine.
-    mantissa, exponent = np.frexp(c.sum(1).astype(np.float64))
+    mantissa, exponent = np.frexp(_last_sum(c).astype(np.float64))
     bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
-    by_stage = [np.lexsort((cost[k], bucket)) for k in range(K)]
+    by_stage = [_lexsort2(cost[k], bucket) for k in range(K)]
     place = np.empty((K, n), np.int64)
     for k in range(K):
         place[k, by_stage[k]] = np.arange(n)
     bucket_first = np.searchsorted(bucket[by_stage[0]], bucket)   # same bucket order for every k
     roomy_bins = max(1, int(_LEVEL_ROOMY_PAIRS // max(1.0, float(counts.mean())) ** 2))
     crowded = int(counts.max(initial=0)) > _CROWDED_ITEMS
+    # Every bin the same count (count mode, no tail step): its items are a row of slot_grid (a view of
+    # slot_item, so it follows the swaps), and a pair of bins offers the same q x q item pairs.
+    slot_grid = None
+    q = int(counts[0]) if nb else 0
+    if nb and q and not crowded and (counts == q).all():
+        slot_grid = slot_item.reshape(nb, q)
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
@@ -508,8 +537,8 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 if len(history) > span and (history[-span - 1] - objective) * den_r < num_r * objective:
                     break
         mean = -(-per_step.sum(2) // R)
-        over = loads - (mean + (top - mean) * num // den)[:, step_of_bin]
-        room = top[:, step_of_bin] - loads               # what a bin may gain without raising its step's max
+        over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
+        room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max unraised
         excess = np.maximum(over, 0).astype(np.float64)
         penalty = (excess * excess).sum(0)
         # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
@@ -519,11 +548,14 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             src = np.flatnonzero(over[k] > 0)
             if not src.size:
                 continue
-            src = src[np.argsort(-over[k, src], kind="stable")]
+            src = src[_stable_argsort(-over[k, src])]
             # Items of the same bucket with less of stage k, spread over all of them.
-            n_src = counts[src]
-            items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
-                              + np.arange(n_src.sum())]
+            if slot_grid is not None:
+                items = slot_grid[src].ravel()
+            else:
+                n_src = counts[src]
+                items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                                  + np.arange(n_src.sum())]
             lower = place[k, items] - bucket_first[items]
             items, lower = items[lower > 0], lower[lower > 0]
             offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
@@ -536,6 +568,11 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             bb = _ranked(over[k], rnd * roomy_bins, len(a))
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
+            if slot_grid is not None:
+                # Every bin holds the same count (count mode): the same pairs as below, as a grid.
+                cand_i.append(np.repeat(slot_grid[a], q, axis=1).reshape(-1))
+                cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
+                continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
@@ -550,23 +587,30 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         if not cand_i:
             break
         i, j = np.concatenate(cand_i), np.concatenate(cand_j)
-        A, B = home[i], home[j]
+        # (np.take: the same gathers as fancy indexing, without its overhead on these sizes.)
+        A, B = np.take(home, i), np.take(home, j)
         # First the cheap test that most candidates fail (a bin would rise above its step's max),
         # then the penalty of the rest.
-        d = [cost[k][j] - cost[k][i] for k in range(K)]    # bin A gains d, bin B loses it
-        ok = A != B
-        for k in range(K):
-            ok &= (d[k] <= room[k][A]) & (d[k] >= -room[k][B])
+        # Stage by stage, each test on the candidates that passed the previous ones (the same set as
+        # testing all at once, fewer gathers: most fail the first).
+        d0 = np.take(cost[0], j) - np.take(cost[0], i)   # bin A gains d, bin B loses it
+        ok = np.flatnonzero((A != B) & (d0 <= np.take(room[0], A)) & (d0 >= -np.take(room[0], B)))
+        i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        for k in range(1, K):
+            dk = np.take(cost[k], j) - np.take(cost[k], i)
+            ok = np.flatnonzero((dk <= np.take(room[k], A)) & (dk >= -np.take(room[k], B)))
+            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
         if capacity is not None:
             dt = tot[j] - tot[i]
-            ok &= (tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)
-        ok = np.flatnonzero(ok)
-        i, j, A, B = i[ok], j[ok], A[ok], B[ok]
-        gain = -(penalty[A] + penalty[B])
-        for k in range(K):
-            xa = np.maximum(over[k][A] + d[k][ok], 0).astype(np.float64)
-            xb = np.maximum(over[k][B] - d[k][ok], 0).astype(np.float64)
-            gain += xa * xa + xb * xb
+            ok = np.flatnonzero((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity))
+            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
+        xa = np.maximum(np.take(over, A, axis=1) + d, 0).astype(np.float64)
+        xb = np.maximum(np.take(over, B, axis=1) - d, 0).astype(np.float64)
+        terms = xa * xa + xb * xb
+        gain = -(np.take(penalty, A) + np.take(penalty, B))
+        for k in range(K):                                 # stage by stage: the float sums in one order
+            gain += terms[k]
         sel = np.flatnonzero(gain < 0)
         if not sel.size:
             continue
@@ -606,6 +650,32 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     return home // R, home % R
 
 
+def _stable_argsort(x: np.ndarray) -> np.ndarray:
+    """``np.argsort(x, kind="stable")`` of an integer array, by sorting the unique key ``x·len + index``
+    (whose order is the stable order of ``x``): a plain sort of int64 is several times faster than a
+    stable argsort. Same answer."""
+    n = len(x)
+    if not n:
+        return np.zeros(0, np.int64)
+    lo = int(x.min())
+    if (int(x.max()) - lo + 1) >= (1 << 62) // n:
+        return np.argsort(x, kind="stable")
+    return np.sort((x - lo) * n + np.arange(n)) % n
+
+
+def _lexsort2(minor: np.ndarray, major: np.ndarray) -> np.ndarray:
+    """``np.lexsort((minor, major))`` of two integer arrays, by sorting the unique key
+    ``(major·span + minor)·len + index`` where it fits in 63 bits. Same answer."""
+    n = len(minor)
+    if not n:
+        return np.zeros(0, np.int64)
+    lo_a, lo_b = int(minor.min()), int(major.min())
+    span_a, span_b = int(minor.max()) - lo_a + 1, int(major.max()) - lo_b + 1
+    if span_a * span_b * n >= 1 << 62:
+        return np.lexsort((minor, major))
+    return np.sort(((major - lo_b) * span_a + (minor - lo_a)) * n + np.arange(n)) % n
+
+
 def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     """``np.argsort(x, kind="stable")[(start + np.arange(m)) % len(x)]`` without sorting all of ``x``
     when ``m`` is small: the ranks wanted are one or two runs, found by a partition on the unique key
@@ -613,19 +683,24 @@ def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     n = len(x)
     lo = int(x.min(initial=0))
     span = int(x.max(initial=0)) - lo + 1
-    if 4 * m >= n or span >= (1 << 62) // max(n, 1):
+    if span >= (1 << 62) // max(n, 1):
         return np.argsort(x, kind="stable")[(start + np.arange(m)) % n]
     key = (x - lo) * n + np.arange(n)
+    if 4 * m >= n:
+        return (np.sort(key) % n)[(start + np.arange(m)) % n]
     start %= n
     runs = [(start, min(n, start + m))] + ([(0, start + m - n)] if start + m > n else [])
     out = []
     for a, b in runs:
-        if b - a >= n:
-            part = np.argsort(key)
+        # The keys of ranks a .. b-1, by value (unique keys: the same set as an argpartition, and
+        # key % n is the index), with single-pivot partitions, cheaper than one at (a, b - 1).
+        if b <= n - a:
+            part = np.partition(key, b - 1)[:b] if b < n else key
+            part = np.partition(part, a)[a:] if a else part
         else:
-            part = np.argpartition(key, (a, b - 1) if b - 1 > a else a)[a:b]
-            part = part[np.argsort(key[part])]
-        out.append(part)
+            part = np.partition(key, a)[a:] if a else key
+            part = np.partition(part, b - a - 1)[:b - a] if b < n else part
+        out.append(np.sort(part) % n)
     return np.concatenate(out) if len(out) > 1 else out[0]
 
 
@@ -678,7 +753,7 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
         rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
-        new_g, new_b = _level_window(x, x.sum(1), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
+        new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
         pooled = np.zeros((h, R, K), np.int64)
         np.add.at(pooled, (new_g, new_b), x)
         gain = before - int(pooled.max(1).sum())
