@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -594,18 +594,20 @@ def content_images(conversation: Sequence[Any], image_url: bool = True) -> list[
     of image parts; with ``image_url``, OpenAI ``image_url`` parts, which transformers 5.x
     processors turn into image parts)."""
     out = []
+    for part in content_parts(conversation):
+        if image_url and part.get("type") == "image_url" and part.get("image_url") is not None:
+            part = _openai_image(part)
+        if part.get("type") == "image":
+            out.extend(part[k] for k in ("image", "url", "path", "base64") if part.get(k) is not None)
+    return out
+
+
+def content_parts(conversation: Sequence[Any]) -> Iterator[dict]:
+    """Every dict part of every message whose content is a list of parts, in order."""
     for message in conversation:
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            if image_url and part.get("type") == "image_url" and part.get("image_url") is not None:
-                part = _openai_image(part)
-            if part.get("type") == "image":
-                out.extend(part[k] for k in ("image", "url", "path", "base64") if part.get(k) is not None)
-    return out
+        if isinstance(content, list):
+            yield from (part for part in content if isinstance(part, dict))
 
 
 def template_variables(template: str) -> set[str]:

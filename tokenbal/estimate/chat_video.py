@@ -146,12 +146,10 @@ def content_videos(conversation: Any) -> list[Any]:
     """The videos named inside a conversation's content parts, in order, as a processor's
     ``apply_chat_template`` collects them: the non-``None`` ``video`` / ``url`` / ``path`` of
     ``{"type": "video"}`` parts."""
+    from tokenbal.estimate.chat import content_parts
+
     out = []
-    for message in conversation:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "video":
-                out.extend(part[k] for k in ("video", "url", "path") if part.get(k) is not None)
+    for part in content_parts(conversation):
+        if part.get("type") == "video":
+            out.extend(part[k] for k in ("video", "url", "path") if part.get(k) is not None)
     return out
