@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tokenbal.estimate.conversation import content_parts
 from tokenbal.hf_compat import glm4v_upscales_small
 
 # estimator family -> the placeholder its processor's template renders, for folders read without the
@@ -600,14 +601,6 @@ def content_images(conversation: Sequence[Any], image_url: bool = True) -> list[
         if part.get("type") == "image":
             out.extend(part[k] for k in ("image", "url", "path", "base64") if part.get(k) is not None)
     return out
-
-
-def content_parts(conversation: Sequence[Any]) -> Iterator[dict]:
-    """Every dict part of every message whose content is a list of parts, in order."""
-    for message in conversation:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            yield from (part for part in content if isinstance(part, dict))
 
 
 def template_variables(template: str) -> set[str]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenbal.estimate.conversation import content_parts
 from tokenbal.estimate.video import GLM_VIDEO, VideoRequest, plan_video
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "llava-onevision", "internvl")
@@ -146,8 +147,6 @@ def content_videos(conversation: Any) -> list[Any]:
     """The videos named inside a conversation's content parts, in order, as a processor's
     ``apply_chat_template`` collects them: the non-``None`` ``video`` / ``url`` / ``path`` of
     ``{"type": "video"}`` parts."""
-    from tokenbal.estimate.chat import content_parts
-
     out = []
     for part in content_parts(conversation):
         if part.get("type") == "video":
