@@ -19,7 +19,6 @@ The counts are checked equal before any time is printed.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import random
 import sys
@@ -28,18 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from harness import environment_line, measure, ratio, timed  # noqa: E402
-
-
-def _photo(w: int, h: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
-    pixels = np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "JPEG", quality=85)
-    return buf.getvalue()
+from harness import environment_line, jpeg_photo, measure, ratio, timed  # noqa: E402
 
 
 def _rows(n: int, min_side: int, max_side: int, seed: int, text_only: bool = False) -> list[dict]:
@@ -53,7 +41,8 @@ def _rows(n: int, min_side: int, max_side: int, seed: int, text_only: bool = Fal
             for m in row["messages"]:
                 kept = [c for c in m["content"] if c["type"] != "image"]
                 m["content"] = kept or [{"type": "text", "text": "x"}]
-        row["images"] = [_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side), i * 7 + j)
+        row["images"] = [jpeg_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side),
+                                    i * 7 + j)
                          for j in range(len(row["images"]))]
     return rows
 

@@ -31,7 +31,6 @@ each video decoded whole with PyAV, then the processor (``family_processors.vide
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import random
 import sys
@@ -41,18 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from harness import environment_line, measure, ratio, timed  # noqa: E402
-
-
-def _photo(w: int, h: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
-    pixels = np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, "JPEG", quality=85)
-    return buf.getvalue()
+from harness import environment_line, jpeg_photo, measure, ratio, timed  # noqa: E402
 
 
 def official_processor(family: str):
@@ -118,7 +106,7 @@ def mixture(n: int, min_side: int, max_side: int, seed: int):
                 placed = k
             msgs.append({"role": m["role"], "content": [{"type": p["type"], "text": p.get("text")}
                                                         for p in parts]})
-        images = [_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side), i * 7 + j)
+        images = [jpeg_photo(rng.randint(min_side, max_side), rng.randint(min_side, max_side), i * 7 + j)
                   for j in range(k)]
         out.append({"messages": msgs, "images": [{"bytes": b, "path": None} for b in images]})
     ds = datasets.Dataset.from_list(out)
@@ -151,7 +139,7 @@ def video_rows(n: int, n_videos: int, seed: int):
     rows = []
     for i in range(n):
         vids = [rng.choice(files) for _ in range(rng.choice([1, 1, 2]))]
-        images = [_photo(rng.randint(256, 1024), rng.randint(256, 1024), i)] if i % 3 == 0 else []
+        images = [jpeg_photo(rng.randint(256, 1024), rng.randint(256, 1024), i)] if i % 3 == 0 else []
         parts = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in vids]
         parts.append({"type": "text", "text": fp._text(rng)})
         msgs = [{"role": "user", "content": parts},

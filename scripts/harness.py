@@ -100,3 +100,18 @@ def _imported(name: str):
     import sys
 
     return sys.modules.get(name)
+
+
+def jpeg_photo(w: int, h: int, seed: int) -> bytes:
+    """A ``w`` x ``h`` JPEG that compresses like a photo (a gradient plus noise), for the lengths benches."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
+    pixels = np.clip(base + rng.normal(0, 40, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=85)
+    return buf.getvalue()

@@ -193,3 +193,16 @@ def llava_next_processor(template: str = LLAVA_NEXT, tok=None):
     proc = build(tok or tokenizer())
     proc.chat_template = template
     return proc
+
+
+def assert_counts_without_expansion_equal_expanded(counter, conv, sizes) -> None:
+    """The chat counter's fast path (placeholders counted, not expanded) gives the token count of
+    the fully expanded render, for one conversation with images of ``sizes``."""
+    counter.expand = False
+    fast = counter.count([conv], [sizes])
+    counter.expand = True
+    try:
+        slow = counter.count([conv], [sizes])
+    finally:
+        counter.expand = False
+    assert fast.tolist() == slow.tolist()

@@ -180,14 +180,7 @@ def test_placeholder_shortcut_equals_expanded_text(tok_and_counter, pieces, size
     text = "".join(w for w, _ in pieces)
     parts = [{"type": "text", "text": text}] + [{"type": "image"} for _ in sizes]
     conv = [{"role": "user", "content": parts}]
-    counter.expand = False
-    fast = counter.count([conv], [sizes])
-    counter.expand = True
-    try:
-        slow = counter.count([conv], [sizes])
-    finally:
-        counter.expand = False
-    assert fast.tolist() == slow.tolist()
+    cp.assert_counts_without_expansion_equal_expanded(counter, conv, sizes)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from tests.helpers import chat_processors as cp  # noqa: E402
 from tests.helpers import family_processors as fp  # noqa: E402
 from tokenbal.integrations.hf import dataset_lengths  # noqa: E402
 
@@ -336,14 +337,7 @@ def test_expansion_shortcut_equals_expanded_text(family):
     def check(words, sizes):
         parts = [{"type": "text", "text": "".join(words)}] + [{"type": "image"} for _ in sizes]
         conv = [{"role": "user", "content": parts}]
-        counter.expand = False
-        fast = counter.count([conv], [sizes])
-        counter.expand = True
-        try:
-            slow = counter.count([conv], [sizes])
-        finally:
-            counter.expand = False
-        assert fast.tolist() == slow.tolist()
+        cp.assert_counts_without_expansion_equal_expanded(counter, conv, sizes)
 
     check()
 

@@ -15,8 +15,8 @@ import pytest
 
 from tests.helpers.dist_utils import run_ranks
 from tests.helpers.stragglers import straggler_rank
+from tests.scripts.test_cli_errors import run as run_cli
 from tests.tokenbal.profile.test_profile import _npu_trace
-from tokenbal.cli import main
 from tokenbal.profile import DuplicateRankError, SeveralRunsError, format_report, profile_run, traces
 
 
@@ -31,14 +31,6 @@ def two_runs(tmp_path_factory):
     return root
 
 
-def run_cli(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    return code, out, err
 
 
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
