@@ -382,9 +382,10 @@ class ChatTokenCounter:
         as its length without being tokenized (each copy is one token)."""
         import re
 
+        from tokenbal.hf_compat import replace_placeholders
+
         exp = self.expansion or Expansion(self.image_token or "")
         starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(texts)))]).astype(int)
-        pattern = re.compile("|".join(re.escape(t) for t in (self.video_token, self.image_token) if t))
         added = set(getattr(self.tokenizer, "get_added_vocab", dict)())
         collapsible = [t for t in (self.video_token, self.image_token) if t and t in added]
         out, extra = [], np.zeros(len(texts), np.int64)
@@ -400,9 +401,7 @@ class ChatTokenCounter:
                 why = internvl_row_rejected(text, self.image_token, self.video_token, frames)
                 if why:
                     raise ChatCountError(f"row {first_row + r}: {why}")
-            video_texts = iter([t for t, _ in replaced])
-            text = pattern.sub(lambda m, i=image_texts, v=video_texts:
-                               next(v if m.group(0) == self.video_token else i), text)
+            text = replace_placeholders(self.processor, text, list(image_texts), [t for t, _ in replaced])
             for token in collapsible:
                 copies = text.count(token)
                 if copies:
