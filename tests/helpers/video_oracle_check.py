@@ -1,6 +1,6 @@
 """``dataset_lengths`` on video rows against the real processors' video path, in a side environment
 that has torchvision (the video processors need it; CI's venv has none). Run as
-``python -m tests.helpers.video_oracle_check N_VIDEOS N_ROWS SEED`` with this checkout on
+``python -m tests.helpers.video_oracle_check N_VIDEOS N_ROWS SEED [FAMILY,...]`` with this checkout on
 PYTHONPATH (``tests/tokenbal/integrations/test_lengths_videos.py::test_real_video_processors``
 does, in the ``swift`` env: transformers 5.19 + torchvision 0.29.1 + PyAV). Prints one JSON line
 per family x video settings: rows where both agree, rows both reject, and every disagreement.
@@ -20,7 +20,7 @@ import warnings
 from pathlib import Path
 
 
-def main(n_videos: int, n_rows: int, seed: int) -> int:
+def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     import datasets
 
@@ -30,7 +30,7 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
     folder = Path(tempfile.mkdtemp(prefix="tokenbal-videos-"))
     videos = fp.write_videos(folder, n_videos, seed=seed)
     failed = 0
-    for family in fp.VIDEO_FAMILIES:
+    for family in families or fp.VIDEO_FAMILIES:
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
             rows = fp.random_video_rows(n_rows, seed=seed + 7 * k + len(family), videos=videos)
             proc = fp.video_family_processor(family, real=True, settings=settings, subclass=True)
@@ -88,4 +88,5 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*(int(a) for a in sys.argv[1:4])))
+    only = sys.argv[4].split(",") if sys.argv[4:] else None
+    sys.exit(main(*(int(a) for a in sys.argv[1:4]), families=only))

@@ -10,7 +10,8 @@ processors with a stand-in video processor holding the real class's settings
 ``tests/tokenbal/estimate/test_video.py`` checks against the video processors' ``sample_frames``),
 so what is tested is the row-shape plumbing, the one-pass replacement and the token arithmetic.
 ``test_real_video_processors`` (marker ``compat``) runs the whole thing against the real video
-processors in a side environment with torchvision (``tests/helpers/video_oracle_check.py``)."""
+processors in the side environments with torchvision (``tests/envs/tf-X.Y-video.txt``,
+``tests/helpers/video_oracle_check.py``)."""
 
 from __future__ import annotations
 
@@ -221,19 +222,27 @@ def test_unreadable_and_unsupported_videos_are_named(videos, tmp_path):
         dataset_lengths([row({"type": "video", "video": videos[0]})], proc)
 
 
+def _video_envs() -> list[str]:
+    from tests.helpers.envs import transformers_specs
+
+    return transformers_specs("video")
+
+
 @pytest.mark.compat
-def test_real_video_processors():
-    """Against the real video processors (torchvision) in the ``swift`` side env (transformers 5.19,
-    torchvision 0.29.1, PyAV): 40 random videos (mp4 / webm / avi, 33-128 px, 5-30 fps, 4-80
-    frames, some variable-rate), 60 random rows per family x video settings, every row shape; rows
-    the processor rejects must be rejected naming the row; a ``datasets`` Video column, num_proc=2;
-    ``process_row`` (the packed Trainer's collator) on one-video rows gives the counted length."""
+@pytest.mark.parametrize("env", _video_envs())
+def test_real_video_processors(env):
+    """Against the real video processors (torchvision) in each ``tf-X.Y-video`` side env
+    (tests/envs/: transformers 5.19 / 5.24 / 5.25 over torch 2.14.1 + torchvision 0.29.1 + PyAV): 40
+    random videos (mp4 / webm / avi, 33-128 px, 5-30 fps, 4-80 frames, some variable-rate), 60 random
+    rows per family x video settings, every row shape; rows the processor rejects must be rejected
+    naming the row; a ``datasets`` Video column, num_proc=2; ``process_row`` (the packed Trainer's
+    collator) gives the counted length, rows of two videos included."""
     from tests.helpers.envs import run_in_env
     from tests.helpers.paths import REPO
 
     if os.environ.get("TOKENBAL_SKIP_SIDE_ENVS") == "1":
         pytest.skip("TOKENBAL_SKIP_SIDE_ENVS=1: no side environments on this machine")
-    proc = run_in_env("swift", ["-m", "tests.helpers.video_oracle_check", "40", "60", "5"], cwd=REPO,
+    proc = run_in_env(env, ["-m", "tests.helpers.video_oracle_check", "40", "60", "5"], cwd=REPO,
                       timeout=1800)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
