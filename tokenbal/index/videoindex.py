@@ -79,9 +79,12 @@ def _request(v: SampleVideo):
                         nframes=p.get("nframes"), start=p.get("video_start"), end=p.get("video_end"))
 
 
-def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict]) -> list:
+def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict],
+                       by_chat: bool = False) -> list:
     """Set ``sampled`` / ``tokens`` on every video of ``samples``; a sample with a video the family
-    cannot take becomes an error (shard, key, reason) and is dropped. Returns the kept samples."""
+    cannot take becomes an error (shard, key, reason) and is dropped. Returns the kept samples.
+    ``by_chat``: samples with chat turns are left as they are (``index build --processor`` counts
+    their videos through the processor, ``tokenbal.index.build._chat_text``)."""
     from tokenbal.estimate.video import plan_video, video_pipeline
 
     if not any(s.videos for s in samples):
@@ -89,7 +92,7 @@ def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict
     supported = video_pipeline(est) is not None
     kept, texts, owners = [], [], []
     for s in samples:
-        if not s.videos:
+        if not s.videos or (by_chat and s.chat is not None):
             kept.append(s)
             continue
         if not supported:
@@ -197,7 +200,8 @@ def stats_line(idx) -> str | None:
 
 def video_parts(rec: dict) -> list[tuple[str, dict]]:
     """(path, part fields) of each video of an annotation record: ``videos`` / ``video`` fields, else
-    the ``{"type": "video", ...}`` parts of ``messages`` contents. ``ValueError`` when malformed."""
+    the ``{"type": "video", ...}`` parts of ``messages`` contents (the file under ``video``, ``url``
+    or ``path``). ``ValueError`` when malformed."""
     for name in ("videos", "video"):
         value = rec.get(name)
         if value is None:
@@ -213,11 +217,18 @@ def video_parts(rec: dict) -> list[tuple[str, dict]]:
             if not (isinstance(part, dict) and part.get("type") == "video"):
                 continue
             where = f"messages[{i}].content[{j}]"
-            v = part.get("video")
+            # the file under ``video``, else ``url`` / ``path`` (as a processor's chat template collects
+            # a video part's file, ``tokenbal.estimate.chat_video.content_videos``)
+            named = [k for k in ("video", "url", "path") if part.get(k) is not None]
+            if len(named) > 1:
+                raise ValueError(f"{where} names its video under {' and '.join(named)}; a processor "
+                                 "takes each as a video of its own: name it once")
+            key = named[0] if named else "video"
+            v = part.get(key)
             if isinstance(v, list):
-                raise ValueError(f"{where}.video is a list of frames; frame-list videos are not supported")
+                raise ValueError(f"{where}.{key} is a list of frames; frame-list videos are not supported")
             if not isinstance(v, str) or not v:
-                raise ValueError(f"{where}.video must be a path string, got {str(v)[:80]}")
+                raise ValueError(f"{where}.{key} must be a path string, got {str(v)[:80]}")
             out.append((v, part_params(part, where)))
     return out
 
