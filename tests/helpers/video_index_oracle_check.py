@@ -8,9 +8,10 @@ the ``swift`` env: transformers 5.19 + torchvision 0.29.1 + PyAV).
 Per family x video settings: the real processor (``family_processors.video_family_processor(real=
 True)``) is saved with its own ``save_pretrained`` and the build loads that folder (AutoProcessor,
 no stand-in); random rows become JSONL records (videos in a ``videos`` field or named in the parts)
-and tar samples (one video member each). Prints one JSON line per case: records where the index,
-``dataset_lengths`` and the processor's own ``input_ids`` (``family_processors.video_oracle``) agree,
-records all three reject (the index lists them as errors), and every disagreement.
+and tar samples (one video member each), indexed by two scan workers. Prints one JSON line per
+case: records where the index, ``dataset_lengths`` and the processor's own ``input_ids``
+(``family_processors.video_oracle``) agree, records all three reject (the index lists them as
+errors), and every disagreement.
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ def check(family: str, settings: dict, videos: list[str], n_rows: int, seed: int
     mp4 = [v for v in videos if v.endswith(".mp4")][:6]
     samples, tar_rows = [], []
     for i, v in enumerate(mp4):
-        msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": f"what is in clip {i}?"}]},
+        ask = {"type": "text", "text": f"what is in clip {i}?"}
+        msgs = [{"role": "user", "content": [{"type": "video"}, ask]},
                 {"role": "assistant", "content": [{"type": "text", "text": "a clip"}]}]
         samples.append(Sample(key=f"t{i}", messages=msgs, raw=[("mp4", Path(v).read_bytes())]))
         tar_rows.append({"messages": msgs, "images": [], "files": [v], "videos": [v]})
     shard = write_shard(folder / "train-000.tar", samples)
-    build_index([str(src), shard], folder / "idx", processor=str(pdir), progress=False)
+    # two scan workers (spawned processes, each loading the folder's processor itself)
+    build_index([str(src), shard], folder / "idx", processor=str(pdir), progress=False, workers=2)
     idx = TokenIndex.open(folder / "idx")
     got = dict(zip(idx.keys, idx.lengths.tolist(), strict=True))
     errors = {e["key"]: e["reason"] for e in idx.errors}
@@ -87,8 +90,8 @@ def check(family: str, settings: dict, videos: list[str], n_rows: int, seed: int
         elif want == lengths == indexed:
             agree += 1
         else:
-            wrong.append({"key": key, "processor": want, "dataset_lengths": lengths, "index": str(indexed)[:300],
-                          "shape": row.get("shape", "tar")})
+            wrong.append({"key": key, "processor": want, "dataset_lengths": lengths,
+                          "index": str(indexed)[:300], "shape": row.get("shape", "tar")})
     return {"family": family, "settings": settings, "records": len(cases), "agree": agree,
             "all_reject": rejected, "wrong": wrong[:5], "n_wrong": len(wrong),
             "videos_indexed": int(idx.manifest["num_videos"]),

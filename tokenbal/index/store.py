@@ -753,10 +753,10 @@ def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None) -> li
         try:
             st = os.stat(file)
         except OSError:
-            out.append(f"image file missing: {file}")
+            out.append(f"image or video file missing: {file}")
             continue
         if st.st_size != int(c["member_size"][j]) or (int(c["member_mtime"][j]) not in (-1, st.st_mtime_ns)):
-            out.append(f"image file changed: {file} (size or mtime differs from the build)")
+            out.append(f"image or video file changed: {file} (size or mtime differs from the build)")
     return out
 
 

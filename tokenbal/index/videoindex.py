@@ -167,7 +167,19 @@ def video_plans(idx, i: int) -> list[tuple[int, object]]:
 
     info, params = video_rows(idx, i)
     est = _estimator(idx)
-    return [(int(r[0]), plan_video(est, request_of(r, p))) for r, p in zip(info, params, strict=True)]
+    out = []
+    for j, (r, p) in enumerate(zip(info, params, strict=True)):
+        plan = plan_video(est, request_of(r, p))
+        if len(plan.indices) != int(r[5]):
+            # ``index build --processor`` counts a chat record's video with the processor's own frame
+            # sampling, which this estimator need not reproduce: decoding other frames than were
+            # counted would be silently wrong
+            raise ValueError(
+                f"sample {i} ({idx.keys[i]!r}) video {j}: the index counted {int(r[5])} frames of it (the "
+                f"processor's sampling, index build --processor) but estimator {est.name!r} samples "
+                f"{len(plan.indices)}; give the video file to the processor, which samples its own frames")
+        out.append((int(r[0]), plan))
+    return out
 
 
 def per_sample(idx, column: int) -> np.ndarray:

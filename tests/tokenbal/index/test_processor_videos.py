@@ -308,9 +308,9 @@ def test_real_video_processors_index_build():
     """Against the real video processors (torchvision) in the ``swift`` side env (transformers 5.19,
     torchvision 0.29.1, PyAV): each family's real processor saved with ``save_pretrained`` and
     loaded by the build from that folder; 30 random videos, 40 random JSONL records per family x
-    video settings (every row shape) + 6 tar samples: ``index build --processor`` ==
-    ``dataset_lengths`` == the processor's own ``input_ids`` length on every record, and every
-    record the processor rejects is an error of the index."""
+    video settings (every row shape) + 6 tar samples, two scan workers: ``index build
+    --processor`` == ``dataset_lengths`` == the processor's own ``input_ids`` length on every
+    record, and every record the processor rejects is an error of the index."""
     from tests.helpers.envs import run_in_env
     from tests.helpers.paths import REPO
 
@@ -325,3 +325,29 @@ def test_real_video_processors_index_build():
     for r in results:
         assert r["n_wrong"] == 0 and r["agree"] >= 30 and r["videos_indexed"] > 0, r
         assert "tar" in r["shapes"] and len(r["shapes"]) >= 5, r
+
+
+def test_reading_frames_back_never_differs_from_the_count(videos, tmp_path, monkeypatch):
+    """The index's read side recomputes a video's frames with the index's estimator; where the
+    processor sampled otherwise (Qwen2-VL's class default takes every frame, the estimator samples
+    at 2 fps), asking the index for the frames is an error naming the sample, not other frames."""
+    from tokenbal.index.videoindex import video_plans, video_rows
+
+    if not _has_replace_video_token("qwen2-vl"):
+        pytest.skip("this transformers' processors have no replace_video_token")
+    rec = {"id": "clip", "messages": [{"role": "user", "content": [{"type": "video", "video": videos[0]},
+                                                                    {"type": "text", "text": "what"}]}]}
+    src = write_jsonl([rec], tmp_path / "one.jsonl")
+    for k, settings in enumerate(fp.VIDEO_SETTINGS["qwen2-vl"]):
+        proc = _processor("qwen2-vl", settings)
+        folder = save_folder(proc, "qwen2-vl", tmp_path / f"proc{k}")
+        _load_as(monkeypatch, proc)
+        build_index(src, tmp_path / f"idx{k}", processor=str(folder), progress=False)
+        idx = TokenIndex.open(tmp_path / f"idx{k}")
+        info, _ = video_rows(idx, 0)
+        if settings.get("do_sample_frames"):   # the estimator samples as the processor does
+            assert [len(p.indices) for _, p in video_plans(idx, 0)] == [int(info[0, 5])]
+        else:
+            named = r"sample 0 \('clip'\) video 0: the index counted \d+ frames"
+            with pytest.raises(ValueError, match=named):
+                video_plans(idx, 0)
