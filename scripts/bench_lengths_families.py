@@ -171,21 +171,13 @@ def video_records(rows: list, folder: str) -> str:
     return path
 
 
-def bench_videos(args) -> None:
+def video_baselines(args, rows: list):
+    """Per family with videos: ``(family, processor with its real video processor, the processor's
+    own lengths of ``rows``, baseline wall s, baseline CPU s)`` (``family_processors.video_oracle``)."""
     import transformers
 
     from tests.helpers import family_processors as fp
-    from tokenbal.index import video as index_video
-    from tokenbal.integrations.hf import dataset_lengths
 
-    rows, ds = video_rows(args.rows, args.videos, args.seed)
-    print(f"{len(rows)} video rows (1-2 videos, a third with an image) over {args.videos} videos "
-          f"(mp4 / webm, 320x240..640x360, 2-8 s); transformers {transformers.__version__}")
-    if args.index:
-        return bench_videos_index(args, rows)
-    print("| family | video settings | baseline CPU ms/row | dataset_lengths CPU ms/row | "
-          "speed-up CPU (wall) |")
-    print("|---|---|---|---|---|")
     for family in args.families.split(","):
         if family not in VIDEO_SETTINGS:
             continue
@@ -197,6 +189,24 @@ def bench_videos(args) -> None:
             return np.array([fp.video_oracle(proc, r) for r in rows])
 
         want, base_wall, base_cpu = timed(baseline)
+        yield family, proc, want, base_wall, base_cpu
+
+
+def bench_videos(args) -> None:
+    import transformers
+
+    from tokenbal.index import video as index_video
+    from tokenbal.integrations.hf import dataset_lengths
+
+    rows, ds = video_rows(args.rows, args.videos, args.seed)
+    print(f"{len(rows)} video rows (1-2 videos, a third with an image) over {args.videos} videos "
+          f"(mp4 / webm, 320x240..640x360, 2-8 s); transformers {transformers.__version__}")
+    if args.index:
+        return bench_videos_index(args, rows)
+    print("| family | video settings | baseline CPU ms/row | dataset_lengths CPU ms/row | "
+          "speed-up CPU (wall) |")
+    print("|---|---|---|---|---|")
+    for family, proc, want, base_wall, base_cpu in video_baselines(args, rows):
         got = dataset_lengths(ds, proc, cache=False)
         if not np.array_equal(got, want):
             bad = np.flatnonzero(got != want)
@@ -220,9 +230,6 @@ def bench_videos_index(args, rows: list) -> None:
     index; the counts are checked equal to the processor's on every record first."""
     import shutil
 
-    import transformers
-
-    from tests.helpers import family_processors as fp
     from tokenbal import TokenIndex
     from tokenbal.index import build_index
     from tokenbal.index import video as index_video
@@ -232,19 +239,9 @@ def bench_videos_index(args, rows: list) -> None:
     print("| family | video settings | baseline records/CPU-s | index build records/CPU-s | "
           "speed-up CPU (wall) |")
     print("|---|---|---|---|---|")
-    for family in args.families.split(","):
-        if family not in VIDEO_SETTINGS:
-            continue
-        proc = official_processor(family)
-        proc.video_processor = getattr(transformers, fp.VIDEO_CLASS[family][1])(**VIDEO_SETTINGS[family])
-        proc.chat_template = fp.template(family, video_token=proc.video_token)
+    for family, proc, want, base_wall, base_cpu in video_baselines(args, rows):
         pdir = os.path.join(folder, f"proc-{family}")
         proc.save_pretrained(pdir)
-
-        def baseline(proc=proc) -> np.ndarray:
-            return np.array([fp.video_oracle(proc, r) for r in rows])
-
-        want, base_wall, base_cpu = timed(baseline)
         out = os.path.join(folder, f"idx-{family}")
 
         def ours(pdir=pdir, out=out) -> np.ndarray:   # every header read again, as a new process would

@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("av")
 
 from tests.helpers import family_processors as fp  # noqa: E402
+from tests.helpers.video_index_oracle_check import records_of  # noqa: E402
 from tokenbal import TokenIndex  # noqa: E402
 from tokenbal.cli import main  # noqa: E402
 from tokenbal.index import build_index  # noqa: E402
@@ -71,25 +72,6 @@ def videos(tmp_path_factory):
     return fp.write_videos(tmp_path_factory.mktemp("videos"), 12, seed=51)
 
 
-def jsonl_records(rows: list, folder) -> list[dict]:
-    """``random_video_rows`` as annotation records: images written to files (an ``images`` field),
-    videos in a ``videos`` field (the column shapes) or named inside the parts (the others)."""
-    out = []
-    for i, row in enumerate(rows):
-        images = []
-        for j, data in enumerate(row["images"]):
-            f = folder / f"img{i}_{j}.png"
-            f.write_bytes(data)
-            images.append(str(f))
-        rec = {"id": f"r{i}", "messages": row["messages"]}
-        if images:
-            rec["images"] = images
-        if row["shape"].startswith("column") and row["files"]:
-            rec["videos"] = list(row["files"])
-        out.append(rec)
-    return out
-
-
 def write_jsonl(records: list[dict], path) -> str:
     path.write_text("\n".join(json.dumps(r) for r in records))
     return str(path)
@@ -112,7 +94,7 @@ def test_video_chat_records_equal_dataset_lengths(family, videos, tmp_path, monk
         proc = _processor(family, settings)
         folder = save_folder(proc, family, tmp_path / f"proc{k}")
         _load_as(monkeypatch, proc)
-        records = jsonl_records(fp.random_video_rows(N_ROWS, seed=60 + k, videos=videos), tmp_path)
+        records = records_of(fp.random_video_rows(N_ROWS, seed=60 + k, videos=videos), tmp_path)
         src = write_jsonl(records, tmp_path / f"train{k}.jsonl")
         out = tmp_path / f"idx{k}"
         assert main(["index", "build", src, "--processor", str(folder), "--out", str(out), "-q"]) == 0
@@ -266,7 +248,7 @@ def test_rebuild_follows_the_video_files_and_the_video_settings(videos, tmp_path
     folder = save_folder(proc, "qwen2-vl", tmp_path / "proc")
     _load_as(monkeypatch, proc)
     clip = str(shutil.copy(videos[0], tmp_path / ("clip" + os.path.splitext(videos[0])[1])))
-    records = jsonl_records(fp.random_video_rows(12, seed=70, videos=[clip, videos[1]]), tmp_path)
+    records = records_of(fp.random_video_rows(12, seed=70, videos=[clip, videos[1]]), tmp_path)
     src = write_jsonl(records, tmp_path / "train.jsonl")
     out = tmp_path / "idx"
     build_index(src, out, processor=str(folder), progress=False)
