@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbal.balance.partition.stages import _stable_argsort
+
 __all__ = ["grouped_fill", "grouped_stage_fill", "descending_order"]
 
 # Sorts here only need nearby values next to each other: keys are bucketed on a log scale into
@@ -162,7 +164,7 @@ def _stage_orders(L: np.ndarray, width: int, seg: int):
         share = share.astype(np.int64)
         m = 2
         while m <= seg:
-            yield by_total[np.argsort(((pos // (m * width)) << 16) | share, kind="stable")], True
+            yield by_total[_stable_argsort(((pos // (m * width)) << 16) | share)], True
             m *= 2
         for a in (0.25, 0.75):
             yield descending_order(a * L[:, k] + (1.0 - a) * (total - L[:, k])), False

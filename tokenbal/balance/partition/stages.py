@@ -45,6 +45,9 @@ _POOL_SLACK = (1, 10)
 # What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
 # as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
 _ROUND_ITEMS = 1024
+# _level_window: count-mode bin pairs offering at least this many candidates are sieved by the room
+# test before the candidates are listed (fewer numpy calls below it; the same candidates either way).
+_GRID_SIEVE = 4096
 
 
 # Work done so far, in item visits: each round of the in-step refinement adds its steps' items x partners,
@@ -570,6 +573,13 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             # of their items a round, a different run of them every round, so a round stays linear.
             if slot_grid is not None:
                 # Every bin holds the same count (count mode): the same pairs as below, as a grid.
+                if len(a) * q * q >= _GRID_SIEVE:
+                    # Many: only those that raise no bin above its step's maximum (the test below,
+                    # done here on (q, q, pairs) planes: costs gathered per item, not per pair).
+                    si, sj = _sieve_grid(a, bb, slot_grid, cost, room)
+                    cand_i.append(si)
+                    cand_j.append(sj)
+                    continue
                 cand_i.append(np.repeat(slot_grid[a], q, axis=1).reshape(-1))
                 cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
                 continue
@@ -648,6 +658,23 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         slot_item[pi], slot_item[pj] = sj, si
         slot_of[si], slot_of[sj] = pj, pi
     return home // R, home % R
+
+
+def _sieve_grid(a: np.ndarray, bb: np.ndarray, slot_grid: np.ndarray, cost: np.ndarray, room: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate swaps of :func:`_level_window` between the items of bins ``a`` and ``bb``
+    (pair r: a[r]'s u-th item for bb[r]'s v-th, in the order r, u, v) that pass its room test (no
+    bin above its step's maximum in any stage, as of the round's start): their items ``(i, j)`` in
+    that order. The same test on the same values; it only runs on fewer candidates afterwards."""
+    q = slot_grid.shape[1]
+    si, sj = slot_grid[a].T, slot_grid[bb].T                # (q, m): the items of bins a, bb
+    ok = (a != bb)[None, None, :]
+    for k in range(cost.shape[0]):
+        d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
+        ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
+    r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), q * q)
+    u, v = np.divmod(uv, q)
+    return si[u, r], sj[v, r]
 
 
 def _stable_argsort(x: np.ndarray) -> np.ndarray:
