@@ -522,12 +522,41 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
+    state = None           # what a round derives from the loads, kept through rounds that swap nothing
     for rnd in range(rounds):
         work_done["level"] += n
-        per_step = loads.reshape(K, G, R)
-        top = per_step.max(2)
+        fresh = state is None
+        if fresh:
+            per_step = loads.reshape(K, G, R)
+            top = per_step.max(2)
+            mean = -(-per_step.sum(2) // R)
+            over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
+            room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max kept
+            excess = np.maximum(over, 0).astype(np.float64)
+            penalty = (excess * excess).sum(0)
+            sources = []
+            for k in range(K):
+                src = np.flatnonzero(over[k] > 0)
+                if not src.size:
+                    sources.append(None)
+                    continue
+                src = src[_stable_argsort(-over[k, src])]
+                # Items of the same bucket with less of stage k, spread over all of them.
+                if slot_grid is not None:
+                    items = slot_grid[src].ravel()
+                else:
+                    n_src = counts[src]
+                    items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                                      + np.arange(n_src.sum())]
+                lower = place[k, items] - bucket_first[items]
+                items, lower = items[lower > 0], lower[lower > 0]
+                # [items, their lower neighbours, bucket starts, the roomy pairs' sources, then cached on
+                # a round that swapped nothing: the bins by over[k], the grid pairs' items of a]
+                sources.append([np.repeat(items, _LEVEL_SIMILAR), lower, bucket_first[items],
+                                np.repeat(src, roomy_bins), None, None])
+            state = (int(top.sum()), over, room, penalty, sources)
+        objective, over, room, penalty, sources = state
         if patience is not None or stall is not None:
-            objective = int(top.sum())
             idle = 0 if fastest is None or objective < fastest else idle + 1
             fastest = objective if fastest is None else min(fastest, objective)
             if patience is not None and idle >= patience:
@@ -539,36 +568,26 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 history.append(objective)
                 if len(history) > span and (history[-span - 1] - objective) * den_r < num_r * objective:
                     break
-        mean = -(-per_step.sum(2) // R)
-        over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
-        room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max unraised
-        excess = np.maximum(over, 0).astype(np.float64)
-        penalty = (excess * excess).sum(0)
         # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
         shift = rnd * 40503 % 65536
         cand_i, cand_j = [], []
         for k in range(K):
-            src = np.flatnonzero(over[k] > 0)
-            if not src.size:
+            if sources[k] is None:
                 continue
-            src = src[_stable_argsort(-over[k, src])]
-            # Items of the same bucket with less of stage k, spread over all of them.
-            if slot_grid is not None:
-                items = slot_grid[src].ravel()
-            else:
-                n_src = counts[src]
-                items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
-                                  + np.arange(n_src.sum())]
-            lower = place[k, items] - bucket_first[items]
-            items, lower = items[lower > 0], lower[lower > 0]
+            rep_items, lower, first_of, a, by_over, grid_i = sources[k]
             offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
                        + shift * lower[:, None] // 65536) % lower[:, None]
-            cand_i.append(np.repeat(items, _LEVEL_SIMILAR))
-            cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
+            cand_i.append(rep_items)
+            cand_j.append(by_stage[k][first_of[:, None] + offsets].ravel())
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
-            a = np.repeat(src, roomy_bins)
-            bb = _ranked(over[k], rnd * roomy_bins, len(a))
+            if fresh:
+                bb = _ranked(over[k], rnd * roomy_bins, len(a))
+            else:
+                # The loads did not change: the same ranking as _ranked's, sorted once for these rounds.
+                if by_over is None:
+                    by_over = sources[k][4] = _stable_argsort(over[k])
+                bb = by_over[(rnd * roomy_bins + np.arange(len(a))) % nb]
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
             if slot_grid is not None:
@@ -580,7 +599,9 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                     cand_i.append(si)
                     cand_j.append(sj)
                     continue
-                cand_i.append(np.repeat(slot_grid[a], q, axis=1).reshape(-1))
+                if grid_i is None:
+                    grid_i = sources[k][5] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
+                cand_i.append(grid_i)
                 cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
@@ -647,6 +668,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             taken[a[win]] = taken[bb[win]] = True
             alive &= ~win
         sel = sel[won]
+        state = None                                      # the loads change
         si, sj, sa, sb = i[sel], j[sel], A[sel], B[sel]
         moved = cost[:, sj] - cost[:, si]
         loads[:, sa] += moved
