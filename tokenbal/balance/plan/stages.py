@@ -92,6 +92,18 @@ _SHORT_FILL_RANKS = 256
 # 8 ranks). It takes the step furthest above its ideal first, so the cap keeps the worst steps' swaps.
 _COMPOSE_SWAPS = 256
 _STAGE_WHOLE_ITEMS = 1 << 18
+# PLAN_VERSION 14 (issue 49): a short epoch of more than _STAGE_WHOLE_STEPS steps of at most 2 samples per
+# rank is not also composed whole (_plan_stage_windows): with that many steps the grouped plan (grouped
+# fill, its heaviest steps composed again) is the faster one, and the whole composition cost as much again.
+# Which plan won (stage time, version 13), square costs, draws 0-5: 8 ranks, 2 per rank: 30k samples
+# (1,875 steps) whole 5 / 6; 50k (3,125) whole 5 / 6 by <= 0.26 %; 65,536 (4,096) grouped 5 / 6; 100k
+# and 150k grouped 6 / 6; 16 ranks 100k (3,125) grouped 6 / 6; 64 ranks 128k (1,000 steps) whole decides
+# 3 / 6 (median 1.0216 -> 1.0238 without it: kept). Epoch figure with / without the whole composition,
+# 2 per rank above 4,096 steps: 100k / 8 ranks 8 draws, 200k / 8 6 draws, 150k / 16 6 draws (square),
+# 80k and 240k / 8 (FLOPs), 50k / 8 at 1 per rank: every draw the same figure, CPU about halved. 4 per
+# rank (144k / 8 ranks, 4,500 steps) lost on 3 / 6 draws (median 1.0029 -> 1.0035): kept there.
+_STAGE_WHOLE_STEPS = 4096
+_STAGE_WHOLE_PER_RANK = 2
 # The final leveling of a short stage epoch (_level_stage_plan): every step trades samples with every
 # other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
 # ~0.2 us per sample: 40k samples ~9 ms, 196k ~40 ms; the budget caps it near 7 s), stopping once the
@@ -267,13 +279,15 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
         # No leveling or pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling alone
         # (1.0370 -> 1.0252 on draw 0, nothing on draw 1), against the 5 s the whole plan may take.
         return grouped
-    # A short epoch is also planned whole by version 7's composition (with its tail step, which then
-    # trades samples with the others); the faster of the two plans is kept.
-    zero = np.zeros(len(perm), np.int64)
-    p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
-                                 with_fill=R >= _SHORT_FILL_RANKS)
-    whole = (p, zero, np.array([S], np.int64), st, rk)
-    chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
+    chosen = grouped
+    if S <= _STAGE_WHOLE_STEPS or N > _STAGE_WHOLE_PER_RANK * R:
+        # A short epoch is also planned whole by version 7's composition (with its tail step, which
+        # then trades samples with the others); the faster of the two plans is kept.
+        zero = np.zeros(len(perm), np.int64)
+        p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
+                                     with_fill=R >= _SHORT_FILL_RANKS)
+        whole = (p, zero, np.array([S], np.int64), st, rk)
+        chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
     work = min(_STAGE_LEVEL_WORK, max(_STAGE_LEVEL_FLOOR, R * _STAGE_LEVEL_PER_RANK))
     rounds = min(_STAGE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(perm), 1)))
     return _level_stage_plan(stages, *chosen, R, rounds, work >> _STAGE_POOL_SHIFT)
@@ -363,7 +377,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     _, step, rank = best
     hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
     if short:
-        # Short epochs (whose whole plan the caller also makes): the best of several sizes (the smaller
+        # Short epochs (whose whole plan the caller may also make): the best of several sizes (the smaller
         # ones only where they are cheap), composed as version 7 does.
         tries = [_refill_stage_steps(lens, stages, items, step, rank, W, R, max(1, hmax // d), rng, True)
                  for d in sorted(set(_STAGE_REFILL_FRACTIONS))
