@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenbal.balance.partition.stages import _lexsort2, _stable_argsort
+from tokenbal.balance.partition.stages import _lexsort2, _row_sums, _stable_argsort
 
 __all__ = ["compose_steps", "steps_floor", "COMPOSITIONS"]
 
@@ -73,7 +73,7 @@ def compose_steps(stage_costs: np.ndarray, window: np.ndarray, caps: np.ndarray,
     R = int(num_ranks)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(G, np.int64)
-    total = c.sum(1)
+    total = _row_sums(c)
     dom = c.argmax(1) if K > 1 else np.zeros(n, np.int64)
     top = c[np.arange(n), dom]
     noise = np.zeros(n, np.int64)

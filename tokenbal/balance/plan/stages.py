@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbal.balance.partition.stages import _row_sums
 from tokenbal.balance.plan.common import _argsort_keys, _fill
 from tokenbal.balance.plan.counts import _GROUPED_ITEMS, _GROUPED_JITTER
 
@@ -263,7 +264,7 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
             # would set that step's time by itself.
             both = perm[s0 * N:]
             small = np.zeros(len(both), bool)
-            small[np.argsort(stages[both].sum(1), kind="stable")[:len(rest)]] = True
+            small[np.argsort(_row_sums(stages[both]), kind="stable")[:len(rest)]] = True
             items, rest = both[~small], both[small]
         parts.append(_plan_stage_window(lens, stages, items, s1 - s0, R, rng, short))
     if tail or not full:
@@ -350,7 +351,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
 
     c = stages[items]
     N = len(items) // W
-    tot = c.sum(1)
+    tot = _row_sums(c)
     # Jittered as in tokens mode (_GROUPED_JITTER): the window is the same samples every epoch, and
     # exact sizes would rebuild nearly the same steps (1M samples on 512 ranks, draw 0: 0.35 of the
     # step-mate pairs met again next epoch; jittered 0.12 at the same figure, 1.0621 vs 1.0612).
@@ -413,14 +414,12 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
             np.concatenate([rank[keep], rk]), gain)
 
 
-def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
-    """(slots, K) float64 stage loads of items ``c`` (n, K) at ``slot``."""
-    return np.stack([np.bincount(slot, weights=c[:, k], minlength=slots) for k in range(c.shape[1])], 1)
-
-
 def _step_times(c: np.ndarray, slot: np.ndarray, S: int, R: int) -> np.ndarray:
     """(S,) Σ_stages max_rank of each of S steps for items ``c`` (n, K) at ``slot`` = step·R + rank."""
-    return _stage_loads(c, slot, S * R).reshape(S, R, -1).max(1).sum(1)
+    from tokenbal.balance.partition.grouped import sum_stages
+
+    loads = np.stack([np.bincount(slot, weights=c[:, k], minlength=S * R) for k in range(c.shape[1])])
+    return sum_stages(loads.reshape(-1, S, R).max(2))
 
 
 def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
@@ -448,7 +447,7 @@ def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     """
     G, W = cap2d.shape
     sp = stages[perm]
-    tot = np.maximum(sp.sum(1), 1)
+    tot = np.maximum(_row_sums(sp), 1)
     shares = [(sp[:, j] << 20) // tot for j in range(sp.shape[1] - 1)]
     if rng is not None and _STAGE_JITTER > 0:
         jit = int(_STAGE_JITTER * (1 << 20))
