@@ -542,7 +542,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             penalty = (excess * excess).sum(0)
             sources = []
             for k in range(K):
-                src = np.flatnonzero(over[k] > 0)
+                src = (over[k] > 0).nonzero()[0]
                 if not src.size:
                     sources.append(None)
                     continue
@@ -608,7 +608,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 if grid_i is None:
                     grid_i = sources[k][5] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
                 cand_i.append(grid_i)
-                cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
+                cand_j.append(np.broadcast_to(slot_grid[bb][:, None, :], (len(bb), q, q)).reshape(-1))
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
@@ -624,31 +624,31 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         if not cand_i:
             break
         i, j = np.concatenate(cand_i), np.concatenate(cand_j)
-        # (np.take: the same gathers as fancy indexing, without its overhead on these sizes.)
-        A, B = np.take(home, i), np.take(home, j)
+        # (.take: the same gathers as fancy indexing, without its overhead on these sizes.)
+        A, B = home.take(i), home.take(j)
         # First the cheap test that most candidates fail (a bin would rise above its step's max),
         # then the penalty of the rest.
         # Stage by stage, each test on the candidates that passed the previous ones (the same set as
         # testing all at once, fewer gathers: most fail the first).
-        d0 = np.take(cost[0], j) - np.take(cost[0], i)   # bin A gains d, bin B loses it
-        ok = np.flatnonzero((A != B) & (d0 <= np.take(room[0], A)) & (d0 >= -np.take(room[0], B)))
-        i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        d0 = cost[0].take(j) - cost[0].take(i)   # bin A gains d, bin B loses it
+        ok = ((A != B) & (d0 <= room[0].take(A)) & (d0 >= -room[0].take(B))).nonzero()[0]
+        i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
         for k in range(1, K):
-            dk = np.take(cost[k], j) - np.take(cost[k], i)
-            ok = np.flatnonzero((dk <= np.take(room[k], A)) & (dk >= -np.take(room[k], B)))
-            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+            dk = cost[k].take(j) - cost[k].take(i)
+            ok = ((dk <= room[k].take(A)) & (dk >= -room[k].take(B))).nonzero()[0]
+            i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
         if capacity is not None:
             dt = tot[j] - tot[i]
-            ok = np.flatnonzero((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity))
-            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
-        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
-        xa = np.maximum(np.take(over, A, axis=1) + d, 0).astype(np.float64)
-        xb = np.maximum(np.take(over, B, axis=1) - d, 0).astype(np.float64)
+            ok = ((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)).nonzero()[0]
+            i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
+        d = cost.take(j, axis=1) - cost.take(i, axis=1)   # (K, m): bin A gains d, bin B loses it
+        xa = np.maximum(over.take(A, axis=1) + d, 0).astype(np.float64)
+        xb = np.maximum(over.take(B, axis=1) - d, 0).astype(np.float64)
         terms = xa * xa + xb * xb
-        gain = -(np.take(penalty, A) + np.take(penalty, B))
+        gain = -(penalty.take(A) + penalty.take(B))
         for k in range(K):                                 # stage by stage: the float sums in one order
             gain += terms[k]
-        sel = np.flatnonzero(gain < 0)
+        sel = (gain < 0).nonzero()[0]
         if not sel.size:
             continue
         # Each source bin's best candidate (first in candidate order on ties) ...
