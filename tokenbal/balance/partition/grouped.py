@@ -117,7 +117,9 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
             step_of_bin[members[order]] = j // width
             rank_of_bin[members[order]] = first_rank + j % width
         by_slot = np.empty_like(loads_t)
-        by_slot[:, step_of_bin * R + rank_of_bin] = loads_t
+        slot = step_of_bin * R + rank_of_bin
+        for k in range(K):                              # row by row: a 1-D scatter is faster
+            by_slot[k, slot] = loads_t[k]
         per_step = sum_stages(by_slot.reshape(K, W, R).max(2))
         if not tagged[0][1]:                            # a weighted order: the whole window or nothing
             if per_step.sum() < global_cost:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenbal.balance.partition.stages import _row_sums
+from tokenbal.balance.partition.stages import _ranked, _row_sums
 from tokenbal.balance.plan.common import _argsort_keys, _fill
 from tokenbal.balance.plan.counts import _GROUPED_ITEMS, _GROUPED_JITTER
 
@@ -264,7 +264,8 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
             # would set that step's time by itself.
             both = perm[s0 * N:]
             small = np.zeros(len(both), bool)
-            small[np.argsort(_row_sums(stages[both]), kind="stable")[:len(rest)]] = True
+            # (the first len(rest) of the stable order by size, found by a partition: the same set)
+            small[_ranked(_row_sums(stages[both]), 0, len(rest))] = True
             items, rest = both[~small], both[small]
         parts.append(_plan_stage_window(lens, stages, items, s1 - s0, R, rng, short))
     if tail or not full:
