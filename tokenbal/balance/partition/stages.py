@@ -612,6 +612,14 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
+            padded = len(a) * int(na.max(initial=0)) * int(nbb.max(initial=0))
+            if not crowded and padded >= _GRID_SIEVE and padded <= 2 * int(pairs.sum()):
+                # Many (bins of nearly equal counts, e.g. count mode with a tail step): sieved by the
+                # room test as in count mode's grid, the bins' items padded to the largest count.
+                si, sj = _sieve_pairs(a, bb, na, nbb, slot_item, first_slot, cost, room)
+                cand_i.append(si)
+                cand_j.append(sj)
+                continue
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
                              np.repeat(nbb, pairs))
             if crowded:
@@ -702,6 +710,25 @@ def _sieve_grid(a: np.ndarray, bb: np.ndarray, slot_grid: np.ndarray, cost: np.n
         ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
     r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), q * q)
     u, v = np.divmod(uv, q)
+    return si[u, r], sj[v, r]
+
+
+def _sieve_pairs(a: np.ndarray, bb: np.ndarray, na: np.ndarray, nbb: np.ndarray, slot_item: np.ndarray,
+                 first_slot: np.ndarray, cost: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_sieve_grid` for bins of unequal counts (none crowded): pair r offers bin a[r]'s first
+    na[r] items x bin bb[r]'s first nbb[r] (in the order r, u, v); the bins' items padded to the largest
+    count, the padding never kept. Returns the items ``(i, j)`` of the pairs that pass the room test."""
+    qa, qb = int(na.max()), int(nbb.max())
+    last = len(slot_item) - 1
+    ua, ub = np.arange(qa)[:, None], np.arange(qb)[:, None]
+    si = slot_item[np.minimum(first_slot[a] + ua, last)]     # (qa, m), padded past a bin's items
+    sj = slot_item[np.minimum(first_slot[bb] + ub, last)]    # (qb, m)
+    ok = (ua < na)[:, None, :] & (ub < nbb)[None, :, :] & (a != bb)[None, None, :]
+    for k in range(cost.shape[0]):
+        d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
+        ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
+    r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), qa * qb)
+    u, v = np.divmod(uv, qb)
     return si[u, r], sj[v, r]
 
 
