@@ -394,6 +394,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     # The two largest loads of every (step, stage), kept up to date for the steps a swap touches.
     top = np.argsort(-loads, axis=1, kind="stable")[:, :2]                     # (G, 2, K)
     topv = np.take_along_axis(loads, top, 1)
+    top0, cols = top[:, 0], np.arange(K)                                        # (a view of top)
     # Partners come from the next few steps of the window (cyclically), at most _SWAP_PARTNERS
     # items: enough choice for a step's bottleneck, and a round costs O(partners), not O(window).
     by_group = np.argsort(g, kind="stable")
@@ -431,13 +432,13 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         bi = b[mine]
         # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
         # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
-        delta = np.broadcast_to(-np.take(obj, gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
-        top_j, topv_j = np.take(top[:, 0], gj, axis=0), np.take(topv, gj, axis=0)   # (nj, K), (nj, 2, K)
+        delta = np.broadcast_to(-obj.take(gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
+        top_j, topv_j = top0.take(gj, axis=0), topv.take(gj, axis=0)   # (nj, K), (nj, 2, K)
         load_j = loads[gj, bj]                                                      # (nj, K)
         for k in range(K):
             other_j = np.where(top_j[:, k] != bj, topv_j[:, 0, k], topv_j[:, 1, k])   # (nj,)
             other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
-            d = np.take(cost_t[k], theirs)[None, :] - np.take(cost_t[k], mine)[:, None]   # s's bin gains d
+            d = cost_t[k].take(theirs)[None, :] - cost_t[k].take(mine)[:, None]   # s's bin gains d
             delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
             delta += np.maximum(other_j[None, :], load_j[:, k][None, :] - d)
         if capacity is not None:
@@ -465,7 +466,12 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         by_group[pi], by_group[pj] = j, i
         pos[i], pos[j] = pj, pi
         for q in (s, t):
-            order = np.argsort(-loads[q], axis=0, kind="stable")[:2]
+            # The two largest loads of each stage, ties in bin order (= a stable argsort's first two).
+            lq = loads[q]
+            first = lq.argmax(0)
+            masked = lq.copy()
+            masked[first, cols] = np.iinfo(np.int64).min
+            order = np.stack([first, masked.argmax(0)])
             top[q] = order
             topv[q] = np.take_along_axis(loads[q], order, 0)
             obj[q] = loads[q].max(0).sum()
