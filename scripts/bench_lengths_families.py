@@ -24,6 +24,9 @@ real video processor at its class defaults, except that Qwen2 / 2.5-VL sample at
 LLaVA-OneVision / InternVL sample 8 frames (their classes take every frame by default); baseline:
 each video decoded whole with PyAV, then the processor (``family_processors.video_oracle``).
 
+``--videos N --index``: ``tokenbal index build --processor DIR`` on the same rows written as JSONL
+records (DIR: the processor's own ``save_pretrained``, loaded by the build), against the processor.
+
 ``--num-proc`` measures ``dataset_lengths`` with ``num_proc=1`` and ``N`` on ``--scale-rows`` rows
 (the image mixture repeated, images as paths) in records/s, wall time, same run.
 """
@@ -151,19 +154,30 @@ def video_rows(n: int, n_videos: int, seed: int):
     return rows, ds.cast_column("images", datasets.List(datasets.Image()))
 
 
-def bench_videos(args) -> None:
+def video_records(rows: list, folder: str) -> str:
+    """The rows as a JSONL annotation file (images written as JPEG files, videos by path)."""
+    import json
+
+    path = os.path.join(folder, "train.jsonl")
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            images = []
+            for j, data in enumerate(r["images"]):
+                images.append(os.path.join(folder, f"img{i}_{j}.jpg"))
+                with open(images[-1], "wb") as g:
+                    g.write(data)
+            f.write(json.dumps({"id": f"r{i}", "messages": r["messages"], "images": images,
+                                "videos": r["videos"]}) + "\n")
+    return path
+
+
+def video_baselines(args, rows: list):
+    """Per family with videos: ``(family, processor with its real video processor, the processor's
+    own lengths of ``rows``, baseline wall s, baseline CPU s)`` (``family_processors.video_oracle``)."""
     import transformers
 
     from tests.helpers import family_processors as fp
-    from tokenbal.estimate import chat_video
-    from tokenbal.integrations.hf import dataset_lengths
 
-    rows, ds = video_rows(args.rows, args.videos, args.seed)
-    print(f"{len(rows)} video rows (1-2 videos, a third with an image) over {args.videos} videos "
-          f"(mp4 / webm, 320x240..640x360, 2-8 s); transformers {transformers.__version__}")
-    print("| family | video settings | baseline CPU ms/row | dataset_lengths CPU ms/row | "
-          "speed-up CPU (wall) |")
-    print("|---|---|---|---|---|")
     for family in args.families.split(","):
         if family not in VIDEO_SETTINGS:
             continue
@@ -175,12 +189,30 @@ def bench_videos(args) -> None:
             return np.array([fp.video_oracle(proc, r) for r in rows])
 
         want, base_wall, base_cpu = timed(baseline)
+        yield family, proc, want, base_wall, base_cpu
+
+
+def bench_videos(args) -> None:
+    import transformers
+
+    from tokenbal.index import video as index_video
+    from tokenbal.integrations.hf import dataset_lengths
+
+    rows, ds = video_rows(args.rows, args.videos, args.seed)
+    print(f"{len(rows)} video rows (1-2 videos, a third with an image) over {args.videos} videos "
+          f"(mp4 / webm, 320x240..640x360, 2-8 s); transformers {transformers.__version__}")
+    if args.index:
+        return bench_videos_index(args, rows)
+    print("| family | video settings | baseline CPU ms/row | dataset_lengths CPU ms/row | "
+          "speed-up CPU (wall) |")
+    print("|---|---|---|---|---|")
+    for family, proc, want, base_wall, base_cpu in video_baselines(args, rows):
         got = dataset_lengths(ds, proc, cache=False)
         if not np.array_equal(got, want):
             bad = np.flatnonzero(got != want)
             raise SystemExit(f"{family}: MISMATCH on {len(bad)} video rows, first {bad[:5].tolist()}")
         def ours_fresh(proc=proc):   # every file's header read again, as a new process would
-            chat_video._PROBED.clear()
+            index_video._PROBED.clear()
             return dataset_lengths(ds, proc, cache=False)
 
         ours = measure(ours_fresh, repeats=args.repeats, warmup=0)
@@ -188,6 +220,45 @@ def bench_videos(args) -> None:
         print(f"| {family} | {VIDEO_SETTINGS[family] or 'class defaults'} | {base_cpu / n * 1e3:.1f} | "
               f"{ours.cpu_median / n * 1e3:.2f} | **{ratio(base_cpu, ours.cpu_median)}** "
               f"({ratio(base_wall, ours.wall_median)}) |", flush=True)
+
+
+def bench_videos_index(args, rows: list) -> None:
+    """``tokenbal index build --processor DIR`` (``build_index``, one process) on the rows as JSONL
+    records against the processor on the same rows, same run; DIR is the processor saved with its
+    own ``save_pretrained`` and loaded by the build (AutoProcessor). The build's time includes
+    loading the folder, scanning the JSONL, reading every image and video header, and writing the
+    index; the counts are checked equal to the processor's on every record first."""
+    import shutil
+
+    from tokenbal import TokenIndex
+    from tokenbal.index import build_index
+    from tokenbal.index import video as index_video
+
+    folder = tempfile.mkdtemp(prefix="tokenbal-bench-index-videos-")
+    src = video_records(rows, folder)
+    print("| family | video settings | baseline records/CPU-s | index build records/CPU-s | "
+          "speed-up CPU (wall) |")
+    print("|---|---|---|---|---|")
+    for family, proc, want, base_wall, base_cpu in video_baselines(args, rows):
+        pdir = os.path.join(folder, f"proc-{family}")
+        proc.save_pretrained(pdir)
+        out = os.path.join(folder, f"idx-{family}")
+
+        def ours(pdir=pdir, out=out) -> np.ndarray:   # every header read again, as a new process would
+            index_video._PROBED.clear()
+            shutil.rmtree(out, ignore_errors=True)
+            build_index(src, out, processor=pdir, progress=False, incremental=False)
+            return TokenIndex.open(out).lengths
+
+        got = ours()
+        if not np.array_equal(got, want):
+            bad = np.flatnonzero(got != want) if len(got) == len(want) else [f"{len(got)} of {len(want)}"]
+            raise SystemExit(f"{family}: MISMATCH on the index of the video records, first {list(bad)[:5]}")
+        m = measure(ours, repeats=args.repeats, warmup=0)
+        n = len(rows)
+        print(f"| {family} | {VIDEO_SETTINGS[family] or 'class defaults'} | {n / base_cpu:.2f} | "
+              f"{n / m.cpu_median:.0f} | **{ratio(base_cpu, m.cpu_median)}** "
+              f"({ratio(base_wall, m.wall_median)}) |", flush=True)
 
 
 def main() -> None:
@@ -203,6 +274,9 @@ def main() -> None:
                     help="rows (the mixture repeated) for the num_proc measurement, first family only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--videos", type=int, default=0, help="video rows over this many videos (torchvision)")
+    ap.add_argument("--index", action="store_true",
+                    help="with --videos: index build --processor on the rows as JSONL records instead of "
+                         "dataset_lengths")
     args = ap.parse_args()
     if args.videos:
         import transformers

@@ -375,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--processor", default=None, metavar="DIR",
                        help="checkpoint or processor folder: estimator, tokenizer and chat template from "
                             "it, so rows with messages / conversations count what its apply_chat_template "
-                            "gives (template tokens included); replaces --model and --tokenizer")
+                            "gives (template tokens included; videos with the processor's own video "
+                            "settings, from their headers); replaces --model and --tokenizer")
     build.add_argument("--out", required=True, help="index folder to write")
     build.add_argument("--workers", type=_POSITIVE, default=1, help="processes scanning shards in parallel")
     build.add_argument("--tokenizer", default=None,

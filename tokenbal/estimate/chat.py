@@ -277,13 +277,19 @@ class ChatTokenCounter:
         return self._count_texts(texts, sizes, first_row, videos)[0]
 
     def count_split(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
-                    first_row: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                    first_row: int = 0, videos: Sequence[Sequence[Any]] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """``(text, vision)`` per conversation: ``vision`` = Σ (the estimator's image tokens +
-        wrapper tokens) of its images, as the index counts them, ``text`` = the rest, so ``text +
-        vision`` = total."""
-        total, _, owner = self._count_texts(self.render(conversations), sizes, first_row)
+        wrapper tokens) of its images, as the index counts them, + Σ :meth:`video_tokens` of its
+        videos (``videos`` as :meth:`count` takes them), ``text`` = the rest, so ``text + vision``
+        = total (the count of :meth:`count`)."""
+        total, _, owner = self._count_texts(self.render(conversations), sizes, first_row, videos)
+        video = np.zeros(len(total), np.int64)
+        for r, infos in enumerate(videos or ()):
+            video[r] = sum(self.video_tokens(info, first_row + r, str(k))[0]
+                           for k, info in enumerate(infos or ()))
         if not len(owner):
-            return total, np.zeros(len(total), np.int64)
+            return total - video, video
         from tokenbal.estimate.vision import image_tokens_checked
 
         # the index's own per-image vision count (tokenbal/index/build.py ``_count_tokens``):
@@ -297,7 +303,7 @@ class ChatTokenCounter:
         wrap_batch = getattr(est, "image_wrapper_tokens_batch", None)
         wrap = (np.asarray(wrap_batch(wh[:, 0], wh[:, 1]), np.int64) if wrap_batch is not None
                 else int(getattr(est, "wrapper_tokens", 0)))
-        vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64)
+        vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64) + video
         return total - vision, vision
 
     def _count_texts(self, texts: list[str], sizes: Sequence[Sequence[tuple[int, int]]], first_row: int,
@@ -365,6 +371,12 @@ class ChatTokenCounter:
         key = (int(info.frames), float(info.fps), int(info.width), int(info.height))
         text = self._video_texts.get(key)
         if text is None:
+            if self.processor is None:
+                raise ChatCountError(
+                    f"row {row}: video {where}: {self.source} was read from its files, not loaded as a "
+                    "processor (AutoProcessor could not load it here: without torchvision transformers "
+                    "builds no video processor), so its videos cannot be counted; count them where the "
+                    "processor loads with its video processor")
             try:
                 check_video_support(self.processor, self.family, self.estimator)
                 text = video_replacement(self.processor, self.family, self.estimator, info)
@@ -376,18 +388,43 @@ class ChatTokenCounter:
             self._video_texts[key] = text
         return text
 
+    def video_tokens(self, info: Any, row: int = 0, where: str = "") -> tuple[int, int]:
+        """(tokens of what the processor writes in place of the placeholder of a video with header
+        ``info`` (:meth:`video_text`, tokenized on its own), frames it keeps of it): the video's
+        share of :meth:`count_split`'s vision."""
+        text, frames = self.video_text(info, row, where)
+        key = ("tokens", text)
+        n = self._video_texts.get(key)
+        if n is None:
+            collapsed, extra = self._collapse_placeholders(text)
+            n = self._video_texts[key] = self._raw_tokens(collapsed) + extra
+        return int(n), frames
+
+    def _collapse_placeholders(self, text: str) -> tuple[str, int]:
+        """``text`` with each run of an added placeholder token (image / video) cut to one copy, and
+        the number of copies cut: each copy is one token, so a run's count is its length, without
+        tokenizing thousands of copies."""
+        import re
+
+        added = set(getattr(self.tokenizer, "get_added_vocab", dict)())
+        extra = 0
+        for token in (self.video_token, self.image_token):
+            if token and token in added:
+                copies = text.count(token)
+                if copies:
+                    text = re.sub(f"(?:{re.escape(token)})+", lambda m, t=token: t, text)
+                    extra += copies - text.count(token)
+        return text, extra
+
     def _count_with_videos(self, texts, videos, n_videos, n_tokens, grids, owner, first_row):
         """Rows with videos: the text with every image and video placeholder replaced as the processor
         replaces them (one pass, in order), tokenized; a run of an added placeholder token counts
         as its length without being tokenized (each copy is one token)."""
-        import re
 
         from tokenbal.hf_compat import replace_placeholders
 
         exp = self.expansion or Expansion(self.image_token or "")
         starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(texts)))]).astype(int)
-        added = set(getattr(self.tokenizer, "get_added_vocab", dict)())
-        collapsible = [t for t in (self.video_token, self.image_token) if t and t in added]
         out, extra = [], np.zeros(len(texts), np.int64)
         for r, text in enumerate(texts):
             image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
@@ -395,11 +432,7 @@ class ChatTokenCounter:
             replaced = [self.video_text(info, first_row + r, str(k))
                         for k, info in enumerate(videos[r] or ())]
             text = replace_placeholders(self.processor, text, list(image_texts), [t for t, _ in replaced])
-            for token in collapsible:
-                copies = text.count(token)
-                if copies:
-                    text = re.sub(f"(?:{re.escape(token)})+", lambda m, t=token: t, text)
-                    extra[r] += copies - text.count(token)
+            text, extra[r] = self._collapse_placeholders(text)
             out.append(text)
         total = self._tokens(out) + extra
         return total, n_tokens, owner
@@ -547,10 +580,17 @@ class ProcessorTextCounter:
     def count_batch(self, texts: Sequence[str]) -> np.ndarray:
         return self.chat._tokens(list(texts))
 
-    def count_chat_text(self, conversations: Sequence[Any],
-                        sizes: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
-        """Text tokens (everything but the images' placeholder and wrapper tokens) per conversation."""
-        return self.chat.count_split(conversations, sizes)[0]
+    def count_chat_text(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
+                        videos: Sequence[Sequence[Any]] | None = None) -> np.ndarray:
+        """Text tokens (everything but the images' placeholder and wrapper tokens and what replaces
+        each video placeholder) per conversation; ``videos[r]``: the headers
+        (:class:`~tokenbal.index.video.VideoInfo`) of row ``r``'s videos, in order."""
+        return self.chat.count_split(conversations, sizes, videos=videos)[0]
+
+    def video_tokens(self, info: Any, where: str = "") -> tuple[int, int]:
+        """(tokens, frames kept) of one video as :meth:`count_chat_text` takes it out of the text
+        (:meth:`ChatTokenCounter.video_tokens`); ``ChatCountError`` when it cannot be counted."""
+        return self.chat.video_tokens(info, 0, where)
 
     def __repr__(self) -> str:
         return f"ProcessorTextCounter({self.chat!r})"

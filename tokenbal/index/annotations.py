@@ -29,9 +29,11 @@ video path that is not a regular file (a FIFO would block the build).
 
 * videos: ``videos`` (a list of paths) or ``video`` (a path or a list), else the
   ``{"type": "video", "video": PATH, "fps", "min_frames", "max_frames", "nframes", "video_start",
-  "video_end"}`` parts of ``messages`` contents (Qwen-VL style); the part's fields are kept per
-  video and honoured by the family's frame sampler (``tokenbal.estimate.video``). A frame-list
-  video (``"video": [images]``) is an error (not supported).
+  "video_end"}`` parts of ``messages`` contents (Qwen-VL style; the file may be named under ``url``
+  or ``path`` instead); the part's fields are kept per video and honoured by the family's frame
+  sampler (``tokenbal.estimate.video``; with ``--processor``, the processor's own sampling instead).
+  A frame-list video (``"video": [images]``) is an error (not supported). Each file's header is
+  read once per process (``tokenbal.index.video.probe_file``: by path, size and mtime).
 
 A ``.json`` file that is not a list of records, or not JSON at all, is one file-level error
 (status ``corrupt``), like a damaged shard.
@@ -56,7 +58,7 @@ from tokenbal.index.text import (
     json_text,
     placeholder_mismatch,
 )
-from tokenbal.index.video import VideoError, probe_video
+from tokenbal.index.video import VideoError, probe_file
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
@@ -230,7 +232,7 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         if not stat.S_ISREG(vst.st_mode):
             return fail(f"video {j} {rel!r} at {full}: cannot read the video: not a regular file")
         try:
-            info = probe_video(full)
+            info = probe_file(full, vst)   # records often share a clip: its header is read once
         except VideoError as e:
             return fail(f"video {j} {rel!r} at {full}: {e}")
         name = os.path.basename(rel)

@@ -691,7 +691,7 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
                 continue
             kept += p not in wanted
             done.add(p)
-            jobs.append((p, old if _unchanged(entry, remote) else None))
+            jobs.append((p, old if _unchanged(entry, remote) and not _named_files_changed(old, p) else None))
     jobs.extend((p, None) for p in paths if p not in done)
     return jobs, kept
 
@@ -708,6 +708,23 @@ def _unchanged(entry: dict, remote: RemoteOptions | None = None) -> bool:
                 and shard_fingerprint(entry["path"], st.st_size) == entry["fingerprint"])
     except OSError:
         return False
+
+
+def _named_files_changed(idx: TokenIndex, path: str) -> bool:
+    """Whether an image or video file that a record of shard ``path`` names (annotation files) has
+    another size or mtime than at the build of ``idx``: the shard's own bytes are the same, but
+    its counts are not (a longer video under the same name), so it is rescanned."""
+    from tokenbal.index.store import changed_files
+
+    c = idx._cols
+    if "member_mtime" not in c:
+        return False   # an index from before member stamps: nothing to compare
+    cache = idx.__dict__.setdefault("_sid_of", {})
+    if not cache:
+        cache.update({p: i for i, p in enumerate(idx.shard_paths)})
+    sid = cache[path]
+    a, b = (int(x) for x in np.searchsorted(idx.shard_ids, [sid, sid + 1]))
+    return bool(changed_files(idx, (int(c["member_start"][a]), int(c["member_start"][b]))))
 
 
 # Statuses that say a read failed (the file was missing, an I/O error, a remote read out of retries),
@@ -769,9 +786,10 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     from tokenbal.index.videoindex import plan_sample_videos, video_arrays
 
     errors = list(scan.errors)
-    samples = plan_sample_videos(scan.samples, est, counter, scan.path, errors)
+    by_chat = hasattr(counter, "count_chat_text")
+    samples = plan_sample_videos(scan.samples, est, counter, scan.path, errors, by_chat=by_chat)
     chat_text: dict[str, int] = {}
-    if hasattr(counter, "count_chat_text") and any(s.chat is not None for s in samples):
+    if by_chat and any(s.chat is not None for s in samples):
         # Through the processor's chat template; a record it would reject is an error, not a wrong count.
         chats = [s for s in samples if s.chat is not None]
         counts, bad = _chat_text(counter, chats)
@@ -847,27 +865,53 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
 
 def _chat_text(counter, samples: list) -> tuple[np.ndarray, dict[int, str]]:
     """Text tokens of samples with chat turns under the processor's template, and the reasons of the
-    ones that cannot be counted (by position in ``samples``; their text entry is 0)."""
+    ones that cannot be counted (by position in ``samples``; their text entry is 0).
+
+    Videos are counted as ``dataset_lengths`` counts them (``ChatTokenCounter``: the processor's own
+    video settings and ``replace_video_token`` on the container header, ``tokenbal.estimate.
+    chat_video``): each video's ``sampled`` / ``tokens`` are set to the frames the processor keeps
+    and the tokens that replace its placeholder (the video table's rows, part of the sample's
+    vision tokens), and the text count is the rest."""
     from tokenbal.estimate.chat import ChatCountError
 
     bad: dict[int, str] = {}
     for k, s in enumerate(samples):
-        if s.videos:
-            bad[k] = "has a video: counting videos through the processor's chat template is not supported"
+        for j, v in enumerate(s.videos or ()):
+            try:
+                v.tokens, v.sampled = counter.video_tokens(v.info, f"{j} ({_video_name(s, v)})")
+            except ChatCountError as e:
+                bad[k] = str(e).split(": ", 1)[-1]
+                break
+            v.params = {}   # the processor samples by its own settings, not by the part's fields
     good = [k for k in range(len(samples)) if k not in bad]
     out = np.zeros(len(samples), np.int64)
+
+    def videos(ks):
+        return [[v.info for v in (samples[k].videos or ())] for k in ks]
+
     try:
         out[good] = counter.count_chat_text([samples[k].chat for k in good],
-                                            [samples[k].image_sizes for k in good])
+                                            [samples[k].image_sizes for k in good], videos=videos(good))
     except Exception:  # noqa: BLE001 - one bad record (or a template error on it): find it, count the rest
         for k in good:
             try:
-                out[k] = counter.count_chat_text([samples[k].chat], [samples[k].image_sizes])[0]
+                out[k] = counter.count_chat_text([samples[k].chat], [samples[k].image_sizes],
+                                                 videos=videos([k]))[0]
             except ChatCountError as e:
                 bad[k] = str(e).split(": ", 1)[-1]
             except Exception as e:  # noqa: BLE001 - the template raised on this record
                 bad[k] = f"the chat template cannot render it: {type(e).__name__}: {e}"
     return out, bad
+
+
+def _video_name(sample, video) -> str:
+    """The file of a sample's video, for errors: the path an annotation record names (and where
+    it was found), else the tar member."""
+    if sample.paths and sample.paths[video.member]:
+        rel, _, full = sample.paths[video.member].partition("\0")
+        return f"{rel!r} at {full}" if full and full != rel else repr(rel)
+    ext = sample.members[video.member][0]
+    return f"member {sample.key}.{ext}"
 
 
 # --- parallel scan ------------------------------------------------------------------------------

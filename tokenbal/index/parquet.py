@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass
 
 from tokenbal._extras import MissingExtraError
+from tokenbal.estimate.conversation import content_parts
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import (
@@ -257,6 +258,11 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
         return fail(f"column {messages_col or 'text'!r}: {e}")
     if not sizes and not pieces:
         return fail("has neither images nor text")
+    if chat is not None and any(p.get("type") == "video" for p in content_parts(chat)):
+        # its tokens would be short by the whole video: an error, never a silent undercount
+        return fail(f"column {messages_col!r} has a video part; videos in Parquet rows are not read (index "
+                    "build reads videos from JSON/JSONL records and tar members; dataset_lengths counts a "
+                    "datasets.Dataset's video rows)")
     mismatch = placeholder_mismatch(pieces, parts, len(sizes), "the row has")
     if mismatch:
         return fail(mismatch)

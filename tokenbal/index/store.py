@@ -669,7 +669,7 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
                             "`touch -r` it "
                             "back if it is an unchanged copy)")
     if idx is not None and "member_mtime" in idx._cols:
-        problems.extend(_changed_files(idx))
+        problems.extend(changed_files(idx))
     problems.extend(processor_problems(manifest))
     return problems
 
@@ -741,20 +741,22 @@ def _first_changed_member(idx: TokenIndex | None, sid: int, members: list) -> st
     return None
 
 
-def _changed_files(idx: TokenIndex) -> list[str]:
-    """Image files named by annotation records whose size or mtime changed since the build."""
+def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None) -> list[str]:
+    """Image and video files named by annotation records whose size or mtime changed since the
+    build (``members``: only the member rows ``[a, b)``, e.g. one shard's)."""
     c = idx._cols
-    poff = c["member_path_offsets"]
+    a, b = members if members is not None else (0, len(c["member_path_offsets"]) - 1)
+    poff = np.asarray(c["member_path_offsets"][a:b + 1])
     out = []
-    for j in np.flatnonzero(np.diff(poff) > 0).tolist():
+    for j in (a + np.flatnonzero(np.diff(poff) > 0)).tolist():
         _, _, file = idx._member_paths[j].partition("\0")
         try:
             st = os.stat(file)
         except OSError:
-            out.append(f"image file missing: {file}")
+            out.append(f"image or video file missing: {file}")
             continue
         if st.st_size != int(c["member_size"][j]) or (int(c["member_mtime"][j]) not in (-1, st.st_mtime_ns)):
-            out.append(f"image file changed: {file} (size or mtime differs from the build)")
+            out.append(f"image or video file changed: {file} (size or mtime differs from the build)")
     return out
 
 

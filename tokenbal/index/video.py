@@ -484,16 +484,18 @@ def _video_track_numbers(f, start: int, end: int) -> list[int]:
     return out
 
 
-# Videos of dataset rows (dataset_lengths, the packed Trainer collator). Headers read from files are
-# kept by (path, size, mtime): rows often share a video (several questions on one clip); a changed
-# file has a new key. Bounded: cleared when full.
+# Videos of dataset rows (dataset_lengths, the packed Trainer collator, annotation records of the
+# index). Headers read from files are kept by (path, size, mtime): rows often share a video (several
+# questions on one clip); a changed file has a new key. Bounded: cleared when full.
 _PROBED: dict[tuple, VideoInfo] = {}
 _PROBED_MAX = 1 << 16
 
 
-def _probe_file(path: str) -> VideoInfo:
+def probe_file(path: str, st: os.stat_result | None = None) -> VideoInfo:
+    """``probe_video(path)``, read once per process for each (path, size, mtime) (``st``: the
+    file's ``os.stat`` when the caller has it)."""
     try:
-        st = os.stat(path)
+        st = os.stat(path) if st is None else st
     except OSError as e:
         raise VideoError(f"cannot read the video: {e}") from None
     key = (path, st.st_size, st.st_mtime_ns)
@@ -522,7 +524,7 @@ def probe_row_video(value: object, row: int, where: str) -> VideoInfo:
         raise ValueError(f"row {row}: video {where} is a {type(value).__name__}; expected a path, bytes or a "
                          "{bytes, path} dict (a video file; decoded frame lists are not counted)")
     try:
-        return _probe_file(name) if name is not None else probe_video(src)
+        return probe_file(name) if name is not None else probe_video(src)
     except (VideoError, OSError, ImportError) as e:
         label = f" ({name!r})" if name else f" ({len(src)} bytes)"
         raise ValueError(f"row {row}: video {where}{label}: {e}") from e

@@ -79,9 +79,12 @@ def _request(v: SampleVideo):
                         nframes=p.get("nframes"), start=p.get("video_start"), end=p.get("video_end"))
 
 
-def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict]) -> list:
+def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict],
+                       by_chat: bool = False) -> list:
     """Set ``sampled`` / ``tokens`` on every video of ``samples``; a sample with a video the family
-    cannot take becomes an error (shard, key, reason) and is dropped. Returns the kept samples."""
+    cannot take becomes an error (shard, key, reason) and is dropped. Returns the kept samples.
+    ``by_chat``: samples with chat turns are left as they are (``index build --processor`` counts
+    their videos through the processor, ``tokenbal.index.build._chat_text``)."""
     from tokenbal.estimate.video import plan_video, video_pipeline
 
     if not any(s.videos for s in samples):
@@ -89,7 +92,7 @@ def plan_sample_videos(samples: list, est, counter, path: str, errors: list[dict
     supported = video_pipeline(est) is not None
     kept, texts, owners = [], [], []
     for s in samples:
-        if not s.videos:
+        if not s.videos or (by_chat and s.chat is not None):
             kept.append(s)
             continue
         if not supported:
@@ -164,7 +167,19 @@ def video_plans(idx, i: int) -> list[tuple[int, object]]:
 
     info, params = video_rows(idx, i)
     est = _estimator(idx)
-    return [(int(r[0]), plan_video(est, request_of(r, p))) for r, p in zip(info, params, strict=True)]
+    out = []
+    for j, (r, p) in enumerate(zip(info, params, strict=True)):
+        plan = plan_video(est, request_of(r, p))
+        if len(plan.indices) != int(r[5]):
+            # ``index build --processor`` counts a chat record's video with the processor's own frame
+            # sampling, which this estimator need not reproduce: decoding other frames than were
+            # counted would be silently wrong
+            raise ValueError(
+                f"sample {i} ({idx.keys[i]!r}) video {j}: the index counted {int(r[5])} frames of it (the "
+                f"processor's sampling, index build --processor) but estimator {est.name!r} samples "
+                f"{len(plan.indices)}; give the video file to the processor, which samples its own frames")
+        out.append((int(r[0]), plan))
+    return out
 
 
 def per_sample(idx, column: int) -> np.ndarray:
@@ -197,7 +212,8 @@ def stats_line(idx) -> str | None:
 
 def video_parts(rec: dict) -> list[tuple[str, dict]]:
     """(path, part fields) of each video of an annotation record: ``videos`` / ``video`` fields, else
-    the ``{"type": "video", ...}`` parts of ``messages`` contents. ``ValueError`` when malformed."""
+    the ``{"type": "video", ...}`` parts of ``messages`` contents (the file under ``video``, ``url``
+    or ``path``). ``ValueError`` when malformed."""
     for name in ("videos", "video"):
         value = rec.get(name)
         if value is None:
@@ -213,11 +229,18 @@ def video_parts(rec: dict) -> list[tuple[str, dict]]:
             if not (isinstance(part, dict) and part.get("type") == "video"):
                 continue
             where = f"messages[{i}].content[{j}]"
-            v = part.get("video")
+            # the file under ``video``, else ``url`` / ``path`` (as a processor's chat template collects
+            # a video part's file, ``tokenbal.estimate.chat_video.content_videos``)
+            named = [k for k in ("video", "url", "path") if part.get(k) is not None]
+            if len(named) > 1:
+                raise ValueError(f"{where} names its video under {' and '.join(named)}; a processor "
+                                 "takes each as a video of its own: name it once")
+            key = named[0] if named else "video"
+            v = part.get(key)
             if isinstance(v, list):
-                raise ValueError(f"{where}.video is a list of frames; frame-list videos are not supported")
+                raise ValueError(f"{where}.{key} is a list of frames; frame-list videos are not supported")
             if not isinstance(v, str) or not v:
-                raise ValueError(f"{where}.video must be a path string, got {str(v)[:80]}")
+                raise ValueError(f"{where}.{key} must be a path string, got {str(v)[:80]}")
             out.append((v, part_params(part, where)))
     return out
 

@@ -7,7 +7,8 @@ where a stage plan's time goes. PLAN_VERSION 11 spent rounds × steps on short e
 every refinement by a budget proportional to the epoch, with a floor for small ones; version 13 does the
 same for the refinement after a plain fill (``grad_accum > 1``, a token budget), where a token budget
 that holds hundreds of samples per rank made a round quadratic in the step (20k samples on 8 ranks:
-~800M item visits, 36 s).
+~800M item visits, 36 s). Version 14 stops composing a short epoch of more than 4,096 steps (2 per rank)
+a second time as a whole (40k -> 160k samples on 8 ranks crosses that line).
 """
 
 import numpy as np
@@ -34,8 +35,8 @@ def _work(n: int, R: int, per_rank: int, draw: int = 1, **kw) -> int:
 
 
 @pytest.mark.parametrize("R, per_rank, n, kw", [
-    (8, 2, 4000, {}), (8, 8, 8000, {}), (64, 2, 16000, {}), (8, 2, 4000, {"grad_accum": 2}),
-    (8, 2, 8000, {"grad_accum": 2}), (16, 4, 8000, {"grad_accum": 4})])
+    (8, 2, 4000, {}), (8, 8, 8000, {}), (64, 2, 16000, {}), (8, 2, 40000, {}),
+    (8, 2, 4000, {"grad_accum": 2}), (8, 2, 8000, {"grad_accum": 2}), (16, 4, 8000, {"grad_accum": 4})])
 def test_stage_plan_work_grows_at_most_linearly_with_the_epoch(R, per_rank, n, kw):
     small, large = _work(n, R, per_rank, **kw), _work(4 * n, R, per_rank, **kw)
     assert large <= 4 * small, (small, large)                   # 4x the samples, at most 4x the work

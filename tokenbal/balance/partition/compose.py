@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbal.balance.partition.stages import _lexsort2, _row_sums, _stable_argsort
+
 __all__ = ["compose_steps", "steps_floor", "COMPOSITIONS"]
 
 # Candidate orders: (name, share buckets) — 0 buckets: the plain dominant-stage groups; None: total.
@@ -71,7 +73,7 @@ def compose_steps(stage_costs: np.ndarray, window: np.ndarray, caps: np.ndarray,
     R = int(num_ranks)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(G, np.int64)
-    total = c.sum(1)
+    total = _row_sums(c)
     dom = c.argmax(1) if K > 1 else np.zeros(n, np.int64)
     top = c[np.arange(n), dom]
     noise = np.zeros(n, np.int64)
@@ -120,7 +122,7 @@ def _grouped_order(window: np.ndarray, group: np.ndarray, key: np.ndarray, full_
     if win_span * gmax * kmax >= 2**62:
         o = np.lexsort((kmax - 1 - key, group, window))
     else:
-        o = np.argsort(packed, kind="stable")
+        o = _stable_argsort(packed)
     wg = window[o] * gmax + group[o]
     first = np.r_[0, np.flatnonzero(np.diff(wg)) + 1]
     size = np.diff(np.r_[first, n])
@@ -130,6 +132,6 @@ def _grouped_order(window: np.ndarray, group: np.ndarray, key: np.ndarray, full_
         return o
     # Remainders after the whole steps of their window, by key.
     tail = np.where(rem, kmax - 1 - key[o], 0)
-    o2 = np.lexsort((tail, rem, window[o]))
+    o2 = _lexsort2(tail, window[o] * 2 + rem)
     return o[o2]
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbal.balance.partition.stages import _row_sums, _stable_argsort
+
 __all__ = ["grouped_fill", "grouped_stage_fill", "descending_order"]
 
 # Sorts here only need nearby values next to each other: keys are bucketed on a log scale into
@@ -91,10 +93,11 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
     m, K = c.shape
     if m == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    total = c.sum(1)
+    total = _row_sums(c)
     bin_of, load, plus, extra = _bins_by_rounds(total, W, R)
     nb = W * R
     loads = np.stack([np.bincount(bin_of, weights=c[:, k], minlength=nb) for k in range(K)], 1)
+    loads_t = np.ascontiguousarray(loads.T)             # (K, bins): per step, a reduction over R in a row
     groups = _bin_groups(plus, extra, R)
     seg = _segment_steps(W)
     nseg = -(-W // seg)
@@ -113,9 +116,11 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
             j = np.arange(len(members))
             step_of_bin[members[order]] = j // width
             rank_of_bin[members[order]] = first_rank + j % width
-        by_slot = np.empty_like(loads)
-        by_slot[step_of_bin * R + rank_of_bin] = loads
-        per_step = by_slot.reshape(W, R, K).max(1).sum(1)
+        by_slot = np.empty_like(loads_t)
+        slot = step_of_bin * R + rank_of_bin
+        for k in range(K):                              # row by row: a 1-D scatter is faster
+            by_slot[k, slot] = loads_t[k]
+        per_step = sum_stages(by_slot.reshape(K, W, R).max(2))
         if not tagged[0][1]:                            # a weighted order: the whole window or nothing
             if per_step.sum() < global_cost:
                 best_global, global_cost = (step_of_bin, rank_of_bin), float(per_step.sum())
@@ -132,6 +137,15 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
             seg_cost = np.where(wins, cost, seg_cost)
     step_of_bin, rank_of_bin = best_global if global_cost < seg_cost.sum() else combined
     return step_of_bin[bin_of], rank_of_bin[bin_of], _places(m, nb, m // W // R)
+
+
+def sum_stages(top: np.ndarray) -> np.ndarray:
+    """``Σ_k top[k]`` of (K, S) float stage maxima: the same values as ``top.T.sum(1)`` (numpy's sum of
+    a (S, K) array; elementwise for K = 2, where that sum is exactly ``a + b``). Taking the maxima as
+    ``(K, S, R).max(2)`` instead of ``(S, R, K).max(1)`` is ~40x faster (a contiguous reduction)."""
+    if top.shape[0] == 2:
+        return top[0] + top[1]
+    return np.ascontiguousarray(top.T).sum(1)
 
 
 def _segment_steps(W: int) -> int:
@@ -162,7 +176,7 @@ def _stage_orders(L: np.ndarray, width: int, seg: int):
         share = share.astype(np.int64)
         m = 2
         while m <= seg:
-            yield by_total[np.argsort(((pos // (m * width)) << 16) | share, kind="stable")], True
+            yield by_total[_stable_argsort(((pos // (m * width)) << 16) | share)], True
             m *= 2
         for a in (0.25, 0.75):
             yield descending_order(a * L[:, k] + (1.0 - a) * (total - L[:, k])), False

@@ -45,6 +45,9 @@ _POOL_SLACK = (1, 10)
 # What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
 # as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
 _ROUND_ITEMS = 1024
+# _level_window: count-mode bin pairs offering at least this many candidates are sieved by the room
+# test before the candidates are listed (fewer numpy calls below it; the same candidates either way).
+_GRID_SIEVE = 4096
 
 
 # Work done so far, in item visits: each round of the in-step refinement adds its steps' items x partners,
@@ -61,6 +64,12 @@ def _last_sum(x: np.ndarray) -> np.ndarray:
     for k in range(1, x.shape[-1]):
         out += x[..., k]
     return out
+
+
+def _row_sums(x: np.ndarray) -> np.ndarray:
+    """``x.sum(1)`` of an (n, K) cost array: :func:`_last_sum` for integers (the same values, faster),
+    numpy's sum otherwise."""
+    return _last_sum(x) if np.issubdtype(x.dtype, np.integer) else x.sum(1)
 
 
 def stage_objective(stage_costs: np.ndarray, bins: np.ndarray, num_bins: int) -> int:
@@ -385,6 +394,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     # The two largest loads of every (step, stage), kept up to date for the steps a swap touches.
     top = np.argsort(-loads, axis=1, kind="stable")[:, :2]                     # (G, 2, K)
     topv = np.take_along_axis(loads, top, 1)
+    top0, cols = top[:, 0], np.arange(K)                                        # (a view of top)
     # Partners come from the next few steps of the window (cyclically), at most _SWAP_PARTNERS
     # items: enough choice for a step's bottleneck, and a round costs O(partners), not O(window).
     by_group = np.argsort(g, kind="stable")
@@ -422,13 +432,13 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         bi = b[mine]
         # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
         # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
-        delta = np.broadcast_to(-np.take(obj, gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
-        top_j, topv_j = np.take(top[:, 0], gj, axis=0), np.take(topv, gj, axis=0)   # (nj, K), (nj, 2, K)
+        delta = np.broadcast_to(-obj.take(gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
+        top_j, topv_j = top0.take(gj, axis=0), topv.take(gj, axis=0)   # (nj, K), (nj, 2, K)
         load_j = loads[gj, bj]                                                      # (nj, K)
         for k in range(K):
             other_j = np.where(top_j[:, k] != bj, topv_j[:, 0, k], topv_j[:, 1, k])   # (nj,)
             other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
-            d = np.take(cost_t[k], theirs)[None, :] - np.take(cost_t[k], mine)[:, None]   # s's bin gains d
+            d = cost_t[k].take(theirs)[None, :] - cost_t[k].take(mine)[:, None]   # s's bin gains d
             delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
             delta += np.maximum(other_j[None, :], load_j[:, k][None, :] - d)
         if capacity is not None:
@@ -456,7 +466,12 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         by_group[pi], by_group[pj] = j, i
         pos[i], pos[j] = pj, pi
         for q in (s, t):
-            order = np.argsort(-loads[q], axis=0, kind="stable")[:2]
+            # The two largest loads of each stage, ties in bin order (= a stable argsort's first two).
+            lq = loads[q]
+            first = lq.argmax(0)
+            masked = lq.copy()
+            masked[first, cols] = np.iinfo(np.int64).min
+            order = np.stack([first, masked.argmax(0)])
             top[q] = order
             topv[q] = np.take_along_axis(loads[q], order, 0)
             obj[q] = loads[q].max(0).sum()
@@ -519,12 +534,41 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     num, den = _LEVEL_TARGET
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
+    state = None           # what a round derives from the loads, kept through rounds that swap nothing
     for rnd in range(rounds):
         work_done["level"] += n
-        per_step = loads.reshape(K, G, R)
-        top = per_step.max(2)
+        fresh = state is None
+        if fresh:
+            per_step = loads.reshape(K, G, R)
+            top = per_step.max(2)
+            mean = -(-per_step.sum(2) // R)
+            over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
+            room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max kept
+            excess = np.maximum(over, 0).astype(np.float64)
+            penalty = (excess * excess).sum(0)
+            sources = []
+            for k in range(K):
+                src = (over[k] > 0).nonzero()[0]
+                if not src.size:
+                    sources.append(None)
+                    continue
+                src = src[_stable_argsort(-over[k, src])]
+                # Items of the same bucket with less of stage k, spread over all of them.
+                if slot_grid is not None:
+                    items = slot_grid[src].ravel()
+                else:
+                    n_src = counts[src]
+                    items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
+                                      + np.arange(n_src.sum())]
+                lower = place[k, items] - bucket_first[items]
+                items, lower = items[lower > 0], lower[lower > 0]
+                # [items, their lower neighbours, bucket starts, the roomy pairs' sources, then cached on
+                # a round that swapped nothing: the bins by over[k], the grid pairs' items of a]
+                sources.append([np.repeat(items, _LEVEL_SIMILAR), lower, bucket_first[items],
+                                np.repeat(src, roomy_bins), None, None])
+            state = (int(top.sum()), over, room, penalty, sources)
+        objective, over, room, penalty, sources = state
         if patience is not None or stall is not None:
-            objective = int(top.sum())
             idle = 0 if fastest is None or objective < fastest else idle + 1
             fastest = objective if fastest is None else min(fastest, objective)
             if patience is not None and idle >= patience:
@@ -536,45 +580,52 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 history.append(objective)
                 if len(history) > span and (history[-span - 1] - objective) * den_r < num_r * objective:
                     break
-        mean = -(-per_step.sum(2) // R)
-        over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
-        room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max unraised
-        excess = np.maximum(over, 0).astype(np.float64)
-        penalty = (excess * excess).sum(0)
         # A different slice of the candidates every round (golden-ratio steps through [0, 1)).
         shift = rnd * 40503 % 65536
         cand_i, cand_j = [], []
         for k in range(K):
-            src = np.flatnonzero(over[k] > 0)
-            if not src.size:
+            if sources[k] is None:
                 continue
-            src = src[_stable_argsort(-over[k, src])]
-            # Items of the same bucket with less of stage k, spread over all of them.
-            if slot_grid is not None:
-                items = slot_grid[src].ravel()
-            else:
-                n_src = counts[src]
-                items = slot_item[np.repeat(first_slot[src] - np.cumsum(n_src) + n_src, n_src)
-                                  + np.arange(n_src.sum())]
-            lower = place[k, items] - bucket_first[items]
-            items, lower = items[lower > 0], lower[lower > 0]
+            rep_items, lower, first_of, a, by_over, grid_i = sources[k]
             offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
                        + shift * lower[:, None] // 65536) % lower[:, None]
-            cand_i.append(np.repeat(items, _LEVEL_SIMILAR))
-            cand_j.append(by_stage[k][bucket_first[items][:, None] + offsets].ravel())
+            cand_i.append(rep_items)
+            cand_j.append(by_stage[k][first_of[:, None] + offsets].ravel())
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
-            a = np.repeat(src, roomy_bins)
-            bb = _ranked(over[k], rnd * roomy_bins, len(a))
+            if fresh:
+                bb = _ranked(over[k], rnd * roomy_bins, len(a))
+            else:
+                # The loads did not change: the same ranking as _ranked's, sorted once for these rounds.
+                if by_over is None:
+                    by_over = sources[k][4] = _stable_argsort(over[k])
+                bb = by_over[(rnd * roomy_bins + np.arange(len(a))) % nb]
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
             if slot_grid is not None:
                 # Every bin holds the same count (count mode): the same pairs as below, as a grid.
-                cand_i.append(np.repeat(slot_grid[a], q, axis=1).reshape(-1))
-                cand_j.append(np.tile(slot_grid[bb], (1, q)).reshape(-1))
+                if len(a) * q * q >= _GRID_SIEVE:
+                    # Many: only those that raise no bin above its step's maximum (the test below,
+                    # done here on (q, q, pairs) planes: costs gathered per item, not per pair).
+                    si, sj = _sieve_grid(a, bb, slot_grid, cost, room)
+                    cand_i.append(si)
+                    cand_j.append(sj)
+                    continue
+                if grid_i is None:
+                    grid_i = sources[k][5] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
+                cand_i.append(grid_i)
+                cand_j.append(np.broadcast_to(slot_grid[bb][:, None, :], (len(bb), q, q)).reshape(-1))
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
+            padded = len(a) * int(na.max(initial=0)) * int(nbb.max(initial=0))
+            if not crowded and padded >= _GRID_SIEVE and padded <= 2 * int(pairs.sum()):
+                # Many (bins of nearly equal counts, e.g. count mode with a tail step): sieved by the
+                # room test as in count mode's grid, the bins' items padded to the largest count.
+                si, sj = _sieve_pairs(a, bb, na, nbb, slot_item, first_slot, cost, room)
+                cand_i.append(si)
+                cand_j.append(sj)
+                continue
             u, v = np.divmod(np.arange(pairs.sum()) - np.repeat(np.cumsum(pairs) - pairs, pairs),
                              np.repeat(nbb, pairs))
             if crowded:
@@ -587,31 +638,31 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         if not cand_i:
             break
         i, j = np.concatenate(cand_i), np.concatenate(cand_j)
-        # (np.take: the same gathers as fancy indexing, without its overhead on these sizes.)
-        A, B = np.take(home, i), np.take(home, j)
+        # (.take: the same gathers as fancy indexing, without its overhead on these sizes.)
+        A, B = home.take(i), home.take(j)
         # First the cheap test that most candidates fail (a bin would rise above its step's max),
         # then the penalty of the rest.
         # Stage by stage, each test on the candidates that passed the previous ones (the same set as
         # testing all at once, fewer gathers: most fail the first).
-        d0 = np.take(cost[0], j) - np.take(cost[0], i)   # bin A gains d, bin B loses it
-        ok = np.flatnonzero((A != B) & (d0 <= np.take(room[0], A)) & (d0 >= -np.take(room[0], B)))
-        i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+        d0 = cost[0].take(j) - cost[0].take(i)   # bin A gains d, bin B loses it
+        ok = ((A != B) & (d0 <= room[0].take(A)) & (d0 >= -room[0].take(B))).nonzero()[0]
+        i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
         for k in range(1, K):
-            dk = np.take(cost[k], j) - np.take(cost[k], i)
-            ok = np.flatnonzero((dk <= np.take(room[k], A)) & (dk >= -np.take(room[k], B)))
-            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
+            dk = cost[k].take(j) - cost[k].take(i)
+            ok = ((dk <= room[k].take(A)) & (dk >= -room[k].take(B))).nonzero()[0]
+            i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
         if capacity is not None:
             dt = tot[j] - tot[i]
-            ok = np.flatnonzero((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity))
-            i, j, A, B = np.take(i, ok), np.take(j, ok), np.take(A, ok), np.take(B, ok)
-        d = np.take(cost, j, axis=1) - np.take(cost, i, axis=1)   # (K, m): bin A gains d, bin B loses it
-        xa = np.maximum(np.take(over, A, axis=1) + d, 0).astype(np.float64)
-        xb = np.maximum(np.take(over, B, axis=1) - d, 0).astype(np.float64)
+            ok = ((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)).nonzero()[0]
+            i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
+        d = cost.take(j, axis=1) - cost.take(i, axis=1)   # (K, m): bin A gains d, bin B loses it
+        xa = np.maximum(over.take(A, axis=1) + d, 0).astype(np.float64)
+        xb = np.maximum(over.take(B, axis=1) - d, 0).astype(np.float64)
         terms = xa * xa + xb * xb
-        gain = -(np.take(penalty, A) + np.take(penalty, B))
+        gain = -(penalty.take(A) + penalty.take(B))
         for k in range(K):                                 # stage by stage: the float sums in one order
             gain += terms[k]
-        sel = np.flatnonzero(gain < 0)
+        sel = (gain < 0).nonzero()[0]
         if not sel.size:
             continue
         # Each source bin's best candidate (first in candidate order on ties) ...
@@ -637,6 +688,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             taken[a[win]] = taken[bb[win]] = True
             alive &= ~win
         sel = sel[won]
+        state = None                                      # the loads change
         si, sj, sa, sb = i[sel], j[sel], A[sel], B[sel]
         moved = cost[:, sj] - cost[:, si]
         loads[:, sa] += moved
@@ -648,6 +700,42 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         slot_item[pi], slot_item[pj] = sj, si
         slot_of[si], slot_of[sj] = pj, pi
     return home // R, home % R
+
+
+def _sieve_grid(a: np.ndarray, bb: np.ndarray, slot_grid: np.ndarray, cost: np.ndarray, room: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The candidate swaps of :func:`_level_window` between the items of bins ``a`` and ``bb``
+    (pair r: a[r]'s u-th item for bb[r]'s v-th, in the order r, u, v) that pass its room test (no
+    bin above its step's maximum in any stage, as of the round's start): their items ``(i, j)`` in
+    that order. The same test on the same values; it only runs on fewer candidates afterwards."""
+    q = slot_grid.shape[1]
+    si, sj = slot_grid[a].T, slot_grid[bb].T                # (q, m): the items of bins a, bb
+    ok = (a != bb)[None, None, :]
+    for k in range(cost.shape[0]):
+        d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
+        ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
+    r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), q * q)
+    u, v = np.divmod(uv, q)
+    return si[u, r], sj[v, r]
+
+
+def _sieve_pairs(a: np.ndarray, bb: np.ndarray, na: np.ndarray, nbb: np.ndarray, slot_item: np.ndarray,
+                 first_slot: np.ndarray, cost: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_sieve_grid` for bins of unequal counts (none crowded): pair r offers bin a[r]'s first
+    na[r] items x bin bb[r]'s first nbb[r] (in the order r, u, v); the bins' items padded to the largest
+    count, the padding never kept. Returns the items ``(i, j)`` of the pairs that pass the room test."""
+    qa, qb = int(na.max()), int(nbb.max())
+    last = len(slot_item) - 1
+    ua, ub = np.arange(qa)[:, None], np.arange(qb)[:, None]
+    si = slot_item[np.minimum(first_slot[a] + ua, last)]     # (qa, m), padded past a bin's items
+    sj = slot_item[np.minimum(first_slot[bb] + ub, last)]    # (qb, m)
+    ok = (ua < na)[:, None, :] & (ub < nbb)[None, :, :] & (a != bb)[None, None, :]
+    for k in range(cost.shape[0]):
+        d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
+        ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
+    r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), qa * qb)
+    u, v = np.divmod(uv, qb)
+    return si[u, r], sj[v, r]
 
 
 def _stable_argsort(x: np.ndarray) -> np.ndarray:

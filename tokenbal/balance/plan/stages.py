@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenbal.balance.partition.stages import _ranked, _row_sums
 from tokenbal.balance.plan.common import _argsort_keys, _fill
 from tokenbal.balance.plan.counts import _GROUPED_ITEMS, _GROUPED_JITTER
 
@@ -92,6 +93,18 @@ _SHORT_FILL_RANKS = 256
 # 8 ranks). It takes the step furthest above its ideal first, so the cap keeps the worst steps' swaps.
 _COMPOSE_SWAPS = 256
 _STAGE_WHOLE_ITEMS = 1 << 18
+# PLAN_VERSION 14 (issue 49): a short epoch of more than _STAGE_WHOLE_STEPS steps of at most 2 samples per
+# rank is not also composed whole (_plan_stage_windows): with that many steps the grouped plan (grouped
+# fill, its heaviest steps composed again) is the faster one, and the whole composition cost as much again.
+# Which plan won (stage time, version 13), square costs, draws 0-5: 8 ranks, 2 per rank: 30k samples
+# (1,875 steps) whole 5 / 6; 50k (3,125) whole 5 / 6 by <= 0.26 %; 65,536 (4,096) grouped 5 / 6; 100k
+# and 150k grouped 6 / 6; 16 ranks 100k (3,125) grouped 6 / 6; 64 ranks 128k (1,000 steps) whole decides
+# 3 / 6 (median 1.0216 -> 1.0238 without it: kept). Epoch figure with / without the whole composition,
+# 2 per rank above 4,096 steps: 100k / 8 ranks 8 draws, 200k / 8 6 draws, 150k / 16 6 draws (square),
+# 80k and 240k / 8 (FLOPs), 50k / 8 at 1 per rank: every draw the same figure, CPU about halved. 4 per
+# rank (144k / 8 ranks, 4,500 steps) lost on 3 / 6 draws (median 1.0029 -> 1.0035): kept there.
+_STAGE_WHOLE_STEPS = 4096
+_STAGE_WHOLE_PER_RANK = 2
 # The final leveling of a short stage epoch (_level_stage_plan): every step trades samples with every
 # other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
 # ~0.2 us per sample: 40k samples ~9 ms, 196k ~40 ms; the budget caps it near 7 s), stopping once the
@@ -251,7 +264,8 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
             # would set that step's time by itself.
             both = perm[s0 * N:]
             small = np.zeros(len(both), bool)
-            small[np.argsort(stages[both].sum(1), kind="stable")[:len(rest)]] = True
+            # (the first len(rest) of the stable order by size, found by a partition: the same set)
+            small[_ranked(_row_sums(stages[both]), 0, len(rest))] = True
             items, rest = both[~small], both[small]
         parts.append(_plan_stage_window(lens, stages, items, s1 - s0, R, rng, short))
     if tail or not full:
@@ -267,13 +281,15 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
         # No leveling or pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling alone
         # (1.0370 -> 1.0252 on draw 0, nothing on draw 1), against the 5 s the whole plan may take.
         return grouped
-    # A short epoch is also planned whole by version 7's composition (with its tail step, which then
-    # trades samples with the others); the faster of the two plans is kept.
-    zero = np.zeros(len(perm), np.int64)
-    p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
-                                 with_fill=R >= _SHORT_FILL_RANKS)
-    whole = (p, zero, np.array([S], np.int64), st, rk)
-    chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
+    chosen = grouped
+    if S <= _STAGE_WHOLE_STEPS or N > _STAGE_WHOLE_PER_RANK * R:
+        # A short epoch is also planned whole by version 7's composition (with its tail step, which
+        # then trades samples with the others); the faster of the two plans is kept.
+        zero = np.zeros(len(perm), np.int64)
+        p, _, st, rk = _compose_fill(lens, stages, perm, zero, caps[None, :], R, rng,
+                                     with_fill=R >= _SHORT_FILL_RANKS)
+        whole = (p, zero, np.array([S], np.int64), st, rk)
+        chosen = whole if _plan_time(stages, *whole, R) <= _plan_time(stages, *grouped, R) else grouped
     work = min(_STAGE_LEVEL_WORK, max(_STAGE_LEVEL_FLOOR, R * _STAGE_LEVEL_PER_RANK))
     rounds = min(_STAGE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(perm), 1)))
     return _level_stage_plan(stages, *chosen, R, rounds, work >> _STAGE_POOL_SHIFT)
@@ -336,7 +352,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
 
     c = stages[items]
     N = len(items) // W
-    tot = c.sum(1)
+    tot = _row_sums(c)
     # Jittered as in tokens mode (_GROUPED_JITTER): the window is the same samples every epoch, and
     # exact sizes would rebuild nearly the same steps (1M samples on 512 ranks, draw 0: 0.35 of the
     # step-mate pairs met again next epoch; jittered 0.12 at the same figure, 1.0621 vs 1.0612).
@@ -363,7 +379,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     _, step, rank = best
     hmax = min(W, max(1, _STAGE_REFILL_ITEMS // max(N, 1)))
     if short:
-        # Short epochs (whose whole plan the caller also makes): the best of several sizes (the smaller
+        # Short epochs (whose whole plan the caller may also make): the best of several sizes (the smaller
         # ones only where they are cheap), composed as version 7 does.
         tries = [_refill_stage_steps(lens, stages, items, step, rank, W, R, max(1, hmax // d), rng, True)
                  for d in sorted(set(_STAGE_REFILL_FRACTIONS))
@@ -399,14 +415,12 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
             np.concatenate([rank[keep], rk]), gain)
 
 
-def _stage_loads(c: np.ndarray, slot: np.ndarray, slots: int) -> np.ndarray:
-    """(slots, K) float64 stage loads of items ``c`` (n, K) at ``slot``."""
-    return np.stack([np.bincount(slot, weights=c[:, k], minlength=slots) for k in range(c.shape[1])], 1)
-
-
 def _step_times(c: np.ndarray, slot: np.ndarray, S: int, R: int) -> np.ndarray:
     """(S,) Σ_stages max_rank of each of S steps for items ``c`` (n, K) at ``slot`` = step·R + rank."""
-    return _stage_loads(c, slot, S * R).reshape(S, R, -1).max(1).sum(1)
+    from tokenbal.balance.partition.grouped import sum_stages
+
+    loads = np.stack([np.bincount(slot, weights=c[:, k], minlength=S * R) for k in range(c.shape[1])])
+    return sum_stages(loads.reshape(-1, S, R).max(2))
 
 
 def _split_time(c: np.ndarray, win: np.ndarray, step_w: np.ndarray, rank: np.ndarray, G: int, W: int,
@@ -434,7 +448,7 @@ def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     """
     G, W = cap2d.shape
     sp = stages[perm]
-    tot = np.maximum(sp.sum(1), 1)
+    tot = np.maximum(_row_sums(sp), 1)
     shares = [(sp[:, j] << 20) // tot for j in range(sp.shape[1] - 1)]
     if rng is not None and _STAGE_JITTER > 0:
         jit = int(_STAGE_JITTER * (1 << 20))
