@@ -2,7 +2,7 @@
 that has torchvision (the video processors need it; CI's venv has none). Run as
 ``python -m tests.helpers.video_oracle_check N_VIDEOS N_ROWS SEED [FAMILY,...]`` with this checkout on
 PYTHONPATH (``tests/tokenbal/integrations/test_lengths_videos.py::test_real_video_processors``
-does, in the ``swift`` env: transformers 5.19 + torchvision 0.29.1 + PyAV). Prints one JSON line
+does, in each ``tf-X.Y-video`` env: torch + torchvision 0.29.1 + PyAV). Prints one JSON line
 per family x video settings: rows where both agree, rows both reject, and every disagreement.
 
 The oracle (``family_processors.video_oracle``): the processor's chat template rendered, the
@@ -43,7 +43,7 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
                     want = fp.video_oracle(proc, row)
                 except Exception as e:  # noqa: BLE001 - the processor rejects the row
                     want = f"raises {type(e).__name__}"
-                    if family == "internvl" and _internvl_rejects(proc, row):
+                    if family == "internvl" and internvl_call_rejects(proc, row):
                         # its __call__ stacks the videos: the packed Trainer builds the row from the
                         # processor's parts (checked equal to __call__ below where that one runs)
                         want = len(process_row(row, proc)["input_ids"])
@@ -111,10 +111,15 @@ def _prepared(proc, row: dict) -> tuple:
     return text, imgs, ts._row_videos(row, conv, proc, 0, "messages"), kw
 
 
-def _internvl_rejects(proc, row: dict) -> bool:
+def internvl_call_rejects(proc, row: dict) -> bool:
+    """Whether InternVL's ``__call__`` cannot take the row (videos of different frame counts, a
+    video before the first image): the packed Trainer builds such rows from the processor's parts."""
     from tokenbal.estimate.chat_video import internvl_row_rejected
 
-    text, _, videos, _ = _prepared(proc, row)
+    try:
+        text, _, videos, _ = _prepared(proc, row)
+    except ValueError:   # a video the processor cannot sample (too short): rejected anyway
+        return False
     frames = [len(f) for f in videos.get("videos", [[]])[0]]
     why = internvl_row_rejected(text, proc.image_token, proc.video_token, frames) if frames else None
     return why is not None
