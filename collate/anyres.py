@@ -2,7 +2,8 @@
 
 A processor gives each sample ``pixel_values`` as ``(images, max_crops, C, S, S)`` (padded to the
 sample's largest crop count) or ``(crops, C, S, S)``, ``image_sizes`` ``(images, 2)`` as
-``(height, width)``, and OneVision videos as ``pixel_values_videos`` ``(videos, frames, C, S, S)``.
+``(height, width)``, and OneVision videos as ``pixel_values_videos`` ``(videos, frames, C, S, S)`` (or a
+list of ``(frames, C, S, S)``, one per video, where a sample's videos differ in frames).
 :class:`AnyresLayout` works out each image's crop count and placeholder count on the host from its
 size, with the tokenbal estimator the index uses (:mod:`tokenbal.estimate.llava`, a port of
 transformers' own arithmetic), so the collated count *is* the index's count; a sample whose
@@ -114,14 +115,20 @@ class AnyresLayout:
         videos = sample.get("pixel_values_videos")
         expected_videos = 0
         if videos is not None:
-            v = _tensor(videos, i, "pixel_values_videos")
-            if v.dim() == 4:
-                v = v[None]
-            if v.dim() != 5 or tuple(v.shape[-2:]) != (self.crop_size, self.crop_size):
-                raise ValueError(f"sample {i}: field 'pixel_values_videos' has shape {tuple(v.shape)}; "
-                                 f"expected (videos, frames, C, {self.crop_size}, {self.crop_size})")
-            per_video = [int(v.shape[1])] * int(v.shape[0])
-            frames = v.flatten(0, 1)
+            # (videos, frames, C, S, S) as the processor stacks them, or a list of (frames, C, S, S),
+            # one per video, for a sample whose videos keep different numbers of frames
+            if isinstance(videos, (list, tuple)):
+                clips = [_tensor(c, i, "pixel_values_videos") for c in videos]
+            else:
+                v = _tensor(videos, i, "pixel_values_videos")
+                clips = list(v) if v.dim() == 5 else [v]
+            for c in clips:
+                if c.dim() != 4 or tuple(c.shape[-2:]) != (self.crop_size, self.crop_size):
+                    raise ValueError(f"sample {i}: field 'pixel_values_videos' holds a video of shape "
+                                     f"{tuple(c.shape)}; expected (videos, frames, C, {self.crop_size}, "
+                                     f"{self.crop_size}) or a list of (frames, C, {self.crop_size}, "
+                                     f"{self.crop_size})")
+            per_video, frames = [int(c.shape[0]) for c in clips], (torch.cat(clips) if clips else None)
             expected_videos = sum(self.video_tokens(f) for f in per_video)
         if video_token_id is not None:
             _check_count(ids, video_token_id, expected_videos, i, "video", "pixel_values_videos", per_video)

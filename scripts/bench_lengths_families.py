@@ -17,7 +17,7 @@ The counts are checked equal on every row before any time is printed.
 
     python scripts/bench_lengths_families.py [--rows 200] [--families qwen2-vl,internvl] [--num-proc 2]
 
-``--videos N`` (needs torchvision: the video processors; run it in the ``swift`` side env): per
+``--videos N`` (needs torchvision: the video processors; run it in a ``tf-X.Y-video`` side env): per
 family with videos, ``--rows`` rows of 1-2 videos (a third also with an image) drawn from ``N``
 videos written here (mp4 / webm, 320x240 .. 640x360, 24 / 25 / 30 fps, 2-8 s); the family's
 real video processor at its class defaults, except that Qwen2 / 2.5-VL sample at 2 fps and

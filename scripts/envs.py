@@ -7,6 +7,12 @@ the torch + torchvision pair) from local disk instead of resolving a multi-GB CU
 another package; the rest of the file is installed after. tokenbal itself is *not* installed: the
 checks put the checkout on ``PYTHONPATH``, so one environment serves every checkout and branch.
 
+A spec may start from another environment instead of a bare venv: a line ``base: NAME`` makes the
+new venv see NAME's packages (a ``.pth`` file adds NAME's site-packages after its own) and install
+only its own lines over them, e.g. another transformers release over the torch + torchvision of
+NAME (a few hundred MB instead of a second multi-GB torch). pip never touches the base: what a
+spec line replaces is installed in the new venv, which comes first on ``sys.path``.
+
 Environments live under ``$TOKENBAL_ENV_ROOT`` (default ``~/.cache/tokenbal/envs``), one folder per
 name, and are rebuilt only when their requirements file changes (its sha256 is stored beside the
 venv). A lock per environment lets several test processes ask for the same one at once.
@@ -31,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "tests" / "envs"
 _TORCH_LINE = re.compile(r"^\s*(torch|torchvision|torchaudio)\s*(==|>=|<=|~=|$)")
+_BASE_LINE = re.compile(r"^base:\s*(\S+)$")
 
 
 def env_root() -> Path:
@@ -45,14 +52,24 @@ def spec_path(name: str) -> Path:
     return path
 
 
-def _requirements(path: Path) -> tuple[list[str], list[str]]:
-    """(torch lines, other lines) of a requirements file, comments and blanks dropped."""
-    torch_lines, other = [], []
+def _requirements(path: Path) -> tuple[str | None, list[str], list[str]]:
+    """(base environment or None, torch lines, other lines) of a spec, comments and blanks dropped."""
+    base, torch_lines, other = None, [], []
     for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
-        if line:
+        if m := _BASE_LINE.match(line):
+            base = m.group(1)
+        elif line:
             (torch_lines if _TORCH_LINE.match(line) else other).append(line)
-    return torch_lines, other
+    if base is not None and torch_lines:
+        raise SystemExit(f"envs: error: {path} has a base ({base}) and torch lines (torch is the base's)")
+    return base, torch_lines, other
+
+
+def _site_packages(python: Path) -> str:
+    out = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip()
 
 
 def _run(cmd: list[str], log) -> None:
@@ -66,7 +83,9 @@ def _run(cmd: list[str], log) -> None:
 def build(name: str, *, quiet: bool = False) -> Path:
     """The python of environment ``name``, built first if missing or stale. Returns its path."""
     spec = spec_path(name)
-    digest = hashlib.sha256(spec.read_bytes()).hexdigest()
+    base, torch_lines, other = _requirements(spec)
+    base_python = build(base, quiet=quiet) if base else None
+    digest = _digest(name)
     root = env_root()
     root.mkdir(parents=True, exist_ok=True)
     venv = root / name
@@ -78,7 +97,6 @@ def build(name: str, *, quiet: bool = False) -> Path:
             return python
         if venv.exists():
             shutil.rmtree(venv)
-        torch_lines, other = _requirements(spec)
         log_path = root / f"{name}.log"
         start = time.monotonic()
         if not quiet:
@@ -87,15 +105,27 @@ def build(name: str, *, quiet: bool = False) -> Path:
             _run([sys.executable, "-m", "venv", str(venv)], log)
             pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
             _run(pip + ["--upgrade", "pip"], log)
+            if base_python is not None:
+                # the base's packages after the venv's own (addsitedir also runs the base's .pth files)
+                (Path(_site_packages(python)) / "_tokenbal_base.pth").write_text(
+                    f"import site; site.addsitedir({_site_packages(base_python)!r})\n")
             if torch_lines:
                 _run(pip + torch_lines, log)
             if other:
-                _run(pip + ["-r", str(spec)], log)   # the torch lines again: already satisfied
+                _run(pip + torch_lines + other, log)   # the torch lines again: already satisfied
             _run([str(python), "-m", "pip", "freeze"], log)
         stamp.write_text(digest + "\n")
         if not quiet:
             print(f"envs: built {name} in {time.monotonic() - start:.0f} s", file=sys.stderr)
         return python
+
+
+def _digest(name: str) -> str:
+    """What an environment is built from: its spec and, for a spec with a base, the base's digest."""
+    spec = spec_path(name)
+    base = _requirements(spec)[0]
+    text = spec.read_bytes() + (f"\nbase {_digest(base)}".encode() if base else b"")
+    return hashlib.sha256(text).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "list":
         for spec in sorted(SPECS.glob("*.txt")):
             stamp = env_root() / spec.stem / ".tokenbal-spec-sha256"
-            digest = hashlib.sha256(spec.read_bytes()).hexdigest()
+            digest = _digest(spec.stem)
             fresh = stamp.is_file() and stamp.read_text().strip() == digest
             print(f"{spec.stem:24s} {'built' if fresh else '-'}")
         return 0

@@ -17,12 +17,11 @@ import re
 
 import pytest
 
-from tests.helpers.envs import run_in_env
+from tests.helpers.envs import run_in_env, transformers_specs
 from tests.helpers.paths import REPO
 
 # Every spec of the matrix, oldest first.
-VERSIONS = sorted((p.stem for p in (REPO / "tests" / "envs").glob("tf-*.txt")),
-                  key=lambda name: tuple(int(x) for x in name[3:].split(".")))
+VERSIONS = transformers_specs("matrix")
 OLDEST = VERSIONS[0]
 
 # The test modules that touch transformers (model patches, positions, estimators against the

@@ -39,6 +39,14 @@ Qwen2-VL image ``size``        4.57's slow ``Qwen2VLImageProcessor`` (loaded wit
                                drops a ``size`` from the files and keeps its class defaults unless
                                ``min_pixels`` / ``max_pixels`` are given; its fast class and 5.x keep
                                it (:func:`qwen2_vl_loaded_image_size_kept`)
+placeholder replacement        5.1x+: ``processor.get_text_with_replacements`` replaces a row's
+                               placeholders in one pass; 5.25's Qwen3-VL also folds the template's
+                               ``<|vision_start|><video><|vision_end|>`` into the bare video token
+                               first (its frames carry their own wrappers); before 5.25 the wrapper
+                               stays (:func:`replace_placeholders`)
+processor call defaults        5.19: ``_merge_kwargs(XProcessorKwargs, ...)`` (a ``_defaults``
+                               TypedDict); 5.24+: defaults are attributes of the processor class and
+                               the kwargs class is optional (:func:`processor_modality_kwargs`)
 ============================  ======================================================================
 """
 
@@ -439,3 +447,35 @@ def image_processing_module(model: str) -> Any:
         return importlib.import_module(f"transformers.models.{model}.image_processing_pil_{model}")
     except ModuleNotFoundError:
         return importlib.import_module(f"transformers.models.{model}.image_processing_{model}")
+
+
+def replace_placeholders(processor: Any, text: str, images: list[str], videos: list[str]) -> str:
+    """``text`` with its image / video placeholders replaced by ``images`` / ``videos`` (in text
+    order), as the processor's ``__call__`` replaces them: through its own
+    ``get_text_with_replacements`` where it has one (a family may rewrite the text around a
+    placeholder first: 5.25's Qwen3-VL folds the template's vision start / end wrapper of a video
+    into the bare token), else one regex pass over the two placeholder tokens."""
+    own = getattr(processor, "get_text_with_replacements", None)
+    if callable(own):
+        return own([text], list(images), list(videos))[0][0]
+    import re
+
+    video, image = getattr(processor, "video_token", None), getattr(processor, "image_token", None)
+    pairs = ((video, videos), (image, images))
+    queues = {token: iter(values) for token, values in pairs if token}
+    pattern = re.compile("|".join(re.escape(t) for t in queues))
+    return pattern.sub(lambda m: next(queues[m.group(0)]), text)
+
+
+def processor_modality_kwargs(processor: Any, **kwargs: Any) -> dict[str, dict]:
+    """The per-modality keyword arguments the processor's ``__call__`` hands its image / video
+    processors and tokenizer (``{"images_kwargs": ..., "videos_kwargs": ..., "text_kwargs": ...}``):
+    its class defaults (InternVL: ``crop_to_patches=True``, videos as ``"pt"``), the tokenizer's
+    init kwargs, then ``kwargs``. 5.24+ read the defaults off the processor class
+    (``_merge_kwargs(tokenizer_init_kwargs=...)``); 5.19 needs the kwargs class first."""
+    init = getattr(getattr(processor, "tokenizer", None), "init_kwargs", {})
+    merge = processor._merge_kwargs
+    first = next(iter(inspect.signature(merge).parameters.values()), None)
+    if first is not None and first.default is inspect.Parameter.empty:   # 5.19: the kwargs class is required
+        return merge(processor.valid_processor_kwargs, tokenizer_init_kwargs=init, **kwargs)
+    return merge(tokenizer_init_kwargs=init, **kwargs)

@@ -5,6 +5,7 @@ PYTHONPATH. Built by scripts/envs.py from tests/envs/NAME.txt, cached under $TOK
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,20 @@ from tests.helpers.paths import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import envs as _envs  # noqa: E402  (scripts/ is not a package)
+
+_TF_SPEC = re.compile(r"^tf-(\d+)\.(\d+)(-video)?$")
+
+
+def transformers_specs(kind: str) -> list[str]:
+    """The transformers side environments of one kind, oldest release first: ``"matrix"`` the
+    ``tf-X.Y`` specs (the version matrix, no torchvision), ``"video"`` the ``tf-X.Y-video`` specs
+    (torch + torchvision + PyAV: the real video processors' oracle)."""
+    found = []
+    for spec in (REPO / "tests" / "envs").glob("tf-*.txt"):
+        m = _TF_SPEC.match(spec.stem)
+        if m and bool(m.group(3)) == (kind == "video"):
+            found.append(((int(m.group(1)), int(m.group(2))), spec.stem))
+    return [name for _, name in sorted(found)]
 
 
 def env_python(name: str) -> Path:

@@ -377,7 +377,7 @@ VIDEO_CLASS = {"qwen2-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
 VIDEO_SETTINGS = {
     "qwen2-vl": [{}, {"do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": 12}],
     "qwen2.5-vl": [{}, {"do_sample_frames": True, "fps": 1.0}],
-    "qwen3-vl": [{}, {"fps": 1.0, "min_frames": 2, "max_frames": 8}],
+    "qwen3-vl": [{}, {"fps": 1.0, "min_frames": 2, "max_frames": 8}, {"do_sample_frames": False}],
     "glm-4.1v": [{}],
     "llava-onevision": [{}, {"do_sample_frames": True, "num_frames": 6}],
     "internvl": [{}, {"do_sample_frames": True, "num_frames": 5}],

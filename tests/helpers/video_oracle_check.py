@@ -1,8 +1,8 @@
 """``dataset_lengths`` on video rows against the real processors' video path, in a side environment
 that has torchvision (the video processors need it; CI's venv has none). Run as
-``python -m tests.helpers.video_oracle_check N_VIDEOS N_ROWS SEED`` with this checkout on
+``python -m tests.helpers.video_oracle_check N_VIDEOS N_ROWS SEED [FAMILY,...]`` with this checkout on
 PYTHONPATH (``tests/tokenbal/integrations/test_lengths_videos.py::test_real_video_processors``
-does, in the ``swift`` env: transformers 5.19 + torchvision 0.29.1 + PyAV). Prints one JSON line
+does, in each ``tf-X.Y-video`` env: torch + torchvision 0.29.1 + PyAV). Prints one JSON line
 per family x video settings: rows where both agree, rows both reject, and every disagreement.
 
 The oracle (``family_processors.video_oracle``): the processor's chat template rendered, the
@@ -20,21 +20,22 @@ import warnings
 from pathlib import Path
 
 
-def main(n_videos: int, n_rows: int, seed: int) -> int:
+def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     import datasets
 
     from tests.helpers import family_processors as fp
     from tokenbal.integrations.hf_lengths import dataset_lengths
+    from tokenbal.integrations.trainer_support import process_row
 
     folder = Path(tempfile.mkdtemp(prefix="tokenbal-videos-"))
     videos = fp.write_videos(folder, n_videos, seed=seed)
     failed = 0
-    for family in fp.VIDEO_FAMILIES:
+    for family in families or fp.VIDEO_FAMILIES:
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
             rows = fp.random_video_rows(n_rows, seed=seed + 7 * k + len(family), videos=videos)
             proc = fp.video_family_processor(family, real=True, settings=settings, subclass=True)
-            agree = rejected = 0
+            agree = rejected = by_parts = 0
             wrong = []
             accepted = []
             for i, row in enumerate(rows):
@@ -42,6 +43,11 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
                     want = fp.video_oracle(proc, row)
                 except Exception as e:  # noqa: BLE001 - the processor rejects the row
                     want = f"raises {type(e).__name__}"
+                    if family == "internvl" and internvl_call_rejects(proc, row):
+                        # its __call__ stacks the videos: the packed Trainer builds the row from the
+                        # processor's parts (checked equal to __call__ below where that one runs)
+                        want = len(process_row(row, proc)["input_ids"])
+                        by_parts += 1
                 try:
                     got = int(dataset_lengths([row], proc)[0])
                 except ValueError as e:
@@ -53,13 +59,11 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
                     accepted.append(i)
                 else:
                     wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
-            # the packed Trainer's collator step: the processor's own output for the row
-            from tokenbal.integrations.trainer_support import process_row
-
+            # the packed Trainer's collator step: the processor's own output for the row (rows of two
+            # videos of different frame counts: OneVision's / InternVL's video by video)
             collated = 0
-            for i in [i for i in accepted if len(rows[i]["files"]) <= 1][:12]:
-                # (rows of 2+ videos: OneVision / InternVL stack a row's videos into one tensor,
-                # which fails for different frame counts with return_tensors="pt")
+            for i in ([i for i in accepted if len(rows[i]["files"]) <= 1][:12]
+                      + [i for i in accepted if len(rows[i]["files"]) > 1][:8]):
                 got = len(process_row(rows[i], proc)["input_ids"])
                 want = int(dataset_lengths([rows[i]], proc)[0])
                 collated += 1
@@ -79,13 +83,79 @@ def main(n_videos: int, n_rows: int, seed: int) -> int:
                     got = dataset_lengths(ds, proc, num_proc=num_proc, cache=False).tolist()
                     if got != expect:
                         wrong.append({"dataset": True, "num_proc": num_proc, "got": got, "want": expect})
+            parts_equal = 0
+            if family in ("internvl", "llava-onevision"):
+                for i in [i for i in accepted if rows[i]["files"]][:12]:
+                    if (err := _parts_equal_call(proc, family, rows[i])) is None:
+                        parts_equal += 1
+                    elif err != "processor raises":
+                        wrong.append({"row": i, "parts_vs_call": err})
             failed += len(wrong)
             shapes = sorted({rows[i]["shape"] for i in accepted})
             print(json.dumps({"family": family, "settings": settings, "rows": len(rows), "agree": agree,
-                              "both_reject": rejected, "process_row": collated, "wrong": wrong[:5],
+                              "both_reject": rejected, "process_row": collated, "by_parts": by_parts,
+                              "parts_equal_call": parts_equal, "wrong": wrong[:5],
                               "n_wrong": len(wrong), "shapes": shapes, "videos": n_videos}), flush=True)
     return 1 if failed else 0
 
 
+def _prepared(proc, row: dict) -> tuple:
+    """What ``process_row`` hands the processor: text, images, video arguments, special-token rule."""
+    from tokenbal.integrations import trainer_support as ts
+
+    conv = [dict(m) for m in row["messages"]]
+    text = proc.apply_chat_template([conv], tokenize=False)
+    text = text[0] if isinstance(text, list) else text
+    imgs = [ts._as_image(v) for v in row["images"]]
+    kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
+    return text, imgs, ts._row_videos(row, conv, proc, 0, "messages"), kw
+
+
+def internvl_call_rejects(proc, row: dict) -> bool:
+    """Whether InternVL's ``__call__`` cannot take the row (videos of different frame counts, a
+    video before the first image): the packed Trainer builds such rows from the processor's parts."""
+    from tokenbal.estimate.chat_video import internvl_row_rejected
+
+    try:
+        text, _, videos, _ = _prepared(proc, row)
+    except ValueError:   # a video the processor cannot sample (too short): rejected anyway
+        return False
+    frames = [len(f) for f in videos.get("videos", [[]])[0]]
+    why = internvl_row_rejected(text, proc.image_token, proc.video_token, frames) if frames else None
+    return why is not None
+
+
+def _parts_equal_call(proc, family: str, row: dict) -> str | None:
+    """The video-by-video sample (``internvl_by_parts`` / ``_onevision_videos_apart``) against the
+    processor's own ``return_tensors="pt"`` call on a row that call takes: None if input_ids and
+    pixels are equal, else what differs ("processor raises" where the call cannot take the row)."""
+    import torch
+
+    from tokenbal.integrations import trainer_support as ts
+
+    text, imgs, videos, kw = _prepared(proc, row)
+    try:
+        full = proc(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kw, **videos)
+    except Exception:  # noqa: BLE001
+        return "processor raises"
+    if family == "internvl":
+        parts = ts.internvl_by_parts(proc, text, imgs, videos, kw)
+        pixels = [("pixel_values", parts["pixel_values"], full["pixel_values"])]
+    else:
+        parts = ts._onevision_videos_apart(proc, text, imgs, videos, kw)
+        pixels = [("pixel_values_videos", torch.cat(parts["pixel_values_videos"]),
+                   full["pixel_values_videos"].flatten(0, 1))]
+        if imgs:   # the call pads each image's crops to the row's most: drop the all-zero padding
+            crops = full["pixel_values"].flatten(0, 1)
+            pixels.append(("pixel_values", parts["pixel_values"], crops[crops.flatten(1).abs().sum(1) > 0]))
+    if not torch.equal(torch.as_tensor(parts["input_ids"]), torch.as_tensor(full["input_ids"])):
+        return "input_ids differ"
+    for name, a, b in pixels:
+        if a.shape != b.shape or not torch.equal(a, b):
+            return f"{name} differ: {tuple(a.shape)} vs {tuple(b.shape)}"
+    return None
+
+
 if __name__ == "__main__":
-    sys.exit(main(*(int(a) for a in sys.argv[1:4])))
+    only = sys.argv[4].split(",") if sys.argv[4:] else None
+    sys.exit(main(*(int(a) for a in sys.argv[1:4]), families=only))

@@ -420,27 +420,18 @@ class ChatTokenCounter:
         """Rows with videos: the text with every image and video placeholder replaced as the processor
         replaces them (one pass, in order), tokenized; a run of an added placeholder token counts
         as its length without being tokenized (each copy is one token)."""
-        import re
+
+        from tokenbal.hf_compat import replace_placeholders
 
         exp = self.expansion or Expansion(self.image_token or "")
         starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(texts)))]).astype(int)
-        pattern = re.compile("|".join(re.escape(t) for t in (self.video_token, self.image_token) if t))
         out, extra = [], np.zeros(len(texts), np.int64)
         for r, text in enumerate(texts):
             image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
                                 for j in range(starts[r], starts[r + 1])])
             replaced = [self.video_text(info, first_row + r, str(k))
                         for k, info in enumerate(videos[r] or ())]
-            if self.family == "internvl" and replaced:
-                from tokenbal.estimate.chat_video import internvl_row_rejected
-
-                frames = [n for _, n in replaced]
-                why = internvl_row_rejected(text, self.image_token, self.video_token, frames)
-                if why:
-                    raise ChatCountError(f"row {first_row + r}: {why}")
-            video_texts = iter([t for t, _ in replaced])
-            text = pattern.sub(lambda m, i=image_texts, v=video_texts:
-                               next(v if m.group(0) == self.video_token else i), text)
+            text = replace_placeholders(self.processor, text, list(image_texts), [t for t, _ in replaced])
             text, extra[r] = self._collapse_placeholders(text)
             out.append(text)
         total = self._tokens(out) + extra

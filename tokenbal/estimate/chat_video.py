@@ -96,8 +96,10 @@ def video_replacement(processor: Any, family: str, est: Any, info: Any) -> tuple
 def internvl_row_rejected(text: str, image_token: str, video_token: str, frames: list[int]) -> str | None:
     """Why transformers' ``InternVLProcessor`` raises on a row, or None: it stacks a row's videos
     into one tensor (so they must keep the same number of frames), and its pixel batches fail when
-    a video comes before the first image (both seen on transformers 5.19, the oracle env:
-    ``stack expects each tensor to be equal size`` / ``expected Tensor as element 1``)."""
+    a video comes before the first image (both seen on transformers 5.19-5.25:
+    ``stack expects each tensor to be equal size`` / ``expected Tensor as element 1``). Such rows
+    are counted all the same: the packed Trainer's ``process_row`` builds them from the processor's
+    parts (``trainer_support.internvl_by_parts``), which InternVL's model takes."""
     if len(set(frames)) > 1:
         return (f"its videos keep different numbers of frames ({frames}); InternVLProcessor stacks them "
                 "and raises")

@@ -140,8 +140,14 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     text = text[0] if isinstance(text, (list, tuple)) else text
     bos = getattr(getattr(processor, "tokenizer", None), "bos_token", None)
     kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
-    out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kwargs,
-                    **video_kwargs)
+    stacked = _videos_stack(processor, text, video_kwargs)
+    if stacked is None:
+        out = processor(text=[text], images=[imgs] if imgs else None, return_tensors="pt", **kwargs,
+                        **video_kwargs)
+    elif stacked == "llava-onevision":
+        out = _onevision_videos_apart(processor, text, imgs, video_kwargs, kwargs)
+    else:
+        out = internvl_by_parts(processor, text, imgs, video_kwargs, kwargs)
     ids = torch.as_tensor(out["input_ids"])[0].long()
     labels = ids.clone()
     masked = set(int(t) for t in ignore_token_ids)
@@ -155,7 +161,7 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     if masked:
         labels[torch.isin(ids, torch.tensor(sorted(masked)))] = -100
     sample: dict[str, Any] = {"input_ids": ids, "labels": labels}
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+    for key in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",
                 "second_per_grid_ts"):
         if out.get(key) is not None:
             sample[key] = out[key]
@@ -163,6 +169,82 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
 
 
 _VIDEO_ESTIMATOR: dict[int, tuple[Any, str, Any]] = {}
+
+
+def _videos_stack(processor: Any, text: str, video_kwargs: dict[str, Any]) -> str | None:
+    """The family, where its processor's ``return_tensors="pt"`` call cannot take this row's videos:
+    LLaVA-OneVision's and InternVL's video processors stack a call's videos into one
+    ``(videos, frames, C, H, W)`` tensor, which fails when they keep different numbers of frames;
+    InternVL's also fails when a video comes before the row's first image. None where it can."""
+    if not video_kwargs:
+        return None
+    family = _VIDEO_ESTIMATOR[id(processor)][1]
+    frames = [len(f) for f in video_kwargs["videos"][0]]
+    if family == "llava-onevision" and len(set(frames)) > 1:
+        return family
+    if family == "internvl":
+        from tokenbal.estimate.chat_video import internvl_row_rejected
+
+        if internvl_row_rejected(text, processor.image_token, processor.video_token, frames):
+            return family
+    return None
+
+
+def _onevision_videos_apart(processor: Any, text: str, imgs: list, video_kwargs: dict[str, Any],
+                            kwargs: dict[str, Any]) -> dict[str, Any]:
+    """LLaVA-OneVision, a row whose videos keep different numbers of frames: the processor's own call
+    without ``return_tensors`` (its videos come back one tensor each, its text as it writes it),
+    turned into the sample's fields; ``pixel_values_videos`` a list of ``(frames, C, S, S)``, one
+    per video, which :class:`collate.anyres.AnyresLayout` takes and tokenbal's packed forward encodes
+    video by video (transformers' own forward takes one ``(videos, frames, ...)`` tensor, so needs
+    equal frames: the packed Trainer always runs the packed forward)."""
+    import torch
+
+    out = processor(text=[text], images=[imgs] if imgs else None, **kwargs, **video_kwargs)
+    sample = {"input_ids": torch.as_tensor(np.asarray(out["input_ids"][0]))[None],
+              "pixel_values_videos": [torch.as_tensor(np.asarray(v)) for v in out["pixel_values_videos"]]}
+    if imgs:
+        sample["pixel_values"] = torch.cat([torch.as_tensor(np.asarray(p)) for p in out["pixel_values"]])
+        sample["image_sizes"] = torch.as_tensor(np.asarray(out["image_sizes"]))
+    return sample
+
+
+def internvl_by_parts(processor: Any, text: str, imgs: list, video_kwargs: dict[str, Any],
+                      kwargs: dict[str, Any]) -> dict[str, Any]:
+    """InternVL, a row its processor's ``__call__`` raises on (videos of different frame counts, or a
+    video before the first image): what that call does, from the processor's own parts. The images
+    through its image processor and the videos *one by one* through its video processor (with its
+    call defaults), each placeholder replaced by its own ``replace_image_token`` /
+    ``replace_video_token`` in one pass, the text through its tokenizer; ``pixel_values`` every
+    image's tiles and every video's frames in text order. InternVL's model takes a video's frames as
+    tiles (one ``Frame{i}:`` block of ``image_seq_length`` tokens each), so the frame counts need not
+    agree. Equal to the processor's own output where that one runs (tested)."""
+    import re
+
+    import torch
+
+    from tokenbal.hf_compat import processor_modality_kwargs, replace_placeholders
+
+    merged = processor_modality_kwargs(processor)
+    images_out, image_texts, tiles = None, [], []
+    if imgs:
+        image_kw = {**merged["images_kwargs"], "return_tensors": "pt"}
+        images_out = processor.image_processor(images=imgs, **image_kw)
+        patches = [int(n) for n in np.asarray(images_out["num_patches"]).reshape(-1)]
+        image_texts = [processor.replace_image_token(images_out, j) for j in range(len(imgs))]
+        tiles = list(torch.split(torch.as_tensor(images_out["pixel_values"]), patches))
+    video_kw = {**merged["videos_kwargs"], "return_tensors": "pt", "do_sample_frames": False}
+    frames, video_texts = [], []
+    for video, metadata in zip(video_kwargs["videos"][0], video_kwargs["video_metadata"][0], strict=True):
+        one = processor.video_processor(videos=[video], video_metadata=[metadata], **video_kw)
+        video_texts.append(processor.replace_video_token(one, 0))
+        frames.append(torch.as_tensor(one["pixel_values_videos"])[0])
+    order = re.finditer(f"{re.escape(processor.image_token)}|{re.escape(processor.video_token)}", text)
+    images, videos = iter(tiles), iter(frames)
+    pixels = [next(images if m.group(0) == processor.image_token else videos) for m in order]
+    expanded = replace_placeholders(processor, text, image_texts, video_texts)
+    ids = processor.tokenizer([expanded], **kwargs)["input_ids"]
+    return {"input_ids": torch.as_tensor(ids), "pixel_values": torch.cat(pixels)}
 
 
 def _row_videos(row: dict[str, Any], conv: list, processor: Any, index: Any, messages: str,

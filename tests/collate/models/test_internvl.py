@@ -41,11 +41,15 @@ def estimator():
 
 
 def make_samples(seed: int = 1) -> list[dict]:
-    """Text-only, one image, two images (tiles as the index's estimator cuts them), text-only."""
+    """Text-only, one image, two images (tiles as the index's estimator cuts them), text-only, and a
+    row with two videos of 2 and 3 frames after an image (InternVL takes a video's frames as tiles,
+    one ``Frame{i}:`` block each: ``process_row`` builds such rows video by video)."""
     est = estimator()
+    per_tile = est.image_tokens(20, 20) // est.num_tiles(20, 20)
     g = torch.Generator().manual_seed(seed)
     specs = [[("text", 9)], [("text", 3), ("image", (70, 40)), ("text", 5)],
-             [("text", 2), ("image", (30, 64)), ("text", 4), ("image", (20, 20)), ("text", 3)], [("text", 6)]]
+             [("text", 2), ("image", (30, 64)), ("text", 4), ("image", (20, 20)), ("text", 3)], [("text", 6)],
+             [("text", 2), ("image", (40, 40)), ("video", 2), ("text", 2), ("video", 3), ("text", 2)]]
     samples = []
     for spec in specs:
         ids: list[int] = []
@@ -53,6 +57,10 @@ def make_samples(seed: int = 1) -> list[dict]:
         for kind, arg in spec:
             if kind == "text":
                 ids += torch.randint(0, 100, (arg,), generator=g).tolist()
+            elif kind == "video":   # "FrameN: " text, then one tile's placeholders, per frame
+                for _ in range(arg):
+                    ids += torch.randint(0, 100, (2,), generator=g).tolist() + [IMG] * per_tile
+                tiles.append(torch.randn(arg, 3, SIDE, SIDE, generator=g))
             else:
                 ids += [IMG] * est.image_tokens(*arg)
                 tiles.append(torch.randn(est.num_tiles(*arg), 3, SIDE, SIDE, generator=g))
@@ -89,7 +97,7 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
 
 
 def test_collator_and_index_counts(reference, tmp_path):
-    samples = make_samples()
+    samples = make_samples()[:4]   # the image rows (their sizes below)
     bad = dict(samples[1], pixel_values=samples[1]["pixel_values"][:-1])
     with pytest.raises(ValueError, match=r"sample 1: \d+ image placeholder tokens in input_ids but pixel_v"):
         collator(reference)([samples[0], bad])

@@ -70,7 +70,9 @@ def make_sample(layout, g: torch.Generator, spec: list) -> dict:
             pv[j, :c.shape[0]] = c
         sample.update(pixel_values=pv, image_sizes=torch.tensor(sizes))
     if videos:
-        sample["pixel_values_videos"] = torch.stack(videos)  # same frame count per sample's videos
+        # the processor's (videos, frames, C, S, S); a list of (frames, C, S, S) where they differ
+        same = len({v.shape[0] for v in videos}) == 1
+        sample["pixel_values_videos"] = torch.stack(videos) if same else videos
     return sample
 
 
@@ -102,6 +104,34 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     tower = [n for n, p in packed.named_parameters()
              if n.startswith("model.vision_tower.") and p.grad is not None]
     assert tower and dict(packed.named_parameters())["model.image_newline"].grad.abs().sum() > 0
+
+
+def test_onevision_videos_of_different_frame_counts_in_one_sample(reference):
+    """A row whose videos keep different numbers of frames (the packed Trainer's ``process_row``
+    gives their frames as a list, one tensor per video): the collator takes it, the packed forward
+    encodes video by video (placeholders per video: frames x pooled + 1 newline) and trains the
+    tower; as a list of equal-frame videos it is the stacked sample exactly."""
+    if reference.config.model_type != "llava_onevision":
+        pytest.skip("LLaVA-NeXT has no video path")
+    layout = collator(reference).anyres
+    packed = enable_packed(copy.deepcopy(reference))
+    g = torch.Generator().manual_seed(5)
+    uneven = make_sample(layout, g, [("text", 3), ("video", 2), ("text", 2), ("image", (40, 70)),
+                                     ("video", 4), ("text", 2)])
+    assert isinstance(uneven["pixel_values_videos"], list)
+    batch = collator(reference)([uneven, make_samples(reference)[1]])
+    assert batch["video_num_frames"] == [2, 4]
+    loss = packed(**batch).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in packed.named_parameters()
+               if n.startswith("model.vision_tower."))
+    even = make_sample(layout, torch.Generator().manual_seed(6), [("text", 3), ("video", 3), ("video", 3)])
+    listed = {**even, "pixel_values_videos": list(even["pixel_values_videos"])}
+    with torch.no_grad():
+        want = packed(**collator(reference)([even])).loss
+        got = packed(**collator(reference)([listed])).loss
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_packed_path_uses_ops_and_one_tower_call(reference, monkeypatch):

@@ -9,7 +9,7 @@ processor is the family's real processor with a stand-in video processor holding
 settings (``family_processors.StandInVideoProcessor``), handed to the build where it loads the
 folder (``tokenbal.estimate.chat._auto_processor``); a folder read without it is refused by name.
 ``test_real_video_processors_index_build`` (marker ``compat``) runs the build against the real
-video processors in the ``swift`` side env (``tests/helpers/video_oracle_check.py --index``).
+video processors in the ``tf-X.Y-video`` side envs (``tests/helpers/video_index_oracle_check.py``).
 """
 
 from __future__ import annotations
@@ -285,20 +285,28 @@ def test_parquet_rows_with_video_parts_are_errors(tmp_path):
     assert report.num_samples == 1 and error["key"].endswith(":0:0") and "video part" in error["reason"]
 
 
+def _video_envs() -> list[str]:
+    from tests.helpers.envs import transformers_specs
+
+    return transformers_specs("video")
+
+
 @pytest.mark.compat
-def test_real_video_processors_index_build():
-    """Against the real video processors (torchvision) in the ``swift`` side env (transformers 5.19,
-    torchvision 0.29.1, PyAV): each family's real processor saved with ``save_pretrained`` and
-    loaded by the build from that folder; 30 random videos, 40 random JSONL records per family x
-    video settings (every row shape) + 6 tar samples, two scan workers: ``index build
-    --processor`` == ``dataset_lengths`` == the processor's own ``input_ids`` length on every
-    record, and every record the processor rejects is an error of the index."""
+@pytest.mark.parametrize("env", _video_envs())
+def test_real_video_processors_index_build(env):
+    """Against the real video processors (torchvision) in each ``tf-X.Y-video`` side env
+    (transformers 5.19 / 5.24 / 5.25, torchvision 0.29.1, PyAV): each family's real processor saved
+    with ``save_pretrained`` and loaded by the build from that folder; 30 random videos, 40 random
+    JSONL records per family x video settings (every row shape) + 6 tar samples, two scan workers:
+    ``index build --processor`` == ``dataset_lengths`` == the processor's own ``input_ids`` length
+    on every record (InternVL records its ``__call__`` cannot stack: ``process_row``'s length), and
+    every record the processor rejects is an error of the index."""
     from tests.helpers.envs import run_in_env
     from tests.helpers.paths import REPO
 
     if os.environ.get("TOKENBAL_SKIP_SIDE_ENVS") == "1":
         pytest.skip("TOKENBAL_SKIP_SIDE_ENVS=1: no side environments on this machine")
-    proc = run_in_env("swift", ["-m", "tests.helpers.video_index_oracle_check", "30", "40", "9"], cwd=REPO,
+    proc = run_in_env(env, ["-m", "tests.helpers.video_index_oracle_check", "30", "40", "9"], cwd=REPO,
                       timeout=1800)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

@@ -287,6 +287,8 @@ def _process_row_case(proc, rotated: bytes, tmp_path, PackedTrainCollator, proce
         key = "pixel_values"
         assert tuple(sample[key].shape) == tuple(upright[key].shape)
         np.testing.assert_allclose(np.asarray(sample[key]), np.asarray(upright[key]))
+        if "image_sizes" in upright:   # LLaVA-NeXT / OneVision: the collator needs them with the crops
+            assert np.asarray(sample["image_sizes"]).tolist() == np.asarray(upright["image_sizes"]).tolist()
     inline = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(path)},
                                                         {"type": "text", "text": "and this"}]}], "images": []}
     assert len(process_row(inline, proc)["input_ids"]) == dataset_lengths([inline], proc)[0]
