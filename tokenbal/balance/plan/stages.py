@@ -48,7 +48,12 @@ _COMPOSE_LEVEL_ROUNDS = 32
 # PLAN_VERSION 12 (issue 49): those rounds within a budget of max(2^20, ranks · 2^14) samples × rounds
 # per composition (at least _STAGE_LEVEL_MIN rounds), so the work grows with the epoch, not with
 # rounds × steps: 100k samples on 8 ranks level 10 rounds, not 32; 512 ranks and more keep 32.
-_COMPOSE_LEVEL_FLOOR = 1 << 20
+# PLAN_VERSION 15: a floor of 2^19 (version 12-14: 2^20). It only binds on fewer than 32 ranks with more than
+# 2^19 / 32 = 16,384 samples in the composition (below, 32 rounds either way; from 32 ranks on the per-rank
+# term decides), i.e. none of issue 32's mixture points. 30k samples, 16 square draws, version 14 -> 15 (with
+# _POOL_RACE): 8 ranks median 1.0083 -> 1.0084, worst 1.0336 both, CPU 0.36 -> 0.32 s; 16 ranks 1.0114 ->
+# 1.0121 (+0.07 %), worst 1.0796 -> 1.0807, CPU 0.33 -> 0.30 s (2-core VM, load ~3).
+_COMPOSE_LEVEL_FLOOR = 1 << 19
 _COMPOSE_LEVEL_PER_RANK = 1 << 14
 # Stage mode (PLAN_VERSION 9): windows of up to _GROUPED_ITEMS samples split by the grouped stage fill
 # (_plan_stage_window); the heaviest steps, up to _STAGE_REFILL_ITEMS samples, planned again by
