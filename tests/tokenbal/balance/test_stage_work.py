@@ -8,7 +8,8 @@ every refinement by a budget proportional to the epoch, with a floor for small o
 same for the refinement after a plain fill (``grad_accum > 1``, a token budget), where a token budget
 that holds hundreds of samples per rank made a round quadratic in the step (20k samples on 8 ranks:
 ~800M item visits, 36 s). Version 14 stops composing a short epoch of more than 4,096 steps (2 per rank)
-a second time as a whole (40k -> 160k samples on 8 ranks crosses that line).
+a second time as a whole (40k -> 160k samples on 8 ranks crosses that line). Version 15 levels every pool
+of the heaviest steps for a few rounds and only the one ahead for the rest (counted below).
 """
 
 import numpy as np
