@@ -8,7 +8,8 @@ every refinement by a budget proportional to the epoch, with a floor for small o
 same for the refinement after a plain fill (``grad_accum > 1``, a token budget), where a token budget
 that holds hundreds of samples per rank made a round quadratic in the step (20k samples on 8 ranks:
 ~800M item visits, 36 s). Version 14 stops composing a short epoch of more than 4,096 steps (2 per rank)
-a second time as a whole (40k -> 160k samples on 8 ranks crosses that line).
+a second time as a whole (40k -> 160k samples on 8 ranks crosses that line). Version 15 levels every pool
+of the heaviest steps for a few rounds and only the one ahead for the rest (counted below).
 """
 
 import numpy as np
@@ -65,3 +66,39 @@ def test_budget_stage_plan_work_grows_at_most_linearly_with_the_epoch(per_sample
     (small, _), (large, _) = (_budget_work(n, 8, per_sample, grad_accum=grad_accum) for n in (4000, 16000))
     assert large <= 4 * small + FLOOR // 16, (small, large)
     assert large <= FLOOR + PER_SAMPLE * 16000, large
+
+
+def test_pools_level_one_pool_past_the_race():
+    # PLAN_VERSION 15: every pool of pool_heaviest_steps levels its first _POOL_RACE rounds, then only the
+    # one ahead levels on; version 14 (race 0) leveled every pool all its rounds. 64 ranks, 40 steps of
+    # 2 samples per rank, random bins: pools of 2 / 4 / 8 / 16 steps.
+    from tokenbal.balance.mixtures import random_stage_costs
+    from tokenbal.balance.partition.stages import _POOL_RACE, _POOL_ROUNDS, _POOL_STEPS, pool_heaviest_steps
+
+    R, steps, N = 64, 40, 128
+    c = random_stage_costs(steps * N, 3)
+    group = np.repeat(np.arange(steps), N)
+    bins = np.concatenate([np.random.default_rng(s).permutation(np.arange(N) % R) for s in range(steps)])
+
+    def level_work(race: int) -> tuple[int, np.ndarray, np.ndarray]:
+        old = stage_ops._POOL_RACE
+        stage_ops._POOL_RACE = race
+        stage_ops.work_done["level"] = 0
+        try:
+            g, b = pool_heaviest_steps(c, group, bins, R)
+        finally:
+            stage_ops._POOL_RACE = old
+        return stage_ops.work_done["level"], g, b
+
+    work, g, b = level_work(_POOL_RACE)
+    full, _, _ = level_work(0)
+    largest = max(_POOL_STEPS) * N
+    assert work <= (len(_POOL_STEPS) * _POOL_RACE + _POOL_ROUNDS) * largest, work
+    assert work < full, (work, full)
+    # Still never slower, every step its count.
+    def total(gg, bb):
+        loads = np.zeros((steps, R, c.shape[1]), np.int64)
+        np.add.at(loads, (gg, bb), c)
+        return int(loads.max(1).sum())
+    assert total(g, b) <= total(group, bins)
+    assert np.array_equal(np.bincount(g, minlength=steps), np.bincount(group, minlength=steps))

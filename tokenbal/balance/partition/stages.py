@@ -42,6 +42,15 @@ _POOL_ROUNDS = 512
 _POOL_WORK = 1 << 23
 _POOL_PATIENCE = 64
 _POOL_SLACK = (1, 10)
+# PLAN_VERSION 15 (issue 49): every pool levels its first _POOL_RACE rounds, then only the pool that gains
+# most so far levels the rest of its rounds (0: every pool all its rounds, version 14). The pools are
+# nested (the heaviest 2 of the heaviest 4 ...), so most of their rounds repeat one another's work.
+# Median figure version 14 -> 15 (scripts/bench_balance.py --mixture-points 8,64,512, 20 draws): square
+# 1.0184 / 1.0424 / 1.0936 -> 1.0184 / 1.0417 / 1.0936, FLOPs 1.0152 / 1.0329 / 1.0642 -> 1.0152 / 1.0324 /
+# 1.0642; 4,096 ranks (4 square draws) 2.7599 -> 2.7593; 30k samples on 64 ranks (8 square draws) 1.0669 ->
+# 1.0667, CPU 0.42 -> 0.34 s. With 32 race rounds the 64-rank square median rose 1.0424 -> 1.0450 (+0.25 %).
+# See docs/BENCHMARKS.md, "Issue 49 (part 5)".
+_POOL_RACE = 64
 # What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
 # as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
 _ROUND_ITEMS = 1024
@@ -809,7 +818,8 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
     the bins, sorted by their largest normalised stage, are cut into steps of like bins, and the pool
     is leveled (:func:`level_stage_bins`'s swaps). Only steps of the most common size are pooled, and
     only when that size is a multiple of ``num_bins`` (so every step keeps its sample count); bins
-    may change their item counts. No pool is kept unless its steps get faster. Deterministic.
+    may change their item counts. No pool is kept unless its steps get faster. Every pool is leveled
+    ``_POOL_RACE`` rounds, then only the one ahead the rest of its rounds (PLAN_VERSION 15). Deterministic.
     """
     c = np.asarray(stage_costs, np.int64)
     group = np.asarray(group, np.int64)
@@ -829,7 +839,7 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
     times = loads.max(1).sum(1)
     eligible = np.flatnonzero(size == N)
     heaviest = eligible[np.argsort(-times[eligible], kind="stable")]
-    best = None
+    best, tried = None, []
     for h in sorted(set(int(v) for v in pools)):
         if h < 2 or h > len(heaviest) or h * N > max_items:
             continue
@@ -841,17 +851,31 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
         rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
-        new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, rounds, _POOL_PATIENCE, stall)
-        pooled = np.zeros((h, R, K), np.int64)
-        np.add.at(pooled, (new_g, new_b), x)
-        gain = before - int(pooled.max(1).sum())
-        if gain > 0 and (best is None or gain > best[0]):
+        first = min(rounds, _POOL_RACE) if _POOL_RACE else rounds
+        new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, first, _POOL_PATIENCE, stall)
+        gain = before - _pool_time(x, new_g, new_b, h, R)
+        tried.append((gain, h, mine, chosen, x, new_g, new_b, rounds - first))
+    if tried:
+        # Every pool leveled its first _POOL_RACE rounds; the one ahead then levels the rest of its rounds.
+        gain, h, mine, chosen, x, new_g, new_b, more = max(tried, key=lambda t: t[0])
+        if more > 0:
+            new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, more, _POOL_PATIENCE,
+                                         stall)
+            gain = int(times[chosen].sum()) - _pool_time(x, new_g, new_b, h, R)
+        if gain > 0:
             best = (gain, mine, chosen[new_g], new_b)
     g_local, bins = g_local.copy(), bins.copy()
     if best is not None:
         _, mine, new_group, new_bins = best
         g_local[mine], bins[mine] = new_group, new_bins
     return g_ids[g_local], bins
+
+
+def _pool_time(x: np.ndarray, g: np.ndarray, b: np.ndarray, h: int, R: int) -> int:
+    """Σ_step Σ_stage max_bin of a pool's samples ``x`` at (step, bin)."""
+    pooled = np.zeros((h, R, x.shape[1]), np.int64)
+    np.add.at(pooled, (g, b), x)
+    return int(pooled.max(1).sum())
 
 
 def _deal_pool(x: np.ndarray, h: int, R: int) -> tuple[np.ndarray, np.ndarray, int]:

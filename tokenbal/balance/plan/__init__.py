@@ -94,7 +94,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 14
+PLAN_VERSION = 15
 
 
 def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,

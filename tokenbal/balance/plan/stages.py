@@ -48,8 +48,14 @@ _COMPOSE_LEVEL_ROUNDS = 32
 # PLAN_VERSION 12 (issue 49): those rounds within a budget of max(2^20, ranks · 2^14) samples × rounds
 # per composition (at least _STAGE_LEVEL_MIN rounds), so the work grows with the epoch, not with
 # rounds × steps: 100k samples on 8 ranks level 10 rounds, not 32; 512 ranks and more keep 32.
-_COMPOSE_LEVEL_FLOOR = 1 << 20
-_COMPOSE_LEVEL_PER_RANK = 1 << 14
+# PLAN_VERSION 15: max(2^19, ranks · 2^13) (versions 12-14: max(2^20, ranks · 2^14)). At most 32 rounds either
+# way, so it only binds where a composition holds more than 2^14 samples and more than 256 per rank (8-64
+# ranks from 16,385 samples, 512 from 131,073); none of issue 32's mixture points (plans hash-identical). 30k
+# samples, version 14 -> 15 (with _POOL_RACE), median / worst: 8 ranks (16 square draws) 1.0083 -> 1.0084,
+# 1.0336 both; 16 ranks 1.0114 -> 1.0121 (+0.07 %), 1.0796 -> 1.0807; 64 ranks 1.0402 -> 1.0393, 1.7763 both;
+# CPU 10-20 % less. 100k on 64 ranks (4 draws) 1.0248 -> 1.0254; 60k on 128 1.1002 -> 1.1003.
+_COMPOSE_LEVEL_FLOOR = 1 << 19
+_COMPOSE_LEVEL_PER_RANK = 1 << 13
 # Stage mode (PLAN_VERSION 9): windows of up to _GROUPED_ITEMS samples split by the grouped stage fill
 # (_plan_stage_window); the heaviest steps, up to _STAGE_REFILL_ITEMS samples, planned again by
 # version 7's composition (_compose_fill) and kept where that is faster. 0: version 7's plan.
