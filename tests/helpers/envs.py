@@ -43,3 +43,17 @@ def run_in_env(name: str, args: list[str], *, cwd: Path | None = None, env: dict
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), full_env.get("PYTHONPATH", "")) if p)
     return subprocess.run([str(python), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+def oracle_in_env(name: str, module: str, *args: str, timeout: float = 1800) -> list[dict]:
+    """``python -m MODULE ARGS`` in environment ``name`` (an oracle check that prints one JSON line per
+    case): its JSON lines, after asserting it exited 0; skips the test under
+    ``TOKENBAL_SKIP_SIDE_ENVS=1`` (machines without side environments)."""
+    import json
+
+    import pytest
+
+    if os.environ.get("TOKENBAL_SKIP_SIDE_ENVS") == "1":
+        pytest.skip("TOKENBAL_SKIP_SIDE_ENVS=1: no side environments on this machine")
+    proc = run_in_env(name, ["-m", module, *args], cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -280,16 +280,22 @@ def random_rows(n: int, seed: int, shapes: tuple[str, ...] = SHAPES) -> list:
     return rows
 
 
+def write_images(images: list, folder, stem: str, suffix: str = ".img") -> list[str]:
+    """Each image's bytes written to ``folder/STEM_J.SUFFIX``; their paths, in order."""
+    paths = []
+    for j, data in enumerate(images):
+        p = folder / f"{stem}_{j}{suffix}"
+        p.write_bytes(data)
+        paths.append(str(p))
+    return paths
+
+
 def materialise(rows: list, folder) -> list:
     """Rows as a user gives them: inline / image_url parts point at image files written to
     ``folder`` (their images column emptied); column rows keep their bytes."""
     out = []
     for i, row in enumerate(rows):
-        paths = []
-        for j, data in enumerate(row["images"]):
-            p = folder / f"r{i}_{j}.img"
-            p.write_bytes(data)
-            paths.append(str(p))
+        paths = write_images(row["images"], folder, f"r{i}")
         msgs = []
         for m in row["messages"]:
             if isinstance(m["content"], list):

@@ -27,13 +27,11 @@ from pathlib import Path
 def records_of(rows: list, folder: Path) -> list[dict]:
     """Rows as annotation records: image files in ``images``, videos in ``videos`` (column shapes)
     or named in the parts."""
+    from tests.helpers.family_processors import write_images
+
     out = []
     for i, row in enumerate(rows):
-        images = []
-        for j, data in enumerate(row["images"]):
-            f = folder / f"img{i}_{j}.png"
-            f.write_bytes(data)
-            images.append(str(f))
+        images = write_images(row["images"], folder, f"img{i}", ".png")
         rec = {"id": f"r{i}", "messages": row["messages"]}
         if images:
             rec["images"] = images
@@ -46,11 +44,10 @@ def records_of(rows: list, folder: Path) -> list[dict]:
 def check(family: str, settings: dict, videos: list[str], n_rows: int, seed: int, folder: Path) -> dict:
     from tests.helpers import family_processors as fp
     from tests.helpers.corpus import Sample, write_shard
-    from tests.helpers.video_oracle_check import internvl_call_rejects
+    from tests.helpers.video_oracle_check import processor_length
     from tokenbal import TokenIndex
     from tokenbal.index import build_index
     from tokenbal.integrations.hf_lengths import dataset_lengths
-    from tokenbal.integrations.trainer_support import process_row
 
     proc = fp.video_family_processor(family, real=True, settings=settings)
     pdir = folder / "processor"
@@ -79,14 +76,7 @@ def check(family: str, settings: dict, videos: list[str], n_rows: int, seed: int
     cases = [(r["id"], r, row) for r, row in zip(records, rows, strict=True)]
     cases += [(f"t{i}", row, row) for i, row in enumerate(tar_rows)]
     for key, rec, row in cases:
-        try:
-            want = fp.video_oracle(proc, row)
-        except Exception as e:  # noqa: BLE001 - the processor rejects the row
-            want = f"raises {type(e).__name__}"
-            if family == "internvl" and internvl_call_rejects(proc, row):
-                # its __call__ stacks the videos; the packed Trainer builds the row from the
-                # processor's parts (video_oracle_check checks those against __call__)
-                want = len(process_row(row, proc)["input_ids"])
+        want, _ = processor_length(proc, family, row)
         try:
             lengths = int(dataset_lengths([{k: v for k, v in rec.items() if k != "files"}], proc)[0])
         except ValueError as e:

@@ -39,15 +39,8 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
             wrong = []
             accepted = []
             for i, row in enumerate(rows):
-                try:
-                    want = fp.video_oracle(proc, row)
-                except Exception as e:  # noqa: BLE001 - the processor rejects the row
-                    want = f"raises {type(e).__name__}"
-                    if family == "internvl" and internvl_call_rejects(proc, row):
-                        # its __call__ stacks the videos: the packed Trainer builds the row from the
-                        # processor's parts (checked equal to __call__ below where that one runs)
-                        want = len(process_row(row, proc)["input_ids"])
-                        by_parts += 1
+                want, from_parts = processor_length(proc, family, row)
+                by_parts += from_parts
                 try:
                     got = int(dataset_lengths([row], proc)[0])
                 except ValueError as e:
@@ -109,6 +102,22 @@ def _prepared(proc, row: dict) -> tuple:
     imgs = [ts._as_image(v) for v in row["images"]]
     kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
     return text, imgs, ts._row_videos(row, conv, proc, 0, "messages"), kw
+
+
+def processor_length(proc, family: str, row: dict) -> tuple[int | str, bool]:
+    """(the row's length by the real processor, whether it came from the processor's parts): its
+    own ``input_ids`` (``family_processors.video_oracle``), or "raises X" where it rejects the row;
+    InternVL rows its ``__call__`` cannot stack are built from the processor's parts, as the packed
+    Trainer builds them (``_parts_equal_call`` checks those against ``__call__`` where it runs)."""
+    from tests.helpers import family_processors as fp
+    from tokenbal.integrations.trainer_support import process_row
+
+    try:
+        return fp.video_oracle(proc, row), False
+    except Exception as e:  # noqa: BLE001 - the processor rejects the row
+        if family == "internvl" and internvl_call_rejects(proc, row):
+            return len(process_row(row, proc)["input_ids"]), True
+        return f"raises {type(e).__name__}", False
 
 
 def internvl_call_rejects(proc, row: dict) -> bool:

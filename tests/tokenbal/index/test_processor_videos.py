@@ -301,15 +301,9 @@ def test_real_video_processors_index_build(env):
     ``index build --processor`` == ``dataset_lengths`` == the processor's own ``input_ids`` length
     on every record (InternVL records its ``__call__`` cannot stack: ``process_row``'s length), and
     every record the processor rejects is an error of the index."""
-    from tests.helpers.envs import run_in_env
-    from tests.helpers.paths import REPO
+    from tests.helpers.envs import oracle_in_env
 
-    if os.environ.get("TOKENBAL_SKIP_SIDE_ENVS") == "1":
-        pytest.skip("TOKENBAL_SKIP_SIDE_ENVS=1: no side environments on this machine")
-    proc = run_in_env(env, ["-m", "tests.helpers.video_index_oracle_check", "30", "40", "9"], cwd=REPO,
-                      timeout=1800)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    results = oracle_in_env(env, "tests.helpers.video_index_oracle_check", "30", "40", "9")
     assert {r["family"] for r in results} == set(fp.VIDEO_FAMILIES)
     assert len(results) == sum(len(v) for v in fp.VIDEO_SETTINGS.values())
     for r in results:

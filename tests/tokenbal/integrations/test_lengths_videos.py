@@ -15,7 +15,6 @@ processors in the side environments with torchvision (``tests/envs/tf-X.Y-video.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -218,15 +217,9 @@ def test_real_video_processors(env):
     rows per family x video settings, every row shape; rows the processor rejects must be rejected
     naming the row; a ``datasets`` Video column, num_proc=2; ``process_row`` (the packed Trainer's
     collator) gives the counted length, rows of two videos included."""
-    from tests.helpers.envs import run_in_env
-    from tests.helpers.paths import REPO
+    from tests.helpers.envs import oracle_in_env
 
-    if os.environ.get("TOKENBAL_SKIP_SIDE_ENVS") == "1":
-        pytest.skip("TOKENBAL_SKIP_SIDE_ENVS=1: no side environments on this machine")
-    proc = run_in_env(env, ["-m", "tests.helpers.video_oracle_check", "40", "60", "5"], cwd=REPO,
-                      timeout=1800)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "60", "5")
     assert {r["family"] for r in results} == set(fp.VIDEO_FAMILIES)
     for r in results:
         assert r["n_wrong"] == 0 and r["agree"] >= 40 and len(r["shapes"]) == len(fp.VIDEO_SHAPES), r
