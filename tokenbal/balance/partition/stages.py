@@ -717,15 +717,8 @@ def _sieve_grid(a: np.ndarray, bb: np.ndarray, slot_grid: np.ndarray, cost: np.n
     (pair r: a[r]'s u-th item for bb[r]'s v-th, in the order r, u, v) that pass its room test (no
     bin above its step's maximum in any stage, as of the round's start): their items ``(i, j)`` in
     that order. The same test on the same values; it only runs on fewer candidates afterwards."""
-    q = slot_grid.shape[1]
     si, sj = slot_grid[a].T, slot_grid[bb].T                # (q, m): the items of bins a, bb
-    ok = (a != bb)[None, None, :]
-    for k in range(cost.shape[0]):
-        d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
-        ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
-    r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), q * q)
-    u, v = np.divmod(uv, q)
-    return si[u, r], sj[v, r]
+    return _room_passing(si, sj, (a != bb)[None, None, :], a, bb, cost, room)
 
 
 def _sieve_pairs(a: np.ndarray, bb: np.ndarray, na: np.ndarray, nbb: np.ndarray, slot_item: np.ndarray,
@@ -739,9 +732,18 @@ def _sieve_pairs(a: np.ndarray, bb: np.ndarray, na: np.ndarray, nbb: np.ndarray,
     si = slot_item[np.minimum(first_slot[a] + ua, last)]     # (qa, m), padded past a bin's items
     sj = slot_item[np.minimum(first_slot[bb] + ub, last)]    # (qb, m)
     ok = (ua < na)[:, None, :] & (ub < nbb)[None, :, :] & (a != bb)[None, None, :]
+    return _room_passing(si, sj, ok, a, bb, cost, room)
+
+
+def _room_passing(si: np.ndarray, sj: np.ndarray, ok: np.ndarray, a: np.ndarray, bb: np.ndarray,
+                  cost: np.ndarray, room: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The room test of :func:`_level_window` on the (u, v, pair) planes of items ``si`` (bin a's u-th
+    item per pair) and ``sj`` (bin bb's v-th), on top of the mask ``ok``: the items ``(i, j)`` of the
+    pairs that pass, in the order pair, u, v."""
     for k in range(cost.shape[0]):
         d = np.take(cost[k], sj)[None, :, :] - np.take(cost[k], si)[:, None, :]   # (u, v, m)
         ok = ok & (d <= np.take(room[k], a)) & (d >= -np.take(room[k], bb))
+    qa, qb = si.shape[0], sj.shape[0]
     r, uv = np.divmod(np.flatnonzero(ok.transpose(2, 0, 1)), qa * qb)
     u, v = np.divmod(uv, qb)
     return si[u, r], sj[v, r]
