@@ -119,15 +119,22 @@ def test_a_saved_folder_counts_without_torchvision(tmp_path):
         counter.count([_row(audio=True)["messages"]], [[]])
 
 
+def _video_envs() -> list[str]:
+    from tests.helpers.envs import transformers_specs
+
+    return transformers_specs("video")
+
+
 @pytest.mark.compat
-def test_real_phi4_processor():
-    """Against the real processor (torchvision) in the ``tf-5.25-video`` side env: 3 settings
+@pytest.mark.parametrize("env", _video_envs())
+def test_real_phi4_processor(env):
+    """Against the real processor (torchvision) in each ``tf-X.Y-video`` side env: 3 settings
     (``dynamic_hd`` 4 / 12 / the hub's 36; the class and a user's subclass) x 80 random rows of 0-3
     images, every row shape, sizes 8-2000 px and extreme aspect ratios: 0 wrong, rows the
     processor rejects rejected naming the row."""
     from tests.helpers.envs import oracle_in_env
 
-    results = oracle_in_env("tf-5.25-video", "tests.helpers.phi4_oracle_check", "80", "50")
+    results = oracle_in_env(env, "tests.helpers.phi4_oracle_check", "80", "50")
     assert len(results) == 3 and sum(r["rows"] for r in results) >= 240
     for r in results:
         assert r["n_wrong"] == 0 and r["agree"] >= 60, r
