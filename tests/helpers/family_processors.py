@@ -9,6 +9,7 @@ installable beside this torch build) are built without one."""
 from __future__ import annotations
 
 import io
+import math
 import random
 
 import numpy as np
@@ -532,3 +533,99 @@ def video_oracle(proc, row: dict) -> int:
         kw.update(videos=[[d[0] for d in decoded]], video_metadata=[[d[1] for d in decoded]])
     out = proc(text=[text], images=[[load(v) for v in images]] if images else None, **kw)
     return int(np.asarray(out["input_ids"][0]).shape[-1])
+
+
+# -- Phi-4-multimodal (images; its image processor needs torchvision, absent in CI) ------------------
+
+PHI4_MODULE = "transformers.models.phi4_multimodal.image_processing_phi4_multimodal"
+
+
+class StandInPhi4ImageProcessor:
+    """Phi-4-multimodal's image processor settings without the class (it needs torchvision): the
+    real class's own defaults (read off the class, imported with shape-only torchvision stand-ins)
+    with the test's overrides. Enough for what counting reads; it cannot process images."""
+
+    def __init__(self, **overrides):
+        from tests.helpers.videos import import_without_torchvision
+
+        cls = import_without_torchvision(PHI4_MODULE).Phi4MultimodalImageProcessor
+        self.__dict__.update({"size": dict(cls.size), "patch_size": cls.patch_size,
+                              "dynamic_hd": cls.dynamic_hd, **overrides})
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def phi4_tokenizer():
+    """:func:`tokenizer` with Phi-4's ``<|audio|>`` token added and the token attributes its
+    processor reads (``image_token`` / ``audio_token`` and their ids)."""
+    if "phi4" in _TOKENIZER:
+        return _TOKENIZER["phi4"]
+    import copy
+
+    tok = copy.deepcopy(tokenizer())
+    tok.add_tokens(["<|audio|>"], special_tokens=True)
+    for name, value in (("image_token", "<|image|>"), ("audio_token", "<|audio|>")):
+        setattr(tok, name, value)
+        setattr(tok, f"{name}_id", tok.convert_tokens_to_ids(value))
+    _TOKENIZER["phi4"] = tok
+    return tok
+
+
+def phi4_template() -> str:
+    """The chat template layout of :func:`template` with Phi-4's ``<|image|>`` image part and
+    ``<|audio|>`` audio part."""
+    return (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+        "{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+        "{% if c['type'] == 'image' or c['type'] == 'image_url' %}{{ '<|image|>' }}"
+        "{% elif c['type'] == 'audio' %}{{ '<|audio|>' }}"
+        "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+        "{% endif %}<|im_end|>\n{% endfor %}"
+    )
+
+
+def phi4_processor(real: bool, subclass: bool = False, **settings):
+    """A real ``Phi4MultimodalProcessor`` (``subclass``: a user's subclass of it) over
+    :func:`phi4_tokenizer`, without an audio processor; its image processor the real class
+    (``real``: needs torchvision) or :class:`StandInPhi4ImageProcessor`."""
+    import transformers
+
+    cls = transformers.Phi4MultimodalProcessor
+    if subclass:
+        cls = type("MyPhi4MultimodalProcessor", (cls,), {})
+    image = (transformers.Phi4MultimodalImageProcessor(**settings) if real
+             else StandInPhi4ImageProcessor(**settings))
+    proc = object.__new__(cls)
+    proc.check_argument_for_proper_class = lambda name, arg: None   # stand-in / None / our tokenizer
+    try:
+        cls.__init__(proc, image_processor=image, audio_processor=None, tokenizer=phi4_tokenizer(),
+                     chat_template=phi4_template())
+    finally:
+        proc.__dict__.pop("check_argument_for_proper_class", None)
+    return proc
+
+
+PHI4_EXTREME = [(5000, 20), (20, 5000), (3000, 12), (900, 9), (9, 900), (4000, 40)]
+
+
+def phi4_image_size(rng: random.Random) -> tuple[int, int]:
+    """Sizes for Phi-4's crop grid: small to ~2000 px, aspect ratios up to the ones its processor
+    rejects (a resized side below 10 px) and beyond."""
+    if rng.random() < 0.1:
+        return rng.choice(PHI4_EXTREME)
+    w = int(round(math.exp(rng.uniform(math.log(8), math.log(2000)))))
+    h = int(round(math.exp(rng.uniform(math.log(8), math.log(2000)))))
+    if rng.random() < 0.15:   # near a multiple of the 448-px crop
+        w = 448 * rng.randint(1, 4) + rng.choice([-1, 0, 1])
+    return w, h
+
+
+def phi4_rows(n: int, seed: int) -> list:
+    """:func:`random_rows` (0-3 images, every row shape) with images of :func:`phi4_image_size`."""
+    rng = random.Random(seed + 1)
+    rows = random_rows(n, seed)
+    for row in rows:
+        row["images"] = [image_bytes(*phi4_image_size(rng), rng.choice(["PNG", "JPEG"]), rng.randrange(99))
+                         for _ in row["images"]]
+    return rows

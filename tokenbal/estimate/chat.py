@@ -47,7 +47,7 @@ from tokenbal.hf_compat import glm4v_upscales_small
 _FAMILY_IMAGE_TOKEN = {**{family: "<|image_pad|>" for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")},
                        "llava-next": "<image>", "llava-onevision": "<image>", "llava": "<image>",
                        "internvl": "<IMG_CONTEXT>", "glm-4.1v": "<|image|>", "idefics3": "<image>",
-                       "smolvlm": "<image>"}
+                       "smolvlm": "<image>", "phi-4-multimodal": "<|image|>"}
 
 
 class ChatCountError(ValueError):
@@ -137,6 +137,7 @@ class ChatTokenCounter:
         self._fingerprint: str | None = None
         self.min_image_side = 0   # images with a smaller side make the processor raise (see _version_*)
         self.video_token: str | None = None   # the processor's video placeholder (videos given: counted)
+        self.audio_token: str | None = None   # the processor's audio placeholder (audio rows: refused)
         self.processor: Any = None            # the loaded processor (its replace_video_token writes videos)
         self._video_texts: dict[tuple, tuple[str, int]] = {}
 
@@ -175,6 +176,8 @@ class ChatTokenCounter:
             counter.min_image_side = int(estimator.patch_size) * int(estimator.merge_size)
         video = getattr(processor, "video_token", None)
         counter.video_token = video if isinstance(video, str) and video and video != image_token else None
+        audio = getattr(processor, "audio_token", None)   # Phi-4-multimodal: images counted, audio not
+        counter.audio_token = audio if isinstance(audio, str) and audio and audio != image_token else None
         counter.processor = processor
         return counter
 
@@ -209,8 +212,11 @@ class ChatTokenCounter:
         render = _tokenizer_renderer(tokenizer, template, normalize=True)
         expansion = family_expansion(est.name)
         expansion = Expansion(image_token, expansion.prefix, expansion.suffix, expansion.tiles)
-        return cls(tokenizer, template, est, image_token, render=render, source=str(d), family=est.name,
-                   expansion=expansion)
+        counter = cls(tokenizer, template, est, image_token, render=render, source=str(d), family=est.name,
+                      expansion=expansion)
+        if est.name == "phi-4-multimodal":   # its processor takes audio too: such rows are refused
+            counter.audio_token = getattr(tokenizer, "audio_token", None) or "<|audio|>"
+        return counter
 
     # -- identity --------------------------------------------------------------------------------
 
@@ -274,6 +280,7 @@ class ChatTokenCounter:
         ``videos[r]``: the :class:`~tokenbal.index.video.VideoInfo` of row ``r``'s videos, in the
         order the processor receives them (None: rows without videos)."""
         texts = self.render(conversations, images)
+        self._refuse_audio(conversations, texts, first_row)
         return self._count_texts(texts, sizes, first_row, videos)[0]
 
     def count_split(self, conversations: Sequence[Any], sizes: Sequence[Sequence[tuple[int, int]]],
@@ -283,7 +290,9 @@ class ChatTokenCounter:
         wrapper tokens) of its images, as the index counts them, + Σ :meth:`video_tokens` of its
         videos (``videos`` as :meth:`count` takes them), ``text`` = the rest, so ``text + vision``
         = total (the count of :meth:`count`)."""
-        total, _, owner = self._count_texts(self.render(conversations), sizes, first_row, videos)
+        texts = self.render(conversations)
+        self._refuse_audio(conversations, texts, first_row)
+        total, _, owner = self._count_texts(texts, sizes, first_row, videos)
         video = np.zeros(len(total), np.int64)
         for r, infos in enumerate(videos or ()):
             video[r] = sum(self.video_tokens(info, first_row + r, str(k))[0]
@@ -305,6 +314,20 @@ class ChatTokenCounter:
                 else int(getattr(est, "wrapper_tokens", 0)))
         vision = np.bincount(owner, weights=per_image + wrap, minlength=len(total)).astype(np.int64) + video
         return total - vision, vision
+
+    def _refuse_audio(self, conversations: Sequence[Any], texts: list[str], first_row: int) -> None:
+        """Rows with audio (an audio part, or the processor's audio placeholder in the rendered
+        text) under a processor that takes audio: refused naming the row; audio is not counted."""
+        if self.audio_token is None:
+            return
+        for r, (conv, text) in enumerate(zip(conversations, texts, strict=True)):
+            parts = [p for p in content_parts(conv) if p.get("type") in ("audio", "input_audio")]
+            if parts or self.audio_token in text:
+                what = (f"{len(parts)} audio part(s)" if parts
+                        else f"the audio placeholder {self.audio_token!r}")
+                raise ChatCountError(f"row {first_row + r}: has {what}; tokenbal counts {self.source}'s "
+                                     "images but not its audio (remove the audio or count those rows "
+                                     "yourself)")
 
     def _count_texts(self, texts: list[str], sizes: Sequence[Sequence[tuple[int, int]]], first_row: int,
                      videos: Sequence[Sequence[Any]] | None = None):

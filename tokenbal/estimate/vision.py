@@ -182,7 +182,7 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
     elif family == "glm-4.1v":
         settings = _glm4v_settings(image)
     elif family == "phi-4-multimodal":
-        settings = {"dynamic_hd": int(image.get("dynamic_hd", 36))}
+        settings = _phi4_settings(image, str(d))
     elif family == "llava":   # LLaVA-1.5: one fixed count per image, a one-tile ``tiles`` estimator
         return get_estimator("tiles", **{**_llava_folder_settings(d, cfg, image), **overrides})
     else:
@@ -206,6 +206,7 @@ _PROCESSOR_FAMILIES = {
     "Glm4vProcessor": "glm-4.1v",
     "Idefics3Processor": "idefics3",
     "SmolVLMProcessor": "smolvlm",
+    "Phi4MultimodalProcessor": "phi-4-multimodal",
 }
 
 # image processor classes (without the ``Fast`` / ``Pil`` backend suffix) -> family, for processors
@@ -220,6 +221,7 @@ _IMAGE_PROCESSOR_FAMILIES = {
     "Glm4vImageProcessor": "glm-4.1v",
     "Idefics3ImageProcessor": "idefics3",
     "SmolVLMImageProcessor": "smolvlm",
+    "Phi4MultimodalImageProcessor": "phi-4-multimodal",
 }
 
 
@@ -321,9 +323,23 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
         return get_estimator(family, **{**settings, **overrides})
     if family == "glm-4.1v":
         return get_estimator(family, **{**_glm4v_settings(image), **overrides})
+    if family == "phi-4-multimodal":
+        return get_estimator(family, **{**_phi4_settings(image, name), **overrides})
     video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
     return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
+
+
+def _phi4_settings(image: dict, where: str) -> dict:
+    """Phi-4-multimodal's ``dynamic_hd``; its 256 + 16 global-view tokens are fixed by the 448-px
+    crop and 14-px patch (transformers writes them as constants), so other sizes are refused."""
+    size = image.get("size") or {}
+    crop = (int(size.get("height", 448)), int(size.get("width", 448)))
+    patch = int(image.get("patch_size", 14))
+    if crop != (448, 448) or patch != 14:
+        raise ValueError(f"{where}: Phi-4-multimodal image processor with size {crop[0]}x{crop[1]} and "
+                         f"patch_size {patch} is not modelled (only 448x448 crops of 14-px patches)")
+    return {"dynamic_hd": int(image.get("dynamic_hd", 36))}
 
 
 def _llava_folder_settings(d: Path, cfg: dict, image: dict) -> dict:

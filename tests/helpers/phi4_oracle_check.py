@@ -1,0 +1,64 @@
+"""``dataset_lengths`` on image rows against the real ``Phi4MultimodalProcessor`` (its image processor
+needs torchvision; CI's venv has none). Run as ``python -m tests.helpers.phi4_oracle_check N_ROWS SEED``
+with this checkout on PYTHONPATH (``tests/tokenbal/integrations/test_lengths_phi4.py::
+test_real_phi4_processor`` does, in a ``tf-X.Y-video`` env). Prints one JSON line per processor
+setting (``dynamic_hd``, plain class or a user's subclass): rows where both agree, rows both reject
+(the processor raising, tokenbal naming the row), and every disagreement.
+
+The oracle (``family_processors.oracle``): the processor's chat template rendered, the images handed
+to the processor's own ``__call__`` (its crop grid, mask and ``replace_image_token``), tokenized with
+the special-token rule.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+SETTINGS = [({"dynamic_hd": 4}, False), ({"dynamic_hd": 12}, True), ({}, True)]   # {}: the hub's 36
+
+
+def main(n_rows: int, seed: int) -> int:
+    warnings.filterwarnings("ignore")
+    from tests.helpers import family_processors as fp
+    from tokenbal.integrations.hf_lengths import dataset_lengths
+
+    folder = Path(tempfile.mkdtemp(prefix="tokenbal-phi4-"))
+    failed = 0
+    for k, (settings, subclass) in enumerate(SETTINGS):
+        proc = fp.phi4_processor(real=True, subclass=subclass, **settings)
+        raw = fp.phi4_rows(n_rows, seed + k)
+        (folder / str(k)).mkdir()
+        rows = fp.materialise(raw, folder / str(k))
+        agree = rejected = 0
+        wrong, accepted, n_images = [], [], []
+        for i, row in enumerate(rows):
+            try:
+                want = fp.oracle(proc, row)
+            except ValueError as e:
+                want = f"processor raises: {str(e)[:80]}"
+            try:
+                got = int(dataset_lengths([row], proc)[0])
+            except ValueError as e:
+                got = f"raises {type(e).__name__}" if str(e).startswith("row 0") else f"unnamed: {e}"
+            if isinstance(want, str) and isinstance(got, str) and not got.startswith("unnamed"):
+                rejected += 1
+            elif want == got:
+                agree += 1
+                accepted.append(i)
+                n_images.append(len(raw[i]["images"]))
+            else:
+                wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
+        failed += bool(wrong)
+        print(json.dumps({"processor": type(proc).__name__, "settings": settings, "rows": len(rows),
+                          "agree": agree, "rejected": rejected, "n_wrong": len(wrong), "wrong": wrong[:5],
+                          "images_per_row": sorted(set(n_images)),
+                          "shapes": sorted({rows[i]["shape"] for i in accepted})}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))
