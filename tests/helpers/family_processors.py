@@ -629,3 +629,26 @@ def phi4_rows(n: int, seed: int) -> list:
         row["images"] = [image_bytes(*phi4_image_size(rng), rng.choice(["PNG", "JPEG"]), rng.randrange(99))
                          for _ in row["images"]]
     return rows
+
+
+def tally_lengths(proc, rows: list, wants: list) -> tuple[int, int, list[int], list[dict]]:
+    """``dataset_lengths`` row by row against the processor's lengths ``wants`` (an int, or a string
+    where the processor rejects the row): (rows that agree, rows both reject — tokenbal's error
+    naming the row —, the indices of the agreeing rows, every disagreement)."""
+    from tokenbal.integrations.hf_lengths import dataset_lengths
+
+    agree = rejected = 0
+    accepted, wrong = [], []
+    for i, (row, want) in enumerate(zip(rows, wants, strict=True)):
+        try:
+            got = int(dataset_lengths([row], proc)[0])
+        except ValueError as e:
+            got = f"raises {type(e).__name__}" if str(e).startswith("row 0") else f"unnamed: {e}"
+        if isinstance(want, str) and isinstance(got, str) and not got.startswith("unnamed"):
+            rejected += 1
+        elif want == got:
+            agree += 1
+            accepted.append(i)
+        else:
+            wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
+    return agree, rejected, accepted, wrong

@@ -24,7 +24,6 @@ SETTINGS = [({"dynamic_hd": 4}, False), ({"dynamic_hd": 12}, True), ({}, True)] 
 def main(n_rows: int, seed: int) -> int:
     warnings.filterwarnings("ignore")
     from tests.helpers import family_processors as fp
-    from tokenbal.integrations.hf_lengths import dataset_lengths
 
     folder = Path(tempfile.mkdtemp(prefix="tokenbal-phi4-"))
     failed = 0
@@ -33,31 +32,25 @@ def main(n_rows: int, seed: int) -> int:
         raw = fp.phi4_rows(n_rows, seed + k)
         (folder / str(k)).mkdir()
         rows = fp.materialise(raw, folder / str(k))
-        agree = rejected = 0
-        wrong, accepted, n_images = [], [], []
-        for i, row in enumerate(rows):
-            try:
-                want = fp.oracle(proc, row)
-            except ValueError as e:
-                want = f"processor raises: {str(e)[:80]}"
-            try:
-                got = int(dataset_lengths([row], proc)[0])
-            except ValueError as e:
-                got = f"raises {type(e).__name__}" if str(e).startswith("row 0") else f"unnamed: {e}"
-            if isinstance(want, str) and isinstance(got, str) and not got.startswith("unnamed"):
-                rejected += 1
-            elif want == got:
-                agree += 1
-                accepted.append(i)
-                n_images.append(len(raw[i]["images"]))
-            else:
-                wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
+        agree, rejected, accepted, wrong = fp.tally_lengths(proc, rows, [_processor_length(proc, row)
+                                                                         for row in rows])
+        n_images = [len(raw[i]["images"]) for i in accepted]
         failed += bool(wrong)
         print(json.dumps({"processor": type(proc).__name__, "settings": settings, "rows": len(rows),
                           "agree": agree, "rejected": rejected, "n_wrong": len(wrong), "wrong": wrong[:5],
                           "images_per_row": sorted(set(n_images)),
                           "shapes": sorted({rows[i]["shape"] for i in accepted})}), flush=True)
     return 1 if failed else 0
+
+
+def _processor_length(proc, row: dict) -> int | str:
+    """The processor's own ``input_ids`` length of the row, or why it rejects the row."""
+    from tests.helpers import family_processors as fp
+
+    try:
+        return fp.oracle(proc, row)
+    except ValueError as e:
+        return f"processor raises: {str(e)[:80]}"
 
 
 if __name__ == "__main__":

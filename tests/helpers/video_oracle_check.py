@@ -35,23 +35,9 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
             rows = fp.random_video_rows(n_rows, seed=seed + 7 * k + len(family), videos=videos)
             proc = fp.video_family_processor(family, real=True, settings=settings, subclass=True)
-            agree = rejected = by_parts = 0
-            wrong = []
-            accepted = []
-            for i, row in enumerate(rows):
-                want, from_parts = processor_length(proc, family, row)
-                by_parts += from_parts
-                try:
-                    got = int(dataset_lengths([row], proc)[0])
-                except ValueError as e:
-                    got = f"raises {type(e).__name__}" if str(e).startswith("row 0") else f"unnamed: {e}"
-                if isinstance(want, str) and isinstance(got, str) and not got.startswith("unnamed"):
-                    rejected += 1
-                elif want == got:
-                    agree += 1
-                    accepted.append(i)
-                else:
-                    wrong.append({"row": i, "processor": want, "dataset_lengths": got, "shape": row["shape"]})
+            judged = [processor_length(proc, family, row) for row in rows]
+            by_parts = sum(from_parts for _, from_parts in judged)
+            agree, rejected, accepted, wrong = fp.tally_lengths(proc, rows, [want for want, _ in judged])
             # the packed Trainer's collator step: the processor's own output for the row (rows of two
             # videos of different frame counts: OneVision's / InternVL's video by video)
             collated = 0
