@@ -24,6 +24,8 @@ SETTINGS = [({"dynamic_hd": 4}, False), ({"dynamic_hd": 12}, True), ({}, True)] 
 def main(n_rows: int, seed: int) -> int:
     warnings.filterwarnings("ignore")
     from tests.helpers import family_processors as fp
+    from tokenbal.integrations.hf_lengths import dataset_lengths
+    from tokenbal.integrations.trainer_support import process_row
 
     folder = Path(tempfile.mkdtemp(prefix="tokenbal-phi4-"))
     failed = 0
@@ -35,9 +37,19 @@ def main(n_rows: int, seed: int) -> int:
         agree, rejected, accepted, wrong = fp.tally_lengths(proc, rows, [_processor_length(proc, row)
                                                                          for row in rows])
         n_images = [len(raw[i]["images"]) for i in accepted]
+        # the packed Trainer's collator step (process_row) on the counted rows: the counted length
+        collated = 0
+        for i in accepted[:30]:
+            got = len(process_row(rows[i], proc)["input_ids"])
+            collated += 1
+            want = int(dataset_lengths([rows[i]], proc)[0])
+            if got != want:
+                wrong.append({"row": i, "process_row": got, "dataset_lengths": want,
+                              "shape": rows[i]["shape"]})
         failed += bool(wrong)
         print(json.dumps({"processor": type(proc).__name__, "settings": settings, "rows": len(rows),
                           "agree": agree, "rejected": rejected, "n_wrong": len(wrong), "wrong": wrong[:5],
+                          "process_row": collated,
                           "images_per_row": sorted(set(n_images)),
                           "shapes": sorted({rows[i]["shape"] for i in accepted})}), flush=True)
     return 1 if failed else 0
