@@ -482,9 +482,9 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
             masked[first, cols] = np.iinfo(np.int64).min
             order = np.stack([first, masked.argmax(0)])
             top[q] = order
-            topv[q] = np.take_along_axis(loads[q], order, 0)
-            obj[q] = loads[q].max(0).sum()
-            ideal[q] = (-(-loads[q].sum(0) // R)).sum()
+            topv[q] = lq[order, cols]                   # (2, K): the same values as take_along_axis
+            obj[q] = topv[q, 0].sum()                   # Σ_stage max_bin
+            ideal[q] = (-(-lq.sum(0) // R)).sum()
         # The other step changed: it may have become improvable again.
         stuck[t] = False
     return g, b
