@@ -346,7 +346,7 @@ class ChatTokenCounter:
         owner = np.repeat(np.arange(len(texts)), n_images)
         n_tokens, grids = self._image_tokens(sizes, owner, n_images, first_row)
         if n_videos.any():
-            return self._count_with_videos(texts, videos, n_videos, n_tokens, grids, owner, first_row)
+            return self._count_with_videos(texts, videos, n_tokens, grids, owner, first_row)
         if not len(n_tokens):
             return self._tokens(texts), n_tokens, owner
         if not self._shortcut_checked and not self.expand:
@@ -439,22 +439,21 @@ class ChatTokenCounter:
                     extra += copies - text.count(token)
         return text, extra
 
-    def _count_with_videos(self, texts, videos, n_videos, n_tokens, grids, owner, first_row):
+    def _count_with_videos(self, texts, videos, n_tokens, grids, owner, first_row):
         """Rows with videos: the text with every image and video placeholder replaced as the processor
         replaces them (one pass, in order), tokenized; a run of an added placeholder token counts
         as its length without being tokenized (each copy is one token)."""
-
         from tokenbal.hf_compat import replace_placeholders
 
         exp = self.expansion or Expansion(self.image_token or "")
         starts = np.concatenate([[0], np.cumsum(np.bincount(owner, minlength=len(texts)))]).astype(int)
         out, extra = [], np.zeros(len(texts), np.int64)
         for r, text in enumerate(texts):
-            image_texts = iter([exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
-                                for j in range(starts[r], starts[r + 1])])
-            replaced = [self.video_text(info, first_row + r, str(k))
-                        for k, info in enumerate(videos[r] or ())]
-            text = replace_placeholders(self.processor, text, list(image_texts), [t for t, _ in replaced])
+            image_texts = [exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
+                           for j in range(starts[r], starts[r + 1])]
+            video_texts = [self.video_text(info, first_row + r, str(k))[0]
+                           for k, info in enumerate(videos[r] or ())]
+            text = replace_placeholders(self.processor, text, image_texts, video_texts)
             text, extra[r] = self._collapse_placeholders(text)
             out.append(text)
         total = self._tokens(out) + extra
