@@ -232,3 +232,21 @@ def _glm(est, req: VideoRequest, first: int, total: int) -> VideoPlan:
     per = gh * gw // (est.merge_size * est.merge_size)
     stamps = [i / req.fps for i in idx][::2][:t]
     return VideoPlan(idx, t * per, 2 + 2 * t, tuple(str(int(s)) for s in stamps), (t, gh, gw))
+
+
+def smolvlm_frames(total: int, fps: float, num_frames: int, sample_fps: float,
+                   skip_secs: float = 1) -> list[int]:
+    """``SmolVLMVideoProcessor.sample_frames`` (transformers 5.19-5.25, the same code on each): the
+    source frames it keeps of a ``total``-frame clip at ``fps`` with ``num_frames`` (its maximum)
+    and ``sample_fps`` (its target rate): ``round(sample_fps * duration)`` frames capped at
+    ``num_frames`` (at least 1), ``skip_secs`` cut from both ends when the clip is long enough,
+    ``linspace(start, end, n)`` truncated to int, duplicates dropped."""
+    duration = total / fps
+    desired = max(1, min(int(round(sample_fps * duration)), num_frames))
+    start, end = 0, total - 1
+    if skip_secs > 0 and (duration - 2 * skip_secs) > (num_frames * sample_fps):
+        start, end = int(skip_secs * fps), int(total - skip_secs * fps)
+    start, end = max(0, start), min(end, total - 1)
+    if start >= end:
+        start, end = 0, total - 1
+    return np.unique(np.linspace(start, end, desired, dtype=int)).tolist()
