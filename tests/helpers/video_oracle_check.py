@@ -44,6 +44,10 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
             judged = [processor_length(proc, family, row) for row in rows]
             by_parts = sum(from_parts for _, from_parts in judged)
             agree, rejected, accepted, wrong = fp.tally_lengths(proc, rows, [want for want, _ in judged])
+            # the accepted rows in one call too (rows with and without videos in one batch)
+            batch = dataset_lengths([rows[i] for i in accepted], proc).tolist()
+            wrong += [{"row": i, "batched": got, "processor": judged[i][0]}
+                      for i, got in zip(accepted, batch, strict=True) if got != judged[i][0]]
             # the packed Trainer's collator step: the processor's own output for the row (rows of two
             # videos of different frame counts: OneVision's / InternVL's video by video)
             collated = refused_by_process_row = 0

@@ -126,6 +126,9 @@ class ChatTokenCounter:
             Expansion(image_token) if image_token is not None else None)
         self._render_fn = render if render is not None else _tokenizer_renderer(tokenizer, chat_template)
         self._uses_images = "images" in template_variables(chat_template)
+        # SmolVLM's apply_chat_template picks its template for a whole batch of conversations (its
+        # video template if any has a video part): its rows are rendered one by one, as it sees them
+        self._render_each = family == "smolvlm"
         self._backend = _fast_backend(tokenizer)
         self._backend_checked = False
         added = set(getattr(tokenizer, "get_added_vocab", dict)())
@@ -254,7 +257,7 @@ class ChatTokenCounter:
         if not len(conversations):
             return []
         convs = [list(c) for c in conversations]
-        if not self._uses_images:
+        if not self._uses_images and not self._render_each:
             return list(self._render_fn(convs))
         out = []
         for r, conv in enumerate(convs):
