@@ -260,6 +260,8 @@ def test_real_smolvlm_video_processor(env):
     results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "70", "5", "smolvlm")
     assert len(results) == len(fp.VIDEO_SETTINGS["smolvlm"])
     for r in results:
+        print(env, {k: r[k] for k in ("settings", "rows", "agree", "both_reject", "n_wrong", "process_row",
+                                      "process_row_refused")})
         assert r["family"] == "smolvlm" and r["rows"] == 77, r
         assert r["n_wrong"] == 0 and r["agree"] >= 70 and set(fp.VIDEO_SHAPES) <= set(r["shapes"]), r
         assert r["process_row"] >= 10 and r["process_row_refused"] >= 1, r
