@@ -265,3 +265,27 @@ def test_real_smolvlm_video_processor(env):
         assert r["family"] == "smolvlm" and r["rows"] == 77, r
         assert r["n_wrong"] == 0 and r["agree"] >= 70 and set(fp.VIDEO_SHAPES) <= set(r["shapes"]), r
         assert r["process_row"] >= 10 and r["process_row_refused"] >= 1, r
+
+
+def test_smolvlm_video_refusals(videos):
+    """SmolVLM: a row with images and videos is counted (its processor's ``input_ids``) but the
+    packed Trainer's ``process_row`` refuses it by name (the processor returns only the videos'
+    ``pixel_values`` for it); sampling without both ``fps`` and ``num_frames`` (the processor raises)
+    and ``do_pad=False`` are refused naming the setting."""
+    from tokenbal.integrations.trainer_support import process_row
+
+    proc = _processor("smolvlm")
+    if not _has_replace_video_token("smolvlm"):
+        pytest.skip("this transformers' processors have no replace_video_token")
+    parts = [{"type": "image"}, {"type": "video", "video": videos[0]}, {"type": "text", "text": "what"}]
+    both = {"messages": [{"role": "user", "content": parts}], "images": [fp.image_bytes(40, 30, "PNG", 1)]}
+    assert dataset_lengths([both], proc)[0] == expected(proc, {**both, "files": [videos[0]]})
+    with pytest.raises(ValueError, match=r"row \?: has 1 image\(s\) and 1 video\(s\); MySmolvlmProcessor "
+                                         r"returns only the videos' pixel_values"):
+        process_row(both, proc)
+    video_only = {"messages": [{"role": "user", "content": [{"type": "video", "video": videos[0]}]}],
+                  "images": []}
+    for settings, named in (({"do_sample_frames": True, "fps": None, "num_frames": 8}, "needs both"),
+                            ({"do_pad": False}, "do_pad=False is not modelled")):
+        with pytest.raises(ValueError, match=rf"row 0: video 0: MySmolvlmProcessor: .*{named}"):
+            dataset_lengths([video_only], _processor("smolvlm", settings))
