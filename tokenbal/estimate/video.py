@@ -33,6 +33,9 @@ Rules (ports of transformers 5.24 and qwen-vl-utils 0.0.14, operation for operat
   dropped, padded to even), 3-D ``smart_resize`` over the whole clip with the class ``size``
   (12544 .. 47040000 pixels), per temporal pair ``<|begin_of_image|>`` + placeholders +
   ``<|end_of_image|>`` + ``str(int(t))``, and ``<|begin_of_video|>`` / ``<|end_of_video|>``.
+* SmolVLM (through its processor only, ``tokenbal.estimate.chat_video``; not in ``plan_video``):
+  :func:`smolvlm_frames`, ``SmolVLMVideoProcessor.sample_frames`` (``round(fps * duration)``
+  frames capped at ``num_frames``, a second skipped at each end of long clips, ``linspace``).
 """
 
 from __future__ import annotations
