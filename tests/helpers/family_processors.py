@@ -390,7 +390,11 @@ VIDEO_SETTINGS = {
     "qwen2-vl": [{}, {"do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": 12}],
     "qwen2.5-vl": [{}, {"do_sample_frames": True, "fps": 1.0}],
     "qwen3-vl": [{}, {"fps": 1.0, "min_frames": 2, "max_frames": 8}, {"do_sample_frames": False}],
-    "glm-4.1v": [{}],
+    "glm-4.1v": [{}, {"fps": 1.0, "max_duration": 1,
+                      "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 40}},
+                 {"do_sample_frames": False,
+                  "size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 64}},
+                 {"fps": 3.0, "temporal_patch_size": 3, "merge_size": 1, "patch_size": 16}],
     "llava-onevision": [{}, {"do_sample_frames": True, "num_frames": 6}],
     "internvl": [{}, {"do_sample_frames": True, "num_frames": 5}],
     # the class default (every frame), the checkpoints' sampling (fps 1, at most 64: here 8, so
@@ -407,7 +411,7 @@ def _video_size(family: str) -> dict:
         p = 16 if family == "qwen3-vl" else 14
         return {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}, "patch_size": p}
     if family == "glm-4.1v":
-        return {}   # only the checkpoints' size is modelled
+        return {}   # the checkpoints' size; VIDEO_SETTINGS gives others
     if family == "smolvlm":   # as the image processor's: every frame one 32 px global image
         return {"size": {"longest_edge": 4 * 32}, "max_image_size": {"longest_edge": 32}}
     return {"size": {"height": 56, "width": 56}}

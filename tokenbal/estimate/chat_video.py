@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenbal.estimate.conversation import content_parts
-from tokenbal.estimate.video import GLM_VIDEO, VideoRequest, plan_video, smolvlm_frames
+from tokenbal.estimate.video import GLM_VIDEO, GlmVideoSettings, VideoRequest, plan_video, smolvlm_frames
 
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "llava-onevision", "internvl", "smolvlm")
 
@@ -70,20 +70,34 @@ def check_video_support(processor: Any, family: str | None, est: Any) -> None:
             raise VideoCountError(f"{name}: SmolVLM video do_pad=False is not modelled (only the class "
                                   "default do_pad=True: a call's videos padded to its longest)")
     if family == "glm-4.1v":
-        vp = processor.video_processor
-        size = dict(getattr(vp, "size", None) or {})
-        want = {"shortest_edge": GLM_VIDEO["min_pixels"], "longest_edge": GLM_VIDEO["max_pixels"]}
-        got = {k: size.get(k) for k in want}
-        geometry = (getattr(vp, "patch_size", 14), getattr(vp, "merge_size", 2),
-                    getattr(vp, "temporal_patch_size", 2))
-        max_duration = getattr(vp, "max_duration", None)
-        max_duration = GLM_VIDEO["max_duration"] if max_duration is None else int(max_duration)
-        if (got != want or geometry != (est.patch_size, est.merge_size, est.temporal_patch_size)
-                or not getattr(vp, "do_sample_frames", True)
-                or max_duration != GLM_VIDEO["max_duration"]):
-            raise VideoCountError(f"{name}: GLM-4.1V video settings size={got}, patch/merge/temporal="
-                                  f"{geometry}, do_sample_frames={getattr(vp, 'do_sample_frames', None)} are "
-                                  f"not modelled (only the checkpoints' {want}, sampled frames)")
+        glm_video_settings(processor)
+
+
+def glm_video_settings(processor: Any) -> GlmVideoSettings:
+    """A GLM-4.1V processor's video settings that change counts (``VideoCountError`` where the
+    processor itself could not process a video: no ``size.shortest_edge`` / ``longest_edge``, sampling
+    without ``fps``, or no resize, which this counter does not model)."""
+    vp = processor.video_processor
+    name = type(processor).__name__
+    size = dict(getattr(vp, "size", None) or {})
+    lo, hi = size.get("shortest_edge"), size.get("longest_edge")
+    if not lo or not hi:
+        raise VideoCountError(f"{name}: GLM-4.1V video processor size={size} lacks shortest_edge / "
+                              "longest_edge (its resize raises on that)")
+    if not getattr(vp, "do_resize", True):
+        raise VideoCountError(f"{name}: GLM-4.1V video processor with do_resize=False is not modelled")
+    sample = bool(getattr(vp, "do_sample_frames", True))
+    fps = getattr(vp, "fps", None)
+    if sample and fps is None:
+        raise VideoCountError(f"{name}: GLM-4.1V do_sample_frames without fps: the processor itself "
+                              "cannot sample")
+    max_duration = getattr(vp, "max_duration", None)
+    return GlmVideoSettings(
+        fps=float(fps) if fps is not None else GLM_VIDEO["fps"],
+        max_duration=GLM_VIDEO["max_duration"] if max_duration is None else int(max_duration),
+        min_pixels=int(lo), max_pixels=int(hi), patch_size=int(getattr(vp, "patch_size", 14)),
+        merge_size=int(getattr(vp, "merge_size", 2)),
+        temporal_patch_size=int(getattr(vp, "temporal_patch_size", 2)), sample=sample)
 
 
 def video_replacement(processor: Any, family: str, est: Any, info: Any,
@@ -142,7 +156,8 @@ def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list
         plan = plan_video(e, _request(info, nframes=nframes))
         return list(plan.indices), plan.grid
     if family == "glm-4.1v":
-        plan = plan_video(est, _request(info, sample_fps=s["fps"]))
+        plan = plan_video(est, _request(info, sample_fps=s["fps"] if sample else None),
+                          glm=glm_video_settings(processor))
         return list(plan.indices), plan.grid
     if family == "smolvlm":   # its own sample_frames: fps and num_frames (the most) together
         if not sample:

@@ -30,9 +30,12 @@ Rules (ports of transformers 5.24 and qwen-vl-utils 0.0.14, operation for operat
   ``n`` = ``nframes`` or the estimator's ``video_frames`` (``num_segments``); text
   ``"Frame{i}: "`` before each frame, joined by newlines.
 * GLM-4.1V: ``Glm4vVideoProcessor.sample_frames`` (2 fps, ``max_duration`` 300 s, duplicates
-  dropped, padded to even), 3-D ``smart_resize`` over the whole clip with the class ``size``
-  (12544 .. 47040000 pixels), per temporal pair ``<|begin_of_image|>`` + placeholders +
-  ``<|end_of_image|>`` + ``str(int(t))``, and ``<|begin_of_video|>`` / ``<|end_of_video|>``.
+  dropped, padded to even; without ``do_sample_frames`` every frame), 3-D ``smart_resize`` over the
+  whole clip with the class ``size`` (12544 .. 47040000 pixels), the frames padded to a multiple of
+  ``temporal_patch_size`` by repeating the last (``patchify``), per temporal patch
+  ``<|begin_of_image|>`` + placeholders + ``<|end_of_image|>`` + ``str(int(t))``, and
+  ``<|begin_of_video|>`` / ``<|end_of_video|>``. Other settings of a loaded video processor:
+  :class:`GlmVideoSettings` (transformers 5.19-5.25 alike).
 * SmolVLM (through its processor only, ``tokenbal.estimate.chat_video``; not in ``plan_video``):
   :func:`smolvlm_frames`, ``SmolVLMVideoProcessor.sample_frames`` (``round(fps * duration)``
   frames capped at ``num_frames``, a second skipped at each end of long clips, ``linspace``).
@@ -46,6 +49,23 @@ from dataclasses import dataclass
 import numpy as np
 
 GLM_VIDEO = {"fps": 2.0, "max_duration": 300, "min_pixels": 112 * 112, "max_pixels": 28 * 28 * 2 * 30000}
+
+
+@dataclass(frozen=True)
+class GlmVideoSettings:
+    """What of a ``Glm4vVideoProcessor`` changes a video's count: its ``fps`` and ``max_duration``
+    (``sample_frames``), ``size.shortest_edge`` / ``size.longest_edge`` (``min_pixels`` /
+    ``max_pixels`` of the 3-D ``smart_resize``), the patch geometry, and ``do_sample_frames``
+    (``sample``; off: every frame). The defaults are the class's (= the checkpoints')."""
+
+    fps: float = GLM_VIDEO["fps"]
+    max_duration: int = GLM_VIDEO["max_duration"]
+    min_pixels: int = GLM_VIDEO["min_pixels"]
+    max_pixels: int = GLM_VIDEO["max_pixels"]
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    sample: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,9 +120,10 @@ def clip_range(frames: int, fps: float, start: float | None, end: float | None) 
     return first, last
 
 
-def plan_video(est, req: VideoRequest) -> VideoPlan:
+def plan_video(est, req: VideoRequest, glm: GlmVideoSettings | None = None) -> VideoPlan:
     """The :class:`VideoPlan` of one video (``ValueError`` with the reason when the family's
-    pipeline would reject it, or has no video support)."""
+    pipeline would reject it, or has no video support). ``glm``: a GLM-4.1V video processor's
+    settings (default: the class's, with ``est``'s patch geometry)."""
     fam = getattr(est, "family", None)
     if req.frames <= 0 or req.width <= 0 or req.height <= 0 or not (req.fps > 0):
         raise ValueError(f"video {req.frames} frames {req.width}x{req.height} at {req.fps} fps: "
@@ -133,7 +154,7 @@ def plan_video(est, req: VideoRequest) -> VideoPlan:
         return VideoPlan(idx, int(e.video_tokens(len(idx), req.width, req.height)),
                          int(e.video_wrapper_tokens(len(idx))), texts)
     if fam == "glm-4.1v":
-        return _glm(est, req, first, total)
+        return _glm(est, req, first, total, glm)
     raise ValueError(f"estimator {getattr(est, 'name', est)!r} has no video support")
 
 
@@ -207,33 +228,40 @@ def _qwen(est, req: VideoRequest, first: int, last: int, total: int) -> VideoPla
     return VideoPlan(idx, int(tokens), special, texts, (int(t), int(gh), int(gw)))
 
 
-def _glm(est, req: VideoRequest, first: int, total: int) -> VideoPlan:
+def _glm(est, req: VideoRequest, first: int, total: int, video: GlmVideoSettings | None = None) -> VideoPlan:
     from tokenbal.estimate.qwen import smart_resize_3d
 
-    fps = req.sample_fps if req.sample_fps is not None else GLM_VIDEO["fps"]
+    v = video or GlmVideoSettings(patch_size=est.patch_size, merge_size=est.merge_size,
+                                  temporal_patch_size=est.temporal_patch_size)
     last = total - 1
-    duration = total / req.fps
-    if duration <= GLM_VIDEO["max_duration"]:
-        n = max(int(math.floor(duration * fps)), 1)
-        rel = [min(last, int(math.ceil(i * req.fps / fps))) for i in range(n)]
+    if not v.sample:
+        uniq = list(range(total))
     else:
-        num = int(GLM_VIDEO["max_duration"] * fps)
-        if num >= total:
-            rel = list(range(total))
+        fps = req.sample_fps if req.sample_fps is not None else v.fps
+        duration = total / req.fps
+        if duration <= v.max_duration:
+            n = max(int(math.floor(duration * fps)), 1)
+            rel = [min(last, int(math.ceil(i * req.fps / fps))) for i in range(n)]
         else:
-            seconds = np.linspace(0, duration, num, endpoint=True)
-            rel = [min(last, int(math.ceil(t * req.fps))) for t in seconds]
-    uniq = list(dict.fromkeys(rel))
-    if len(uniq) & 1:
-        uniq.append(uniq[-1])
+            num = int(v.max_duration * fps)
+            if num >= total:
+                rel = list(range(total))
+            else:
+                seconds = np.linspace(0, duration, num, endpoint=True)
+                rel = [min(last, int(math.ceil(t * req.fps))) for t in seconds]
+        uniq = list(dict.fromkeys(rel))
+        if len(uniq) & 1:          # sample_frames pads to even, whatever temporal_patch_size is
+            uniq.append(uniq[-1])
     idx = tuple(first + i for i in uniq)
-    tp = est.temporal_patch_size
-    f = est.patch_size * est.merge_size
-    h, w = smart_resize_3d(len(idx), req.height, req.width, tp, f, GLM_VIDEO["min_pixels"],
-                           GLM_VIDEO["max_pixels"])
-    t, gh, gw = len(idx) // tp, h // est.patch_size, w // est.patch_size
-    per = gh * gw // (est.merge_size * est.merge_size)
+    tp = v.temporal_patch_size
+    f = v.patch_size * v.merge_size
+    h, w = smart_resize_3d(len(idx), req.height, req.width, tp, f, v.min_pixels, v.max_pixels)
+    # patchify repeats the last frame up to a multiple of temporal_patch_size
+    t, gh, gw = -(-len(idx) // tp), h // v.patch_size, w // v.patch_size
+    per = gh * gw // (v.merge_size * v.merge_size)
+    # replace_video_token: every second frame's timestamp, the first t of them, the last repeated
     stamps = [i / req.fps for i in idx][::2][:t]
+    stamps += stamps[-1:] * (t - len(stamps))
     return VideoPlan(idx, t * per, 2 + 2 * t, tuple(str(int(s)) for s in stamps), (t, gh, gw))
 
 

@@ -200,6 +200,42 @@ def test_glm4v(videos):
             assert plan.special == 2 + 2 * (t // 2)
 
 
+
+GLM_SETTINGS = [
+    {"fps": 1.0, "max_duration": 1, "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 40}},
+    {"do_sample_frames": False, "size": {"shortest_edge": 28 * 28 * 2, "longest_edge": 28 * 28 * 64}},
+    {"fps": 3.0, "temporal_patch_size": 3, "merge_size": 1, "patch_size": 16},
+]
+
+
+@pytest.mark.parametrize("settings", GLM_SETTINGS, ids=["small-short", "every-frame", "geometry"])
+def test_glm4v_processor_settings(videos, settings):
+    """A GLM-4.1V video processor at settings other than the checkpoints': the frames its
+    sample_frames keeps (every frame without sampling) and its own patch count, as
+    chat_video.glm_video_settings reads them off the processor."""
+    module = pytest.importorskip("transformers.models.glm4v.video_processing_glm4v")
+    from tokenbal.estimate.chat_video import glm_video_settings
+
+    proc = module.Glm4vVideoProcessor(**settings)
+    glm = glm_video_settings(types.SimpleNamespace(video_processor=proc))
+    assert glm.sample == settings.get("do_sample_frames", True)
+    est = get_estimator("glm-4.1v")
+    for path, frames in videos.values():
+        md = _hf_metadata(path, *_clip(path, {}))
+        idx = ([int(i) for i in proc.sample_frames(md)] if glm.sample
+               else list(range(md.total_num_frames)))
+        tp = proc.temporal_patch_size
+        if len(idx) < tp:
+            with pytest.raises(ValueError, match="temporal_patch_size"):
+                plan_video(est, request(path, {}), glm=glm)
+            continue
+        plan = plan_video(est, request(path, {}), glm=glm)
+        got = check_frames(frames, plan, idx)
+        t, h, w = got.shape[:3]
+        merged = proc.merge_size ** 2
+        assert plan.tokens == proc.get_num_of_video_patches(t, h, w) // merged, (path, settings)
+        assert plan.grid[0] == -(-t // tp) and plan.special == 2 + 2 * plan.grid[0]
+
 def test_llava_onevision(videos):
     import importlib
 
@@ -297,3 +333,19 @@ def test_errors():
     with pytest.raises(ValueError, match="no video support"):
         plan_video(get_estimator("phi-4-multimodal"), VideoRequest(frames=30, fps=30.0, width=32, height=32))
     assert video_pipeline(get_estimator("phi-4-multimodal")) is None
+
+
+def test_glm4v_settings_the_processor_cannot_run_are_named():
+    from tokenbal.estimate.chat_video import VideoCountError, glm_video_settings
+
+    def settings(**vp):
+        return glm_video_settings(types.SimpleNamespace(video_processor=types.SimpleNamespace(**vp)))
+
+    with pytest.raises(VideoCountError, match="lacks shortest_edge"):
+        settings(size={"height": 224, "width": 224})
+    with pytest.raises(VideoCountError, match="without fps"):
+        settings(size={"shortest_edge": 1, "longest_edge": 2}, do_sample_frames=True, fps=None)
+    with pytest.raises(VideoCountError, match="do_resize=False"):
+        settings(size={"shortest_edge": 1, "longest_edge": 2}, do_resize=False)
+    got = settings(size={"shortest_edge": 10, "longest_edge": 20}, do_sample_frames=False, fps=None)
+    assert (got.sample, got.min_pixels, got.max_pixels, got.max_duration) == (False, 10, 20, 300)

@@ -392,6 +392,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     g, b = g.copy(), b.copy()
     loads = np.zeros((G, R, K), np.int64)
     np.add.at(loads, (g, b), c)
+    flat_loads = loads.reshape(G * R, K)                                        # a view: follows loads
     tload = np.zeros((G, R), np.int64)
     np.add.at(tload, (g, b), tot)
     size = _last_sum(c)
@@ -404,6 +405,7 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
     top = np.argsort(-loads, axis=1, kind="stable")[:, :2]                     # (G, 2, K)
     topv = np.take_along_axis(loads, top, 1)
     top0, cols = top[:, 0], np.arange(K)                                        # (a view of top)
+    both = np.arange(2)[:, None]
     # Partners come from the next few steps of the window (cyclically), at most _SWAP_PARTNERS
     # items: enough choice for a step's bottleneck, and a round costs O(partners), not O(window).
     by_group = np.argsort(g, kind="stable")
@@ -436,20 +438,28 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         theirs = by_group[starts[s + 1]:starts[min(end, G)]]
         if end > G:
             theirs = np.concatenate([theirs, by_group[:starts[end - G]]])
-        gj, bj = g[theirs], b[theirs]
+        gj, bj = g.take(theirs), b.take(theirs)
         work_done["swap"] += len(mine) * len(theirs)
-        bi = b[mine]
+        bi = b.take(mine)
         # Stage by stage on (mine, theirs) planes: integer sums, so the same values as summing a
-        # (mine, theirs, K) array over K, without its slow reduction over a short last axis.
-        delta = np.broadcast_to(-obj.take(gj)[None, :] - obj[s], (len(mine), len(theirs))).copy()
+        # (mine, theirs, K) array over K, without its slow reduction over a short last axis (the
+        # steps' objectives subtracted last: exact in integers, the same values).
         top_j, topv_j = top0.take(gj, axis=0), topv.take(gj, axis=0)   # (nj, K), (nj, 2, K)
-        load_j = loads[gj, bj]                                                      # (nj, K)
+        load_j = flat_loads.take(gj * R + bj, axis=0)                               # (nj, K)
+        load_i = L.take(bi, axis=0)                                                 # (ni, K)
+        delta = None
         for k in range(K):
             other_j = np.where(top_j[:, k] != bj, topv_j[:, 0, k], topv_j[:, 1, k])   # (nj,)
             other_i = np.where(top[s, 0, k] != bi, topv[s, 0, k], topv[s, 1, k])        # (ni,)
             d = cost_t[k].take(theirs)[None, :] - cost_t[k].take(mine)[:, None]   # s's bin gains d
-            delta += np.maximum(other_i[:, None], L[bi, k][:, None] + d)
-            delta += np.maximum(other_j[None, :], load_j[:, k][None, :] - d)
+            gain_i = np.maximum(load_i[:, k, None] + d, other_i[:, None])
+            if delta is None:
+                delta = gain_i
+            else:
+                delta += gain_i
+            np.subtract(load_j[:, k], d, out=d)
+            delta += np.maximum(d, other_j[None, :], out=d)
+        delta -= (obj.take(gj) + obj[s])[None, :]
         if capacity is not None:
             dt = tot[theirs][None, :] - tot[mine][:, None]
             ok = (tload[s, b[mine]][:, None] + dt <= capacity) & (tload[gj, bj][None, :] - dt <= capacity)
@@ -474,17 +484,18 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
         pi, pj = pos[i], pos[j]
         by_group[pi], by_group[pj] = j, i
         pos[i], pos[j] = pj, pi
-        for q in (s, t):
-            # The two largest loads of each stage, ties in bin order (= a stable argsort's first two).
-            lq = loads[q]
-            first = lq.argmax(0)
-            masked = lq.copy()
-            masked[first, cols] = np.iinfo(np.int64).min
-            order = np.stack([first, masked.argmax(0)])
-            top[q] = order
-            topv[q] = lq[order, cols]                   # (2, K): the same values as take_along_axis
-            obj[q] = topv[q, 0].sum()                   # Σ_stage max_bin
-            ideal[q] = (-(-lq.sum(0) // R)).sum()
+        # Both steps at once (s != t): the two largest loads of each stage, ties in bin order (= a
+        # stable argsort's first two), the objective Σ_stage max_bin and the ideal.
+        q = np.array([s, t])
+        lq = loads.take(q, axis=0)                      # (2, R, K)
+        first = lq.argmax(1)                            # (2, K)
+        masked = lq.copy()
+        masked[both, first, cols] = np.iinfo(np.int64).min
+        order = np.stack([first, masked.argmax(1)], 1)  # (2, 2, K)
+        top[q] = order
+        topv[q] = vals = lq[both[:, None], order, cols]   # the same values as take_along_axis
+        obj[q] = vals[:, 0].sum(1)
+        ideal[q] = (-(-lq.sum(1) // R)).sum(1)
         # The other step changed: it may have become improvable again.
         stuck[t] = False
     return g, b

@@ -30,7 +30,7 @@ How a plan is made
    rounds on the summed cost, then the bins cut into steps along the order with the lowest
    ``Σ_stage max_rank``), and the heaviest steps (up to ``_STAGE_REFILL_ITEMS`` samples) composed
    again by version 7's stage composition, kept where faster (``_plan_stage_window``); a short epoch
-   (up to 4,096 steps, or with more than 2 samples per rank: PLAN_VERSION 14) is also planned whole by
+   (up to 1,536 steps, or with more than 2 samples per rank: PLAN_VERSIONs 14, 16) is also planned whole by
    version 7 and the faster plan kept, then leveled by swaps among all its
    steps (PLAN_VERSION 10), and its heaviest steps composed again from their pooled samples where
    that is faster (PLAN_VERSION 11, ``_level_stage_plan``). *With a token budget*:
@@ -94,7 +94,7 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 15
+PLAN_VERSION = 16
 
 
 def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,

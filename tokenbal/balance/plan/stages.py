@@ -109,7 +109,13 @@ _STAGE_WHOLE_ITEMS = 1 << 18
 # 2 per rank above 4,096 steps: 100k / 8 ranks 8 draws, 200k / 8 6 draws, 150k / 16 6 draws (square),
 # 80k and 240k / 8 (FLOPs), 50k / 8 at 1 per rank: every draw the same figure, CPU about halved. 4 per
 # rank (144k / 8 ranks, 4,500 steps) lost on 3 / 6 draws (median 1.0029 -> 1.0035): kept there.
-_STAGE_WHOLE_STEPS = 4096
+# PLAN_VERSION 16: above 1,536 steps (was 4,096). Median / worst figure, the current choice vs the grouped plan
+# alone (whole composition skipped), the same run: 30k samples on 8 ranks (1,875 steps) 16 square draws
+# 1.0084 -> 1.0090 (+0.06 %) / 1.0336 both, 8 FLOPs draws 1.0082 -> 1.0084 / 1.0193 both, CPU 0.26 -> 0.17 s;
+# 50k on 8 (3,125 steps) 1.0092 / 1.0187 both; 60k on 16 FLOPs (1,875 steps) 1.0102 / 1.0125 both. Below,
+# at 1,250 steps, the whole composition still pays: 20k on 8 ranks 1.0116 -> 1.0129 (+0.13 %), 40k on 16
+# 1.0135 -> 1.0153 (+0.18 %), so those keep it.
+_STAGE_WHOLE_STEPS = 1536
 _STAGE_WHOLE_PER_RANK = 2
 # The final leveling of a short stage epoch (_level_stage_plan): every step trades samples with every
 # other, up to _STAGE_LEVEL_ROUNDS rounds and _STAGE_LEVEL_WORK samples x rounds (a round costs
