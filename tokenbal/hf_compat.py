@@ -53,9 +53,10 @@ SmolVLM video text             5.19-5.24: ``replace_video_token`` writes the fra
                                a call without ``return_tensors`` raises there, its ``pixel_values``
                                a list); 5.25 counts this video's own timestamps. The stand-in that
                                tokenbal hands the method carries both (:func:`video_token_inputs`).
-                               Rows with a video are rendered with SmolVLM's own video template
-                               (``apply_chat_template`` swaps it in), which on 5.19 drops string
-                               message content; tokenbal renders through that method, so it follows
+                               Rows with a video get SmolVLM's own video template (its
+                               ``apply_chat_template`` swaps it in for a whole batch), which on 5.19
+                               drops string message content: tokenbal renders SmolVLM rows one by
+                               one through that method, so its counts follow on every release
 ============================  ======================================================================
 """
 
