@@ -21,7 +21,8 @@ The counts are checked equal on every row before any time is printed.
 family with videos, ``--rows`` rows of 1-2 videos (a third also with an image) drawn from ``N``
 videos written here (mp4 / webm, 320x240 .. 640x360, 24 / 25 / 30 fps, 2-8 s); the family's
 real video processor at its class defaults, except that Qwen2 / 2.5-VL sample at 2 fps and
-LLaVA-OneVision / InternVL sample 8 frames (their classes take every frame by default); baseline:
+LLaVA-OneVision / InternVL sample 8 frames and SmolVLM at 1 fps up to 64 (its checkpoints'; their
+classes take every frame by default; SmolVLM needs num2words: a ``tf-X.Y-video-smolvlm`` env); baseline:
 each video decoded whole with PyAV, then the processor (``family_processors.video_oracle``).
 
 ``--videos N --index``: ``tokenbal index build --processor DIR`` on the same rows written as JSONL
@@ -120,7 +121,9 @@ VIDEO_SETTINGS = {"qwen2-vl": {"do_sample_frames": True, "fps": 2.0},
                   "qwen2.5-vl": {"do_sample_frames": True, "fps": 2.0},
                   "qwen3-vl": {}, "glm-4.1v": {},
                   "llava-onevision": {"do_sample_frames": True, "num_frames": 8},
-                  "internvl": {"do_sample_frames": True, "num_frames": 8}}
+                  "internvl": {"do_sample_frames": True, "num_frames": 8},
+                  # SmolVLM2's checkpoints: 1 fps, at most 64 frames (its class takes every frame)
+                  "smolvlm": {"do_sample_frames": True, "fps": 1, "num_frames": 64}}
 
 
 def video_rows(n: int, n_videos: int, seed: int):

@@ -47,6 +47,16 @@ placeholder replacement        5.1x+: ``processor.get_text_with_replacements`` r
 processor call defaults        5.19: ``_merge_kwargs(XProcessorKwargs, ...)`` (a ``_defaults``
                                TypedDict); 5.24+: defaults are attributes of the processor class and
                                the kwargs class is optional (:func:`processor_modality_kwargs`)
+SmolVLM video text             5.19-5.24: ``replace_video_token`` writes the frame count of its
+                               intro ("series of N frames") from ``pixel_values.shape[1]``: the
+                               frames of the call's longest video (the others are padded to it;
+                               a call without ``return_tensors`` raises there, its ``pixel_values``
+                               a list); 5.25 counts this video's own timestamps. The stand-in that
+                               tokenbal hands the method carries both (:func:`video_token_inputs`).
+                               Rows with a video get SmolVLM's own video template (its
+                               ``apply_chat_template`` swaps it in for a whole batch), which on 5.19
+                               drops string message content: tokenbal renders SmolVLM rows one by
+                               one through that method, so its counts follow on every release
 ============================  ======================================================================
 """
 
@@ -64,7 +74,7 @@ __all__ = [
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
-    "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss",
+    "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss", "video_token_inputs",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -479,3 +489,23 @@ def processor_modality_kwargs(processor: Any, **kwargs: Any) -> dict[str, dict]:
     if first is not None and first.default is inspect.Parameter.empty:   # 5.19: the kwargs class is required
         return merge(processor.valid_processor_kwargs, tokenizer_init_kwargs=init, **kwargs)
     return merge(tokenizer_init_kwargs=init, **kwargs)
+
+
+def video_token_inputs(grid: tuple[int, int, int] | None, metadata: Any, frames: int,
+                       call_frames: int | None = None) -> dict:
+    """A shape-only stand-in of a processed video for ``processor.replace_video_token(inputs, 0)``:
+    what the families' methods read of it, on every release that has the method. ``grid``: the
+    video's ``video_grid_thw`` (Qwen / GLM; None: ``(frames, 1, 1)``), ``metadata`` its
+    ``VideoMetadata`` (sampled ``frames_indices``), ``frames`` the frames it keeps (InternVL /
+    OneVision read ``pixel_values_videos[i].shape[0]``), ``call_frames`` the most frames any
+    video of the same processor call keeps (SmolVLM 5.19-5.24 read the padded
+    ``pixel_values.shape[1]``; 5.25 its timestamps; None: ``frames``). No pixel memory."""
+    import numpy as np
+
+    def shape_only(*shape: int) -> Any:
+        return np.broadcast_to(np.zeros((), np.uint8), shape)
+
+    padded = frames if call_frames is None else max(int(call_frames), frames)
+    return {"video_grid_thw": np.asarray([grid if grid is not None else (frames, 1, 1)], np.int64),
+            "video_metadata": [metadata], "pixel_values_videos": [shape_only(frames, 3, 1, 1)],
+            "pixel_values": shape_only(1, padded, 3, 1, 1)}

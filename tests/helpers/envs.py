@@ -15,17 +15,20 @@ from tests.helpers.paths import REPO
 sys.path.insert(0, str(REPO / "scripts"))
 import envs as _envs  # noqa: E402  (scripts/ is not a package)
 
-_TF_SPEC = re.compile(r"^tf-(\d+)\.(\d+)(-video)?$")
+_TF_SPEC = re.compile(r"^tf-(\d+)\.(\d+)(-video(-smolvlm)?)?$")
+_TF_KINDS = {"matrix": None, "video": "-video", "video-smolvlm": "-video-smolvlm"}
 
 
 def transformers_specs(kind: str) -> list[str]:
     """The transformers side environments of one kind, oldest release first: ``"matrix"`` the
     ``tf-X.Y`` specs (the version matrix, no torchvision), ``"video"`` the ``tf-X.Y-video`` specs
-    (torch + torchvision + PyAV: the real video processors' oracle)."""
+    (torch + torchvision + PyAV: the real video processors' oracle), ``"video-smolvlm"`` their
+    ``tf-X.Y-video-smolvlm`` overlays (+ num2words, which SmolVLM's processor needs)."""
+    suffix = _TF_KINDS[kind]
     found = []
     for spec in (REPO / "tests" / "envs").glob("tf-*.txt"):
         m = _TF_SPEC.match(spec.stem)
-        if m and bool(m.group(3)) == (kind == "video"):
+        if m and m.group(3) == suffix:
             found.append(((int(m.group(1)), int(m.group(2))), spec.stem))
     return [name for _, name in sorted(found)]
 

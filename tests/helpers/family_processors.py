@@ -46,8 +46,12 @@ VIDEO_PLACEHOLDER = {
     "glm-4.1v": "<|begin_of_video|>{V}<|end_of_video|>",
     "internvl": "{V}\n",
     "llava-onevision": "{V}\n",
+    "smolvlm": "{V}",   # rows with a video part: SmolVLMProcessor renders its own video template
 }
 VIDEO_FAMILIES = sorted(VIDEO_PLACEHOLDER)
+# families whose processor needs more than the tf-X.Y-video envs hold: SmolVLM's needs num2words,
+# so its real-processor oracles run in the tf-X.Y-video-smolvlm overlays (tests/envs/)
+OWN_ENV_VIDEO_FAMILIES = ("smolvlm",)
 
 
 def template(family: str, bos: bool = False, video_token: str | None = None) -> str:
@@ -379,7 +383,8 @@ VIDEO_CLASS = {"qwen2-vl": ("qwen2_vl", "Qwen2VLVideoProcessor"),
                "qwen3-vl": ("qwen3_vl", "Qwen3VLVideoProcessor"),
                "glm-4.1v": ("glm4v", "Glm4vVideoProcessor"),
                "llava-onevision": ("llava_onevision", "LlavaOnevisionVideoProcessor"),
-               "internvl": ("internvl", "InternVLVideoProcessor")}
+               "internvl": ("internvl", "InternVLVideoProcessor"),
+               "smolvlm": ("smolvlm", "SmolVLMVideoProcessor")}
 # per family, the video settings tested: the class defaults at tiny frame sizes, and a sampling variant
 VIDEO_SETTINGS = {
     "qwen2-vl": [{}, {"do_sample_frames": True, "fps": 2.0, "min_frames": 4, "max_frames": 12}],
@@ -392,9 +397,13 @@ VIDEO_SETTINGS = {
                  {"fps": 3.0, "temporal_patch_size": 3, "merge_size": 1, "patch_size": 16}],
     "llava-onevision": [{}, {"do_sample_frames": True, "num_frames": 6}],
     "internvl": [{}, {"do_sample_frames": True, "num_frames": 5}],
+    # the class default (every frame), the checkpoints' sampling (fps 1, at most 64: here 8, so
+    # that clips over 10 s skip their first / last second) and a denser one
+    "smolvlm": [{}, {"do_sample_frames": True, "fps": 1, "num_frames": 8},
+                {"do_sample_frames": True, "fps": 4.0, "num_frames": 6}],
 }
 _STANDIN_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "size", "patch_size",
-                 "merge_size", "temporal_patch_size", "max_duration")
+                 "merge_size", "temporal_patch_size", "max_duration", "do_pad", "max_image_size")
 
 
 def _video_size(family: str) -> dict:
@@ -403,6 +412,8 @@ def _video_size(family: str) -> dict:
         return {"size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}, "patch_size": p}
     if family == "glm-4.1v":
         return {}   # the checkpoints' size; VIDEO_SETTINGS gives others
+    if family == "smolvlm":   # as the image processor's: every frame one 32 px global image
+        return {"size": {"longest_edge": 4 * 32}, "max_image_size": {"longest_edge": 32}}
     return {"size": {"height": 56, "width": 56}}
 
 
@@ -450,8 +461,9 @@ def video_family_processor(family: str, real: bool, settings: dict | None = None
 VIDEO_SHAPES = ("column", "column_bytes", "column_dict", "parts", "inline_video", "inline_path", "inline_url")
 
 
-def write_videos(folder, n: int, seed: int) -> list[str]:
-    """``n`` small videos of varied container (mp4 / webm / avi), size, rate and duration."""
+def write_videos(folder, n: int, seed: int, frames: tuple[int, int] = (4, 80)) -> list[str]:
+    """``n`` small videos of varied container (mp4 / webm / avi), size, rate and duration
+    (``frames``: the range of their frame counts)."""
     from tests.helpers.videos import write_video
 
     rng = random.Random(seed)
@@ -462,9 +474,9 @@ def write_videos(folder, n: int, seed: int) -> list[str]:
         if ext != "avi":
             w, h = w + w % 2, h + h % 2   # yuv420p
         fps = rng.choice([5, 10, 12.5, 24, 25, 30])
-        frames = rng.randint(4, 80)
+        count = rng.randint(*frames)
         kw = {"gaps_ms": [33, 50, 100]} if ext == "mp4" and rng.random() < 0.2 else {}
-        out.append(write_video(str(folder / f"v{seed}_{i}.{ext}"), frames, w, h, fps, **kw))
+        out.append(write_video(str(folder / f"v{seed}_{i}.{ext}"), count, w, h, fps, **kw))
     return out
 
 
@@ -524,6 +536,10 @@ def decode_video(path: str):
                                  frames_indices=list(range(len(frames))))
 
 
+def is_smolvlm(proc) -> bool:
+    return any(c.__name__ == "SmolVLMProcessor" for c in type(proc).__mro__)
+
+
 def video_oracle(proc, row: dict) -> int:
     """What the installed transformers' processor gives for a video row (needs its video processor,
     i.e. torchvision): the template rendered, the images and the videos (each file decoded whole,
@@ -535,6 +551,8 @@ def video_oracle(proc, row: dict) -> int:
     kw = {"add_special_tokens": False} if text.startswith(proc.tokenizer.bos_token) else {}
     if decoded:
         kw.update(videos=[[d[0] for d in decoded]], video_metadata=[[d[1] for d in decoded]])
+        if is_smolvlm(proc):   # 5.19 / 5.24's SmolVLM raises without tensors (its pixel_values a list)
+            kw["return_tensors"] = "pt"
     out = proc(text=[text], images=[[load(v) for v in images]] if images else None, **kw)
     return int(np.asarray(out["input_ids"][0]).shape[-1])
 

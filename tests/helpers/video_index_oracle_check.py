@@ -1,7 +1,7 @@
 """``tokenbal index build --processor DIR`` on video chat records against the real processors'
 video path and ``dataset_lengths``, in a side environment that has torchvision (the video
 processors need it). Run as ``python -m tests.helpers.video_index_oracle_check N_VIDEOS N_ROWS
-SEED`` with this checkout on PYTHONPATH
+SEED [FAMILY,...]`` with this checkout on PYTHONPATH
 (``tests/tokenbal/index/test_processor_videos.py::test_real_video_processors_index_build`` does, in
 each ``tf-X.Y-video`` env: torch 2.14.1 + torchvision 0.29.1 + PyAV). InternVL records its processor's
 ``__call__`` cannot take (videos of different frame counts) are expected at ``process_row``'s length.
@@ -95,22 +95,26 @@ def check(family: str, settings: dict, videos: list[str], n_rows: int, seed: int
             "shapes": sorted({row.get("shape", "tar") for key, _, row in cases if key in got})}
 
 
-def main(n_videos: int, n_rows: int, seed: int) -> int:
+def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     from tests.helpers import family_processors as fp
 
     root = Path(tempfile.mkdtemp(prefix="tokenbal-index-videos-"))
     videos = fp.write_videos(root, n_videos, seed=seed)
     failed = 0
-    for family in fp.VIDEO_FAMILIES:
+    for family in families or [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]:
+        pool = videos
+        if family == "smolvlm":   # + long clips (20-120 s): its sampling skips a second at each end
+            pool = videos + fp.write_videos(root, max(3, n_videos // 6), seed=seed + 1, frames=(200, 600))
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
             folder = root / f"{family}-{k}"
             folder.mkdir()
-            result = check(family, settings, videos, n_rows, seed + 7 * k + len(family), folder)
+            result = check(family, settings, pool, n_rows, seed + 7 * k + len(family), folder)
             failed += result["n_wrong"]
             print(json.dumps(result), flush=True)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*(int(a) for a in sys.argv[1:4])))
+    only = sys.argv[4].split(",") if sys.argv[4:] else None
+    sys.exit(main(*(int(a) for a in sys.argv[1:4]), families=only))

@@ -31,18 +31,36 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
     folder = Path(tempfile.mkdtemp(prefix="tokenbal-videos-"))
     videos = fp.write_videos(folder, n_videos, seed=seed)
     failed = 0
-    for family in families or fp.VIDEO_FAMILIES:
+    for family in families or [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]:
+        pool = videos
+        if family == "smolvlm":   # + long clips (20-120 s): its sampling skips a second at each end
+            pool = videos + fp.write_videos(folder, max(4, n_videos // 6), seed=seed + 1, frames=(200, 600))
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
-            rows = fp.random_video_rows(n_rows, seed=seed + 7 * k + len(family), videos=videos)
+            rows = fp.random_video_rows(n_rows, seed=seed + 7 * k + len(family), videos=pool)
+            if family == "smolvlm":   # + text-only rows of string content (its own template)
+                rows += [{**r, "videos": [], "files": []}
+                         for r in fp.random_rows(n_rows // 10, seed=seed + k, shapes=("string",))]
             proc = fp.video_family_processor(family, real=True, settings=settings, subclass=True)
             judged = [processor_length(proc, family, row) for row in rows]
             by_parts = sum(from_parts for _, from_parts in judged)
             agree, rejected, accepted, wrong = fp.tally_lengths(proc, rows, [want for want, _ in judged])
+            # the accepted rows in one call too (rows with and without videos in one batch)
+            batch = dataset_lengths([rows[i] for i in accepted], proc).tolist()
+            wrong += [{"row": i, "batched": got, "processor": judged[i][0]}
+                      for i, got in zip(accepted, batch, strict=True) if got != judged[i][0]]
             # the packed Trainer's collator step: the processor's own output for the row (rows of two
             # videos of different frame counts: OneVision's / InternVL's video by video)
-            collated = 0
+            collated = refused_by_process_row = 0
             for i in ([i for i in accepted if len(rows[i]["files"]) <= 1][:12]
                       + [i for i in accepted if len(rows[i]["files"]) > 1][:8]):
+                if family == "smolvlm" and rows[i]["files"] and rows[i]["images"]:
+                    # its processor returns only the videos' pixel_values for such a row: refused
+                    try:
+                        process_row(rows[i], proc)
+                        wrong.append({"row": i, "process_row": "took a row with images and videos"})
+                    except ValueError as e:
+                        refused_by_process_row += "returns only the videos' pixel_values" in str(e)
+                    continue
                 got = len(process_row(rows[i], proc)["input_ids"])
                 want = int(dataset_lengths([rows[i]], proc)[0])
                 collated += 1
@@ -72,7 +90,8 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
             failed += len(wrong)
             shapes = sorted({rows[i]["shape"] for i in accepted})
             print(json.dumps({"family": family, "settings": settings, "rows": len(rows), "agree": agree,
-                              "both_reject": rejected, "process_row": collated, "by_parts": by_parts,
+                              "both_reject": rejected, "process_row": collated,
+                              "process_row_refused": refused_by_process_row, "by_parts": by_parts,
                               "parts_equal_call": parts_equal, "wrong": wrong[:5],
                               "n_wrong": len(wrong), "shapes": shapes, "videos": n_videos}), flush=True)
     return 1 if failed else 0

@@ -104,6 +104,7 @@ def import_without_torchvision(modname: str):
     torchvision at the top, with shape-only torchvision stand-ins that exist only during the import
     (torchvision cannot be installed beside this torch build). Only the frame-sampling and sizing
     functions of the module are used as oracles; ``resize`` returns an empty tensor of the asked size."""
+    import contextlib
     import importlib
     import sys
     import types
@@ -123,6 +124,12 @@ def import_without_torchvision(modname: str):
     stubs["torchvision.transforms"].InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic")
     stubs["torchvision.transforms.functional"].resize = resize
     stubs["torchvision.transforms.v2.functional"].resize = resize
+    # transformers asks importlib whether torchvision is installed (a cached answer); asked first with
+    # the stubs in place, importlib raises on them (no __spec__): ask before they go in
+    with contextlib.suppress(ImportError):
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
     saved = {n: sys.modules.get(n) for n in [*names, modname]}
     sys.modules.pop(modname, None)
     sys.modules.update(stubs)

@@ -126,6 +126,9 @@ class ChatTokenCounter:
             Expansion(image_token) if image_token is not None else None)
         self._render_fn = render if render is not None else _tokenizer_renderer(tokenizer, chat_template)
         self._uses_images = "images" in template_variables(chat_template)
+        # SmolVLM's apply_chat_template picks its template for a whole batch of conversations (its
+        # video template if any has a video part): its rows are rendered one by one, as it sees them
+        self._render_each = family == "smolvlm"
         self._backend = _fast_backend(tokenizer)
         self._backend_checked = False
         added = set(getattr(tokenizer, "get_added_vocab", dict)())
@@ -254,7 +257,7 @@ class ChatTokenCounter:
         if not len(conversations):
             return []
         convs = [list(c) for c in conversations]
-        if not self._uses_images:
+        if not self._uses_images and not self._render_each:
             return list(self._render_fn(convs))
         out = []
         for r, conv in enumerate(convs):
@@ -295,7 +298,8 @@ class ChatTokenCounter:
         total, _, owner = self._count_texts(texts, sizes, first_row, videos)
         video = np.zeros(len(total), np.int64)
         for r, infos in enumerate(videos or ()):
-            video[r] = sum(self.video_tokens(info, first_row + r, str(k))[0]
+            call = self.call_frames(infos, first_row + r)
+            video[r] = sum(self.video_tokens(info, first_row + r, str(k), call)[0]
                            for k, info in enumerate(infos or ()))
         if not len(owner):
             return total - video, video
@@ -386,12 +390,21 @@ class ChatTokenCounter:
                 "video part in the messages, and each video part a video)")
         return n_videos
 
-    def video_text(self, info: Any, row: int = 0, where: str = "") -> tuple[str, int]:
+    def call_frames(self, infos: Sequence[Any] | None, row: int = 0) -> int | None:
+        """The most frames the processor keeps of one of a row's videos (``infos``: their headers),
+        for a family whose video text reads the padded frames of the whole call (SmolVLM, see
+        :func:`tokenbal.hf_compat.video_token_inputs`); None for the others."""
+        if self.family != "smolvlm" or not infos:
+            return None
+        return max(self.video_text(info, row, str(k))[1] for k, info in enumerate(infos))
+
+    def video_text(self, info: Any, row: int = 0, where: str = "",
+                   call_frames: int | None = None) -> tuple[str, int]:
         """What the processor writes in place of the placeholder of a video with header ``info``, and
-        the number of frames it keeps of it."""
+        the number of frames it keeps of it (``call_frames``: :meth:`call_frames` of its row)."""
         from tokenbal.estimate.chat_video import VideoCountError, check_video_support, video_replacement
 
-        key = (int(info.frames), float(info.fps), int(info.width), int(info.height))
+        key = (int(info.frames), float(info.fps), int(info.width), int(info.height), call_frames)
         text = self._video_texts.get(key)
         if text is None:
             if self.processor is None:
@@ -402,7 +415,7 @@ class ChatTokenCounter:
                     "processor loads with its video processor")
             try:
                 check_video_support(self.processor, self.family, self.estimator)
-                text = video_replacement(self.processor, self.family, self.estimator, info)
+                text = video_replacement(self.processor, self.family, self.estimator, info, call_frames)
             except VideoCountError as e:
                 raise ChatCountError(f"row {row}: video {where}: {e}") from None
             except ValueError as e:
@@ -411,11 +424,12 @@ class ChatTokenCounter:
             self._video_texts[key] = text
         return text
 
-    def video_tokens(self, info: Any, row: int = 0, where: str = "") -> tuple[int, int]:
+    def video_tokens(self, info: Any, row: int = 0, where: str = "",
+                     call_frames: int | None = None) -> tuple[int, int]:
         """(tokens of what the processor writes in place of the placeholder of a video with header
         ``info`` (:meth:`video_text`, tokenized on its own), frames it keeps of it): the video's
-        share of :meth:`count_split`'s vision."""
-        text, frames = self.video_text(info, row, where)
+        share of :meth:`count_split`'s vision (``call_frames``: :meth:`call_frames` of its row)."""
+        text, frames = self.video_text(info, row, where, call_frames)
         key = ("tokens", text)
         n = self._video_texts.get(key)
         if n is None:
@@ -451,7 +465,8 @@ class ChatTokenCounter:
         for r, text in enumerate(texts):
             image_texts = [exp.text(int(n_tokens[j]), tuple(grids[j]) if grids is not None else (0, 0))
                            for j in range(starts[r], starts[r + 1])]
-            video_texts = [self.video_text(info, first_row + r, str(k))[0]
+            call = self.call_frames(videos[r], first_row + r)
+            video_texts = [self.video_text(info, first_row + r, str(k), call)[0]
                            for k, info in enumerate(videos[r] or ())]
             text = replace_placeholders(self.processor, text, image_texts, video_texts)
             text, extra[r] = self._collapse_placeholders(text)
@@ -609,10 +624,13 @@ class ProcessorTextCounter:
         (:class:`~tokenbal.index.video.VideoInfo`) of row ``r``'s videos, in order."""
         return self.chat.count_split(conversations, sizes, videos=videos)[0]
 
-    def video_tokens(self, info: Any, where: str = "") -> tuple[int, int]:
+    def video_tokens(self, info: Any, where: str = "", row_videos: Sequence[Any] | None = None
+                     ) -> tuple[int, int]:
         """(tokens, frames kept) of one video as :meth:`count_chat_text` takes it out of the text
-        (:meth:`ChatTokenCounter.video_tokens`); ``ChatCountError`` when it cannot be counted."""
-        return self.chat.video_tokens(info, 0, where)
+        (:meth:`ChatTokenCounter.video_tokens`; ``row_videos``: the headers of every video of its
+        sample, which SmolVLM's video text depends on); ``ChatCountError`` when it cannot be
+        counted."""
+        return self.chat.video_tokens(info, 0, where, self.chat.call_frames(row_videos))
 
     def __repr__(self) -> str:
         return f"ProcessorTextCounter({self.chat!r})"
@@ -680,8 +698,11 @@ class _Renderer:
             convs = normalize_plain(convs)[0]
         else:   # transformers 5.6 - 5.9 reassign message["content"] in place: render copies
             convs = [[dict(m) if isinstance(m, dict) else m for m in c] for c in convs]
-        out = self.obj.apply_chat_template(convs, chat_template=chat_template or self.template,
-                                           tokenize=False, **kw)
+        if chat_template is None and self.template != getattr(self.obj, "chat_template", None):
+            chat_template = self.template
+        # the object's own template left to its own method: SmolVLM's renders rows with a video part
+        # with its video template instead (as its apply_chat_template(tokenize=True) does)
+        out = self.obj.apply_chat_template(convs, chat_template=chat_template, tokenize=False, **kw)
         return [out] if isinstance(out, str) else list(out)
 
 

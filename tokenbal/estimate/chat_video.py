@@ -3,10 +3,12 @@
 A processor's ``__call__`` replaces the ``i``-th video placeholder of the rendered text with
 ``processor.replace_video_token(video_inputs, i)``: placeholders × the video's token count, plus
 whatever the family writes around them (Qwen3-VL's ``<t seconds>`` and per-frame vision start /
-end, GLM-4.1V's per-frame image markers and whole-second stamps, InternVL's ``FrameN:`` labels).
+end, GLM-4.1V's per-frame image markers and whole-second stamps, InternVL's ``FrameN:`` labels,
+SmolVLM's intro sentence and ``Frame from MM:SS:`` + one image run per frame).
 What that method reads of the processed video is its shape only: ``video_grid_thw`` (frames,
 height, width in patches), the sampled frames' indices and the source fps (``video_metadata``),
-and the number of frames (``pixel_values_videos[i].shape[0]``).
+and the number of frames (``pixel_values_videos[i].shape[0]``; SmolVLM 5.19-5.24: the call's
+padded ``pixel_values.shape[1]``, see :func:`tokenbal.hf_compat.video_token_inputs`).
 
 :func:`video_replacement` computes those from the container header alone
 (:func:`tokenbal.index.video.probe_video`: frames, fps, size; no frame decoded) with the frame
@@ -21,12 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from tokenbal.estimate.conversation import content_parts
-from tokenbal.estimate.video import GLM_VIDEO, GlmVideoSettings, VideoRequest, plan_video
+from tokenbal.estimate.video import GLM_VIDEO, GlmVideoSettings, VideoRequest, plan_video, smolvlm_frames
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "llava-onevision", "internvl")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v", "llava-onevision", "internvl", "smolvlm")
 
 
 class VideoCountError(ValueError):
@@ -59,6 +59,16 @@ def check_video_support(processor: Any, family: str | None, est: Any) -> None:
                               "processor.replace_video_token, which tokenbal calls to write a video's "
                               "text exactly as the processor does; counting videos needs a transformers "
                               "whose processors have it (5.19 and later)")
+    if family == "smolvlm":
+        vp = processor.video_processor
+        s = video_settings(processor)
+        if s["do_sample_frames"] and (s["fps"] is None or s["num_frames"] is None):
+            raise VideoCountError(f"{name}: do_sample_frames with fps={s['fps']}, num_frames="
+                                  f"{s['num_frames']}: SmolVLMVideoProcessor.sample_frames needs both (the "
+                                  "processor itself raises)")
+        if not getattr(vp, "do_pad", True):
+            raise VideoCountError(f"{name}: SmolVLM video do_pad=False is not modelled (only the class "
+                                  "default do_pad=True: a call's videos padded to its longest)")
     if family == "glm-4.1v":
         glm_video_settings(processor)
 
@@ -90,20 +100,22 @@ def glm_video_settings(processor: Any) -> GlmVideoSettings:
         temporal_patch_size=int(getattr(vp, "temporal_patch_size", 2)), sample=sample)
 
 
-def video_replacement(processor: Any, family: str, est: Any, info: Any) -> tuple[str, int]:
+def video_replacement(processor: Any, family: str, est: Any, info: Any,
+                      call_frames: int | None = None) -> tuple[str, int]:
     """The text the processor puts in place of this video's placeholder (``info``: a
     :class:`tokenbal.index.video.VideoInfo` of the file), and the number of frames it keeps.
-    ``ValueError`` with the reason when the processor would reject the video (too short to
-    sample, ...)."""
-    indices, grid = sample_video(processor, family, est, info)
+    ``call_frames``: the most frames a video of the same processor call (the row) keeps, which
+    SmolVLM's text reads on some releases (None: this video's). ``ValueError`` with the reason when
+    the processor would reject the video (too short to sample, ...)."""
     from transformers.video_utils import VideoMetadata
 
+    from tokenbal.hf_compat import video_token_inputs
+
+    indices, grid = sample_video(processor, family, est, info)
     md = VideoMetadata(total_num_frames=int(info.frames), fps=float(info.fps),
                        duration=float(info.frames / info.fps), width=int(info.width), height=int(info.height),
                        frames_indices=list(indices))
-    shape_only = np.broadcast_to(np.zeros((), np.uint8), (len(indices), 3, 1, 1))   # no memory
-    inputs = {"video_grid_thw": np.asarray([grid if grid is not None else (len(indices), 1, 1)], np.int64),
-              "video_metadata": [md], "pixel_values_videos": [shape_only]}
+    inputs = video_token_inputs(grid, md, len(indices), call_frames)
     return str(processor.replace_video_token(inputs, 0)), len(indices)
 
 
@@ -147,6 +159,10 @@ def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list
         plan = plan_video(est, _request(info, sample_fps=s["fps"] if sample else None),
                           glm=glm_video_settings(processor))
         return list(plan.indices), plan.grid
+    if family == "smolvlm":   # its own sample_frames: fps and num_frames (the most) together
+        if not sample:
+            return list(range(total)), None
+        return smolvlm_frames(total, float(info.fps), int(s["num_frames"]), float(s["fps"])), None
     # LLaVA-OneVision / InternVL: the frame count is all that counts
     if not sample:
         return list(range(total)), None

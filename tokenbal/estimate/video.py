@@ -36,6 +36,9 @@ Rules (ports of transformers 5.24 and qwen-vl-utils 0.0.14, operation for operat
   ``<|begin_of_image|>`` + placeholders + ``<|end_of_image|>`` + ``str(int(t))``, and
   ``<|begin_of_video|>`` / ``<|end_of_video|>``. Other settings of a loaded video processor:
   :class:`GlmVideoSettings` (transformers 5.19-5.25 alike).
+* SmolVLM (through its processor only, ``tokenbal.estimate.chat_video``; not in ``plan_video``):
+  :func:`smolvlm_frames`, ``SmolVLMVideoProcessor.sample_frames`` (``round(fps * duration)``
+  frames capped at ``num_frames``, a second skipped at each end of long clips, ``linspace``).
 """
 
 from __future__ import annotations
@@ -260,3 +263,21 @@ def _glm(est, req: VideoRequest, first: int, total: int, video: GlmVideoSettings
     stamps = [i / req.fps for i in idx][::2][:t]
     stamps += stamps[-1:] * (t - len(stamps))
     return VideoPlan(idx, t * per, 2 + 2 * t, tuple(str(int(s)) for s in stamps), (t, gh, gw))
+
+
+def smolvlm_frames(total: int, fps: float, num_frames: int, sample_fps: float,
+                   skip_secs: float = 1) -> list[int]:
+    """``SmolVLMVideoProcessor.sample_frames`` (transformers 5.19-5.25, the same code on each): the
+    source frames it keeps of a ``total``-frame clip at ``fps`` with ``num_frames`` (its maximum)
+    and ``sample_fps`` (its target rate): ``round(sample_fps * duration)`` frames capped at
+    ``num_frames`` (at least 1), ``skip_secs`` cut from both ends when the clip is long enough,
+    ``linspace(start, end, n)`` truncated to int, duplicates dropped."""
+    duration = total / fps
+    desired = max(1, min(int(round(sample_fps * duration)), num_frames))
+    start, end = 0, total - 1
+    if skip_secs > 0 and (duration - 2 * skip_secs) > (num_frames * sample_fps):
+        start, end = int(skip_secs * fps), int(total - skip_secs * fps)
+    start, end = max(0, start), min(end, total - 1)
+    if start >= end:
+        start, end = 0, total - 1
+    return np.unique(np.linspace(start, end, desired, dtype=int)).tolist()

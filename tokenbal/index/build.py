@@ -878,7 +878,8 @@ def _chat_text(counter, samples: list) -> tuple[np.ndarray, dict[int, str]]:
     for k, s in enumerate(samples):
         for j, v in enumerate(s.videos or ()):
             try:
-                v.tokens, v.sampled = counter.video_tokens(v.info, f"{j} ({_video_name(s, v)})")
+                v.tokens, v.sampled = counter.video_tokens(v.info, f"{j} ({_video_name(s, v)})",
+                                                           row_videos=[w.info for w in s.videos])
             except ChatCountError as e:
                 bad[k] = str(e).split(": ", 1)[-1]
                 break

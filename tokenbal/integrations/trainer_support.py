@@ -134,6 +134,12 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
     imgs = [_as_image(v) for v in values]
     video_kwargs = _row_videos(row, conv, processor, index, messages)
+    if video_kwargs and imgs and _VIDEO_ESTIMATOR[id(processor)][1] == "smolvlm":
+        raise ValueError(f"row {index}: has {len(imgs)} image(s) and {len(video_kwargs['videos'][0])} "
+                         f"video(s); {type(processor).__name__} returns only the videos' pixel_values for "
+                         "such a row (transformers 5.19-5.25: its video processor's pixel_values replace its "
+                         "image processor's), so the model would get no pixels for the images; keep SmolVLM "
+                         "rows to images or to videos")
     extra = {"images": [imgs]} if "images" in template_variables(_template(processor)) else {}
     # copies of the messages: transformers 5.6 - 5.9 reassign message["content"] in place
     text = processor.apply_chat_template([[dict(m) for m in conv]], tokenize=False, **extra)

@@ -285,6 +285,47 @@ def test_internvl(videos):
             assert "".join(plan.texts) == rest
 
 
+@pytest.fixture(scope="module")
+def smolvlm_sampler():
+    try:
+        mod = import_without_torchvision("transformers.models.smolvlm.video_processing_smolvlm")
+    except ImportError as e:
+        pytest.skip(f"no SmolVLM video processor module here: {e}")
+    from transformers.video_utils import VideoMetadata
+
+    ns = types.SimpleNamespace(num_frames=None, fps=None)
+
+    def sample(total, fps, num_frames, sample_fps):
+        md = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
+        return [int(i) for i in mod.SmolVLMVideoProcessor.sample_frames(ns, md, num_frames=num_frames,
+                                                                          fps=sample_fps)]
+    return sample
+
+
+def test_smolvlm_sample_frames(smolvlm_sampler):
+    """``smolvlm_frames`` == ``SmolVLMVideoProcessor.sample_frames`` on clips from 1 frame to 20
+    minutes, around the skip-a-second line (duration - 2 s vs num_frames / fps) and the rounding of
+    fps x duration."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tokenbal.estimate.video import smolvlm_frames
+
+    rates = [5, 10, 12.5, float(NTSC), 24, 25, 30, 60]
+    cases = [(1, 30, 64, 1), (2, 30, 64, 1), (59, 30, 8, 1), (300, 30, 8, 1), (301, 30, 8, 1),
+             (330, 30, 8, 1), (331, 30, 8, 1), (36000, 30, 64, 1), (45, 30, 8, 4.0), (2, 5, 1, 0.5)]
+    for case in cases:
+        assert smolvlm_frames(*case) == smolvlm_sampler(*case), case
+
+    @settings(max_examples=400, deadline=None, derandomize=True)
+    @given(st.integers(1, 40000), st.sampled_from(rates), st.integers(1, 96),
+           st.sampled_from([0.25, 0.5, 1, 2, 3.0, 4.0, 8]))
+    def check(total, fps, num_frames, sample_fps):
+        assert smolvlm_frames(total, fps, num_frames, sample_fps) == smolvlm_sampler(total, fps, num_frames,
+                                                                                     sample_fps)
+    check()
+
+
 def test_errors():
     est = get_estimator("qwen2-vl", pipeline="qwen-vl-utils")
     with pytest.raises(ValueError, match="empty"):

@@ -62,19 +62,27 @@ def expected(proc, row: dict) -> int:
     from tokenbal.index.video import probe_video
 
     counter = ChatTokenCounter.from_processor(proc)
+    # the processor's own template choice (SmolVLM swaps in its video template for video rows)
     text = proc.apply_chat_template([[dict(m) for m in row["messages"]]], tokenize=False)
     text = text[0] if isinstance(text, list) else text
-    videos = []
+    sampled = []
     for path in row["files"]:
         info = probe_video(path)
-        idx, grid = sample_video(proc, counter.family, counter.estimator, info)
-        md = VideoMetadata(total_num_frames=info.frames, fps=info.fps, frames_indices=idx)
+        sampled.append((info, *sample_video(proc, counter.family, counter.estimator, info)))
+    # the row's videos go through one call, padded to its longest (SmolVLM 5.19-5.24 read that)
+    longest = max((len(idx) for _, idx, _ in sampled), default=0)
+    videos = []
+    for info, idx, grid in sampled:
+        md = VideoMetadata(total_num_frames=info.frames, fps=info.fps, duration=info.frames / info.fps,
+                           frames_indices=idx)
         inputs = {"video_grid_thw": [np.array(grid if grid else (len(idx), 1, 1))], "video_metadata": [md],
-                  "pixel_values_videos": [np.zeros((len(idx), 1, 1, 1), np.uint8)]}
+                  "pixel_values_videos": [np.zeros((len(idx), 1, 1, 1), np.uint8)],
+                  "pixel_values": np.zeros((1, longest, 1, 1, 1), np.uint8)}
         videos.append(proc.replace_video_token(inputs, 0))
     images = []
     if row["images"]:
-        processed = proc.image_processor(images=[[fp.load(v) for v in row["images"]]])   # one row
+        own = {"return_row_col_info": True} if fp.is_smolvlm(proc) else {}   # its processor's call default
+        processed = proc.image_processor(images=[[fp.load(v) for v in row["images"]]], **own)   # one row
         images = [proc.replace_image_token(processed, j) for j in range(len(row["images"]))]
     if callable(getattr(proc, "get_text_with_replacements", None)):
         # the processor's own one-pass replacement (5.25's Qwen3-VL folds the template's vision
@@ -219,10 +227,65 @@ def test_real_video_processors(env):
     collator) gives the counted length, rows of two videos included."""
     from tests.helpers.envs import oracle_in_env
 
-    results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "60", "5")
-    assert {r["family"] for r in results} == set(fp.VIDEO_FAMILIES)
+    families = [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]
+    results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "60", "5", ",".join(families))
+    assert {r["family"] for r in results} == set(families)
     for r in results:
         assert r["n_wrong"] == 0 and r["agree"] >= 40 and len(r["shapes"]) == len(fp.VIDEO_SHAPES), r
         assert r["process_row"] >= 10, r   # the packed Trainer's collator step, 1- and 2-video rows
         if r["family"] in ("internvl", "llava-onevision"):   # video by video == the processor's call
             assert r["parts_equal_call"] >= 5, r
+
+
+
+def _smolvlm_envs() -> list[str]:
+    from tests.helpers.envs import transformers_specs
+
+    return transformers_specs("video-smolvlm")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("env", _smolvlm_envs())
+def test_real_smolvlm_video_processor(env):
+    """SmolVLM against its real processor + video processor in each ``tf-X.Y-video-smolvlm`` side
+    env (the video env + num2words): 40 random videos of 4-80 frames and 6 long ones (200-600
+    frames, 7-120 s), 70 random rows per video setting (every frame; fps 1 at most 8, where clips
+    over 10 s skip a second at each end; fps 4 at most 6) + 7 text-only rows of string content,
+    through a subclass of the processor: 0-2 videos + 0-2 images, every row shape. The processor's
+    ``input_ids`` (with ``return_tensors="pt"``: 5.19 / 5.24 raise without it) against
+    ``dataset_lengths``, a datasets Video column with num_proc=2, and ``process_row`` (rows with
+    images and videos refused by name: the processor returns only the videos' pixels for them)."""
+    from tests.helpers.envs import oracle_in_env
+
+    results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "70", "5", "smolvlm")
+    assert len(results) == len(fp.VIDEO_SETTINGS["smolvlm"])
+    for r in results:
+        print(env, {k: r[k] for k in ("settings", "rows", "agree", "both_reject", "n_wrong", "process_row",
+                                      "process_row_refused")})
+        assert r["family"] == "smolvlm" and r["rows"] == 77, r
+        assert r["n_wrong"] == 0 and r["agree"] >= 70 and set(fp.VIDEO_SHAPES) <= set(r["shapes"]), r
+        assert r["process_row"] >= 10 and r["process_row_refused"] >= 1, r
+
+
+def test_smolvlm_video_refusals(videos):
+    """SmolVLM: a row with images and videos is counted (its processor's ``input_ids``) but the
+    packed Trainer's ``process_row`` refuses it by name (the processor returns only the videos'
+    ``pixel_values`` for it); sampling without both ``fps`` and ``num_frames`` (the processor raises)
+    and ``do_pad=False`` are refused naming the setting."""
+    from tokenbal.integrations.trainer_support import process_row
+
+    proc = _processor("smolvlm")
+    if not _has_replace_video_token("smolvlm"):
+        pytest.skip("this transformers' processors have no replace_video_token")
+    parts = [{"type": "image"}, {"type": "video", "video": videos[0]}, {"type": "text", "text": "what"}]
+    both = {"messages": [{"role": "user", "content": parts}], "images": [fp.image_bytes(40, 30, "PNG", 1)]}
+    assert dataset_lengths([both], proc)[0] == expected(proc, {**both, "files": [videos[0]]})
+    with pytest.raises(ValueError, match=r"row \?: has 1 image\(s\) and 1 video\(s\); MySmolvlmProcessor "
+                                         r"returns only the videos' pixel_values"):
+        process_row(both, proc)
+    video_only = {"messages": [{"role": "user", "content": [{"type": "video", "video": videos[0]}]}],
+                  "images": []}
+    for settings, named in (({"do_sample_frames": True, "fps": None, "num_frames": 8}, "needs both"),
+                            ({"do_pad": False}, "do_pad=False is not modelled")):
+        with pytest.raises(ValueError, match=rf"row 0: video 0: MySmolvlmProcessor: .*{named}"):
+            dataset_lengths([video_only], _processor("smolvlm", settings))
