@@ -36,6 +36,7 @@ fine (the images go first, as most processors do without one).
 from __future__ import annotations
 
 import json
+import re
 
 TEXT_EXTS = frozenset({"txt", "json"})
 PLACEHOLDERS = ("<image>", "<video>")
@@ -198,10 +199,15 @@ def _field(obj: object, name: str, where: str) -> str:
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
+_PLACEHOLDER_SPLIT = re.compile("(" + "|".join(map(re.escape, PLACEHOLDERS)) + ")")
+
+
 def chat_messages(obj: object) -> list[dict] | None:
     """The conversation a chat template renders for a parsed JSON record: its ``messages`` as they
     are, or its LLaVA ``conversations`` as ``{"role", "content"}`` turns, each ``<image>`` in a
-    value becoming an ``{"type": "image"}`` part in place (the text around it kept verbatim).
+    value becoming an ``{"type": "image"}`` part in place and each ``<video>`` a ``{"type":
+    "video"}`` part (LLaVA-Video / OneVision records: the record's ``video`` field names the file;
+    the text around them kept verbatim).
     ``None`` for a record with neither (its text is counted plain). Raises ``SampleTextError`` for
     malformed turns."""
     if not isinstance(obj, dict):
@@ -217,10 +223,11 @@ def chat_messages(obj: object) -> list[dict] | None:
         if role is None:
             raise SampleTextError(f"conversations[{i}].from is {turn.get('from')!r}; known: {sorted(_ROLES)}")
         parts: list[dict] = []
-        for k, piece in enumerate(value.split("<image>")):
-            if k:
-                parts.append({"type": "image"})
-            if piece or "<image>" not in value:   # a turn without images keeps its (even empty) text
+        pieces = _PLACEHOLDER_SPLIT.split(value)   # text, placeholder, text, placeholder, ..., text
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                parts.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+            elif piece or len(pieces) == 1:   # a turn without placeholders keeps its (even empty) text
                 parts.append({"type": "text", "text": piece})   # verbatim, newlines kept
         out.append({"role": role, "content": parts})
     return out
