@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import random
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -63,9 +62,8 @@ def llava_video_record(rng: random.Random, video: str, key: str) -> tuple[dict, 
 def check(family: str, videos: list[str], n_records: int, seed: int, folder: Path) -> dict:
     from tests.helpers import family_processors as fp
     from tests.helpers.corpus import Sample, write_shard
+    from tests.helpers.index_oracles import build_and_read
     from tests.helpers.video_oracle_check import processor_length
-    from tokenbal import TokenIndex
-    from tokenbal.index import build_index
 
     proc = fp.video_family_processor(family, real=True)
     pdir = folder / "processor"
@@ -81,10 +79,7 @@ def check(family: str, videos: list[str], n_records: int, seed: int, folder: Pat
     samples = [Sample(key=f"t{k}", conversations=rec["conversations"],
                       raw=[("mp4", Path(rec["video"]).read_bytes())]) for k, (rec, _) in enumerate(mp4)]
     shard = write_shard(folder / "train-000.tar", samples)
-    build_index([str(src), shard], folder / "idx", processor=str(pdir), progress=False, workers=2)
-    idx = TokenIndex.open(folder / "idx")
-    got = dict(zip(idx.keys, idx.lengths.tolist(), strict=True))
-    errors = {e["key"]: e["reason"] for e in idx.errors}
+    got, errors, idx = build_and_read([str(src), shard], folder / "idx", pdir)
     agree = rejected = 0
     wrong = []
     keyed = [(rec["id"], row) for rec, row in cases]
@@ -106,18 +101,9 @@ def check(family: str, videos: list[str], n_records: int, seed: int, folder: Pat
 
 def main(n_videos: int, n_records: int, seed: int) -> int:
     warnings.filterwarnings("ignore")
-    from tests.helpers import family_processors as fp
+    from tests.helpers.index_oracles import each_video_family
 
-    root = Path(tempfile.mkdtemp(prefix="tokenbal-llava-video-"))
-    videos = fp.write_videos(root, n_videos, seed=seed)
-    failed = 0
-    for k, family in enumerate(fp.VIDEO_FAMILIES):
-        folder = root / family
-        folder.mkdir()
-        result = check(family, videos, n_records, seed + k, folder)
-        failed += result["n_wrong"] + (not result["placeholder_error"])
-        print(json.dumps(result), flush=True)
-    return 1 if failed else 0
+    return 1 if each_video_family("tokenbal-llava-video-", n_videos, seed, check, n_records) else 0
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ each row must be the processor's own ``input_ids`` length of the row
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -51,19 +49,15 @@ def write_parquet_files(rows: list, folder: Path) -> dict[str, list[int]]:
 
 def check(family: str, videos: list[str], n_rows: int, seed: int, folder: Path) -> dict:
     from tests.helpers import family_processors as fp
+    from tests.helpers.index_oracles import build_and_read
     from tests.helpers.video_oracle_check import processor_length
-    from tokenbal import TokenIndex
-    from tokenbal.index import build_index
 
     proc = fp.video_family_processor(family, real=True)
     pdir = folder / "processor"
     proc.save_pretrained(str(pdir))
     rows = fp.random_video_rows(n_rows, seed=seed, videos=videos)
     files = write_parquet_files(rows, folder)
-    build_index(list(files), folder / "idx", processor=str(pdir), progress=False, workers=2)
-    idx = TokenIndex.open(folder / "idx")
-    got = dict(zip(idx.keys, idx.lengths.tolist(), strict=True))
-    errors = {e["key"]: e["reason"] for e in idx.errors}
+    got, errors, idx = build_and_read(list(files), folder / "idx", pdir)
     agree = rejected = 0
     wrong = []
     shapes = set()
@@ -87,18 +81,9 @@ def check(family: str, videos: list[str], n_rows: int, seed: int, folder: Path) 
 
 def main(n_videos: int, n_rows: int, seed: int) -> int:
     warnings.filterwarnings("ignore")
-    from tests.helpers import family_processors as fp
+    from tests.helpers.index_oracles import each_video_family
 
-    root = Path(tempfile.mkdtemp(prefix="tokenbal-parquet-videos-"))
-    videos = fp.write_videos(root, n_videos, seed=seed)
-    failed = 0
-    for k, family in enumerate(fp.VIDEO_FAMILIES):
-        folder = root / family
-        folder.mkdir()
-        result = check(family, videos, n_rows, seed + k, folder)
-        failed += result["n_wrong"]
-        print(json.dumps(result), flush=True)
-    return 1 if failed else 0
+    return 1 if each_video_family("tokenbal-parquet-videos-", n_videos, seed, check, n_rows) else 0
 
 
 if __name__ == "__main__":

@@ -78,8 +78,7 @@ def audio_records() -> list[dict]:
 def check(settings: dict, subclass: bool, n_rows: int, seed: int, folder: Path) -> dict:
     from tests.helpers import family_processors as fp
     from tests.helpers.corpus import write_shard
-    from tokenbal import TokenIndex
-    from tokenbal.index import build_index
+    from tests.helpers.index_oracles import build_and_read
 
     proc = fp.phi4_processor(real=True, subclass=subclass, **settings)
     pdir = folder / "processor"
@@ -91,10 +90,7 @@ def check(settings: dict, subclass: bool, n_rows: int, seed: int, folder: Path) 
     src = folder / "train.jsonl"
     src.write_text("\n".join(json.dumps(r) for r in records + audio_records()))
     shard = write_shard(folder / "train-000.tar", [s for _, s in samples])
-    build_index([str(src), shard], folder / "idx", processor=str(pdir), progress=False, workers=2)
-    idx = TokenIndex.open(folder / "idx")
-    got = dict(zip(idx.keys, idx.lengths.tolist(), strict=True))
-    errors = {e["key"]: e["reason"] for e in idx.errors}
+    got, errors, _ = build_and_read([str(src), shard], folder / "idx", pdir)
     cases = [(r["id"], row) for r, row in zip(records, rows, strict=True)]
     cases += [(s.key, rows[i]) for i, s in samples]
     agree = rejected = 0

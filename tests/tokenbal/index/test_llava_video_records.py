@@ -43,9 +43,9 @@ def test_llava_video_records_equal_dataset_lengths(tmp_path, monkeypatch):
     not its video count is an error naming it."""
     pytest.importorskip("transformers")
     pytest.importorskip("av")
-    import tokenbal.estimate.chat as chat
     from tests.helpers import family_processors as fp
     from tests.helpers.corpus import Sample, write_shard
+    from tests.helpers.index_oracles import stand_in_video_folder
     from tests.helpers.llava_video_oracle_check import llava_video_record
     from tokenbal import TokenIndex
     from tokenbal.index import build_index
@@ -53,14 +53,7 @@ def test_llava_video_records_equal_dataset_lengths(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
     family = "qwen2-vl"
-    try:
-        proc = fp.video_family_processor(family, real=False, subclass=True)
-    except (ImportError, ModuleNotFoundError, AttributeError) as e:
-        pytest.skip(f"{family}'s processor or video processor class is not here: {e}")
-    if not callable(getattr(fp.processor_class(family), "replace_video_token", None)):
-        pytest.skip("this transformers' processors have no replace_video_token (5.19+)")
-    folder = fp.save_folder(proc, family, tmp_path / "proc")
-    monkeypatch.setattr(chat, "_auto_processor", lambda d: proc)   # as AutoProcessor loads it (torchvision)
+    proc, folder = stand_in_video_folder(family, tmp_path / "proc", monkeypatch)
     videos = fp.write_videos(tmp_path, 5, seed=3)
     rng = random.Random(4)
     cases = [llava_video_record(rng, rng.choice(videos), f"r{i}") for i in range(12)]

@@ -25,6 +25,7 @@ pytest.importorskip("av")
 pytest.importorskip("pyarrow")
 
 from tests.helpers import family_processors as fp  # noqa: E402
+from tests.helpers.index_oracles import stand_in_video_folder  # noqa: E402
 from tests.helpers.parquet_video_oracle_check import write_parquet_files  # noqa: E402
 from tokenbal import TokenIndex  # noqa: E402
 from tokenbal.index import build_index  # noqa: E402
@@ -36,26 +37,6 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
     return fp.write_videos(tmp_path_factory.mktemp("videos"), 8, seed=52)
-
-
-def _folder(family: str, tmp_path, monkeypatch):
-    """The family's processor (stand-in video processor) and its saved folder, loaded by the build
-    as ``proc`` (what AutoProcessor gives where torchvision is installed)."""
-    import tokenbal.estimate.chat as chat
-
-    try:
-        proc = fp.video_family_processor(family, real=False, subclass=True)
-    except (ImportError, ModuleNotFoundError, AttributeError) as e:
-        pytest.skip(f"{family}'s processor or video processor class is not here: {e}")
-    if not callable(getattr(fp.processor_class(family), "replace_video_token", None)):
-        pytest.skip("this transformers' processors have no replace_video_token (5.19+)")
-    folder = fp.save_folder(proc, family, tmp_path / "proc")
-    vp = proc.video_processor
-    settings = {k: v for k, v in vp.to_dict().items() if v is not None}
-    (folder / "video_preprocessor_config.json").write_text(json.dumps(
-        {**settings, "video_processor_type": fp.VIDEO_CLASS[family][1]}, default=str))
-    monkeypatch.setattr(chat, "_auto_processor", lambda d: proc)
-    return proc, folder
 
 
 def _row_lengths(idx: TokenIndex, files: dict) -> dict[int, int | str]:
@@ -76,7 +57,7 @@ def test_parquet_video_rows_equal_dataset_lengths(family, videos, tmp_path, monk
     with images: the index's lengths equal ``dataset_lengths`` on the same rows, rows it refuses are
     errors, and the video table holds each video's header."""
     monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
-    proc, folder = _folder(family, tmp_path, monkeypatch)
+    proc, folder = stand_in_video_folder(family, tmp_path / "proc", monkeypatch)
     rows = fp.random_video_rows(36, seed=61, videos=videos)
     files = write_parquet_files(rows, tmp_path)
     assert len(files) == 4
