@@ -301,7 +301,8 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
     or ``{bytes, path}`` structs) when it holds any, else the file each ``{"type": "video"}`` part
     names under ``video`` / ``url`` / ``path`` (a path or bytes). A path is used as given (relative
     to the working directory, as the processor opens it); its (size, mtime) go to ``files``.
-    ``ValueError`` when the parts and the videos disagree or a video cannot be read."""
+    ``ValueError`` when the row has video parts but not one video per part (as
+    ``text.placeholder_mismatch`` for images), or a video cannot be read."""
     from tokenbal.index.video import VideoError, probe_file, probe_video
     from tokenbal.index.videoindex import SampleVideo, part_params
 
@@ -319,7 +320,7 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
                                  "each as a video of its own: name it once")
             if named:
                 items.append((part[named[0]], f"{where} ({named[0]})", part_params(part, where)))
-    if len(video_parts) != len(items):
+    if video_parts and len(video_parts) != len(items):   # none: the videos go first, as images do
         raise ValueError(f"has {len(video_parts)} video part(s) in column {messages_col!r} but "
                          f"{len(items)} video(s) (the {VIDEO_COLUMN!r} column, else the files the parts "
                          "name); the processor would fail or pair text and videos wrongly")

@@ -79,7 +79,8 @@ def test_parquet_video_rows_equal_dataset_lengths(family, videos, tmp_path, monk
 
 def test_parquet_videos_without_a_processor_count_as_jsonl_records(videos, tmp_path):
     """``--model qwen2-vl`` (the estimator's video rules): a Parquet row with a video counts as the
-    same record in a JSONL file (the video read from the column's bytes or the part's path)."""
+    same record in a JSONL file (the video read from the column's bytes or the part's path; a
+    caption row's video, without parts, too)."""
     ask = {"type": "text", "text": "what?"}
     msgs = [{"role": "user", "content": [{"type": "video", "video": None}, ask]}]
     inline = [{"role": "user", "content": [{"type": "video", "video": videos[1]}, ask]}]
@@ -89,10 +90,12 @@ def test_parquet_videos_without_a_processor_count_as_jsonl_records(videos, tmp_p
     pq.write_table(pa.table({"messages": [msgs], "videos": [[Path(videos[0]).read_bytes()]]}),
                    str(tmp_path / "bytes.parquet"))
     pq.write_table(pa.table({"messages": [inline]}), str(tmp_path / "inline.parquet"))
+    pq.write_table(pa.table({"text": ["a clip"], "videos": [[videos[2]]]}), str(tmp_path / "text.parquet"))
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"id": "a", "messages": msgs, "videos": [videos[0]]}, {"id": "b", "messages": inline}]))
-    build_index([str(tmp_path / "bytes.parquet"), str(tmp_path / "inline.parquet")], tmp_path / "pq",
-                progress=False)
+        {"id": "a", "messages": msgs, "videos": [videos[0]]}, {"id": "b", "messages": inline},
+        {"id": "c", "text": "a clip", "videos": [videos[2]]}]))
+    build_index([str(tmp_path / n) for n in ("bytes.parquet", "inline.parquet", "text.parquet")],
+                tmp_path / "pq", progress=False)
     build_index(str(tmp_path / "r.jsonl"), tmp_path / "js", progress=False)
     pq_idx, js_idx = TokenIndex.open(tmp_path / "pq"), TokenIndex.open(tmp_path / "js")
     assert not pq_idx.errors and not js_idx.errors
