@@ -87,10 +87,11 @@ def audio_reason(obj: object) -> str | None:
         return None
     for name in AUDIO_FIELDS:
         value = obj.get(name)
-        if value is not None and value != [] and value != "":
-            n = len(value) if isinstance(value, list) else 1
-            return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
-                    "not audio (remove the audio or count those samples yourself)")
+        if value is None or value is False or (isinstance(value, (list, str, dict)) and not value):
+            continue   # no audio (null, false, empty)
+        n = len(value) if isinstance(value, list) else 1
+        return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
+                "not audio (remove the audio or count those samples yourself)")
     turns = obj.get("messages")
     n = sum(1 for t in (turns if isinstance(turns, list) else [])
             if isinstance(t, dict) and isinstance(t.get("content"), list)

@@ -339,8 +339,8 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
 # -- audio: refused, naming the row ----------------------------------------------------------------
 
 def _n_audios(value: Any) -> int:
-    """How many audio clips a row's audios value holds (None, "" and [] hold none)."""
-    if value is None or (isinstance(value, (list, tuple, str, bytes)) and not len(value)):
+    """How many audio clips a row's audios value holds (None, False, "" and [] hold none)."""
+    if value is None or value is False or (isinstance(value, (list, tuple, str, bytes, dict)) and not value):
         return 0
     return len(value) if isinstance(value, (list, tuple)) else 1
 

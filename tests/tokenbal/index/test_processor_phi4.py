@@ -96,11 +96,12 @@ def test_a_phi4_folder_indexes_as_dataset_lengths_counts(subclass, tmp_path, mon
 def test_records_with_audio_are_errors_in_every_build(tmp_path):
     """Without a processor too (the text counted plain would miss the clip): JSONL records with an
     ``audios`` / ``audio`` field or audio parts, a tar sample whose JSON has an ``audios`` field, a
-    Parquet row with an ``audios`` value: each an error naming it; empty ``audios`` are fine."""
+    Parquet row with an ``audios`` value: each an error naming it; empty / null / false are fine."""
     from tests.helpers.corpus import Sample, write_shard
 
     msgs = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
-    records = [{"id": "plain", "messages": msgs}, {"id": "empty", "messages": msgs, "audios": []},
+    records = [{"id": "plain", "messages": msgs},
+               {"id": "empty", "messages": msgs, "audios": [], "audio": False},
                {"id": "field", "messages": msgs, "audios": ["a.wav", "b.wav"]},
                {"id": "one", "messages": msgs, "audio": "a.wav"},
                {"id": "part", "messages": [{"role": "user", "content": [
