@@ -352,20 +352,24 @@ def _audio_message(row: int, n: int, column: str, counter: ChatTokenCounter) -> 
 
 def _refuse_audio_column(ds: Any, column: str, counter: ChatTokenCounter) -> None:
     """``ValueError`` naming the first row of a ``datasets.Dataset`` whose ``column`` holds audio
-    (checked on the Arrow column: no row is decoded)."""
+    (checked on the Arrow column, ``BATCH_ROWS`` rows at a time: no row is decoded)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    arr = ds.select_columns([column]).with_format("arrow")[:].column(column).combine_chunks()
-    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
-        has = pc.greater(pc.list_value_length(arr), 0)
-    elif pa.types.is_string(arr.type) or pa.types.is_binary(arr.type) or pa.types.is_large_string(arr.type):
-        has = pc.greater(pc.binary_length(arr), 0)
-    else:   # a struct (datasets' Audio()) or another single value per row
-        has = arr.is_valid()
-    first = pc.index(pc.fill_null(has, False), True).as_py()
-    if first >= 0:
-        raise ValueError(_audio_message(first, _n_audios(arr[first].as_py()), column, counter))
+    table_ds = ds.select_columns([column]).with_format("arrow")
+    for a in range(0, len(ds), BATCH_ROWS):
+        arr = table_ds[a:a + BATCH_ROWS].column(column).combine_chunks()
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            has = pc.greater(pc.list_value_length(arr), 0)
+        elif pa.types.is_string(arr.type) or pa.types.is_binary(arr.type):
+            has = pc.greater(pc.binary_length(arr), 0)
+        elif pa.types.is_boolean(arr.type):
+            has = arr
+        else:   # a struct (datasets' Audio()) or another single value per row
+            has = arr.is_valid()
+        first = pc.index(pc.fill_null(has, False), True).as_py()
+        if first >= 0:
+            raise ValueError(_audio_message(a + first, _n_audios(arr[first].as_py()), column, counter))
 
 
 # -- image sizes from headers ----------------------------------------------------------------------

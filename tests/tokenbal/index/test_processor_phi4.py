@@ -148,6 +148,9 @@ def test_dataset_lengths_refuses_rows_with_audios(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^row 2: has 1 audio\(s\) in column 'audios'"):
         dataset_lengths(ds, proc)
     np.testing.assert_array_equal(dataset_lengths(ds.select([0, 1]), proc), want)
+    late = ds.select([1] * 1203 + [2])   # past the first batch of rows checked
+    with pytest.raises(ValueError, match=r"^row 1203: has 1 audio\(s\)"):
+        dataset_lengths(late, proc)
     phi4 = _proc(dynamic_hd=4)
     with pytest.raises(ValueError, match=r"^row 2: has 1 audio\(s\) in column 'audios'"):
         dataset_lengths(ds, phi4, num_proc=2)
