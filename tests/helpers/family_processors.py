@@ -579,17 +579,28 @@ class StandInPhi4ImageProcessor:
 
 
 def phi4_tokenizer():
-    """:func:`tokenizer` with Phi-4's ``<|audio|>`` token added and the token attributes its
-    processor reads (``image_token`` / ``audio_token`` and their ids)."""
+    """:func:`tokenizer` with Phi-4's ``<|audio|>`` token added and the tokens its processor reads
+    (``image_token`` / ``audio_token`` and their ids) as the tokenizer's own extra special tokens,
+    so that ``save_pretrained`` writes them and a saved folder loads (``AutoProcessor``)."""
     if "phi4" in _TOKENIZER:
         return _TOKENIZER["phi4"]
     import copy
 
-    tok = copy.deepcopy(tokenizer())
-    tok.add_tokens(["<|audio|>"], special_tokens=True)
-    for name, value in (("image_token", "<|image|>"), ("audio_token", "<|audio|>")):
-        setattr(tok, name, value)
-        setattr(tok, f"{name}_id", tok.convert_tokens_to_ids(value))
+    from transformers import PreTrainedTokenizerFast
+
+    base = tokenizer()
+    backend = copy.deepcopy(base.backend_tokenizer)
+    backend.add_special_tokens(["<|audio|>"])
+    extra = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>",
+             "image_token": "<|image|>", "audio_token": "<|audio|>"}
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<|endoftext|>", unk_token=None, extra_special_tokens=extra)
+    for name, value in extra.items():   # 4.x sets the strings only
+        if getattr(tok, name, None) != value:
+            setattr(tok, name, value)
+        if not hasattr(tok, f"{name}_id"):
+            setattr(tok, f"{name}_id", tok.convert_tokens_to_ids(value))
     _TOKENIZER["phi4"] = tok
     return tok
 
@@ -609,8 +620,10 @@ def phi4_template() -> str:
 
 def phi4_processor(real: bool, subclass: bool = False, **settings):
     """A real ``Phi4MultimodalProcessor`` (``subclass``: a user's subclass of it) over
-    :func:`phi4_tokenizer`, without an audio processor; its image processor the real class
-    (``real``: needs torchvision) or :class:`StandInPhi4ImageProcessor`."""
+    :func:`phi4_tokenizer` with its real audio feature extractor (``Phi4MultimodalFeatureExtractor``,
+    class defaults: what ``save_pretrained`` needs); its image processor the real class
+    (``real``: needs torchvision; then the processor saves and loads as a folder) or
+    :class:`StandInPhi4ImageProcessor`."""
     import transformers
 
     cls = transformers.Phi4MultimodalProcessor
@@ -619,10 +632,11 @@ def phi4_processor(real: bool, subclass: bool = False, **settings):
     image = (transformers.Phi4MultimodalImageProcessor(**settings) if real
              else StandInPhi4ImageProcessor(**settings))
     proc = object.__new__(cls)
-    proc.check_argument_for_proper_class = lambda name, arg: None   # stand-in / None / our tokenizer
+    proc.check_argument_for_proper_class = lambda name, arg: None   # stand-in / our tokenizer
     try:
-        cls.__init__(proc, image_processor=image, audio_processor=None, tokenizer=phi4_tokenizer(),
-                     chat_template=phi4_template())
+        cls.__init__(proc, image_processor=image,
+                     audio_processor=transformers.Phi4MultimodalFeatureExtractor(),
+                     tokenizer=phi4_tokenizer(), chat_template=phi4_template())
     finally:
         proc.__dict__.pop("check_argument_for_proper_class", None)
     return proc

@@ -226,12 +226,18 @@ _IMAGE_PROCESSOR_FAMILIES = {
 
 
 def _family_from_processor_files(d: Path, image: dict | None) -> str | None:
+    """The family a processor folder's files name: its processor class, else (a user's subclass
+    saved with ``save_pretrained`` names its own class) its image processor's type, as
+    :func:`processor_family` resolves a loaded processor."""
     names = [(_read_json(d / "processor_config.json") or {}).get("processor_class"),
              (image or {}).get("processor_class")]
     for name in names:
         if name in _PROCESSOR_FAMILIES:
             return _PROCESSOR_FAMILIES[name]
-    return None
+    image_type = (image or {}).get("image_processor_type")
+    if not isinstance(image_type, str):
+        return None
+    return _IMAGE_PROCESSOR_FAMILIES.get(_image_processor_base(image_type))
 
 
 def _transformers_classes(obj: Any) -> list[type]:

@@ -4,7 +4,9 @@ A ``.jsonl`` file holds one record per line (blank lines are skipped); a ``.json
 list of records. A record is an object with:
 
 * images: ``images`` (a list of paths) or ``image`` (a path or a list of paths); without either,
-  the ``{"type": "image", "image": PATH}`` parts of ``messages`` contents (Qwen-VL style). Paths are
+  the ``{"type": "image", "image": PATH}`` parts of ``messages`` contents (Qwen-VL style; the path
+  may be under ``url`` or ``path`` instead, and OpenAI ``{"type": "image_url", "image_url": {"url":
+  PATH}}`` parts count as image parts, as transformers 5.x processors take them). Paths are
   relative to ``image_root`` (default: the annotation file's folder); an absolute path is used as is.
 * text: the rules of ``tokenbal.index.text.json_text`` (``conversations``, ``messages``, ``text`` /
   ``caption``), ``<image>`` placeholders removed. A record with images and no text field has 0 text
@@ -25,7 +27,9 @@ path), an image whose header cannot be read, a video that cannot be read (the re
 ``tokenbal.index.video.probe_video``) or has bad clip fields, text fields of the wrong type, a record
 whose text has ``<image>`` placeholders but not one per image (the processor would fail or pair text
 and images wrongly), a record with empty text and no image or video (a 0-token sample), an image or
-video path that is not a regular file (a FIFO would block the build).
+video path that is not a regular file (a FIFO would block the build), a record with audio (a
+non-empty ``audios`` / ``audio`` field or audio message parts: ``tokenbal.index.text.audio_reason``;
+audio is not counted).
 
 * videos: ``videos`` (a list of paths) or ``video`` (a path or a list), else the
   ``{"type": "video", "video": PATH, "fps", "min_frames", "max_frames", "nframes", "video_start",
@@ -52,6 +56,7 @@ from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_si
 from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
 from tokenbal.index.text import (
     SampleTextError,
+    audio_reason,
     chat_messages,
     image_parts,
     join_text,
@@ -176,6 +181,9 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
 
     if not isinstance(rec, dict):
         return fail(f"record is {type(rec).__name__}, not an object")
+    audio = audio_reason(rec)
+    if audio:
+        return fail(audio)
     try:
         images = _image_paths(rec)
         pieces = json_text(rec)
@@ -256,18 +264,38 @@ def _image_paths(rec: dict) -> list[str]:
     elif "image" in rec and rec["image"] is not None:
         value, field = rec["image"], "image"
     else:
-        # Qwen-VL chat records name their images inside the message contents.
-        out = []
-        for i, msg in enumerate(rec.get("messages") or []):
-            content = msg.get("content") if isinstance(msg, dict) else None
-            for j, part in enumerate(content if isinstance(content, list) else []):
-                if isinstance(part, dict) and part.get("type") == "image" and "image" in part:
-                    if not isinstance(part["image"], str):
-                        raise SampleTextError(f"messages[{i}].content[{j}].image is "
-                                              f"{type(part['image']).__name__}, not a path string")
-                    out.append(part["image"])
-        return out
+        return _part_image_paths(rec)
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
         raise SampleTextError(f"'{field}' must be a path or a list of paths, got {json.dumps(value)[:80]}")
     return items
+
+
+def _part_image_paths(rec: dict) -> list[str]:
+    """The images a record names inside its message contents, as transformers 5.x processors collect
+    them: an image part's ``image`` / ``url`` / ``path`` (Qwen-VL style), an OpenAI ``image_url``
+    part's ``url`` (processors turn it into an image part)."""
+    out = []
+    for i, msg in enumerate(rec.get("messages") or []):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict):
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if part.get("type") == "image_url" and part.get("image_url") is not None:
+                info = part["image_url"]
+                value, where = (info.get("url") if isinstance(info, dict) else info), f"{where}.image_url.url"
+            elif part.get("type") == "image":
+                named = [k for k in ("image", "url", "path") if part.get(k) is not None]
+                if len(named) > 1:
+                    raise SampleTextError(f"{where} names its image under {' and '.join(named)}; a processor "
+                                          "takes each as an image of its own: name it once")
+                if not named:
+                    continue   # a placeholder part: the images come from an images field
+                value, where = part[named[0]], f"{where}.{named[0]}"
+            else:
+                continue
+            if not isinstance(value, str) or not value:
+                raise SampleTextError(f"{where} is {type(value).__name__}, not a path string")
+            out.append(value)
+    return out

@@ -691,7 +691,9 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
                 continue
             kept += p not in wanted
             done.add(p)
-            jobs.append((p, old if _unchanged(entry, remote) and not _named_files_changed(old, p) else None))
+            same = (_unchanged(entry, remote) and not _named_files_changed(old, p)
+                    and not _row_files_changed(entry))
+            jobs.append((p, old if same else None))
     jobs.extend((p, None) for p in paths if p not in done)
     return jobs, kept
 
@@ -725,6 +727,19 @@ def _named_files_changed(idx: TokenIndex, path: str) -> bool:
     sid = cache[path]
     a, b = (int(x) for x in np.searchsorted(idx.shard_ids, [sid, sid + 1]))
     return bool(changed_files(idx, (int(c["member_start"][a]), int(c["member_start"][b]))))
+
+
+def _row_files_changed(entry: dict) -> bool:
+    """Whether a video file that a Parquet row names by path (``entry["video_files"]``: path, size,
+    mtime at the build) changed or is gone: the file is rescanned, as annotation files are."""
+    for path, size, mtime_ns in entry.get("video_files") or ():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+            return True
+    return False
 
 
 # Statuses that say a read failed (the file was missing, an I/O error, a remote read out of retries),

@@ -8,6 +8,12 @@ Columns (``ParquetOptions``; each default is the first that the file has):
   the rules of ``tokenbal.index.text`` (``{"role", "content"}`` turns as ``messages``, ``{"from",
   "value"}`` turns as ``conversations``); or ``--text-column`` (default ``text``, else ``caption``),
   a string. A file with none of the named / default columns is one file-level error.
+* videos: a ``videos`` column when the file has one (per row a list of / one path, bytes or ``{bytes,
+  path}`` struct, datasets' ``Video(decode=False)``), else the file each ``{"type": "video"}`` part
+  names under ``video`` / ``path`` / ``url``; each read from its container header
+  (``tokenbal.index.video``: from the bytes in the row, or the file, a path used as given) and
+  counted like an annotation record's videos. The video table's member of each is the row (0).
+* audio: an ``audios`` column, when present, is read only to refuse the rows that have audio.
 
 Only those columns are read (Parquet is columnar: the others are never fetched), one row group at a
 time. An image's bytes sit inside a compressed column page, so a page is decompressed whole, but only
@@ -19,8 +25,11 @@ Samples: a sample's key is ``<file name>:<row group>:<row in group>`` and its on
 ``(ext "row", offset = row group, size = row in group)``, which is how
 ``tokenbal.data.IndexedParquetDataset`` finds the row again. Errors, one per row, naming the file,
 row group and row: an image without bytes, an image whose header cannot be read, malformed chat
-turns, a row with neither images nor text, a row whose image placeholders (``<image>``, ``{"type":
-"image"}`` parts) are not one per image (``tokenbal.index.text.placeholder_mismatch``).
+turns, a row with neither images nor text nor a video, video parts and videos that disagree, a video
+that cannot be read (missing file, URL, bytes that are not a video), a row whose image placeholders
+(``<image>``, ``{"type": "image"}`` parts) are not one per image
+(``tokenbal.index.text.placeholder_mismatch``), a row with audio (a non-empty ``audios`` column value
+or audio message parts: audio is not counted).
 """
 
 from __future__ import annotations
@@ -33,7 +42,9 @@ from tokenbal.estimate.conversation import content_parts
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import (
+    AUDIO_FIELDS,
     SampleTextError,
+    audio_reason,
     chat_messages,
     image_parts,
     join_text,
@@ -43,6 +54,7 @@ from tokenbal.index.text import (
 from tokenbal.io.remote import RemoteReadError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
+VIDEO_COLUMN = "videos"   # read when the file has it: a row's video files (as dataset_lengths' videos column)
 ROW_EXT = "row"
 
 
@@ -124,22 +136,32 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
         if "://" not in path:
             scan.mtime_ns = os.stat(path).st_mtime_ns
         image_col, messages_col, text_col = resolve_columns(pf.schema_arrow.names, opts)
-        cols = [c for c in (image_col, messages_col, text_col) if c is not None]
+        # an ``audios`` column (LLaMA-Factory's layout) is read to refuse its rows: audio is not counted
+        audio_col = AUDIO_FIELDS[0] if AUDIO_FIELDS[0] in pf.schema_arrow.names else None
+        video_col = VIDEO_COLUMN if VIDEO_COLUMN in pf.schema_arrow.names else None
+        cols = [c for c in (image_col, messages_col, text_col, audio_col, video_col) if c is not None]
+        video_files: dict[str, tuple[int, int]] = {}
         base = os.path.basename(path.rstrip("/"))
         for rg in range(pf.num_row_groups):
             table = pf.read_row_group(rg, columns=cols)
             heads, full = _image_heads(table, image_col)
             msgs = table.column(messages_col).to_pylist() if messages_col else None
             texts = table.column(text_col).to_pylist() if text_col else None
+            audios = table.column(audio_col).to_pylist() if audio_col else None
+            videos = table.column(video_col).to_pylist() if video_col else None
             for row in range(table.num_rows):
                 scan.n_members += 1
                 key = f"{base}:{rg}:{row}"
                 sample = _row(scan, key, f"{path} row group {rg} row {row}", rg, row,
                               heads[row] if heads is not None else None, full, messages_col,
                               msgs[row] if msgs is not None else None,
-                              texts[row] if texts is not None else None, exif)
+                              texts[row] if texts is not None else None, exif,
+                              audios[row] if audios is not None else None,
+                              videos[row] if videos is not None else None, video_files)
                 if sample is not None:
                     scan.samples.append(sample)
+        if video_files:   # a rebuild rescans the file when a video it names changed (build.py)
+            scan.extra["video_files"] = [[p, size, mtime] for p, (size, mtime) in video_files.items()]
         if scan.n_members == 0:
             _file_error(scan, "empty", f"Parquet file {path} holds no rows")
     except MissingExtraError:
@@ -213,10 +235,14 @@ class _Value:
 
 
 def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
-         messages, text, exif: str = "ignore") -> ScannedSample | None:
+         messages, text, exif: str = "ignore", audios=None, videos=None,
+         video_files: dict | None = None) -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
+    audio = audio_reason({AUDIO_FIELDS[0]: audios, "messages": messages})
+    if audio:
+        return fail(audio.replace("field", "column", 1))
     sizes = []
     for n, (head, j, path, length) in enumerate(images or []):
         named = f"image {n}" + (f" ({path!r})" if path else "")
@@ -256,15 +282,71 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
             pieces = [text]
     except SampleTextError as e:
         return fail(f"column {messages_col or 'text'!r}: {e}")
-    if not sizes and not pieces:
-        return fail("has neither images nor text")
-    if chat is not None and any(p.get("type") == "video" for p in content_parts(chat)):
-        # its tokens would be short by the whole video: an error, never a silent undercount
-        return fail(f"column {messages_col!r} has a video part; videos in Parquet rows are not read (index "
-                    "build reads videos from JSON/JSONL records and tar members; dataset_lengths counts a "
-                    "datasets.Dataset's video rows)")
+    try:
+        row_videos = _row_videos(videos, chat, messages_col, video_files)
+    except ValueError as e:
+        return fail(str(e))
+    if not sizes and not pieces and not row_videos:
+        return fail("has neither images nor text nor a video")
     mismatch = placeholder_mismatch(pieces, parts, len(sizes), "the row has")
     if mismatch:
         return fail(mismatch)
     return ScannedSample(key=key, members=[(ROW_EXT, rg, row)], image_sizes=sizes,
-                         text=join_text(pieces or []), chat=chat)
+                         text=join_text(pieces or []), chat=chat, videos=row_videos or None)
+
+
+def _row_videos(value, chat: list | None, messages_col: str | None, files: dict | None) -> list:
+    """The row's videos (``SampleVideo``, each held by the row, member 0), read from their container
+    headers as ``dataset_lengths`` reads a row's videos: the ``videos`` column's value (paths, bytes
+    or ``{bytes, path}`` structs) when it holds any, else the file each ``{"type": "video"}`` part
+    names under ``video`` / ``url`` / ``path`` (a path or bytes). A path is used as given (relative
+    to the working directory, as the processor opens it); its (size, mtime) go to ``files``.
+    ``ValueError`` when the row has video parts but not one video per part (as
+    ``text.placeholder_mismatch`` for images), or a video cannot be read."""
+    from tokenbal.index.video import VideoError, probe_file, probe_video
+    from tokenbal.index.videoindex import SampleVideo, part_params
+
+    video_parts = [p for p in content_parts(chat) if p.get("type") == "video"] if chat is not None else []
+    items: list[tuple[object, str, dict]] = []
+    if value is not None and not (isinstance(value, list) and not value):
+        listed = value if isinstance(value, list) else [value]
+        items = [(v, f"{VIDEO_COLUMN}[{j}]", {}) for j, v in enumerate(listed)]
+    else:
+        for j, part in enumerate(video_parts):
+            where = f"{messages_col} video part {j}"
+            named = [k for k in ("video", "url", "path") if part.get(k) is not None]
+            if len(named) > 1:
+                raise ValueError(f"{where} names its video under {' and '.join(named)}; a processor takes "
+                                 "each as a video of its own: name it once")
+            if named:
+                items.append((part[named[0]], f"{where} ({named[0]})", part_params(part, where)))
+    if video_parts and len(video_parts) != len(items):   # none: the videos go first, as images do
+        raise ValueError(f"has {len(video_parts)} video part(s) in column {messages_col!r} but "
+                         f"{len(items)} video(s) (the {VIDEO_COLUMN!r} column, else the files the parts "
+                         "name); the processor would fail or pair text and videos wrongly")
+    out = []
+    for v, where, params in items:
+        src = v.get("bytes") if isinstance(v, dict) and v.get("bytes") is not None else (
+            v.get("path") if isinstance(v, dict) else v)
+        try:
+            if isinstance(src, str) and src:
+                if "://" in src:
+                    raise ValueError(f"video {where} {src!r} is a URL; only local video files and video "
+                                     "bytes in the row are read")
+                try:
+                    st = os.stat(src)
+                except OSError as e:
+                    raise VideoError(f"cannot read the video: {e}") from None
+                info = probe_file(src, st)
+                if files is not None:
+                    files[os.path.abspath(src)] = (st.st_size, st.st_mtime_ns)
+            elif isinstance(src, (bytes, bytearray)):
+                info = probe_video(bytes(src))
+            else:
+                raise ValueError(f"video {where} is {type(v).__name__}; expected a path, bytes or a {{bytes, "
+                                 "path}} struct (a video file; frame lists are not counted)")
+        except VideoError as e:
+            shown = repr(src) if isinstance(src, str) else f"({len(src)} bytes)"
+            raise ValueError(f"video {where} {shown}: {e}") from None
+        out.append(SampleVideo(member=0, info=info, params=params))
+    return out

@@ -21,6 +21,10 @@ Rules (one place, so that the builder and the tests agree):
   (``tokenbal.estimate.chat.ChatTokenCounter``), so ``lengths`` equal the processor's
   ``apply_chat_template`` counts. Without a processor the joined text above is counted as is.
 
+Audio (one check for every source kind): a JSON sample with a non-empty ``audios`` / ``audio``
+field or ``{"type": "audio"}`` / ``"input_audio"`` message parts is an error naming the sample
+(``audio_reason``): tokenbal does not count audio tokens, and leaving the clip out would undercount.
+
 Placeholders against images (one check for every source kind: tar samples, JSON / JSONL records,
 Parquet rows): a sample's image placeholders are its ``<image>`` strings plus its ``{"type":
 "image"}`` message parts (the chat template writes one placeholder for each). When it has any, they
@@ -32,6 +36,7 @@ fine (the images go first, as most processors do without one).
 from __future__ import annotations
 
 import json
+import re
 
 TEXT_EXTS = frozenset({"txt", "json"})
 PLACEHOLDERS = ("<image>", "<video>")
@@ -62,17 +67,53 @@ def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | N
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         raise SampleTextError(f"not valid JSON ({e})") from None
+    audio = audio_reason(obj)
+    if audio:
+        raise SampleTextError(audio)
     return json_text(obj), chat_messages(obj), image_parts(obj)
 
 
+AUDIO_FIELDS = ("audios", "audio")
+AUDIO_PART_TYPES = ("audio", "input_audio")
+
+
+def audio_reason(obj: object) -> str | None:
+    """Why a parsed JSON sample cannot be counted because it carries audio (a non-empty ``audios`` /
+    ``audio`` field, LLaMA-Factory's and ms-swift's layout, or ``{"type": "audio"}`` /
+    ``"input_audio"`` message parts), else ``None``. tokenbal counts text, images and videos; an
+    audio clip's tokens (Phi-4-multimodal, Qwen2-Audio, ...) are not modelled, so such a sample is an
+    error rather than a count short by the whole clip."""
+    if not isinstance(obj, dict):
+        return None
+    for name in AUDIO_FIELDS:
+        value = obj.get(name)
+        if value is None or value is False or (isinstance(value, (list, str, dict)) and not value):
+            continue   # no audio (null, false, empty)
+        n = len(value) if isinstance(value, list) else 1
+        return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
+                "not audio (remove the audio or count those samples yourself)")
+    turns = obj.get("messages")
+    n = sum(1 for t in (turns if isinstance(turns, list) else [])
+            if isinstance(t, dict) and isinstance(t.get("content"), list)
+            for part in t["content"] if isinstance(part, dict) and part.get("type") in AUDIO_PART_TYPES)
+    if n:
+        return (f"has {n} audio part(s) in its messages; tokenbal counts text, images and videos, not "
+                "audio (remove the audio or count those samples yourself)")
+    return None
+
+
+IMAGE_PART_TYPES = ("image", "image_url")   # transformers 5.x processors make image_url parts images
+
+
 def image_parts(obj: object) -> int:
-    """How many ``{"type": "image"}`` parts the ``messages`` contents of a JSON sample hold (with or
-    without an ``image`` path; what a chat template turns into one image placeholder each)."""
+    """How many ``{"type": "image"}`` (or OpenAI ``image_url``) parts the ``messages`` contents of a
+    JSON sample hold (with or without an ``image`` path; what a chat template turns into one image
+    placeholder each)."""
     turns = obj.get("messages") if isinstance(obj, dict) else None
     if not isinstance(turns, list):
         return 0
     return sum(1 for t in turns if isinstance(t, dict) and isinstance(t.get("content"), list)
-               for part in t["content"] if isinstance(part, dict) and part.get("type") == "image")
+               for part in t["content"] if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES)
 
 
 def placeholder_mismatch(pieces: list[str] | None, parts: int, n_images: int, holder: str) -> str | None:
@@ -159,10 +200,15 @@ def _field(obj: object, name: str, where: str) -> str:
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
+_PLACEHOLDER_SPLIT = re.compile("(" + "|".join(map(re.escape, PLACEHOLDERS)) + ")")
+
+
 def chat_messages(obj: object) -> list[dict] | None:
     """The conversation a chat template renders for a parsed JSON record: its ``messages`` as they
     are, or its LLaVA ``conversations`` as ``{"role", "content"}`` turns, each ``<image>`` in a
-    value becoming an ``{"type": "image"}`` part in place (the text around it kept verbatim).
+    value becoming an ``{"type": "image"}`` part in place and each ``<video>`` a ``{"type":
+    "video"}`` part (LLaVA-Video / OneVision records: the record's ``video`` field names the file;
+    the text around them kept verbatim).
     ``None`` for a record with neither (its text is counted plain). Raises ``SampleTextError`` for
     malformed turns."""
     if not isinstance(obj, dict):
@@ -178,10 +224,11 @@ def chat_messages(obj: object) -> list[dict] | None:
         if role is None:
             raise SampleTextError(f"conversations[{i}].from is {turn.get('from')!r}; known: {sorted(_ROLES)}")
         parts: list[dict] = []
-        for k, piece in enumerate(value.split("<image>")):
-            if k:
-                parts.append({"type": "image"})
-            if piece or "<image>" not in value:   # a turn without images keeps its (even empty) text
+        pieces = _PLACEHOLDER_SPLIT.split(value)   # text, placeholder, text, placeholder, ..., text
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                parts.append({"type": "image" if piece == IMAGE_PLACEHOLDER else "video"})
+            elif piece or len(pieces) == 1:   # a turn without placeholders keeps its (even empty) text
                 parts.append({"type": "text", "text": piece})   # verbatim, newlines kept
         out.append({"role": role, "content": parts})
     return out

@@ -44,14 +44,17 @@ BATCH_ROWS = 1000
 
 def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
                     images: str | None = "images", videos: str | None = "videos",
-                    num_proc: int | None = None, cache: bool = True) -> np.ndarray:
+                    num_proc: int | None = None, cache: bool = True,
+                    audios: str | None = "audios") -> np.ndarray:
     """Token count of every row of ``dataset`` under ``processor`` (int64, in row order); see the
     module docstring. ``processor`` may also be a tokenizer (text-only rows, counted as its
     ``apply_chat_template(messages, tokenize=True)``). ``images=None`` (or a dataset without that
     column) takes the images named in the messages' image parts; ``videos`` likewise for video
     files (paths, bytes or ``{bytes, path}``; else the ``{"type": "video"}`` parts' ``video`` /
     ``url`` / ``path``), counted from their container headers with the processor's own video
-    settings (``tokenbal.estimate.chat_video``). ``num_proc`` > 1 counts a
+    settings (``tokenbal.estimate.chat_video``). A row with audio (a non-empty value in the
+    ``audios`` column, or audio message parts under a processor that takes audio) raises
+    ``ValueError`` naming the row: audio tokens are not counted. ``num_proc`` > 1 counts a
     ``datasets.Dataset`` in that many processes (``Dataset.map``). Raises ``ValueError`` naming the
     row for a row the processor would reject (placeholders and images disagree) or whose image
     or video header cannot be read."""
@@ -61,8 +64,8 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
                         f"{type(dataset).__name__}; for an IterableDataset, index it offline "
                         "(tokenbal index build --processor DIR)")
     if _is_hf_dataset(dataset):
-        return _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache)
-    return _rows_lengths(dataset, counter, messages, images, videos)
+        return _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
+    return _rows_lengths(dataset, counter, messages, images, videos, audios)
 
 
 # -- datasets.Dataset ------------------------------------------------------------------------------
@@ -76,7 +79,8 @@ def _is_hf_dataset(obj: Any) -> bool:
 
 
 def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, images: str | None,
-                        videos: str | None, num_proc: int | None, cache: bool) -> np.ndarray:
+                        videos: str | None, num_proc: int | None, cache: bool,
+                        audios: str | None = None) -> np.ndarray:
     if messages not in ds.column_names:
         raise ValueError(f"dataset has no {messages!r} column (columns: {', '.join(ds.column_names)}); "
                          "pass messages=<column of chat turns>")
@@ -92,7 +96,9 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
             raise ValueError(f"the dataset's transform ({name!r}) returns the columns {sorted(rows[0])}, "
                              f"without {messages!r}: its rows cannot be counted as chat rows; pass "
                              "messages=<the transformed column of chat turns>")
-        return _rows_lengths(rows, counter, messages, images, videos)
+        return _rows_lengths(rows, counter, messages, images, videos, audios)
+    if audios is not None and audios in ds.column_names:
+        _refuse_audio_column(ds, audios, counter)
     path = None
     if cache:
         files = _files_digest(ds, counter, messages, image_col, video_col)
@@ -300,7 +306,7 @@ def _save(path: str, lengths: np.ndarray) -> None:
 # -- any sequence of row dicts ---------------------------------------------------------------------
 
 def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None,
-                  videos: str | None = None) -> np.ndarray:
+                  videos: str | None = None, audios: str | None = None) -> np.ndarray:
     n = len(rows)
     out = []
     for a in range(0, n, BATCH_ROWS):
@@ -310,6 +316,8 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
             if not isinstance(row, dict) or messages not in row:
                 raise ValueError(f"row {r}: has no {messages!r} field")
             conv = _conversation(row[messages], r, messages)
+            if audios is not None and _n_audios(row.get(audios)):
+                raise ValueError(_audio_message(r, _n_audios(row[audios]), audios, counter))
             value = row.get(images) if images is not None else None
             if value is None or (isinstance(value, (list, tuple)) and not value):
                 sizes.append([_image_size(im, r, f"{messages} image part {j}")
@@ -326,6 +334,42 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
         except Exception as e:   # the template raising on a row: find the row, name it
             raise _row_error(counter, convs, sizes, a, e, infos) from e
     return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+# -- audio: refused, naming the row ----------------------------------------------------------------
+
+def _n_audios(value: Any) -> int:
+    """How many audio clips a row's audios value holds (None, False, "" and [] hold none)."""
+    if value is None or value is False or (isinstance(value, (list, tuple, str, bytes, dict)) and not value):
+        return 0
+    return len(value) if isinstance(value, (list, tuple)) else 1
+
+
+def _audio_message(row: int, n: int, column: str, counter: ChatTokenCounter) -> str:
+    return (f"row {row}: has {n} audio(s) in column {column!r}; tokenbal counts {counter.source}'s text, "
+            "images and videos but not audio (remove the audio or count those rows yourself)")
+
+
+def _refuse_audio_column(ds: Any, column: str, counter: ChatTokenCounter) -> None:
+    """``ValueError`` naming the first row of a ``datasets.Dataset`` whose ``column`` holds audio
+    (checked on the Arrow column, ``BATCH_ROWS`` rows at a time: no row is decoded)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table_ds = ds.select_columns([column]).with_format("arrow")
+    for a in range(0, len(ds), BATCH_ROWS):
+        arr = table_ds[a:a + BATCH_ROWS].column(column).combine_chunks()
+        if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            has = pc.greater(pc.list_value_length(arr), 0)
+        elif pa.types.is_string(arr.type) or pa.types.is_binary(arr.type):
+            has = pc.greater(pc.binary_length(arr), 0)
+        elif pa.types.is_boolean(arr.type):
+            has = arr
+        else:   # a struct (datasets' Audio()) or another single value per row
+            has = arr.is_valid()
+        first = pc.index(pc.fill_null(has, False), True).as_py()
+        if first >= 0:
+            raise ValueError(_audio_message(a + first, _n_audios(arr[first].as_py()), column, counter))
 
 
 # -- image sizes from headers ----------------------------------------------------------------------

@@ -271,8 +271,8 @@ def test_rebuild_follows_the_video_files_and_the_video_settings(videos, tmp_path
 
 
 def test_parquet_rows_with_video_parts_are_errors(tmp_path):
-    """Parquet rows are read without their videos: a row with a video part is an error naming the
-    row (its count would be short by the whole video), with or without --processor."""
+    """A Parquet row with a video part but no video (no ``videos`` column, no file in the part) is an
+    error naming the row, with or without --processor (Parquet videos: test_parquet_videos.py)."""
     pytest.importorskip("pyarrow")
     import pyarrow as pa
     import pyarrow.parquet as pq
