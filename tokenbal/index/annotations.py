@@ -179,6 +179,14 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
+    def fail_on_file(full: str, reason: str, st: os.stat_result | None = None) -> None:
+        # The file that made the record an error, as it was (missing: -1): a later build rescans
+        # this annotation file once it appears or changes (build._row_files_changed), so a fixed
+        # image or video is counted without --rebuild.
+        stamp = [st.st_size, st.st_mtime_ns] if st is not None else [-1, -1]
+        scan.extra.setdefault("error_files", []).append([full, *stamp])
+        return fail(reason)
+
     if not isinstance(rec, dict):
         return fail(f"record is {type(rec).__name__}, not an object")
     audio = audio_reason(rec)
@@ -203,18 +211,18 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
             # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
             fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
-            return fail(f"image {j} {rel!r} not found at {full}")
+            return fail_on_file(full, f"image {j} {rel!r} not found at {full}")
         except OSError as e:
             scan.n_read_failures += 1   # an I/O error, not the file's bytes: a rebuild retries it
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return fail(f"image {j} {rel!r} at {full} is not a regular file")
+                return fail_on_file(full, f"image {j} {rel!r} at {full} is not a regular file", st)
             size = st.st_size
             wh, full_read = read_image_size(fd, 0, size, prefix, exif)
         except ImageSizeError as e:
-            return fail(f"image {j} {rel!r} at {full} is not a readable image: {e}")
+            return fail_on_file(full, f"image {j} {rel!r} at {full} is not a readable image: {e}", st)
         except OSError as e:
             scan.n_read_failures += 1
             return fail(f"image {j} {rel!r} cannot be read at {full}: {e}")
@@ -236,13 +244,14 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
             # Checked before PyAV opens it: a FIFO would block the build.
             vst = os.stat(full)
         except OSError as e:   # worded as probe_video words it
-            return fail(f"video {j} {rel!r} at {full}: cannot read the video: {e}")
+            return fail_on_file(full, f"video {j} {rel!r} at {full}: cannot read the video: {e}")
         if not stat.S_ISREG(vst.st_mode):
-            return fail(f"video {j} {rel!r} at {full}: cannot read the video: not a regular file")
+            return fail_on_file(full, f"video {j} {rel!r} at {full}: cannot read the video: not a regular "
+                                      "file", vst)
         try:
             info = probe_file(full, vst)   # records often share a clip: its header is read once
         except VideoError as e:
-            return fail(f"video {j} {rel!r} at {full}: {e}")
+            return fail_on_file(full, f"video {j} {rel!r} at {full}: {e}", vst)
         name = os.path.basename(rel)
         videos.append(SampleVideo(member=len(members), info=info, params=params))
         members.append((name.rsplit(".", 1)[-1].lower() if "." in name else "", 0, vst.st_size))

@@ -102,6 +102,38 @@ def test_annotation_records_are_indexed_exactly(tmp_path, ann):
     assert verify_index(report.out) == []
 
 
+
+def test_a_record_whose_file_was_fixed_is_counted_on_the_next_build(tmp_path, ann):
+    """A record that was an error because of its image (missing, unreadable) or video is counted by
+    the next incremental build once that file appears or is replaced; the annotation file itself is
+    unchanged. Files nobody touched keep their shard copied, not rescanned."""
+    out = tmp_path / "idx"
+    first = build_index([ann["jsonl"], ann["json"]], out, image_root=ann["root"], progress=False)
+    assert first.num_errors == len(ann["bad"])
+    again = build_index([ann["jsonl"], ann["json"]], out, image_root=ann["root"], progress=False)
+    assert again.num_reused == 2 and again.num_errors == len(ann["bad"])   # nothing changed: copied
+    root = ann["root"]
+    with open(os.path.join(root, "a/missing.jpg"), "wb") as f:
+        f.write(image_bytes("jpg", 100, 60))
+    with open(os.path.join(root, "broken.jpg"), "wb") as f:
+        f.write(image_bytes("jpg", 50, 70))
+    report = build_index([ann["jsonl"], ann["json"]], out, image_root=ann["root"], progress=False)
+    assert report.num_reused == 1     # extra.json copied; the JSONL file rescanned
+    idx = TokenIndex.open(report.out)
+    errors = {e["key"] for e in idx.errors}
+    assert errors == set(ann["bad"]) - {"train.jsonl:7", "train.jsonl:11"}
+    keys = list(idx.keys)
+    assert idx.image_sizes(keys.index("train.jsonl:7")) == [(100, 60)]
+    assert idx.image_sizes(keys.index("train.jsonl:11")) == [(50, 70)]
+    # The image removed again: the record is an error again (a counted file changed); a file still
+    # missing (the video of line 10) rescans nothing.
+    os.remove(os.path.join(root, "a/missing.jpg"))
+    report = build_index([ann["jsonl"], ann["json"]], out, image_root=ann["root"], progress=False)
+    errors = {e["key"] for e in TokenIndex.open(report.out).errors}
+    assert report.num_reused == 1 and "train.jsonl:7" in errors
+    report = build_index([ann["jsonl"], ann["json"]], out, image_root=ann["root"], progress=False)
+    assert report.num_reused == 2
+
 def test_image_root_defaults_to_the_annotation_folder_and_bad_files(tmp_path, ann):
     # Without --image-root the paths are relative to the annotation file's folder: here that is
     # not where the images are, so each image record is an error naming the path it looked at.
