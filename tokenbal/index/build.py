@@ -731,24 +731,17 @@ def _named_files_changed(idx: TokenIndex, path: str) -> bool:
 
 def _row_files_changed(entry: dict) -> bool:
     """Whether a file the shard's samples depend on outside the shard changed: a video file that a
-    Parquet row names by path (``entry["video_files"]``: path, size, mtime at the build) changed or is
-    gone, or a file that made a record an error (``entry["error_files"]``, size and mtime -1 when it
-    was missing) appeared or changed. Then the shard is rescanned, as annotation files are when a
+    Parquet row names by path (``entry["video_files"]``: path, size, mtime at the build; -1, -1 when it
+    was missing) or a file that made an annotation record an error (``entry["error_files"]``, the same)
+    appeared, changed or is gone. Then the shard is rescanned, as annotation files are when a
     counted image changes: a fixed file is counted, a record never stays an error for a stale reason."""
-    for path, size, mtime_ns in entry.get("video_files") or ():
-        try:
-            st = os.stat(path)
-        except OSError:
-            return True
-        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-            return True
-    for path, size, mtime_ns in entry.get("error_files") or ():
+    for path, size, mtime_ns in [*(entry.get("video_files") or ()), *(entry.get("error_files") or ())]:
         try:
             st = os.stat(path)
         except OSError:
             if size != -1:
-                return True   # it was there (unreadable): gone now is another reason
-            continue
+                return True   # it was there: gone now
+            continue          # missing then and now
         if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
             return True
     return False

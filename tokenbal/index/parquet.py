@@ -336,10 +336,12 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
                 try:
                     st = os.stat(src)
                 except OSError as e:
+                    if files is not None:   # missing at this build: a later one rescans once it appears
+                        files[os.path.abspath(src)] = (-1, -1)
                     raise VideoError(f"cannot read the video: {e}") from None
-                info = probe_file(src, st)
-                if files is not None:
+                if files is not None:   # before the header read: an unreadable file replaced is rescanned
                     files[os.path.abspath(src)] = (st.st_size, st.st_mtime_ns)
+                info = probe_file(src, st)
             elif isinstance(src, (bytes, bytearray)):
                 info = probe_video(bytes(src))
             else:

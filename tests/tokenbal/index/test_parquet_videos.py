@@ -155,6 +155,25 @@ def test_a_rebuild_follows_the_video_files_parquet_rows_name(videos, tmp_path):
     assert TokenIndex.open(out).video_tokens[0] > before[0]
 
 
+
+def test_a_parquet_row_whose_video_was_missing_is_counted_once_it_appears(videos, tmp_path):
+    """A row naming a video that is not there is an error; the Parquet file unchanged, the next build
+    rescans it once the video appears (and not while it is still missing)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    clip = str(tmp_path / ("later" + os.path.splitext(videos[0])[1]))
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what"}]}]
+    pq.write_table(pa.table({"messages": [msgs, msgs], "videos": [[clip], [videos[1]]]}),
+                   str(tmp_path / "v.parquet"))
+    src, out = str(tmp_path / "v.parquet"), tmp_path / "idx"
+    first = build_index(src, out, progress=False)
+    assert first.num_errors == 1 and "cannot read the video" in TokenIndex.open(out).errors[0]["reason"]
+    assert build_index(src, out, progress=False).num_reused == 1      # still missing: nothing to rescan
+    shutil.copy(videos[0], clip)
+    report = build_index(src, out, progress=False)
+    assert report.num_reused == 0 and report.num_errors == 0 and len(TokenIndex.open(out)) == 2
+
 def _video_envs() -> list[str]:
     from tests.helpers.envs import transformers_specs
 
