@@ -61,7 +61,7 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
     if part is not None:   # one --out for every part of a launcher: {i} / {n} tell them apart
         out = out.replace("{i}", str(part[0])).replace("{n}", str(part[1]))
     parquet = ParquetOptions(image_column=args.image_column, text_column=args.text_column,
-                             messages_column=args.messages_column)
+                             messages_column=args.messages_column, video_column=args.video_column)
     report = build_index(args.sources, out, model=model, workers=args.workers,
                          tokenizer=args.tokenizer, image_root=args.image_root,
                          estimator_overrides=overrides, progress=not args.quiet,
@@ -413,6 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Parquet sources: column of chat turns (default messages, else conversations)")
     build.add_argument("--text-column", default=None,
                        help="Parquet sources: column of plain text (used instead of a messages column)")
+    build.add_argument("--video-column", default=None,
+                       help="Parquet sources: column of a row's videos (paths, bytes or {bytes, path} "
+                            "structs; default videos where the file has it, else the files the video "
+                            "parts name)")
     build.add_argument("--part", default=None, metavar="I/N",
                        help="index only part I of N of the shards (0-based), for builds spread over "
                             "machines; 'env' reads RANK/WORLD_SIZE (torchrun) or the Slurm array ids. "

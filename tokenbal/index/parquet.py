@@ -8,8 +8,9 @@ Columns (``ParquetOptions``; each default is the first that the file has):
   the rules of ``tokenbal.index.text`` (``{"role", "content"}`` turns as ``messages``, ``{"from",
   "value"}`` turns as ``conversations``); or ``--text-column`` (default ``text``, else ``caption``),
   a string. A file with none of the named / default columns is one file-level error.
-* videos: a ``videos`` column when the file has one (per row a list of / one path, bytes or ``{bytes,
-  path}`` struct, datasets' ``Video(decode=False)``), else the file each ``{"type": "video"}`` part
+* videos: ``--video-column`` (``ParquetOptions.video_column``), else a ``videos`` column when the file
+  has one (per row a list of / one path, bytes or ``{bytes, path}`` struct, datasets'
+  ``Video(decode=False)``), else the file each ``{"type": "video"}`` part
   names under ``video`` / ``path`` / ``url``; each read from its container header
   (``tokenbal.index.video``: from the bytes in the row, or the file, a path used as given) and
   counted like an annotation record's videos. The video table's member of each is the row (0).
@@ -64,14 +65,29 @@ def is_parquet(path: str) -> bool:
 
 @dataclass(frozen=True)
 class ParquetOptions:
-    """Which columns hold a row's images and text (``None``: the defaults in the module docstring)."""
+    """Which columns hold a row's images, text and videos (``None``: the defaults in the module
+    docstring; videos: a ``videos`` column where the file has one)."""
     image_column: str | None = None
     text_column: str | None = None
     messages_column: str | None = None
+    video_column: str | None = None
 
     def as_meta(self) -> dict:
-        return {"image_column": self.image_column, "text_column": self.text_column,
+        meta = {"image_column": self.image_column, "text_column": self.text_column,
                 "messages_column": self.messages_column}
+        if self.video_column is not None:   # only when named: indexes built before it stay comparable
+            meta["video_column"] = self.video_column
+        return meta
+
+
+def resolve_video_column(names: list[str], opts: ParquetOptions) -> str | None:
+    """The column of a row's videos in a file with columns ``names``: the one named (``ValueError``
+    when absent), else ``videos`` where the file has it, else None (videos only from the parts)."""
+    if opts.video_column is not None:
+        if opts.video_column not in names:
+            raise ValueError(f"column {opts.video_column!r} not in the file (columns: {', '.join(names)})")
+        return opts.video_column
+    return VIDEO_COLUMN if VIDEO_COLUMN in names else None
 
 
 def resolve_columns(names: list[str], opts: ParquetOptions) -> tuple[str | None, str | None, str | None]:
@@ -138,7 +154,7 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
         image_col, messages_col, text_col = resolve_columns(pf.schema_arrow.names, opts)
         # an ``audios`` column (LLaMA-Factory's layout) is read to refuse its rows: audio is not counted
         audio_col = AUDIO_FIELDS[0] if AUDIO_FIELDS[0] in pf.schema_arrow.names else None
-        video_col = VIDEO_COLUMN if VIDEO_COLUMN in pf.schema_arrow.names else None
+        video_col = resolve_video_column(pf.schema_arrow.names, opts)
         cols = [c for c in (image_col, messages_col, text_col, audio_col, video_col) if c is not None]
         video_files: dict[str, tuple[int, int]] = {}
         base = os.path.basename(path.rstrip("/"))
@@ -157,7 +173,7 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
                               msgs[row] if msgs is not None else None,
                               texts[row] if texts is not None else None, exif,
                               audios[row] if audios is not None else None,
-                              videos[row] if videos is not None else None, video_files)
+                              videos[row] if videos is not None else None, video_files, video_col)
                 if sample is not None:
                     scan.samples.append(sample)
         if video_files:   # a rebuild rescans the file when a video it names changed (build.py)
@@ -236,7 +252,7 @@ class _Value:
 
 def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
          messages, text, exif: str = "ignore", audios=None, videos=None,
-         video_files: dict | None = None) -> ScannedSample | None:
+         video_files: dict | None = None, video_col: str | None = None) -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
@@ -283,7 +299,7 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
     except SampleTextError as e:
         return fail(f"column {messages_col or 'text'!r}: {e}")
     try:
-        row_videos = _row_videos(videos, chat, messages_col, video_files)
+        row_videos = _row_videos(videos, chat, messages_col, video_files, video_col or VIDEO_COLUMN)
     except ValueError as e:
         return fail(str(e))
     if not sizes and not pieces and not row_videos:
@@ -295,7 +311,8 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
                          text=join_text(pieces or []), chat=chat, videos=row_videos or None)
 
 
-def _row_videos(value, chat: list | None, messages_col: str | None, files: dict | None) -> list:
+def _row_videos(value, chat: list | None, messages_col: str | None, files: dict | None,
+                video_col: str = VIDEO_COLUMN) -> list:
     """The row's videos (``SampleVideo``, each held by the row, member 0), read from their container
     headers as ``dataset_lengths`` reads a row's videos: the ``videos`` column's value (paths, bytes
     or ``{bytes, path}`` structs) when it holds any, else the file each ``{"type": "video"}`` part
@@ -310,7 +327,7 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
     items: list[tuple[object, str, dict]] = []
     if value is not None and not (isinstance(value, list) and not value):
         listed = value if isinstance(value, list) else [value]
-        items = [(v, f"{VIDEO_COLUMN}[{j}]", {}) for j, v in enumerate(listed)]
+        items = [(v, f"{video_col}[{j}]", {}) for j, v in enumerate(listed)]
     else:
         for j, part in enumerate(video_parts):
             where = f"{messages_col} video part {j}"
@@ -322,7 +339,7 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
                 items.append((part[named[0]], f"{where} ({named[0]})", part_params(part, where)))
     if video_parts and len(video_parts) != len(items):   # none: the videos go first, as images do
         raise ValueError(f"has {len(video_parts)} video part(s) in column {messages_col!r} but "
-                         f"{len(items)} video(s) (the {VIDEO_COLUMN!r} column, else the files the parts "
+                         f"{len(items)} video(s) (the {video_col!r} column, else the files the parts "
                          "name); the processor would fail or pair text and videos wrongly")
     out = []
     for v, where, params in items:

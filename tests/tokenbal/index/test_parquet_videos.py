@@ -29,6 +29,7 @@ from tests.helpers.index_oracles import stand_in_video_folder  # noqa: E402
 from tests.helpers.parquet_video_oracle_check import write_parquet_files  # noqa: E402
 from tokenbal import TokenIndex  # noqa: E402
 from tokenbal.index import build_index  # noqa: E402
+from tokenbal.index.parquet import ParquetOptions  # noqa: E402
 from tokenbal.integrations.hf import dataset_lengths  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("quiet_transformers")
@@ -173,6 +174,29 @@ def test_a_parquet_row_whose_video_was_missing_is_counted_once_it_appears(videos
     shutil.copy(videos[0], clip)
     report = build_index(src, out, progress=False)
     assert report.num_reused == 0 and report.num_errors == 0 and len(TokenIndex.open(out)) == 2
+
+
+def test_a_named_video_column(videos, tmp_path):
+    """``--video-column clips`` reads a row's videos from that column (counted as from ``videos``); a
+    named column the file lacks is the file's error, naming it; an index built without the option
+    keeps its settings (the option enters the index's Parquet settings only when given)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenbal.cli import main as cli
+
+    msgs = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "what"}]}]
+    pq.write_table(pa.table({"messages": [msgs], "videos": [[videos[2]]]}), str(tmp_path / "a.parquet"))
+    pq.write_table(pa.table({"messages": [msgs], "clips": [[videos[2]]]}), str(tmp_path / "b.parquet"))
+    build_index(str(tmp_path / "a.parquet"), tmp_path / "ia", progress=False)
+    assert cli(["index", "build", str(tmp_path / "b.parquet"), "--out", str(tmp_path / "ib"),
+                "--video-column", "clips", "--quiet"]) == 0
+    a, b = TokenIndex.open(tmp_path / "ia"), TokenIndex.open(tmp_path / "ib")
+    assert len(b) == 1 and b.lengths.tolist() == a.lengths.tolist() and b.video_tokens[0] > 0
+    assert b.manifest["parquet"]["video_column"] == "clips" and "video_column" not in a.manifest["parquet"]
+    report = build_index(str(tmp_path / "a.parquet"), tmp_path / "ic", progress=False,
+                         parquet=ParquetOptions(video_column="clips"))
+    assert report.num_bad_shards == 1 and "column 'clips' not in the file" in report.bad_shards[0]["reason"]
 
 def _video_envs() -> list[str]:
     from tests.helpers.envs import transformers_specs
