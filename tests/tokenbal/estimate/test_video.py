@@ -232,6 +232,7 @@ def test_glm4v_processor_settings(videos, settings):
         plan = plan_video(est, request(path, {}), glm=glm)
         got = check_frames(frames, plan, idx)
         t, h, w = got.shape[:3]
+        require_oracle(proc, "get_num_of_video_patches")
         merged = proc.merge_size ** 2
         assert plan.tokens == proc.get_num_of_video_patches(t, h, w) // merged, (path, settings)
         assert plan.grid[0] == -(-t // tp) and plan.special == 2 + 2 * plan.grid[0]
