@@ -214,8 +214,13 @@ def _image_heads(table, column: str | None):
         offsets = arr.offsets.to_pylist()
         valid = arr.is_valid().to_pylist()
         flat = arr.flatten()
-    else:   # one image per row
-        offsets, valid, flat = list(range(len(arr) + 1)), [True] * len(arr), arr
+    else:   # one image per row; a null one (a text row of a datasets Image() column) is no image
+        offsets, valid, flat = list(range(len(arr) + 1)), arr.is_valid().to_pylist(), arr
+    if pa.types.is_null(flat.type):
+        # Arrow types a column with no image value at all as null (every row an empty list or null,
+        # e.g. a file of text and video rows): no image, or images without bytes where a list holds nulls.
+        return [[(None, j, None, 0) for j in range(offsets[r], offsets[r + 1])] if valid[r] else []
+                for r in range(len(offsets) - 1)], lambda j: None
     if pa.types.is_struct(flat.type):
         names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
         if "bytes" not in names:

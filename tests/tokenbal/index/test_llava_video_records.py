@@ -7,7 +7,7 @@ chat row the processor takes.
 Here: the family's real processor with a stand-in video processor (the real class's settings;
 ``family_processors.StandInVideoProcessor``), handed to the build where it loads the folder.
 ``test_real_processors_llava_video_records`` (marker ``compat``) runs the build against the real
-video processors in the ``tf-X.Y-video`` side envs (``tests/helpers/llava_video_oracle_check.py``).
+video processors in the ``tf-X.Y-video-smolvlm`` side envs (``tests/helpers/llava_video_oracle_check.py``).
 """
 
 from __future__ import annotations
@@ -79,13 +79,14 @@ def test_llava_video_records_equal_dataset_lengths(tmp_path, monkeypatch):
 def _video_envs() -> list[str]:
     from tests.helpers.envs import transformers_specs
 
-    return transformers_specs("video")
+    # The tf-X.Y-video-smolvlm overlays: tf-X.Y-video + num2words, so SmolVLM's processor runs too.
+    return transformers_specs("video-smolvlm")
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("env", _video_envs())
 def test_real_processors_llava_video_records(env):
-    """Against the real video processors (torchvision) in each ``tf-X.Y-video`` side env: every
+    """Against the real video processors (torchvision) in each ``tf-X.Y-video-smolvlm`` side env: every
     video family's processor saved with ``save_pretrained`` and loaded by the build; 30 LLaVA-Video
     records per family (system turns, 1-3 exchanges, ``<video>`` first / last / inside the text) +
     tar samples, two scan workers: the index's length is the processor's own ``input_ids`` length

@@ -123,6 +123,31 @@ def test_parquet_bad_rows_and_columns_are_errors(data, tmp_path):
     assert err["key"] is None and "column 'chat' not in the file" in err["reason"]
 
 
+
+def test_rows_without_image_values_are_text_rows_not_a_bad_file(data, tmp_path):
+    """An images column with no image value in the whole file (Arrow types it ``list<null>``: every
+    row an empty list, as in a file of text and video rows) and a one-image column with a null row
+    (a text row of a datasets ``Image()`` column): those rows have no image and are counted as text,
+    the file is not refused; a null inside a list of images is that row's error."""
+    root, samples = data
+    good = _image_bytes(samples[-1])[0]
+    pq.write_table(pa.table({"images": [[], []], "text": ["one", "two words"]}), tmp_path / "none.parquet")
+    pq.write_table(pa.table({"image": pa.array([None, {"bytes": good, "path": None}], IMAGE),
+                             "text": ["text only", "with an image"]}), tmp_path / "some.parquet")
+    pq.write_table(pa.table({"images": pa.array([[None], []], pa.list_(pa.null())), "text": ["a", "b"]}),
+                   tmp_path / "nulls.parquet")
+    assert pa.types.is_null(pq.read_table(tmp_path / "none.parquet").column("images").type.value_type)
+    files = [str(tmp_path / f) for f in ("none.parquet", "some.parquet", "nulls.parquet")]
+    report = build_index(files, tmp_path / "i", progress=False)
+    idx = TokenIndex.open(tmp_path / "i")
+    assert report.num_bad_shards == 0
+    assert list(idx.keys) == ["none.parquet:0:0", "none.parquet:0:1", "some.parquet:0:0", "some.parquet:0:1",
+                              "nulls.parquet:0:1"]
+    assert idx.vision_tokens.tolist()[:3] == [0, 0, 0] and idx.vision_tokens[3] > 0
+    assert [idx.image_sizes(i) for i in range(3)] == [[], [], []]
+    (err,) = idx.errors
+    assert err["key"] == "nulls.parquet:0:0" and "image 0 has no bytes" in err["reason"]
+
 def test_remote_parquet_equals_local(data, tmp_path):
     pytest.importorskip("aiohttp")
     from tests.helpers.servers import FAST, serve

@@ -7,7 +7,8 @@ same ``ChatTokenCounter`` video path); without one, as the same record in a JSON
 Here (no torchvision): the family's real processor with a stand-in video processor holding the real
 class's settings (``family_processors.StandInVideoProcessor``), handed to the build where it loads
 the folder. ``test_real_video_processors_parquet`` (marker ``compat``) runs the build against the
-real video processors in the ``tf-X.Y-video`` side envs (``tests/helpers/parquet_video_oracle_check.py``).
+real video processors in the ``tf-X.Y-video-smolvlm`` side envs
+(``tests/helpers/parquet_video_oracle_check.py``).
 """
 
 from __future__ import annotations
@@ -201,13 +202,14 @@ def test_a_named_video_column(videos, tmp_path):
 def _video_envs() -> list[str]:
     from tests.helpers.envs import transformers_specs
 
-    return transformers_specs("video")
+    # The tf-X.Y-video-smolvlm overlays: tf-X.Y-video + num2words, so SmolVLM's processor runs too.
+    return transformers_specs("video-smolvlm")
 
 
 @pytest.mark.compat
 @pytest.mark.parametrize("env", _video_envs())
 def test_real_video_processors_parquet(env):
-    """Against the real video processors (torchvision) in each ``tf-X.Y-video`` side env: every video
+    """Against the real video processors (torchvision) in each ``tf-X.Y-video-smolvlm`` side env: every video
     family's processor saved with ``save_pretrained`` and loaded by the build (two scan workers);
     40 random rows per family in Parquet files of every ``videos`` column kind and of parts naming
     the files: the index's length is the processor's own ``input_ids`` length on every row, rows it
