@@ -64,6 +64,9 @@ _GRID_SIEVE = 4096
 # reset) by tests that bound the planner's work (tests/tokenbal/balance/test_stage_work.py); never used
 # to plan, so plans do not depend on it.
 work_done = {"refine": 0, "swap": 0, "level": 0}
+# _stable_argsort / _ranked: up to this many values a stable argsort itself is the faster way to the same
+# answer (the unique-key sort and partitions pay off on larger arrays).
+_SMALL_SORT = 512
 
 
 def _last_sum(x: np.ndarray) -> np.ndarray:
@@ -634,7 +637,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                 if grid_i is None:
                     grid_i = sources[k][5] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
                 cand_i.append(grid_i)
-                cand_j.append(np.broadcast_to(slot_grid[bb][:, None, :], (len(bb), q, q)).reshape(-1))
+                cand_j.append(slot_grid[bb][:, None, :].repeat(q, axis=1).reshape(-1))
                 continue
             na, nbb = np.minimum(counts[a], _CROWDED_ITEMS), np.minimum(counts[bb], _CROWDED_ITEMS)
             pairs = na * nbb
@@ -767,6 +770,8 @@ def _stable_argsort(x: np.ndarray) -> np.ndarray:
     n = len(x)
     if not n:
         return np.zeros(0, np.int64)
+    if n <= _SMALL_SORT:
+        return np.argsort(x, kind="stable")
     lo = int(x.min())
     if (int(x.max()) - lo + 1) >= (1 << 62) // n:
         return np.argsort(x, kind="stable")
@@ -791,6 +796,8 @@ def _ranked(x: np.ndarray, start: int, m: int) -> np.ndarray:
     when ``m`` is small: the ranks wanted are one or two runs, found by a partition on the unique key
     ``x·len + index`` (whose order is the stable order of ``x``) and sorted alone. Same answer."""
     n = len(x)
+    if n <= _SMALL_SORT:
+        return np.argsort(x, kind="stable")[(start + np.arange(m)) % n]
     lo = int(x.min(initial=0))
     span = int(x.max(initial=0)) - lo + 1
     if span >= (1 << 62) // max(n, 1):
