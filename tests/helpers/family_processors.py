@@ -52,6 +52,17 @@ VIDEO_FAMILIES = sorted(VIDEO_PLACEHOLDER)
 # families whose processor needs more than the tf-X.Y-video envs hold: SmolVLM's needs num2words,
 # so its real-processor oracles run in the tf-X.Y-video-smolvlm overlays (tests/envs/)
 OWN_ENV_VIDEO_FAMILIES = ("smolvlm",)
+# the families whose real video processors run in the tf-X.Y-video envs themselves
+VIDEO_ENV_FAMILIES = [f for f in VIDEO_FAMILIES if f not in OWN_ENV_VIDEO_FAMILIES]
+
+
+def oracle_video_pool(family: str, videos: list[str], folder, n_videos: int, seed: int,
+                      least: int) -> list[str]:
+    """The videos a family's oracle rows draw from: ``videos``, and for SmolVLM also long clips
+    (20-120 s, at least ``least`` of them), since its sampling skips a second at each end."""
+    if family != "smolvlm":
+        return videos
+    return videos + write_videos(folder, max(least, n_videos // 6), seed=seed + 1, frames=(200, 600))
 
 
 def template(family: str, bos: bool = False, video_token: str | None = None) -> str:

@@ -102,10 +102,8 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
     root = Path(tempfile.mkdtemp(prefix="tokenbal-index-videos-"))
     videos = fp.write_videos(root, n_videos, seed=seed)
     failed = 0
-    for family in families or [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]:
-        pool = videos
-        if family == "smolvlm":   # + long clips (20-120 s): its sampling skips a second at each end
-            pool = videos + fp.write_videos(root, max(3, n_videos // 6), seed=seed + 1, frames=(200, 600))
+    for family in families or fp.VIDEO_ENV_FAMILIES:
+        pool = fp.oracle_video_pool(family, videos, root, n_videos, seed, least=3)
         for k, settings in enumerate(fp.VIDEO_SETTINGS[family]):
             folder = root / f"{family}-{k}"
             folder.mkdir()

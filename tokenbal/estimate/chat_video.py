@@ -156,8 +156,7 @@ def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list
         plan = plan_video(e, _request(info, nframes=nframes))
         return list(plan.indices), plan.grid
     if family == "glm-4.1v":
-        plan = plan_video(est, _request(info, sample_fps=s["fps"] if sample else None),
-                          glm=glm_video_settings(processor))
+        plan = plan_video(est, _request(info), glm=glm_video_settings(processor))   # its fps in there
         return list(plan.indices), plan.grid
     if family == "smolvlm":   # its own sample_frames: fps and num_frames (the most) together
         if not sample:

@@ -86,12 +86,10 @@ def audio_reason(obj: object) -> str | None:
     if not isinstance(obj, dict):
         return None
     for name in AUDIO_FIELDS:
-        value = obj.get(name)
-        if value is None or value is False or (isinstance(value, (list, str, dict)) and not value):
-            continue   # no audio (null, false, empty)
-        n = len(value) if isinstance(value, list) else 1
-        return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
-                "not audio (remove the audio or count those samples yourself)")
+        n = audio_count(obj.get(name))
+        if n:
+            return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
+                    "not audio (remove the audio or count those samples yourself)")
     turns = obj.get("messages")
     n = sum(1 for t in (turns if isinstance(turns, list) else [])
             if isinstance(t, dict) and isinstance(t.get("content"), list)
@@ -100,6 +98,14 @@ def audio_reason(obj: object) -> str | None:
         return (f"has {n} audio part(s) in its messages; tokenbal counts text, images and videos, not "
                 "audio (remove the audio or count those samples yourself)")
     return None
+
+
+def audio_count(value: object) -> int:
+    """How many audio clips an audio field or column value holds: none for None, False and empty
+    values, a list's length, else one."""
+    if value is None or value is False or (isinstance(value, (list, tuple, str, bytes, dict)) and not value):
+        return 0
+    return len(value) if isinstance(value, (list, tuple)) else 1
 
 
 IMAGE_PART_TYPES = ("image", "image_url")   # transformers 5.x processors make image_url parts images

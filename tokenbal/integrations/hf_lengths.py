@@ -307,6 +307,8 @@ def _save(path: str, lengths: np.ndarray) -> None:
 
 def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None,
                   videos: str | None = None, audios: str | None = None) -> np.ndarray:
+    from tokenbal.index.text import audio_count
+
     n = len(rows)
     out = []
     for a in range(0, n, BATCH_ROWS):
@@ -316,8 +318,8 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
             if not isinstance(row, dict) or messages not in row:
                 raise ValueError(f"row {r}: has no {messages!r} field")
             conv = _conversation(row[messages], r, messages)
-            if audios is not None and _n_audios(row.get(audios)):
-                raise ValueError(_audio_message(r, _n_audios(row[audios]), audios, counter))
+            if audios is not None and audio_count(row.get(audios)):
+                raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
             value = row.get(images) if images is not None else None
             if value is None or (isinstance(value, (list, tuple)) and not value):
                 sizes.append([_image_size(im, r, f"{messages} image part {j}")
@@ -338,13 +340,6 @@ def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: s
 
 # -- audio: refused, naming the row ----------------------------------------------------------------
 
-def _n_audios(value: Any) -> int:
-    """How many audio clips a row's audios value holds (None, False, "" and [] hold none)."""
-    if value is None or value is False or (isinstance(value, (list, tuple, str, bytes, dict)) and not value):
-        return 0
-    return len(value) if isinstance(value, (list, tuple)) else 1
-
-
 def _audio_message(row: int, n: int, column: str, counter: ChatTokenCounter) -> str:
     return (f"row {row}: has {n} audio(s) in column {column!r}; tokenbal counts {counter.source}'s text, "
             "images and videos but not audio (remove the audio or count those rows yourself)")
@@ -355,6 +350,8 @@ def _refuse_audio_column(ds: Any, column: str, counter: ChatTokenCounter) -> Non
     (checked on the Arrow column, ``BATCH_ROWS`` rows at a time: no row is decoded)."""
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    from tokenbal.index.text import audio_count
 
     table_ds = ds.select_columns([column]).with_format("arrow")
     for a in range(0, len(ds), BATCH_ROWS):
@@ -369,7 +366,7 @@ def _refuse_audio_column(ds: Any, column: str, counter: ChatTokenCounter) -> Non
             has = arr.is_valid()
         first = pc.index(pc.fill_null(has, False), True).as_py()
         if first >= 0:
-            raise ValueError(_audio_message(a + first, _n_audios(arr[first].as_py()), column, counter))
+            raise ValueError(_audio_message(a + first, audio_count(arr[first].as_py()), column, counter))
 
 
 # -- image sizes from headers ----------------------------------------------------------------------

@@ -303,7 +303,7 @@ def test_real_video_processors_index_build(env):
     every record the processor rejects is an error of the index."""
     from tests.helpers.envs import oracle_in_env
 
-    families = [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]
+    families = fp.VIDEO_ENV_FAMILIES
     results = oracle_in_env(env, "tests.helpers.video_index_oracle_check", "30", "40", "9",
                             ",".join(families))
     assert {r["family"] for r in results} == set(families)

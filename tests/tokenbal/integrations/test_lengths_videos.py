@@ -227,7 +227,7 @@ def test_real_video_processors(env):
     collator) gives the counted length, rows of two videos included."""
     from tests.helpers.envs import oracle_in_env
 
-    families = [f for f in fp.VIDEO_FAMILIES if f not in fp.OWN_ENV_VIDEO_FAMILIES]
+    families = fp.VIDEO_ENV_FAMILIES
     results = oracle_in_env(env, "tests.helpers.video_oracle_check", "40", "60", "5", ",".join(families))
     assert {r["family"] for r in results} == set(families)
     for r in results:
