@@ -567,8 +567,6 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             mean = -(-per_step.sum(2) // R)
             over = (per_step - (mean + (top - mean) * num // den)[:, :, None]).reshape(K, nb)
             room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max kept
-            excess = np.maximum(over, 0).astype(np.float64)
-            penalty = (excess * excess).sum(0)
             sources = []
             for k in range(K):
                 src = (over[k] > 0).nonzero()[0]
@@ -585,12 +583,17 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                                       + np.arange(n_src.sum())]
                 lower = place[k, items] - bucket_first[items]
                 items, lower = items[lower > 0], lower[lower > 0]
-                # [items, their lower neighbours, bucket starts, the roomy pairs' sources, then cached on
-                # a round that swapped nothing: the bins by over[k], the grid pairs' items of a]
-                sources.append([np.repeat(items, _LEVEL_SIMILAR), lower, bucket_first[items],
+                # Each item's _LEVEL_SIMILAR candidates sit at bucket start + (spread + shift) mod lower,
+                # the shift a round's: per item (repeated), its lower count, bucket start and spreads.
+                lower = np.repeat(lower, _LEVEL_SIMILAR)
+                spread = np.tile(np.arange(_LEVEL_SIMILAR), len(items)) * lower // _LEVEL_SIMILAR
+                # [items, lower counts, bucket starts, spreads, the roomy pairs' sources, then cached on a
+                # round that swapped nothing: the bins by over[k], the grid pairs' items of a]
+                sources.append([np.repeat(items, _LEVEL_SIMILAR), lower,
+                                np.repeat(bucket_first[items], _LEVEL_SIMILAR), spread,
                                 np.repeat(src, roomy_bins), None, None])
-            state = (int(top.sum()), over, room, penalty, sources)
-        objective, over, room, penalty, sources = state
+            state = (int(top.sum()), over, room, sources)
+        objective, over, room, sources = state
         if patience is not None or stall is not None:
             idle = 0 if fastest is None or objective < fastest else idle + 1
             fastest = objective if fastest is None else min(fastest, objective)
@@ -609,11 +612,13 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
         for k in range(K):
             if sources[k] is None:
                 continue
-            rep_items, lower, first_of, a, by_over, grid_i = sources[k]
-            offsets = (np.arange(_LEVEL_SIMILAR)[None, :] * lower[:, None] // _LEVEL_SIMILAR
-                       + shift * lower[:, None] // 65536) % lower[:, None]
+            rep_items, lower, first_of, spread, a, by_over, grid_i = sources[k]
+            # (spread + shift · lower / 65536) mod lower: both terms are below lower, so the modulo is
+            # one subtraction where the sum reaches it (the same offsets as `%`, without a division).
+            offsets = spread + (shift * lower >> 16)
+            np.subtract(offsets, lower, out=offsets, where=offsets >= lower)
             cand_i.append(rep_items)
-            cand_j.append(by_stage[k][first_of[:, None] + offsets].ravel())
+            cand_j.append(by_stage[k].take(first_of + offsets))
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
             if fresh:
@@ -621,7 +626,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             else:
                 # The loads did not change: the same ranking as _ranked's, sorted once for these rounds.
                 if by_over is None:
-                    by_over = sources[k][4] = _stable_argsort(over[k])
+                    by_over = sources[k][5] = _stable_argsort(over[k])
                 bb = by_over[(rnd * roomy_bins + np.arange(len(a))) % nb]
             # Crowded bins (more than _CROWDED_ITEMS items: token-budget steps) offer _CROWDED_ITEMS
             # of their items a round, a different run of them every round, so a round stays linear.
@@ -635,7 +640,7 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
                     cand_j.append(sj)
                     continue
                 if grid_i is None:
-                    grid_i = sources[k][5] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
+                    grid_i = sources[k][6] = np.repeat(slot_grid[a], q, axis=1).reshape(-1)
                 cand_i.append(grid_i)
                 cand_j.append(slot_grid[bb][:, None, :].repeat(q, axis=1).reshape(-1))
                 continue
@@ -679,10 +684,21 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             ok = ((tload[A] + dt <= capacity) & (tload[B] - dt <= capacity)).nonzero()[0]
             i, j, A, B = i.take(ok), j.take(ok), A.take(ok), B.take(ok)
         d = cost.take(j, axis=1) - cost.take(i, axis=1)   # (K, m): bin A gains d, bin B loses it
-        xa = np.maximum(over.take(A, axis=1) + d, 0).astype(np.float64)
-        xb = np.maximum(over.take(B, axis=1) - d, 0).astype(np.float64)
+        over_a, over_b = over.take(A, axis=1), over.take(B, axis=1)
+        xa = np.maximum(over_a + d, 0).astype(np.float64)
+        xb = np.maximum(over_b - d, 0).astype(np.float64)
         terms = xa * xa + xb * xb
-        gain = -(penalty.take(A) + penalty.take(B))
+        # The two bins' penalties now, Σ_k max(over, 0)² summed stage by stage as a (K, bins) sum over
+        # its first axis is (the same floats), on the candidates' bins only.
+        ea = np.maximum(over_a, 0).astype(np.float64)
+        eb = np.maximum(over_b, 0).astype(np.float64)
+        ea *= ea
+        eb *= eb
+        pen_a, pen_b = ea[0].copy(), eb[0].copy()
+        for k in range(1, K):
+            pen_a += ea[k]
+            pen_b += eb[k]
+        gain = -(pen_a + pen_b)
         for k in range(K):                                 # stage by stage: the float sums in one order
             gain += terms[k]
         sel = (gain < 0).nonzero()[0]
