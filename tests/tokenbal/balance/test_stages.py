@@ -463,6 +463,49 @@ def test_pooling_the_heaviest_steps_keeps_every_guarantee(num_bins, steps, per_b
     assert np.array_equal(again[0], g) and np.array_equal(again[1], b)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 9), st.lists(st.tuples(st.integers(1, 5), st.integers(0, 24)), min_size=2, max_size=4),
+       st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**32 - 1))
+def test_leveling_windows_side_by_side_equals_leveling_each_alone(num_bins, windows, per_bin, stages, seed):
+    from tokenbal.balance.partition.stages import _last_sum, _level_window
+
+    # The pools' race levels several windows (steps, rounds) in one call; each must end exactly as a call
+    # of its own ends it (the same swaps, whatever the other windows hold or how long they run).
+    rng = np.random.default_rng(seed)
+    alone, parts = [], []
+    for p, (steps, rounds) in enumerate(windows):
+        n = steps * num_bins * per_bin
+        c = np.concatenate([_mixture(n, seed + p), rng.integers(0, 500, (n, 1))], 1)[:, :stages]
+        g = np.repeat(np.arange(steps), num_bins * per_bin)
+        b = np.concatenate([rng.permutation(np.arange(num_bins * per_bin) % num_bins) for _ in range(steps)])
+        alone.append(_level_window(c, _last_sum(c), g, b, steps, num_bins, None, rounds))
+        parts.append((c, g, b, steps, rounds))
+    first = np.cumsum([0] + [w[3] for w in parts])
+    c = np.concatenate([w[0] for w in parts])
+    g, b = _level_window(c, _last_sum(c), np.concatenate([w[1] + first[p] for p, w in enumerate(parts)]),
+                         np.concatenate([w[2] for w in parts]), int(first[-1]), num_bins, None, 0,
+                         parts=np.repeat(np.arange(len(parts)), [w[3] for w in parts]),
+                         part_rounds=np.array([w[4] for w in parts]))
+    at = np.cumsum([0] + [len(w[0]) for w in parts])
+    for p, (g_alone, b_alone) in enumerate(alone):
+        assert np.array_equal(g[at[p]:at[p + 1]] - first[p], g_alone)
+        assert np.array_equal(b[at[p]:at[p + 1]], b_alone)
+
+
+@pytest.mark.parametrize("ranks, per_rank, steps", [(64, 2, 40), (8, 2, 120), (16, 4, 60)])
+def test_pools_raced_side_by_side_end_as_raced_one_by_one(monkeypatch, ranks, per_rank, steps):
+    from tokenbal.balance.partition import pool_heaviest_steps
+    from tokenbal.balance.partition import stages as stage_partition
+
+    # The same plan whether the pools' first rounds share calls or not (pools of 2 to 16 steps).
+    c, group, bins = _wide_steps(steps, ranks, per_rank, steps)
+    together = pool_heaviest_steps(c, group, bins, ranks)
+    monkeypatch.setattr(stage_partition, "_RACE_ITEMS", 0)
+    apart = pool_heaviest_steps(c, group, bins, ranks)
+    assert np.array_equal(together[0], apart[0]) and np.array_equal(together[1], apart[1])
+    assert not np.array_equal(together[1], bins)                       # the pools did change the plan
+
+
 def test_pooling_fixes_a_heavy_step_that_swaps_cannot():
     from tokenbal.balance.partition import level_stage_bins, pool_heaviest_steps
 

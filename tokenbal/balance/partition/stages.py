@@ -54,6 +54,7 @@ _POOL_RACE = 64
 # What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
 # as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
 _ROUND_ITEMS = 1024
+_RACE_ITEMS = 1 << 15
 # _level_window: count-mode bin pairs offering at least this many candidates are sieved by the room
 # test before the candidates are listed (fewer numpy calls below it; the same candidates either way).
 _GRID_SIEVE = 4096
@@ -506,8 +507,8 @@ def _swap_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G
 
 def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, G: int, R: int,
                   capacity: int | None, rounds: int, patience: int | None = None,
-                  stall: tuple[int, tuple[int, int]] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+                  stall: tuple[int, tuple[int, int]] | None = None, parts: np.ndarray | None = None,
+                  part_rounds: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rounds of many disjoint one-for-one swaps among the G·R bins of a window (any two bins, of
     the same step or not); returns the items' new (group, bin).
 
@@ -521,9 +522,19 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     swaps do not interact. No bin may end above its step's maximum of any stage (as of the round's
     start), hence no step's objective ever rises. Deterministic: stable sorts, ties to the first
     candidate, and the float64 penalty is computed elementwise in a fixed order.
+
+    ``parts`` (the part of every group, non-decreasing) levels several windows side by side, part p
+    for ``part_rounds[p]`` rounds, in one call: every candidate stays within its part (the total
+    buckets are per part, so are the roomy bins' ranks) and every ranking keeps each part's own
+    order, so each part ends as a call of its own would end it, while the rounds' numpy calls are
+    shared (the pools of :func:`pool_heaviest_steps`: a round over a few hundred samples costs as
+    many calls as one over thousands). Its parts' bins must all hold the same count, and it takes
+    no ``patience`` or ``stall`` (whose objective is the window's).
     """
     n, K = c.shape
     nb = G * R
+    if parts is not None and (patience is not None or stall is not None):
+        raise ValueError("_level_window: parts take no patience or stall")
     cost = np.ascontiguousarray(c.T)                     # (K, n): stage-major, one row per stage
     home = g * R + b                                       # every item's bin
     counts = np.bincount(home, minlength=nb)               # never changes: swaps are one for one
@@ -541,6 +552,15 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     # buckets (16 per octave) are the same on every machine.
     mantissa, exponent = np.frexp(_last_sum(c).astype(np.float64))
     bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
+    part_of_bin = None
+    if parts is not None:
+        # Buckets per part (a bucket is below 2^11: binary exponents of int64 sums are at most 64).
+        bucket += parts[g] << 12
+        part_of_bin = np.repeat(parts, R)
+        part_first_bin = np.searchsorted(part_of_bin, np.arange(int(parts[-1]) + 1))
+        part_bins = np.bincount(part_of_bin)
+        part_items = np.bincount(parts[g], minlength=len(part_bins))
+        rounds = int(max(part_rounds, default=0))
     by_stage = [_lexsort2(cost[k], bucket) for k in range(K)]
     place = np.empty((K, n), np.int64)
     for k in range(K):
@@ -558,8 +578,17 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     fastest, idle = None, 0                               # Σ_step Σ_stage max so far; rounds since it fell
     history = []
     state = None           # what a round derives from the loads, kept through rounds that swap nothing
+    live, live_count = None, -1                          # (parts) the bins of parts with rounds left
     for rnd in range(rounds):
-        work_done["level"] += n
+        if part_of_bin is not None:
+            live_parts = part_rounds > rnd
+            work_done["level"] += int(part_items[live_parts].sum())
+            if int(live_parts.sum()) != live_count:
+                # A part out of rounds offers no sources (its bins are no other part's partners).
+                live, live_count = live_parts[part_of_bin], int(live_parts.sum())
+                state = None
+        else:
+            work_done["level"] += n
         fresh = state is None
         if fresh:
             per_step = loads.reshape(K, G, R)
@@ -569,11 +598,13 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             room = (top[:, :, None] - per_step).reshape(K, nb)   # what a bin may gain, its step's max kept
             sources = []
             for k in range(K):
-                src = (over[k] > 0).nonzero()[0]
+                src = (over[k] > 0 if live is None else (over[k] > 0) & live).nonzero()[0]
                 if not src.size:
                     sources.append(None)
                     continue
-                src = src[_stable_argsort(-over[k, src])]
+                # By over[k], the worst first (in each part: the parts one after the other).
+                src = src[_stable_argsort(-over[k, src]) if live is None
+                          else _lexsort2(-over[k, src], part_of_bin[src])]
                 # Items of the same bucket with less of stage k, spread over all of them.
                 if slot_grid is not None:
                     items = slot_grid[src].ravel()
@@ -621,7 +652,14 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
             cand_j.append(by_stage[k].take(first_of + offsets))
             # Every item pair with the bins that have the most room in stage k: the worst source
             # gets the roomiest bins, the next source the next ones.
-            if fresh:
+            if part_of_bin is not None:
+                # Per part: its sources (their order within it) get its roomiest bins.
+                if by_over is None:
+                    by_over = sources[k][5] = _lexsort2(over[k], part_of_bin)
+                pa = part_of_bin[a]
+                within = np.arange(len(a)) - np.searchsorted(pa, pa)
+                bb = by_over[part_first_bin[pa] + (rnd * roomy_bins + within) % part_bins[pa]]
+            elif fresh:
                 bb = _ranked(over[k], rnd * roomy_bins, len(a))
             else:
                 # The loads did not change: the same ranking as _ranked's, sorted once for these rounds.
@@ -875,7 +913,7 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
     times = loads.max(1).sum(1)
     eligible = np.flatnonzero(size == N)
     heaviest = eligible[np.argsort(-times[eligible], kind="stable")]
-    best, tried = None, []
+    best, dealt = None, []
     for h in sorted(set(int(v) for v in pools)):
         if h < 2 or h > len(heaviest) or h * N > max_items:
             continue
@@ -888,9 +926,10 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
             continue
         rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
         first = min(rounds, _POOL_RACE) if _POOL_RACE else rounds
-        new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, first, _POOL_PATIENCE, stall)
-        gain = before - _pool_time(x, new_g, new_b, h, R)
-        tried.append((gain, h, mine, chosen, x, new_g, new_b, rounds - first))
+        dealt.append([h, mine, chosen, x, new_g, new_b, first, rounds - first])
+    _race_pools(dealt, R, stall)
+    tried = [(int(times[chosen].sum()) - _pool_time(x, new_g, new_b, h, R), h, mine, chosen, x, new_g, new_b,
+              more) for h, mine, chosen, x, new_g, new_b, _, more in dealt]
     if tried:
         # Every pool leveled its first _POOL_RACE rounds; the one ahead then levels the rest of its rounds.
         gain, h, mine, chosen, x, new_g, new_b, more = max(tried, key=lambda t: t[0])
@@ -905,6 +944,45 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
         _, mine, new_group, new_bins = best
         g_local[mine], bins[mine] = new_group, new_bins
     return g_ids[g_local], bins
+
+
+def _race_pools(dealt: list, R: int, stall: tuple[int, tuple[int, int]] | None) -> None:
+    """The pools' first leveling rounds (each ``[h, mine, chosen, x, step, bin, rounds, more]``, its
+    (step, bin) replaced by the leveled ones). Rounds that neither the patience nor the stall test can
+    end (both look back further) are leveled side by side in one call (:func:`_level_window`'s
+    ``parts``: the same swaps as a call per pool, with a round's numpy calls shared by all pools);
+    otherwise, or with unequal bin counts, one call per pool."""
+    if not dealt:
+        return
+    span = _POOL_PATIENCE if stall is None else min(_POOL_PATIENCE, stall[0])
+    per_bin = {len(d[3]) // (d[0] * R) for d in dealt}
+    joint = 0
+    if max(d[6] for d in dealt) <= span and len(per_bin) == 1:
+        # The smallest pools (the first ones) side by side, up to _RACE_ITEMS samples: larger pools'
+        # rounds cost their size, not their calls, and gain nothing together.
+        joint = int((np.cumsum([len(d[3]) for d in dealt]) <= _RACE_ITEMS).sum())
+    if joint > 1:
+        _level_side_by_side(dealt[:joint], R)
+    else:
+        joint = 0
+    for d in dealt[joint:]:
+        h, x = d[0], d[3]
+        d[4], d[5] = _level_window(x, _last_sum(x), d[4], d[5], h, R, None, d[6], _POOL_PATIENCE, stall)
+
+
+def _level_side_by_side(dealt: list, R: int) -> None:
+    """:func:`_race_pools`' pools leveled in one call of :func:`_level_window` (``parts``)."""
+    first_group = np.cumsum([0] + [d[0] for d in dealt])
+    x = np.concatenate([d[3] for d in dealt])
+    g = np.concatenate([d[4] + first_group[p] for p, d in enumerate(dealt)])
+    b = np.concatenate([d[5] for d in dealt])
+    parts = np.repeat(np.arange(len(dealt)), [d[0] for d in dealt])
+    new_g, new_b = _level_window(x, _last_sum(x), g, b, int(first_group[-1]), R, None, 0,
+                                 parts=parts, part_rounds=np.array([d[6] for d in dealt]))
+    first_item = np.cumsum([0] + [len(d[3]) for d in dealt])
+    for p, d in enumerate(dealt):
+        d[4] = new_g[first_item[p]:first_item[p + 1]] - first_group[p]
+        d[5] = new_b[first_item[p]:first_item[p + 1]]
 
 
 def _pool_time(x: np.ndarray, g: np.ndarray, b: np.ndarray, h: int, R: int) -> int:
