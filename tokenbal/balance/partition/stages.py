@@ -6,6 +6,8 @@ samples (:func:`pool_heaviest_steps`); pure numpy, deterministic."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 __all__ = ["stage_objective", "refine_stages", "refine_stages_many", "swap_stages_across_steps",
@@ -54,6 +56,9 @@ _POOL_RACE = 64
 # What a leveling round costs at least, in samples (PLAN_VERSION 13): a round is ~100 numpy calls, as much
 # as a round over ~1,000 samples, so a small pool's rounds are charged this to its work budget.
 _ROUND_ITEMS = 1024
+# The pools' race rounds are leveled side by side (_race_pools) for the smallest pools up to this many samples
+# together: pools of 30k samples on 64 ranks (256-2,048 samples) race in 41 ms instead of 58 ms, while 4,096
+# ranks' pools (16k samples and up) cost their size, not their calls (all together: 493 -> 562 ms).
 _RACE_ITEMS = 1 << 15
 # _level_window: count-mode bin pairs offering at least this many candidates are sieved by the room
 # test before the candidates are listed (fewer numpy calls below it; the same candidates either way).
@@ -554,7 +559,8 @@ def _level_window(c: np.ndarray, tot: np.ndarray, g: np.ndarray, b: np.ndarray, 
     bucket = exponent.astype(np.int64) * 32 + (mantissa * 32).astype(np.int64)
     part_of_bin = None
     if parts is not None:
-        # Buckets per part (a bucket is below 2^11: binary exponents of int64 sums are at most 64).
+        # Buckets per part (a bucket is below 2^12: 32 per binary exponent, and those of int64 sums are at
+        # most 64).
         bucket += parts[g] << 12
         part_of_bin = np.repeat(parts, R)
         part_first_bin = np.searchsorted(part_of_bin, np.arange(int(parts[-1]) + 1))
@@ -913,76 +919,86 @@ def pool_heaviest_steps(stage_costs: np.ndarray, group: np.ndarray, bins: np.nda
     times = loads.max(1).sum(1)
     eligible = np.flatnonzero(size == N)
     heaviest = eligible[np.argsort(-times[eligible], kind="stable")]
-    best, dealt = None, []
+    dealt = []
     for h in sorted(set(int(v) for v in pools)):
         if h < 2 or h > len(heaviest) or h * N > max_items:
             continue
         chosen = heaviest[:h]
         mine = np.flatnonzero(np.isin(g_local, chosen))
         x = c[mine]
-        before = int(times[chosen].sum())
         new_g, new_b, start = _deal_pool(x, h, R)
-        if start * _POOL_SLACK[1] > before * (_POOL_SLACK[0] + _POOL_SLACK[1]):
+        if start * _POOL_SLACK[1] > int(times[chosen].sum()) * (_POOL_SLACK[0] + _POOL_SLACK[1]):
             continue
         rounds = min(_POOL_ROUNDS, (_POOL_WORK if work is None else work) // max(len(x), _ROUND_ITEMS))
-        first = min(rounds, _POOL_RACE) if _POOL_RACE else rounds
-        dealt.append([h, mine, chosen, x, new_g, new_b, first, rounds - first])
-    _race_pools(dealt, R, stall)
-    tried = [(int(times[chosen].sum()) - _pool_time(x, new_g, new_b, h, R), h, mine, chosen, x, new_g, new_b,
-              more) for h, mine, chosen, x, new_g, new_b, _, more in dealt]
-    if tried:
-        # Every pool leveled its first _POOL_RACE rounds; the one ahead then levels the rest of its rounds.
-        gain, h, mine, chosen, x, new_g, new_b, more = max(tried, key=lambda t: t[0])
-        if more > 0:
-            new_g, new_b = _level_window(x, _last_sum(x), new_g, new_b, h, R, None, more, _POOL_PATIENCE,
-                                         stall)
-            gain = int(times[chosen].sum()) - _pool_time(x, new_g, new_b, h, R)
-        if gain > 0:
-            best = (gain, mine, chosen[new_g], new_b)
+        race = min(rounds, _POOL_RACE) if _POOL_RACE else rounds
+        dealt.append(_Pool(chosen, mine, x, new_g, new_b, race, rounds - race))
     g_local, bins = g_local.copy(), bins.copy()
-    if best is not None:
-        _, mine, new_group, new_bins = best
-        g_local[mine], bins[mine] = new_group, new_bins
+    if not dealt:
+        return g_ids[g_local], bins
+    # Every pool levels its first _POOL_RACE rounds; the one ahead (the first of equals) levels the rest of
+    # its rounds, and is kept if its steps got faster.
+    _race_pools(dealt, R, stall)
+
+    def gain(p: _Pool) -> int:
+        return int(times[p.chosen].sum()) - _pool_time(p.costs, p.step, p.bin, len(p.chosen), R)
+
+    ahead = max(dealt, key=gain)
+    if ahead.more > 0:
+        ahead.step, ahead.bin = _level_window(ahead.costs, _last_sum(ahead.costs), ahead.step, ahead.bin,
+                                              len(ahead.chosen), R, None, ahead.more, _POOL_PATIENCE, stall)
+    if gain(ahead) > 0:
+        g_local[ahead.mine], bins[ahead.mine] = ahead.chosen[ahead.step], ahead.bin
     return g_ids[g_local], bins
 
 
-def _race_pools(dealt: list, R: int, stall: tuple[int, tuple[int, int]] | None) -> None:
-    """The pools' first leveling rounds (each ``[h, mine, chosen, x, step, bin, rounds, more]``, its
-    (step, bin) replaced by the leveled ones). Rounds that neither the patience nor the stall test can
-    end (both look back further) are leveled side by side in one call (:func:`_level_window`'s
-    ``parts``: the same swaps as a call per pool, with a round's numpy calls shared by all pools);
-    otherwise, or with unequal bin counts, one call per pool."""
-    if not dealt:
-        return
+@dataclass
+class _Pool:
+    """One pool of :func:`pool_heaviest_steps`: its steps (``chosen``, local ids), its samples (``mine``,
+    their ``costs``), where they are now (``step`` in the pool, ``bin``), and its leveling rounds (``race``
+    first, ``more`` if it gets ahead)."""
+
+    chosen: np.ndarray
+    mine: np.ndarray
+    costs: np.ndarray
+    step: np.ndarray
+    bin: np.ndarray
+    race: int
+    more: int
+
+
+def _race_pools(pools: list[_Pool], R: int, stall: tuple[int, tuple[int, int]] | None) -> None:
+    """The pools' first ``race`` leveling rounds (their ``step`` and ``bin`` replaced by the leveled ones).
+    Rounds that neither the patience nor the stall test can end (both look back further) are leveled side by
+    side in one call (:func:`_level_window`'s ``parts``: the same swaps as a call per pool, with a round's
+    numpy calls shared by all pools); otherwise, or with unequal bin counts, one call per pool."""
     span = _POOL_PATIENCE if stall is None else min(_POOL_PATIENCE, stall[0])
-    per_bin = {len(d[3]) // (d[0] * R) for d in dealt}
+    per_bin = {len(p.costs) // (len(p.chosen) * R) for p in pools}
     joint = 0
-    if max(d[6] for d in dealt) <= span and len(per_bin) == 1:
+    if max(p.race for p in pools) <= span and len(per_bin) == 1:
         # The smallest pools (the first ones) side by side, up to _RACE_ITEMS samples: larger pools'
         # rounds cost their size, not their calls, and gain nothing together.
-        joint = int((np.cumsum([len(d[3]) for d in dealt]) <= _RACE_ITEMS).sum())
+        joint = int((np.cumsum([len(p.costs) for p in pools]) <= _RACE_ITEMS).sum())
     if joint > 1:
-        _level_side_by_side(dealt[:joint], R)
+        _level_side_by_side(pools[:joint], R)
     else:
         joint = 0
-    for d in dealt[joint:]:
-        h, x = d[0], d[3]
-        d[4], d[5] = _level_window(x, _last_sum(x), d[4], d[5], h, R, None, d[6], _POOL_PATIENCE, stall)
+    for p in pools[joint:]:
+        p.step, p.bin = _level_window(p.costs, _last_sum(p.costs), p.step, p.bin, len(p.chosen), R, None,
+                                      p.race, _POOL_PATIENCE, stall)
 
 
-def _level_side_by_side(dealt: list, R: int) -> None:
+def _level_side_by_side(pools: list[_Pool], R: int) -> None:
     """:func:`_race_pools`' pools leveled in one call of :func:`_level_window` (``parts``)."""
-    first_group = np.cumsum([0] + [d[0] for d in dealt])
-    x = np.concatenate([d[3] for d in dealt])
-    g = np.concatenate([d[4] + first_group[p] for p, d in enumerate(dealt)])
-    b = np.concatenate([d[5] for d in dealt])
-    parts = np.repeat(np.arange(len(dealt)), [d[0] for d in dealt])
-    new_g, new_b = _level_window(x, _last_sum(x), g, b, int(first_group[-1]), R, None, 0,
-                                 parts=parts, part_rounds=np.array([d[6] for d in dealt]))
-    first_item = np.cumsum([0] + [len(d[3]) for d in dealt])
-    for p, d in enumerate(dealt):
-        d[4] = new_g[first_item[p]:first_item[p + 1]] - first_group[p]
-        d[5] = new_b[first_item[p]:first_item[p + 1]]
+    steps = [len(p.chosen) for p in pools]
+    first_step = np.cumsum([0] + steps)[:-1]
+    ends = np.cumsum([len(p.costs) for p in pools])
+    x = np.concatenate([p.costs for p in pools])
+    step = np.concatenate([p.step + first for p, first in zip(pools, first_step, strict=True)])
+    new_g, new_b = _level_window(x, _last_sum(x), step, np.concatenate([p.bin for p in pools]), sum(steps), R,
+                                 None, 0, parts=np.repeat(np.arange(len(pools)), steps),
+                                 part_rounds=np.array([p.race for p in pools]))
+    for p, first, end in zip(pools, first_step, ends, strict=True):
+        p.step, p.bin = new_g[end - len(p.costs):end] - first, new_b[end - len(p.costs):end]
 
 
 def _pool_time(x: np.ndarray, g: np.ndarray, b: np.ndarray, h: int, R: int) -> int:
