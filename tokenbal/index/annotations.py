@@ -61,6 +61,7 @@ from tokenbal.index.text import (
     image_parts,
     join_text,
     json_text,
+    part_file_key,
     placeholder_mismatch,
 )
 from tokenbal.index.video import VideoError, probe_file
@@ -295,13 +296,10 @@ def _part_image_paths(rec: dict) -> list[str]:
                 info = part["image_url"]
                 value, where = (info.get("url") if isinstance(info, dict) else info), f"{where}.image_url.url"
             elif part.get("type") == "image":
-                named = [k for k in ("image", "url", "path") if part.get(k) is not None]
-                if len(named) > 1:
-                    raise SampleTextError(f"{where} names its image under {' and '.join(named)}; a processor "
-                                          "takes each as an image of its own: name it once")
-                if not named:
+                key = part_file_key(part, "image", where)
+                if key is None:
                     continue   # a placeholder part: the images come from an images field
-                value, where = part[named[0]], f"{where}.{named[0]}"
+                value, where = part[key], f"{where}.{key}"
             else:
                 continue
             if not isinstance(value, str) or not value:

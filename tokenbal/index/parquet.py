@@ -50,6 +50,7 @@ from tokenbal.index.text import (
     image_parts,
     join_text,
     json_text,
+    part_file_key,
     placeholder_mismatch,
 )
 from tokenbal.io.remote import RemoteReadError
@@ -336,12 +337,9 @@ def _row_videos(value, chat: list | None, messages_col: str | None, files: dict 
     else:
         for j, part in enumerate(video_parts):
             where = f"{messages_col} video part {j}"
-            named = [k for k in ("video", "url", "path") if part.get(k) is not None]
-            if len(named) > 1:
-                raise ValueError(f"{where} names its video under {' and '.join(named)}; a processor takes "
-                                 "each as a video of its own: name it once")
-            if named:
-                items.append((part[named[0]], f"{where} ({named[0]})", part_params(part, where)))
+            key = part_file_key(part, "video", where)
+            if key is not None:
+                items.append((part[key], f"{where} ({key})", part_params(part, where)))
     if video_parts and len(video_parts) != len(items):   # none: the videos go first, as images do
         raise ValueError(f"has {len(video_parts)} video part(s) in column {messages_col!r} but "
                          f"{len(items)} video(s) (the {video_col!r} column, else the files the parts "

@@ -111,6 +111,19 @@ def audio_count(value: object) -> int:
 IMAGE_PART_TYPES = ("image", "image_url")   # transformers 5.x processors make image_url parts images
 
 
+def part_file_key(part: dict, kind: str, where: str) -> str | None:
+    """Which key of an image or video message part names its file (``kind`` is the part's type): the
+    first of ``kind`` / ``url`` / ``path`` set, as a processor's chat template collects it; None for a
+    placeholder part. ``SampleTextError`` when it names more than one: a processor takes each as a
+    file of its own."""
+    named = [k for k in (kind, "url", "path") if part.get(k) is not None]
+    if len(named) > 1:
+        one = "an image" if kind == "image" else f"a {kind}"
+        raise SampleTextError(f"{where} names its {kind} under {' and '.join(named)}; a processor takes "
+                              f"each as {one} of its own: name it once")
+    return named[0] if named else None
+
+
 def image_parts(obj: object) -> int:
     """How many ``{"type": "image"}`` (or OpenAI ``image_url``) parts the ``messages`` contents of a
     JSON sample hold (with or without an ``image`` path; what a chat template turns into one image

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenbal.index.text import part_file_key
 from tokenbal.index.video import VideoInfo
 
 VIDEO_COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
@@ -231,11 +232,7 @@ def video_parts(rec: dict) -> list[tuple[str, dict]]:
             where = f"messages[{i}].content[{j}]"
             # the file under ``video``, else ``url`` / ``path`` (as a processor's chat template collects
             # a video part's file, ``tokenbal.estimate.chat_video.content_videos``)
-            named = [k for k in ("video", "url", "path") if part.get(k) is not None]
-            if len(named) > 1:
-                raise ValueError(f"{where} names its video under {' and '.join(named)}; a processor "
-                                 "takes each as a video of its own: name it once")
-            key = named[0] if named else "video"
+            key = part_file_key(part, "video", where) or "video"
             v = part.get(key)
             if isinstance(v, list):
                 raise ValueError(f"{where}.{key} is a list of frames; frame-list videos are not supported")

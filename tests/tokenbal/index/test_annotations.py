@@ -192,3 +192,28 @@ def test_record_ids_are_keys_unique_within_a_file(tmp_path):
                               "u"]
     assert [e["key"] for e in idx.errors] == ["bad", "t.jsonl:11"]   # line 11 is not JSON
     assert len(set(idx.keys[:10]) | {"bad", "t.jsonl:11"}) == 12
+
+
+def test_a_part_naming_its_file_twice_is_an_error_naming_both_keys(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    # A processor collects a part's image / video under each of its keys, so a part naming two files
+    # would be two images or videos: an error naming the part and both keys, in JSONL and Parquet rows.
+    def turns(part):
+        return [{"role": "user", "content": [part, {"type": "text", "text": "What?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "This."}]}]
+
+    (tmp_path / "train.jsonl").write_text(
+        json.dumps({"messages": turns({"type": "image", "image": "a.jpg", "url": "b.jpg"})}) + "\n"
+        + json.dumps({"messages": turns({"type": "video", "video": "a.mp4", "path": "b.mp4"})}) + "\n")
+    pq.write_table(pa.table({"messages": [turns({"type": "video", "url": "a.mp4", "path": "b.mp4"})]}),
+                   str(tmp_path / "rows.parquet"))
+    report = build_index([str(tmp_path / "train.jsonl"), str(tmp_path / "rows.parquet")], tmp_path / "idx",
+                         progress=False)
+    reasons = sorted(e["reason"] for e in TokenIndex.open(report.out).errors)
+    assert len(reasons) == 3
+    assert "names its video under url and path; a processor takes each as a video of its own" in reasons[0]
+    assert "messages[0].content[0] names its image under image and url; a processor takes each as an image" \
+        in reasons[1]
+    assert "messages[0].content[0] names its video under video and path" in reasons[2]
