@@ -262,9 +262,9 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
 
-    audio = audio_reason({AUDIO_FIELDS[0]: audios, "messages": messages})
+    audio = audio_reason({AUDIO_FIELDS[0]: audios, "messages": messages}, holder="column")
     if audio:
-        return fail(audio.replace("field", "column", 1))
+        return fail(audio)
     sizes = []
     for n, (head, j, path, length) in enumerate(images or []):
         named = f"image {n}" + (f" ({path!r})" if path else "")

@@ -77,18 +77,19 @@ AUDIO_FIELDS = ("audios", "audio")
 AUDIO_PART_TYPES = ("audio", "input_audio")
 
 
-def audio_reason(obj: object) -> str | None:
+def audio_reason(obj: object, holder: str = "field") -> str | None:
     """Why a parsed JSON sample cannot be counted because it carries audio (a non-empty ``audios`` /
     ``audio`` field, LLaMA-Factory's and ms-swift's layout, or ``{"type": "audio"}`` /
     ``"input_audio"`` message parts), else ``None``. tokenbal counts text, images and videos; an
     audio clip's tokens (Phi-4-multimodal, Qwen2-Audio, ...) are not modelled, so such a sample is an
-    error rather than a count short by the whole clip."""
+    error rather than a count short by the whole clip. ``holder`` names what holds the audio values in
+    the message (a Parquet row's: ``"column"``)."""
     if not isinstance(obj, dict):
         return None
     for name in AUDIO_FIELDS:
         n = audio_count(obj.get(name))
         if n:
-            return (f"has {n} audio(s) in its {name!r} field; tokenbal counts text, images and videos, "
+            return (f"has {n} audio(s) in its {name!r} {holder}; tokenbal counts text, images and videos, "
                     "not audio (remove the audio or count those samples yourself)")
     turns = obj.get("messages")
     n = sum(1 for t in (turns if isinstance(turns, list) else [])
