@@ -268,11 +268,32 @@ def test_grad_accum_gives_every_rank_k_micro_batches(kind, n, R, k, extra, seed)
     assert np.array_equal(np.sort(plan.indices), np.arange(n))
     if n >= R * k:
         assert (mc >= 1).all(), "no empty micro-batch once there are R·k samples"
+    if n >= R:
+        assert (mc.sum(2) >= 1).all(), "no rank without a sample once there are R samples"
     for s in range(plan.num_steps):
         for r in range(R):
             assert np.array_equal(plan.slot(s, r), np.concatenate([plan.micro(s, r, j) for j in range(k)]))
     again = plan_epoch(lengths, R, global_batch_size=N, seed=seed, grad_accum=k)
     assert np.array_equal(plan.indices, again.indices) and np.array_equal(plan.offsets, again.offsets)
+
+
+@pytest.mark.parametrize("mode", ["tokens", "stages", "padded"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_grad_accum_with_fewer_samples_than_micro_batches_still_serves_every_rank(mode, shuffle):
+    # R <= n < R·k: one step over R·k virtual ranks, so micro-batches stay empty; yet every rank gets a
+    # sample, as with grad_accum 1, and no rank runs two more micro-batches than another.
+    for R, k in [(1, 2), (2, 2), (3, 4), (5, 3), (8, 2)]:
+        for n in range(R, R * k):
+            lengths = make_lengths("lognormal", n, n)
+            extra = {"tokens": {}, "padded": {"cost": "padded"},
+                     "stages": {"stages": np.stack([lengths // 3, lengths - lengths // 3], 1)}}[mode]
+            plan = plan_epoch(lengths, R, global_batch_size=R * k, grad_accum=k, seed=n, shuffle=shuffle,
+                              **extra)
+            mc = plan.micro_counts()
+            assert np.array_equal(np.sort(plan.indices), np.arange(n))
+            assert plan.num_steps == 1 and mc.sum(2).min() >= 1, (R, k, n)
+            runs = (mc > 0).sum(2)                      # micro-batches each rank runs with samples
+            assert runs.max() - runs.min() <= 1, (R, k, n)
 
 
 def test_grad_accum_balances_micro_batches_across_ranks_and_within_a_step():

@@ -68,13 +68,16 @@ Guarantees (tested in tests/tokenbal/balance/test_plan.py)
 * ``grad_accum=k``: every rank has exactly k micro-batches in every step. The step is planned
   over R·k virtual ranks, so micro-batch j of every rank is balanced against the others (each
   micro-batch runs its own FSDP collectives) and the budget of ``max_tokens_per_rank`` holds per
-  micro-batch. With ``global_batch_size >= R·k`` no micro-batch is empty.
+  micro-batch. With ``global_batch_size >= R·k`` no micro-batch is empty once there are R·k samples;
+  an epoch of fewer (one step) has its micro-batches dealt to the ranks in turn, so with ``n >= R``
+  every rank still gets a sample and no rank runs two more micro-batches than another.
 * ``cost=``: the planner balances any integer cost per sample (:mod:`tokenbal.balance.cost`), e.g. FLOPs
   as token-equivalents; the guarantees above hold for it unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -94,7 +97,9 @@ logger = logging.getLogger("tokenbal")
 __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
-PLAN_VERSION = 16
+# 17: with grad_accum > 1, the one step of an epoch of fewer than R·k samples deals its micro-batches to the
+# ranks in turn (_serve_every_rank); every other plan is the same as version 16's.
+PLAN_VERSION = 17
 
 
 def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,
@@ -163,9 +168,9 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
         from tokenbal.balance.partition.padded import check_padded
 
         check_padded(N, stages)
-        return _plan_epoch_padded(lens, R, N, seed=_nonneg_int("seed", seed),
-                                 epoch=_nonneg_int("epoch", epoch), shuffle=shuffle, drop_last=drop_last,
-                                 window=window, grad_accum=k)
+        return _serve_every_rank(_plan_epoch_padded(lens, R, N, seed=_nonneg_int("seed", seed),
+                                                    epoch=_nonneg_int("epoch", epoch), shuffle=shuffle,
+                                                    drop_last=drop_last, window=window, grad_accum=k), lens)
     rng = np.random.default_rng([_nonneg_int("seed", seed), _nonneg_int("epoch", epoch)])
     n = len(lens)
     perm = rng.permutation(n) if shuffle else np.arange(n, dtype=np.int64)
@@ -196,7 +201,8 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
         cap2d[step_win, np.arange(len(caps)) % W] = caps
         win_of_item = np.repeat(step_win, caps)
         if stages is None or not len(caps):              # (no steps: drop_last with n < N)
-            return _plan_counts(lens, perm, caps, R, R_user, k, window, rng if shuffle else None, dropped)
+            return _serve_every_rank(_plan_counts(lens, perm, caps, R, R_user, k, window,
+                                                  rng if shuffle else None, dropped), lens)
         if profile and stage_mode._STAGE_COMPOSE and stage_mode._STAGE_GROUPED:
             perm, win_of_item, steps_in_win, step_w, rank_w = stage_mode._plan_stage_windows(
                 lens, stages, perm, caps, R, window, rng if shuffle else None)
@@ -267,8 +273,44 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
         # Counted, never silent: the plan keeps the list (plan.skipped) and the log says how many.
         logger.info("epoch %d: %d sample(s) over max_tokens_per_rank left out (oversize='skip'), "
                     "e.g. %s", epoch, skipped.size, skipped[:5].tolist())
-    return EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
+    plan = EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
+    return plan if B is not None else _serve_every_rank(plan, lens)
+
+
+def _serve_every_rank(plan: EpochPlan, lens: np.ndarray) -> EpochPlan:
+    """``global_batch_size`` mode with ``grad_accum = k > 1``: a step is planned over R·k virtual ranks,
+    and a step of fewer than R·k samples (only the one step of an epoch of n < R·k samples: every other
+    step has at least R·k) leaves some of them empty, possibly all k of one rank while another rank
+    runs two or more. Such a step's non-empty micro-batches are dealt to the ranks in turn, heaviest
+    first (micro-batch 0 of every rank, then micro-batch 1, ...; ties in the fill's shuffled order): with
+    n >= R every rank gets a sample, as with k = 1, no rank runs more than one micro-batch more than
+    another, and micro-batch j holds like samples on every rank. Other plans are returned unchanged."""
+    R, k = plan.num_replicas, plan.grad_accum
+    if k == 1 or not plan.num_steps:
+        return plan
+    counts = plan.micro_counts().reshape(plan.num_steps, R * k)     # virtual rank r·k + j
+    short = np.flatnonzero((counts == 0).any(1))
+    if not short.size:
+        return plan
+    slots = R * k
+    new_slot = np.arange(plan.num_steps * slots).reshape(plan.num_steps, slots)
+    load = np.zeros(plan.num_steps * slots, np.int64)
+    owner = np.repeat(np.arange(plan.num_steps * slots), np.diff(plan.offsets))
+    np.add.at(load, owner, lens[plan.indices])
+    load = load.reshape(plan.num_steps, slots)
+    for s in short:
+        full = np.flatnonzero(counts[s])
+        full = full[np.argsort(-load[s, full], kind="stable")]
+        order = np.concatenate([full, np.flatnonzero(counts[s] == 0)])
+        i = np.arange(slots)
+        new_slot[s, order] = s * slots + (i % R) * k + i // R
+    old_of = np.argsort(new_slot.reshape(-1), kind="stable")       # the old slot now at each position
+    sizes = np.diff(plan.offsets)
+    offsets = np.zeros_like(plan.offsets)
+    np.cumsum(sizes[old_of], out=offsets[1:])
+    indices = np.concatenate([plan.indices[plan.offsets[o]:plan.offsets[o + 1]] for o in old_of])
+    return dataclasses.replace(plan, indices=indices.astype(np.int64), offsets=offsets)
 
 
 def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size: object,
