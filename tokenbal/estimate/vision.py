@@ -168,6 +168,8 @@ def load_estimator(model_dir: str | Path, **overrides: Any) -> Any:
             f"{str(d / 'config.json')!r}: model_type {model_type!r} has no estimator; "
             f"known: {sorted(set(_ALIASES))}"
         )
+    if image is not None:
+        _refuse_unresized(family, image, str(d))
     if family == "internvl" and model_type == "internvl_chat":  # original (remote-code) checkpoint
         settings = _internvl_chat_settings(cfg)
     elif image is None:
@@ -289,6 +291,7 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     if image_proc is None:
         raise ValueError(f"{name} has no image_processor")
     image = image_proc.to_dict()
+    _refuse_unresized(family, image, name)
     if family in ("llava-next", "llava"):
         strategy = getattr(processor, "vision_feature_select_strategy", "default")
         extra = getattr(processor, "num_additional_image_tokens", 1 if family == "llava-next" else 0)
@@ -334,6 +337,16 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
     return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
+
+
+def _refuse_unresized(family: str, image: dict, where: str) -> None:
+    """Raise for an image processor set not to resize (``do_resize=False``): it keeps every image at its
+    own size (or fails on it), which no estimator models, so a count would be wrong rather than close.
+    Phi-4-multimodal's processor ignores the flag (its crops are always resized)."""
+    if family != "phi-4-multimodal" and image.get("do_resize") is False:
+        raise ValueError(f"{where}: a {family} image processor with do_resize=False is not modelled (it "
+                         "keeps each image at its own size); set do_resize=True, or count with the "
+                         "processor itself")
 
 
 def _phi4_settings(image: dict, where: str) -> dict:

@@ -165,6 +165,23 @@ def test_an_unknown_processor_is_named_with_the_supported_ones():
         estimator_from_processor(proc)
 
 
+@pytest.mark.parametrize("family", [f for f in fp.FAMILIES if f != "phi-4-multimodal"])
+def test_an_image_processor_that_does_not_resize_is_refused_not_miscounted(family, rows, tmp_path):
+    # do_resize=False keeps each image at its own size (a Qwen2-VL 644x476 image is 391 tokens there, not
+    # the 40 of the resized one): no estimator models it, so every entry point refuses it by name.
+    from tokenbal.estimate import estimator_from_processor, load_estimator
+
+    proc = fp.processor(family)
+    proc.image_processor.do_resize = False
+    with pytest.raises(ValueError, match=r"do_resize=False is not modelled"):
+        estimator_from_processor(proc)
+    with pytest.raises(ValueError, match=r"do_resize=False is not modelled"):
+        dataset_lengths(rows[:1], proc)
+    folder = fp.save_folder(proc, family, tmp_path / family)
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*do_resize=False is not modelled"):
+        load_estimator(folder)
+
+
 # -- row shapes and errors ---------------------------------------------------------------------------
 
 
