@@ -25,9 +25,11 @@ open. ``"ignore"`` reports the size as stored.
 
 End check: a member cut short (a JPEG without its end-of-image marker, a PNG without ``IEND``, a WebP
 shorter than its RIFF header says) is an ``ImageSizeError``: its header is intact, so its size reads
-fine, but it cannot be decoded. It costs one 32-byte read of the tail. A GIF has no length field and
-its data may end in the trailer byte by chance, so its blocks are walked to the trailer (one whole
-read per GIF).
+fine, but it cannot be decoded. It costs one 32-byte read of the tail. Where the tail holds no end
+marker, a JPEG's or PNG's whole member is read and walked (``_ends_inside``): bytes after a complete
+image (a motion photo's video after the JPEG, padding), which Pillow ignores, are no error. A GIF has
+no length field and its data may end in the trailer byte by chance, so its blocks are walked to the
+trailer (one whole read per GIF).
 """
 
 from __future__ import annotations
@@ -248,7 +250,13 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
         found = image_size(head), True
     n_tail = min(size, TAIL_BYTES)
     tail = head[-n_tail:] if len(head) == size else pread_exact(fd, n_tail, offset + size - n_tail)
-    _check_end(head, tail, size)
+    try:
+        _check_end(head, tail, size)
+    except ImageSizeError:
+        # Bytes may follow a complete image (a motion photo's video after the JPEG, padding after
+        # IEND), which Pillow ignores: the whole member's structure says whether its end is there.
+        if not _ends_inside(head if len(head) == size else pread_exact(fd, size, offset)):
+            raise
     if head[:4] == b"GIF8":
         # A GIF has no length field and its LZW data can end in 0x3B, so the tail alone cannot
         # tell a trailer from a cut: its block structure is walked (GIFs are rare and small).
@@ -282,6 +290,64 @@ def _check_end(head: bytes, tail: bytes, size: int) -> None:
         riff = int.from_bytes(head[4:8], "little") + 8
         if riff > size:
             raise ImageSizeError(f"WebP cut short: its RIFF header says {riff} bytes, the member has {size}")
+
+
+def _ends_inside(data: bytes) -> bool:
+    """Whether the JPEG or PNG ``data`` holds its end marker before its last bytes (other formats:
+    False): its segments or chunks are walked from the start, so an end marker followed by other
+    bytes counts and a member cut before its end marker does not."""
+    if data[:3] == b"\xff\xd8\xff":
+        return _jpeg_end(data) is not None
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return _png_end(data) is not None
+    return False
+
+
+# A JPEG marker: FF then a byte that is not a stuffed zero, a restart marker (RST0-7: data) or a fill FF.
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+
+
+def _jpeg_end(data: bytes) -> int | None:
+    """The offset just past the JPEG's end-of-image marker (FF D9), or None if the data ends first.
+    Marker segments are skipped by their lengths (an EXIF thumbnail's own FF D9 is inside one), the
+    entropy-coded data after each start of scan up to its next marker; junk between segments is
+    skipped to the next marker, as Pillow skips it."""
+    i, n = 2, len(data)
+    while i + 1 < n:
+        marker = data[i + 1] if data[i] == 0xFF else None
+        if marker is None or marker == 0xFF:            # junk, or fill bytes before a marker
+            m = _JPEG_MARKER.search(data, i + 1 if marker == 0xFF else i)
+            if m is None:
+                return None
+            i = m.start()
+            continue
+        if marker == 0xD9:
+            return i + 2
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:    # markers without a length
+            i += 2
+            continue
+        if i + 4 > n:
+            return None
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        if marker == 0xDA:                              # start of scan: its data runs to the next marker
+            m = _JPEG_MARKER.search(data, i)
+            if m is None:
+                return None
+            i = m.start()
+    return None
+
+
+def _png_end(data: bytes) -> int | None:
+    """The offset just past the PNG's IEND chunk, or None if the data ends first (chunks walked by
+    their lengths)."""
+    i, n = 8, len(data)
+    while i + 12 <= n:
+        length = int.from_bytes(data[i:i + 4], "big")
+        kind = data[i + 4:i + 8]
+        i += 12 + length
+        if kind == b"IEND":
+            return i if i <= n else None
+    return None
 
 
 def _check_gif_blocks(data: bytes) -> None:

@@ -242,6 +242,38 @@ def test_images_cut_short_and_empty_samples_are_errors(tmp_path):
     assert "its text is empty and it has no image" in reasons["empty"]
 
 
+@pytest.mark.parametrize("progressive", [False, True])
+def test_bytes_after_a_complete_image_are_no_error_but_a_cut_image_still_is(tmp_path, progressive):
+    # A motion photo (an MP4 after the JPEG's end marker), zero padding, bytes after a PNG's IEND: Pillow
+    # decodes all of them, so they are counted; the same images cut mid-data and then padded are not.
+    def jpeg(w, h, seed):
+        buf = io.BytesIO()
+        rng = np.random.default_rng(seed)
+        exif = Image.Exif()
+        exif[0x0112] = 6                                   # rotated: the counted size is 48x64
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), np.uint8)).save(buf, "JPEG", progressive=progressive,
+                                                                        exif=exif.tobytes())
+        return buf.getvalue()
+
+    jpg, png = jpeg(64, 48, 1), image_bytes("png", 64, 48, seed=2)
+    video = b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 8        # holds FF D9 and other markers
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("motion", caption="x", raw=[("jpg", jpg + video)]),
+        Sample("padded", caption="x", raw=[("jpg", jpg + b"\0" * 64)]),
+        Sample("pngtail", caption="x", raw=[("png", png + b"x" * 100)]),
+        Sample("cutjpg", caption="x", raw=[("jpg", jpg[:len(jpg) * 2 // 3] + b"\0" * 64)]),
+        Sample("cutpng", caption="x", raw=[("png", png[:-12] + b"\0" * 64)]),
+    ])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", progress=False).out)
+    assert list(idx.keys) == ["motion", "padded", "pngtail"]
+    sizes = [[tuple(wh) for wh in idx.image_sizes(i)] for i in range(3)]
+    assert sizes == [[(48, 64)], [(48, 64)], [(64, 48)]]
+    reasons = {e["key"]: e["reason"] for e in idx.errors}
+    assert "JPEG cut short" in reasons["cutjpg"] and "PNG cut short" in reasons["cutpng"]
+    for data in (jpg + video, jpg + b"\0" * 64, png + b"x" * 100):
+        Image.open(io.BytesIO(data)).load()                 # what the reader and load_image do
+
+
 def test_annotation_rows_with_mismatched_placeholders_or_no_content_are_errors(tmp_path):
     (tmp_path / "a.jpg").write_bytes(image_bytes("jpg", 64, 48))
     rows_ = [{"image": "a.jpg", "conversations": [{"from": "human", "value": "<image>\n<image>\nTwo?"}]},
