@@ -36,7 +36,12 @@ _H2D = re.compile(r"HtoD|Host ?to ?Device|H2D", re.I)
 _COPY_OPS = {"aten::cat", "aten::slice", "aten::split", "aten::split_with_sizes", "aten::narrow",
              "aten::index_select", "aten::index", "aten::copy_", "aten::clone", "aten::contiguous",
              "aten::stack", "aten::chunk", "aten::gather"}
-_ROTARY_FRAME = re.compile(r"rotary|rotate_half|rope", re.I)
+# Rotary-embedding code, told by the words of a frame's function or module name (transformers'
+# apply_rotary_pos_emb, rotate_half, Qwen2VLRotaryEmbedding, ..._mrope), never by a file path or a
+# substring: a script rope_ablation.py or a function europe_step is not rotary code.
+_PY_FRAME = re.compile(r"\.py\(\d+\): (.*)$")
+_ROTARY_WORDS = frozenset({"rotary", "rope", "mrope"})
+_CAMEL_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
 _FUSED_FRAME = re.compile(r"collate/ops/|apply_mrope|liger|npu_rotary|triton", re.I)
 
 @dataclass
@@ -163,6 +168,32 @@ def _ancestors(i: int, parent: dict[int, int | None]):
         p = parent.get(p)
 
 
+def _is_rotary_frame(name: str) -> bool:
+    """Whether a frame (``file.py(N): function``, ``nn.Module: Class_0``, an operator) is rotary-embedding
+    code: its function or module name has the word rotary, rope or mrope (snake_case or CamelCase words,
+    any case), or is ``rotate_half``."""
+    m = _PY_FRAME.search(name)
+    what = m.group(1) if m else name
+    if "rotate_half" in what:
+        return True
+    for token in re.split(r"[^A-Za-z0-9]+", what):
+        words = [token, *_CAMEL_WORDS.findall(token)]    # RoPE whole, and Qwen2VLRotaryEmbedding's words
+        if any(w.lower() in _ROTARY_WORDS for w in words):
+            return True
+    return False
+
+
+def _own_frames(names: list[str]) -> list[str]:
+    """A copy's enclosing frames (innermost first) up to its nearest module (``nn.Module: ...``), where
+    there is one: rotary code is the module's own (an attention or rotary-embedding module and the
+    helpers its forward calls), while the frames around the module (the training loop, a script or test
+    named after RoPE) run every copy of the step."""
+    for i, n in enumerate(names):
+        if n.startswith("nn.Module:"):
+            return names[:i + 1]
+    return names
+
+
 def _copy_times(trace: Trace, kernel_time: dict) -> tuple[list[tuple[float, float, bool]], bool]:
     """(start, seconds, inside rotary code) for every outermost copy-like operator on any thread.
 
@@ -191,7 +222,7 @@ def _copy_times(trace: Trace, kernel_time: dict) -> tuple[list[tuple[float, floa
                 continue                      # counted with its outermost copy operator
             if any(_FUSED_FRAME.search(n) for n in names):
                 continue                      # inside a fused rotary op: its own business
-            rotary = any(_ROTARY_FRAME.search(n) for n in names)
+            rotary = any(_is_rotary_frame(n) for n in _own_frames(names))
             seconds = launched[i] if kernel_time else e["dur"] * 1e-6
             out.append((e["ts"], seconds, rotary))
     return out, stacks

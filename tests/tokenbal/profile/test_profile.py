@@ -123,6 +123,31 @@ def test_rope_copies_are_found_in_slice_rotate_concat_only(tmp_path):
     assert all(s.rope_copy_s == 0 for s in fused.steps)
 
 
+def _europe_step():
+    # Copies (a concatenation, a slice copied) in a function whose name holds "rope" inside a word: no
+    # rotary embedding anywhere.
+    x, y = torch.randn(256, 64), torch.randn(256, 64)
+
+    def europe_step():
+        return torch.cat([x, y])[:256].clone()
+    return europe_step
+
+
+def test_a_copy_is_not_a_rotation_because_a_name_around_it_holds_those_letters(tmp_path):
+    trace_steps(str(tmp_path / "rank0.json"), _europe_step(), with_stack=True)
+    p = profile_run(str(tmp_path))
+    assert p.has_python_stacks
+    assert all(s.rope_copy_s == 0 and s.other_copy_s > 0 for s in p.steps)
+    from tokenbal.profile.analysis import _is_rotary_frame
+
+    frames = {"modeling_qwen2_vl.py(1): apply_multimodal_rotary_pos_emb": True, "m.py(2): rotate_half": True,
+              "nn.Module: Qwen2VLRotaryEmbedding_0": True, "m.py(3): _apply_interleaved_mrope": True,
+              "RoPE": True, "/runs/rope_ablation.py(12): <module>": False,
+              "/x/europe.py(3): europe_step": False, "a.py(1): property": False, "nn.Module: Linear_0": False,
+              "aten::cat": False}
+    assert {f: _is_rotary_frame(f) for f in frames} == frames
+
+
 def test_copies_without_python_stacks_are_not_attributed(tmp_path):
     trace_steps(str(tmp_path / "rank0.json"), _hf_rope_step(), with_stack=False)
     p = profile_run(str(tmp_path))
