@@ -36,6 +36,7 @@ class TraceFile:
     start_us: float | None            # wall-clock µs where the trace records its time base
     end_us: float | None
     steps: frozenset[int]
+    rank_assumed: bool = False        # the trace names no rank (taken as 0: only alone in its run)
 
 
 def describe_file(trace: Trace, windows: dict[int, tuple[float, float]]) -> TraceFile:
@@ -49,7 +50,7 @@ def describe_file(trace: Trace, windows: dict[int, tuple[float, float]]) -> Trac
     end = max(w[1] for w in windows.values()) + base_us if windows else None
     return TraceFile(path=trace.path, rank=trace.rank, world_size=trace.world_size, layout=trace.layout,
                      backend=backend, trace_id=trace_id, start_us=start, end_us=end,
-                     steps=frozenset(windows))
+                     steps=frozenset(windows), rank_assumed=trace.rank_assumed)
 
 
 class DuplicateRankError(ValueError):
@@ -147,15 +148,30 @@ def group_runs(files: list[TraceFile], notes: list[str]) -> list[Run]:
             runs.append(home)
         if f.rank in home.files:
             other = home.files[f.rank]
+            if f.rank_assumed or other.rank_assumed:
+                unranked = f if f.rank_assumed else other
+                raise ValueError(_no_rank(unranked.path, other if unranked is f else f))
             raise DuplicateRankError(
                 f"two traces claim rank {f.rank} of one run: {other.path} and {f.path} (same world size, "
                 "overlapping steps); move one of them out of the folder")
         home.files[f.rank] = f
+    for r in runs:
+        unranked = next((f for f in r.files.values() if f.rank_assumed), None)
+        if unranked is not None and len(r.files) > 1:
+            raise ValueError(_no_rank(unranked.path, next(f for f in r.files.values() if f is not unranked)))
+        if unranked is not None:
+            notes.append(f"{unranked.path} names no rank and is alone in its run: read as rank 0")
     runs.sort(key=lambda r: (r.start_us is not None, r.start_us or 0.0))
     for n, r in enumerate(runs, 1):
         r.number = n
         r.files = dict(sorted(r.files.items()))
     return runs
+
+
+def _no_rank(path: str, beside: TraceFile) -> str:
+    return (f"{path}: the trace names no rank (no distributedInfo.rank, no profiler_info rank_id, no "
+            f"'rankN' in the file name), and {beside.path} was taken in the same steps, so which rank it "
+            "was is unknown")
 
 
 def choose_run(runs: list[Run], root: str, run: int | None, notes: list[str]) -> Run:

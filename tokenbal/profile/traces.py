@@ -35,6 +35,7 @@ class Trace:
     process_names: dict = field(default_factory=dict)   # pid -> name (torch_npu: "Overlap Analysis", ...)
     world_size: int | None = None    # as the trace records it (distributedInfo / profiler_info)
     notes: list[str] = field(default_factory=list)      # what reading it had to work around
+    rank_assumed: bool = False       # the trace names no rank: 0, valid only alone in its run (runs.py)
 
 
 _TRACE_PATTERNS = ("*.json", "*.json.gz")
@@ -88,8 +89,10 @@ def _looks_like_trace(path: str) -> bool:
 
 
 def _events_list(data) -> bool:
-    """A bare Chrome event list (torch_npu's trace_view.json): dicts with a phase."""
-    return isinstance(data, list) and all(isinstance(e, dict) and "ph" in e for e in data[:100])
+    """A bare Chrome event list (torch_npu's trace_view.json): dicts with a phase (an empty list is
+    any JSON file's, e.g. metrics, not a trace)."""
+    return (isinstance(data, list) and bool(data)
+            and all(isinstance(e, dict) and "ph" in e for e in data[:100]))
 
 
 def _whole(value, what: str, path: str, low: int = 0) -> int | None:
@@ -223,7 +226,7 @@ def _clean_event(e: dict, path: str, i: int) -> dict:
     return e
 
 
-def _to_trace(path: str, data, rank: int | None, default_rank: int | None = None) -> Trace:
+def _to_trace(path: str, data, rank: int | None) -> Trace:
     notes: list[str] = []
     world = None
     if _events_list(data):              # torch_npu trace_view.json: a bare event list
@@ -252,23 +255,23 @@ def _to_trace(path: str, data, rank: int | None, default_rank: int | None = None
             events.append(_clean_event(e, path, i))
     if rank is None:
         rank = found if found is not None else _rank_from_name(path)
-    if rank is None:
-        rank = default_rank
-    if rank is None:
-        raise ValueError(f"{path}: the trace names no rank (no distributedInfo.rank, no profiler_info "
-                         "rank_id, no 'rankN' in the file name)")
+    assumed = rank is None
+    if assumed:
+        # A single-process run records no rank: 0, which the run grouping accepts only for a trace
+        # alone in its run (runs.group_runs).
+        rank = 0
     if world is not None and rank >= world:
         raise ValueError(f"{path}: rank {rank} is outside its recorded world size {world}")
     return Trace(rank=int(rank), path=path, events=events, host=meta.get("host_name"),
                  main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names,
-                 world_size=world, notes=notes)
+                 world_size=world, notes=notes, rank_assumed=assumed)
 
 
 def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
     """Each trace under ``trace_dir`` in turn (files in name order), read one at a time: the caller
     reduces a trace to what it keeps before asking for the next, so memory holds one trace's events.
     Files that are not traces are named in ``skipped``; a damaged trace raises ``ValueError`` naming
-    it. A lone trace that names no rank is rank 0."""
+    it. A trace that names no rank is rank 0 where it is alone in its run (:mod:`tokenbal.profile.runs`)."""
     files = _trace_files(trace_dir)
     wanted = "*.json, *.json.gz or ASCEND_PROFILER_OUTPUT/trace_view.json"
     if not files:
@@ -276,7 +279,7 @@ def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
     found = 0
     for path in files:
         try:
-            trace = _to_trace(path, _read_json(path), None, default_rank=0 if len(files) == 1 else None)
+            trace = _to_trace(path, _read_json(path), None)
         except NotATrace as e:
             skipped.append(f"skipped {e}")
             continue

@@ -170,6 +170,35 @@ def test_deeply_nested_json_and_bad_ranks_name_the_file(tmp_path, capsys):
         assert code == 2 and err == f"tokenbal profile: error: {bad / 't.json'}: {message}\n"
 
 
+def _single_process(path, base_ns, trace_id):
+    # What a profiled script without torch.distributed writes: no distributedInfo, so no rank.
+    mm = {**STEP, "name": "aten::mm", "cat": "cpu_op", "ts": 10, "dur": 50}
+    path.write_text(json.dumps(_trace([STEP, mm], baseTimeNanoseconds=base_ns, trace_id=trace_id)))
+
+
+def test_a_trace_naming_no_rank_is_rank_0_alone_in_its_run_whatever_else_is_in_the_folder(tmp_path):
+    # Beside files that are not traces (a config, an empty metrics list) it is still the run's only trace.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    _single_process(alone / "before.json", 1_700_000_000_000_000_000, "a")
+    (alone / "config.json").write_text(json.dumps({"lr": 1e-4}))
+    (alone / "metrics.json").write_text("[]")
+    p = profile_run(str(alone))
+    assert p.ranks == [0]
+    assert any("config.json: JSON, but not a profiler trace" in n for n in p.notes)
+    assert any("metrics.json: JSON, but not a profiler trace" in n for n in p.notes)
+    assert any("before.json names no rank and is alone in its run: read as rank 0" in n for n in p.notes)
+    # Two single-process runs, one after the other: two runs, listed, either one analysed on request.
+    _single_process(alone / "after.json", 1_700_000_100_000_000_000, "b")
+    with pytest.raises(SeveralRunsError, match=r"holds the traces of 2 runs"):
+        profile_run(str(alone))
+    assert profile_run(str(alone), run=2).files == {0: str(alone / "after.json")}
+    # Two traces without ranks taken in the same steps: which rank each was is unknown.
+    _single_process(alone / "beside.json", 1_700_000_100_000_000_000, "c")
+    with pytest.raises(ValueError, match=r"the trace names no rank .* was taken in the same steps"):
+        profile_run(str(alone))
+
+
 def test_a_folder_with_compare_is_a_usage_error(tmp_path, capsys):
     code, _, err = run_cli(["profile", str(tmp_path), "--compare", str(tmp_path), str(tmp_path)], capsys)
     assert code == 2
