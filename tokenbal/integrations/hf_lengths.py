@@ -26,6 +26,7 @@ file the rows name, so a changed dataset, processor or file is recounted.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -487,16 +488,32 @@ def _bytes_size(data: bytes) -> tuple[int, int]:
 
 
 def _path_size(path: str) -> tuple[int, int]:
-    if "://" in path:
-        raise ValueError(f"{path!r} is a URL; only local image paths are read")
+    """A string image as transformers' ``load_image`` takes it: a local file, else a base64 string (a
+    ``data:image/...;base64,`` URI's payload); http(s) URLs are not fetched."""
+    if path.startswith(("http://", "https://")) or ("://" in path and not os.path.isfile(path)):
+        raise ValueError(f"{_short(path)} is a URL; only local image paths are read")
     from tokenbal.index.imagesize import read_image_size
 
+    if not os.path.isfile(path):
+        from tokenbal.index.imagesize import ImageSizeError
+
+        encoded = path.split(",")[1] if path.startswith("data:image/") and "," in path else path
+        try:
+            return _bytes_size(base64.decodebytes(encoded.encode()))
+        except (ValueError, UnicodeEncodeError, ImageSizeError) as e:
+            raise ValueError(f"{_short(path)} is no image file (no such file) and no base64 image data "
+                             f"({e})") from None
     fd = os.open(path, os.O_RDONLY)
     try:
         (w, h), _ = read_image_size(fd, 0, os.fstat(fd).st_size, exif="transpose")
     finally:
         os.close(fd)
     return w, h
+
+
+def _short(text: str, keep: int = 200) -> str:
+    """``repr`` of a string cut to ``keep`` characters (base64 payloads run to megabytes)."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
 def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:

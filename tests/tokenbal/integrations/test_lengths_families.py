@@ -197,6 +197,28 @@ def test_string_messages_and_bad_turns_name_the_row(rows):
         dataset_lengths(ds, proc, cache=False)
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava-next"])
+def test_base64_and_data_uri_image_parts_count_as_the_processor_loads_them(family, tmp_path):
+    # transformers' load_image takes a string that is no file as base64 (a data: URI's payload), and
+    # the chat template's image parts pass "base64" / "image" strings to it.
+    import base64
+
+    proc = _processor_or_skip(family, subclass=False)
+    data = fp.image_bytes(301, 207, "png", seed=3)
+    b64 = base64.b64encode(data).decode()
+    parts = [{"type": "image", "base64": b64}, {"type": "image", "image": f"data:image/png;base64,{b64}"},
+             {"type": "image", "image": b64}]
+    for part in parts:
+        row = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}]}
+        want = len(proc.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"][0])
+        assert dataset_lengths([row], proc, cache=False).tolist() == [want]
+    missing = {"messages": [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "a.png")},
+                                                        {"type": "text", "text": "x"}]}]}
+    with pytest.raises(ValueError, match=r"row 0: image .*a\.png' is no image file \(no such file\) and no "
+                                         r"base64 image data"):
+        dataset_lengths([missing], proc, cache=False)
+
+
 def test_images_column_forms(rows, tmp_path):
     """One row's images as bytes, PIL (its size as given), paths, {bytes, path} dicts."""
     from PIL import Image
