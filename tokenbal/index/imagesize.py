@@ -169,7 +169,16 @@ def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) of an image held (at least its header) in ``data``; raises ``ImageSizeError``."""
     if not data:
         raise ImageSizeError("empty (0 bytes)")
-    wh = webp_size(data[:30]) or jpeg_size(data)
+    wh = webp_size(data[:30])
+    if wh is not None:
+        # Pillow refuses to open an image over twice its pixel limit (the JPEG walk hands those to
+        # Pillow); the WebP parse must too, or the index counts an image no loader will open.
+        limit = Image.MAX_IMAGE_PIXELS
+        pixels = max(1, wh[0]) * max(1, wh[1])
+        if limit is not None and pixels > 2 * limit:
+            raise ImageSizeError(f"DecompressionBombError: Image size ({pixels} pixels) exceeds limit of "
+                                 f"{2 * limit} pixels, could be decompression bomb DOS attack.")
+    wh = wh or jpeg_size(data)
     if wh is None:
         try:
             with Image.open(io.BytesIO(data)) as im:

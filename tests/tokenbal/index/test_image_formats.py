@@ -11,6 +11,7 @@ import struct
 import zlib
 
 import numpy as np
+import pytest
 from PIL import Image, ImageOps
 
 from tests.helpers.corpus import Sample, image_bytes, write_shard
@@ -226,6 +227,30 @@ def test_xmp_orientation_llava_next_counts_what_load_image_gives(tmp_path, next_
     assert int(tokens[offsets[0]]) == count(*load_image(str(path)).size) != count(1280, 480)
     got = IndexedShardDataset(idx, decode="pil")[0]["jpg"]
     assert got.size == (480, 1280) == tuple(idx.image_sizes(0)[0])
+
+
+@pytest.mark.parametrize("side", [8192, 16384])
+def test_a_webp_over_pillows_pixel_limit_is_refused_as_pillow_refuses_it(tmp_path, side):
+    # The WebP header is parsed by hand; a canvas over twice Image.MAX_IMAGE_PIXELS must be refused as
+    # Pillow (and so every loader) refuses it, not counted. 8192² is under the limit: counted.
+    buf = io.BytesIO()
+    frames = [Image.new("RGB", (16, 16), c) for c in ("red", "blue")]
+    frames[0].save(buf, "WEBP", save_all=True, append_images=frames[1:], duration=100)
+    data = bytearray(buf.getvalue())
+    assert data[12:16] == b"VP8X"
+    data[24:27] = data[27:30] = (side - 1).to_bytes(3, "little")      # the VP8X canvas
+    data = bytes(data)
+    over = side * side > 2 * Image.MAX_IMAGE_PIXELS
+    try:
+        pillow = Image.open(io.BytesIO(data)).size
+    except Image.DecompressionBombError:
+        pillow = None
+    assert (pillow is None) == over
+    if over:
+        with pytest.raises(ValueError, match=r"DecompressionBombError: Image size \(268435456 pixels\)"):
+            _counted(tmp_path, data)
+    else:
+        assert _counted(tmp_path, data) == pillow == (side, side)
 
 
 def test_a_gif_cut_where_its_last_byte_is_0x3b_is_cut_short(tmp_path):
