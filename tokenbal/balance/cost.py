@@ -361,6 +361,10 @@ def resolve(lengths_or_index: Any, cost: CostSpec = None, stages: Any = None, *,
     staged = None
     if stages is not None and stages is not False:
         staged = _stage_costs(lens, lengths_or_index, stages, cost, config)
+        if float(staged.sum(dtype=np.float64)) >= 2.0**63:
+            # The planner sums them per sample, per stage and per step in int64, as it does costs.
+            raise ValueError(f"stage costs sum to {float(staged.sum(dtype=np.float64)):.3g}, more than int64 "
+                             "holds (scale them down: only their ratios matter)")
     name = "tokens" if tokens else (cost if isinstance(cost, str) else type(cost).__name__)
     return Resolved(lengths=lens, costs=costs, stages=staged, cost_name=name)
 

@@ -109,6 +109,26 @@ def test_token_budget_contract(kind, n, R, seed, budget_factor):
 
 
 @FAST
+@given(n=st.integers(1, 300), R=st.integers(1, 8), seed=st.integers(0, 2**31), bits=st.integers(40, 61),
+       window=st.sampled_from([None, 2, 2**60]), slack=st.integers(0, 2**20))
+def test_token_budget_holds_exactly_for_costs_of_any_magnitude(n, R, seed, bits, window, slack):
+    # Raw FLOPs as costs (1e13-1e18 per sample) with a budget in the same units, up to 2^62: sums past
+    # 2^53 (float64) and products past int64 must not lose a unit or crash; a window past the epoch is
+    # one window, as in count mode.
+    rng = np.random.default_rng(seed)
+    top = min(2**bits, (2**62 - 2**21) // n)
+    lengths = rng.integers(1, top, n, dtype=np.int64)
+    lengths[rng.random(n) < 0.5] //= 1 << 20                   # small samples among the large ones
+    lengths = np.maximum(lengths, 1)
+    B = int(lengths.max()) + slack
+    plan = plan_epoch(lengths, R, max_tokens_per_rank=B, seed=seed, window=window)
+    assert np.array_equal(np.sort(plan.indices), np.arange(n))
+    for s in range(plan.num_steps):
+        for r in range(R):
+            assert sum(int(lengths[i]) for i in plan.slot(s, r)) <= B
+
+
+@FAST
 @given(n=st.integers(1, 600), R=st.integers(1, 8), seed=st.integers(0, 2**31))
 def test_token_budget_fills_every_rank_when_samples_are_small(n, R, seed):
     lengths = np.random.default_rng(seed).integers(0, 1000, n)

@@ -53,10 +53,11 @@ def _budget_fill(lens: np.ndarray, perm: np.ndarray, R: int, B: int, W: int,
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     x = lens[perm]
-    chunk = _token_windows(x, max(1, W * R * B))
+    # (A window over the whole epoch is one chunk: capped there, W·R·B may pass int64.)
+    chunk = _token_windows(x, max(1, min(W * R * B, int(x.sum()) + 1)))
     pos = np.arange(n)
     bins, nb, group = _pack_groups(x, chunk, pos, B)
-    load = np.bincount(bins, weights=x, minlength=nb)
+    load = _bin_sums(bins, x, nb)
     while True:
         partial = load < _REPACK_BELOW * B
         if partial.sum() < 2:
@@ -72,7 +73,7 @@ def _budget_fill(lens: np.ndarray, perm: np.ndarray, R: int, B: int, W: int,
         bins[sel] = b + nk
         group = np.concatenate([group[~partial] // _REPACK_FAN, g])
         nb = nk + m
-        load = np.bincount(bins, weights=x, minlength=nb)
+        load = _bin_sums(bins, x, nb)
         if top.min() == top.max():
             break
     S = max(1, -(-nb // R))
@@ -134,8 +135,9 @@ def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int
     tiny = tiny[np.argsort(pos[tiny], kind="stable")]
     M = len(x) + 1
     # key = room * M + bin: the first key >= size * M is the fullest bin with room (lowest id on ties).
-    room = B - np.bincount(b, weights=x[big], minlength=nb).astype(np.int64)
-    keys = sorted((room * M + np.arange(nb)).tolist())
+    # Python ints: with costs near 2^62 (raw FLOPs) room * M passes int64.
+    room = (B - _bin_sums(b, x[big], nb)).tolist()
+    keys = sorted(r * M + q for q, r in enumerate(room))
     out = []
     for v in x[tiny].tolist():
         j = bisect_left(keys, v * M)
@@ -151,15 +153,27 @@ def _pack_chunk(x: np.ndarray, pos: np.ndarray, B: int) -> tuple[np.ndarray, int
     return bins, nb
 
 
+def _bin_sums(bins: np.ndarray, x: np.ndarray, nb: int) -> np.ndarray:
+    """Exact int64 sum of ``x`` per bin (``np.bincount``'s float64 weights lose units above 2^53, and the
+    budget is a hard limit)."""
+    out = np.zeros(nb, np.int64)
+    np.add.at(out, bins, x)
+    return out
+
+
 def _spread(x: np.ndarray, R: int, B: int, bins: np.ndarray) -> np.ndarray:
     """Rank (0..R-1) for each of the light step's samples: LPT over R ranks within the budget, or
     the bins they came in (renumbered) when LPT cannot keep the budget."""
     from tokenbal.balance.partition import partition
 
     try:
-        return partition(x, R, "lpt", capacity=B)
+        ranks = partition(x, R, "lpt", capacity=B)
     except ValueError:
+        ranks = None
+    # The solvers sum in float64; above 2^53 that may hide a unit over the budget: checked exactly.
+    if ranks is None or int(_bin_sums(ranks, x, R).max(initial=0)) > B:
         return np.unique(bins, return_inverse=True)[1].astype(np.int64)
+    return ranks
 
 
 def _fill_light_step(slot: np.ndarray, x: np.ndarray, S: int, R: int) -> np.ndarray:
