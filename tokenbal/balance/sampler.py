@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+from tokenbal._checks import nonneg_int
 from tokenbal.balance.cost import Resolved, resolve
 from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, plan_epoch
 from tokenbal.balance.settings import PlanSettings, plan_settings
@@ -125,6 +126,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.resolved: Resolved = resolve(lengths_or_index, cost, stages)
         if settings is not None and num_replicas is None:
             num_replicas = settings.num_replicas
+            if rank is None and dp_group is None and device_mesh is None and layout is None \
+                    and not _distributed():
+                # The world size came with the settings, not from the caller: one process is rank 0 of
+                # a world of 1, and a larger world needs its rank named.
+                if num_replicas != 1:
+                    raise ValueError(f"settings has num_replicas={num_replicas}, and no rank was given while "
+                                     "torch.distributed is not initialised: pass rank=")
+                rank = 0
         if dp_group is not None or device_mesh is not None or layout is not None:
             # SP/TP peers share a batch: plan over the data-parallel dimension (tokenbal.parallel).
             from tokenbal.parallel import resolve_dp
@@ -150,7 +159,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._ahead: dict[tuple, tuple[threading.Thread, list]] = {}
         self._ahead_lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
-        self.seed = int(seed)
+        self.seed = nonneg_int("seed", seed)
         self.epoch = 0
         self.cursor = 0
         self._finished_here = False
@@ -185,7 +194,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The whole epoch's plan (all ranks), cached for the current (seed, epoch). After an
         elastic resume, the current epoch's plan covers only the samples its earlier setups left."""
-        epoch = self.epoch if epoch is None else int(epoch)
+        epoch = self.epoch if epoch is None else _epoch_number(epoch)
         segments = self._segments if epoch == self.epoch else []
         key = (self.seed, epoch, json.dumps(segments, sort_keys=True))
         if key not in self._plans:
@@ -310,7 +319,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch to iterate. A new epoch starts at step 0; re-selecting the current one
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
-        epoch = int(epoch)
+        epoch = _epoch_number(epoch)
         if epoch != self.epoch:
             self.epoch = epoch
             self.cursor = 0
@@ -405,7 +414,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         (what :meth:`track` does per batch; for a wrapper that counts batches itself, such as
         ``tokenbal.integrations.accelerate.TokenBalancedLoader``). :meth:`state_dict` then saves
         that position, and a new iteration after an early stop continues from it."""
-        self._consumed = (int(epoch), int(batches))
+        self._consumed = (_epoch_number(epoch), nonneg_int("batches", batches))
 
     # -- checkpointing --------------------------------------------------------------------------
 
@@ -532,6 +541,12 @@ def _consumed(plan: EpochPlan, cursor: int) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if num_replicas is None or rank is None:
         import torch.distributed as dist
@@ -552,3 +567,11 @@ def _resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be an integer in [0, {num_replicas}), got {rank!r}")
     return int(num_replicas), int(rank)
+
+
+def _epoch_number(epoch: object) -> int:
+    """An epoch as an int >= 0: integers, or a float that is one (a training loop's ``1.0``); a
+    fractional, negative or non-number epoch is an error naming it, never truncated to another epoch."""
+    if isinstance(epoch, float | np.floating) and float(epoch).is_integer():
+        epoch = int(epoch)
+    return nonneg_int("epoch", epoch)

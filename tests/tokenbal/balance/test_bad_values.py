@@ -71,6 +71,10 @@ def test_stage_costs_name_the_sample_and_the_stage():
 def test_lengths_whose_sum_overflows_int64_are_an_error():
     with pytest.raises(ValueError, match="more than int64 holds"):
         plan_epoch(np.full(4, 2**62), 2, global_batch_size=2)
+    # Stage costs each below int64 whose sums are not: refused as the scalar costs are, not planned on
+    # wrapped (negative) sums.
+    with pytest.raises(ValueError, match=r"stage costs sum to 5.53e\+19, more than int64 holds"):
+        plan_epoch(np.full(6, 100), 2, global_batch_size=2, stages=np.full((6, 2), 2**62))
 
 
 def test_simulate_checks_its_integers_before_dividing_by_them():
@@ -156,3 +160,31 @@ def test_malformed_sampler_states_name_the_key(change, says):
     with pytest.raises(ValueError, match="^not a TokenBalancedBatchSampler state: " + re.escape(says)):
         sampler.load_state_dict(change(state))
     sampler.load_state_dict(state)     # the good one still loads
+
+
+def test_sampler_seed_and_epoch_are_checked_not_truncated():
+
+    lengths = np.arange(1, 9)
+    for seed in (1.5, "3", True, -1):
+        with pytest.raises(ValueError, match=rf"seed must be an integer >= 0, got {seed!r}"):
+            TokenBalancedBatchSampler(lengths, global_batch_size=4, seed=seed)
+    sampler = TokenBalancedBatchSampler(lengths, global_batch_size=4, seed=np.int64(3))
+    sampler.set_epoch(2.0)                  # a loop's float epoch that is an integer
+    assert sampler.epoch == 2
+    for epoch in (1.7, -1, "2", True):
+        with pytest.raises(ValueError, match=rf"epoch must be an integer >= 0, got {epoch!r}"):
+            sampler.set_epoch(epoch)
+    assert sampler.epoch == 2
+
+
+def test_sampler_settings_without_a_rank_outside_torch_distributed():
+    from tokenbal.balance.settings import PlanSettings
+
+    lengths = np.arange(1, 9)
+    one = TokenBalancedBatchSampler(lengths, settings=PlanSettings(num_replicas=1, global_batch_size=4))
+    assert (one.rank, one.num_replicas, len(one)) == (0, 1, 2)
+    with pytest.raises(ValueError, match=r"settings has num_replicas=2, and no rank was given while "
+                                         r"torch.distributed is not initialised: pass rank="):
+        TokenBalancedBatchSampler(lengths, settings=PlanSettings(num_replicas=2, global_batch_size=4))
+    assert TokenBalancedBatchSampler(lengths, settings=PlanSettings(num_replicas=2, global_batch_size=4),
+                                     rank=1).rank == 1
