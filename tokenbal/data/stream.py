@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from tokenbal._checks import nonneg_int, positive_int
+
 __all__ = ["BalancedBatches", "agree_steps", "balanced_batches"]
 
 
@@ -61,10 +63,8 @@ def _balanced_batches(data: Iterable[dict], max_tokens: int, length_fn: Callable
                       steps: int | None = None, bufsize: int = 1000, seed: int = 0, epoch: int = 0,
                       rank: int | None = None, collation_fn: Callable[[list[dict]], Any] | None = None
                       ) -> Iterator[Any]:
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    if bufsize < 1:
-        raise ValueError(f"bufsize must be >= 1, got {bufsize}")
+    max_tokens, bufsize = positive_int("max_tokens", max_tokens), positive_int("bufsize", bufsize)
+    steps = None if steps is None else nonneg_int("steps", steps)
     if rank is None:
         import torch.distributed as dist
 
@@ -172,6 +172,14 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
                                 balanced_batches(max_tokens, length_fn, steps=steps, epoch=epoch))
         loader = DataLoader(pipe, batch_size=None, num_workers=4)   # exactly `steps` batches
     """
+    # Checked here, where the pipeline is built, not at its first batch (often inside a DataLoader worker).
+    max_tokens, bufsize = positive_int("max_tokens", max_tokens), positive_int("bufsize", bufsize)
+    steps = None if steps is None else nonneg_int("steps", steps)
+    seed, epoch = nonneg_int("seed", seed), nonneg_int("epoch", epoch)
+    if rank is not None:
+        rank = nonneg_int("rank", rank)
+    if not callable(length_fn):
+        raise ValueError(f"length_fn must be callable (sample -> tokens), got {type(length_fn).__name__}")
     if dp_group is not None or device_mesh is not None:
         from tokenbal.parallel import resolve_dp
 

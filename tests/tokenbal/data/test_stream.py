@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import tarfile
 
 import pytest
@@ -51,6 +52,24 @@ def test_over_budget_sample_names_its_key():
     data = _samples(20) + [{"__key__": "huge", "__url__": "shard-7.tar", "n": 5000}]
     with pytest.raises(ValueError, match=r"'huge' from 'shard-7.tar' has 5000 tokens"):
         list(balanced_batches(1000, _n)(iter(data)))
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"steps": -3}, "steps must be an integer >= 0, got -3"),
+    ({"steps": 2.5}, "steps must be an integer >= 0, got 2.5"),
+    ({"steps": True}, "steps must be an integer >= 0, got True"),
+    ({"max_tokens": "50"}, "max_tokens must be a positive integer, got '50'"),
+    ({"max_tokens": 0}, "max_tokens must be a positive integer, got 0"),
+    ({"bufsize": 0}, "bufsize must be a positive integer, got 0"),
+    ({"seed": -1}, "seed must be an integer >= 0, got -1"),
+    ({"rank": 1.0}, "rank must be an integer >= 0, got 1.0"),
+    ({"length_fn": "n"}, "length_fn must be callable"),
+])
+def test_bad_settings_are_refused_when_the_stage_is_built(kwargs, says):
+    # Not at the first batch, often inside a DataLoader worker; never a silent 0 or 3 batches.
+    args = {"max_tokens": 50, "length_fn": _n, "steps": 2, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(says)):
+        balanced_batches(**args)
 
 
 def test_fixed_steps_stop_exactly_and_dry_source_is_an_error():
