@@ -109,6 +109,19 @@ class FusedRotation(torch.autograd.Function):
         return gq, gk, None, None, None, None, None, None, None
 
 
+def fused_rotation(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor,
+                   section: tuple[int, int, int], interleaved: bool, scale: float, inplace: bool,
+                   kernel) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`FusedRotation` for the backends. Autograd refuses a function that writes in place into a
+    *view* that needs gradients and returns two tensors (the usual ``q_proj(h).view(T, H, D)``), so
+    there the rotation runs out of place and is copied back into ``q`` and ``k`` (autograd tracks
+    that copy): the same values and gradients, two temporaries more."""
+    if inplace and torch.is_grad_enabled() and any(t.requires_grad and t._base is not None for t in (q, k)):
+        q_out, k_out = FusedRotation.apply(q, k, pos, inv_freq, section, interleaved, scale, False, kernel)
+        return q.copy_(q_out), k.copy_(k_out)
+    return FusedRotation.apply(q, k, pos, inv_freq, section, interleaved, scale, inplace, kernel)
+
+
 def check_rope_args(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor,
                     mrope_section: Sequence[int]) -> tuple[int, int, int]:
     """The argument rules every backend shares; returns the section as a tuple of ints."""

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from collate.ops.rope.common import FusedRotation, check_rope_args, mrope_angles, normalize_positions
+from collate.ops.rope.common import check_rope_args, fused_rotation, mrope_angles, normalize_positions
 
 # Elements per block of fp32 scratch for half-precision inputs (two such blocks live at once: 16 MiB).
 # Bigger blocks mean fewer, larger ops (much faster on a busy CPU); this bounds the temporaries.
@@ -89,4 +89,4 @@ def apply_mrope_cpu(
     section = check_rope_args(q, k, inv_freq, mrope_section)
     pos = normalize_positions(position_ids, q.shape[0])
     scale = float(attention_scaling)
-    return FusedRotation.apply(q, k, pos, inv_freq, section, bool(interleaved), scale, inplace, _apply)
+    return fused_rotation(q, k, pos, inv_freq, section, bool(interleaved), scale, inplace, _apply)

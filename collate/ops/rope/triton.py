@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from collate.ops.rope.common import FusedRotation, check_rope_args, normalize_positions
+from collate.ops.rope.common import check_rope_args, fused_rotation, normalize_positions
 
 _IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -231,5 +231,5 @@ def apply_mrope_triton(
     if pos.device != q.device:
         raise ValueError(f"position_ids on {pos.device} but q on {q.device}")
     inv = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
-    return FusedRotation.apply(q, k, pos, inv, section, bool(interleaved), float(attention_scaling), inplace,
-                               _launch)
+    return fused_rotation(q, k, pos, inv, section, bool(interleaved), float(attention_scaling), inplace,
+                          _launch)

@@ -105,6 +105,20 @@ def test_inplace_and_autograd_through_it(dtype):
     b = q0.float().requires_grad_()
     apply_mrope_reference(b, k0.float(), pos, inv, [4, 6, 6])[0].square().sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=0)
+    # q / k as views of one projection's output (q_proj(h).view(T, H, D), the usual way): autograd
+    # refuses an in-place function on views with two outputs, so the op must still work there.
+    proj = torch.nn.Linear(16, 6 * 40)
+    h = torch.randn(pos.shape[1], 16)
+    grads = []
+    for inplace in (True, False):
+        proj.zero_grad()
+        qkv = proj(h).view(pos.shape[1], 6, 40)
+        q, k = qkv[:, :4], qkv[:, 4:]
+        qo, ko = apply_mrope_cpu(q, k, pos, inv, [4, 6, 6], inplace=inplace)
+        assert (qo is q) == inplace and (ko is k) == inplace
+        (qo.square().sum() + ko.sum()).backward()
+        grads.append(proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=0)
 
 
 def test_non_contiguous_and_mixed_dtypes():
