@@ -117,8 +117,10 @@ def shard_batch(batch: PackedBatch, sp_rank: int | None = None, sp_size: int | N
         raise ValueError("batch is already an SP slice")
     local = total // sp_size
     lo, hi = sp_rank * local, (sp_rank + 1) * local
-    ignore = IGNORE_INDEX
     labels = batch.labels
+    # The collator's ignore_index (IGNORE_INDEX unless it was given another): it masks every sample's
+    # first token with it, so the row's first label is it.
+    ignore = int(labels[0, 0]) if labels.numel() else IGNORE_INDEX
     shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), ignore)], dim=1)[:, lo:hi].clone()
     changes: dict[str, Any] = dict(
         input_ids=batch.input_ids[:, lo:hi].clone(),

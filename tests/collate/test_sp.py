@@ -168,6 +168,20 @@ def test_assign_grids_whole_and_balanced():
     assert owner[3] == 1  # the largest goes to its home rank when loads tie
 
 
+@pytest.mark.parametrize("ignore", [IGNORE_INDEX, -1])
+def test_shard_batch_keeps_the_collators_ignore_index(ignore):
+    # The slices' shifted labels are the row's, cut; their loss tokens add up to the row's, whatever
+    # ignore_index the collator masked boundaries and SP padding with.
+    collator = PackedCollator(rope="1d", pin_memory=False, sp_size=4, ignore_index=ignore)
+    samples = [{"input_ids": np.arange(1, 6), "labels": np.array([ignore, 2, 3, 4, 5])},
+               {"input_ids": np.arange(1, 4), "labels": np.array([ignore, ignore, 3])}]
+    row = collator(samples)
+    slices = [shard_batch(row, r, 4) for r in range(4)]
+    shifted = torch.cat([row.labels[:, 1:], row.labels.new_full((1, 1), ignore)], dim=1)
+    assert torch.equal(torch.cat([s.shift_labels for s in slices], dim=1), shifted)
+    assert sum(s.num_loss_tokens for s in slices) == row.num_loss_tokens == 5
+
+
 def test_shard_batch_errors():
     b = collator()(samples())
     with pytest.raises(ValueError, match="not a multiple of sp_size=4"):
