@@ -30,6 +30,20 @@ def as_dim(value: object, what: str) -> int:
     return v
 
 
+# The largest image side taken (2^24 - 1 px): Pillow's formats stop far below it in practice (JPEG 65,535,
+# WebP 16,383) and no decoder holds such an image in memory, while the token formulas' int64 products of
+# two sides and their factors would overflow past it. A larger side is an error, not a made-up count.
+MAX_SIDE = (1 << 24) - 1
+
+
+def as_side(value: object, what: str) -> int:
+    """An image side: :func:`as_dim`, at most :data:`MAX_SIDE`."""
+    v = as_dim(value, what)
+    if v > MAX_SIDE:
+        raise ValueError(f"{what} {v} is larger than any image side ({MAX_SIDE} px at most)")
+    return v
+
+
 def as_dims(values: object, what: str) -> np.ndarray:
     """A 1-D int64 array of positive integers; the first bad element is named by index."""
     arr = np.asarray(values)
@@ -64,6 +78,12 @@ def as_dims(values: object, what: str) -> np.ndarray:
 def pair_dims(widths: object, heights: object) -> tuple[np.ndarray, np.ndarray]:
     w = as_dims(widths, "widths")
     h = as_dims(heights, "heights")
+    for arr, what in ((w, "widths"), (h, "heights")):
+        big = np.flatnonzero(arr > MAX_SIDE)
+        if big.size:
+            i = int(big[0])
+            raise ValueError(f"{what}[{i}] {int(arr[i])} is larger than any image side "
+                             f"({MAX_SIDE} px at most)")
     if w.shape != h.shape:
         raise ValueError(f"widths and heights differ in length: {w.shape[0]} vs {h.shape[0]}")
     return w, h

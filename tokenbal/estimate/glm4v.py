@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_side, pair_dims
 from tokenbal.estimate.base import PatchGridEstimator
 from tokenbal.estimate.qwen import MAX_RATIO, fit_budget_np, smart_resize_3d
 
@@ -100,7 +100,7 @@ class Glm4vEstimator(PatchGridEstimator):
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) of the image the vision encoder sees."""
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         t = self.temporal_patch_size
         if (h < self.factor or w < self.factor) and not _upscales_small():
             raise ValueError(_small_side_message(w, h, self.factor))

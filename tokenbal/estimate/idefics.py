@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_side, pair_dims
 from tokenbal.estimate.base import Estimator
 
 MAX_IMAGE_SIZE = 4096  # transformers' absolute cap after the first resize
@@ -155,7 +155,7 @@ class Idefics3Estimator(Estimator):
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """(rows, cols) of the tile split; ``(0, 0)`` = not split (global view only)."""
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         if not self.do_image_splitting:
             return 0, 0
         return tile_grid(w, h, self.longest_edge, self.tile_size)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
+from tokenbal.estimate._sizes import as_dim, as_side, chunked, pair_dims
 from tokenbal.estimate.base import Estimator
 
 LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # (h, w), v1.6
@@ -204,7 +204,7 @@ class LlavaNextEstimator(_AnyResEstimator):
         return self.crop_size // self.patch_size
 
     def image_tokens(self, width: int, height: int) -> int:
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         g = self.grid_side
         bh, bw = select_best_resolution(h, w, self.pinpoints)
         rows, cols = unpadded_grid(h, w, g * (bh // self.crop_size), g * (bw // self.crop_size))
@@ -257,7 +257,7 @@ class LlavaOneVisionEstimator(_AnyResEstimator):
         return feats, newlines
 
     def image_tokens(self, width: int, height: int, images_in_sample: int = 1) -> int:
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         g = self.grid_side
         if as_dim(images_in_sample, "images_in_sample") > 1:
             return g * g + 1
@@ -292,8 +292,8 @@ class LlavaOneVisionEstimator(_AnyResEstimator):
         number of uniformly sampled frames), else all ``num_frames`` (the caller sampled them).
         ``fps`` is not used."""
         n = _frames_used(self, num_frames)
-        as_dim(width, "width")
-        as_dim(height, "height")
+        as_side(width, "width")
+        as_side(height, "height")
         pooled = math.ceil(self.grid_side / 2)
         return n * pooled * pooled + 1
 

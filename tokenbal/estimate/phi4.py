@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, chunked, pair_dims
+from tokenbal.estimate._sizes import as_side, chunked, pair_dims
 from tokenbal.estimate.base import Estimator
 from tokenbal.estimate.tiles import closest_grid, sweep_np
 
@@ -79,7 +79,7 @@ class Phi4MultimodalEstimator(Estimator):
 
     def crop_grid(self, width: int, height: int) -> tuple[int, int]:
         """(columns, rows) of 448-px crops."""
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         wc, hc = math.ceil(w / float(CROP)), math.ceil(h / float(CROP))
         if wc * hc > self.dynamic_hd:
             return _closest(w, h, self.dynamic_hd)
@@ -87,7 +87,7 @@ class Phi4MultimodalEstimator(Estimator):
 
     def image_tokens(self, width: int, height: int) -> int:
         """``<|image|>`` tokens for one image (everything the image costs)."""
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         gw, gh = self.crop_grid(w, h)
         tw, th = CROP * gw, CROP * gh
         if tw / w < th / h:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_dim, as_side, pair_dims
 from tokenbal.estimate.base import PatchGridEstimator
 
 MAX_RATIO = 200  # transformers and qwen-vl-utils both refuse images more elongated than 200:1
@@ -303,8 +303,8 @@ class QwenVLEstimator(PatchGridEstimator):
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) of the image the vision encoder sees."""
-        w = as_dim(width, "width")
-        h = as_dim(height, "height")
+        w = as_side(width, "width")
+        h = as_side(height, "height")
         f = self.factor
         if self.pipeline == "qwen-vl-utils":
             h0, w0 = h, w
@@ -394,8 +394,8 @@ class QwenVLEstimator(PatchGridEstimator):
     def video_grid(self, num_frames: int, width: int, height: int, fps: float | None) -> tuple[int, int, int]:
         """``video_grid_thw`` (t, h, w) in patches for a video of ``num_frames`` frames at ``fps``
         (source frame rate; ``None`` = frames already sampled)."""
-        w = as_dim(width, "width")
-        h = as_dim(height, "height")
+        w = as_side(width, "width")
+        h = as_side(height, "height")
         t = self.sampled_frames(num_frames, fps)
         f = self.factor
         if self.pipeline == "qwen-vl-utils":

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, pair_dims
+from tokenbal.estimate._sizes import as_dim, as_side, pair_dims
 from tokenbal.estimate.base import Estimator
 
 
@@ -174,7 +174,7 @@ class TilesEstimator(Estimator):
 
     def tile_grid(self, width: int, height: int) -> tuple[int, int]:
         """(columns, rows) of the tile grid (before the thumbnail)."""
-        w, h = as_dim(width, "width"), as_dim(height, "height")
+        w, h = as_side(width, "width"), as_side(height, "height")
         if self.max_tiles <= 1:  # transformers skips cropping entirely when max_patches == 1
             return 1, 1
         return best_grid(w, h, self.tile_size, self.min_tiles, self.max_tiles)
@@ -207,8 +207,8 @@ class TilesEstimator(Estimator):
         else all ``num_frames`` (the caller sampled them). ``fps`` is not used. Each frame also
         gets ``<img>``/``</img>`` (:meth:`video_wrapper_tokens`) and a ``FrameN: `` text label
         (tokenizer-dependent, not counted)."""
-        as_dim(width, "width")
-        as_dim(height, "height")
+        as_side(width, "width")
+        as_side(height, "height")
         return self.tokens_per_tile * self._frames_used(num_frames)
 
     def video_wrapper_tokens(self, num_frames: int, fps: float | None = None) -> int:
