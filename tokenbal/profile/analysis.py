@@ -39,6 +39,8 @@ _COPY_OPS = {"aten::cat", "aten::slice", "aten::split", "aten::split_with_sizes"
 # Rotary-embedding code, told by the words of a frame's function or module name (transformers'
 # apply_rotary_pos_emb, rotate_half, Qwen2VLRotaryEmbedding, ..._mrope), never by a file path or a
 # substring: a script rope_ablation.py or a function europe_step is not rotary code.
+# A Python frame of tokenbal's packed model code: enable_packed's forwards, the fused ops.
+_PACKED_FRAME = re.compile(r"(?:^|[/\\])collate[/\\](?:models|ops)[/\\][^(]*\.py\(")
 _PY_FRAME = re.compile(r"\.py\(\d+\): (.*)$")
 _ROTARY_WORDS = frozenset({"rotary", "rope", "mrope"})
 _CAMEL_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
@@ -106,6 +108,7 @@ class RunProfile:
     world_size: int | None = None   # as the traces record it (None: not recorded)
     missing_ranks: list[int] = field(default_factory=list)   # the run's ranks without a trace here
     files: dict[int, str] = field(default_factory=dict)      # rank -> the trace analysed
+    packed_model: bool = False    # the step ran tokenbal's packed model code (enable_packed, collate.ops)
 
     def per_step(self) -> dict[int, list[RankStep]]:
         out: dict[int, list[RankStep]] = defaultdict(list)
@@ -379,6 +382,7 @@ class RankPart:
     on_device: bool
     stacks: bool
     shapes: bool
+    packed: bool = False          # tokenbal's packed model code ran (collate.models / collate.ops frames)
 
 
 def rank_part(trace: Trace) -> RankPart:
@@ -386,8 +390,10 @@ def rank_part(trace: Trace) -> RankPart:
     windows = step_windows(trace)
     rows, coll, calls, dev, stacks, shapes = _rank_steps(trace, sorted(windows))
     slim = [{k: e[k] for k in ("name", "ts", "dur", "args") if k in e} for e in coll]
+    packed = any(e.get("cat") == "python_function" and _PACKED_FRAME.search(e.get("name", ""))
+                 for e in trace.events)
     return RankPart(rank=trace.rank, windows=windows, steps=rows, collectives=slim, calls=calls,
-                    on_device=dev, stacks=stacks, shapes=shapes)
+                    on_device=dev, stacks=stacks, shapes=shapes, packed=packed)
 
 
 def analyze(traces: list[Trace], source: str = "", arrivals: str = "auto") -> RunProfile:
@@ -454,4 +460,4 @@ def combine(parts: list[RankPart], source: str = "", arrivals: str = "auto") -> 
     return RunProfile(source=source, ranks=ranks, steps=steps,
                       collectives=[_stats(k, by_kind[k], ranks) for k in sorted(by_kind)], device=on_device,
                       has_python_stacks=stacks, notes=notes, arrival_source=source_name,
-                      work_from_shapes=shapes and not on_device)
+                      work_from_shapes=shapes and not on_device, packed_model=any(p.packed for p in parts))

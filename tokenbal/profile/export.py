@@ -39,6 +39,7 @@ def profile_as_dict(p: RunProfile) -> dict:
         "arrival_source": p.arrival_source,
         "work_from_shapes": p.work_from_shapes,
         "has_python_stacks": p.has_python_stacks,
+        "packed_model": p.packed_model,
         "summary": {"steps": len(p.per_step()), "mean_step_s": p.mean_step_s(),
                     "straggler_wait_s": p.straggler_wait_s(), "unequal_work_wait_s": p.unequal_work_s(),
                     "jitter_wait_s": p.jitter_s(), "compute_imbalance": p.compute_imbalance()},

@@ -37,6 +37,11 @@ def verdict(p: RunProfile) -> list[VerdictRow]:
     explained = f"{unequal / straggler:.0%}" if straggler > 0 else "-"
     judged = "operator sizes" if p.work_from_shapes else "operator time"
     overlaps = [s.overlap for s in p.steps if s.comm_s > 0]
+    rope_remedy = "collate.apply_mrope via collate.models.enable_packed (one fused op)"
+    if p.packed_model:
+        rope_remedy = ("already in use (collate.models / collate.ops ran): what is left is transformers' "
+                       "own, its rotary cos / sin table and the vision tower's rotation, which "
+                       "enable_packed keeps")
     rows = [
         VerdictRow("stragglers (unequal work per rank)", unequal, unequal / step,
                    f"collective arrival skew median up to {skew * 1e3:.1f} ms{source}; the late ranks' extra "
@@ -59,7 +64,7 @@ def verdict(p: RunProfile) -> list[VerdictRow]:
         VerdictRow("RoPE slice / cat copies", p.mean("rope_copy_s"), p.mean("rope_copy_s") / step,
                    "copy operators inside rotary-embedding code" if p.has_python_stacks else
                    "no Python stacks: not attributable (profile with with_stack=True)",
-                   "collate.apply_mrope via collate.models.enable_packed (one fused op)"),
+                   rope_remedy),
         # Waiting for a straggler shows up as exposed communication too; count it once, above.
         VerdictRow("exposed communication (not overlapped)", max(0.0, exposed - straggler),
                    max(0.0, exposed - straggler) / step,

@@ -121,6 +121,13 @@ def test_rope_copies_are_found_in_slice_rotate_concat_only(tmp_path):
     assert hf.has_python_stacks and fused.has_python_stacks
     assert all(s.rope_copy_s > 0 for s in hf.steps)
     assert all(s.rope_copy_s == 0 for s in fused.steps)
+    # A step that already runs tokenbal's fused ops is not told to use them: what copies are left
+    # there are transformers' own.
+    assert (hf.packed_model, fused.packed_model) == (False, True)
+    remedy = {p.packed_model: next(v.remedy for v in verdict(p) if v.bottleneck.startswith("RoPE"))
+              for p in (hf, fused)}
+    assert remedy[False].startswith("collate.apply_mrope via collate.models.enable_packed")
+    assert remedy[True].startswith("already in use (collate.models / collate.ops ran)")
 
 
 def _europe_step():
