@@ -171,7 +171,7 @@ def test_an_image_processor_that_does_not_resize_is_refused_not_miscounted(famil
     # the 40 of the resized one): no estimator models it, so every entry point refuses it by name.
     from tokenbal.estimate import estimator_from_processor, load_estimator
 
-    proc = fp.processor(family)
+    proc = _processor_or_skip(family, subclass=False)
     proc.image_processor.do_resize = False
     with pytest.raises(ValueError, match=r"do_resize=False is not modelled"):
         estimator_from_processor(proc)
