@@ -10,8 +10,10 @@ checks every rule below against a full decode):
 
 * mp4 / mov (``mov,mp4,...`` demuxer): the sample table in ``moov`` is read by ``av.open`` and is
   exposed as ``stream.index_entries``: one entry per frame, exact (constant and variable rate,
-  B-frames). No packet is read, so only the ``moov`` box is fetched from the file, plus one header
-  read per top-level box: a file whose boxes do not tile it (a "faststart" file cut inside its
+  B-frames), less the entries an edit list discards (``is_discard``: a file cut with
+  ``ffmpeg -ss T -c copy`` keeps the frames before T in its table, and the decoder drops them).
+  No packet is read, so only the ``moov`` box is fetched from the file, plus one header read per
+  top-level box: a file whose boxes do not tile it (a "faststart" file cut inside its
   ``mdat``, which opens fine and fails only when the lost frames are decoded) is an error.
 * webm / mkv: ``stream.frames`` is 0 (Matroska stores no frame count) and ``index_entries`` holds
   only the cue points (keyframes). ``duration x average_rate`` is exact for constant-rate files
@@ -188,7 +190,9 @@ def probe_video(src: VideoSource) -> VideoInfo:
             try:
                 frames = None
                 if fmt.startswith("mov,"):
-                    frames = len(s.index_entries)
+                    # An edit list (``ffmpeg -ss T -c copy``, a trimmed end) leaves samples in the table
+                    # that the demuxer marks discarded and the decoder never outputs.
+                    frames = sum(1 for e in s.index_entries if not e.is_discard)
                 elif fmt.startswith("matroska"):
                     # its own handle (PyAV keeps its own read position), buffered: the walk reads
                     # a few bytes per block, which would otherwise be a system call each

@@ -148,3 +148,46 @@ def test_long_clips_header_equals_decode(tmp_path):
         info = probe_video(path)
         assert info.frames == count_decoded_frames(path) == n
         assert info.duration == pytest.approx(seconds, rel=0.01)
+
+
+def _box(buf: bytes, path: list[bytes], start: int = 0, end: int | None = None) -> int:
+    """Offset of the box at ``path`` (e.g. moov / trak / edts / elst) in an mp4's bytes."""
+    import struct
+
+    end = len(buf) if end is None else end
+    pos = start
+    while pos + 8 <= end:
+        size, kind = struct.unpack_from(">I4s", buf, pos)
+        if kind == path[0]:
+            return pos if len(path) == 1 else _box(buf, path[1:], pos + 8, pos + size)
+        pos += size
+    raise AssertionError(f"no {path[0]!r} box")
+
+
+@pytest.mark.parametrize("trim", ["start", "end"])
+def test_an_edit_list_counts_the_frames_the_decoder_gives(tmp_path, trim):
+    # `ffmpeg -ss T -c copy` keeps the frames before T in the sample table behind an edit list that
+    # starts at T: the decoder drops them, and so must the count (not len(index_entries)).
+    import struct
+
+    import av
+    import numpy as np
+
+    src = str(tmp_path / "src.mp4")
+    with av.open(src, "w") as out:
+        s = out.add_stream("h264", rate=30)
+        s.width, s.height, s.pix_fmt, s.options = 64, 48, "yuv420p", {"g": "10"}
+        for i in range(60):
+            img = np.full((48, 64, 3), (7 * i) % 251, np.uint8)
+            out.mux(s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        out.mux(s.encode())
+    buf = bytearray(open(src, "rb").read())
+    pos = _box(buf, [b"moov", b"trak", b"edts", b"elst"])      # version 0, one entry
+    duration, media_time = struct.unpack_from(">Ii", buf, pos + 16)
+    if trim == "start":                                        # play from frame 20 (timescale 15360)
+        struct.pack_into(">Ii", buf, pos + 16, duration * 40 // 60, media_time + 20 * 512)
+    else:                                                      # play the first 30 frames only
+        struct.pack_into(">Ii", buf, pos + 16, duration // 2, media_time)
+    path = str(tmp_path / "trimmed.mp4")
+    open(path, "wb").write(buf)
+    assert probe_video(path).frames == count_decoded_frames(path) == (40 if trim == "start" else 30)
