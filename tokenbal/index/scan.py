@@ -41,6 +41,7 @@ import stat
 import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
 from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text, placeholder_mismatch
@@ -389,7 +390,7 @@ def read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
                          videos=videos or None, stamps=[(ti.chksum, ti.mtime) for ti in run], chat=chat)
 
 
-def _probe_member(fd: int, ti: AnyMember, position: int):
+def _probe_member(fd: Any, ti: AnyMember, position: int):
     from tokenbal.index.videoindex import SampleVideo
 
     return SampleVideo(member=position, info=probe_video((fd, ti.offset_data, ti.size)))

@@ -45,6 +45,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 MAX_SIDE = 32768                 # larger frames are refused: no real clip is bigger, and a damaged
 MAX_FRAME_PIXELS = 1 << 28       # header must not make a reader allocate gigabytes per frame
@@ -68,12 +69,14 @@ class VideoInfo:
 
 
 class _Slice(io.RawIOBase):
-    """A read-only, seekable view of ``size`` bytes at ``offset`` of an open file descriptor, so
-    PyAV reads only what it needs of a tar member (for mp4 just the ``moov`` box)."""
+    """A read-only, seekable view of ``size`` bytes at ``offset`` of an open file descriptor (or of
+    anything with ``pread(n, offset)``: a remote shard's ranged reads), so PyAV reads only what it
+    needs of a tar member (for mp4 just the ``moov`` box)."""
 
-    def __init__(self, fd: int, offset: int, size: int) -> None:
+    def __init__(self, fd: Any, offset: int, size: int) -> None:
         super().__init__()
         self.fd, self.offset, self.size, self.pos = fd, offset, size, 0
+        self._pread = fd.pread if hasattr(fd, "pread") else (lambda n, at: os.pread(fd, n, at))
 
     def readable(self) -> bool:
         return True
@@ -95,7 +98,7 @@ class _Slice(io.RawIOBase):
             n = max(left, 0)
         if n == 0:
             return b""
-        data = os.pread(self.fd, n, self.offset + self.pos)
+        data = self._pread(n, self.offset + self.pos)
         self.pos += len(data)
         return data
 
@@ -105,7 +108,8 @@ class _Slice(io.RawIOBase):
         return len(data)
 
 
-VideoSource = str | bytes | bytearray | memoryview | tuple[int, int, int]
+# A path, the bytes, or (an open fd or an object with pread(n, offset), offset, size).
+VideoSource = str | bytes | bytearray | memoryview | tuple[Any, int, int]
 
 
 def _file(src: VideoSource):

@@ -96,6 +96,30 @@ def test_http_without_ranges_streams_whole_objects(tmp_path):
         assert scan.status == "unreadable" and "ignores byte ranges" in scan.reason
 
 
+@pytest.mark.parametrize("ext", ["mp4", "webm"])
+def test_http_video_members_are_probed_over_ranged_reads(tmp_path, ext):
+    # A video member of a remote shard is probed through the shard's ranged reads (the header only),
+    # as a local one is through its file descriptor: the same frames, sizes and tokens.
+    pytest.importorskip("av")
+    from tests.helpers.videos import write_video
+
+    samples = []
+    for i, (n, w, h) in enumerate([(12, 32, 24), (97, 18, 10)]):
+        path = write_video(str(tmp_path / f"v{i}.{ext}"), n, w, h, 24)
+        samples.append(Sample(f"k{i}", caption=f"clip {i}", raw=[(ext, open(path, "rb").read())]))
+    shard = write_shard(tmp_path / "videos.tar", samples)
+    build_index([shard], tmp_path / "local", progress=False, model="qwen2-vl")
+    local = TokenIndex.open(tmp_path / "local")
+    assert len(local) == 2 and (local.video_tokens > 0).all()
+    with serve(str(tmp_path)) as (base, _):
+        build_index([f"{base}/videos.tar"], tmp_path / "remote", progress=False, remote=FAST,
+                    model="qwen2-vl")
+        remote = TokenIndex.open(tmp_path / "remote")
+        assert_same_index(local, remote, lambda p: f"{base}/videos.tar")
+        assert remote.video_frames.tolist() == local.video_frames.tolist()
+        assert remote.video_tokens.tolist() == local.video_tokens.tolist()
+
+
 def test_http_permanent_errors_name_the_url(corpus, tmp_path):
     with serve(corpus.root) as (base, _):
         # A missing URL fails before any scan, like a missing local file.
