@@ -302,12 +302,14 @@ class ProcessorDataset(Dataset):
         return ImageOps.exif_transpose(im) if self.index.manifest.get("exif") == "transpose" else im
 
     def _record(self, path: str, key: str) -> Any:
-        """The JSON(L) annotation record of ``key`` (``<file>:<line>`` or ``<file>[<i>]``)."""
+        """The JSON(L) annotation record of ``key`` (``<file>:<line>``, ``<file>[<i>]`` or the record's
+        ``id``), found as the index build keyed it (:func:`tokenbal.index.annotations.annotation_records`)."""
+        from tokenbal.index.annotations import annotation_records
+
         records = self._records.get(path)
         if records is None:
-            with open(path, encoding="utf-8") as f:
-                records = f.read().split("\n") if path.lower().endswith(".jsonl") else json.load(f)
+            records = annotation_records(path)
             self._records = {path: records}   # one file at a time: records stay small per worker
-        if path.lower().endswith(".jsonl"):
-            return json.loads(records[int(key.rsplit(":", 1)[1]) - 1])
-        return records[int(key.rsplit("[", 1)[1].rstrip("]"))]
+        if key not in records:
+            raise ValueError(f"{path}: no record keyed {key!r} (the file changed since the index was built?)")
+        return records[key]

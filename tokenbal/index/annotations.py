@@ -134,9 +134,10 @@ def _record_id(rec: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _key_by_id(scan: ShardScan, ids: dict[str, str | None]) -> None:
-    """Re-key the scanned samples and errors of a file by their records' ids (``ids``: place key ->
-    id), where an id is unique in the file; every record of a repeated id keeps its place key, so
+def _id_keys(ids: dict[str, str | None], unparsed: set[str]) -> dict[str, str]:
+    """Place key -> the record's id, for the records keyed by their id (``ids``: place key -> id, or
+    None): where the id is unique in the file and spelled like no other record's place key (``unparsed``:
+    the place keys of lines that are not JSON); every record of a repeated id keeps its place key, so
     which record gets the id never depends on order."""
     seen: dict[str, int] = {}
     for i in ids.values():
@@ -145,13 +146,35 @@ def _key_by_id(scan: ShardScan, ids: dict[str, str | None]) -> None:
     chosen = {key: i for key, i in ids.items() if i is not None and seen[i] == 1}
     # An id spelled like another record's place key ("train.jsonl:7", maybe a line that is not
     # JSON, so not in ``ids``) would collide with it.
-    places = {key for key in ids if key not in chosen}
-    places |= {e["key"] for e in scan.errors if e["key"] not in ids}
-    chosen = {key: i for key, i in chosen.items() if i not in places}
+    places = {key for key in ids if key not in chosen} | unparsed
+    return {key: i for key, i in chosen.items() if i not in places}
+
+
+def _key_by_id(scan: ShardScan, ids: dict[str, str | None]) -> None:
+    """Re-key the scanned samples and errors of a file by their records' ids (:func:`_id_keys`)."""
+    chosen = _id_keys(ids, {e["key"] for e in scan.errors if e["key"] not in ids})
     for s in scan.samples:
         s.key = chosen.get(s.key, s.key)
     for e in scan.errors:
         e["key"] = chosen.get(e["key"], e["key"])
+
+
+def annotation_records(path: str) -> dict[str, object]:
+    """Every record of the annotation file at ``path`` by its key in the index (``<file>:<line>``,
+    ``<file>[<i>]``, or the record's ``id`` where the scan keyed it so), parsed as the scan parses it
+    (bytes, so a UTF-8 BOM is no error): what a reader takes a sample's text from."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    base = os.path.basename(path)
+    scan = ShardScan(path=path)                      # collects the lines that are not JSON
+    if path.lower().endswith(".jsonl"):
+        records = _jsonl_records(raw, path, base, scan)
+    else:
+        records = ((f"{base}[{i}]", "", rec) for i, rec in enumerate(json.loads(raw)))
+    by_place = {key: rec for key, _, rec in records}
+    unparsed = {e["key"] for e in scan.errors}
+    rename = _id_keys({key: _record_id(rec) for key, rec in by_place.items()}, unparsed)
+    return {rename.get(key, key): rec for key, rec in by_place.items()}
 
 
 def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:

@@ -145,6 +145,28 @@ def test_annotations_and_parquet_rows(tmp_path, processor, ckpt):
         assert got == list(source.index.lengths) and len(got) == (4 if source is not pq_ds else 2)
 
 
+def test_annotation_records_are_found_by_the_key_the_index_gave_them(tmp_path, processor, ckpt):
+    # Records with an id are keyed by it (LLaVA / ShareGPT files), the rest by their place; an id spelled
+    # like a place ("item:2") must not be read as a line number; a file starting with a UTF-8 BOM is read
+    # as the index read it. Each sample's own text is tokenized, at the index's count.
+    recs = [{"id": "item:2", "text": "a cat sits on the red mat"},
+            {"id": "item:1", "text": "the dog looks at a bird in the tall green tree near"},
+            {"id": 17, "text": "grey clouds over the sea"},
+            {"id": "twice", "text": "one of two records with one id"},
+            {"id": "twice", "text": "the other record with that id"},
+            {"text": "no id at all here"}]
+    (tmp_path / "ids.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in recs).encode())
+    (tmp_path / "ids.json").write_text(json.dumps(recs[::-1]))
+    build_index([str(tmp_path / "ids.jsonl"), str(tmp_path / "ids.json")], tmp_path / "idx", model="qwen2-vl",
+                tokenizer=ckpt, progress=False)
+    source = IndexedShardDataset(tmp_path / "idx")
+    assert {"item:2", "item:1", "17", "ids.jsonl:4", "ids.json[1]"} <= set(source.index.keys)
+    ds = ProcessorDataset(source, processor, strict=True)
+    texts = [processor.tokenizer.decode(ds[i]["input_ids"]) for i in range(len(ds))]
+    assert sorted(texts) == sorted(r["text"] for r in recs + recs)
+    assert [len(ds[i]["input_ids"]) for i in range(len(ds))] == list(source.index.lengths)
+
+
 def test_mismatches_are_named(tmp_path, processor, ckpt, caplog):
     # The index counted images at other processor settings: every image sample disagrees.
     shard = write_shard(tmp_path / "d.tar", samples()[:2])
