@@ -47,6 +47,11 @@ def neutralise(accelerator: Any, loader: Any) -> Any:
         # rank 0 would iterate its own plan and scatter it: the other ranks' samples are never used.
         raise ValueError("dispatch_batches=True is not supported with a TokenBalancedBatchSampler (rank 0's "
                          "plan would be split across ranks); use the default dispatch_batches=None/False")
+    if getattr(config, "use_stateful_dataloader", False):
+        # accelerate would restore its own loader position on top of tokenbal's (one batch trained twice).
+        raise ValueError("use_stateful_dataloader=True is not supported with a TokenBalancedBatchSampler: "
+                         "prepare_loader saves and restores the position itself (accelerator.save_state / "
+                         "load_state); leave use_stateful_dataloader off")
     if getattr(config, "split_batches", False):
         raise ValueError("split_batches=True is not supported with a TokenBalancedBatchSampler: its batches "
                          "are already per rank and have no fixed batch_size")
@@ -98,28 +103,33 @@ class TokenBalancedLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def _finished(self) -> bool:
+        """Every batch of the current epoch received: its last one too (the pass may not have ended, a
+        loop can break or save a checkpoint at the last batch), so the next pass is the next epoch."""
+        return self._received > 0 and self._received >= len(self.sampler)
+
     @property
     def epoch(self) -> int:
         """The epoch the next pass iterates (a loop can start at it after ``load_state``)."""
-        return self._epoch
+        return self._epoch + 1 if self._finished() else self._epoch
 
     @property
     def batches_received(self) -> int:
-        """Batches of the current epoch the loop has received (restored by ``load_state``)."""
-        return self._received
+        """Batches of that epoch the loop has received (restored by ``load_state``)."""
+        return 0 if self._finished() else self._received
 
     def set_epoch(self, epoch: int) -> None:
         epoch = int(epoch)
-        if epoch != self._epoch:
-            self._received = 0
+        if epoch != self._epoch or self._finished():
+            self._received = 0      # another epoch, or the finished one asked for again: from its start
         self._epoch = epoch
         self.loader.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         # DataLoaderShard.__iter__ re-applies set_epoch(its iteration): keep it on our epoch.
+        if self._finished():
+            self._epoch, self._received = self._epoch + 1, 0
         self.loader.set_epoch(self._epoch)
-        if self._received >= len(self.sampler):
-            self._received = 0      # a finished epoch iterated again replays it (as the sampler does)
         # Tell the sampler where the loop is: after an early stop (a break for an eval), it had run
         # ahead by accelerate's look-ahead batch and the workers' prefetch; it continues from here.
         self.sampler.mark_received(self._epoch, self._received)
@@ -133,8 +143,8 @@ class TokenBalancedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state = self.sampler.state_dict()
-        state["epoch"], state["cursor"] = self._epoch, self._received
-        if self._epoch != self.sampler.epoch:
+        state["epoch"], state["cursor"] = self.epoch, self.batches_received
+        if state["epoch"] != self.sampler.epoch:
             state.pop("segments", None)   # a finished epoch: nothing of the next one is consumed yet
         return state
 
@@ -149,7 +159,8 @@ def prepare_loader(accelerator: Any, loader: Any, *, register: bool = True) -> T
     loop: no re-sharding (every rank gets all of its own steps), ``set_epoch`` reaches the sampler
     (and a plain loop advances one epoch per complete pass), and with ``register=True`` the position
     is part of ``accelerator.save_state`` / ``load_state``. Raises for ``dispatch_batches`` /
-    ``split_batches``, which cannot work with per-rank batches."""
+    ``split_batches``, which cannot work with per-rank batches, and ``use_stateful_dataloader``, whose
+    restored position would stack on tokenbal's."""
     sampler = _tokenbal_sampler(loader)
     wrapped = TokenBalancedLoader(neutralise(accelerator, loader), sampler)
     if register:

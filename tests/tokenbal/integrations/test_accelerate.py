@@ -108,6 +108,15 @@ def test_prepare_loader_rejects_other_loaders():
 
     with pytest.raises(TypeError, match="TokenBalancedBatchSampler"):
         prepare_loader(Accelerator(cpu=True), DataLoader(list(range(4)), batch_size=2))
+    pytest.importorskip("torchdata")
+    from accelerate.utils import DataLoaderConfiguration
+
+    from tokenbal import TokenBalancedBatchSampler
+
+    sampler = TokenBalancedBatchSampler([5, 6, 7, 8], 1, 0, global_batch_size=2)
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    with pytest.raises(ValueError, match="use_stateful_dataloader=True is not supported"):
+        prepare_loader(acc, DataLoader(list(range(4)), batch_sampler=sampler, collate_fn=list))
 
 
 def test_a_new_iteration_of_prepare_loaders_loader_after_a_break_misses_no_batch():
@@ -135,3 +144,38 @@ def test_a_new_iteration_of_prepare_loaders_loader_after_a_break_misses_no_batch
     seen += [i for batch in loader for i in batch]
     assert sorted(seen) == list(range(200))
     assert loader.epoch == 1, "the completed pass moves on to the next epoch"
+
+
+def test_a_checkpoint_or_a_break_at_an_epochs_last_batch_moves_on_to_the_next_epoch(tmp_path):
+    # save_state inside the loop at the epoch's last batch (the pass has not ended yet), then a new
+    # process: the next epoch, not the finished one again; a break there, then a new pass: the same.
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    lengths = np.random.default_rng(1).integers(10, 500, 12)
+
+    def make():
+        acc = Accelerator(cpu=True)
+        sampler = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+        return acc, prepare_loader(acc, DataLoader(list(range(12)), batch_sampler=sampler, collate_fn=list))
+
+    acc, loader = make()
+    epoch0 = []
+    for batch in loader:
+        epoch0.append(batch)
+        if len(epoch0) == len(loader):
+            acc.save_state(str(tmp_path / "ckpt"))
+            break
+    assert (loader.epoch, loader.batches_received) == (1, 0)
+    epoch1 = list(loader)                                   # a new pass after the break: epoch 1
+    assert sorted(i for b in epoch1 for i in b) == list(range(12)) and epoch1 != epoch0
+    acc2, resumed = make()
+    acc2.load_state(str(tmp_path / "ckpt"))
+    assert (resumed.epoch, resumed.batches_received) == (1, 0)
+    assert list(resumed) == epoch1
+    resumed.set_epoch(0)                                    # the finished epoch asked for again: replayed
+    assert list(resumed) == epoch0
