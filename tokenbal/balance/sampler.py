@@ -67,16 +67,16 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from tokenbal._checks import nonneg_int
+from tokenbal._checks import nonneg_int, positive_int
 from tokenbal.balance.cost import Resolved, resolve
-from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, plan_epoch
+from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, pad_steps, plan_epoch
 from tokenbal.balance.settings import PlanSettings, plan_settings
 
 __all__ = ["TokenBalancedBatchSampler"]
 
 _STATE_VERSION = 1
 # Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
-_ADDED_LATER = {"stages": 0}
+_ADDED_LATER = {"stages": 0, "epoch_steps": None}
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
@@ -105,6 +105,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     in the foreground (``plan_epoch`` is a pure function of its inputs), so nothing about resume or
     the cross-rank check changes; the thread only hides the time.
 
+    ``epoch_steps=S`` (or :meth:`fix_epoch_steps`): every epoch planned into exactly ``S`` steps, for
+    training loops that take every epoch's length from the first one (the HF Trainer, which the
+    integration sets it for): token-budget plans differ by a step or two from epoch to epoch, and a
+    shorter one gets light steps at its end (:func:`tokenbal.balance.plan.pad_steps`); an epoch that
+    needs more raises. It is part of the resume fingerprint; not with ``elastic=True``.
+
     ``settings=``: a :class:`~tokenbal.balance.settings.PlanSettings` instead of the planning keywords
     (``num_replicas``, ``global_batch_size`` / ``max_tokens_per_rank``, ``window``, ``grad_accum``,
     ``shuffle``, ``drop_last``, ``oversize``; one given next to it must agree). Either way the
@@ -119,7 +125,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                  window: int | None = None, *, cost: Any = None, grad_accum: int = 1,
                  oversize: str = "error", verify: bool | None = None, stages: Any = None,
                  elastic: bool = False, dp_group: Any = None, device_mesh: Any = None,
-                 settings: PlanSettings | None = None, layout: Any = None, plan_ahead: bool = False) -> None:
+                 settings: PlanSettings | None = None, layout: Any = None, plan_ahead: bool = False,
+                 epoch_steps: int | None = None) -> None:
         # The planner balances ``costs`` (tokens unless ``cost`` says otherwise).
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
@@ -156,6 +163,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.elastic = bool(elastic)
         # plan_ahead: the next epoch's plan is made in a background thread once an epoch starts.
         self.plan_ahead = bool(plan_ahead)
+        # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
+        # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
+        self.epoch_steps: int | None = None
+        if epoch_steps is not None:
+            self.epoch_steps = positive_int("epoch_steps", epoch_steps)
+        if self.epoch_steps is not None and self.elastic:
+            raise ValueError("epoch_steps and elastic=True do not go together: an elastic resume re-plans "
+                             "the rest of an epoch into as many steps as it needs")
         self._ahead: dict[tuple, tuple[threading.Thread, list]] = {}
         self._ahead_lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
@@ -201,7 +216,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             plan = self._take_ahead(key)
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
-            self._plans[key] = self._replan(segments, self.settings, epoch) if plan is None else plan
+            plan = self._replan(segments, self.settings, epoch) if plan is None else plan
+            if self.epoch_steps is not None:
+                plan = pad_steps(plan, self.epoch_steps, self.costs)
+            self._plans[key] = plan
         return self._plans[key]
 
     def _start_ahead(self) -> None:
@@ -422,7 +440,32 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         """What the plan depends on besides (seed, epoch); a resume must match all of it."""
         # The data's part (sample count, digest, cost, stages) and the settings' part: the same keys
         # and values checkpoints have stored since before either was an object.
-        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **self.settings.fingerprint()}
+        # epoch_steps only where set: the keys of a checkpoint without it stay what they were.
+        fixed = {} if self.epoch_steps is None else {"epoch_steps": self.epoch_steps}
+        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **self.settings.fingerprint(),
+                **fixed}
+
+    def natural_steps(self, epoch: int) -> int:
+        """Steps epoch ``epoch`` needs, before any ``epoch_steps`` (planned, not cached)."""
+        return plan_epoch(self.resolved, settings=self.settings, seed=self.seed,
+                          epoch=_epoch_number(epoch)).num_steps
+
+    def fix_epoch_steps(self, epochs: int, at_least: int = 0) -> int:
+        """Plan every epoch into the same number of steps, the most any of epochs ``0 .. epochs - 1``
+        needs (or ``at_least``), and return it. For loops that fix an epoch's steps from the first one,
+        as the HF Trainer does: token-budget plans differ by a step or two from epoch to epoch, and the
+        Trainer would stop an epoch early (a sample never trained) or resume at the wrong place. The
+        shorter epochs get light steps at their end (:func:`tokenbal.balance.plan.pad_steps`)."""
+        if self.elastic:
+            raise ValueError("fix_epoch_steps and elastic=True do not go together: an elastic resume "
+                             "re-plans the rest of an epoch into as many steps as it needs")
+        steps = max([int(at_least)] + [self.natural_steps(e) for e in range(positive_int("epochs", epochs))])
+        if steps != self.epoch_steps:
+            self.epoch_steps = steps
+            self._plans.clear()
+            with self._ahead_lock:
+                self._ahead.clear()
+        return steps
 
     def state_dict(self) -> dict[str, Any]:
         cursor = self.cursor
@@ -440,7 +483,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         plan — except, with ``elastic=True``, the step settings (world size, batch size, token
         budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
         _check_state(state)
-        saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, self.fingerprint()
+        saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:

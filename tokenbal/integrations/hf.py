@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from functools import partial
@@ -142,9 +143,22 @@ class TokenBalancingMixin:
     def tokenbal_sampler(self) -> TokenBalancedBatchSampler:
         """The train batch sampler (built on first use from ``args`` and ``sampler_options``)."""
         if self._tokenbal_sampler is None:
-            self._tokenbal_sampler = TokenBalancedBatchSampler(self.tokenbal_token_lengths,
-                                                               **self._sampler_kwargs())
+            sampler = TokenBalancedBatchSampler(self.tokenbal_token_lengths, **self._sampler_kwargs())
+            if sampler.settings.max_tokens_per_rank is not None and not sampler.elastic:
+                # The Trainer takes every epoch's steps from the first epoch's length (and so does its
+                # resume arithmetic), while token-budget plans differ by a step or two per epoch: every
+                # epoch it will train is planned into the most steps any of them needs.
+                sampler.fix_epoch_steps(self._tokenbal_epochs(sampler))
+            self._tokenbal_sampler = sampler
         return self._tokenbal_sampler
+
+    def _tokenbal_epochs(self, sampler: TokenBalancedBatchSampler) -> int:
+        """How many epochs ``train`` will start: ``num_train_epochs`` rounded up, or as many as
+        ``max_steps`` reaches at the first epoch's steps (one more, as padding only lengthens them)."""
+        args = self.args
+        if args.max_steps is not None and args.max_steps > 0:
+            return -(-int(args.max_steps) // max(1, sampler.natural_steps(0))) + 1
+        return max(1, math.ceil(float(args.num_train_epochs)))
 
     def _sampler_kwargs(self) -> dict[str, Any]:
         from tokenbal.parallel import resolve_dp
@@ -296,6 +310,13 @@ class TokenBalancingMixin:
         with open(os.path.join(checkpoint_dir, "trainer_state.json")) as f:
             global_step = int(json.load(f)["global_step"])
         sampler = self.tokenbal_sampler
+        saved_steps = (saved.get("fingerprint") or {}).get("epoch_steps")
+        if saved_steps is not None and sampler.epoch_steps is not None and saved_steps != sampler.epoch_steps:
+            if saved_steps < sampler.epoch_steps:
+                raise ValueError(f"{path}: the checkpoint's run planned {saved_steps} steps per epoch, but "
+                                 f"the epochs this run trains need {sampler.epoch_steps} (more epochs than "
+                                 "the checkpoint's run?): resume with its num_train_epochs / max_steps")
+            sampler.fix_epoch_steps(1, at_least=saved_steps)   # more epochs than before: its steps kept
         # Validates seed, lengths and settings against the checkpoint; the cursor stays 0 because the
         # Trainer itself skips the batches already trained in this epoch.
         sampler.load_state_dict({**saved, "cursor": 0})

@@ -312,3 +312,38 @@ def test_doc_recipes_run(name, tmp_path, monkeypatch):
     trainer = scope["trainer"]
     assert trainer.state.global_step == len(trainer.tokenbal_sampler) > 0
     assert trainer.tokenbal_sampler.max_tokens_per_rank == 4096
+
+
+def test_token_budget_epochs_of_different_plans_each_train_every_sample_once_and_resume(tmp_path):
+    # Token-budget plans differ by a step from epoch to epoch (here 33 and 34), while the Trainer takes
+    # every epoch's length from the first: each epoch is planned into the most steps any needs, so
+    # epoch 1 is not cut short (a sample never trained) and a resume in it lands where it left off.
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(60, max_text=120, image_sides=(1, 4))
+    budget = 128
+    natural = TokenBalancedBatchSampler(ds.lengths(), max_tokens_per_rank=budget, seed=0)
+    assert [natural.natural_steps(e) for e in range(2)] == [33, 34]
+    seen: list[list[int]] = []
+
+    class Recording(TokenBalancedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            seen.append(inputs.pop("sample_idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def run(resume=None):
+        seen.clear()
+        args = _padded_args(str(tmp_path), num_train_epochs=2, save_strategy="steps", save_steps=40)
+        t = Recording(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                      token_lengths=ds.lengths(), sampler_options={"max_tokens_per_rank": budget})
+        t.train(resume_from_checkpoint=resume)
+        return list(seen), t
+
+    full, t = run()
+    assert t.tokenbal_sampler.epoch_steps == 34 and len(full) == 68
+    for epoch in (full[:34], full[34:]):
+        assert sorted(i for step in epoch for i in step) == list(range(60))
+    resumed, _ = run(str(tmp_path / "checkpoint-40"))
+    assert resumed == full[40:]

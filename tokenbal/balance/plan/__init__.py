@@ -94,7 +94,8 @@ from tokenbal.balance.settings import PlanSettings, plan_settings
 
 logger = logging.getLogger("tokenbal")
 
-__all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION"]
+__all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_settings", "PLAN_VERSION",
+           "pad_steps"]
 
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
 # 17: with grad_accum > 1, the one step of an epoch of fewer than R·k samples deals its micro-batches to the
@@ -276,6 +277,35 @@ def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch
     plan = EpochPlan(num_replicas=R_user, indices=perm[order].astype(np.int64), offsets=offsets,
                      dropped=dropped.astype(np.int64), grad_accum=k, skipped=skipped.astype(np.int64))
     return plan if B is not None else _serve_every_rank(plan, lens)
+
+
+def pad_steps(plan: EpochPlan, steps: int, lens: np.ndarray) -> EpochPlan:
+    """``plan`` with exactly ``steps`` steps, for loops that fix an epoch's steps from its first epoch
+    (the HF Trainer; token-budget plans differ by a step or two from epoch to epoch). The steps added at
+    the end are light: each of their micro-batches takes one of the smallest samples of a micro-batch
+    holding several (never emptying one, so no rank-step grows and the budget holds); the rest stay
+    empty (a dummy batch). Every sample stays once; a plan needing more steps raises."""
+    S, R, k = plan.num_steps, plan.num_replicas, plan.grad_accum
+    if S == steps:
+        return plan
+    if S > steps:
+        raise ValueError(f"this epoch's plan needs {S} steps, more than the {steps} fixed per epoch "
+                         "(epoch_steps)")
+    sizes = np.diff(plan.offsets)
+    slot = np.repeat(np.arange(len(sizes)), sizes)                 # of each entry of plan.indices
+    lengths = np.asarray(lens)[plan.indices]
+    # Within each micro-batch its entries by length, largest first: all but the first may move.
+    order = np.lexsort((plan.indices, -lengths, slot))
+    rank_in_slot = np.arange(len(order)) - np.repeat(plan.offsets[:-1], sizes)
+    movable = order[rank_in_slot >= 1]
+    movable = movable[np.lexsort((plan.indices[movable], lengths[movable]))]   # the smallest first
+    moved = movable[:(steps - S) * R * k]
+    new_slot = slot.copy()
+    new_slot[moved] = S * R * k + np.arange(len(moved))
+    out = np.lexsort((plan.indices, new_slot))
+    offsets = np.zeros(steps * R * k + 1, np.int64)
+    np.cumsum(np.bincount(new_slot, minlength=steps * R * k), out=offsets[1:])
+    return dataclasses.replace(plan, indices=plan.indices[out], offsets=offsets)
 
 
 def _serve_every_rank(plan: EpochPlan, lens: np.ndarray) -> EpochPlan:
