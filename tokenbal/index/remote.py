@@ -219,6 +219,7 @@ def expand_url(pattern: str, opts: RemoteOptions) -> list[str]:
     if not glob.has_magic(pattern):
         return [pattern]
     fs, path = filesystem(pattern, opts.storage_options)
+    fs.invalidate_cache()      # a listing of this process's shared filesystem may be stale (see object_info)
     # A listing pages through the store inside one call (many requests for a large bucket): only the
     # total deadline applies to it.
     found = with_retries(store_call(fs, "glob", path), pattern, "a listing",

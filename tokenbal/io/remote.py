@@ -223,6 +223,10 @@ def object_info(url: str, opts: RemoteOptions) -> dict:
     """Size and identity of a remote object: ``{"size", "etag", "remote_mtime"}`` (None when the store
     does not say)."""
     fs, path = filesystem(url, opts.storage_options)
+    # The filesystem is shared per process, and s3fs / gcsfs answer info from the listing a glob left in
+    # their cache: an object deleted or rewritten since (a verify or a rebuild later in the same process)
+    # would look unchanged. Ask the store.
+    fs.invalidate_cache(path)
     info = with_retries(store_call(fs, "info", path), url, "object info", opts)
     if info.get("size") is None:
         raise RemoteReadError(f"{url}: the server does not report the object's size")

@@ -182,6 +182,29 @@ def test_s3_build_verify_and_read_equal_local(s3, corpus, local, tmp_path):
     assert rc == 1
 
 
+def test_s3_verify_and_rebuild_in_the_build_process_see_objects_changed_since_its_listing(s3, tmp_path):
+    # A "dir/*.tar" glob fills s3fs's listing cache (a prefix glob "data-*" does not); the filesystem is
+    # shared per process, so a verify or a rebuild there must still ask the store, not that cache.
+    endpoint, client = s3
+    for i in range(2):
+        shard = write_shard(tmp_path / f"s{i}.tar", [Sample(f"k{i}{j}", images=[("jpg", 32, 24)],
+                                                            caption=f"sample {j}", seed=j) for j in range(3)])
+        client.upload_file(shard, "corpus", f"cached/s{i}.tar")
+    opts = RemoteOptions(storage_options={"endpoint_url": endpoint}, backoff_s=0.01)
+    out = tmp_path / "idx"
+    build_index(["s3://corpus/cached/*.tar"], out, progress=False, remote=opts)
+    assert verify_index(out, remote=opts) == []
+    data = bytearray(open(tmp_path / "s0.tar", "rb").read())
+    data[600] ^= 0xFF                                       # the same size, other bytes
+    client.put_object(Bucket="corpus", Key="cached/s0.tar", Body=bytes(data))
+    client.delete_object(Bucket="corpus", Key="cached/s1.tar")
+    problems = verify_index(out, remote=opts)
+    assert any(p.startswith("shard changed: s3://corpus/cached/s0.tar") for p in problems)
+    assert "shard missing: s3://corpus/cached/s1.tar" in problems
+    again = build_index(["s3://corpus/cached/*.tar"], out, progress=False, remote=opts)
+    assert again.num_reused == 0 and len(TokenIndex.open(out)) == 3
+
+
 def test_retry_rules():
     """Which failures are retried: fsspec reports HTTP failures of info() as FileNotFoundError, and
     only the cause tells a 503 (retried) from a 404 (missing at once)."""
