@@ -435,9 +435,16 @@ def _block_frames(f, at: int, size: int, counts: dict) -> None:
     counts[track] = counts.get(track, 0) + frames
 
 
+class MatroskaCut(VideoError):
+    """A Matroska / WebM file that ends inside an element its header says is longer (an interrupted
+    download or copy): the frames after the cut are lost, and the block at it would be counted."""
+
+
 def mkv_video_frames(f, total: int) -> int | None:
     """Blocks of the first video track of a Matroska / WebM file, or ``None`` when the layout is
-    one this walk does not handle (unknown-size clusters, damaged headers): then demux instead."""
+    one this walk does not handle (unknown-size clusters, damaged headers): then demux instead.
+    Raises :class:`MatroskaCut` for a file whose segment or a cluster runs past its end (as a cut mp4
+    is an error, not the frames before the cut)."""
     try:
         f.seek(0)
         counts: dict[int, int] = {}
@@ -445,11 +452,16 @@ def mkv_video_frames(f, total: int) -> int | None:
         for eid, at, size in _elements(f, total):
             if eid != _SEGMENT:
                 continue
-            seg_end = total if size is _EBML_UNKNOWN else min(total, at + size)
+            if size is not _EBML_UNKNOWN and at + size > total:
+                raise MatroskaCut(f"cut short: its segment declares {at + size} bytes, the file has {total}")
+            seg_end = total if size is _EBML_UNKNOWN else at + size
             f.seek(at)
             for cid, cat, csize in _elements(f, seg_end):
                 if csize is _EBML_UNKNOWN:
                     return None
+                if cat + csize > total:
+                    raise MatroskaCut(f"cut short: a cluster at byte {cat} runs to byte {cat + csize}, the "
+                                      f"file ends at {total}")
                 if cid == _TRACKS:
                     video_tracks += _video_track_numbers(f, cat, cat + csize)
                 elif cid == _CLUSTER:
@@ -468,6 +480,8 @@ def mkv_video_frames(f, total: int) -> int | None:
         if not video_tracks:
             return None
         return counts.get(video_tracks[0], 0)
+    except MatroskaCut:
+        raise
     except (ValueError, IndexError, OSError):
         return None
 
