@@ -63,6 +63,7 @@ from tokenbal.index.text import (
     json_text,
     part_file_key,
     placeholder_mismatch,
+    video_slot_mismatch,
 )
 from tokenbal.index.video import VideoError, probe_file
 from tokenbal.index.videoindex import SampleVideo, video_parts
@@ -282,7 +283,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
         paths.append(f"{rel}\0{full}")
         stamps.append((-1, vst.st_mtime_ns))
     # Text against media last: a record whose image or video file is bad says that first.
-    mismatch = placeholder_mismatch(pieces, image_parts(rec), len(images), "the record names")
+    mismatch = (placeholder_mismatch(pieces, image_parts(rec), len(images), "the record names")
+                or video_slot_mismatch(chat, len(videos), "the record names"))
     if mismatch:
         return fail(mismatch)
     if not images and not video_refs and not join_text(pieces or []).strip():

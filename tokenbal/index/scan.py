@@ -44,7 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenbal.index.imagesize import IMAGE_EXTS, PREFIX_BYTES, ImageSizeError, pread_exact, read_image_size
-from tokenbal.index.text import TEXT_EXTS, SampleTextError, join_text, member_text, placeholder_mismatch
+from tokenbal.index.text import (
+    TEXT_EXTS,
+    SampleTextError,
+    join_text,
+    member_text,
+    placeholder_mismatch,
+    video_slot_mismatch,
+)
 from tokenbal.index.video import VideoError, probe_video
 from tokenbal.io.tar import TarMember, header_stamp, walk_members
 
@@ -380,7 +387,8 @@ def read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
     if not sizes and not has_text_member and not videos:
         names = ", ".join(repr(ti.name) for ti in run)
         return fail(f"has neither images nor text nor a video (members: {names})")
-    mismatch = placeholder_mismatch(pieces, parts, len(sizes), "the sample has")
+    mismatch = (placeholder_mismatch(pieces, parts, len(sizes), "the sample has")
+                or video_slot_mismatch(chat, len(videos), "the sample has"))
     if mismatch:
         return fail(mismatch)
     text = join_text(pieces)

@@ -149,6 +149,18 @@ def placeholder_mismatch(pieces: list[str] | None, parts: int, n_images: int, ho
             "and images wrongly")
 
 
+def video_slot_mismatch(chat: list | None, n_videos: int, holder: str) -> str | None:
+    """The error of a sample whose conversation (:func:`chat_messages`: ``{"type": "video"}`` parts, a
+    LLaVA-Video ``<video>`` each) has video slots but not one per video; ``None`` when it has, or none
+    (the videos then go first, as images do). ``holder`` as in :func:`placeholder_mismatch`."""
+    found = sum(1 for t in chat or [] if isinstance(t, dict) and isinstance(t.get("content"), list)
+                for part in t["content"] if isinstance(part, dict) and part.get("type") == "video")
+    if not found or found == n_videos:
+        return None
+    return (f"its conversation has {found} video placeholder(s) (<video> or video parts) but {holder} "
+            f"{n_videos} video(s); the processor would fail or pair text and videos wrongly")
+
+
 def json_text(obj: object) -> list[str] | None:
     """Text pieces of a parsed JSON sample description (see the module rules); ``None`` if none."""
     if not isinstance(obj, dict):

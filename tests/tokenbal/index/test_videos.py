@@ -199,6 +199,37 @@ def test_annotation_videos_with_clip_fields(files, tmp_path):
     assert np.array_equal(s[meta["member"]], decode_frames(f["b.webm"], plan.indices))
 
 
+def test_video_placeholders_not_one_per_video_are_an_error_in_records_and_shards(files, tmp_path):
+    # As images: two <video> (LLaVA-Video) or two video parts for one video, in a JSONL record or a tar
+    # sample, is an error naming it (as the Parquet row already was), not a sample counted with one.
+    d, f = files
+    clip = os.path.basename(f["a.mp4"])
+    two_parts = [{"role": "user", "content": [{"type": "video"}, {"type": "video"},
+                                              {"type": "text", "text": "?"}]}]
+    llava = {"conversations": [{"from": "human", "value": "<video>\n<video>\ncompare"},
+                               {"from": "gpt", "value": "ok"}]}
+    rows = [{"video": clip, **llava}, {"videos": [clip], "messages": two_parts},
+            {"video": clip, "conversations": [{"from": "human", "value": "<video>\nwhat?"}]}]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    build_index([str(tmp_path / "r.jsonl")], tmp_path / "ann", model="qwen2-vl", image_root=str(d),
+                progress=False)
+    ann = TokenIndex.open(tmp_path / "ann")
+    assert list(ann.keys) == ["r.jsonl:3"]
+    for key in ("r.jsonl:1", "r.jsonl:2"):
+        reason = next(e["reason"] for e in ann.errors if e["key"] == key)
+        assert "2 video placeholder(s) (<video> or video parts) but the record names 1 video(s)" in reason
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("a", raw=[("mp4", read(f["a.mp4"])), ("json", json.dumps(llava).encode())]),
+        Sample("b", raw=[("json", json.dumps({"messages": two_parts}).encode())]),
+        Sample("c", raw=[("mp4", read(f["a.mp4"])), ("txt", b"one clip")])])
+    build_index([shard], tmp_path / "tar", model="qwen2-vl", progress=False)
+    tar = TokenIndex.open(tmp_path / "tar")
+    assert list(tar.keys) == ["c"]
+    reasons = {e["key"]: e["reason"] for e in tar.errors}
+    assert "2 video placeholder(s) (<video> or video parts) but the sample has 1 video(s)" in reasons["a"]
+    assert "but the sample has 0 video(s)" in reasons["b"]
+
+
 def test_family_without_video_support_rejects_the_sample(files, tmp_path):
     d, f = files
     shard = write_shard(tmp_path / "s.tar", [Sample("v", raw=[("mp4", read(f["a.mp4"]))]),
