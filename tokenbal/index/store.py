@@ -589,8 +589,9 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
     named; the first/last MiB fingerprint is compared too. A shard whose mtime changed while every
     header and the fingerprint are the same is reported as modified (a copy that dropped mtimes looks
     the same as a payload edited in place; ``touch -r`` it back or rebuild). Image and video files
-    named by annotation records are checked by size and mtime. A Parquet file has no member headers:
-    size, fingerprint and mtime only.
+    named by annotation records are checked by size and mtime, and so are the video files Parquet rows
+    name by path and the files that made a record an error (``_row_file_problems``). A Parquet file has
+    no member headers: size, fingerprint and mtime only.
     A remote shard (URL) is checked through its store (``tokenbal.index.remote.remote_problems``,
     ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint; its
     member headers are not re-listed here (the reader still compares each member's stamp).
@@ -621,6 +622,7 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
         problems.extend(failed_shards(manifest))
     for sid, entry in enumerate(manifest["shards"]):
         shard = entry["path"]
+        problems.extend(_row_file_problems(entry))
         if "://" in shard and not shard.startswith("file://"):
             from tokenbal.index.remote import remote_problems
             from tokenbal.io.remote import RemoteOptions
@@ -739,6 +741,29 @@ def _first_changed_member(idx: TokenIndex | None, sid: int, members: list) -> st
                 return (f"member {m.name!r} of sample {idx.keys[i]!r} at byte {m.offset} was rewritten: "
                         f"{', '.join(what)} differ")
     return None
+
+
+def _row_file_problems(entry: dict) -> list[str]:
+    """The files outside a shard its samples depend on, as the build recorded them (path, size, mtime;
+    -1, -1 when missing): videos a Parquet row names by path (``video_files``) and files that made an
+    annotation record an error (``error_files``). One changed, gone or (for an error's) appeared since
+    makes the index stale, as a rebuild rescans the shard for it (``build._row_files_changed``)."""
+    out = []
+    for kind, key in (("video file", "video_files"), ("file", "error_files")):
+        for path, size, mtime_ns in entry.get(key) or ():
+            try:
+                st = os.stat(path)
+            except OSError:
+                if size != -1:
+                    out.append(f"{kind} missing: {path} (named by {entry['path']})")
+                continue
+            if size == -1:
+                out.append(f"{kind} appeared: {path} (named by {entry['path']}, missing at the build: its "
+                           "samples are errors a rebuild would count)")
+            elif (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+                out.append(f"{kind} changed: {path} (named by {entry['path']}; size {size} -> {st.st_size} "
+                           "bytes, or its mtime)")
+    return out
 
 
 def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None) -> list[str]:

@@ -29,7 +29,7 @@ from tests.helpers import family_processors as fp  # noqa: E402
 from tests.helpers.index_oracles import stand_in_video_folder  # noqa: E402
 from tests.helpers.parquet_video_oracle_check import write_parquet_files  # noqa: E402
 from tokenbal import TokenIndex  # noqa: E402
-from tokenbal.index import build_index  # noqa: E402
+from tokenbal.index import build_index, verify_index  # noqa: E402
 from tokenbal.index.parquet import ParquetOptions  # noqa: E402
 from tokenbal.integrations.hf import dataset_lengths  # noqa: E402
 
@@ -151,10 +151,16 @@ def test_a_rebuild_follows_the_video_files_parquet_rows_name(videos, tmp_path):
     build_index(src, out, progress=False)
     before = TokenIndex.open(out).video_tokens.copy()
     assert build_index(src, out, progress=False).num_reused == 1
+    assert verify_index(out) == []
     longer = write_video(str(tmp_path / "longer.mp4"), 90, 128, 96, 30)
     os.replace(shutil.copy(longer, clip + ".new"), clip)
+    # verify says what the rebuild will act on: the named video changed (it said "up to date")
+    assert [p for p in verify_index(out) if p.startswith(f"video file changed: {clip} (named by {src}")]
     assert build_index(src, out, progress=False).num_reused == 0
     assert TokenIndex.open(out).video_tokens[0] > before[0]
+    assert verify_index(out) == []
+    os.remove(clip)
+    assert verify_index(out) == [f"video file missing: {clip} (named by {src})"]
 
 
 
@@ -172,7 +178,9 @@ def test_a_parquet_row_whose_video_was_missing_is_counted_once_it_appears(videos
     first = build_index(src, out, progress=False)
     assert first.num_errors == 1 and "cannot read the video" in TokenIndex.open(out).errors[0]["reason"]
     assert build_index(src, out, progress=False).num_reused == 1      # still missing: nothing to rescan
+    assert verify_index(out) == []
     shutil.copy(videos[0], clip)
+    assert [p for p in verify_index(out) if p.startswith(f"video file appeared: {clip}")]
     report = build_index(src, out, progress=False)
     assert report.num_reused == 0 and report.num_errors == 0 and len(TokenIndex.open(out)) == 2
 
