@@ -57,6 +57,9 @@ SmolVLM video text             5.19-5.24: ``replace_video_token`` writes the fra
                                ``apply_chat_template`` swaps it in for a whole batch), which on 5.19
                                drops string message content: tokenbal renders SmolVLM rows one by
                                one through that method, so its counts follow on every release
+Trainer ``num_items_in_batch``  4.57-5.9 count ``labels != -100`` over the whole label tensor; 5.19+
+                               ``labels[..., 1:]`` for a loss that shifts them (a causal LM's), the
+                               tokens the loss sums over (:func:`trainer_counts_shifted_labels`)
 ============================  ======================================================================
 """
 
@@ -509,3 +512,10 @@ def video_token_inputs(grid: tuple[int, int, int] | None, metadata: Any, frames:
     return {"video_grid_thw": np.asarray([grid if grid is not None else (frames, 1, 1)], np.int64),
             "video_metadata": [metadata], "pixel_values_videos": [shape_only(frames, 3, 1, 1)],
             "pixel_values": shape_only(1, padded, 3, 1, 1)}
+
+
+def trainer_counts_shifted_labels(trainer: Any) -> bool:
+    """Whether the Trainer's ``_get_num_items_in_batch`` counts a causal LM's labels shifted (5.19+:
+    ``labels[..., 1:]`` where ``_loss_shifts_labels``); before, every label ``!= -100`` is counted, one
+    token per row more than the loss sums over where a row's first label is real."""
+    return hasattr(trainer, "_loss_shifts_labels")

@@ -261,6 +261,17 @@ class TokenBalancingMixin:
             return Trainer.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        # The step's loss tokens over all ranks (the global token mean's divisor): before 5.19 the
+        # Trainer counts every label != -100, not the shifted ones a causal LM's loss sums over
+        # (padded rows were off by about one per row); count those there too.
+        from tokenbal.hf_compat import trainer_counts_shifted_labels
+
+        config = getattr(getattr(self, "model", None), "config", None)
+        if not trainer_counts_shifted_labels(self) and not getattr(config, "is_encoder_decoder", False):
+            batch_samples = [_labels_shifted_for_count(b) for b in batch_samples]
+        return super()._get_num_items_in_batch(batch_samples, device)
+
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -327,6 +338,18 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+def _labels_shifted_for_count(batch: Any) -> Any:
+    """``batch`` with ``labels[..., 1:]`` as its labels, for counting loss tokens (unless it carries
+    ``shift_labels``, which a Trainer of any version would count as they are)."""
+    try:
+        labels = batch["labels"]
+    except (KeyError, TypeError):
+        return batch
+    if labels is None or "shift_labels" in batch or not hasattr(labels, "ndim"):
+        return batch
+    return {**{k: batch[k] for k in batch.keys()}, "labels": labels[..., 1:]}
 
 
 def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str) -> Any:

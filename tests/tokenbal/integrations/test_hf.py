@@ -62,8 +62,8 @@ def _train(rank: int, world: int, out_dir: str, resume: str | None) -> dict:
 
 
 def _own_counts(trainer, ds, collate) -> list[int]:
-    """Each sample's loss tokens as the installed Trainer counts them, on this rank alone (shifted
-    labels since transformers 5.19, every label != -100 before; ds.loss_tokens is the shifted count)."""
+    """Each sample's loss tokens as the Trainer counts them, on this rank alone (shifted labels on
+    every transformers: the mixin counts them so where the Trainer before 5.19 did not)."""
     trainer.args.average_tokens_across_devices = False
     try:
         return [int(trainer._get_num_items_in_batch([collate([ds[i]])], "cpu")) for i in range(len(ds))]

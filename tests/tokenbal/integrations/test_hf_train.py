@@ -347,3 +347,27 @@ def test_token_budget_epochs_of_different_plans_each_train_every_sample_once_and
         assert sorted(i for step in epoch for i in step) == list(range(60))
     resumed, _ = run(str(tmp_path / "checkpoint-40"))
     assert resumed == full[40:]
+
+
+def test_padded_steps_divide_by_the_shifted_loss_tokens_on_every_transformers(tmp_path):
+    # The global token mean's divisor is the step's labels[..., 1:] != -100 (what a causal LM's loss
+    # sums over); before 5.19 the Trainer counted every label, one too many per row whose first label
+    # is real. Padded rows here keep their first label, so the two counts differ.
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(8)
+    got: list[tuple[int, int]] = []
+
+    class Recording(TokenBalancedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            inputs.pop("sample_idx")
+            shifted = int((inputs["labels"][..., 1:] != -100).sum())
+            got.append((int(num_items_in_batch), shifted))
+            assert int((inputs["labels"][:, 0] != -100).sum()) > 0      # the counts would differ
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    t = Recording(model=tiny_qwen2_vl(), args=_padded_args(str(tmp_path), max_steps=3), train_dataset=ds,
+                  data_collator=pad_collate, token_lengths=ds.lengths())
+    t.train()
+    assert len(got) == 3 and all(n == shifted for n, shifted in got)
