@@ -330,7 +330,16 @@ class TokenBalancingMixin:
             sampler.fix_epoch_steps(1, at_least=saved_steps)   # more epochs than before: its steps kept
         # Validates seed, lengths and settings against the checkpoint; the cursor stays 0 because the
         # Trainer itself skips the batches already trained in this epoch.
-        sampler.load_state_dict({**saved, "cursor": 0})
+        try:
+            sampler.load_state_dict({**saved, "cursor": 0})
+        except ValueError as e:
+            # Said in the Trainer's terms: its batch size is per device, and it resumes only on the
+            # checkpoint's step settings (its own skip arithmetic assumes them; no elastic resume).
+            text = str(e).split("\n(only the step settings differ")[0]
+            raise ValueError(f"{path}: {text}\n(global_batch_size = per_device_train_batch_size x "
+                             "data-parallel ranks x gradient_accumulation_steps; the Trainer resumes only "
+                             "with the checkpoint's batch size, gradient accumulation, world size and token "
+                             "budget)") from None
         expect = self._sampler_state_at(global_step)
         if (saved["epoch"], saved["cursor"]) != (expect["epoch"], expect["cursor"]):
             raise ValueError(f"{path} is at epoch {saved['epoch']} batch {saved['cursor']}, but the trainer "
@@ -356,10 +365,14 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
     """The token lengths the sampler plans with: ``token_lengths`` when given; else the dataset's
     ``length`` column (transformers' convention); else ``len(input_ids)`` of a tokenized dataset;
     else :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
-    if token_lengths is not None:
-        return token_lengths
     if train_dataset is None:
         return None   # no training; get_train_dataloader raises if it is ever asked for
+    if not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
+        raise TypeError(f"{who} plans whole epochs of a map-style train_dataset (len() and indexing); this "
+                        f"one is a {type(train_dataset).__name__} (a stream): for streams use "
+                        "tokenbal.data.balanced_batches in the data pipeline, or load the dataset map-style")
+    if token_lengths is not None:
+        return token_lengths
     from tokenbal.integrations.hf_lengths import lengths_column
 
     names = list(getattr(train_dataset, "column_names", None) or [])

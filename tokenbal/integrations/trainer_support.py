@@ -128,7 +128,10 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     from tokenbal.integrations.hf_lengths import _conversation
 
     if messages not in row:
-        raise KeyError(f"row has no {messages!r} column (columns: {sorted(row)}); pass messages=")
+        raise KeyError(f"row has no {messages!r} column (columns: {sorted(row)}): the packed Trainer reads "
+                       "chat rows from 'messages' (rename the column, e.g. "
+                       "dataset.rename_column('conversations', 'messages')); process_row takes "
+                       "messages=<column>")
     index = row.get(INDEX_KEY, "?")
     conv = _conversation(row[messages], index, messages)
     values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))

@@ -118,6 +118,7 @@ def test_trainer_exactly_once_epochs_and_mid_epoch_resume(tmp_path):
 
 
 def test_trainer_rejects_mismatched_settings(tmp_path):
+    import torch
     from transformers import TrainingArguments
 
     from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
@@ -129,6 +130,19 @@ def test_trainer_rejects_mismatched_settings(tmp_path):
                              average_tokens_across_devices=False)
     with pytest.raises(TypeError, match="token_lengths"):
         TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate)
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(ds)
+
+    said = (r"map-style train_dataset \(len\(\) and indexing\); this one is a Stream \(a stream\): for "
+            r"streams use tokenbal.data.balanced_batches")
+    stream_args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                                    use_cpu=True, remove_unused_columns=False, max_steps=2)
+    for lengths in (None, ds.lengths()):     # a stream has no epoch to plan, with or without lengths
+        with pytest.raises(TypeError, match=said):
+            TokenBalancedTrainer(model=tiny_qwen2_vl(), args=stream_args, train_dataset=Stream(),
+                                 data_collator=pad_collate, token_lengths=lengths)
     with pytest.raises(ValueError, match="elastic"):
         TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
                              token_lengths=ds.lengths(), sampler_options={"elastic": True})
