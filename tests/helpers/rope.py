@@ -81,3 +81,21 @@ def _qk(T: int, hq: int, hk: int, d: int, dtype=torch.float32, seed=0):
     q = torch.randn(T, hq, d, generator=g, dtype=torch.float32).to(dtype)
     k = torch.randn(T, hk, d, generator=g, dtype=torch.float32).to(dtype)
     return q, k
+
+
+def check_inplace_on_projection_views(rope, pos: torch.Tensor, inv: torch.Tensor) -> None:
+    """``rope(q, k, pos, inv, [4, 6, 6], inplace=...)`` on q / k that are views of one projection's output
+    (``q_proj(h).view(T, H, D)``, the usual way; autograd refuses an in-place function with two outputs
+    on such views): the same projection gradients in place as out of place, q / k returned in place."""
+    proj = torch.nn.Linear(16, 6 * 40)
+    h = torch.randn(pos.shape[1], 16)
+    grads = []
+    for inplace in (True, False):
+        proj.zero_grad()
+        qkv = proj(h).view(pos.shape[1], 6, 40)
+        q, k = qkv[:, :4], qkv[:, 4:]
+        qo, ko = rope(q, k, pos, inv, [4, 6, 6], inplace=inplace)
+        assert (qo is q) == inplace and (ko is k) == inplace
+        (qo.square().sum() + ko.sum()).backward()
+        grads.append(proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=0)

@@ -17,7 +17,7 @@ from collate.ops.rope import cpu as rope_cpu
 from collate.ops.rope import dispatch as rope_dispatch
 from collate.ops.rope.cpu import apply_mrope_cpu
 from collate.ops.rope.reference import apply_mrope_reference
-from tests.helpers.rope import _inv_freq, _qk, _sample_positions
+from tests.helpers.rope import _inv_freq, _qk, _sample_positions, check_inplace_on_projection_views
 
 CASES = [
     (128, 128, [16, 24, 24], False),
@@ -105,20 +105,7 @@ def test_inplace_and_autograd_through_it(dtype):
     b = q0.float().requires_grad_()
     apply_mrope_reference(b, k0.float(), pos, inv, [4, 6, 6])[0].square().sum().backward()
     torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=0)
-    # q / k as views of one projection's output (q_proj(h).view(T, H, D), the usual way): autograd
-    # refuses an in-place function on views with two outputs, so the op must still work there.
-    proj = torch.nn.Linear(16, 6 * 40)
-    h = torch.randn(pos.shape[1], 16)
-    grads = []
-    for inplace in (True, False):
-        proj.zero_grad()
-        qkv = proj(h).view(pos.shape[1], 6, 40)
-        q, k = qkv[:, :4], qkv[:, 4:]
-        qo, ko = apply_mrope_cpu(q, k, pos, inv, [4, 6, 6], inplace=inplace)
-        assert (qo is q) == inplace and (ko is k) == inplace
-        (qo.square().sum() + ko.sum()).backward()
-        grads.append(proj.weight.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=0)
+    check_inplace_on_projection_views(apply_mrope_cpu, pos, inv)
 
 
 def test_non_contiguous_and_mixed_dtypes():

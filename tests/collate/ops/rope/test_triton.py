@@ -20,7 +20,14 @@ pytest.importorskip("triton")
 from collate import apply_mrope  # noqa: E402
 from collate.ops.rope import dispatch as rope_dispatch  # noqa: E402
 from collate.ops.rope.reference import apply_mrope_reference  # noqa: E402
-from tests.helpers.rope import _inv_freq, _qk, _sample_positions, hf_mrope, rope_1d_oracle  # noqa: E402
+from tests.helpers.rope import (  # noqa: E402
+    _inv_freq,
+    _qk,
+    _sample_positions,
+    check_inplace_on_projection_views,
+    hf_mrope,
+    rope_1d_oracle,
+)
 
 _MOD = "collate.ops.rope.triton"
 
@@ -216,17 +223,7 @@ def test_inplace(tri):
     (qc.square().sum() + ke.sum()).backward()
     torch.testing.assert_close(a.grad, c.grad, atol=2e-5, rtol=0)
     torch.testing.assert_close(b.grad, e.grad, atol=2e-5, rtol=0)
-    # q / k as views of a projection's output that needs gradients: the same gradients as out of place.
-    proj = torch.nn.Linear(16, 6 * 40)
-    h = torch.randn(pos.shape[1], 16)
-    grads = []
-    for inplace in (True, False):
-        proj.zero_grad()
-        qkv = proj(h).view(pos.shape[1], 6, 40)
-        qo, ko = tri(qkv[:, :4], qkv[:, 4:], pos, inv, [4, 6, 6], inplace=inplace)
-        (qo.square().sum() + ko.sum()).backward()
-        grads.append(proj.weight.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=0)
+    check_inplace_on_projection_views(tri, pos, inv)
 
 
 def test_dispatch_forced_triton(tri, monkeypatch):
