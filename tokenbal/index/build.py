@@ -642,6 +642,14 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``)."""
     if is_parquet(path):
         scan = scan_parquet(path, parquet, remote, exif=exif)
+    elif is_url(path) and is_annotation_file(path):
+        # Annotation files are read from local disk with their images beside them; a URL of one is
+        # not a tar shard to scan by ranges (it was reported as a corrupt tar).
+        reason = (f"{path}: annotation files (.json / .jsonl) are read from local disk, with their images "
+                  "and videos as local files; download it (and its media), or pack the samples into tar "
+                  "shards, which may be URLs")
+        scan = ShardScan(path=path, status="unreadable", reason=reason,
+                         errors=[{"shard": path, "key": None, "reason": reason}])
     elif is_url(path):
         scan = scan_remote_shard(path, remote, exif=exif)
     else:

@@ -120,6 +120,15 @@ def test_http_video_members_are_probed_over_ranged_reads(tmp_path, ext):
         assert remote.video_tokens.tolist() == local.video_tokens.tolist()
 
 
+def test_an_annotation_file_url_is_refused_as_one_not_as_a_corrupt_tar(tmp_path, capsys):
+    (tmp_path / "train.jsonl").write_text('{"id": "a", "text": "hello"}\n')
+    with serve(str(tmp_path)) as (base, _):
+        rc = main(["index", "build", f"{base}/train.jsonl", "--out", str(tmp_path / "idx"), "-q"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "annotation files (.json / .jsonl) are read from local disk" in err
+    assert "tarfile" not in err and "corrupt" not in err
+
+
 def test_http_permanent_errors_name_the_url(corpus, tmp_path):
     with serve(corpus.root) as (base, _):
         # A missing URL fails before any scan, like a missing local file.
