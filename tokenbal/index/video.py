@@ -176,6 +176,13 @@ def probe_video(src: VideoSource) -> VideoInfo:
         raise VideoError(f"cannot read the video: {e}") from None
     with f:
         c = _open(f, header_only=True)
+        v = c.streams.video
+        if v and (int(v[0].width or 0) <= 0 or int(v[0].height or 0) <= 0):
+            # The header-only probe can leave a stream's size unset (an MPEG-4 Part 2 stream before
+            # another video stream in an mp4): probe it as FFmpeg does by default before judging it.
+            c.close()
+            f.seek(0)
+            c = _open(f)
         try:
             if not c.streams.video:
                 kinds = sorted({s.type for s in c.streams})

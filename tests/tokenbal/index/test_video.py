@@ -200,3 +200,27 @@ def test_an_edit_list_counts_the_frames_the_decoder_gives(tmp_path, trim):
     path = str(tmp_path / "trimmed.mp4")
     open(path, "wb").write(buf)
     assert probe_video(path).frames == count_decoded_frames(path) == (40 if trim == "start" else 30)
+
+
+def test_an_mpeg4_stream_before_another_video_stream_is_probed_with_its_size(tmp_path):
+    # The header-only probe leaves such a stream's size unset (0x0): it is probed again in full, not
+    # refused as a damaged header.
+    import av
+    import numpy as np
+
+    path = str(tmp_path / "two.mp4")
+    with av.open(path, "w") as out:
+        streams = []
+        for codec, w, h in (("mpeg4", 32, 32), ("h264", 64, 48)):
+            s = out.add_stream(codec, rate=10)
+            s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+            streams.append(s)
+        for i in range(20):
+            for s in streams:
+                img = np.full((s.height, s.width, 3), i * 10, np.uint8)
+                out.mux(s.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        for s in streams:
+            out.mux(s.encode())
+    info = probe_video(path)
+    assert (info.width, info.height, info.codec) == (32, 32, "mpeg4")
+    assert info.frames == count_decoded_frames(path) == 20
