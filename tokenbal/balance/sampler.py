@@ -163,14 +163,6 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self.elastic = bool(elastic)
         # plan_ahead: the next epoch's plan is made in a background thread once an epoch starts.
         self.plan_ahead = bool(plan_ahead)
-        # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
-        # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
-        self.epoch_steps: int | None = None
-        if epoch_steps is not None:
-            self.epoch_steps = positive_int("epoch_steps", epoch_steps)
-        if self.epoch_steps is not None and self.elastic:
-            raise ValueError("epoch_steps and elastic=True do not go together: an elastic resume re-plans "
-                             "the rest of an epoch into as many steps as it needs")
         self._ahead: dict[tuple, tuple[threading.Thread, list]] = {}
         self._ahead_lock = threading.Lock()
         self._verified: set[tuple[int, int]] = set()
@@ -189,6 +181,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # An iteration has started handing out this epoch's batches and not reached its end (so a
         # new one after it may follow a DataLoader that read ahead: see __iter__).
         self._handing_out = False
+        # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
+        # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
+        self.epoch_steps: int | None = None
+        if epoch_steps is not None:
+            self._set_epoch_steps(positive_int("epoch_steps", epoch_steps))
 
     # The sampler's view of its two inputs, under the names it has always had.
     lengths = property(lambda self: self.resolved.lengths, doc="int64 tokens per sample")
@@ -456,16 +453,20 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         as the HF Trainer does: token-budget plans differ by a step or two from epoch to epoch, and the
         Trainer would stop an epoch early (a sample never trained) or resume at the wrong place. The
         shorter epochs get light steps at their end (:func:`tokenbal.balance.plan.pad_steps`)."""
-        if self.elastic:
-            raise ValueError("fix_epoch_steps and elastic=True do not go together: an elastic resume "
-                             "re-plans the rest of an epoch into as many steps as it needs")
         steps = max([int(at_least)] + [self.natural_steps(e) for e in range(positive_int("epochs", epochs))])
+        self._set_epoch_steps(steps)
+        return steps
+
+    def _set_epoch_steps(self, steps: int) -> None:
+        """``epoch_steps = steps``; the plans made without it are dropped."""
+        if self.elastic:
+            raise ValueError("epoch_steps and elastic=True do not go together: an elastic resume re-plans "
+                             "the rest of an epoch into as many steps as it needs")
         if steps != self.epoch_steps:
             self.epoch_steps = steps
             self._plans.clear()
             with self._ahead_lock:
                 self._ahead.clear()
-        return steps
 
     def state_dict(self) -> dict[str, Any]:
         cursor = self.cursor

@@ -739,20 +739,13 @@ def _named_files_changed(idx: TokenIndex, path: str) -> bool:
 
 def _row_files_changed(entry: dict) -> bool:
     """Whether a file the shard's samples depend on outside the shard changed: a video file that a
-    Parquet row names by path (``entry["video_files"]``: path, size, mtime at the build; -1, -1 when it
-    was missing) or a file that made an annotation record an error (``entry["error_files"]``, the same)
-    appeared, changed or is gone. Then the shard is rescanned, as annotation files are when a
-    counted image changes: a fixed file is counted, a record never stays an error for a stale reason."""
-    for path, size, mtime_ns in [*(entry.get("video_files") or ()), *(entry.get("error_files") or ())]:
-        try:
-            st = os.stat(path)
-        except OSError:
-            if size != -1:
-                return True   # it was there: gone now
-            continue          # missing then and now
-        if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-            return True
-    return False
+    Parquet row names by path or a file that made an annotation record an error appeared, changed or is
+    gone (``store.row_file_problems``, what ``verify`` reports). Then the shard is rescanned, as
+    annotation files are when a counted image changes: a fixed file is counted, a record never stays an
+    error for a stale reason."""
+    from tokenbal.index.store import row_file_problems
+
+    return bool(row_file_problems(entry))
 
 
 # Statuses that say a read failed (the file was missing, an I/O error, a remote read out of retries),

@@ -590,7 +590,7 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
     header and the fingerprint are the same is reported as modified (a copy that dropped mtimes looks
     the same as a payload edited in place; ``touch -r`` it back or rebuild). Image and video files
     named by annotation records are checked by size and mtime, and so are the video files Parquet rows
-    name by path and the files that made a record an error (``_row_file_problems``). A Parquet file has
+    name by path and the files that made a record an error (``row_file_problems``). A Parquet file has
     no member headers: size, fingerprint and mtime only.
     A remote shard (URL) is checked through its store (``tokenbal.index.remote.remote_problems``,
     ``remote``: its ``RemoteOptions``): an unchanged ETag is trusted, else size and fingerprint; its
@@ -622,7 +622,7 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
         problems.extend(failed_shards(manifest))
     for sid, entry in enumerate(manifest["shards"]):
         shard = entry["path"]
-        problems.extend(_row_file_problems(entry))
+        problems.extend(row_file_problems(entry))
         if "://" in shard and not shard.startswith("file://"):
             from tokenbal.index.remote import remote_problems
             from tokenbal.io.remote import RemoteOptions
@@ -743,7 +743,7 @@ def _first_changed_member(idx: TokenIndex | None, sid: int, members: list) -> st
     return None
 
 
-def _row_file_problems(entry: dict) -> list[str]:
+def row_file_problems(entry: dict) -> list[str]:
     """The files outside a shard its samples depend on, as the build recorded them (path, size, mtime;
     -1, -1 when missing): videos a Parquet row names by path (``video_files``) and files that made an
     annotation record an error (``error_files``). One changed, gone or (for an error's) appeared since

@@ -291,21 +291,30 @@ def pad_steps(plan: EpochPlan, steps: int, lens: np.ndarray) -> EpochPlan:
     if S > steps:
         raise ValueError(f"this epoch's plan needs {S} steps, more than the {steps} fixed per epoch "
                          "(epoch_steps)")
-    sizes = np.diff(plan.offsets)
-    slot = np.repeat(np.arange(len(sizes)), sizes)                 # of each entry of plan.indices
+    slot = _entry_slots(plan)
     lengths = np.asarray(lens)[plan.indices]
     # Within each micro-batch its entries by length, largest first: all but the first may move.
     order = np.lexsort((plan.indices, -lengths, slot))
-    rank_in_slot = np.arange(len(order)) - np.repeat(plan.offsets[:-1], sizes)
+    rank_in_slot = np.arange(len(order)) - np.repeat(plan.offsets[:-1], np.diff(plan.offsets))
     movable = order[rank_in_slot >= 1]
     movable = movable[np.lexsort((plan.indices[movable], lengths[movable]))]   # the smallest first
     moved = movable[:(steps - S) * R * k]
-    new_slot = slot.copy()
-    new_slot[moved] = S * R * k + np.arange(len(moved))
-    out = np.lexsort((plan.indices, new_slot))
-    offsets = np.zeros(steps * R * k + 1, np.int64)
-    np.cumsum(np.bincount(new_slot, minlength=steps * R * k), out=offsets[1:])
-    return dataclasses.replace(plan, indices=plan.indices[out], offsets=offsets)
+    slot[moved] = S * R * k + np.arange(len(moved))
+    return _with_slots(plan, slot, steps * R * k)
+
+
+def _entry_slots(plan: EpochPlan) -> np.ndarray:
+    """The micro-batch slot of every entry of ``plan.indices``."""
+    sizes = np.diff(plan.offsets)
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def _with_slots(plan: EpochPlan, slot: np.ndarray, num_slots: int) -> EpochPlan:
+    """``plan`` with its entries moved to micro-batch slots ``slot`` (each slot's list ascending)."""
+    out = np.lexsort((plan.indices, slot))
+    offsets = np.zeros(num_slots + 1, np.int64)
+    np.cumsum(np.bincount(slot, minlength=num_slots), out=offsets[1:])
+    return dataclasses.replace(plan, indices=plan.indices[out].astype(np.int64), offsets=offsets)
 
 
 def _serve_every_rank(plan: EpochPlan, lens: np.ndarray) -> EpochPlan:
@@ -325,9 +334,9 @@ def _serve_every_rank(plan: EpochPlan, lens: np.ndarray) -> EpochPlan:
         return plan
     slots = R * k
     new_slot = np.arange(plan.num_steps * slots).reshape(plan.num_steps, slots)
+    entry_slot = _entry_slots(plan)
     load = np.zeros(plan.num_steps * slots, np.int64)
-    owner = np.repeat(np.arange(plan.num_steps * slots), np.diff(plan.offsets))
-    np.add.at(load, owner, lens[plan.indices])
+    np.add.at(load, entry_slot, lens[plan.indices])
     load = load.reshape(plan.num_steps, slots)
     for s in short:
         full = np.flatnonzero(counts[s])
@@ -335,12 +344,7 @@ def _serve_every_rank(plan: EpochPlan, lens: np.ndarray) -> EpochPlan:
         order = np.concatenate([full, np.flatnonzero(counts[s] == 0)])
         i = np.arange(slots)
         new_slot[s, order] = s * slots + (i % R) * k + i // R
-    old_of = np.argsort(new_slot.reshape(-1), kind="stable")       # the old slot now at each position
-    sizes = np.diff(plan.offsets)
-    offsets = np.zeros_like(plan.offsets)
-    np.cumsum(sizes[old_of], out=offsets[1:])
-    indices = np.concatenate([plan.indices[plan.offsets[o]:plan.offsets[o + 1]] for o in old_of])
-    return dataclasses.replace(plan, indices=indices.astype(np.int64), offsets=offsets)
+    return _with_slots(plan, new_slot.reshape(-1)[entry_slot], plan.num_steps * slots)
 
 
 def check_settings(lengths: np.ndarray, num_replicas: object, global_batch_size: object,
