@@ -26,6 +26,7 @@ checks every rule below against a full decode):
   (unknown-size clusters of live-streamed WebM, damaged headers) fall back to demuxing.
 * avi and anything else: packets counted the same way (an AVI header's frame count can include
   zero-size "dropped frame" packets, which the decoder turns into no frame; they are not counted).
+  A packet the demuxer marks corrupt (a program stream cut inside its last pack) is an error.
 
 ``fps`` is the stream's ``average_rate`` (what decord, torchvision and transformers' PyAV loader
 report and what the families' frame samplers divide by), else ``frames / duration``. For a
@@ -212,7 +213,7 @@ def probe_video(src: VideoSource) -> VideoInfo:
                     with g:
                         frames = mkv_video_frames(g, _size(src))
                 if frames is None:
-                    frames = sum(1 for p in c.demux(s) if p.size > 0)
+                    frames = _demuxed_frames(c, s)
             except av.error.FFmpegError as e:
                 raise VideoError(f"cannot read the video's packets: {e}") from None
             if frames <= 0:
@@ -445,6 +446,22 @@ def _block_frames(f, at: int, size: int, counts: dict) -> None:
 class MatroskaCut(VideoError):
     """A Matroska / WebM file that ends inside an element its header says is longer (an interrupted
     download or copy): the frames after the cut are lost, and the block at it would be counted."""
+
+
+def _demuxed_frames(container, stream) -> int:
+    """The video packets a demux of ``stream`` yields (zero-size "dropped frame" packets excluded).
+
+    A read that runs past the end of the file (an MPEG program stream cut inside its last pack) gives
+    a short packet that the demuxer marks corrupt, and the parser cuts it into frames the decoder
+    partly cannot decode (a file cut at half its size: 37 packets, 36 frames). So a corrupt packet is
+    an error, as a cut mp4 or Matroska file is, not a count."""
+    frames = 0
+    for i, packet in enumerate(container.demux(stream)):
+        if packet.is_corrupt:
+            raise VideoError(f"cut short or damaged: the demuxer marks packet {i} of the video stream "
+                             "corrupt (a read past the end of the file?)")
+        frames += packet.size > 0
+    return frames
 
 
 def mkv_video_frames(f, total: int) -> int | None:

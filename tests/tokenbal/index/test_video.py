@@ -29,6 +29,7 @@ CASES = [   # name, frames, width, height, fps, extra
     ("vfr.webm", 40, 32, 32, 30, {"gaps_ms": [33, 50, 100]}),
     ("ntsc.mkv", 45, 20, 30, NTSC, {}),
     ("pal.avi", 31, 32, 16, 25, {}),
+    ("program.mpg", 40, 32, 16, 25, {"codec": "mpeg2video"}),
     ("mpeg4.mov", 50, 16, 16, NTSC, {}),
     ("one.webm", 1, 18, 10, 24, {}),
     ("portrait.mp4", 12, 18, 32, 24, {}),
@@ -147,6 +148,20 @@ def test_a_matroska_file_cut_short_is_an_error_not_a_frame_too_many(videos, name
     data = open(videos[name], "rb").read()
     with pytest.raises(VideoError, match=r"cut short: (its segment declares|a cluster at byte)"):
         probe_video(data[:int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.5, 0.7, 0.9])
+def test_a_cut_program_stream_is_refused_or_counted_exactly(videos, keep):
+    # The demux fallback (no header count in MPEG-PS): the packet at the cut is short, and the parser
+    # cuts frames from it that the decoder cannot decode all of.
+    data = open(videos["program.mpg"], "rb").read()
+    cut = data[:int(len(data) * keep)]
+    try:
+        frames = probe_video(cut).frames
+    except VideoError as e:
+        assert "cut short" in str(e)
+        return
+    assert frames == count_decoded_frames(cut)
 
 
 @pytest.mark.slow
