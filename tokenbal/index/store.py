@@ -572,6 +572,12 @@ def index_problems(idx: TokenIndex) -> list[str]:
     if bad:
         out.append(f"index damaged: {f('image_size.npy')}: {bad} image(s) with a side <= 0 "
                    f"(first: image {first}: {wh[first].tolist()})")
+    # errors.jsonl cut at a line boundary still parses: only its count against the manifest shows
+    # that samples or shards that were not indexed went unreported.
+    n_errors = len(idx.errors)
+    if n_errors != int(idx.manifest.get("num_errors", -1)):
+        out.append(f"index damaged: {f(ERRORS)}: {n_errors} line(s), {MANIFEST} says num_errors "
+                   f"{idx.manifest.get('num_errors')} (errors were lost: rebuild the index)")
     if not out and int(lengths.sum()) != int(idx.manifest.get("total_tokens", -1)):
         out.append(f"index damaged: {f(MANIFEST)}: total_tokens {idx.manifest.get('total_tokens')} but "
                    f"lengths.npy sums to {int(lengths.sum())}")

@@ -509,6 +509,20 @@ def test_a_non_monotonic_member_start_is_named_not_blamed_on_the_shard(small_ind
         TokenIndex.open(small_index).members(0)
 
 
+def test_errors_jsonl_cut_at_a_line_boundary_is_named_by_verify(tmp_path):
+    """Cut between two lines, errors.jsonl still parses; only the manifest's count shows that bad
+    samples or shards went unreported."""
+    corpus = make_corpus(tmp_path / "shards", n_shards=1, samples_per_shard=2, bad=True)
+    out = tmp_path / "idx"
+    build_index(corpus.shards, out, progress=False)
+    file = out / "errors.jsonl"
+    lines = file.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert len(lines) >= 2 and verify_index(out) == []
+    file.write_text("".join(lines[:-1]), encoding="utf-8")
+    assert verify_index(out) == [f"index damaged: {file}: {len(lines) - 1} line(s), manifest.json says "
+                                 f"num_errors {len(lines)} (errors were lost: rebuild the index)"]
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
