@@ -34,12 +34,13 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     Raises ``ValueError`` naming the problem when the parts are not one complete set: a folder that is
     not a part index, parts of different builds (sources, token rules or part counts differ), a part
     missing or given twice, parts that split different shard lists or saw a shard changed, shards in
-    two parts or in none (``check_split``). Returns the ``BuildReport`` of the merged index.
+    two parts or in none (``check_split``), a damaged part (``store.index_problems``: counts that do
+    not sum, ``errors.jsonl`` cut short). Returns the ``BuildReport`` of the merged index.
     """
     import time
 
     from tokenbal.index.build import BuildReport, _result_from_index, _rules, write_index
-    from tokenbal.index.store import TokenIndex
+    from tokenbal.index.store import TokenIndex, index_problems
 
     t0 = time.perf_counter()
     if not parts:
@@ -69,6 +70,14 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
         raise ValueError(f"merge: part(s) {', '.join(f'{i}/{n}' for i in absent)} missing; "
                          f"got {len(seen)} of {n}")
     check_split(idxs)
+    # The merge copies each part's columns as they are and writes a fresh, self-consistent index:
+    # damage in a part (a length that is not vision + text, errors.jsonl cut short) would pass
+    # every later verify of the merged index, so it is refused here, naming the part.
+    for idx in idxs:
+        damage = index_problems(idx)
+        if damage:
+            raise ValueError(f"merge: part {idx.manifest['part']['index']}/{n} ({idx.path}) is damaged: "
+                             f"{'; '.join(damage)}; rebuild that part")
     jobs = []
     for idx in idxs:
         positions = idx.manifest["part"]["positions"]

@@ -183,3 +183,29 @@ def test_parts_that_overlap_or_leave_a_gap_are_refused(tmp_path):
     file.write_text(json.dumps(m))
     with pytest.raises(ValueError, match="did not record the shard list"):
         merge_indexes(tmp_path / "m", [tmp_path / "p0", tmp_path / "p1"])
+
+
+def test_a_damaged_part_is_refused_not_merged_into_a_clean_looking_index(tmp_path):
+    """The merge writes a fresh, self-consistent index from the parts' columns: a part's damage (a
+    token count that no longer sums, errors.jsonl cut at a line) would pass every verify after it."""
+    corpus = make_corpus(tmp_path / "shards", n_shards=2, samples_per_shard=2, bad=True)
+    src = os.path.join(corpus.root, "data-*.tar")
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for i, out in enumerate(parts):
+        build_index([src], out, progress=False, part=(i, 2))
+    vision = np.load(parts[1] / "vision_tokens.npy")
+    vision[0] += 1000
+    np.save(parts[1] / "vision_tokens.npy", vision)
+    with pytest.raises(ValueError, match=rf"part 1/2 \({parts[1]}\) is damaged: .*lengths\.npy: 1 sample"):
+        merge_indexes(tmp_path / "m", parts)
+    assert not os.path.exists(tmp_path / "m")
+    vision[0] -= 1000
+    np.save(parts[1] / "vision_tokens.npy", vision)
+    errors = parts[0] / "errors.jsonl"
+    lines = errors.read_text(encoding="utf-8").splitlines(keepends=True)
+    errors.write_text("".join(lines[:-1]), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"part 0/2 \({parts[0]}\) is damaged: .*errors\.jsonl: "
+                                         rf"{len(lines) - 1} line\(s\), manifest\.json says num_errors"):
+        merge_indexes(tmp_path / "m", parts)
+    errors.write_text("".join(lines), encoding="utf-8")
+    assert merge_indexes(tmp_path / "m", parts).num_errors == len(lines)
