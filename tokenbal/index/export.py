@@ -7,7 +7,8 @@ columns ``key``, ``shard``, ``length`` (vision + text tokens), ``vision_tokens``
   samplers, ms-swift and LlamaFactory packing read;
 * ``jsonl``: ``lengths.jsonl``, one object per line;
 * ``npy``: ``lengths.npy`` (int64, shape (N, 3): length, vision, text), ``keys.txt`` and
-  ``shards.txt`` (one line per sample; keys with a newline are refused for this format).
+  ``shards.txt`` (one line per sample; keys with a line break, ``\\n`` or ``\\r``, are refused for
+  this format).
 
 ``lengths_for_keys(source, keys)`` gives the ``length`` of each of ``keys`` from an export or an
 index, in the order of ``keys``: a dataset listed in another order (another tool's sample list, a
@@ -57,9 +58,12 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
                 row = {"key": key, "shard": shards[j], **{k: int(v[j]) for k, v in cols.items()}}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
     else:
-        bad = next((k for k in keys + shards if "\n" in k), None)
+        # A carriage return is a line break to every text reader that translates newlines (Python's
+        # default among them): a key holding one would come back split, or without it.
+        bad = next((k for k in keys + shards if "\n" in k or "\r" in k), None)
         if bad is not None:
-            raise ValueError(f"key or shard {bad!r} holds a newline; export it as parquet or jsonl")
+            raise ValueError(f"key or shard {bad!r} holds a line break (\\n or \\r); export it as parquet "
+                             "or jsonl")
         path = os.path.join(out_dir, "lengths.npy")
         np.save(path, np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3))
         for name, lines in (("keys.txt", keys), ("shards.txt", shards)):
@@ -100,7 +104,8 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
         return [r["key"] for r in rows], {c: np.array([r[c] for r in rows], np.int64) for c in COLUMNS}
     if path.endswith(".npy"):
         arr = np.load(path)
-        with open(os.path.join(os.path.dirname(path), "keys.txt"), encoding="utf-8") as f:
+        # newline="": the keys exactly as written (no \r\n -> \n translation).
+        with open(os.path.join(os.path.dirname(path), "keys.txt"), encoding="utf-8", newline="") as f:
             keys = f.read().split("\n")[:-1]
         if len(keys) != len(arr):
             raise ValueError(f"{path}: {len(arr)} rows but keys.txt has {len(keys)} keys")

@@ -127,6 +127,34 @@ def test_join_refuses_duplicate_keys(tmp_path):
         lengths_for_keys(tmp_path / "x", ["k"])
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "npy"])
+def test_export_keeps_unusual_keys_exactly_or_refuses_them(tmp_path, fmt):
+    """Keys with a carriage return, non-ASCII letters and Unicode line separators: a format that can
+    hold them gives them back exactly; npy's keys.txt (one line per key) refuses a line break."""
+    from tests.helpers.corpus import Sample, write_shard
+
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    keys = ["plain", "trail\r", "ünïcødé/日本", "\u2028sep", "x\x85y", "tab\t"]
+    shard = write_shard(tmp_path / "a.tar", [Sample(k, caption="w " * (j + 1)) for j, k in enumerate(keys)])
+    build_index([shard], tmp_path / "i", progress=False)
+    idx = TokenIndex.open(tmp_path / "i")
+    assert list(idx.keys) == keys
+    if fmt == "npy":
+        # The key "trail\r" used to come back as "trail" (its line read as "trail\r\n").
+        with pytest.raises(ValueError, match=r"key or shard 'trail\\r' holds a line break"):
+            export_index(idx, tmp_path / "x", fmt)
+        keys = [k for k in keys if "\r" not in k]
+        shard = write_shard(tmp_path / "b.tar",
+                            [Sample(k, caption="w " * (j + 1)) for j, k in enumerate(keys)])
+        build_index([shard], tmp_path / "j", progress=False)
+        idx = TokenIndex.open(tmp_path / "j")
+    export_index(idx, tmp_path / "x", fmt)
+    got, cols = read_export(tmp_path / "x")
+    assert got == keys
+    np.testing.assert_array_equal(cols["length"], np.asarray(idx.lengths))
+
+
 # --- issue 33: the parts must split one shard list --------------------------------------------------
 
 def _small_corpus(root, n):
