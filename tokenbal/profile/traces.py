@@ -270,8 +270,9 @@ def _to_trace(path: str, data, rank: int | None) -> Trace:
 def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
     """Each trace under ``trace_dir`` in turn (files in name order), read one at a time: the caller
     reduces a trace to what it keeps before asking for the next, so memory holds one trace's events.
-    Files that are not traces are named in ``skipped``; a damaged trace raises ``ValueError`` naming
-    it. A trace that names no rank is rank 0 where it is alone in its run (:mod:`tokenbal.profile.runs`)."""
+    Files that are not traces, and traces with no complete events, are named in ``skipped``; a
+    damaged trace raises ``ValueError`` naming it. A trace that names no rank is rank 0 where it is
+    alone in its run (:mod:`tokenbal.profile.runs`)."""
     files = _trace_files(trace_dir)
     wanted = "*.json, *.json.gz or ASCEND_PROFILER_OUTPUT/trace_view.json"
     if not files:
@@ -282,6 +283,13 @@ def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
             trace = _to_trace(path, _read_json(path), None)
         except NotATrace as e:
             skipped.append(f"skipped {e}")
+            continue
+        if not trace.events:
+            # What a profiler writes when it recorded nothing (never stepped into an active phase,
+            # a failed export): no step times it, so it would join any run and leave that run
+            # with no step in common. Its rank is then reported missing.
+            skipped.append(f"skipped {path}: a profiler trace with no complete events (rank {trace.rank}): "
+                           "nothing was recorded")
             continue
         found += 1
         yield trace

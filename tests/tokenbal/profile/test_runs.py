@@ -90,6 +90,20 @@ def test_a_newer_gz_from_another_run_does_not_win(two_runs, tmp_path):
     assert profile_run(str(tmp_path), run=1).files[0] == str(tmp_path / "rank0.json")
 
 
+def test_a_trace_that_recorded_nothing_is_skipped_and_its_rank_named_missing(two_runs, tmp_path):
+    """A trace with no complete events (a profiler that never reached an active step) has no step
+    time: it used to join the run and fail its analysis with "share no ProfilerStep#N", naming no file."""
+    shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "rank0.json")
+    data = json.loads((two_runs / "A" / "rank1.json").read_text())
+    data["traceEvents"] = [e for e in data["traceEvents"] if e.get("ph") != "X"]
+    (tmp_path / "rank1.json").write_text(json.dumps(data))
+    p = profile_run(str(tmp_path))
+    assert p.ranks == [0] and p.world_size == 2 and p.missing_ranks == [1]
+    assert f"skipped {tmp_path / 'rank1.json'}: a profiler trace with no complete events (rank 1): nothing " \
+           "was recorded" in p.notes
+    assert any("no trace of rank 1" in n for n in p.notes)
+
+
 def test_two_traces_claiming_one_rank_are_an_error_naming_both(two_runs, tmp_path):
     for r in (0, 1):
         shutil.copy(two_runs / "A" / f"rank{r}.json", tmp_path / f"rank{r}.json")
