@@ -29,6 +29,11 @@ def _late_ranks(c) -> str:
 
 def verdict(p: RunProfile) -> list[VerdictRow]:
     step = p.mean_step_s()
+
+    def share(seconds: float) -> float:
+        # Steps of zero length (a trace whose ProfilerStep#N annotations closed as they opened) have
+        # no share to give: NaN, shown as '-' (None in --json), not a ZeroDivisionError.
+        return seconds / step if step > 0 else float("nan")
     straggler, unequal, jitter = p.straggler_wait_s(), p.unequal_work_s(), p.jitter_s()
     per_step_syncs = (p.mean("host_reads") + p.mean("sync_calls") + p.mean("h2d_copies"))
     exposed = p.mean("exposed_comm_s")
@@ -43,31 +48,31 @@ def verdict(p: RunProfile) -> list[VerdictRow]:
                        "own, its rotary cos / sin table and the vision tower's rotation, which "
                        "enable_packed keeps")
     rows = [
-        VerdictRow("stragglers (unequal work per rank)", unequal, unequal / step,
+        VerdictRow("stragglers (unequal work per rank)", unequal, share(unequal),
                    f"collective arrival skew median up to {skew * 1e3:.1f} ms{source}; the late ranks' extra "
                    f"work ({judged}) explains {explained} of the wait; compute max/mean "
                    f"{p.compute_imbalance():.3f}",
                    "TokenBalancedBatchSampler over a `tokenbal index build` index "
                    "(cost='flops', stages=True)"),
-        VerdictRow("arrival jitter (late ranks without more work)", jitter, jitter / step,
+        VerdictRow("arrival jitter (late ranks without more work)", jitter, share(jitter),
                    "ranks reach collectives at different times with the same operator work: host stalls, "
                    "data loading, or other processes on the cores; balancing samples does not remove it",
                    "not the sampler: more DataLoader workers / DevicePrefetcher, one rank per core set "
                    "(torch.set_num_threads), no other load on the hosts"),
-        VerdictRow("host syncs and H2D copies in the step", p.mean("sync_gap_s"), p.mean("sync_gap_s") / step,
+        VerdictRow("host syncs and H2D copies in the step", p.mean("sync_gap_s"), share(p.mean("sync_gap_s")),
                    f"{per_step_syncs:.1f} per step ({p.mean('host_reads'):.1f} scalar reads, "
                    f"{p.mean('sync_calls'):.1f} syncs, {p.mean('h2d_copies'):.1f} H2D copies)"
                    + ("" if p.device else "; host-only trace: no device to stall here, each one stalls the "
                       "launch queue on an accelerator"),
                    "PackedCollator (cu_seqlens / positions built on the host) + DevicePrefetcher "
                    "(side stream)"),
-        VerdictRow("RoPE slice / cat copies", p.mean("rope_copy_s"), p.mean("rope_copy_s") / step,
+        VerdictRow("RoPE slice / cat copies", p.mean("rope_copy_s"), share(p.mean("rope_copy_s")),
                    "copy operators inside rotary-embedding code" if p.has_python_stacks else
                    "no Python stacks: not attributable (profile with with_stack=True)",
                    rope_remedy),
         # Waiting for a straggler shows up as exposed communication too; count it once, above.
         VerdictRow("exposed communication (not overlapped)", max(0.0, exposed - straggler),
-                   max(0.0, exposed - straggler) / step,
+                   share(max(0.0, exposed - straggler)),
                    f"communication {p.mean('comm_s') * 1e3:.1f} ms/step, overlap "
                    + (f"{np.mean(overlaps):.0%}" if overlaps else "-"),
                    "collate.train.FSDPSettings.for_device (layer prefetch, async reduce-scatter)"),
@@ -108,7 +113,8 @@ def format_report(p: RunProfile) -> str:
                          f"{c.skew_max_s * 1e3:8.2f}   {_late_ranks(c)}")
     lines += ["", "verdict (share of the mean step; the feature that addresses it):"]
     for v in verdict(p):
-        lines.append(f"  {v.share:6.1%}  {v.seconds * 1e3:8.2f} ms  {v.bottleneck}: {v.evidence}")
+        share = f"{v.share:6.1%}" if np.isfinite(v.share) else f"{'-':>6s}"
+        lines.append(f"  {share}  {v.seconds * 1e3:8.2f} ms  {v.bottleneck}: {v.evidence}")
         lines.append(f"  {'':6s}  {'':8s}     -> {v.remedy}")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -166,6 +166,19 @@ def test_odd_event_fields_are_read_not_a_traceback(tmp_path, capsys, event):
     assert code == 0 and "1 ranks, 1 steps" in out
 
 
+def test_steps_of_zero_length_give_no_share_not_a_traceback(tmp_path, capsys):
+    """Every ProfilerStep#N closed as it opened: the mean step is 0 s, and each verdict row's share of
+    it used to be a ZeroDivisionError."""
+    step = dict(STEP, dur=0)
+    op = {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 1, "tid": 1, "ts": 0, "dur": 0}
+    (tmp_path / "rank0.json").write_text(json.dumps(_trace([step, op])))
+    code, out, _ = run_cli(["profile", str(tmp_path)], capsys)
+    assert code == 0 and "mean step 0.0 ms" in out
+    assert "       -      0.00 ms  stragglers (unequal work per rank)" in out
+    code, out, _ = run_cli(["profile", str(tmp_path), "--json"], capsys)
+    assert code == 0 and all(row["share"] is None for row in json.loads(out)["verdict"])
+
+
 def test_deeply_nested_json_and_bad_ranks_name_the_file(tmp_path, capsys):
     deep = tmp_path / "deep"
     deep.mkdir()
