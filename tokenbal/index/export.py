@@ -29,12 +29,18 @@ COLUMNS = ("length", "vision_tokens", "text_tokens")
 
 def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str:
     """Write the per-sample table of ``index`` (a ``TokenIndex`` or its folder) into ``out_dir``;
-    returns the path of the main file written."""
-    from tokenbal.index.store import TokenIndex
+    returns the path of the main file written. A damaged index (``store.index_problems``) raises
+    ``IndexDamagedError`` naming the file."""
+    from tokenbal.index.store import IndexDamagedError, TokenIndex, index_problems
 
     if fmt not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
     idx = index if isinstance(index, TokenIndex) else TokenIndex.open(index)
+    # The export copies the columns as they are, for pipelines that trust them: a damaged index (a
+    # shard id out of range would even name another shard, by Python's negative indexing) is refused.
+    damage = index_problems(idx)
+    if damage:
+        raise IndexDamagedError(f"cannot export {idx.path}: {'; '.join(damage)}; rebuild the index")
     os.makedirs(out_dir, exist_ok=True)
     keys = list(idx.keys)
     shard_ids = np.asarray(idx.shard_ids)

@@ -155,6 +155,25 @@ def test_export_keeps_unusual_keys_exactly_or_refuses_them(tmp_path, fmt):
     np.testing.assert_array_equal(cols["length"], np.asarray(idx.lengths))
 
 
+def test_export_refuses_a_damaged_index_instead_of_copying_its_values(tmp_path):
+    """A shard id of -1 used to be exported as the last shard's path (Python's negative indexing)."""
+    from tests.helpers.corpus import Sample, write_shard
+
+    a = write_shard(tmp_path / "a.tar", [Sample("a1", caption="one two"), Sample("a2", caption="x")])
+    b = write_shard(tmp_path / "b.tar", [Sample("b1", caption="one two three")])
+    build_index([a, b], tmp_path / "i", progress=False)
+    ids = np.load(tmp_path / "i" / "shard_id.npy", mmap_mode="r+")
+    ids[0] = -1
+    ids.flush()
+    del ids
+    with pytest.raises(ValueError, match=r"cannot export .*shard_id\.npy: 1 shard id\(s\) outside 0\.\.1 "
+                                         r"\(first: sample 0: -1\)"):
+        export_index(tmp_path / "i", tmp_path / "x", "jsonl")
+    assert not os.path.exists(tmp_path / "x" / "lengths.jsonl")
+    assert main(["index", "export", str(tmp_path / "x"), "--index", str(tmp_path / "i"),
+                 "--format", "jsonl"]) != 0
+
+
 # --- issue 33: the parts must split one shard list --------------------------------------------------
 
 def _small_corpus(root, n):
