@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 import re
 from collections.abc import Hashable, Iterator
@@ -207,6 +208,10 @@ def _clean_event(e: dict, path: str, i: int) -> dict:
     try:
         e["ts"] = float(e["ts"])
         e["dur"] = float(e.get("dur", 0.0))
+        # json.load takes NaN / Infinity (and float() the strings "nan", "inf"): no profiler writes
+        # them, and every sum and mean over the event would turn to NaN or drop it unseen.
+        if not (math.isfinite(e["ts"]) and math.isfinite(e["dur"])):
+            raise ValueError("not a finite number")
     except (TypeError, ValueError) as err:
         raise ValueError(f"{path}: a damaged profiler trace (event {i} {e.get('name')!r} has ts "
                          f"{e.get('ts')!r}, dur {e.get('dur')!r}: {err})") from err

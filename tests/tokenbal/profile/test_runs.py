@@ -166,6 +166,19 @@ def test_odd_event_fields_are_read_not_a_traceback(tmp_path, capsys, event):
     assert code == 0 and "1 ranks, 1 steps" in out
 
 
+@pytest.mark.parametrize("field, text", [("ts", "NaN"), ("dur", "Infinity"), ("ts", '"nan"')])
+def test_a_time_that_is_not_a_finite_number_names_the_event(tmp_path, capsys, field, text):
+    """json.load reads NaN / Infinity: a step or operator with such a time used to be reported as a
+    'nan' step or silently left out of the sums."""
+    op = {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 1, "tid": 1, "ts": 10, "dur": 5}
+    body = json.dumps(_trace([STEP, op])).replace(f'"{field}": {op[field]}', f'"{field}": {text}')
+    (tmp_path / "rank0.json").write_text(body)
+    code, out, err = run_cli(["profile", str(tmp_path)], capsys)
+    assert code == 2 and out == ""
+    assert f"{tmp_path / 'rank0.json'}: a damaged profiler trace (event 1 'aten::mm' has ts " in err
+    assert "not a finite number" in err
+
+
 def test_steps_of_zero_length_give_no_share_not_a_traceback(tmp_path, capsys):
     """Every ProfilerStep#N closed as it opened: the mean step is 0 s, and each verdict row's share of
     it used to be a ZeroDivisionError."""
