@@ -91,7 +91,10 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     return BuildReport(out=os.path.abspath(os.fspath(out)), num_shards=len(jobs),
                        num_bad_shards=writer.num_bad_shards, num_samples=writer.num_samples,
                        num_errors=writer.num_errors, num_images=writer.num_images,
-                       total_tokens=writer.total_tokens, seconds=time.perf_counter() - t0)
+                       total_tokens=writer.total_tokens, seconds=time.perf_counter() - t0,
+                       # as a one-machine build reports them, so limit_problems names each one
+                       bad_shards=[{"path": s["path"], "status": s["status"], "reason": s.get("reason")}
+                                   for s in writer.shards if s["status"] != "ok"])
 
 
 def _names(paths, limit: int = 5) -> str:

@@ -53,6 +53,10 @@ def test_parts_merge_to_the_single_build(corpus, single, tmp_path):
         assert TokenIndex.open(out).shard_paths == single.shard_paths[i::3]
     report = merge_indexes(tmp_path / "merged", parts)
     assert report.num_samples == len(single) and report.num_bad_shards == 1
+    # The bad shard is named, as a one-machine build names it (a CI limit check says which one).
+    (bad,) = [s for s in single.manifest["shards"] if s["status"] != "ok"]
+    assert report.bad_shards == [{"path": bad["path"], "status": bad["status"], "reason": bad["reason"]}]
+    assert bad["path"] in report.limit_problems()[0]
     assert_identical(single, TokenIndex.open(tmp_path / "merged"))
     with pytest.raises(ValueError, match="part.s. 0/3 missing"):
         merge_indexes(tmp_path / "m2", parts[:1] + parts[2:])
