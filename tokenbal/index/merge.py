@@ -32,10 +32,11 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     """Join part indexes (``build_index(..., part=(i, n))``) into one index at ``out``.
 
     Raises ``ValueError`` naming the problem when the parts are not one complete set: a folder that is
-    not a part index, parts of different builds (sources, token rules or part counts differ), a part
-    missing or given twice, parts that split different shard lists or saw a shard changed, shards in
-    two parts or in none (``check_split``), a damaged part (``store.index_problems``: counts that do
-    not sum, ``errors.jsonl`` cut short). Returns the ``BuildReport`` of the merged index.
+    not a part index, parts of different builds (sources, token rules, tokenbal versions or part
+    counts differ), a part missing or given twice, parts that split different shard lists or saw a
+    shard changed, shards in two parts or in none (``check_split``), a damaged part
+    (``store.index_problems``: counts that do not sum, ``errors.jsonl`` cut short). Returns the
+    ``BuildReport`` of the merged index.
     """
     import time
 
@@ -61,6 +62,12 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
                              f"{idxs[0].path} ({first.get('sources')})")
         if _rules(m) != _rules(first):
             raise ValueError(f"merge: {idx.path} was built with other token rules than {idxs[0].path}")
+        if m.get("tokenbal_version") != first.get("tokenbal_version"):
+            # The token rules name the settings, not the counting code: another release may count
+            # the same sample differently, and the merged index would mix both counts.
+            raise ValueError(f"merge: {idx.path} was built by tokenbal {m.get('tokenbal_version')}, "
+                             f"{idxs[0].path} by tokenbal {first.get('tokenbal_version')}; rebuild the parts "
+                             "with one version")
         if i in seen:
             raise ValueError(f"merge: part {i}/{n} given twice ({seen[i]} and {idx.path})")
         seen[i] = idx.path

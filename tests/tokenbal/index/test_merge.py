@@ -70,6 +70,22 @@ def test_parts_merge_to_the_single_build(corpus, single, tmp_path):
         merge_indexes(tmp_path / "m5", [parts[1], tmp_path / "other", parts[0]])
 
 
+def test_parts_built_by_different_tokenbal_versions_are_refused(tmp_path):
+    corpus = make_corpus(tmp_path / "shards", n_shards=2, samples_per_shard=2, bad=False)
+    src = os.path.join(corpus.root, "data-*.tar")
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for i, out in enumerate(parts):
+        build_index([src], out, progress=False, part=(i, 2))
+    file = parts[1] / "manifest.json"
+    m = json.loads(file.read_text())
+    m["tokenbal_version"] = "0.0.9"
+    file.write_text(json.dumps(m))
+    with pytest.raises(ValueError,
+                       match=rf"{parts[1]} was built by tokenbal 0\.0\.9, {parts[0]} by tokenbal "):
+        merge_indexes(tmp_path / "m", parts)
+    assert not os.path.exists(tmp_path / "m")
+
+
 def test_parse_part():
     assert parse_part("1/4") == (1, 4)
     assert parse_part("env", {"RANK": "3", "WORLD_SIZE": "8"}) == (3, 8)
