@@ -79,7 +79,11 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
 
 
 def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarray]]:
-    """``(keys, {column: values})`` of an export (its folder or main file) or of an index folder."""
+    """``(keys, {column: values})`` of an export (its folder or main file) or of an index folder.
+
+    Every count is checked to be an integer >= 0 and every key a string (an export written or
+    edited by another tool may hold floats, nulls or -1): a bad one raises ``ValueError`` naming
+    the file, the row (line) and the column, instead of being truncated or cast to a made-up count."""
     path = os.fspath(path)
     if os.path.isdir(path):
         from tokenbal.index.store import MANIFEST
@@ -100,23 +104,78 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
     if path.endswith(".parquet"):
         from tokenbal._extras import require
 
+        pa = require("pyarrow", "reading a Parquet export")
         pq = require("pyarrow.parquet", "reading a Parquet export")
 
         t = pq.read_table(path, columns=["key", *COLUMNS])
-        return t.column("key").to_pylist(), {c: t.column(c).to_numpy().astype(np.int64) for c in COLUMNS}
+        for name in ("key", *COLUMNS):
+            col = t.column(name)
+            if name == "key":
+                fits = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
+            else:
+                fits = pa.types.is_integer(col.type)
+            if not fits:
+                raise ValueError(f"{path}: column {name!r} has type {col.type}, expected "
+                                 f"{'strings' if name == 'key' else 'integers'}")
+            if col.null_count:
+                row = col.to_pylist().index(None)
+                raise ValueError(f"{path}: row {row}: {name} is null")
+        cols = {c: t.column(c).to_numpy().astype(np.int64) for c in COLUMNS}
+        _check_counts(path, cols)
+        return t.column("key").to_pylist(), cols
     if path.endswith(".jsonl"):
+        keys, values = [], []
         with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        return [r["key"] for r in rows], {c: np.array([r[c] for r in rows], np.int64) for c in COLUMNS}
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    key, counts = _jsonl_row(path, lineno, line)
+                    keys.append(key)
+                    values.append(counts)
+        arr = np.array(values, np.int64).reshape(-1, len(COLUMNS))
+        return keys, {c: arr[:, j] for j, c in enumerate(COLUMNS)}
     if path.endswith(".npy"):
         arr = np.load(path)
+        if arr.dtype.kind not in "iu" or arr.ndim != 2 or arr.shape[1] != len(COLUMNS):
+            raise ValueError(f"{path}: dtype {arr.dtype} shape {arr.shape}, expected integers of shape "
+                             f"(N, {len(COLUMNS)}): {', '.join(COLUMNS)}")
         # newline="": the keys exactly as written (no \r\n -> \n translation).
         with open(os.path.join(os.path.dirname(path), "keys.txt"), encoding="utf-8", newline="") as f:
             keys = f.read().split("\n")[:-1]
         if len(keys) != len(arr):
             raise ValueError(f"{path}: {len(arr)} rows but keys.txt has {len(keys)} keys")
-        return keys, {c: arr[:, j].astype(np.int64) for j, c in enumerate(COLUMNS)}
+        cols = {c: arr[:, j].astype(np.int64) for j, c in enumerate(COLUMNS)}
+        _check_counts(path, cols)
+        return keys, cols
     raise ValueError(f"{path}: not an export (.parquet / .jsonl / .npy) nor an index folder")
+
+
+def _jsonl_row(path: str, lineno: int, line: str) -> tuple[str, list[int]]:
+    """One line of a JSONL export: its key and counts, each checked (a float, a bool, a null or a
+    negative number is an error naming the line, not a count truncated or cast into another)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {lineno} is not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}: line {lineno} holds a {type(row).__name__}, not an object")
+    if not isinstance(row.get("key"), str):
+        raise ValueError(f"{path}: line {lineno}: key is {row.get('key', '<absent>')!r}, not a string")
+    counts = []
+    for c in COLUMNS:
+        value = row.get(c, "<absent>")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: line {lineno}: {c} is {value!r}, not a count (an integer >= 0)")
+        counts.append(value)
+    return row["key"], counts
+
+
+def _check_counts(path: str, cols: dict[str, np.ndarray]) -> None:
+    """Token counts are never negative: a negative one (another tool's -1 for 'unknown') is named."""
+    for c, values in cols.items():
+        bad = np.flatnonzero(values < 0)
+        if len(bad):
+            raise ValueError(f"{path}: row {int(bad[0])}: {c} is {int(values[bad[0]])}, not a count "
+                             f"(an integer >= 0); {len(bad)} such row(s)")
 
 
 def lengths_for_keys(source, keys: Sequence[str], column: str = "length") -> np.ndarray:

@@ -194,6 +194,49 @@ def test_export_refuses_a_damaged_index_instead_of_copying_its_values(tmp_path):
                  "--format", "jsonl"]) != 0
 
 
+def _write_lengths(folder, fmt: str, rows: list[dict]) -> None:
+    """An export as another tool may write or edit it (rows of key + the three counts, as given)."""
+    os.makedirs(folder)
+    if fmt == "jsonl":
+        (folder / "lengths.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({c: [r[c] for r in rows] for c in ("key", "length", "vision_tokens",
+                                                                   "text_tokens")}),
+                       folder / "lengths.parquet")
+    else:
+        np.save(folder / "lengths.npy", np.array([[r["length"], r["vision_tokens"], r["text_tokens"]]
+                                                  for r in rows]))
+        (folder / "keys.txt").write_text("".join(r["key"] + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("fmt, value, words", [
+    ("jsonl", 3.7, r"lengths\.jsonl: line 2: length is 3\.7, not a count"),
+    ("jsonl", True, r"lengths\.jsonl: line 2: length is True, not a count"),
+    ("jsonl", None, r"lengths\.jsonl: line 2: length is None, not a count"),
+    ("jsonl", -1, r"lengths\.jsonl: line 2: length is -1, not a count"),
+    ("parquet", None, r"lengths\.parquet: row 1: length is null"),
+    ("parquet", 3.7, r"lengths\.parquet: column 'length' has type double, expected integers"),
+    ("parquet", -1, r"lengths\.parquet: row 1: length is -1, not a count"),
+    ("npy", 3.7, r"lengths\.npy: dtype float64 shape \(2, 3\), expected integers"),
+    ("npy", -1, r"lengths\.npy: row 1: length is -1, not a count"),
+])
+def test_an_export_with_a_count_that_is_not_a_count_is_refused_naming_the_row(tmp_path, fmt, value, words):
+    """Such values were cast: 3.7 read as 3, True as 1, a Parquet null as -9223372036854775808."""
+    if fmt == "parquet":
+        pytest.importorskip("pyarrow")
+    rows = [{"key": "a", "length": 5, "vision_tokens": 0, "text_tokens": 5},
+            {"key": "b", "length": value, "vision_tokens": 0, "text_tokens": 2}]
+    _write_lengths(tmp_path / "x", fmt, rows)
+    with pytest.raises(ValueError, match=words):
+        lengths_for_keys(tmp_path / "x", ["a", "b"])
+    rows[1]["length"] = 2
+    _write_lengths(tmp_path / "y", fmt, rows)
+    assert lengths_for_keys(tmp_path / "y", ["b", "a"]).tolist() == [2, 5]
+
+
 # --- issue 33: the parts must split one shard list --------------------------------------------------
 
 def _small_corpus(root, n):
