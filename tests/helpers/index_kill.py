@@ -3,10 +3,11 @@
 ``python -m tests.helpers.index_kill OUT HANG_AT SHARD...`` runs ``build_index`` over the shards (one
 process, a checkpoint after every shard) and, when it reaches shard number ``HANG_AT`` (0-based),
 writes its pid to ``OUT.ready`` and waits there forever: a deterministic point at which the test
-sends SIGKILL / SIGTERM from outside. ``scan_or_hang`` is a stand-in for the build's worker function
-(picklable by reference, so spawn-started pool workers run it): it waits forever on a shard named
-``hang*.tar``, after writing that worker's pid next to it. ``python -m tests.helpers.index_kill --pool
-OUT SHARD...`` runs the CLI build with two such workers (``pool_main``).
+sends SIGKILL / SIGTERM from outside (``--part I/N`` first: a part build). ``scan_or_hang`` is a
+stand-in for the build's worker function (picklable by reference, so spawn-started pool workers run
+it): it waits forever on a shard named ``hang*.tar``, after writing that worker's pid next to it.
+``python -m tests.helpers.index_kill --pool OUT SHARD...`` runs the CLI build with two such workers
+(``pool_main``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def main(argv: list[str]) -> None:
 
     if argv[0] == "--pool":
         return pool_main(argv[1:])
+    part = None
+    if argv[0] == "--part":     # --part I/N OUT HANG_AT SHARD...: a part build (build --part I/N)
+        part, argv = tuple(int(x) for x in argv[1].split("/")), argv[2:]
     out, hang_at, shards = argv[0], int(argv[1]), argv[2:]
     real, calls = build.index_shard, []
 
@@ -62,7 +66,7 @@ def main(argv: list[str]) -> None:
         return real(path, *args, **kwargs)
 
     build.index_shard = index_shard
-    build.build_index(shards, out, progress=False, checkpoint_seconds=0)
+    build.build_index(shards, out, progress=False, checkpoint_seconds=0, part=part)
 
 
 if __name__ == "__main__":

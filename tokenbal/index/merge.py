@@ -35,8 +35,8 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     not a part index, parts of different builds (sources, token rules, tokenbal versions or part
     counts differ), a part missing or given twice, parts that split different shard lists or saw a
     shard changed, shards in two parts or in none (``check_split``), a damaged part
-    (``store.index_problems``: counts that do not sum, ``errors.jsonl`` cut short). Returns the
-    ``BuildReport`` of the merged index.
+    (``store.index_problems``: counts that do not sum, ``errors.jsonl`` cut short), an interrupted
+    part's saved shards (``.<out>.partial``). Returns the ``BuildReport`` of the merged index.
     """
     import time
 
@@ -54,6 +54,12 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
         if "part" not in m:
             raise ValueError(f"merge: {idx.path} is not a part index (built without --part)")
         i, n = m["part"]["index"], m["part"]["count"]
+        if m.get("partial"):
+            # What an interrupted build saved (``.<out>.partial``) to resume from: its part is not done.
+            done, want = len(m.get("shards", [])), len(m["part"].get("positions", {}))
+            raise ValueError(f"merge: {idx.path} is an interrupted build of part {i}/{n} ({done} of its "
+                             f"{want} shards done); run that part's build again to finish it (it resumes "
+                             "from these shards) and merge its output folder")
         if n != first["part"]["count"]:
             raise ValueError(f"merge: {idx.path} is part {i}/{n}, {parts[0]} part of "
                              f"{first['part']['count']}; all parts must come from one split")

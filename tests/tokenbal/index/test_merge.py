@@ -86,6 +86,31 @@ def test_parts_built_by_different_tokenbal_versions_are_refused(tmp_path):
     assert not os.path.exists(tmp_path / "m")
 
 
+def test_an_interrupted_part_build_is_named_as_such_not_as_a_shard_gap(tmp_path):
+    """SIGTERM during part 1/2's build leaves its finished shards in .p1.partial; given to the merge,
+    it was refused as "1 shard(s) of the list in no part", not as the unfinished build it is."""
+    import signal
+    import time
+
+    corpus = make_corpus(tmp_path / "shards", n_shards=4, samples_per_shard=2, bad=False)
+    build_index(corpus.shards, tmp_path / "p0", progress=False, part=(0, 2))
+    out = str(tmp_path / "p1")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.index_kill", "--part", "1/2", out, "1",
+                             *corpus.shards], cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    deadline = time.monotonic() + 120
+    while not os.path.exists(out + ".ready") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    partial = tmp_path / ".p1.partial"
+    assert TokenIndex.open(partial).shard_paths == [corpus.shards[1]]
+    with pytest.raises(ValueError, match=rf"{partial} is an interrupted build of part 1/2 \(1 of its 2 "
+                                         r"shards done\); run that part's build again"):
+        merge_indexes(tmp_path / "m", [tmp_path / "p0", partial])
+    build_index(corpus.shards, out, progress=False, part=(1, 2))     # resumes, then the merge works
+    assert merge_indexes(tmp_path / "m", [tmp_path / "p0", out]).num_shards == 4
+
+
 def test_parse_part():
     assert parse_part("1/4") == (1, 4)
     assert parse_part("env", {"RANK": "3", "WORLD_SIZE": "8"}) == (3, 8)
