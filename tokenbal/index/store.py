@@ -121,8 +121,8 @@ class Member:
 class KeyList(Sequence):
     """Strings decoded on access from a memory-mapped blob (no N Python strings): the sample keys."""
 
-    def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
-        self._blob, self._off = blob, offsets
+    def __init__(self, blob: np.ndarray, offsets: np.ndarray, file: str = KEYS_BLOB) -> None:
+        self._blob, self._off, self._file = blob, offsets, file
 
     def __len__(self) -> int:
         return len(self._off) - 1
@@ -131,7 +131,11 @@ class KeyList(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = _check_row(i, len(self))
-        return self._blob[self._off[i]:self._off[i + 1]].tobytes().decode("utf-8")
+        try:
+            return self._blob[self._off[i]:self._off[i + 1]].tobytes().decode("utf-8")
+        except UnicodeDecodeError as e:   # a flipped bit: named, not a bare codec error
+            raise IndexDamagedError(f"index file {self._file} is damaged: row {i} is not UTF-8 ({e.reason} "
+                                    f"at byte {int(self._off[i]) + e.start}); rebuild the index") from None
 
     def __iter__(self) -> Iterator[str]:
         for i in range(len(self)):
@@ -229,12 +233,13 @@ class TokenIndex:
 
     @cached_property
     def keys(self) -> KeyList:
-        return KeyList(np.asarray(_blob(os.path.join(self.path, KEYS_BLOB))), self._cols["key_offsets"])
+        file = os.path.join(self.path, KEYS_BLOB)
+        return KeyList(np.asarray(_blob(file)), self._cols["key_offsets"], file)
 
     @cached_property
     def _member_paths(self) -> KeyList:
-        blob = np.asarray(_blob(os.path.join(self.path, PATHS_BLOB)))
-        return KeyList(blob, self._cols["member_path_offsets"])
+        file = os.path.join(self.path, PATHS_BLOB)
+        return KeyList(np.asarray(_blob(file)), self._cols["member_path_offsets"], file)
 
     @cached_property
     def errors(self) -> list[dict]:
@@ -505,6 +510,25 @@ def failed_shards(manifest: dict) -> list[str]:
     return out
 
 
+def _not_utf8(file: str, chunk: int = 1 << 24) -> int | None:
+    """The offset of the first byte of ``file`` that is not UTF-8 (read in chunks), or None."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with open(file, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                # the decoder may hold up to 3 bytes of a character begun in the previous block
+                return max(0, done + e.start - len(e.object) + len(block))
+            if not block:
+                return None
+            done += len(block)
+
+
 def _first_rows(bad: np.ndarray) -> tuple[int, int]:
     rows = np.flatnonzero(bad)
     return len(rows), int(rows[0]) if len(rows) else -1
@@ -572,6 +596,11 @@ def index_problems(idx: TokenIndex) -> list[str]:
     if bad:
         out.append(f"index damaged: {f('image_size.npy')}: {bad} image(s) with a side <= 0 "
                    f"(first: image {first}: {wh[first].tolist()})")
+    for blob, offsets in ((KEYS_BLOB, "key_offsets"), (PATHS_BLOB, "member_path_offsets")):
+        where = _not_utf8(os.path.join(idx.path, blob))
+        if where is not None:
+            row = int(np.searchsorted(np.asarray(c[offsets]), where, side="right")) - 1
+            out.append(f"index damaged: {f(blob)}: byte {where} (row {row}) is not UTF-8")
     # errors.jsonl cut at a line boundary still parses: only its count against the manifest shows
     # that samples or shards that were not indexed went unreported.
     n_errors = len(idx.errors)

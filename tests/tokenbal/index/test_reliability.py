@@ -509,6 +509,22 @@ def test_a_non_monotonic_member_start_is_named_not_blamed_on_the_shard(small_ind
         TokenIndex.open(small_index).members(0)
 
 
+def test_a_key_that_is_not_utf8_is_named_by_verify_and_the_reader(small_index):
+    """A flipped bit in keys.bin: verify said nothing and reading the key raised a bare
+    UnicodeDecodeError."""
+    file = small_index / "keys.bin"
+    blob = bytearray(file.read_bytes())
+    row = 5
+    start = int(np.load(small_index / "key_offsets.npy")[row])
+    blob[start] = 0xFF
+    file.write_bytes(bytes(blob))
+    assert verify_index(small_index) == [f"index damaged: {file}: byte {start} (row {row}) is not UTF-8"]
+    idx = TokenIndex.open(small_index)
+    with pytest.raises(IndexDamagedError, match=f"index file {file} is damaged: row {row} is not UTF-8"):
+        idx.keys[row]
+    assert idx.keys[row - 1] == "k1-0"      # the others still read
+
+
 def test_errors_jsonl_cut_at_a_line_boundary_is_named_by_verify(tmp_path):
     """Cut between two lines, errors.jsonl still parses; only the manifest's count shows that bad
     samples or shards went unreported."""
