@@ -175,11 +175,14 @@ def _trace_files(trace_dir: str) -> list[str]:
         raise FileNotFoundError(f"{trace_dir}: no such trace folder")
     npu = sorted(glob.glob(os.path.join(trace_dir, "**", "ASCEND_PROFILER_OUTPUT", "trace_view.json"),
                            recursive=True))
-    if npu:
-        return npu
     files = sorted({p for pat in _TRACE_PATTERNS
                     for p in glob.glob(os.path.join(trace_dir, "**", pat), recursive=True)})
-    return [p for p in files if not os.path.basename(p).startswith(("profiler_info", "profiler_metadata"))]
+    files = [p for p in files if not os.path.basename(p).startswith(("profiler_info", "profiler_metadata"))]
+    # The JSON files inside a torch_npu export folder (<x>_ascend_pt: communication.json, ...) are its
+    # own; every other trace beside the exports (a Kineto run to compare with) is still read, so that
+    # it is listed as another run rather than left out unseen.
+    exports = tuple(os.path.dirname(os.path.dirname(p)) + os.sep for p in npu)
+    return sorted({*npu, *(p for p in files if not p.startswith(exports))})
 
 
 def _main_thread(events: list[dict]) -> object:

@@ -139,6 +139,25 @@ def test_npu_ranks_claimed_twice_and_a_damaged_profiler_info(tmp_path):
     assert any(str(info) in n and str(view) in n and "rank 1" in n for n in p.notes)
 
 
+def test_kineto_traces_beside_torch_npu_exports_are_another_run_not_left_out(two_runs, tmp_path):
+    """A folder holding torch_npu exports and a Kineto run (a GPU run to compare with): the Kineto
+    traces used to be passed over unseen, and the NPU run analysed as the folder's only one."""
+    _npu_trace(tmp_path, 0, compute=[(0, 600)], comm=[(500, 900)])
+    _npu_trace(tmp_path, 1, compute=[(0, 300)], comm=[(200, 900)])
+    (tmp_path / "gpu").mkdir()
+    for r in (0, 1):
+        shutil.copy(two_runs / "A" / f"rank{r}.json", tmp_path / "gpu" / f"rank{r}.json")
+    listing = r"holds the traces of 2 runs: run 1: 2 rank\(s\), steps 1, in node_0_ascend_pt.*run 2: 2 of 2 "
+    with pytest.raises(SeveralRunsError, match=listing + r"ranks, steps 1-2, .* in gpu"):
+        profile_run(str(tmp_path))
+    p = profile_run(str(tmp_path), run=2)
+    assert p.files == {r: str(tmp_path / "gpu" / f"rank{r}.json") for r in (0, 1)}
+    npu = profile_run(str(tmp_path), run=1)
+    assert npu.ranks == [0, 1] and npu.device
+    # torch_npu's own JSON files inside an export folder are not read as traces
+    assert not any("skipped" in n for n in npu.notes)
+
+
 def test_npu_world_size_from_profiler_metadata_names_a_missing_rank(tmp_path):
     _npu_trace(tmp_path, 0, compute=[(0, 600)], comm=[(500, 900)])
     (tmp_path / "node_0_ascend_pt" / "profiler_metadata.json").write_text(json.dumps(
