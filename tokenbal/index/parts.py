@@ -11,14 +11,22 @@ __all__ = ["check_part", "parse_part", "part_meta", "select_part", "shard_identi
 
 def parse_part(text: str, environ: dict | None = None) -> tuple[int, int]:
     """``"i/n"`` -> ``(i, n)``; ``"env"``: from ``RANK`` / ``WORLD_SIZE`` (torchrun) or
-    ``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_COUNT`` (a Slurm array starting at 0)."""
+    ``SLURM_ARRAY_TASK_ID`` / ``SLURM_ARRAY_TASK_COUNT`` (a Slurm array, counted from
+    ``SLURM_ARRAY_TASK_MIN`` in steps of ``SLURM_ARRAY_TASK_STEP``)."""
     env = os.environ if environ is None else environ
     if text == "env":
         if "RANK" in env and "WORLD_SIZE" in env:
             i, n = int(env["RANK"]), int(env["WORLD_SIZE"])
         elif "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-            i = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-            n = int(env["SLURM_ARRAY_TASK_COUNT"])
+            # An array with a step (--array=0-14:2) numbers its 8 tasks 0, 2, ..., 14: task k is
+            # part k / step, or half the tasks would build the even parts and the rest fail.
+            offset = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+            step = int(env.get("SLURM_ARRAY_TASK_STEP", "1"))
+            if step < 1 or offset % step:
+                raise ValueError(f"--part env: SLURM_ARRAY_TASK_ID {env['SLURM_ARRAY_TASK_ID']} is not on "
+                                 f"the array's step {step} from SLURM_ARRAY_TASK_MIN "
+                                 f"{env.get('SLURM_ARRAY_TASK_MIN', '0')}; give --part I/N")
+            i, n = offset // step, int(env["SLURM_ARRAY_TASK_COUNT"])
         else:
             raise ValueError("--part env: neither RANK / WORLD_SIZE (torchrun) nor SLURM_ARRAY_TASK_ID / "
                              "SLURM_ARRAY_TASK_COUNT (Slurm array) is set")

@@ -116,6 +116,13 @@ def test_parse_part():
     assert parse_part("env", {"RANK": "3", "WORLD_SIZE": "8"}) == (3, 8)
     assert parse_part("env", {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "6",
                               "SLURM_ARRAY_TASK_MIN": "1"}) == (4, 6)
+    # --array=0-14:2: eight tasks numbered 0, 2, ..., 14 are parts 0..7 (task 6 used to be part 6/8,
+    # tasks 8-14 an error, parts 1, 3, 5 and 7 never built)
+    stepped = {"SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"}
+    assert [parse_part("env", {**stepped, "SLURM_ARRAY_TASK_ID": str(t)})[0] for t in range(0, 15, 2)] \
+        == list(range(8))
+    with pytest.raises(ValueError, match="SLURM_ARRAY_TASK_ID 3 is not on the array's step 2"):
+        parse_part("env", {**stepped, "SLURM_ARRAY_TASK_ID": "3"})
     for bad in ("4/4", "1", "a/b", "-1/2"):
         with pytest.raises(ValueError):
             parse_part(bad)
