@@ -31,10 +31,15 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
     """Write the per-sample table of ``index`` (a ``TokenIndex`` or its folder) into ``out_dir``;
     returns the path of the main file written. A damaged index (``store.index_problems``) raises
     ``IndexDamagedError`` naming the file."""
-    from tokenbal.index.store import IndexDamagedError, TokenIndex, index_problems
+    from tokenbal.index.store import MANIFEST, IndexDamagedError, TokenIndex, index_problems
 
     if fmt not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {fmt!r}")
+    if os.path.isfile(os.path.join(out_dir, MANIFEST)):
+        # An index keeps its own lengths.npy there: the npy export would overwrite it (N x 3 in place
+        # of the index's column), and any export would mix foreign files into the index.
+        raise ValueError(f"export folder {os.fspath(out_dir)} holds a tokenbal index; write the export to "
+                         "another folder")
     idx = index if isinstance(index, TokenIndex) else TokenIndex.open(index)
     # The export copies the columns as they are, for pipelines that trust them: a damaged index (a
     # shard id out of range would even name another shard, by Python's negative indexing) is refused.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -224,6 +225,21 @@ def test_export_refuses_a_damaged_index_instead_of_copying_its_values(tmp_path):
     assert not os.path.exists(tmp_path / "x" / "lengths.jsonl")
     assert main(["index", "export", str(tmp_path / "x"), "--index", str(tmp_path / "i"),
                  "--format", "jsonl"]) != 0
+
+
+@pytest.mark.parametrize("fmt", ["npy", "jsonl"])
+def test_export_into_an_index_folder_is_refused(single, tmp_path, fmt):
+    """`tokenbal index export IDX --index IDX --format npy` wrote lengths.npy (N x 3) over the index's
+    own lengths column: the index no longer opened."""
+    idx = tmp_path / "idx"
+    shutil.copytree(single.path, idx)
+    before = (idx / "lengths.npy").read_bytes()
+    assert main(["index", "export", str(idx), "--index", str(idx), "--format", fmt]) != 0
+    with pytest.raises(ValueError, match=f"export folder {idx} holds a tokenbal index"):
+        export_index(idx, idx, fmt)
+    assert (idx / "lengths.npy").read_bytes() == before
+    assert not (idx / "keys.txt").exists() and not (idx / "lengths.jsonl").exists()
+    assert TokenIndex.open(idx).lengths.tolist() == single.lengths.tolist()
 
 
 def _write_lengths(folder, fmt: str, rows: list[dict]) -> None:
