@@ -105,6 +105,11 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
         if not found:
             raise FileNotFoundError(f"{path} holds neither a tokenbal index nor an export "
                                     "(lengths.parquet / lengths.jsonl / lengths.npy)")
+        if len(found) > 1:
+            # Two exports of one folder in different formats, likely of different builds: taking
+            # one silently could read the stale one.
+            raise ValueError(f"{path} holds exports in {len(found)} formats ({', '.join(found)}), maybe of "
+                             "different builds; pass the file to read")
         path = os.path.join(path, found[0])
     if path.endswith(".parquet"):
         from tokenbal._extras import require

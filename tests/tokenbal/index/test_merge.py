@@ -242,6 +242,23 @@ def test_export_into_an_index_folder_is_refused(single, tmp_path, fmt):
     assert TokenIndex.open(idx).lengths.tolist() == single.lengths.tolist()
 
 
+def test_a_folder_with_exports_in_two_formats_is_not_read_as_one(tmp_path):
+    """An old Parquet export, then a JSONL export of the rebuilt index into the same folder: the
+    stale lengths.parquet used to win."""
+    from tests.helpers.corpus import Sample, write_shard
+
+    shard = write_shard(tmp_path / "a.tar", [Sample("k", caption="one two three")])
+    build_index([shard], tmp_path / "i", progress=False)
+    export_index(tmp_path / "i", tmp_path / "x", "parquet")
+    write_shard(tmp_path / "a.tar", [Sample("k", caption="one two three four five six seven eight")])
+    build_index([shard], tmp_path / "i", progress=False)
+    export_index(tmp_path / "i", tmp_path / "x", "jsonl")
+    with pytest.raises(ValueError, match=r"holds exports in 2 formats \(lengths\.parquet, lengths\.jsonl\)"):
+        lengths_for_keys(tmp_path / "x", ["k"])
+    assert lengths_for_keys(tmp_path / "x" / "lengths.jsonl", ["k"]).tolist() == \
+        lengths_for_keys(tmp_path / "i", ["k"]).tolist()
+
+
 def _write_lengths(folder, fmt: str, rows: list[dict]) -> None:
     """An export as another tool may write or edit it (rows of key + the three counts, as given)."""
     os.makedirs(folder)
