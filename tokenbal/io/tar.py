@@ -25,8 +25,10 @@ from dataclasses import dataclass
 BLOCK = 512
 _ZERO_BLOCK = bytes(BLOCK)
 _REGULAR = frozenset({b"0", b"\0", b"7"})        # tarfile.REGULAR_TYPES minus GNU sparse
-# What the reader accepts right before a payload the index points at: plain regular files only.
-PLAIN_TYPES = (b"0", b"\0")
+# What the reader accepts right before a payload the index points at: the regular-file types the
+# index takes (``TarMember.isfile`` / ``TarInfo.isfile``: "0", old "\0" and contiguous "7", whose
+# payload is stored like any file's); GNU sparse ("S") never reaches the index.
+PLAIN_TYPES = (b"0", b"\0", b"7")
 # ustar field offsets (POSIX.1-1988).
 _NAME, _SIZE, _MTIME, _CHKSUM, _TYPE = slice(0, 100), slice(124, 136), slice(136, 148), slice(148, 156), 156
 _MAGIC, _PREFIX = slice(257, 263), slice(345, 500)

@@ -108,6 +108,29 @@ def test_long_unicode_and_prefix_names(tmp_path):
         assert mine == truth, shard
 
 
+def test_every_regular_member_type_the_index_takes_reads(tmp_path):
+    """Type "0", the old "\\0" and contiguous "7" members are all regular files to tarfile (and the
+    index): the reader returns their bytes instead of calling the index stale."""
+    samples = [Sample(f"k{j}", images=[("png", 20 + j, 10)], caption=f"caption {j}", seed=j)
+               for j in range(3)]
+    path = str(tmp_path / "types.tar")
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for s, kind in zip(samples, (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE), strict=True):
+            for ext, data in s.members():
+                ti = tarfile.TarInfo(f"{s.key}.{ext}")
+                ti.size, ti.type = len(data), kind
+                tf.addfile(ti, io.BytesIO(data))
+    build_index([path], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(tmp_path / "idx")
+    assert len(idx) == 3 and not idx.errors
+    ds = IndexedShardDataset(idx, decode="pil")
+    got = {}
+    for i in range(len(ds)):
+        got.update(as_members(ds.read_raw(i)))
+        assert ds[i]["png"].size == (20 + i, 10)
+    assert got == tar_members([path])
+
+
 def test_parse_tar_header_matches_tarfile(corpus_index):
     _, shards = corpus_index
     with open(shards[0], "rb") as f:
