@@ -59,8 +59,17 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         result = {"ok": False, "error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    try:
+        blob = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001 - a value the parent cannot receive is this rank's failure
+        blob = pickle.dumps({"ok": False, "error": f"rank {rank} returned a value that cannot be pickled "
+                                                   f"back to the parent ({type(e).__name__}: {e}); return "
+                                                   "plain data (numbers, strings, lists, dicts, tensors)"})
+    # Written whole, then renamed: the parent never reads half a result.
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        f.write(blob)
+    os.replace(path + ".tmp", path)
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
@@ -96,8 +105,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                 failures.append(f"rank {r} exited with code {procs[r].exitcode} and no result"
                                 + _crash_report(out_dir, r))
                 continue
-            with open(path, "rb") as f:
-                res = pickle.load(f)
+            try:
+                with open(path, "rb") as f:
+                    res = pickle.load(f)
+            except Exception as e:  # noqa: BLE001 - e.g. a class the parent cannot import
+                failures.append(f"rank {r} returned a value the parent cannot unpickle "
+                                f"({type(e).__name__}: {e})")
+                continue
             if res["ok"]:
                 results.append(res["value"])
             else:

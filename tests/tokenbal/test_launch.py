@@ -41,3 +41,18 @@ def test_run_ranks_shows_the_python_stacks_of_a_rank_that_crashed_natively():
     assert "rank 1 exited with code -11 and no result" in message
     assert "Fatal Python error: Segmentation fault" in message
     assert "_crash_on_rank1" in message  # the crashing frame is named
+
+
+def _return_a_lock(rank, world_size):
+    import threading
+
+    dist.barrier()
+    return {"rank": rank, "lock": threading.Lock()}
+
+
+def test_run_ranks_names_a_result_that_cannot_be_sent_back():
+    # Not an EOFError from a half-written result file: the rank and the reason are named.
+    with pytest.raises(RuntimeError, match=r"rank 0 failed:\nrank 0 returned a value that cannot be "
+                                           r"pickled.*_thread\.lock") as info:
+        run_ranks(_return_a_lock, 2, timeout=60, collective_timeout=10)
+    assert "rank 1 returned a value that cannot be pickled" in str(info.value)
