@@ -2,8 +2,10 @@
 
 Used by :class:`tokenbal.data.indexed.IndexedShardDataset` (one positional read per member). Local
 shards are read with ``os.pread`` on a descriptor opened ``O_NONBLOCK`` (a FIFO in a shard's place
-fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` with the index build's retry
-policy and deadlines (:func:`tokenbal.io.remote.with_retries`).
+fails instead of blocking); URLs go through ``fsspec``'s ``cat_file`` on the filesystem the index
+build uses for that URL (:func:`tokenbal.io.remote.filesystem`: the host, port and user an
+``ftp://`` / ``sftp://`` URL names, then ``storage_options``), with the build's retry policy and
+deadlines (:func:`tokenbal.io.remote.with_retries`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ class ShardReaders:
         self.storage_options = dict(storage_options or {})
         self.pid = os.getpid()
         self.open: OrderedDict[str, Any] = OrderedDict()
-        self.filesystems: dict[str, Any] = {}
         self.opened = 0           # shards opened in this process, for tests and debugging
 
     def _check_pid(self) -> None:
@@ -38,7 +39,6 @@ class ShardReaders:
             # Do not close: the descriptors belong to the parent's file table too (after fork the
             # numbers are the child's own copies, but closing buys nothing and the dict is stale).
             self.open.clear()
-            self.filesystems.clear()
             self.pid = os.getpid()
             self.opened = 0
 
@@ -49,14 +49,12 @@ class ShardReaders:
             self.open.move_to_end(shard)
             return h
         if is_url(shard):
-            from tokenbal._extras import fsspec_filesystem
+            from tokenbal.io.remote import filesystem
 
-            protocol = shard.split("://", 1)[0]
-            fs = self.filesystems.get(protocol)
-            if fs is None:
-                fs = fsspec_filesystem(protocol, **self.storage_options)
-                self.filesystems[protocol] = fs
-            h = ("url", fs, shard)
+            # One filesystem per (process, protocol, options), the URL's own host / port / user
+            # included: ftp://a/x.tar and ftp://b/x.tar are two servers, not one.
+            fs, inside = filesystem(shard, self.storage_options)
+            h = ("url", fs, inside)
         else:
             path = shard[len("file://"):] if shard.startswith("file://") else shard
             # O_NONBLOCK: a FIFO put in a shard's place must fail here, not block the reader forever.
@@ -82,7 +80,7 @@ class ShardReaders:
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
             from tokenbal.io.remote import RemoteOptions, store_call, with_retries
 
-            return with_retries(store_call(h, "cat_file", shard, start=offset, end=offset + n), shard,
+            return with_retries(store_call(h, "cat_file", path, start=offset, end=offset + n), shard,
                                 f"bytes {offset}..{offset + n}", RemoteOptions())
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
@@ -95,7 +93,7 @@ class ShardReaders:
     def size(self, shard: str) -> int | None:
         try:
             kind, h, path = self._handle(shard)
-            return os.fstat(h).st_size if kind == "fd" else int(h.size(shard))
+            return os.fstat(h).st_size if kind == "fd" else int(h.size(path))
         except Exception:  # noqa: BLE001 - only used to word an error message
             return None
 
@@ -105,5 +103,4 @@ class ShardReaders:
                 if kind == "fd":
                     os.close(h)
         self.open.clear()
-        self.filesystems.clear()
 

@@ -383,6 +383,63 @@ def _read_inherited(i, send):
     send.send((_DS.shards_opened, _DS._readers.pid, s))
 
 
+def _host_store():
+    """An fsspec store addressed by host, as ftp:// and sftp:// are (``tbhost://HOST/path``): the host
+    comes from the URL (``_get_kwargs_from_urls``) and the filesystem cannot be made without one."""
+    from urllib.parse import urlsplit
+
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.spec import AbstractFileSystem
+
+    class HostStore(AbstractFileSystem):
+        protocol = "tbhost"
+        objects: dict = {}     # (host, path) -> bytes
+
+        def __init__(self, host, **kwargs):
+            super().__init__(**kwargs)
+            self.host = host
+
+        @staticmethod
+        def _get_kwargs_from_urls(url):
+            return {"host": urlsplit(url).hostname}
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return urlsplit(path).path if "://" in path else path
+
+        def info(self, path, **kwargs):
+            path = self._strip_protocol(path)
+            if (self.host, path) not in self.objects:
+                raise FileNotFoundError(f"{self.host}:{path}")
+            return {"name": path, "size": len(self.objects[self.host, path]), "type": "file"}
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            self.info(path)
+            return self.objects[self.host, self._strip_protocol(path)][start:end]
+
+    fsspec.register_implementation("tbhost", HostStore, clobber=True)
+    return HostStore
+
+
+def test_urls_on_two_hosts_read_each_from_its_own_host(corpus_index):
+    """The host an ftp:// / sftp://-style URL names is where the shard is read, for every shard: the
+    reader makes its filesystem from the URL, not one per protocol without the host."""
+    idx, shards = corpus_index
+    store = _host_store()
+    urls = []
+    for j, path in enumerate(shards):        # the same path on each host, different shards behind it
+        with open(path, "rb") as f:
+            store.objects[f"host{j}", "/data/shard.tar"] = f.read()
+        urls.append(f"tbhost://host{j}/data/shard.tar")
+    ds = IndexedShardDataset(idx, decode=None, shards=urls)
+    got = {}
+    for i in range(len(ds)):
+        s = ds[i]
+        assert s["__shard__"] == urls[int(idx.shard_ids[i])]
+        got.update(as_members(s))
+    assert got == tar_members(shards)
+
+
 def test_copy_of_tree_reads_with_shards_mapping(corpus_index, tmp_path):
     """Shards moved after indexing: ``shards=`` points the index at the new place."""
     idx, shards = corpus_index
