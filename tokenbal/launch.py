@@ -72,12 +72,34 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     os.replace(path + ".tmp", path)
 
 
+# After one rank fails, how long the others get to end on their own (a peer blocked in a collective
+# with the failed rank usually errors out at once) before they are killed and the failure is reported.
+FAILURE_GRACE_S = 5.0
+
+
+def _outcome(out_dir: str, rank: int, proc: Any) -> tuple[bool, Any]:
+    """(ok, value or failure text) of a rank whose process has ended."""
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    if not os.path.exists(path):
+        return False, (f"rank {rank} exited with code {proc.exitcode} and no result"
+                       + _crash_report(out_dir, rank))
+    try:
+        with open(path, "rb") as f:
+            res = pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - e.g. a class the parent cannot import
+        return False, f"rank {rank} returned a value the parent cannot unpickle ({type(e).__name__}: {e})"
+    return (True, res["value"]) if res["ok"] else (False, f"rank {rank} failed:\n{res['error']}")
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
               collective_timeout: float = 60.0, backend: str = "gloo", threads: int = 1) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
 
     ``fn`` must be importable (module level) and its return value picklable. Each rank runs
-    ``threads`` intra-op threads, so ranks do not fight over the cores.
+    ``threads`` intra-op threads, so ranks do not fight over the cores. When a rank fails, the others
+    get ``FAILURE_GRACE_S`` seconds to end, then are killed: the error names every failed rank and
+    every rank that was still running, and a rank stuck outside a collective (which no collective
+    timeout ends) does not hide the failure behind a ``TimeoutError``.
     """
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context("spawn")
@@ -89,34 +111,33 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-            p.join()
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        first_failure: float | None = None
+        while True:
+            for r, p in enumerate(procs):
+                if r not in outcomes and not p.is_alive():
+                    p.join()
+                    outcomes[r] = _outcome(out_dir, r, p)
+                    if not outcomes[r][0] and first_failure is None:
+                        first_failure = time.monotonic()
+            if len(outcomes) == world_size:
+                break
+            now = time.monotonic()
+            if now >= deadline or (first_failure is not None and now >= first_failure + FAILURE_GRACE_S):
+                break
+            time.sleep(0.05)
+        alive = [r for r, p in enumerate(procs) if r not in outcomes]
+        for r in alive:
+            procs[r].kill()
+            procs[r].join()
+        # Every failing rank is shown: the first one to raise is often not rank 0.
+        failures = [text for r, (ok, text) in sorted(outcomes.items()) if not ok]
         if alive:
-            raise TimeoutError(f"distributed run did not finish within {timeout:.0f}s "
-                               f"({len(alive)} of {world_size} ranks still running)")
-        results, failures = [], []
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                failures.append(f"rank {r} exited with code {procs[r].exitcode} and no result"
-                                + _crash_report(out_dir, r))
-                continue
-            try:
-                with open(path, "rb") as f:
-                    res = pickle.load(f)
-            except Exception as e:  # noqa: BLE001 - e.g. a class the parent cannot import
-                failures.append(f"rank {r} returned a value the parent cannot unpickle "
-                                f"({type(e).__name__}: {e})")
-                continue
-            if res["ok"]:
-                results.append(res["value"])
-            else:
-                failures.append(f"rank {r} failed:\n{res['error']}")
+            still = (f"{len(alive)} of {world_size} ranks still running (ranks "
+                     f"{', '.join(map(str, alive))}), killed")
+            if not failures:
+                raise TimeoutError(f"distributed run did not finish within {timeout:.0f}s ({still})")
+            failures.append(f"{still} {FAILURE_GRACE_S:g}s after the first failure")
         if failures:
-            # Every failing rank is shown: the first one to raise is often not rank 0.
             raise RuntimeError("\n".join(failures))
-        return results
+        return [outcomes[r][1] for r in range(world_size)]

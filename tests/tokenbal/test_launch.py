@@ -56,3 +56,19 @@ def test_run_ranks_names_a_result_that_cannot_be_sent_back():
                                            r"pickled.*_thread\.lock") as info:
         run_ranks(_return_a_lock, 2, timeout=60, collective_timeout=10)
     assert "rank 1 returned a value that cannot be pickled" in str(info.value)
+
+
+def _fail_on_rank1_while_rank0_is_stuck(rank, world_size):
+    import time
+
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(300)   # stuck outside any collective (say, a data loader that never answers)
+
+
+def test_a_rank_stuck_outside_a_collective_does_not_hide_another_ranks_failure():
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_fail_on_rank1_while_rank0_is_stuck, 2, timeout=30, collective_timeout=10)
+    message = str(info.value)
+    assert "rank 1 failed:" in message and "boom on rank 1" in message
+    assert "1 of 2 ranks still running (ranks 0), killed" in message
