@@ -212,9 +212,11 @@ def name_matches(stored: bytes, expected: str) -> bool:
     if stored == enc:
         return True
     # A name that does not fit ustar (too long, or not ASCII) lives in a PAX / GNU record; the
-    # ustar field keeps a copy truncated to 100 bytes (UTF-8 for GNU, ASCII with '?' for PAX).
+    # ustar field keeps a copy truncated to 100 bytes (UTF-8 for GNU, ASCII with '?' for PAX), or to
+    # 99 by writers that keep the field NUL-terminated (GNU tar --format=oldgnu).
     long_or_unicode = len(enc) > 100 or not expected.isascii()
-    return long_or_unicode and stored in (enc[:100], expected.encode("ascii", "replace")[:100])
+    copies = (enc[:100], expected.encode("ascii", "replace")[:100]) + ((enc[:99],) if len(enc) > 99 else ())
+    return long_or_unicode and stored in copies
 
 
 

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import shutil
+import subprocess
 import tarfile
 
 import pytest
@@ -106,6 +107,33 @@ def test_long_unicode_and_prefix_names(tmp_path):
             if sh == shard:
                 mine.update(m)
         assert mine == truth, shard
+
+
+@pytest.mark.skipif(shutil.which("tar") is None or "GNU tar" not in subprocess.run(
+    ["tar", "--version"], capture_output=True, text=True).stdout, reason="needs GNU tar")
+@pytest.mark.parametrize("fmt", ["oldgnu", "gnu", "posix"])
+def test_long_names_written_by_gnu_tar(tmp_path, fmt):
+    """GNU tar's formats keep a long name in a record and a truncated copy in the ustar field: 100
+    bytes for gnu / posix, 99 (NUL-terminated) for oldgnu; every one reads, none is a "stale index"."""
+    keys = ["d" * 60 + "/" + "k" * 120 + "-a", "\u00fc" * 70 + "-b", "z" * 99 + "-c", "short-d"]
+    src = tmp_path / "src"
+    names = []
+    for j, key in enumerate(keys):
+        for ext, data in Sample(key, images=[("png", 20 + j, 10)], caption=f"caption {j}", seed=j).members():
+            (src / key).parent.mkdir(parents=True, exist_ok=True)
+            (src / f"{key}.{ext}").write_bytes(data)
+            names.append(f"{key}.{ext}")
+    shard = str(tmp_path / f"{fmt}.tar")
+    subprocess.run(["tar", f"--format={fmt}", "-cf", shard, "-C", str(src), "--no-recursion", *names],
+                   check=True, capture_output=True)
+    build_index([shard], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(tmp_path / "idx")
+    assert len(idx) == 4 and not idx.errors
+    ds = IndexedShardDataset(idx, decode=None)
+    got = {}
+    for i in range(len(ds)):
+        got.update(as_members(ds[i]))
+    assert got == tar_members([shard])
 
 
 def test_every_regular_member_type_the_index_takes_reads(tmp_path):
