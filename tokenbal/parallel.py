@@ -15,7 +15,10 @@ hold *different* data, with this process in it) or a ``device_mesh`` (a ``Device
 
 How the dimension of a ``device_mesh`` is chosen:
 
-- a 1-D mesh: its only dimension (so ``mesh["dp"]`` always works);
+- a 1-D mesh: its only dimension (so ``mesh["dp"]`` always works), unless it is named as a
+  dimension whose ranks share one batch (``"sp"``, ``"cp"``, ``"tp"``, ``"pp"``): that is an
+  error, never the peers of one group handed different samples (for sequence parallelism alone make
+  the ``("dp", "sp")`` mesh with ``dp`` of size 1);
 - otherwise the dimension named ``"dp"``;
 - otherwise the dimensions named ``"dp_replicate"`` and ``"dp_shard"`` (accelerate's and
   torchtitan's HSDP names; either or both), flattened row-major in mesh order;
@@ -31,11 +34,26 @@ from typing import Any
 __all__ = ["ParallelLayout", "dp_group_of", "resolve_dp"]
 
 _HSDP_DIMS = ("dp_replicate", "dp_shard")
+# Dimensions whose ranks hold the *same* data (sequence / context / tensor / pipeline parallel
+# peers): never the data-parallel one, even as the only dimension of a mesh. Not "ep": expert
+# parallelism is usually carved out of the data-parallel ranks, which hold different data.
+_SHARED_BATCH_DIMS = ("sp", "cp", "tp", "pp")
+
+
+def _check_1d_mesh(mesh: Any) -> None:
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if names and names[0] in _SHARED_BATCH_DIMS:
+        raise ValueError(f"device_mesh is the 1-D mesh {names[0]!r}, whose ranks share one batch: it is not "
+                         "the data-parallel dimension (its ranks would get different samples). Pass the DP "
+                         "mesh or dp_group=, or for sequence parallelism alone a ('dp', 'sp') mesh with dp "
+                         f"of size 1: init_device_mesh(device, (1, {int(mesh.size())}), "
+                         "mesh_dim_names=('dp', 'sp'))")
 
 
 def _mesh_dp(mesh: Any) -> tuple[int, int]:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh.ndim == 1:
+        _check_1d_mesh(mesh)
         return int(mesh.size()), int(mesh.get_local_rank())
     if "dp" in names:
         return int(mesh.size(names.index("dp"))), int(mesh.get_local_rank("dp"))
@@ -164,6 +182,7 @@ def dp_group_of(dp_group: Any = None, device_mesh: Any = None) -> Any:
         return dp_group
     names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
     if device_mesh.ndim == 1:
+        _check_1d_mesh(device_mesh)
         return device_mesh.get_group()
     if "dp" in names:
         return device_mesh.get_group("dp")

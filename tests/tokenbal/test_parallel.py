@@ -158,3 +158,42 @@ def test_layout_rejects_bad_values_and_disagreeing_arguments():
         resolve_dp(num_replicas=8, layout=layout)
     with pytest.raises(ValueError, match="not both"):
         resolve_dp(device_mesh=object(), layout=layout)
+
+
+def _one_dimension_meshes(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tokenbal.data.stream import balanced_batches
+    from tokenbal.parallel import dp_group_of
+
+    lengths = _lengths()
+    out: dict = {"errors": []}
+    for name in ("sp", "tp"):
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(name,))
+        for make in (lambda m: TokenBalancedBatchSampler(lengths, global_batch_size=8, device_mesh=m),
+                     ParallelLayout.from_mesh, lambda m: dp_group_of(device_mesh=m),
+                     lambda m: balanced_batches(300, len, device_mesh=m)):
+            try:
+                make(mesh)
+                out["errors"].append(None)
+            except ValueError as e:
+                out["errors"].append(str(e))
+    dp_only = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    out["dp_only"] = resolve_dp(device_mesh=dp_only)
+    sp_only = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "sp"))
+    sampler = TokenBalancedBatchSampler(lengths, global_batch_size=8, device_mesh=sp_only, seed=1)
+    out["sp_only"] = list(sampler)
+    dist.barrier()
+    return out
+
+
+def test_a_one_dimension_mesh_of_peers_sharing_a_batch_is_not_taken_as_data_parallel():
+    # Two SP (or TP) peers must get the same batch; taking their mesh as the DP dimension would hand
+    # them different samples without a word.
+    res = run_ranks(_one_dimension_meshes, 2, timeout=120)
+    for rank, r in enumerate(res):
+        assert len(r["errors"]) == 8 and all(e is not None for e in r["errors"]), r["errors"]
+        assert all("share one batch" in e and "not the data-parallel dimension" in e for e in r["errors"])
+        assert "'sp'" in r["errors"][0] and "'tp'" in r["errors"][4]
+        assert r["dp_only"] == (2, rank)
+    assert res[0]["sp_only"] == res[1]["sp_only"] and res[0]["sp_only"]
