@@ -27,6 +27,7 @@ Trade-offs of the streaming path against the indexed one:
 from __future__ import annotations
 
 import bisect
+import operator
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -57,6 +58,41 @@ def _worker_share(steps: int) -> tuple[int, int, int]:
     info = torch.utils.data.get_worker_info()
     wid, n = (0, 1) if info is None else (info.id, info.num_workers)
     return steps // n + (1 if wid < steps % n else 0), wid, n
+
+
+def _describe(sample: Any, arrival: int) -> str:
+    """The sample as an error names it: its key and shard for a webdataset dict, else its position
+    in the stream (a tuple from ``wds.to_tuple`` carries neither)."""
+    if isinstance(sample, dict):
+        return f"sample {sample.get('__key__')!r} from {sample.get('__url__')!r}"
+    return f"sample #{arrival} of this stream (a {type(sample).__name__}: {repr(sample)[:60]})"
+
+
+def _sample_tokens(sample: Any, arrival: int, length_fn: Callable[[Any], Any], max_tokens: int) -> int:
+    """``length_fn(sample)`` as a whole number of tokens within the budget, else ``ValueError`` naming
+    the sample: a fraction is not floored (a batch of 10.9-token samples would pass a budget it
+    exceeds), and a value that is no number is not int()'s bare complaint."""
+    value = length_fn(sample)
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+        if not isinstance(value, (str, bytes)):   # a float 12.0, a float tensor or numpy scalar too
+            try:
+                whole = float(value)
+            except (TypeError, ValueError):
+                whole = None
+            if whole is not None and whole.is_integer():
+                n = int(whole)
+    if n is None:
+        raise ValueError(f"{_describe(sample, arrival)}: length_fn returned {value!r}, not a whole number "
+                         "of tokens")
+    if n < 0:
+        raise ValueError(f"{_describe(sample, arrival)}: length_fn returned {n} tokens (a count is >= 0)")
+    if n > max_tokens:
+        raise ValueError(f"{_describe(sample, arrival)} has {n} tokens; the budget is "
+                         f"max_tokens={max_tokens}")
+    return n
 
 
 def _balanced_batches(data: Iterable[dict], max_tokens: int, length_fn: Callable[[dict], int],
@@ -106,10 +142,7 @@ def _balanced_batches(data: Iterable[dict], max_tokens: int, length_fn: Callable
             except StopIteration:
                 exhausted = True
                 break
-            n = int(length_fn(sample))
-            if n > max_tokens or n < 0:
-                raise ValueError(f"sample {sample.get('__key__')!r} from {sample.get('__url__')!r} has "
-                                 f"{n} tokens; the budget is max_tokens={max_tokens}")
+            n = _sample_tokens(sample, arrival, length_fn, max_tokens)
             bisect.insort(lens, (n, arrival))
             items.insert(bisect.bisect_left(lens, (n, arrival)), sample)
             arrival += 1

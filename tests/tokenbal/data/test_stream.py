@@ -54,6 +54,34 @@ def test_over_budget_sample_names_its_key():
         list(balanced_batches(1000, _n)(iter(data)))
 
 
+@pytest.mark.parametrize("sample, tokens, says", [
+    # a tuple (after wds.to_tuple) has no key: its place in the stream is named, not an AttributeError
+    (("img", "caption"), 5000,
+     r"sample #20 of this stream \(a tuple: \('img', 'caption'\)\) has 5000 tokens"),
+    ({"__key__": "neg", "__url__": "s.tar"}, -3, r"'neg' from 's.tar': length_fn returned -3 tokens"),
+    # floored to 10 it would fit a budget of 10 that 10.9 exceeds
+    ({"__key__": "frac", "__url__": "s.tar"}, 10.9, r"'frac' from 's.tar': length_fn returned 10.9, not"),
+    ({"__key__": "text", "__url__": "s.tar"}, "12", r"'text' from 's.tar': length_fn returned '12', not"),
+])
+def test_a_bad_token_count_names_the_sample(sample, tokens, says):
+    data = [("x", 1)] * 20 + [sample]
+
+    def length(s):
+        return tokens if s is sample else 1
+
+    with pytest.raises(ValueError, match=says):
+        list(balanced_batches(10, length, bufsize=4)(iter(data)))
+
+
+def test_whole_numbers_of_any_integer_type_are_token_counts():
+    import numpy as np
+
+    counts = [np.int64(3), torch.tensor(4), 5.0, True + 1, torch.tensor(6.0), np.float32(2.0)]
+    data = [{"__key__": str(j), "n": n} for j, n in enumerate(counts)]
+    batches = list(balanced_batches(20, _n, seed=0, rank=0)(iter(data)))
+    assert sorted(s["__key__"] for b in batches for s in b) == ["0", "1", "2", "3", "4", "5"]
+
+
 @pytest.mark.parametrize("kwargs, says", [
     ({"steps": -3}, "steps must be an integer >= 0, got -3"),
     ({"steps": 2.5}, "steps must be an integer >= 0, got 2.5"),
