@@ -188,8 +188,9 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
     that does not run dry; a source that does anyway raises a clear error rather than letting ranks
     fall out of step. ``steps=None`` batches until the source ends (one process, or ranks that are
     kept in step some other way). ``bufsize``: samples held for shuffling and fitting. Randomness is
-    seeded from ``(seed, epoch, rank, worker)``; ``rank`` defaults to ``torch.distributed``'s (pass it
-    explicitly when DataLoader workers are spawned, where no process group exists). Each DataLoader
+    seeded from ``(seed, epoch, rank, worker)``; ``rank`` defaults to ``torch.distributed``'s, taken
+    when the stage is built, so spawned DataLoader workers (which have no process group) keep it
+    (a stage built before ``init_process_group`` takes it at its first batch instead). Each DataLoader
     worker batches what its own source yields, so give workers disjoint or resampled shard streams
     (``wds.ResampledShards(..., deterministic=True)`` seeds per rank and worker). A sample over the
     budget raises, naming its key and shard. Under tensor / sequence parallelism pass ``dp_group=`` or
@@ -217,4 +218,11 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
         from tokenbal.parallel import resolve_dp
 
         _, rank = resolve_dp(None, rank, dp_group, device_mesh)
+    elif rank is None:
+        import torch.distributed as dist
+
+        # Resolved here, in the training process: a spawned DataLoader worker has no process group,
+        # and resolving there would seed every rank's workers as rank 0.
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
     return BalancedBatches(max_tokens, length_fn, steps, bufsize, seed, epoch, rank, collation_fn)

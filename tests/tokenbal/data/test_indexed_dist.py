@@ -96,3 +96,45 @@ def test_two_ranks_stream_the_same_number_of_steps(ranks):
     assert [r[1] for r in results] == [locals_[1]] * 2       # agreed on the minimum
     assert [r[2] for r in results] == [locals_[1]] * 2       # and both ran exactly that many steps
     assert all(r[3] <= 300 for r in results)
+
+
+class _SameSamplesEveryWorker(torch.utils.data.IterableDataset):
+    """The same 60 samples, repeated, on every rank and worker: only the stage's seed tells the
+    streams apart. Module level, so spawned DataLoader workers can unpickle it."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def __iter__(self):
+        import itertools
+
+        data = [{"__key__": f"k{j:03d}", "n": 10 + (j * 37) % 90} for j in range(60)]
+        return self.stage(itertools.cycle(data))
+
+
+def _sample_size(sample):
+    return sample["n"]
+
+
+def _keys(batch):
+    return [s["__key__"] for s in batch]
+
+
+def _stream_in_spawned_workers(rank, world):
+    from tokenbal.data.stream import balanced_batches
+
+    stage = balanced_batches(200, _sample_size, steps=6, bufsize=16, seed=0, collation_fn=_keys)
+    loader = torch.utils.data.DataLoader(_SameSamplesEveryWorker(stage), batch_size=None, num_workers=2,
+                                         multiprocessing_context="spawn", timeout=120)
+    batches = list(loader)
+    dist.barrier()
+    return stage.rank, batches
+
+
+def test_streaming_seed_keeps_the_rank_in_spawned_workers():
+    # A spawned worker has no process group: resolved there, every rank's workers would be seeded as
+    # rank 0 and cut the same batches from the same stream.
+    (rank0, b0), (rank1, b1) = run_ranks(_stream_in_spawned_workers, 2, timeout=240)
+    assert len(b0) == len(b1) == 6
+    assert b0 != b1
+    assert (rank0, rank1) == (0, 1)
