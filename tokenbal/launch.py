@@ -108,28 +108,34 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0,
                              args=(r, world_size, port, fn, args, out_dir, collective_timeout,
                                    backend, threads))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
         outcomes: dict[int, tuple[bool, Any]] = {}
-        first_failure: float | None = None
-        while True:
-            for r, p in enumerate(procs):
-                if r not in outcomes and not p.is_alive():
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            first_failure: float | None = None
+            while True:
+                for r, p in enumerate(procs):
+                    if r not in outcomes and not p.is_alive():
+                        p.join()
+                        outcomes[r] = _outcome(out_dir, r, p)
+                        if not outcomes[r][0] and first_failure is None:
+                            first_failure = time.monotonic()
+                if len(outcomes) == world_size:
+                    break
+                now = time.monotonic()
+                if now >= deadline or (first_failure is not None and now >= first_failure + FAILURE_GRACE_S):
+                    break
+                time.sleep(0.05)
+        finally:
+            # However the wait ends, a KeyboardInterrupt (SIGINT to this process alone) or an error
+            # here included, no rank outlives it: spawned ranks are not daemons, so one left alive
+            # would also hold this process at exit until it ended on its own.
+            for p in procs:
+                if p.pid is not None and p.is_alive():
+                    p.kill()
                     p.join()
-                    outcomes[r] = _outcome(out_dir, r, p)
-                    if not outcomes[r][0] and first_failure is None:
-                        first_failure = time.monotonic()
-            if len(outcomes) == world_size:
-                break
-            now = time.monotonic()
-            if now >= deadline or (first_failure is not None and now >= first_failure + FAILURE_GRACE_S):
-                break
-            time.sleep(0.05)
-        alive = [r for r, p in enumerate(procs) if r not in outcomes]
-        for r in alive:
-            procs[r].kill()
-            procs[r].join()
+        alive = [r for r in range(world_size) if r not in outcomes]   # killed above
         # Every failing rank is shown: the first one to raise is often not rank 0.
         failures = [text for r, (ok, text) in sorted(outcomes.items()) if not ok]
         if alive:

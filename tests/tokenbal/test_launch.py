@@ -72,3 +72,63 @@ def test_a_rank_stuck_outside_a_collective_does_not_hide_another_ranks_failure()
     message = str(info.value)
     assert "rank 1 failed:" in message and "boom on rank 1" in message
     assert "1 of 2 ranks still running (ranks 0), killed" in message
+
+
+def _sleep_after_writing_pid(rank, world_size, out_dir):
+    import os
+    import time
+
+    with open(os.path.join(out_dir, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(90)
+
+
+def test_an_interrupted_run_leaves_no_rank_behind(tmp_path):
+    """SIGINT to the launching process alone (``kill -INT``, a scheduler): the ranks are killed and
+    the process exits, instead of waiting at exit for ranks that go on running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import paths
+
+    code = ("import sys; from tests.tokenbal.test_launch import _sleep_after_writing_pid as f; "
+            "from tokenbal.launch import run_ranks; run_ranks(f, 2, sys.argv[1], timeout=300)")
+    env = {**os.environ, "PYTHONPATH": str(paths.REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=str(paths.REPO), env=env,
+                              stderr=subprocess.DEVNULL)
+    pids = []
+    try:
+        for _ in range(1200):                    # the ranks have started (bounded: 120 s)
+            if len(pids := sorted(tmp_path.glob("pid*"))) == 2:
+                break
+            time.sleep(0.1)
+        assert len(pids) == 2, "the ranks did not start"
+        pids = [int(p.read_text()) for p in pids]
+        parent.send_signal(signal.SIGINT)
+        parent.wait(45)                          # raises TimeoutExpired if it hangs at exit
+    finally:
+        parent.kill()
+        for pid in pids:                         # never leave a rank behind, even when this fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for pid in pids:
+        assert not _alive(pid), f"rank process {pid} outlived the interrupted run"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:   # a zombie (exited, not yet reaped by its parent) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
