@@ -92,3 +92,21 @@ def test_http_missing_and_truncated_shard(remote, tmp_path):
         with pytest.raises(SampleReadError, match="shard missing") as e:
             ds[first_in_1]
         assert idx.keys[first_in_1] in str(e.value)
+
+
+def test_http_shard_cut_before_a_member_is_a_truncated_shard(remote, tmp_path):
+    """A member whose bytes start past the end of the served shard: the server answers 416 (Range Not
+    Satisfiable), which is the shard cut short, worded as for a local shard (its size included)."""
+    idx, shards = remote
+    (tmp_path / "shards").mkdir()
+    cut = tmp_path / "shards" / os.path.basename(shards[0])
+    shutil.copy(shards[0], cut)
+    later = [i for i in range(len(idx)) if idx.shard(i) == shards[0]][2]
+    os.truncate(cut, idx.members(later)[0].offset - 512)    # right before its first header
+    with serve(str(tmp_path)) as (base, _):
+        ds = IndexedShardDataset(idx, decode=None, shards=_urls(base, shards))
+        assert as_members(ds[0]) == as_members(IndexedShardDataset(idx, decode=None)[0])
+        with pytest.raises(SampleReadError, match=rf"shard truncated: {base}/shards/\S+ ends at "
+                                                  rf"{os.path.getsize(cut)} bytes") as e:
+            ds[later]
+        assert idx.keys[later] in str(e.value)
