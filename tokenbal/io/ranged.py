@@ -120,3 +120,11 @@ class ShardReaders:
                     os.close(h)
         self.open.clear()
 
+    def __del__(self) -> None:
+        # A dataset dropped without close() (the usual case) must not keep its shards open: one per
+        # shard read, so a process that makes datasets in a loop runs out of descriptors.
+        try:
+            self.close()
+        except (OSError, AttributeError):   # already closed elsewhere; or made only half
+            pass
+

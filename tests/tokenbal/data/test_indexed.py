@@ -503,3 +503,32 @@ def test_annotation_records_read_their_image_files(tmp_path):
     os.remove(tmp_path / "a.jpg")   # a fresh dataset: an open descriptor would still read the old file
     with pytest.raises(SampleReadError, match=r"file missing: .*a\.jpg"):
         IndexedShardDataset(idx, decode=None)[0]
+
+
+def _open_descriptors_of(paths) -> int:
+    """How many of this process's file descriptors point at one of ``paths`` (Linux /proc)."""
+    wanted = {os.path.realpath(p) for p in paths}
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") in wanted
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_dropped_dataset_closes_its_shards(corpus_index):
+    import gc
+
+    idx, shards = corpus_index
+    gc.collect()     # datasets of earlier tests that only a collection frees: not counted here
+    before = _open_descriptors_of(shards)
+    for _ in range(5):
+        ds = IndexedShardDataset(idx, decode=None)
+        for i in range(len(ds)):
+            ds[i]
+        assert _open_descriptors_of(shards) == before + len(shards)
+        del ds
+        gc.collect()
+        assert _open_descriptors_of(shards) == before
