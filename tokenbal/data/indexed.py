@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tokenbal.io.ranged import ShardReaders
-from tokenbal.io.tar import BLOCK, PLAIN_TYPES, header_stamp, name_matches, parse_tar_header
+from tokenbal.io.tar import BLOCK, PLAIN_TYPES, header_names, header_stamp, name_matches, parse_tar_header
 
 __all__ = ["IndexedShardDataset", "SampleReadError"]
 
@@ -291,7 +291,7 @@ class IndexedShardDataset(Dataset):
         if typeflag not in PLAIN_TYPES:
             raise SampleReadError(f"stale index: the header before {where} is of type {typeflag!r}, "
                                   f"not a regular file (name {stored!r}); rebuild the index")
-        if hsize != size or not name_matches(stored, name):
+        if hsize != size or not any(name_matches(n, name) for n in header_names(data[:BLOCK])):
             raise SampleReadError(f"stale index: {where} expected {name!r} with {size} bytes at {offset}, "
                                   f"the shard has {stored.decode('utf-8', 'replace')!r} with {hsize} "
                                   f"bytes there; the shard changed since the index was built "

@@ -206,6 +206,22 @@ def parse_tar_header(block: bytes) -> tuple[bytes, int, bytes]:
     return name, size, block[_TYPE:_TYPE + 1]
 
 
+def header_names(block: bytes) -> tuple[bytes, ...]:
+    """The names a member's 512-byte header stands for, for ``name_matches``: ``parse_tar_header``'s,
+    then CPython ``tarfile``'s where that differs. ``tarfile`` (and so the index, which lists members
+    by its rules) joins bytes 345..500 to the name as a ustar prefix whatever the magic says; in a GNU
+    header those bytes are the atime / ctime fields, which GNU tar fills in incremental archives, so
+    the index then names ``k.jpg`` as ``<atime>/k.jpg``. ``ValueError`` as ``parse_tar_header``."""
+    stored, _, typeflag = parse_tar_header(block)
+    prefix = cstr(block[_PREFIX])
+    if not prefix or block[_MAGIC] == b"ustar\0" or typeflag in (b"L", b"K", b"S"):
+        return (stored,)
+    name = cstr(block[_NAME])
+    if typeflag == b"5" or (typeflag == b"\0" and name.endswith(b"/")):
+        name = name.rstrip(b"/")      # tarfile strips a directory's slashes before joining
+    return stored, prefix + b"/" + name
+
+
 def name_matches(stored: bytes, expected: str) -> bool:
     """Whether a header's stored name (``parse_tar_header``) is the member name ``expected``."""
     enc = expected.encode("utf-8")

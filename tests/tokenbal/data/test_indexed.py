@@ -136,6 +136,34 @@ def test_long_names_written_by_gnu_tar(tmp_path, fmt):
     assert got == tar_members([shard])
 
 
+@pytest.mark.skipif(shutil.which("tar") is None or "GNU tar" not in subprocess.run(
+    ["tar", "--version"], capture_output=True, text=True).stdout, reason="needs GNU tar")
+def test_gnu_incremental_archive_reads(tmp_path):
+    """GNU tar --incremental fills the GNU atime / ctime fields, which tarfile (and so the index) reads
+    as a ustar prefix of every name: the reader takes the header by the same rule, not as stale."""
+    keys = ["k0", "k1", "d/" + "x" * 120 + "-long"]
+    src = tmp_path / "src"
+    names = []
+    for j, key in enumerate(keys):
+        for ext, data in Sample(key, images=[("png", 20 + j, 10)], caption=f"caption {j}", seed=j).members():
+            (src / key).parent.mkdir(parents=True, exist_ok=True)
+            (src / f"{key}.{ext}").write_bytes(data)
+            names.append(f"{key}.{ext}")
+    shard = str(tmp_path / "incremental.tar")
+    subprocess.run(["tar", "--format=gnu", "--incremental", "-cf", shard, "-C", str(src), "--no-recursion",
+                    *names], check=True, capture_output=True)
+    build_index([shard], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(tmp_path / "idx")
+    assert len(idx) == 3
+    ds = IndexedShardDataset(idx, decode="pil")
+    got = {}
+    for i in range(len(ds)):
+        got.update(as_members(ds.read_raw(i)))
+        j = next(j for j, key in enumerate(keys) if idx.keys[i].endswith(key))
+        assert ds[i]["png"].size == (20 + j, 10)
+    assert got == tar_members([shard])
+
+
 def test_every_regular_member_type_the_index_takes_reads(tmp_path):
     """Type "0", the old "\\0" and contiguous "7" members are all regular files to tarfile (and the
     index): the reader returns their bytes instead of calling the index stale."""
