@@ -20,17 +20,6 @@ from tokenbal.io.remote import is_url
 __all__ = ["ShardReaders", "is_url"]
 
 
-def _range_past_the_end(e: BaseException) -> bool:
-    """Whether a store refused a ranged read because it starts at or after the end of the object:
-    HTTP 416 Range Not Satisfiable (HTTP servers, S3's InvalidRange), in ``e`` or its causes."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if getattr(seen, "status", None) == 416 or getattr(seen, "code", None) == 416:
-            return True
-        seen = seen.__cause__
-    return False
-
-
 class ShardReaders:
     """Per-process LRU of open shards: local file descriptors, or fsspec filesystems for URLs.
 
@@ -89,13 +78,13 @@ class ShardReaders:
             # Transient store errors (timeouts, 5xx) are retried with backoff, as in the index build.
             # Each request has the build's deadlines too (RemoteOptions' timeout / total_timeout):
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
-            from tokenbal.io.remote import RemoteOptions, store_call, with_retries
+            from tokenbal.io.remote import RemoteOptions, range_not_satisfiable, store_call, with_retries
 
             try:
                 return with_retries(store_call(h, "cat_file", path, start=offset, end=offset + n), shard,
                                     f"bytes {offset}..{offset + n}", RemoteOptions())
             except OSError as e:
-                if _range_past_the_end(e):
+                if range_not_satisfiable(e):
                     return b""     # as a local pread there: the caller words it (a truncated shard)
                 raise
         data = os.pread(h, n, offset)

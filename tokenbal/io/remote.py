@@ -108,9 +108,29 @@ def _options_in_url(protocol: str, url: str) -> dict:
     return dict(cls._get_kwargs_from_urls(url))
 
 
+def range_not_satisfiable(e: BaseException) -> bool:
+    """Whether a store refused a ranged read because it starts at or past the end of the object (HTTP
+    416: ``status`` on aiohttp's error, ``InvalidRange`` in the botocore response behind s3fs's
+    ``OSError``), in ``e`` or the errors behind it. Retrying cannot help: the object is shorter."""
+    seen: BaseException | None = e
+    for _ in range(8):        # a cause chain is short; a cycle must not loop forever
+        if seen is None:
+            return False
+        if getattr(seen, "status", None) == 416 or getattr(seen, "code", None) == 416:
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict) and (response.get("Error", {}).get("Code") == "InvalidRange" or
+                                           response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _permanent(e: BaseException) -> bool:
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotImplementedError,
                       ValueError, TypeError, RangesIgnored)):
+        return True
+    if range_not_satisfiable(e):
         return True
     status = getattr(e, "status", None) or getattr(e, "code", None)
     if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):

@@ -110,3 +110,25 @@ def test_http_shard_cut_before_a_member_is_a_truncated_shard(remote, tmp_path):
                                                   rf"{os.path.getsize(cut)} bytes") as e:
             ds[later]
         assert idx.keys[later] in str(e.value)
+
+
+def test_s3_shard_cut_before_a_member_is_a_truncated_shard(remote, monkeypatch):
+    """S3 answers a range past the end with InvalidRange (416), which s3fs raises as a bare OSError:
+    a truncated shard too, said at once (not retried: the object will not grow back)."""
+    from tests.helpers.servers import moto_s3
+
+    idx, shards = remote
+    later = [i for i in range(len(idx)) if idx.shard(i) == shards[0]][2]
+    with open(shards[0], "rb") as f:
+        cut = f.read()[:idx.members(later)[0].offset - 512]      # right before its first header
+    with moto_s3(monkeypatch) as (endpoint, client):
+        client.put_object(Bucket="corpus", Key="a.tar", Body=cut)
+        with open(shards[1], "rb") as f:
+            client.put_object(Bucket="corpus", Key="b.tar", Body=f.read())
+        ds = IndexedShardDataset(idx, decode=None, shards=["s3://corpus/a.tar", "s3://corpus/b.tar"],
+                                 storage_options={"client_kwargs": {"endpoint_url": endpoint}})
+        assert as_members(ds[0]) == as_members(IndexedShardDataset(idx, decode=None)[0])
+        with pytest.raises(SampleReadError, match=rf"shard truncated: s3://corpus/a\.tar ends at {len(cut)} "
+                                                  "bytes") as e:
+            ds[later]
+        assert idx.keys[later] in str(e.value)
