@@ -214,6 +214,9 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
         rank = nonneg_int("rank", rank)
     if not callable(length_fn):
         raise ValueError(f"length_fn must be callable (sample -> tokens), got {type(length_fn).__name__}")
+    if collation_fn is not None and not callable(collation_fn):
+        raise ValueError(f"collation_fn must be callable (list of samples -> batch) or None, got "
+                         f"{type(collation_fn).__name__}")
     if dp_group is not None or device_mesh is not None:
         from tokenbal.parallel import resolve_dp
 

@@ -92,6 +92,7 @@ def test_whole_numbers_of_any_integer_type_are_token_counts():
     ({"seed": -1}, "seed must be an integer >= 0, got -1"),
     ({"rank": 1.0}, "rank must be an integer >= 0, got 1.0"),
     ({"length_fn": "n"}, "length_fn must be callable"),
+    ({"collation_fn": "stack"}, "collation_fn must be callable (list of samples -> batch) or None, got str"),
 ])
 def test_bad_settings_are_refused_when_the_stage_is_built(kwargs, says):
     # Not at the first batch, often inside a DataLoader worker; never a silent 0 or 3 batches.
