@@ -102,7 +102,7 @@ def _cmd_index_verify(args: argparse.Namespace) -> int:
 def _cmd_index_merge(args: argparse.Namespace) -> int:
     from tokenbal.index.merge import merge_indexes
 
-    print(merge_indexes(args.out, args.parts).summary())
+    print(merge_indexes(args.out, args.parts, replace=args.replace).summary())
     return 0
 
 
@@ -435,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "machine would have built (same rows, order and errors).")
     merge.add_argument("out", help="index folder to write")
     merge.add_argument("parts", nargs="+", help="part index folders (all parts of one split)")
+    merge.add_argument("--replace", action="store_true",
+                       help="replace an index at OUT even when it was built with other token settings or "
+                            "holds shards the parts do not (refused by default, naming what would be lost)")
     merge.set_defaults(func=_cmd_index_merge, command_parser=merge)
 
     export = isub.add_parser("export", help="write key / length / vision / text tokens as a table",

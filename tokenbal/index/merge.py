@@ -25,10 +25,12 @@ from collections.abc import Sequence
 # The part selection is shared with the build; re-exported here, where it is documented.
 from tokenbal.index.parts import check_part, parse_part, part_meta, select_part
 
-__all__ = ["check_part", "check_split", "merge_indexes", "parse_part", "part_meta", "select_part"]
+__all__ = ["check_part", "check_split", "merge_indexes", "parse_part", "part_meta", "refuse_to_replace",
+           "select_part"]
 
 
-def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False):
+def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False,
+                  replace: bool = False):
     """Join part indexes (``build_index(..., part=(i, n))``) into one index at ``out``.
 
     Raises ``ValueError`` naming the problem when the parts are not one complete set: a folder that is
@@ -36,11 +38,13 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     counts differ), a part missing or given twice, parts that split different shard lists or saw a
     shard changed, shards in two parts or in none (``check_split``), a damaged part
     (``store.index_problems``: counts that do not sum, ``errors.jsonl`` cut short), an interrupted
-    part's saved shards (``.<out>.partial``). Returns the ``BuildReport`` of the merged index.
+    part's saved shards (``.<out>.partial``). Unless ``replace``, it also refuses an ``out`` that holds
+    an index the merge would lose something of (``refuse_to_replace``): one of other token settings, or
+    with shards the parts do not hold. Returns the ``BuildReport`` of the merged index.
     """
     import time
 
-    from tokenbal.index.build import BuildReport, _result_from_index, _rules, write_index
+    from tokenbal.index.build import BuildReport, _BuildLock, _result_from_index, _rules, write_index
     from tokenbal.index.store import TokenIndex, index_problems
 
     t0 = time.perf_counter()
@@ -100,7 +104,11 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     meta = {k: v for k, v in first.items()
             if k in ("estimator", "text_counter", "exif", "image_sizes", "member_stamps", "image_root",
                      "sources", "parquet", "video_pipeline")}
-    writer = write_index(out, (_result_from_index(idx, path) for _, path, idx in jobs), meta)
+    # Under the build lock, so that no build of ``out`` slips in between the check and the write.
+    with _BuildLock(os.path.abspath(os.fspath(out))):
+        if not replace:
+            refuse_to_replace(os.path.abspath(os.fspath(out)), meta, [path for _, path, _ in jobs])
+        writer = write_index(out, (_result_from_index(idx, path) for _, path, idx in jobs), meta)
     return BuildReport(out=os.path.abspath(os.fspath(out)), num_shards=len(jobs),
                        num_bad_shards=writer.num_bad_shards, num_samples=writer.num_samples,
                        num_errors=writer.num_errors, num_images=writer.num_images,
@@ -108,6 +116,38 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
                        # as a one-machine build reports them, so limit_problems names each one
                        bad_shards=[{"path": s["path"], "status": s["status"], "reason": s.get("reason")}
                                    for s in writer.shards if s["status"] != "ok"])
+
+
+def refuse_to_replace(out: str, meta: dict, shards: Sequence[str]) -> None:
+    """Raise ``ValueError`` when ``out`` holds an index that merging ``shards`` with the token settings
+    of ``meta`` would silently lose something of: other token settings (another model, tokenizer,
+    estimator options...: every length would change), or shards the parts do not hold (they would be
+    dropped). ``tokenbal index build`` refuses the first for the same reason; re-running one merge, or
+    merging into one of its own parts, replaces nothing but the same shards and passes."""
+    from tokenbal.index.build import rules_differences
+    from tokenbal.index.store import MANIFEST, TokenIndex
+
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        return
+    try:
+        old = TokenIndex.open(out)
+        manifest = old.manifest
+        old.release()
+    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as a build does
+        return
+    lost = []
+    differences = rules_differences(manifest, meta)
+    if differences:
+        lost.append(f"it was built with other settings ({'; '.join(differences)})")
+    kept = set(shards)
+    dropped = [e["path"] for e in manifest.get("shards", []) if e["path"] not in kept]
+    if dropped:
+        lost.append(f"{len(dropped)} of its shards are in none of the parts ({_names(dropped, 3)})")
+    if lost:
+        raise ValueError(
+            f"merge: {out} holds an index of {manifest.get('num_samples', '?')} samples from "
+            f"{len(manifest.get('shards', []))} shards that the merge would replace, and {'; '.join(lost)}; "
+            "pass --replace (merge_indexes(replace=True)) to replace it, or choose another OUT")
 
 
 def _names(paths, limit: int = 5) -> str:

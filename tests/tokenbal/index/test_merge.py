@@ -384,3 +384,34 @@ def test_a_damaged_part_is_refused_not_merged_into_a_clean_looking_index(tmp_pat
         merge_indexes(tmp_path / "m", parts)
     errors.write_text("".join(lines), encoding="utf-8")
     assert merge_indexes(tmp_path / "m", parts).num_errors == len(lines)
+
+
+def test_merge_does_not_silently_replace_an_index_it_would_lose_something_of(tmp_path, capsys):
+    """The reproduction: ``index build --tokenizer T --out idx``, then ``index merge idx parts/*`` of
+    parts built without the tokenizer: the merge used to replace the index (every text count now the
+    heuristic's) with exit 0 and no word; ``index build`` refuses the same replacement."""
+    corpus = _small_corpus(tmp_path / "shards", 4)
+    src = os.path.join(corpus.root, "data-*.tar")
+    parts = [tmp_path / "p0", tmp_path / "p1"]
+    for i, part in enumerate(parts):
+        build_index([src], part, progress=False, part=(i, 2))
+    other = tmp_path / "other"
+    build_index([src], other, progress=False, estimator_overrides={"max_pixels": 200704})
+    before = TokenIndex.open(other).lengths.tolist()
+    assert main(["index", "merge", str(other), *map(str, parts)]) == 2
+    err = capsys.readouterr().err
+    assert f"{other} holds an index of" in err and "max_pixels: index 200704, this build 12845056" in err
+    assert "--replace" in err
+    assert TokenIndex.open(other).lengths.tolist() == before        # untouched
+    # An index of the same settings with a shard the parts do not hold: it would be dropped.
+    extra = make_corpus(tmp_path / "more", n_shards=1, samples_per_shard=2, bad=False, seed=3).shards[0]
+    wider = tmp_path / "wider"
+    build_index([src, extra], wider, progress=False)
+    dropped = r"1 of its shards are in none of the parts \(" + extra.replace(".", r"\.")
+    with pytest.raises(ValueError, match=dropped):
+        merge_indexes(wider, parts)
+    # --replace replaces; re-running one merge, or merging into one of its own parts, needs no flag.
+    assert main(["index", "merge", "--replace", str(other), *map(str, parts)]) == 0
+    assert TokenIndex.open(other).manifest["estimator"]["config"]["max_pixels"] == 12845056
+    assert main(["index", "merge", str(other), *map(str, parts)]) == 0
+    assert main(["index", "merge", str(parts[0]), *map(str, parts)]) == 0
