@@ -79,6 +79,7 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
 def _cmd_index_stats(args: argparse.Namespace) -> int:
     from tokenbal.index import index_stats
 
+    _check_output_file("--plot", args.plot, (".png",))
     print(index_stats(args.dir, plot=args.plot))
     if args.plot:
         print(f"  histogram written to {args.plot}")
@@ -124,6 +125,7 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     if args.model_config and args.cost != "flops":
         raise UsageError(f"--model-config is used by --cost flops only (this run balances {args.cost}); "
                          "add --cost flops, or drop --model-config")
+    _check_output_file("--plot", args.plot, (".png", ".csv"))
     # One checked PlanSettings over the data-parallel ranks: a bad batch size fails before the index is read.
     settings = PlanSettings.from_layout(_layout(args.world_size, args.sp_size),
                                         global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
@@ -180,8 +182,21 @@ def _flops_model(path: str):
                          f"({type(e).__name__}: {e})") from None
 
 
+def _check_output_file(option: str, path: str | None, suffixes: tuple[str, ...]) -> None:
+    """Refuse, before any work, an output file name the command would write the wrong thing under
+    (PNG bytes in ``ratios.txt``) or could only fail to write after the work (a missing folder)."""
+    if path is None:
+        return
+    if not path.lower().endswith(suffixes):
+        raise UsageError(f"{option} {path}: give a {' or '.join(suffixes)} file name (it writes "
+                         f"{'a PNG chart or a CSV table' if len(suffixes) > 1 else 'a PNG chart'})")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{option} {path}: folder {folder} does not exist")
+
+
 def _write_plot(sim, path: str) -> None:
-    if path.endswith(".csv"):
+    if path.lower().endswith(".csv"):
         import csv
 
         names = list(sim.ratios)
@@ -235,6 +250,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
                          "--compare)")
     if not args.compare and not args.trace_dir:
         raise UsageError("give a trace folder, or --compare A B")
+    _check_output_file("--timeline", args.timeline, (".png",))
     dirs = args.compare or [args.trace_dir]
     picks = args.run or [None] * len(dirs)
     if len(picks) != len(dirs):

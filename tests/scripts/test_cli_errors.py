@@ -108,6 +108,28 @@ def test_profile_without_a_folder_is_a_usage_error(capsys):
     assert code == 2 and "tokenbal profile: error: give a trace folder, or --compare A B" in err
 
 
+def test_plot_files_of_another_type_or_in_a_missing_folder_are_refused_before_the_work(clean, tmp_path,
+                                                                                       capsys):
+    """``plan simulate --plot ratios.txt`` (or ``R.CSV``) used to write PNG bytes under that name, and
+    ``--plot missing/r.png`` to fail with a bare OSError only after the whole simulation."""
+    pytest.importorskip("matplotlib")
+    _, index = clean
+    simulate = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4"]
+    code, out, err = run([*simulate, "--plot", str(tmp_path / "ratios.txt")], capsys)
+    assert code == 2 and out == "" and not (tmp_path / "ratios.txt").exists()
+    assert SIMULATE + f"--plot {tmp_path / 'ratios.txt'}: give a .png or .csv file name" in err
+    code, out, err = run([*simulate, "--plot", str(tmp_path / "missing" / "r.png")], capsys)
+    assert code == 2 and out == ""
+    assert f"--plot {tmp_path / 'missing' / 'r.png'}: folder {tmp_path / 'missing'} does not exist" in err
+    code, _, _ = run([*simulate, "--plot", str(tmp_path / "R.CSV")], capsys)
+    assert code == 0 and (tmp_path / "R.CSV").read_text().startswith("step,DistributedSampler,")
+    code, out, err = run(["index", "stats", index, "--plot", str(tmp_path / "h.csv")], capsys)
+    assert code == 2 and out == "" and not (tmp_path / "h.csv").exists()
+    assert "tokenbal index stats: error: --plot " in err and "give a .png file name" in err
+    code, _, err = run(["profile", str(tmp_path), "--timeline", str(tmp_path / "t.jpg")], capsys)
+    assert code == 2 and "tokenbal profile: error: --timeline " in err and "give a .png file name" in err
+
+
 # --- plan simulate: ranks beyond the samples, step counts explained -------------------------------
 
 def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
