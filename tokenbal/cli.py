@@ -166,13 +166,22 @@ def _flops_model(path: str):
 
     from tokenbal.balance.cost import FlopsModel
 
+    if os.path.isdir(path):
+        # A checkpoint folder is what --model takes; here the file inside it is wanted.
+        inside = os.path.join(path, "config.json")
+        hint = f"; give {inside}" if os.path.isfile(inside) else " holding no config.json"
+        raise ValueError(f"--model-config {path} is a folder{hint}")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"--model-config {path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--model-config {path} is not a text file (a config.json is UTF-8 JSON)") from None
     except FileNotFoundError:
         raise FileNotFoundError(f"--model-config {path}: no such file") from None
+    except OSError as e:   # unreadable (permissions, a device): still the option's value to fix
+        raise ValueError(f"--model-config {path} cannot be read ({e.strerror or e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"--model-config {path} holds a {type(config).__name__}, not a config object")
     try:

@@ -101,6 +101,14 @@ def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
     bad.write_text(json.dumps({"hidden_size": 64}))
     code, _, err = run([*common, "--model-config", str(bad)], capsys)
     assert code == 2 and "is not a model config tokenbal can read" in err
+    # A checkpoint folder (what --model takes) and a binary file: one line naming the option, exit 2
+    # (they were an "[Errno 21] Is a directory" with exit 1 and a bare UnicodeDecodeError).
+    code, _, err = run([*common, "--model-config", str(tmp_path)], capsys)
+    assert code == 2 and err.strip() == SIMULATE + f"--model-config {tmp_path} is a folder; give {bad}"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 a JPEG, not a config")
+    code, _, err = run([*common, "--model-config", str(bad)], capsys)
+    assert code == 2
+    assert err.strip() == SIMULATE + f"--model-config {bad} is not a text file (a config.json is UTF-8 JSON)"
 
 
 def test_profile_without_a_folder_is_a_usage_error(capsys):
