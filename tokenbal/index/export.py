@@ -46,7 +46,13 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
     damage = index_problems(idx)
     if damage:
         raise IndexDamagedError(f"cannot export {idx.path}: {'; '.join(damage)}; rebuild the index")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        # makedirs' own "[Errno 17] File exists: 'x'" does not say that a file stands where the
+        # export folder (or one above it) should be.
+        raise ValueError(f"export folder {os.fspath(out_dir)}: a file of that name (or of a folder above "
+                         "it) is in the way; give a folder to write lengths.* into") from None
     keys = list(idx.keys)
     shard_ids = np.asarray(idx.shard_ids)
     shards = [idx.shard_paths[int(s)] for s in shard_ids]

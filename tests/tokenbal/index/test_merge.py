@@ -169,6 +169,20 @@ def test_export_and_join_by_key(single, tmp_path, fmt):
         lengths_for_keys(tmp_path / "x", [theirs[0], "nope"])
 
 
+def test_export_into_a_file_is_one_line_naming_it(single, tmp_path, capsys):
+    """``index export DIR`` where DIR (or a folder above it) is a file was ``[Errno 17] File exists:
+    'DIR'`` / ``[Errno 20] Not a directory`` with exit 1, as if the environment had failed."""
+    afile = tmp_path / "lengths.jsonl"
+    afile.write_text("mine\n")
+    for out in (afile, afile / "sub"):
+        assert main(["index", "export", str(out), "--index", single.path, "--format", "jsonl"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == (f"tokenbal index export: error: export folder {out}: a file of that name "
+                               "(or of a folder above it) is in the way; give a folder to write lengths.* "
+                               "into")
+    assert afile.read_text() == "mine\n"
+
+
 def test_join_refuses_duplicate_keys(tmp_path):
     from tests.helpers.corpus import Sample, write_shard
 
