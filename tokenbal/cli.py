@@ -60,6 +60,10 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
     out = args.out
     if part is not None:   # one --out for every part of a launcher: {i} / {n} tell them apart
         out = out.replace("{i}", str(part[0])).replace("{n}", str(part[1]))
+    elif "{i}" in out or "{n}" in out:
+        # Without --part they stay as written: a folder literally named part-{i}.
+        raise UsageError(f"--out {out}: {{i}} and {{n}} are replaced only with --part I/N (or --part env); "
+                         "add --part, or name the folder")
     parquet = ParquetOptions(image_column=args.image_column, text_column=args.text_column,
                              messages_column=args.messages_column, video_column=args.video_column)
     report = build_index(args.sources, out, model=model, workers=args.workers,

@@ -146,6 +146,17 @@ def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
     assert_identical(single, TokenIndex.open(tmp_path / "merged"))
 
 
+def test_an_out_with_part_numbers_needs_part(tmp_path, capsys):
+    """``--out parts/part-{i}`` without ``--part`` (a launcher line copied without it) built the whole
+    index into a folder literally named ``part-{i}``."""
+    corpus = _small_corpus(tmp_path / "shards", 2)
+    out = tmp_path / "parts" / "part-{i}"
+    assert main(["index", "build", *corpus.shards, "--out", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenbal index build: error: --out {out}: {{i}} and {{n}} are replaced only with --part" in err
+    assert not (tmp_path / "parts").exists()
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "npy"])
 def test_export_and_join_by_key(single, tmp_path, fmt):
     if fmt == "parquet":
