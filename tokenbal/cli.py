@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "--out built with the same rules keeps its shards (unchanged ones without a "
                             "rescan, even those SOURCES does not name) and new shards are appended, and one "
                             "built with other rules (--model, --estimator-option, --tokenizer, --exif, "
-                            "--image-root, Parquet columns) is refused, naming each difference")
+                            "--image-root, Parquet columns) is refused, naming each difference, and so is "
+                            "(with --part) one of another part or a whole index")
     build.add_argument("--max-bad-shards", type=_NON_NEGATIVE, default=0, metavar="N",
                        help="exit 1 (after writing the index) when more than N shards could not be indexed "
                             "(missing, unreadable, corrupt, empty); they are named on stderr (default 0)")

@@ -287,6 +287,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         # in their folders), then the last complete index.
         if incremental and on_other_rules == "error":
             _refuse_other_rules(out, meta)
+            if part is not None:
+                _refuse_other_part(out, part)
         leftovers = _recover_leftovers(out)
         olds = [] if not incremental else [
             idx for idx in (_reusable_index(partial_path(out), meta),
@@ -368,6 +370,31 @@ def rules_differences(built: dict, meta: dict) -> list[str]:
             if a != b:
                 out.append(f"{k}: index {a!r}, this build {b!r}")
     return out
+
+
+def _refuse_other_part(out: str, part: tuple[int, int]) -> None:
+    """Raise ``ValueError`` when ``out`` holds a whole index, or another part's index, that this build
+    of part ``part`` would replace: the usual cause is an ``--out`` without ``{i}``, which makes every
+    part of a split (one Slurm task or rank after another) overwrite the one before, unnoticed until
+    the merge misses parts. A re-split (the same part number of another count) replaces its folder."""
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        return
+    try:
+        built = TokenIndex.open(out)
+        manifest = built.manifest
+        built.release()
+    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as before
+        return
+    had = manifest.get("part")
+    if had is not None and had.get("index") == part[0]:
+        return
+    held = (f"part {had.get('index')}/{had.get('count')}" if had is not None
+            else "a whole index (built without --part)")
+    n = len(manifest.get("shards", []))
+    raise ValueError(
+        f"--out {out} holds {held} of {manifest.get('num_samples', '?')} samples from {n} shards, which "
+        f"this build of part {part[0]}/{part[1]} would replace; give each part its own folder with {{i}} "
+        "in --out (e.g. --out parts/part-{i}), or pass --rebuild to replace it")
 
 
 def _refuse_other_rules(out: str, meta: dict) -> None:

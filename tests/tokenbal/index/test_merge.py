@@ -157,6 +157,33 @@ def test_an_out_with_part_numbers_needs_part(tmp_path, capsys):
     assert not (tmp_path / "parts").exists()
 
 
+def test_a_part_build_does_not_silently_replace_another_part_or_a_whole_index(tmp_path, capsys):
+    """``--part env --out /shared/parts/part`` (no ``{i}``), one Slurm task after another: each part's
+    build replaced the one before with exit 0, and only the merge noticed, with parts missing."""
+    corpus = _small_corpus(tmp_path / "shards", 4)
+    src = os.path.join(corpus.root, "data-*.tar")
+    same = tmp_path / "parts" / "part"
+    build = ["index", "build", src, "--out", str(same), "-q"]
+    assert main([*build, "--part", "0/2"]) == 0
+    capsys.readouterr()
+    assert main([*build, "--part", "1/2"]) == 2
+    err = capsys.readouterr().err
+    assert (f"tokenbal index build: error: --out {same} holds part 0/2 of 4 samples from 2 shards, which "
+            "this build of part 1/2 would replace; give each part its own folder with {i} in --out") in err
+    assert TokenIndex.open(same).manifest["part"]["index"] == 0          # untouched
+    # A whole index is not replaced by one of its parts either.
+    whole = tmp_path / "whole"
+    build_index([src], whole, progress=False)
+    assert main(["index", "build", src, "--out", str(whole), "-q", "--part", "1/2"]) == 2
+    assert "holds a whole index (built without --part) of 8 samples from 4 shards" in capsys.readouterr().err
+    assert len(TokenIndex.open(whole)) == 8
+    # The same part again, a re-split (part 0 of 3 where part 0 of 2 was) and --rebuild replace it.
+    assert main([*build, "--part", "0/2"]) == 0
+    assert main([*build, "--part", "0/3"]) == 0
+    assert main([*build, "--part", "1/3", "--rebuild"]) == 0
+    assert TokenIndex.open(same).manifest["part"]["index"] == 1
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "npy"])
 def test_export_and_join_by_key(single, tmp_path, fmt):
     if fmt == "parquet":
