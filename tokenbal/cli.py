@@ -276,11 +276,13 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(profile.profile_as_dict(runs[0]), indent=1) if args.json
               else profile.format_report(runs[0]))
+    # With --json, stdout is one JSON document for a script to parse: what else is said goes to stderr.
+    notes = sys.stderr if args.json else sys.stdout
     if args.hta:
-        print(_hta_summary(dirs))
+        print(_hta_summary(dirs), file=notes)
     if args.timeline:
         profile.write_timeline(runs, args.timeline)
-        print(f"timeline written to {args.timeline}")
+        print(f"timeline written to {args.timeline}", file=notes)
     return 0
 
 

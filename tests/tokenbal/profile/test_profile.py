@@ -265,6 +265,19 @@ def test_json_output_has_every_table(tmp_path, capsys):
     assert both["speedup_b_over_a"] > 0
 
 
+def test_json_output_stays_one_document_with_timeline_and_hta(tmp_path, capsys):
+    """``--json --timeline T.png`` (or ``--hta``) printed "timeline written to ..." / the HTA tables after
+    the JSON on stdout, so a script's ``json.loads`` failed with "Extra data"."""
+    pytest.importorskip("matplotlib")
+    os.makedirs(tmp_path / "a")
+    trace_steps(str(tmp_path / "a" / "rank0.json"), _host_read_step(True), steps=2)
+    png = tmp_path / "timeline.png"
+    assert main(["profile", str(tmp_path / "a"), "--json", "--timeline", str(png), "--hta"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ranks"] == [0]
+    assert f"timeline written to {png}" in err and "HolisticTraceAnalysis" in err and png.exists()
+
+
 @pytest.mark.parametrize("name, kind", [
     ("gloo:all_reduce", "all_reduce"), ("ncclDevKernel_AllGather_RING_LL", "all_gather"),
     ("ncclKernel_ReduceScatter_RING_LL_Sum_float", "reduce_scatter"),
