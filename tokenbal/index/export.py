@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +58,9 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
     shards = [idx.shard_paths[int(s)] for s in shard_ids]
     cols = {"length": np.asarray(idx.lengths), "vision_tokens": np.asarray(idx.vision_tokens),
             "text_tokens": np.asarray(idx.text_tokens)}
+    # Each file is written under a temporary name and renamed into place once every file is complete:
+    # a failure (a full disk) leaves the previous export whole and no half-written file behind.
+    writes: dict[str, Callable[[str], None]] = {}
     if fmt == "parquet":
         from tokenbal._extras import require
 
@@ -67,13 +70,17 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
         path = os.path.join(out_dir, "lengths.parquet")
         table = pa.table({"key": pa.array(keys, pa.string()), "shard": pa.array(shards, pa.string()),
                           **{k: pa.array(v, pa.int64()) for k, v in cols.items()}})
-        pq.write_table(table, path)
+        writes[path] = lambda tmp: pq.write_table(table, tmp)
     elif fmt == "jsonl":
         path = os.path.join(out_dir, "lengths.jsonl")
-        with open(path, "w", encoding="utf-8") as f:
-            for j, key in enumerate(keys):
-                row = {"key": key, "shard": shards[j], **{k: int(v[j]) for k, v in cols.items()}}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+        def write_jsonl(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                for j, key in enumerate(keys):
+                    row = {"key": key, "shard": shards[j], **{k: int(v[j]) for k, v in cols.items()}}
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+        writes[path] = write_jsonl
     else:
         # A carriage return is a line break to every text reader that translates newlines (Python's
         # default among them): a key holding one would come back split, or without it.
@@ -82,11 +89,41 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
             raise ValueError(f"key or shard {bad!r} holds a line break (\\n or \\r); export it as parquet "
                              "or jsonl")
         path = os.path.join(out_dir, "lengths.npy")
-        np.save(path, np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3))
-        for name, lines in (("keys.txt", keys), ("shards.txt", shards)):
-            with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-                f.write("".join(k + "\n" for k in lines))
+        table = np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3)
+
+        def write_npy(tmp: str) -> None:
+            with open(tmp, "wb") as f:   # a file object: np.save would append .npy to the temporary name
+                np.save(f, table)
+
+        def write_lines(lines: list[str]) -> Callable[[str], None]:
+            def write(tmp: str) -> None:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write("".join(k + "\n" for k in lines))
+            return write
+
+        writes[path] = write_npy
+        writes[os.path.join(out_dir, "keys.txt")] = write_lines(keys)
+        writes[os.path.join(out_dir, "shards.txt")] = write_lines(shards)
+    _write_all(writes)
     return path
+
+
+def _write_all(writes: dict[str, Callable[[str], None]]) -> None:
+    """Run ``write(tmp)`` for each ``{path: write}`` into a temporary file beside ``path``, then rename
+    them all into place; on an error remove the temporary files and raise it naming the file."""
+    tmps = {path: f"{path}.tmp-{os.getpid()}" for path in writes}
+    try:
+        for path, write in writes.items():
+            try:
+                write(tmps[path])
+            except OSError as e:   # "[Errno 28] No space left on device" alone does not say where
+                raise OSError(e.errno, f"{e.strerror or e}: writing {path}") from None
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarray]]:

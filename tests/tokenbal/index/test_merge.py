@@ -221,6 +221,30 @@ def test_export_into_a_file_is_one_line_naming_it(single, tmp_path, capsys):
     assert afile.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "npy"])
+def test_an_export_cut_short_by_a_full_disk_leaves_the_previous_one_whole(single, tmp_path, fmt):
+    """A real process under a file-size limit (a full disk stands in): ``index export`` used to leave a
+    half-written lengths file in place of the previous, complete one, and said only ``[Errno 27] File
+    too large`` without the file."""
+    import resource
+
+    out = tmp_path / "lengths"
+    cmd = [sys.executable, "-m", "tokenbal.cli", "index", "export", str(out), "--index", single.path,
+           "--format", fmt]
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONDONTWRITEBYTECODE": "1"}
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    limit = min(len(b) for b in before.values()) // 2   # every file of the export is cut short
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    run = subprocess.run(cmd, env=env, preexec_fn=small_files, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert f"File too large: writing {out}{os.sep}lengths." in run.stderr
+
+
 def test_join_refuses_duplicate_keys(tmp_path):
     from tests.helpers.corpus import Sample, write_shard
 
