@@ -339,14 +339,30 @@ def _sample_limit(text: str) -> int | float:
             from None
 
 
+def _seconds(text: str) -> float:
+    """``--timeout`` / ``--total-timeout``: seconds >= 0 (0: no limit). A negative number or nan was
+    taken as "no limit" (or failed deep in the remote reader), so a typo lifted the limit silently."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0; 0: no limit), got {text!r}") \
+            from None
+    if not value >= 0:   # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0; 0: no limit), got {text!r}")
+    return value
+
+
+_seconds.__name__ = "seconds"
+
+
 def _add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", type=_parse_override,
                    help="fsspec option for remote URLs, e.g. endpoint_url=http://... (repeatable); "
                         "credentials come from the store's usual environment / config files")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="remote reads: seconds one request may take before it is retried (default 60; "
                         "0: no limit)")
-    p.add_argument("--total-timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--total-timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="remote reads: seconds one read may take, retries included, before it fails naming "
                         "the URL (default 600; 0: no limit)")
 

@@ -56,6 +56,10 @@ def clean(tmp_path_factory):
     (["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
     (["--max-bad-samples", "lots"], "argument --max-bad-samples: expected a count >= 0 or a percentage"),
     (["--max-bad-shards", "-1"], "argument --max-bad-shards: must be an integer >= 0"),
+    # a negative timeout silently meant "no limit"; nan failed inside the remote reader
+    (["--timeout", "-5"], "argument --timeout: expected seconds (a number >= 0; 0: no limit), got '-5'"),
+    (["--total-timeout", "nan"], "argument --total-timeout: expected seconds (a number >= 0; 0: no limit), "
+                                 "got 'nan'"),
 ])
 def test_build_usage_errors(clean, tmp_path, capsys, extra, message):
     corpus, _ = clean
