@@ -517,7 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan one epoch from an index and print, per method, the mean / p95 / max over "
                     "steps of max/mean rank cost (1.000 = perfect), and how long tokenbal took to plan.")
     sim.add_argument("--index", required=True, help="index folder (tokenbal index build)")
-    sim.add_argument("--world-size", type=_POSITIVE, required=True, help="data-parallel ranks")
+    sim.add_argument("--world-size", type=_POSITIVE, required=True,
+                     help="ranks in all: the data-parallel ranks, or with --sp-size S, S ranks per "
+                          "data-parallel group")
     sim.add_argument("--global-batch-size", type=_POSITIVE, required=True, help="samples per step, all ranks")
     sim.add_argument("--grad-accum", type=_POSITIVE, default=1, help="micro-batches per rank per step")
     sim.add_argument("--sp-size", type=_POSITIVE, default=1,

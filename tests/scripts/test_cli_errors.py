@@ -85,6 +85,18 @@ def test_simulate_usage_errors(clean, capsys, extra, message):
     assert code == 2 and message in err
 
 
+def test_simulate_help_says_world_size_counts_every_rank(capsys, monkeypatch):
+    """``--world-size`` was described as "data-parallel ranks", but with ``--sp-size S`` it is every rank:
+    the plan balances world-size / S groups (``--world-size 8 --sp-size 2``: 4 groups)."""
+    monkeypatch.setenv("COLUMNS", "400")   # argparse's width: each option's help on its own line
+    with pytest.raises(SystemExit):
+        main(["plan", "simulate", "--help"])
+    options = capsys.readouterr().out.split("\n  -")   # one entry per option: its name, then its help
+    world = " ".join(next(o for o in options if o.startswith("-world-size WORLD_SIZE")).split()[2:])
+    assert world == ("ranks in all: the data-parallel ranks, or with --sp-size S, S ranks per data-parallel "
+                     "group")
+
+
 def test_simulate_checks_the_plan_settings_before_reading_the_index(tmp_path, capsys):
     # One PlanSettings over the 4 data-parallel groups, checked before the (missing) index is opened.
     code, _, err = run(["plan", "simulate", "--index", str(tmp_path / "none"), "--world-size", "8",
