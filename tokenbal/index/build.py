@@ -1332,12 +1332,14 @@ def _jsonable(obj):
     return str(obj)   # e.g. a Path in an estimator config: keep it readable rather than fail
 
 
-def _check_out(out: str) -> None:
+def _check_out(out: str, label: str = "--out") -> None:
+    """Refuse an ``out`` that is a file or a folder of something else; ``label`` names it as the
+    command does (``--out`` for a build, ``OUT`` for a merge)."""
     if os.path.exists(out):
         if not os.path.isdir(out):
-            raise ValueError(f"--out {out} exists and is not a folder")
+            raise ValueError(f"{label} {out} exists and is not a folder")
         if os.listdir(out) and not os.path.isfile(os.path.join(out, MANIFEST)):
-            raise ValueError(f"--out {out} is a non-empty folder that is not a tokenbal index; "
+            raise ValueError(f"{label} {out} is a non-empty folder that is not a tokenbal index; "
                              "refusing to replace it")
 
 

@@ -44,7 +44,14 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     """
     import time
 
-    from tokenbal.index.build import BuildReport, _BuildLock, _result_from_index, _rules, write_index
+    from tokenbal.index.build import (
+        BuildReport,
+        _BuildLock,
+        _check_out,
+        _result_from_index,
+        _rules,
+        write_index,
+    )
     from tokenbal.index.store import TokenIndex, index_problems
 
     t0 = time.perf_counter()
@@ -106,6 +113,7 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
                      "sources", "parquet", "video_pipeline")}
     # Under the build lock, so that no build of ``out`` slips in between the check and the write.
     with _BuildLock(os.path.abspath(os.fspath(out))):
+        _check_out(os.path.abspath(os.fspath(out)), label="merge: OUT")   # merge has no --out to name
         if not replace:
             refuse_to_replace(os.path.abspath(os.fspath(out)), meta, [path for _, path, _ in jobs])
         writer = write_index(out, (_result_from_index(idx, path) for _, path, idx in jobs), meta)

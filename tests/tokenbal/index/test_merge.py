@@ -491,3 +491,21 @@ def test_merge_does_not_silently_replace_an_index_it_would_lose_something_of(tmp
     assert TokenIndex.open(other).manifest["estimator"]["config"]["max_pixels"] == 12845056
     assert main(["index", "merge", str(other), *map(str, parts)]) == 0
     assert main(["index", "merge", str(parts[0]), *map(str, parts)]) == 0
+
+
+def test_a_merge_into_a_file_or_a_folder_of_other_things_names_out_not_an_option(tmp_path, capsys):
+    """``index merge OUT PART...`` has no ``--out``, but its refusals said ``--out OUT ...``."""
+    corpus = _small_corpus(tmp_path / "shards", 2)
+    src = os.path.join(corpus.root, "data-*.tar")
+    parts = [str(tmp_path / f"p{i}") for i in range(2)]
+    for i, part in enumerate(parts):
+        build_index([src], part, progress=False, part=(i, 2))
+    afile, folder = tmp_path / "afile", tmp_path / "notes"
+    afile.write_text("x")
+    folder.mkdir()
+    (folder / "mine.txt").write_text("x")
+    for out, why in ((afile, "exists and is not a folder"),
+                     (folder, "is a non-empty folder that is not a tokenbal index; refusing to replace it")):
+        assert main(["index", "merge", str(out), *parts]) == 2
+        assert capsys.readouterr().err.strip() == f"tokenbal index merge: error: merge: OUT {out} {why}"
+    assert (folder / "mine.txt").read_text() == "x" and afile.read_text() == "x"
