@@ -135,6 +135,10 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
                                         global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
     replicas = settings.num_replicas
     index = TokenIndex.open(args.index)
+    if len(index) == 0:
+        # The planner would say "1 ranks but only 0 samples ... simulate at most 0 ranks".
+        raise ValueError(f"--index {args.index} holds no samples ({len(index.errors)} error(s), listed in "
+                         "its errors.jsonl): nothing to simulate")
     cost = None if args.cost == "tokens" else args.cost
     if args.model_config:
         cost = _flops_model(args.model_config)

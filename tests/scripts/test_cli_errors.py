@@ -166,6 +166,19 @@ def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
                            "larger index")
 
 
+def test_simulate_of_an_index_without_samples_says_so(tmp_path, capsys):
+    """An index whose every shard failed: the planner's "1 ranks but only 0 samples ... simulate at most 0
+    (data-parallel) ranks" pointed at the ranks, not at the empty index."""
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"not a tar\n")
+    out = build_index([str(bad)], tmp_path / "idx", progress=False).out
+    code, out_text, err = run(["plan", "simulate", "--index", out, "--world-size", "1",
+                               "--global-batch-size", "1"], capsys)
+    assert code == 2 and out_text == ""
+    assert err.strip() == (SIMULATE + f"--index {out} holds no samples (1 error(s), listed in its "
+                           "errors.jsonl): nothing to simulate")
+
+
 def test_simulate_says_why_step_counts_differ(clean, capsys):
     _, index = clean
     code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "4", "--global-batch-size",
