@@ -404,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenbal import __version__
 
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details (INFO)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log progress details (INFO) and print a traceback with an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     index = sub.add_parser("index", help="build, inspect and verify an on-disk token index")
@@ -592,6 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "to train randomly initialised instead of the tiny Qwen2-VL")
     demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
+    # -v after the command too (`tokenbal index verify DIR -v`, where one adds it to a failing command):
+    # SUPPRESS keeps a -v given before the command when the sub-command's own is absent.
+    for command in (build, merge, export, stats, verify, sim, prof, demo):
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log progress details (INFO) and print a traceback with an error")
     return parser
 
 

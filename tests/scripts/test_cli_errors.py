@@ -127,6 +127,20 @@ def test_simulate_bad_model_config_is_one_line(clean, tmp_path, capsys):
     assert err.strip() == SIMULATE + f"--model-config {bad} is not a text file (a config.json is UTF-8 JSON)"
 
 
+def test_verbose_goes_before_or_after_the_command(tmp_path, capsys):
+    """``-v`` is what one adds to a failing command for its traceback, at the end of the line: ``tokenbal
+    index verify DIR -v`` was ``unrecognized arguments: -v``."""
+    missing = str(tmp_path / "none")
+    for argv in (["-v", "index", "verify", missing], ["index", "verify", missing, "-v"],
+                 ["index", "verify", missing, "--verbose"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" in err and err.endswith(f"tokenbal index verify: error: index folder not found: "
+                                                   f"{missing}\n")
+    assert main(["index", "verify", missing]) == 2
+    assert capsys.readouterr().err == f"tokenbal index verify: error: index folder not found: {missing}\n"
+
+
 def test_profile_without_a_folder_is_a_usage_error(capsys):
     code, _, err = run(["profile"], capsys)
     assert code == 2 and "tokenbal profile: error: give a trace folder, or --compare A B" in err
