@@ -15,18 +15,25 @@ def parse_part(text: str, environ: dict | None = None) -> tuple[int, int]:
     ``SLURM_ARRAY_TASK_MIN`` in steps of ``SLURM_ARRAY_TASK_STEP``)."""
     env = os.environ if environ is None else environ
     if text == "env":
+        def number(name: str, default: str | None = None) -> int:
+            value = env.get(name, default)
+            try:
+                return int(value)
+            except (TypeError, ValueError):   # int()'s own message names neither the variable nor --part
+                raise ValueError(f"--part env: {name}={value!r} is not an integer") from None
+
         if "RANK" in env and "WORLD_SIZE" in env:
-            i, n = int(env["RANK"]), int(env["WORLD_SIZE"])
+            i, n = number("RANK"), number("WORLD_SIZE")
         elif "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
             # An array with a step (--array=0-14:2) numbers its 8 tasks 0, 2, ..., 14: task k is
             # part k / step, or half the tasks would build the even parts and the rest fail.
-            offset = int(env["SLURM_ARRAY_TASK_ID"]) - int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
-            step = int(env.get("SLURM_ARRAY_TASK_STEP", "1"))
+            offset = number("SLURM_ARRAY_TASK_ID") - number("SLURM_ARRAY_TASK_MIN", "0")
+            step = number("SLURM_ARRAY_TASK_STEP", "1")
             if step < 1 or offset % step:
                 raise ValueError(f"--part env: SLURM_ARRAY_TASK_ID {env['SLURM_ARRAY_TASK_ID']} is not on "
                                  f"the array's step {step} from SLURM_ARRAY_TASK_MIN "
                                  f"{env.get('SLURM_ARRAY_TASK_MIN', '0')}; give --part I/N")
-            i, n = offset // step, int(env["SLURM_ARRAY_TASK_COUNT"])
+            i, n = offset // step, number("SLURM_ARRAY_TASK_COUNT")
         else:
             raise ValueError("--part env: neither RANK / WORLD_SIZE (torchrun) nor SLURM_ARRAY_TASK_ID / "
                              "SLURM_ARRAY_TASK_COUNT (Slurm array) is set")

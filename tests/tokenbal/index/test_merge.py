@@ -129,6 +129,12 @@ def test_parse_part():
             parse_part(bad)
     with pytest.raises(ValueError, match="RANK"):
         parse_part("env", {})
+    # A variable that is not a number: named (it was int()'s "invalid literal for int() with base 10: 'x'").
+    with pytest.raises(ValueError, match=r"^--part env: RANK='x' is not an integer$"):
+        parse_part("env", {"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"^--part env: SLURM_ARRAY_TASK_MIN='' is not an integer$"):
+        parse_part("env", {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2",
+                           "SLURM_ARRAY_TASK_MIN": ""})
 
 
 def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
