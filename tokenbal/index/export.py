@@ -208,7 +208,8 @@ def _jsonl_row(path: str, lineno: int, line: str) -> tuple[str, list[int]]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {lineno} is not JSON ({e})") from None
+        raise ValueError(f"{path}: line {lineno} is not JSON ({e}); a cut-short export? export it "
+                         "again") from None
     if not isinstance(row, dict):
         raise ValueError(f"{path}: line {lineno} holds a {type(row).__name__}, not an object")
     if not isinstance(row.get("key"), str):

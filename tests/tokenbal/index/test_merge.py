@@ -251,6 +251,22 @@ def test_an_export_cut_short_by_a_full_disk_leaves_the_previous_one_whole(single
     assert f"File too large: writing {out}{os.sep}lengths." in run.stderr
 
 
+def test_a_damaged_jsonl_export_is_named_by_file_and_line(single, tmp_path):
+    """``lengths_for_keys`` over a cut-short or foreign ``lengths.jsonl`` raised a bare
+    ``JSONDecodeError: Expecting value: line 1 column 8`` or ``KeyError: 'length'``."""
+    out = tmp_path / "x"
+    export_index(single, out, "jsonl")
+    path = out / "lengths.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    cut = rf"^{path}: line 3 is not JSON \(.*\); a cut-short export\? export it again$"
+    with pytest.raises(ValueError, match=cut):
+        lengths_for_keys(out, [single.keys[0]])
+    path.write_text(lines[0] + '{"key": "a", "len": 3}\n')
+    with pytest.raises(ValueError, match=rf"^{path}: line 2: length is '<absent>', not a count"):
+        lengths_for_keys(out, ["a"])
+
+
 def test_join_refuses_duplicate_keys(tmp_path):
     from tests.helpers.corpus import Sample, write_shard
 
