@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -309,17 +310,23 @@ def _hta_summary(dirs: Sequence[str]) -> str:
     return "\n".join(out)
 
 
+# Numbers as written plainly: a value spelled otherwise ("0123", "1_000", "1e3", "nan") stays a string,
+# since int() / float() would turn a numeric secret or id with leading zeros into another value.
+_PLAIN_INT = re.compile(r"-?(0|[1-9][0-9]*)")
+_PLAIN_FLOAT = re.compile(r"-?(0|[1-9][0-9]*)\.[0-9]+")
+
+
 def _parse_override(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE as an int, float, true / false, or the string; an argparse type, so a
-    malformed one is a usage error that argparse prefixes with the option's own name."""
+    """``KEY=VALUE`` with VALUE as an int (``12``), a float (``0.5``), true / false, or else the string as
+    given; an argparse type, so a malformed one is a usage error that argparse prefixes with the option's
+    own name."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
+    if _PLAIN_INT.fullmatch(value):
+        return key, int(value)
+    if _PLAIN_FLOAT.fullmatch(value):
+        return key, float(value)
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
 

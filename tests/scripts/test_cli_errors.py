@@ -72,6 +72,19 @@ def test_build_usage_errors(clean, tmp_path, capsys, extra, message):
         assert "qwen2-vl" in err and "internvl" in err     # the valid names, listed
 
 
+def test_key_value_options_keep_values_that_are_not_plain_numbers_as_written():
+    """``--storage-option secret=0123`` reached fsspec as the int 123 (int() drops leading zeros and
+    reads ``1_000``); plain numbers and true / false are still converted."""
+    from tokenbal.cli import build_parser
+
+    args = build_parser().parse_args(["index", "build", "x.tar", "--out", "o"] + [
+        a for kv in ("secret=0123", "project=1_000", "token=1e3", "block_size=5242880", "ratio=0.5",
+                     "anon=true", "endpoint_url=http://minio:9000") for a in ("--storage-option", kv)])
+    assert dict(args.storage_option) == {"secret": "0123", "project": "1_000", "token": "1e3",
+                                         "block_size": 5242880, "ratio": 0.5, "anon": True,
+                                         "endpoint_url": "http://minio:9000"}
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--stages"], SIMULATE + "--stages needs --cost flops"),
     (["--model-config", "config.json"], SIMULATE + "--model-config is used by --cost "
