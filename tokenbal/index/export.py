@@ -89,11 +89,11 @@ def export_index(index, out_dir: str | os.PathLike, fmt: str = "parquet") -> str
             raise ValueError(f"key or shard {bad!r} holds a line break (\\n or \\r); export it as parquet "
                              "or jsonl")
         path = os.path.join(out_dir, "lengths.npy")
-        table = np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3)
+        array = np.stack([cols[c] for c in COLUMNS], axis=1).astype(np.int64).reshape(-1, 3)
 
         def write_npy(tmp: str) -> None:
             with open(tmp, "wb") as f:   # a file object: np.save would append .npy to the temporary name
-                np.save(f, table)
+                np.save(f, array)
 
         def write_lines(lines: list[str]) -> Callable[[str], None]:
             def write(tmp: str) -> None:
