@@ -234,7 +234,7 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     if on_other_rules not in ("rescan", "error"):
         raise ValueError(f"on_other_rules must be 'rescan' or 'error', got {on_other_rules!r}")
     _require_extras([sources] if isinstance(sources, str) else sources)
-    paths = expand_sources(sources, remote)
+    paths = expand_sources(sources, remote, out=os.fspath(out))
     _require_extras(paths)
     expanded = paths
     if part is not None:

@@ -72,7 +72,15 @@ def _brace_options(inner: str) -> list[str] | None:
     return parts if len(parts) > 1 else None
 
 
-def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
+def _inside(path: str, folder: str | None) -> bool:
+    """Whether ``path`` is ``folder`` or under it (both local)."""
+    if folder is None:
+        return False
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def expand_sources(sources: Sequence[str], remote=None, out: str | None = None) -> list[str]:
     """Absolute shard paths for ``sources``, in the order given (globs sorted), without duplicates.
 
     Raises ``FileNotFoundError`` naming every literal path that does not exist and every glob that
@@ -80,7 +88,8 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
     smaller dataset. ``.json`` / ``.jsonl`` paths are annotation files (``tokenbal.index.annotations``).
     A source with a scheme (``s3://``, ``https://``, ...) is a remote one, read through fsspec with
     ``remote`` (``tokenbal.io.remote.RemoteOptions``): globs are listed by the store, and every URL
-    must exist.
+    must exist. ``out``: the index folder being built; a glob that matches it (``data/*`` with ``--out
+    data/idx``) does not take it as a source, or every build after the first would be refused.
     """
     from tokenbal.index import remote as rm
     from tokenbal.io.remote import RemoteOptions, is_url
@@ -104,7 +113,7 @@ def expand_sources(sources: Sequence[str], remote=None) -> list[str]:
                 # names that file, not "shard1.tar".
                 paths.append(pattern)
             elif glob.has_magic(pattern):
-                matches = sorted(glob.glob(pattern))
+                matches = sorted(m for m in glob.glob(pattern) if not _inside(m, out))
                 if not matches:
                     missing.append(f"{pattern} (pattern matches no file)")
                 paths.extend(matches)

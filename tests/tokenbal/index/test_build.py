@@ -455,3 +455,18 @@ def test_idefics3_tile_markers_are_counted_per_image(tmp_path):
     for i, (w, h) in enumerate([(1456, 1000), (64, 64)]):
         assert idx.vision_tokens[i] == est.image_tokens(w, h) + est.image_wrapper_tokens(w, h)
     assert est.image_wrapper_tokens(1456, 1000) != est.wrapper_tokens
+
+
+def test_a_glob_that_matches_the_out_folder_does_not_take_the_index_as_a_source(tmp_path):
+    # `index build "data/*" --out data/idx`: the first build worked, and every rebuild was refused with
+    # "source 'data/idx' is a directory" (the glob now matches the index it wrote).
+    corpus = make_corpus(tmp_path / "data", n_shards=2, samples_per_shard=3, bad=False)
+    pattern, out = os.path.join(corpus.root, "*"), os.path.join(corpus.root, "idx")
+    first = build_index([pattern], out, progress=False)
+    again = build_index([pattern], out, progress=False)
+    assert again.num_samples == first.num_samples == 6
+    assert sorted(TokenIndex.open(out).shard_paths) == sorted(os.path.abspath(s) for s in corpus.shards)
+    # Another folder the glob matches is still refused: only the index being built is passed over.
+    os.makedirs(os.path.join(corpus.root, "other"))
+    with pytest.raises(ValueError, match="other' is a directory"):
+        build_index([pattern], out, progress=False)
