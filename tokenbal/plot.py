@@ -17,14 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from tokenbal._extras import MissingExtraError
+
 # matplotlib's default cycle (tab10), so a chart's colours read the same as any matplotlib chart.
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189)]
 _FLOOR = 1e-4  # ratios closer to 1 than this are drawn on the floor line
 
 
-class PlotExtraMissing(ImportError, ValueError):
-    """matplotlib is not installed. Also a ``ValueError``, so the CLI reports it as a usage error
-    (``tokenbal <command>: error: ...``, exit 2) rather than a traceback."""
+class PlotExtraMissing(MissingExtraError, ValueError):
+    """matplotlib is not installed: a missing extra like any other (the CLI's one line, exit 1, as the
+    README's exit statuses say). Also a ``ValueError``, as it was before it was a missing extra."""
 
 
 def pyplot() -> Any:

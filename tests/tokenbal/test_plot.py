@@ -1,5 +1,5 @@
 """The plots (matplotlib, the ``plot`` extra): labelled axes with units, ticks, a legend naming every
-series; and without matplotlib a one-line usage error naming the extra, not a traceback."""
+series; and without matplotlib a one-line error naming the extra (exit 1), not a traceback."""
 
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ def test_without_matplotlib_the_cli_names_the_extra(monkeypatch, tmp_path, capsy
     monkeypatch.setitem(sys.modules, "matplotlib", None)     # import matplotlib -> ImportError
     with pytest.raises(PlotExtraMissing, match=r"pip install 'tokenbal\[plot\]'"):
         plot_step_ratios({"a": np.ones(2)}, tmp_path / "x.png")
-    assert main(["index", "stats", str(out), "--plot", str(tmp_path / "h.png")]) == 2
+    # A missing extra is exit 1, as pyarrow's or PyAV's is (it was 2, a usage error)
+    assert main(["index", "stats", str(out), "--plot", str(tmp_path / "h.png")]) == 1
     err = capsys.readouterr().err.strip()
     assert err == "tokenbal index stats: error: plots need matplotlib: pip install 'tokenbal[plot]'"
