@@ -108,7 +108,7 @@ def _cmd_index_verify(args: argparse.Namespace) -> int:
 def _cmd_index_merge(args: argparse.Namespace) -> int:
     from tokenbal.index.merge import merge_indexes
 
-    print(merge_indexes(args.out, args.parts, replace=args.replace).summary())
+    print(merge_indexes(args.out, args.parts, progress=not args.quiet, replace=args.replace).summary())
     return 0
 
 
@@ -498,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--replace", action="store_true",
                        help="replace an index at OUT even when it was built with other token settings or "
                             "holds shards the parts do not (refused by default, naming what would be lost)")
+    merge.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     merge.set_defaults(func=_cmd_index_merge, command_parser=merge)
 
     export = isub.add_parser("export", help="write key / length / vision / text tokens as a table",

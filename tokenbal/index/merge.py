@@ -116,7 +116,12 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
         _check_out(os.path.abspath(os.fspath(out)), label="merge: OUT")   # merge has no --out to name
         if not replace:
             refuse_to_replace(os.path.abspath(os.fspath(out)), meta, [path for _, path, _ in jobs])
-        writer = write_index(out, (_result_from_index(idx, path) for _, path, idx in jobs), meta)
+        results = (_result_from_index(idx, path) for _, path, idx in jobs)
+        if progress:
+            from tqdm import tqdm
+
+            results = tqdm(results, total=len(jobs), unit="shard", desc="merging")
+        writer = write_index(out, results, meta)
     return BuildReport(out=os.path.abspath(os.fspath(out)), num_shards=len(jobs),
                        num_bad_shards=writer.num_bad_shards, num_samples=writer.num_samples,
                        num_errors=writer.num_errors, num_images=writer.num_images,

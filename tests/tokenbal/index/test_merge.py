@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_parse_part():
                            "SLURM_ARRAY_TASK_MIN": ""})
 
 
-def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
+def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -150,6 +151,13 @@ def test_torchrun_two_ranks_then_merge(corpus, single, tmp_path):
     assert [os.path.basename(p) for p in parts] == ["part-0-of-2", "part-1-of-2"]
     assert main(["index", "merge", str(tmp_path / "merged"), *parts]) == 0
     assert_identical(single, TokenIndex.open(tmp_path / "merged"))
+    # A bar over the shards merged (progress= was taken and ignored); -q turns it off.
+    capsys.readouterr()
+    assert main(["index", "merge", str(tmp_path / "merged"), *parts]) == 0
+    shards = len(single.shard_paths)
+    assert re.search(rf"merging: 100%.* {shards}/{shards} ", capsys.readouterr().err)
+    assert main(["index", "merge", "-q", str(tmp_path / "merged"), *parts]) == 0
+    assert "merging" not in capsys.readouterr().err
 
 
 def test_an_out_with_part_numbers_needs_part(tmp_path, capsys):
