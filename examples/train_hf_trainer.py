@@ -24,6 +24,7 @@ your ``datasets.Dataset`` of chat rows and its lengths (``dataset_lengths(ds, pr
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -75,10 +76,23 @@ def main() -> None:
         trainer = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=training_args, train_dataset=dataset,
                                        data_collator=pad_collate, token_lengths=dataset.lengths(),
                                        sampler_options=options)
+    start = _checkpoint_step(args.output_dir) if args.resume else 0
     result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     if trainer.is_world_process_zero():
-        print(f"trained {result.global_step} steps, {len(trainer.get_train_dataloader())} per epoch on each "
-              f"rank; final loss {result.training_loss:.3f}")
+        # Trainer's training_loss is the mean over the steps this call trained (0.0 when a resumed
+        # run had none left), so both are said as such.
+        ran = result.global_step - start
+        loss = f"mean loss of these steps {result.training_loss:.3f}" if ran else "nothing left to train"
+        print(f"at step {result.global_step} ({ran} trained by this run), "
+              f"{len(trainer.get_train_dataloader())} per epoch on each rank; {loss}")
+
+
+def _checkpoint_step(output_dir: str) -> int:
+    """The step of the checkpoint ``--resume`` continues from (``checkpoint-N``), else 0."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    return int(last.rsplit("-", 1)[1]) if last else 0
 
 
 def _lengths(rows: list[dict], processor) -> list[int]:

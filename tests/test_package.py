@@ -91,12 +91,12 @@ def test_trainer_example_runs(tmp_path):
            "--samples", "12", "--epochs", "1", "--per-device-batch", "3", "--save-steps", "2"]
     r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "trained 4 steps, 4 per epoch" in r.stdout
+    assert "at step 4 (4 trained by this run), 4 per epoch" in r.stdout
     assert (tmp_path / "checkpoint-2" / "tokenbal_sampler.json").is_file()
-    # and resuming from its last checkpoint (the end of the epoch) trains nothing more
+    # and resuming from its last checkpoint (the end of the epoch) trains nothing more, and says so
     r = subprocess.run(cmd + ["--resume"], env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "trained 4 steps" in r.stdout
+    assert "at step 4 (0 trained by this run)" in r.stdout and "nothing left to train" in r.stdout
     # the packed recipe: raw chat rows through the processor, one row per step under the budget
     packed = [sys.executable, str(ROOT / "examples" / "train_hf_trainer.py"), "--output-dir",
               str(tmp_path / "packed"), "--samples", "12", "--epochs", "1", "--packed",
@@ -104,7 +104,7 @@ def test_trainer_example_runs(tmp_path):
     r = subprocess.run(packed, env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tokenbal: 12 samples" in r.stderr and "packed rows" in r.stderr    # the plan line is visible
-    assert "trained" in r.stdout
+    assert "trained by this run" in r.stdout
 
 
 # Each snippet imports in a different order, then checks that a package attribute named like one of
