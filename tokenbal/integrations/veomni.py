@@ -12,7 +12,8 @@ DP ranks from a tokenbal index (image tokens from image headers, never running t
 * exactly VeOmni's ``train_steps`` steps per epoch (its trainer and its resume arithmetic count
   them), with every sample once per epoch: the samples per step are chosen so that the plan has
   that many steps (about ``dataloader_batch_size`` per rank, the native loader's, which instead
-  drops the tail);
+  drops the tail); a smaller ``--train.max_steps`` only stops each epoch early, as with the native
+  loader (the plan keeps the uncapped step count and batch size);
 * ``set_epoch`` on the loader reaches the plan (VeOmni's native loader forwards it to a
   ``sampler``, which a batch sampler is not), and the loader's ``state_dict`` (torchdata's
   ``StatefulDataLoader``, saved in VeOmni's checkpoint ``extra_state``) holds the plan's position,
@@ -156,7 +157,13 @@ def build_tokenbal_dataloader(dataset: Any, micro_batch_size: int, global_batch_
     lengths = np.asarray(index_lengths(path, len(dataset)).lengths)
     ps = get_parallel_state()
     k = max(1, global_batch_size // (micro_batch_size * ps.dp_size))
-    size = steps_batch_size(lengths, train_steps, ps.dp_size, k, seed)
+    # VeOmni's train_steps is --train.max_steps when that is smaller than its own count of an epoch
+    # (floor(n / dp / dataloader_batch_size), compute_train_steps): a cap on the steps it trains, not
+    # a request for bigger batches. Plan the uncapped count, so each step keeps about
+    # dataloader_batch_size samples per rank, and let VeOmni stop each epoch early as it does with
+    # its native loader (cramming the epoch into max_steps steps would multiply the batch size).
+    steps = max(train_steps, len(dataset) // ps.dp_size // dataloader_batch_size)
+    size = steps_batch_size(lengths, steps, ps.dp_size, k, seed)
     sampler = EpochFollowingSampler(lengths, num_replicas=ps.dp_size, rank=ps.dp_rank, global_batch_size=size,
                                     grad_accum=k, seed=seed, verify=False)
     if collate_fn is None:

@@ -73,6 +73,13 @@ def test_resume_from_the_loader_state(run, name, skip):
         assert [s["rows"] for s in r[name]] == [s["rows"] for s in r["tokenbal"][1][skip:]]
 
 
+def test_max_steps_stops_the_epoch_early_without_bigger_batches(run):
+    # --train.max_steps below VeOmni's own per-epoch count makes its train_steps smaller: the run
+    # trains the first steps of the same plan (same samples per step), as VeOmni's native loader does
+    for r in run:
+        assert r["capped"] == r["tokenbal"][0][:2]
+
+
 TRAINER = Path(__file__).with_name("veomni_trainer_driver.py")
 TRAINER_ROWS = 16
 OPS = ("attn", "moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "load_balancing_loss")
@@ -107,6 +114,7 @@ def trainer_runs(tmp_path_factory):
 
     ckpt = tmp / "out-tb" / "checkpoints"
     return {"tb": train("tb", "tokenbal", "--train.checkpoint.save_steps", "2"),
+            "capped": train("capped", "tokenbal", "--train.max_steps", "2"),
             "native": train("native", "native"),
             "mid": train("mid", "tokenbal", "--train.checkpoint.load_path", str(ckpt / "global_step_2")),
             "edge": train("edge", "tokenbal", "--train.checkpoint.load_path", str(ckpt / "global_step_4"))}
@@ -128,6 +136,13 @@ def test_vlm_trainer_balance_against_its_native_loader(trainer_runs):
     tb, native = imbalance(trainer_runs["tb"]), imbalance(trainer_runs["native"])
     print(f"VLMTrainer, busiest/mean tokens per step: tokenbal {tb:.4f}, VeOmni native {native:.4f}")
     assert tb < native
+
+
+def test_vlm_trainer_max_steps_trains_the_first_steps_of_each_epochs_plan(trainer_runs):
+    # --train.max_steps 2 (VeOmni's train_steps then 2 of its 4): each epoch stops after 2 steps of the
+    # same plan, as VeOmni's native loader stops early, not a plan of 2 steps of every row
+    for full, capped in zip(trainer_runs["tb"], trainer_runs["capped"], strict=True):
+        assert [s["rows"] for s in capped] == [s["rows"] for s in full[0:2] + full[4:6]]
 
 
 @pytest.mark.parametrize("name, done", [("mid", 2), ("edge", 4)])

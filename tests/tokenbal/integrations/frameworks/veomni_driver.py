@@ -4,7 +4,8 @@ test_veomni.py. VeOmni's own data path: its parallel state (dp 2, CPU), its mapp
 ``build_dataloader`` with ``"native"`` (``--train.dyn_bsz false``) and with tokenbal's ``"tokenbal"``
 entry. Records per rank, step and micro-batch the rows read and the packed tokens, for 2 epochs, and
 two resumes from the loader's ``state_dict`` (mid-epoch; after an epoch's last step, restored as
-VeOmni's checkpoint callback does: ``load_state_dict``, ``iter``, then ``set_epoch``).
+VeOmni's checkpoint callback does: ``load_state_dict``, ``iter``, then ``set_epoch``), and the first
+steps of a run whose ``train_steps`` is capped (``--train.max_steps``).
 
     python -m torch.distributed.run --nproc-per-node 2 veomni_driver.py DIR
 """
@@ -43,10 +44,10 @@ def main(folder: Path) -> None:
     # VeOmni's own count (BaseTrainer._build_dataset / compute_train_steps, fixed batching)
     train_steps = math.floor(len(dataset) / 2 / LOADER_BATCH)
 
-    def loader(kind: str):
+    def loader(kind: str, steps_per_epoch: int = train_steps):
         return build_dataloader(kind, dataset=dataset, micro_batch_size=MICRO_BATCH,
                                 global_batch_size=GLOBAL_BATCH, dataloader_batch_size=LOADER_BATCH,
-                                max_seq_len=4096, train_steps=train_steps, dyn_bsz=False, num_workers=0,
+                                max_seq_len=4096, train_steps=steps_per_epoch, dyn_bsz=False, num_workers=0,
                                 prefetch_factor=None, pin_memory=False, drop_last=True, seed=0,
                                 collate_fn=MainCollator())
 
@@ -96,6 +97,11 @@ def main(folder: Path) -> None:
     iter(new)                       # VeOmni's checkpoint callback, when start_step == 0
     new.set_epoch(1)
     result["edge"] = steps(new)
+    # --train.max_steps 2: VeOmni's train_steps (args.train_steps) is then 2, and its loop stops each
+    # epoch after 2 steps of the loader
+    capped = loader("tokenbal", steps_per_epoch=2)
+    capped.set_epoch(0)
+    result["capped"] = steps(capped, limit=2)
     (folder / f"veomni.rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
