@@ -37,6 +37,7 @@ nothing of MindSpeed-MM (nor torch_npu).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -95,8 +96,10 @@ def build_dataloader(dataset: Any, lengths: Any, *, global_batch_size: int, micr
                      ) -> TokenBalancedMMLoader:
     """The loader for one DP rank: ``global_batch_size`` samples per step over ``dp_size`` ranks, in
     ``global_batch_size // (micro_batch_size × dp_size)`` micro-batches per rank (MindSpeed-MM's
-    ``gradient_accumulation_steps``). ``lengths``: a ``TokenIndex`` or token counts, one per item of
-    ``dataset``, in order. ``sampler_options`` go to the sampler (``cost=``, ``stages=``, ...)."""
+    ``gradient_accumulation_steps``). ``lengths``: a ``TokenIndex``, its folder (``str`` or
+    ``pathlib.Path``) or token counts, one per item of ``dataset``, in order. ``sampler_options`` go
+    to the sampler (``cost=``, ``stages=``, ...)."""
+    lengths = _open_index(lengths)
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(f"global_batch_size {global_batch_size} is not micro_batch_size {micro_batch_size} "
                          f"x dp {dp_size} x gradient_accumulation_steps")
@@ -111,6 +114,16 @@ def build_dataloader(dataset: Any, lengths: Any, *, global_batch_size: int, micr
                                  num_workers=num_workers, pin_memory=pin_memory)
 
 
+def _open_index(lengths: Any) -> Any:
+    # A folder may come as a pathlib.Path too; read as token counts it would be a 0-d array
+    # ("lengths must be 1-D"), an error that names neither the index nor the option.
+    if isinstance(lengths, (str, os.PathLike)):
+        from tokenbal.index.store import TokenIndex
+
+        return TokenIndex.open(lengths)
+    return lengths
+
+
 def dataloader_provider(build: Callable[[Any], tuple[Any, Callable | None]], index: Any,
                         **options: Any) -> Callable[[Any], TokenBalancedMMLoader]:
     """MindSpeed-MM's ``Trainer(dataloader_provider=...)`` hook: ``build(args)`` returns
@@ -121,12 +134,9 @@ def dataloader_provider(build: Callable[[Any], tuple[Any, Callable | None]], ind
     def provide(args: Any) -> TokenBalancedMMLoader:
         from mindspeed_mm.fsdp.distributed.parallel_state import get_parallel_state
 
-        from tokenbal.index.store import TokenIndex
-
         dataset, collate_fn = build(args)
         group = get_parallel_state().get_dp_group()
-        lengths = TokenIndex.open(index) if isinstance(index, str) else index
-        return build_dataloader(dataset, lengths, global_batch_size=args.training.global_batch_size,
+        return build_dataloader(dataset, index, global_batch_size=args.training.global_batch_size,
                                 micro_batch_size=args.training.micro_batch_size, dp_size=group.size(),
                                 dp_rank=group.rank(), collate_fn=collate_fn, seed=args.training.seed,
                                 **options)

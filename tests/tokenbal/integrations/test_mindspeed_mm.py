@@ -92,3 +92,13 @@ def test_bad_batch_sizes_are_refused():
     with pytest.raises(ValueError, match="9 lengths for a dataset of 10"):
         build_dataloader(list(range(10)), np.ones(9), global_batch_size=4, micro_batch_size=2, dp_size=2,
                          dp_rank=0)
+
+
+def test_the_index_folder_may_be_a_path(tmp_path):
+    from tests.tokenbal.integrations.test_verl_parts import _parquet_index
+
+    index = _parquet_index(tmp_path)      # 7 rows
+    for folder in (tmp_path / "index", str(tmp_path / "index")):
+        loader = build_dataloader(list(range(7)), folder, global_batch_size=4, micro_batch_size=2,
+                                  dp_size=2, dp_rank=0, collate_fn=list)
+        assert list(loader.sampler_plan.lengths) == list(index.lengths)
