@@ -36,7 +36,9 @@ already trained as index lists, so no skipped sample is encoded or loaded).
   ``average_tokens_across_devices``, i.e. each micro-batch's loss sum over the step's loss tokens on
   all ranks (the global token mean), packed or padded.
 - **Refused**, with a message: ``--packing``, ``--padding_free`` and ``--sequence_parallel_size`` > 1
-  (rows of their own; use ``packed=True`` with ``max_tokens_per_rank`` instead), streaming datasets.
+  (rows of their own; use ``packed=True`` with ``max_tokens_per_rank`` instead), streaming datasets,
+  and any task but ``causal_lm`` (``--task_type seq_cls`` / ``embedding`` / ..., ``swift rlhf``),
+  which would otherwise train on ms-swift's own sampler as if the plugin were not there.
 """
 
 from __future__ import annotations
@@ -158,10 +160,28 @@ def register(**sampler_options: Any) -> None:
         raise ValueError(f"tokenbal: packed must be True or False, got {sampler_options['packed']!r}")
     _OPTIONS.clear()
     _OPTIONS.update(sampler_options)
-    TrainerFactory.TRAINER_MAPPING["causal_lm"] = f"{__name__}.TokenBalancedSeq2SeqTrainer"
+    mapping = TrainerFactory.TRAINER_MAPPING
+    mapping["causal_lm"] = f"{__name__}.TokenBalancedSeq2SeqTrainer"
+    # ms-swift picks the trainer by --task_type (or swift rlhf's --rlhf_type): with the plugin loaded,
+    # any other task would silently train on ms-swift's own sampler. Point those at a name that
+    # refuses, naming the task (a trainer a user's own plugin registered there is left alone).
+    for task, target in list(mapping.items()):
+        if task != "causal_lm" and target.startswith("swift."):
+            _UNSUPPORTED[task] = target
+            mapping[task] = f"{__name__}.{_UNSUPPORTED_PREFIX}{task}"
+
+
+_UNSUPPORTED: dict[str, str] = {}     # task -> ms-swift's own trainer, for the refusal's message
+_UNSUPPORTED_PREFIX = "UnsupportedTask_"
 
 
 def __getattr__(name: str) -> Any:
+    if name.startswith(_UNSUPPORTED_PREFIX) and name[len(_UNSUPPORTED_PREFIX):] in _UNSUPPORTED:
+        task = name[len(_UNSUPPORTED_PREFIX):]
+        raise ValueError(f"tokenbal: the ms-swift plugin balances `swift sft` / `swift pt` (task_type "
+                         f"causal_lm) only; {task!r} would train with ms-swift's own {_UNSUPPORTED[task]} "
+                         "and its sampler, not token-balanced. Remove tokenbal's --external_plugins "
+                         "file for this run")
     # Built on first access (by ms-swift's TrainerFactory), so importing this module imports no ms-swift.
     if name == "TokenBalancedSeq2SeqTrainer":
         from swift.trainers import Seq2SeqTrainer

@@ -121,3 +121,28 @@ def test_swift_packed_rows_under_a_token_budget(sw):
                                extra=("--save_steps", str(save_at), "--resume_from_checkpoint", str(ckpt)))
     fw.assert_ok(resumed)
     fw.assert_resumed(steps, k_steps, r_steps, save_at, kill_at)
+
+
+def test_other_tasks_refused_instead_of_silently_unbalanced():
+    # ms-swift picks its trainer by task_type / rlhf_type (TrainerFactory.get_trainer_cls); with the
+    # plugin loaded, a task it does not balance must stop with a message, not train on ms-swift's sampler
+    from tests.helpers.envs import run_in_env
+
+    code = ("import runpy, types\n"
+            f"runpy.run_path({str(TOKENBAL_PLUGIN)!r})\n"
+            "from swift.trainers.trainer_factory import TrainerFactory as F\n"
+            "sft = types.SimpleNamespace(task_type='causal_lm')\n"
+            "print('causal_lm', F.get_trainer_cls(sft).__qualname__)\n"
+            "for args in (types.SimpleNamespace(task_type='seq_cls'),\n"
+            "             types.SimpleNamespace(task_type='causal_lm', rlhf_type='dpo')):\n"
+            "    try:\n"
+            "        print('picked', F.get_trainer_cls(args).__qualname__)\n"
+            "    except ValueError as e:\n"
+            "        print('refused', e)\n")
+    done = run_in_env("swift", ["-c", code], cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert "causal_lm TokenBalancedSeq2SeqTrainer" in lines
+    refused = [line for line in lines if line.startswith(("refused", "picked"))]
+    assert len(refused) == 2 and all(line.startswith("refused tokenbal:") for line in refused), refused
+    assert "'seq_cls'" in refused[0] and "'dpo'" in refused[1]
