@@ -519,3 +519,10 @@ def trainer_counts_shifted_labels(trainer: Any) -> bool:
     ``labels[..., 1:]`` where ``_loss_shifts_labels``); before, every label ``!= -100`` is counted, one
     token per row more than the loss sums over where a row's first label is real."""
     return hasattr(trainer, "_loss_shifts_labels")
+
+
+def trainer_shuffles_train_data(args: Any) -> bool:
+    """Whether ``TrainingArguments`` ask the Trainer to shuffle its train data. From 5.6 its
+    ``train_sampling_strategy="sequential"`` trains in dataset order (``SequentialSampler``); 4.57
+    has no such option and always shuffles (``group_by_length`` aside)."""
+    return getattr(args, "train_sampling_strategy", "random") != "sequential"

@@ -47,7 +47,8 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
 column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
 ``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
 ``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
-``data_seed`` or ``seed``), ``settings=`` a :class:`~tokenbal.balance.settings.PlanSettings`, ...).
+``data_seed`` or ``seed``), ``shuffle=`` (default off under ``train_sampling_strategy="sequential"``),
+``settings=`` a :class:`~tokenbal.balance.settings.PlanSettings`, ...).
 The planning ones become one ``PlanSettings`` over the data-parallel ranks, which the sampler holds.
 """
 
@@ -180,6 +181,11 @@ class TokenBalancingMixin:
                 opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
         opts.setdefault("drop_last", bool(args.dataloader_drop_last))
+        from tokenbal.hf_compat import trainer_shuffles_train_data
+
+        if not trainer_shuffles_train_data(args):
+            # train_sampling_strategy="sequential" asks for no random order: plan with shuffle=False
+            opts.setdefault("shuffle", False)
         # One checked PlanSettings over the data-parallel ranks; the sampler takes it as it is.
         fields = {name: opts.pop(name) for name in _SETTINGS_FIELDS if name in opts}
         opts["settings"] = PlanSettings(**{**fields, "num_replicas": dp})

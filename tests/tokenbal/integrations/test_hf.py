@@ -192,6 +192,36 @@ def test_sampler_options_become_one_plan_settings(tmp_path):
         t.get_train_dataloader()
 
 
+def test_sequential_sampling_strategy_plans_without_shuffling(tmp_path):
+    """TrainingArguments(train_sampling_strategy="sequential") (transformers 5.6+) trains in no random
+    order; the token-balanced loader then plans with shuffle=False, instead of shuffling regardless."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    if "train_sampling_strategy" not in TrainingArguments.__dataclass_fields__:
+        pytest.skip("this transformers has no train_sampling_strategy")
+    ds = TinyVLDataset(12)
+
+    def epoch0(strategy):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, remove_unused_columns=False, train_sampling_strategy=strategy)
+        trainer = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds,
+                                       data_collator=pad_collate, token_lengths=ds.lengths())
+        trainer.get_train_dataloader()
+        return list(trainer.tokenbal_sampler)
+
+    def plan(shuffle):
+        return list(TokenBalancedBatchSampler(ds.lengths(), num_replicas=1, rank=0, global_batch_size=2,
+                                              seed=42, shuffle=shuffle, cost="padded"))
+
+    assert plan(False) != plan(True)
+    assert epoch0("sequential") == plan(False)
+    assert epoch0("random") == plan(True)
+
+
 def test_mixin_serves_trl_sft_trainer(tmp_path):
     """The mixin in front of trl's SFTTrainer (one process): its loader is tokenbal's, each sample
     once per epoch."""
