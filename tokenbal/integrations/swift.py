@@ -22,7 +22,8 @@ already trained as index lists, so no skipped sample is encoded or loaded).
   each row is encoded once by ms-swift's template before training. A row ms-swift cannot encode is an
   error naming it (its lazy loader would otherwise swap in a random other row, off the plan).
 - **Order.** The dataset is indexed as ms-swift hands it to the trainer, after its load-time shuffle
-  (``--dataset_shuffle``, ``--data_seed``); the plan's seed is ``--data_seed`` (else ``--seed``).
+  (``--dataset_shuffle``, ``--data_seed``); the plan's seed is ``--data_seed`` (else ``--seed``);
+  ``--train_dataloader_shuffle false`` plans with ``shuffle=False`` (the same plan every epoch).
 - **Cost.** ms-swift pads each micro-batch to its longest row: planned with ``cost="padded"``.
 - **Packed** (``register(packed=True, max_tokens_per_rank=N)``), the alternative to ms-swift's
   ``--packing`` / ``--padding_free``: each rank's micro-batch is one packed row of whole items, at
@@ -120,8 +121,10 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
                 raise ValueError("tokenbal: ms-swift's train dataset must have a length (no --streaming)")
             _check_placeholder_ids(kwargs.get("template"), kwargs.get("model"))
             lengths = swift_lengths(dataset)
-            super().__init__(*args, token_lengths=lengths, sampler_options=dict(opts), packed=packed,
-                             **kwargs)
+            options = dict(opts)
+            if getattr(train_args, "train_dataloader_shuffle", True) is False:
+                options.setdefault("shuffle", False)   # ms-swift's own loader would not shuffle either
+            super().__init__(*args, token_lengths=lengths, sampler_options=options, packed=packed, **kwargs)
             if packed:
                 # The packed model wrapper embeds the tokens and runs the vision tower itself; ms-swift's
                 # post-encode hook would swap input_ids for its own embeddings and drop cu_seqlens.

@@ -84,6 +84,17 @@ def test_swift_sft_token_balanced(sw, lazy):
         fw.assert_beats_default(steps, d_steps, "ms-swift")
 
 
+def test_swift_no_shuffle_option_is_kept(sw):
+    # --train_dataloader_shuffle false: ms-swift's own loader keeps one order; tokenbal's plan then has
+    # no random order either (shuffle=False), the same steps in every epoch
+    done, steps, _ = _run(sw, "no-shuffle", plugin=TOKENBAL_PLUGIN,
+                          extra=("--train_dataloader_shuffle", "false", "--lazy_tokenize", "false"))
+    fw.assert_ok(done)
+    assert fw.epochs_of(steps, N, EPOCHS, WORLD) == [STEPS] * EPOCHS
+    batches = fw.batches(steps)
+    assert [batches[s] for s in range(1, STEPS + 1)] == [batches[s] for s in range(STEPS + 1, 2 * STEPS + 1)]
+
+
 def test_swift_kill_and_resume_exact(sw):
     full, f_steps, _ = _run(sw, "full", plugin=TOKENBAL_PLUGIN, extra=("--save_steps", str(SAVE_AT)))
     fw.assert_ok(full)
