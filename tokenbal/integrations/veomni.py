@@ -10,10 +10,11 @@ DP ranks from a tokenbal index (image tokens from image headers, never running t
   micro-batches on every rank (``grad_accum`` in tokenbal's plan: each micro-batch balanced across
   ranks), packed by VeOmni's own collator (``MainCollator``) as the native loader's are;
 * exactly VeOmni's ``train_steps`` steps per epoch (its trainer and its resume arithmetic count
-  them), with every sample once per epoch: the samples per step are chosen so that the plan has
+  them), with every sample once per epoch: the samples per step are the fewest whose plan fits in
   that many steps (about ``dataloader_batch_size`` per rank, the native loader's, which instead
-  drops the tail); a smaller ``--train.max_steps`` only stops each epoch early, as with the native
-  loader (the plan keeps the uncapped step count and batch size);
+  drops the tail), and a plan a step or two short gets light steps at the epoch's end; a smaller
+  ``--train.max_steps`` only stops each epoch early, as with the native loader (the plan keeps the
+  uncapped step count and batch size);
 * ``set_epoch`` on the loader reaches the plan (VeOmni's native loader forwards it to a
   ``sampler``, which a batch sampler is not), and the loader's ``state_dict`` (torchdata's
   ``StatefulDataLoader``, saved in VeOmni's checkpoint ``extra_state``) holds the plan's position,
@@ -34,13 +35,12 @@ imports nothing of VeOmni.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["build_tokenbal_dataloader", "main", "register", "steps_batch_size"]
+__all__ = ["build_tokenbal_dataloader", "fitting_batch_size", "main", "register", "steps_batch_size"]
 
 ENV_INDEX = "TOKENBAL_INDEX"
 
@@ -57,19 +57,32 @@ def steps_batch_size(lengths: Any, steps: int, num_replicas: int, grad_accum: in
                      ) -> int:
     """The samples per step (all ranks) for which tokenbal's plan of ``lengths`` has exactly ``steps``
     steps, every sample used once; the smallest such, near ``len / steps``. Raises if none."""
+    size, planned = fitting_batch_size(lengths, steps, num_replicas, grad_accum, seed)
+    if planned != steps:
+        raise ValueError(f"no batch size gives tokenbal's plan of {len(lengths)} samples exactly {steps} "
+                         "steps")
+    return size
+
+
+def fitting_batch_size(lengths: Any, steps: int, num_replicas: int, grad_accum: int = 1, seed: int = 0
+                       ) -> tuple[int, int]:
+    """``(size, planned)``: the smallest samples per step (all ranks) whose plan of ``lengths`` has at
+    most ``steps`` steps, and that plan's steps. Often no size gives exactly ``steps`` (42 samples in
+    10 steps: 4 per step plans 11, 5 plans 9); the loader then pads the plan to ``steps`` with light
+    steps at the epoch's end (``epoch_steps``), every sample still once."""
     from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
     n = len(lengths)
     if steps < 1 or n < steps * num_replicas * grad_accum:
         raise ValueError(f"{n} samples cannot fill {steps} steps of {num_replicas} ranks x {grad_accum} "
                          "micro-batches with at least one sample each")
-    low = max(num_replicas * grad_accum, n // steps)
-    for size in range(low, max(low, math.ceil(n / steps)) + num_replicas + 2):
+    for size in range(max(num_replicas * grad_accum, n // steps), n + 1):
         s = TokenBalancedBatchSampler(lengths, num_replicas=num_replicas, rank=0, global_batch_size=size,
                                       grad_accum=grad_accum, seed=seed, verify=False)
-        if len(s) // grad_accum == steps:
-            return size
-    raise ValueError(f"no batch size gives tokenbal's plan of {n} samples exactly {steps} steps")
+        planned = len(s) // grad_accum
+        if planned <= steps:
+            return size, planned
+    raise ValueError(f"no batch size fits tokenbal's plan of {n} samples into {steps} steps")
 
 
 class _Steps:
@@ -163,9 +176,13 @@ def build_tokenbal_dataloader(dataset: Any, micro_batch_size: int, global_batch_
     # dataloader_batch_size samples per rank, and let VeOmni stop each epoch early as it does with
     # its native loader (cramming the epoch into max_steps steps would multiply the batch size).
     steps = max(train_steps, len(dataset) // ps.dp_size // dataloader_batch_size)
-    size = steps_batch_size(lengths, steps, ps.dp_size, k, seed)
+    size, planned = fitting_batch_size(lengths, steps, ps.dp_size, k, seed)
+    # VeOmni's loop and resume arithmetic count exactly `steps` per epoch: a plan one or two steps
+    # short gets light steps at its end (epoch_steps; set only then, so a checkpoint of an exact plan
+    # keeps its fingerprint)
     sampler = EpochFollowingSampler(lengths, num_replicas=ps.dp_size, rank=ps.dp_rank, global_batch_size=size,
-                                    grad_accum=k, seed=seed, verify=False)
+                                    grad_accum=k, seed=seed, verify=False,
+                                    epoch_steps=steps if planned < steps else None)
     if collate_fn is None:
         collate_fn = MainCollator(**(collate_fn_kwargs or {})) if build_collate_fn else NoopDataCollator()
 

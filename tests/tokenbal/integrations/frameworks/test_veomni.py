@@ -80,6 +80,16 @@ def test_max_steps_stops_the_epoch_early_without_bigger_batches(run):
         assert r["capped"] == r["tokenbal"][0][:2]
 
 
+def test_a_step_count_no_batch_size_plans_exactly_is_padded(run):
+    # 42 rows in VeOmni's 10 steps of 4: the loader builds, both ranks take 10 steps of 1 micro-batch,
+    # every row once per epoch, no empty micro-batch
+    for r in run:
+        assert [len(e) for e in r["uneven"]] == [10, 10]
+        assert all(len(s["micro_tokens"]) == 1 and s["rows"] for e in r["uneven"] for s in e)
+    for epoch in range(2):
+        assert sorted(i for r in run for s in r["uneven"][epoch] for i in s["rows"]) == list(range(42))
+
+
 TRAINER = Path(__file__).with_name("veomni_trainer_driver.py")
 TRAINER_ROWS = 16
 OPS = ("attn", "moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "load_balancing_loss")

@@ -5,7 +5,8 @@ test_veomni.py. VeOmni's own data path: its parallel state (dp 2, CPU), its mapp
 entry. Records per rank, step and micro-batch the rows read and the packed tokens, for 2 epochs, and
 two resumes from the loader's ``state_dict`` (mid-epoch; after an epoch's last step, restored as
 VeOmni's checkpoint callback does: ``load_state_dict``, ``iter``, then ``set_epoch``), and the first
-steps of a run whose ``train_steps`` is capped (``--train.max_steps``).
+steps of a run whose ``train_steps`` is capped (``--train.max_steps``), and 2 epochs of 42 rows whose
+step count no batch size plans exactly.
 
     python -m torch.distributed.run --nproc-per-node 2 veomni_driver.py DIR
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +104,19 @@ def main(folder: Path) -> None:
     capped = loader("tokenbal", steps_per_epoch=2)
     capped.set_epoch(0)
     result["capped"] = steps(capped, limit=2)
+    # 42 rows, global batch 4, micro-batch 2 (dataloader_batch_size 2): VeOmni counts floor(42 / 2 / 2)
+    # = 10 steps, and no batch size plans exactly 10 (4 per step plans 11, 5 plans 9)
+    os.environ["TOKENBAL_INDEX"] = str(folder / "index42")
+    rows42 = build_dataset("mapping", train_path=str(folder / "train42.jsonl"), transform=transform, seed=0)
+    type(rows42).__getitem__ = lambda self, i: (reads.append(int(i)), getitem(self, i))[1]
+    uneven = build_dataloader("tokenbal", dataset=rows42, micro_batch_size=2, global_batch_size=4,
+                              dataloader_batch_size=2, max_seq_len=4096, train_steps=len(rows42) // 2 // 2,
+                              dyn_bsz=False, num_workers=0, prefetch_factor=None, pin_memory=False, seed=0,
+                              collate_fn=MainCollator())
+    result["uneven"] = []
+    for epoch in range(2):
+        uneven.set_epoch(epoch)
+        result["uneven"].append(steps(uneven))
     (folder / f"veomni.rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -121,6 +136,12 @@ def prepare(folder: Path) -> None:
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
     rc = tokenbal_main(["index", "build", str(folder / "train.jsonl"), "--tokenizer", str(folder / "model"),
                         "--out", str(folder / "index"), "-q"])
+    assert rc in (0, None), rc
+    with open(folder / "train.jsonl") as f, open(folder / "train42.jsonl", "w") as out:
+        rows = f.read().splitlines()
+        out.write("\n".join(rows + rows[:2]) + "\n")
+    rc = tokenbal_main(["index", "build", str(folder / "train42.jsonl"), "--tokenizer", str(folder / "model"),
+                        "--out", str(folder / "index42"), "-q"])
     assert rc in (0, None), rc
 
 
