@@ -157,19 +157,25 @@ def index_lengths(index: Any, dataset_len: int, files: Sequence[str] = (), max_s
     names = [os.path.basename(str(f)) for f in files]
     if names:
         order = _file_order(idx.keys[i] for i in range(n))
-        if order and order != [f for f in names if f in order]:
+        # The keys name a file by its base name only: files of one name in different folders, one after
+        # the other (gsm8k/train.parquet, math/train.parquet), read as one run of keys.
+        if order and order != _runs(f for f in names if f in order):
             raise ValueError(f"the index holds the files in the order {order}, data.train_files is {names}")
     return idx if n == len(idx) else np.asarray(idx.lengths[:n])
 
 
 def _file_order(keys: Any) -> list[str]:
     # A Parquet row's key is "<file name>:<row group>:<row>" (tokenbal.index.parquet).
-    order: list[str] = []
-    for key in keys:
-        name = key.rsplit(":", 2)[0]
-        if not order or order[-1] != name:
-            order.append(name)
-    return order
+    return _runs(key.rsplit(":", 2)[0] for key in keys)
+
+
+def _runs(names: Any) -> list[str]:
+    # The names in order, each run of equal neighbours once.
+    out: list[str] = []
+    for name in names:
+        if not out or out[-1] != name:
+            out.append(name)
+    return out
 
 
 # --- the SFT trainer ------------------------------------------------------------------------------

@@ -95,6 +95,28 @@ def test_index_lengths_checks_rows_and_order(tmp_path):
         tb_verl.index_lengths(idx, 3, max_samples=3, shuffle=True)
 
 
+def test_index_lengths_takes_files_of_one_name_in_different_folders(tmp_path):
+    # verl's usual mix of datasets: data.train_files=[gsm8k/train.parquet, math/train.parquet]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers import chat_processors as cp
+    from tokenbal.cli import main
+    from tokenbal.index.store import TokenIndex
+
+    model = cp.save_folder(cp.processor(), tmp_path / "model")
+    files = []
+    for name, n in (("gsm8k", 4), ("math", 3)):
+        (tmp_path / name).mkdir()
+        rows = [{"messages": [{"role": "user", "content": "hi " * (i + 1)},
+                              {"role": "assistant", "content": "the fox"}]} for i in range(n)]
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / name / "train.parquet")
+        files.append(str(tmp_path / name / "train.parquet"))
+    main(["index", "build", *files, "--processor", str(model), "--out", str(tmp_path / "index"), "-q"])
+    idx = TokenIndex.open(tmp_path / "index")
+    assert tb_verl.index_lengths(idx, 7, files) is idx
+
+
 def test_a_checkpoint_at_an_epochs_end_resumes_at_the_next_epoch():
     lengths = np.arange(1, 17)
     a = EpochFollowingSampler(lengths, num_replicas=2, rank=0, global_batch_size=4, verify=False)
