@@ -180,10 +180,14 @@ def _runs(names: Any) -> list[str]:
 
 # --- the SFT trainer ------------------------------------------------------------------------------
 
+# The keys of the config's `tokenbal` node sft_trainer_class reads; any other is refused.
+TOKENBAL_OPTIONS = ("index", "seed", "cost", "stages", "window")
+
+
 def sft_trainer_class() -> type:
     """verl's ``SFTTrainer`` with tokenbal's loader (verl is imported here, not at module import).
     Options come from the config's ``tokenbal`` node: ``index`` (required), ``seed`` (default 0),
-    ``cost`` (``"tokens"`` or ``"flops"``), ``stages``, ``window``."""
+    ``cost`` (``"tokens"`` or ``"flops"``), ``stages``, ``window``; any other key is refused."""
     from verl.trainer.sft_trainer import SFTTrainer
 
     class TokenBalancedSFTTrainer(SFTTrainer):
@@ -199,6 +203,15 @@ def sft_trainer_class() -> type:
                                  "micro-batches (data.use_dynamic_bsz=False) need equal counts. Use "
                                  "data.use_dynamic_bsz=True with data.max_token_len_per_gpu")
             options = dict(config.get("tokenbal") or {})
+            unknown = sorted(set(options) - set(TOKENBAL_OPTIONS))
+            if unknown:
+                # A misspelt or unsupported key (+tokenbal.max_tokens_per_rank) would otherwise be dropped
+                # without a word and the run planned on the defaults.
+                named = ", ".join("+tokenbal." + k for k in unknown)
+                known = ", ".join("+tokenbal." + k for k in TOKENBAL_OPTIONS)
+                raise ValueError(f"tokenbal: unknown option(s) {named}; the verl SFT trainer takes {known} "
+                                 "(a step is data.train_batch_size samples; verl's token budget per "
+                                 "micro-batch is data.max_token_len_per_gpu)")
             if "index" not in options:
                 raise ValueError("tokenbal: pass +tokenbal.index=DIR (a `tokenbal index build` of "
                                  "data.train_files)")

@@ -109,6 +109,16 @@ def test_gathered_lengths_cover_every_rank(runs):
         assert step0["global"] == step0["lengths"] + step1["lengths"]
 
 
+def test_an_unknown_tokenbal_option_is_refused(tmp_path):
+    # +tokenbal.max_tokens_per_rank is not an option of the verl trainer: refused, naming it, rather
+    # than dropped and the run planned on the defaults
+    python = fw.prepared_env("verl", DRIVER, tmp_path, _env(tmp_path))
+    with pytest.raises(AssertionError) as refused:
+        _train(python, tmp_path, "tokenbal", "unknown", "trainer.total_epochs=1",
+               "+tokenbal.index=" + str(tmp_path / "index"), "+tokenbal.max_tokens_per_rank=4096")
+    assert "unknown option(s) +tokenbal.max_tokens_per_rank" in str(refused.value)
+
+
 def test_verls_collate_fails_on_a_text_only_row_first_and_tokenbals_does_not():
     out = subprocess.run([str(fw.prepared_env("verl")), str(DRIVER), "collate"], env=_env(Path("/tmp")),
                          capture_output=True, text=True, timeout=600)
