@@ -163,6 +163,11 @@ def build_tokenbal_dataloader(dataset: Any, micro_batch_size: int, global_batch_
     from tokenbal.integrations._resume import EpochFollowingSampler
     from tokenbal.integrations.verl import index_lengths
 
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        # VeOmni's iterable datasets stream their rows: there is no epoch of indexed rows to plan.
+        raise ValueError("data.dataloader.type=tokenbal plans whole epochs of a mapping dataset (indexed "
+                         f"rows); this one is a {type(dataset).__name__} (a stream): pass "
+                         "--data.datasets_type mapping")
     path = os.environ.get(ENV_INDEX)
     if not path:
         raise ValueError(f"data.dataloader.type=tokenbal: set {ENV_INDEX}=DIR, a `tokenbal index build` of "

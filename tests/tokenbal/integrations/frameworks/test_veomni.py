@@ -90,6 +90,11 @@ def test_a_step_count_no_batch_size_plans_exactly_is_padded(run):
         assert sorted(i for r in run for s in r["uneven"][epoch] for i in s["rows"]) == list(range(42))
 
 
+def test_an_iterable_dataset_is_refused_naming_the_option(run):
+    for r in run:
+        assert r["iterable"].startswith("ValueError") and "--data.datasets_type mapping" in r["iterable"]
+
+
 TRAINER = Path(__file__).with_name("veomni_trainer_driver.py")
 TRAINER_ROWS = 16
 OPS = ("attn", "moe", "cross_entropy_loss", "rms_norm", "swiglu_mlp", "rotary_pos_emb", "load_balancing_loss")

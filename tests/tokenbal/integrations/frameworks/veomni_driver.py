@@ -46,6 +46,12 @@ def main(folder: Path) -> None:
     # VeOmni's own count (BaseTrainer._build_dataset / compute_train_steps, fixed batching)
     train_steps = math.floor(len(dataset) / 2 / LOADER_BATCH)
 
+    def loader_of(data):
+        return build_dataloader("tokenbal", dataset=data, micro_batch_size=MICRO_BATCH,
+                                global_batch_size=GLOBAL_BATCH, dataloader_batch_size=LOADER_BATCH,
+                                max_seq_len=4096, train_steps=train_steps, dyn_bsz=False, num_workers=0,
+                                prefetch_factor=None, pin_memory=False, seed=0, collate_fn=MainCollator())
+
     def loader(kind: str, steps_per_epoch: int = train_steps):
         return build_dataloader(kind, dataset=dataset, micro_batch_size=MICRO_BATCH,
                                 global_batch_size=GLOBAL_BATCH, dataloader_batch_size=LOADER_BATCH,
@@ -117,6 +123,12 @@ def main(folder: Path) -> None:
     for epoch in range(2):
         uneven.set_epoch(epoch)
         result["uneven"].append(steps(uneven))
+    # VeOmni's streaming dataset (--data.datasets_type iterable): no rows to index
+    stream = build_dataset("iterable", train_path=str(folder / "train.jsonl"), transform=transform, seed=0)
+    try:
+        loader_of(stream)
+    except Exception as e:
+        result["iterable"] = f"{type(e).__name__}: {e}"
     (folder / f"veomni.rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
