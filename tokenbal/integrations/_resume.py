@@ -23,13 +23,22 @@ class EpochFollowingSampler(TokenBalancedBatchSampler):
     that is older than the last ``set_epoch`` starts that newer epoch at step 0 instead."""
 
     _asked_epoch: int | None = None
+    framework = "framework"   # named in the message of a refused resume (set by the integration)
 
     def set_epoch(self, epoch: int) -> None:
         self._asked_epoch = int(epoch)
         super().set_epoch(epoch)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
+        try:
+            super().load_state_dict(state)
+        except ValueError as e:
+            # The sampler's hint (elastic=True re-plans for a new world) is no option of these
+            # integrations: say what the user of the framework can do instead.
+            text = str(e).split("\n(only the step settings differ")[0]
+            raise ValueError(f"{text}\n(tokenbal's {self.framework} loader resumes only with the "
+                             "checkpoint's data-parallel size, batch size, gradient accumulation and data: "
+                             "restart with those, or start a new run)") from None
         asked = self._asked_epoch
         if asked is not None and self.epoch < asked and self.cursor >= len(self):
             super().set_epoch(asked)

@@ -63,6 +63,7 @@ def build_dataloader(dataset: Any, lengths: Any, *, dp_rank: int, dp_world_size:
     sampler = EpochFollowingSampler(lengths, num_replicas=dp_world_size, rank=dp_rank,
                                     global_batch_size=global_batch_size, seed=seed, verify=False,
                                     **sampler_options)
+    sampler.framework = "torchtitan"
 
     class TokenBalancedDataLoader(ParallelAwareDataloader):
         """Epochs of tokenbal's plan; ``state_dict`` per DP rank as torchtitan's loaders."""

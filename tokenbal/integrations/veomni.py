@@ -188,6 +188,7 @@ def build_tokenbal_dataloader(dataset: Any, micro_batch_size: int, global_batch_
     sampler = EpochFollowingSampler(lengths, num_replicas=ps.dp_size, rank=ps.dp_rank, global_batch_size=size,
                                     grad_accum=k, seed=seed, verify=False,
                                     epoch_steps=steps if planned < steps else None)
+    sampler.framework = "VeOmni"
     if collate_fn is None:
         collate_fn = MainCollator(**(collate_fn_kwargs or {})) if build_collate_fn else NoopDataCollator()
 

@@ -225,6 +225,7 @@ def sft_trainer_class() -> type:
                 seed=int(options.get("seed", 0)), cost=_cost(options, self.model_config),
                 stages=options.get("stages"), window=options.get("window"),
                 verify=False)   # ranks of one Ulysses group share a plan: the group-wide check would differ
+            self.train_sampler.framework = "verl"
             self.collate_fn = FirstItemComplete(self.collate_fn)
             self.train_dataloader = StatefulDataLoader(
                 dataset=self.train_dataset, batch_sampler=self.train_sampler, collate_fn=self.collate_fn,

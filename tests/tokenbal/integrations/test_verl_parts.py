@@ -140,6 +140,22 @@ def test_a_checkpoint_at_an_epochs_end_resumes_at_the_next_epoch():
     assert list(e) == epoch0[1:]
 
 
+def test_a_resume_on_another_world_size_says_what_the_framework_user_can_do():
+    # verl / VeOmni / torchtitan expose no elastic=True: the refusal must not point at it
+    lengths = np.arange(1, 17)
+    saved = EpochFollowingSampler(lengths, num_replicas=2, rank=0, global_batch_size=4, verify=False)
+    saved.set_epoch(0)
+    next(iter(saved))
+    resumed = EpochFollowingSampler(lengths, num_replicas=4, rank=0, global_batch_size=4, verify=False)
+    resumed.framework = "verl"
+    with pytest.raises(ValueError) as refused:
+        resumed.load_state_dict(saved.state_dict())
+    text = str(refused.value)
+    assert "num_replicas: checkpoint has 2, this sampler has 4" in text
+    assert "elastic" not in text
+    assert "verl loader resumes only with the checkpoint's data-parallel size" in text
+
+
 class _Batch:
     """The two fields of verl's DataProto that balance_batch reads."""
 
