@@ -39,7 +39,8 @@ exact mid-epoch resume (``resume_from_checkpoint``).
   LLaMA-Factory's own ``neat_packing``), equal to the token-weighted mean of its samples' own losses.
 - **Refused**, with a message: stages other than ``sft``, ``packing`` / ``neat_packing``
   (LLaMA-Factory packs at preprocessing, so its rows would no longer be the samples), ``streaming``,
-  multimodal plugins other than ``Qwen2VLPlugin`` (named in the message), audio rows.
+  multimodal plugins other than ``Qwen2VLPlugin`` (named in the message), audio rows, and what trains
+  past LLaMA-Factory's ``CustomSeq2SeqTrainer`` (``use_hyper_parallel``, ``USE_MCA=1``, ``USE_RAY=1``).
 
 Videos (``Qwen2VLPlugin``): counted from the container header as LLaMA-Factory itself counts them
 (:func:`lf_video_tokens`: its ``video_fps`` / ``video_maxlen`` / ``video_max_pixels`` /
@@ -319,6 +320,7 @@ def trainer_class(base: Any, options: dict[str, Any]) -> Any:
 def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(LLaMA-Factory's arguments, tokenbal's options) from ``CONFIG.yaml key=value ...``, read the way
     ``llamafactory-cli`` reads them (its ``read_args``)."""
+    _refuse_other_trainers()
     from llamafactory.hparams import read_args
 
     saved = sys.argv
@@ -343,7 +345,23 @@ def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         if args.get(key):
             raise SystemExit(f"tokenbal: `{key}: true` is not supported with token-balanced batches "
                              "(LLaMA-Factory packs / streams at preprocessing); remove it")
+    # HyperParallel's own loop runs sft past the trainer tokenbal replaces: it would train unbalanced.
+    if args.get("use_hyper_parallel"):
+        raise SystemExit("tokenbal: `use_hyper_parallel: true` trains with HyperParallel's own loop, not the "
+                         "trainer tokenbal balances; remove it")
     return args, options
+
+
+def _refuse_other_trainers() -> None:
+    """USE_MCA=1 (Megatron's trainer, mcore_adapter) and USE_RAY=1 (Ray workers, which import
+    LLaMA-Factory afresh) run sft past the trainer tokenbal replaces in this process: training would go
+    on without tokenbal's sampler. Read as LLaMA-Factory's ``is_env_enabled`` reads them, before
+    LLaMA-Factory is imported (with USE_MCA its import already takes the Megatron path)."""
+    for env in ("USE_MCA", "USE_RAY"):
+        if os.environ.get(env, "0").lower() in ("true", "y", "1"):
+            raise SystemExit(f"tokenbal: {env}=1 trains outside the trainer tokenbal balances "
+                             "(LLaMA-Factory's sft workflow in this process); unset it and start ranks with "
+                             "FORCE_TORCHRUN=1 or torchrun")
 
 
 def _under_torchrun() -> bool:

@@ -147,6 +147,18 @@ def test_llamafactory_force_torchrun_launch_and_cutoff_error(lf):
     assert "disagree with what LLaMA-Factory tokenized" in cut.stderr + cut.stdout
 
 
+@pytest.mark.parametrize("setting", ["use_hyper_parallel=true", "USE_MCA=1", "USE_RAY=1"])
+def test_llamafactory_paths_past_the_balanced_trainer_are_refused(lf, setting):
+    # LLaMA-Factory's HyperParallel / Megatron (mcore_adapter) / Ray paths train without the trainer
+    # tokenbal puts in place: refused by tokenbal before any rank starts, not left to run unbalanced
+    key, value = setting.split("=")
+    env, overrides = ({key: value}, ()) if key.isupper() else ({}, (setting,))
+    done, steps, _ = _run(lf, f"past-{key.lower()}", tokenbal={}, module="tokenbal.integrations.llamafactory",
+                          torchrun=False, env=env, overrides=overrides)
+    assert done.returncode != 0 and steps is None
+    assert "tokenbal: " in done.stderr and (key in done.stderr), done.stderr[-3000:]
+
+
 def test_llamafactory_video_rows_lengths_from_headers(lf, tmp_path):
     rows = [dict(r) for r in lf["rows"]]
     fw.write_videos(rows, tmp_path / "videos")
