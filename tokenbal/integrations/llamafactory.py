@@ -8,7 +8,8 @@ defaults; any :class:`~tokenbal.integrations.hf.TokenBalancingMixin` ``sampler_o
 ``max_tokens_per_rank``, ``seed``, ``window``, ``cost``; and ``packed: true``, see below). Several
 ranks as LLaMA-Factory's own CLI starts them: ``FORCE_TORCHRUN=1 NPROC_PER_NODE=2 python -m
 tokenbal.integrations.llamafactory train CONFIG.yaml`` (also ``NNODES`` / ``NODE_RANK`` /
-``MASTER_ADDR`` / ``MASTER_PORT``), or under ``torchrun --nproc-per-node 2 -m
+``MASTER_ADDR`` / ``MASTER_PORT``, ``RDZV_ID`` / ``MIN_NNODES`` / ``MAX_NNODES`` / ``MAX_RESTARTS`` and
+``OPTIM_TORCH``, as its launcher reads them), or under ``torchrun --nproc-per-node 2 -m
 tokenbal.integrations.llamafactory train CONFIG.yaml``.
 
 What it changes in LLaMA-Factory's ``sft`` stage, and nothing else: its trainer
@@ -368,18 +369,42 @@ def _under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _launch(argv: Sequence[str]) -> int:
-    """Start the ranks the way ``llamafactory-cli train`` does (its launcher's environment variables),
-    each running this module."""
-    from llamafactory.extras.misc import find_available_port, get_device_count
+def _launch_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command and environment ``llamafactory-cli train`` (0.9.5, its ``launcher.py``) starts
+    its ranks with, each rank running this module: ``NNODES`` / ``NODE_RANK`` / ``NPROC_PER_NODE`` /
+    ``MASTER_ADDR`` / ``MASTER_PORT``; with ``RDZV_ID`` an elastic rendezvous (``MIN_NNODES`` /
+    ``MAX_NNODES``, ``MAX_RESTARTS``); and, unless ``OPTIM_TORCH=0``, its allocator and NCCL settings
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``), so
+    that a config which fits under ``llamafactory-cli`` fits here too."""
+    from llamafactory.extras.misc import find_available_port, get_device_count, is_env_enabled
 
     env = dict(os.environ)
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           "--nnodes", env.get("NNODES", "1"), "--node_rank", env.get("NODE_RANK", "0"),
-           "--nproc_per_node", env.get("NPROC_PER_NODE", str(get_device_count())),
-           "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
-           "--master_port", env.get("MASTER_PORT", str(find_available_port())),
-           "-m", "tokenbal.integrations.llamafactory", "train", *argv]
+    nnodes = env.get("NNODES", "1")
+    nproc = env.get("NPROC_PER_NODE", str(get_device_count()))
+    addr = env.get("MASTER_ADDR", "127.0.0.1")
+    port = env.get("MASTER_PORT", str(find_available_port()))
+    if is_env_enabled("OPTIM_TORCH", "1"):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        env["TORCH_NCCL_AVOID_RECORD_STREAMS"] = "1"
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    target = ["-m", "tokenbal.integrations.llamafactory", "train", *argv]
+    rdzv_id = env.get("RDZV_ID")
+    if rdzv_id is not None:
+        nodes = nnodes
+        if env.get("MIN_NNODES") is not None and env.get("MAX_NNODES") is not None:
+            nodes = f"{env['MIN_NNODES']}:{env['MAX_NNODES']}"
+        cmd = [*run, "--nnodes", nodes, "--nproc-per-node", nproc, "--rdzv-id", rdzv_id, "--rdzv-backend",
+               "c10d", "--rdzv-endpoint", f"{addr}:{port}", "--max-restarts", env.get("MAX_RESTARTS", "0"),
+               *target]
+    else:
+        cmd = [*run, "--nnodes", nnodes, "--node_rank", env.get("NODE_RANK", "0"), "--nproc_per_node", nproc,
+               "--master_addr", addr, "--master_port", port, *target]
+    return cmd, env
+
+
+def _launch(argv: Sequence[str]) -> int:
+    """Start the ranks the way ``llamafactory-cli train`` does (:func:`_launch_command`)."""
+    cmd, env = _launch_command(argv)
     return subprocess.run(cmd, env=env).returncode
 
 

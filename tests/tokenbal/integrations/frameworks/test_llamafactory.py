@@ -28,6 +28,7 @@ import json
 import pytest
 
 from tests.helpers import frameworks as fw
+from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
 
@@ -157,6 +158,35 @@ def test_llamafactory_paths_past_the_balanced_trainer_are_refused(lf, setting):
                           torchrun=False, env=env, overrides=overrides)
     assert done.returncode != 0 and steps is None
     assert "tokenbal: " in done.stderr and (key in done.stderr), done.stderr[-3000:]
+
+
+def test_llamafactory_launch_reads_the_launchers_variables():
+    # what llamafactory-cli's launcher (0.9.5) gives its ranks: the allocator / NCCL settings unless
+    # OPTIM_TORCH=0, and with RDZV_ID an elastic rendezvous with MAX_RESTARTS
+    from tests.helpers.envs import run_in_env
+
+    code = ("import json, os\n"
+            "from tokenbal.integrations.llamafactory import _launch_command\n"
+            "cmd, env = _launch_command(['cfg.yaml'])\n"
+            "print(json.dumps({'cmd': cmd, 'alloc': env.get('PYTORCH_CUDA_ALLOC_CONF'),\n"
+            "                  'nccl': env.get('TORCH_NCCL_AVOID_RECORD_STREAMS')}))\n")
+
+    def launch(**environ):
+        clean = {k: "" for k in ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_AVOID_RECORD_STREAMS")}
+        environ = {**clean, "NPROC_PER_NODE": "2", "MASTER_PORT": "29500", **environ}
+        done = run_in_env("llamafactory", ["-c", code], cwd=REPO, env=environ, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    static = launch()
+    assert static["alloc"] == "expandable_segments:True" and static["nccl"] == "1"
+    assert static["cmd"][-4:] == ["-m", "tokenbal.integrations.llamafactory", "train", "cfg.yaml"]
+    assert static["cmd"][static["cmd"].index("--nproc_per_node") + 1] == "2"
+    assert launch(OPTIM_TORCH="0")["alloc"] == ""
+    elastic = launch(RDZV_ID="job7", MIN_NNODES="1", MAX_NNODES="2", MAX_RESTARTS="3")["cmd"]
+    for flag, value in (("--nnodes", "1:2"), ("--rdzv-id", "job7"), ("--rdzv-backend", "c10d"),
+                        ("--rdzv-endpoint", "127.0.0.1:29500"), ("--max-restarts", "3")):
+        assert elastic[elastic.index(flag) + 1] == value, elastic
 
 
 def test_llamafactory_video_rows_lengths_from_headers(lf, tmp_path):
