@@ -78,6 +78,16 @@ SAMPLER_STATE_NAME = "tokenbal_sampler.json"
 _SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(PlanSettings))
 
 
+def unknown_sampler_options(options: dict[str, Any], extra: tuple[str, ...] = ()) -> list[str]:
+    """The keys of ``options`` that are no ``TokenBalancedBatchSampler`` keyword (nor in ``extra``),
+    sorted: for the framework entries to refuse a misspelt option before any rank starts, rather than
+    at the first train step after the model has loaded."""
+    import inspect
+
+    known = set(inspect.signature(TokenBalancedBatchSampler.__init__).parameters)
+    return sorted(set(options) - (known - {"self", "lengths_or_index"}) - set(extra))
+
+
 def _unpack_settings(opts: dict[str, Any]) -> dict[str, Any]:
     """``sampler_options={"settings": PlanSettings(...)}`` as the settings' own keys (checked against
     any given next to it), so the Trainer's defaults (batch size, grad_accum, drop_last) and its

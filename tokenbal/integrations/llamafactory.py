@@ -337,6 +337,13 @@ def _read_config(argv: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
         options = {}
     if not isinstance(options, dict):
         raise SystemExit(f"tokenbal: the config's `tokenbal:` key must be a mapping, got {options!r}")
+    from tokenbal.integrations.hf import unknown_sampler_options
+
+    unknown = unknown_sampler_options(options, extra=("packed",))
+    if unknown:
+        raise SystemExit(f"tokenbal: unknown key(s) under the config's `tokenbal:`: {', '.join(unknown)} (it "
+                         "takes TokenBalancedBatchSampler's options, e.g. max_tokens_per_rank, seed, window, "
+                         "cost, and packed)")
     if not isinstance(options.get("packed", False), bool):
         raise SystemExit(f"tokenbal: `packed:` must be true or false, got {options['packed']!r}")
     stage = args.get("stage", "sft")

@@ -159,6 +159,14 @@ def register(**sampler_options: Any) -> None:
     :class:`~tokenbal.integrations.hf.TokenBalancingMixin`'s."""
     from swift.trainers.trainer_factory import TrainerFactory
 
+    from tokenbal.integrations.hf import unknown_sampler_options
+
+    unknown = unknown_sampler_options(sampler_options, extra=("packed",))
+    if unknown:
+        # refused here, as the plugin loads, not at the first train step after the model has loaded
+        raise ValueError(f"tokenbal: register() got unknown option(s) {', '.join(unknown)} (it takes "
+                         "TokenBalancedBatchSampler's options, e.g. max_tokens_per_rank, seed, window, and "
+                         "packed)")
     if not isinstance(sampler_options.get("packed", False), bool):
         raise ValueError(f"tokenbal: packed must be True or False, got {sampler_options['packed']!r}")
     _OPTIONS.clear()

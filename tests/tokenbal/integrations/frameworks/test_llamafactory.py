@@ -160,6 +160,14 @@ def test_llamafactory_paths_past_the_balanced_trainer_are_refused(lf, setting):
     assert "tokenbal: " in done.stderr and (key in done.stderr), done.stderr[-3000:]
 
 
+def test_llamafactory_misspelt_tokenbal_key_is_refused_before_any_rank_starts(lf):
+    done, steps, _ = _run(lf, "misspelt", tokenbal={"max_token_per_rank": 300},
+                          module="tokenbal.integrations.llamafactory", torchrun=False)
+    assert done.returncode != 0 and steps is None
+    assert "tokenbal: unknown key(s) under the config's `tokenbal:`: max_token_per_rank" in done.stderr, \
+        done.stderr[-3000:]
+
+
 def test_llamafactory_launch_reads_the_launchers_variables():
     # what llamafactory-cli's launcher (0.9.5) gives its ranks: the allocator / NCCL settings unless
     # OPTIM_TORCH=0, and with RDZV_ID an elastic rendezvous with MAX_RESTARTS

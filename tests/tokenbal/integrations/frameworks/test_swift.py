@@ -157,3 +157,17 @@ def test_other_tasks_refused_instead_of_silently_unbalanced():
     refused = [line for line in lines if line.startswith(("refused", "picked"))]
     assert len(refused) == 2 and all(line.startswith("refused tokenbal:") for line in refused), refused
     assert "'seq_cls'" in refused[0] and "'dpo'" in refused[1]
+
+
+def test_a_misspelt_register_option_is_refused_as_the_plugin_loads():
+    from tests.helpers.envs import run_in_env
+
+    code = ("from tokenbal.integrations.swift import register\n"
+            "try:\n"
+            "    register(max_token_per_rank=300)\n"
+            "    print('registered')\n"
+            "except ValueError as e:\n"
+            "    print('refused', e)\n")
+    done = run_in_env("swift", ["-c", code], cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "refused tokenbal: register() got unknown option(s) max_token_per_rank" in done.stdout, done.stdout
