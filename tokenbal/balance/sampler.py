@@ -361,6 +361,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
         self._handing_out = True
+        planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
             # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
@@ -368,8 +369,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             yield batch
+            if self._plan_key() != planned:
+                # While this iteration was live, set_epoch / load_state_dict moved the sampler to another
+                # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
+                # the batch after it): `plan` is no longer the sampler's and the cursor belongs to the
+                # new position, so this one ends here instead of handing out the old plan's batches at
+                # the new cursor.
+                return
         self._finished_here = True
         self._handing_out = False
+
+    def _plan_key(self) -> tuple:
+        """What selects the current plan: an iteration hands out batches only while it is unchanged."""
+        return self.seed, self.epoch, self._segments
 
     def _continue_where_the_loop_stopped(self, total: int) -> None:
         """A new iteration after one that stopped early (a ``break`` for an eval or an OOM retry)

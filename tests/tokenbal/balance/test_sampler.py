@@ -283,6 +283,40 @@ def test_a_new_iteration_after_a_break_under_track_continues_at_the_first_batch_
     assert [b["idx"].tolist() for b in s.track(loader)][0] == list(s)[0]
 
 
+def test_set_epoch_inside_the_last_step_ends_the_epoch_instead_of_replaying_it():
+    # A loop that prepares the next epoch at the last step of this one: with num_workers=0 the
+    # DataLoader asks the sampler for the batch after it only then, and the old iteration used to hand
+    # out epoch e's plan again at epoch e+1's cursor (each epoch trained twice, len(loader) steps
+    # promised). It must end there, and epoch e+1 must then be its own plan from its first step.
+    lengths = lengths_for(40)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=8, seed=1)
+    want = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=8, seed=1)
+    loader = DataLoader(list(range(40)), batch_sampler=s, collate_fn=list)
+    s.set_epoch(0)
+    for epoch in range(3):
+        got = []
+        for n, batch in enumerate(loader):
+            got.append(batch)
+            if n == len(loader) - 1:
+                s.set_epoch(epoch + 1)
+        want.set_epoch(epoch)
+        assert got == list(want)
+    # load_state_dict of another epoch while an iteration is live ends it as well; of the same epoch
+    # (the same plan), the live iteration continues from the loaded batch.
+    it = iter(want)
+    first = next(it)
+    state = want.state_dict()                 # epoch 2, after batch 0
+    s.set_epoch(5)
+    live = iter(s)
+    next(live)
+    s.load_state_dict(state)
+    assert next(live, None) is None
+    live = iter(s)
+    assert next(live) == next(it)
+    s.load_state_dict(state)
+    assert next(live) == want.plan(2).slot(1, 0).tolist() and first == want.plan(2).slot(0, 0).tolist()
+
+
 def test_a_break_after_the_sampler_handed_out_its_last_batch_still_continues_under_track():
     # The sampler has finished handing out the epoch, the loop has not received all of it.
     lengths = lengths_for(40)
