@@ -374,7 +374,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
                 # the batch after it): `plan` is no longer the sampler's and the cursor belongs to the
                 # new position, so this one ends here instead of handing out the old plan's batches at
-                # the new cursor.
+                # the new cursor. (epoch_steps cannot re-cut an epoch once batches are handed out.)
                 return
         self._finished_here = True
         self._handing_out = False
@@ -475,10 +475,37 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             raise ValueError("epoch_steps and elastic=True do not go together: an elastic resume re-plans "
                              "the rest of an epoch into as many steps as it needs")
         if steps != self.epoch_steps:
+            self._keep_position_under(steps)
             self.epoch_steps = steps
             self._plans.clear()
             with self._ahead_lock:
                 self._ahead.clear()
+
+    def _keep_position_under(self, steps: int) -> None:
+        """Before ``epoch_steps`` becomes ``steps``: the current epoch's position must mean the same under
+        the new cut. ``pad_steps`` moves samples out of earlier steps into the added ones, so a cursor in
+        the middle of the epoch (a ``load_state_dict`` or batches already handed out) would continue on a
+        plan whose first steps are not the ones trained: samples twice or never. That is refused; at an
+        epoch's start nothing is lost, and a finished epoch stays finished."""
+        if self.cursor == 0:
+            return   # nothing handed out (or loaded) this epoch: the new cut is the epoch's from its start
+        position = self.cursor
+        if self._consumed is not None and self._consumed[0] == self.epoch:
+            position = min(position, self._consumed[1])   # under track(): the batches the loop received
+        current = self.plan()
+        if current.num_steps == steps:
+            return   # the same plan (pad_steps of the same natural plan into as many steps)
+        total = current.num_steps * self.grad_accum
+        if position < total:
+            raise ValueError(
+                f"epoch_steps cannot change from {self.epoch_steps} to {steps} at batch {position} of epoch "
+                f"{self.epoch}'s {total}: the rest of the epoch would be cut differently from the batches "
+                "already trained (samples twice or never). Set it before load_state_dict, or before the "
+                "epoch's first batch")
+        # A finished epoch stays finished under the new cut (all of its batches handed out / received).
+        self.cursor = steps * self.grad_accum
+        if self._consumed is not None and self._consumed[0] == self.epoch:
+            self._consumed = (self.epoch, self.cursor)
 
     def state_dict(self) -> dict[str, Any]:
         cursor = self.cursor

@@ -1,6 +1,7 @@
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -315,6 +316,35 @@ def test_set_epoch_inside_the_last_step_ends_the_epoch_instead_of_replaying_it()
     assert next(live) == next(it)
     s.load_state_dict(state)
     assert next(live) == want.plan(2).slot(1, 0).tolist() and first == want.plan(2).slot(0, 0).tolist()
+
+
+def test_epoch_steps_changed_after_a_mid_epoch_load_is_refused_instead_of_re_cutting_the_epoch():
+    # pad_steps moves samples out of earlier steps: fix_epoch_steps after a mid-epoch load used to
+    # continue the loaded cursor on a plan whose first steps were not the ones trained (2 samples
+    # twice, 2 never, here).
+    lengths = np.random.default_rng(0).integers(1, 900, 300)
+    kw = {"max_tokens_per_rank": 2000, "seed": 4}
+    runs = [TokenBalancedBatchSampler(lengths, 2, r, **kw) for r in range(2)]
+    natural = runs[0].natural_steps(1)
+    for s in runs:
+        s.set_epoch(1)
+    head = [b for s in runs for _, b in zip(range(10), s, strict=False)]
+    state = runs[0].state_dict()
+    resumed = [TokenBalancedBatchSampler(lengths, 2, r, **kw) for r in range(2)]
+    for s in resumed:
+        s.load_state_dict(state)
+        with pytest.raises(ValueError, match="epoch_steps cannot change from None to .* batch 10 of epoch 1"):
+            s.fix_epoch_steps(3, at_least=natural + 2)
+        assert s.fix_epoch_steps(1, at_least=natural) == natural   # the same cut: allowed
+    trained = [i for b in head + [b for s in resumed for b in s] for i in b]
+    assert sorted(trained) == list(range(300))
+    # A finished epoch stays finished under a new cut; the next epoch is planned into it.
+    done = TokenBalancedBatchSampler(lengths, 2, 0, epoch_steps=natural, **kw)
+    done.load_state_dict(resumed[0].state_dict())   # at the end of epoch 1
+    done.fix_epoch_steps(1, at_least=natural + 2)
+    assert list(done) == [] and done.state_dict()["cursor"] == len(done) == natural + 2
+    done.set_epoch(2)
+    assert len(list(done)) == natural + 2
 
 
 def test_a_break_after_the_sampler_handed_out_its_last_batch_still_continues_under_track():
