@@ -394,8 +394,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         cursor goes back to it. Without it the sampler cannot tell what was received (with
         ``num_workers=0`` the two are equal): it continues at the cursor and warns."""
         consumed = self._consumed
-        if consumed is not None and consumed[0] == self.epoch and consumed[1] < self.cursor:
-            self.cursor = consumed[1]
+        if consumed is not None and consumed[0] == self.epoch:
+            # The loop stopped before the end of its pass (track() clears `_consumed` when the loop sees
+            # the end): continue at the first batch it did not receive, which is none when it received
+            # them all (a break at the last step). Never a replay, even when this sampler's iteration
+            # had reached its end: a DataLoader with workers asks for every batch before the loop
+            # receives the last ones, so that end says nothing about where the loop stopped.
+            self.cursor = min(self.cursor, consumed[1])
             self._finished_here = False
         elif consumed is None and self._handing_out and self._iter_start[0] == self.epoch \
                 and self._iter_start[1] < self.cursor < total:
@@ -435,6 +440,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             epoch, start = self._iter_start
             self.mark_received(epoch, start + received)
             yield batch
+        # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
+        # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
+        self._consumed = None
 
     def mark_received(self, epoch: int, batches: int) -> None:
         """Record that the training loop has received the first ``batches`` batches of ``epoch``

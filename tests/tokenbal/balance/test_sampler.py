@@ -358,6 +358,23 @@ def test_a_break_after_the_sampler_handed_out_its_last_batch_still_continues_und
     assert sorted(seen) == list(range(40))
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_break_at_the_last_batch_under_track_leaves_nothing_to_continue_whatever_the_workers(workers):
+    # An eval (a break) at the epoch's last step, then the same loader again without set_epoch: the loop
+    # received every batch, so nothing is left. With workers the sampler had already reached its end
+    # before the loop received the last batches, and that used to replay the whole epoch.
+    lengths = lengths_for(40)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=8)
+    loader = DataLoader(IndexDataset(len(lengths)), batch_sampler=s, num_workers=workers)
+    seen = _first_pass(s.track(loader), len(s))
+    assert sorted(seen) == list(range(40))
+    assert [b for b in s.track(loader)] == []
+    assert s.state_dict()["cursor"] == len(s)
+    # A pass the loop saw to its end is a finished epoch: iterated again, it is replayed (as before).
+    replay = [i for batch in s.track(loader) for i in batch["idx"].tolist()]
+    assert sorted(replay) == list(range(40))
+
+
 def test_plain_dataloader_re_iteration_continues_after_what_was_handed_out_and_warns():
     # Without track the sampler cannot know what the loop received: it continues at the cursor
     # (batches handed out) and says so. With workers the prefetched batches are skipped this epoch;
