@@ -213,9 +213,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             plan = self._take_ahead(key)
             if len(self._plans) >= 2:   # the current epoch and one more (e.g. a look-ahead) is plenty
                 del self._plans[next(iter(self._plans))]
-            plan = self._replan(segments, self.settings, epoch) if plan is None else plan
-            if self.epoch_steps is not None:
-                plan = pad_steps(plan, self.epoch_steps, self.costs)
+            try:
+                plan = self._replan(segments, self.settings, epoch) if plan is None else plan
+                if self.epoch_steps is not None:
+                    plan = pad_steps(plan, self.epoch_steps, self.costs)
+            except ValueError as e:
+                # pad_steps and the planner say "this epoch": the loop may be past it (a look-ahead, a
+                # set_epoch far ahead, a resume), so the error names the epoch that failed.
+                raise ValueError(f"epoch {epoch} (seed {self.seed}): {e}") from e
             self._plans[key] = plan
         return self._plans[key]
 
@@ -248,7 +253,15 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             return None
         thread, out = entry
         thread.join()
-        return out[0] if out and isinstance(out[0], EpochPlan) else None
+        if out and isinstance(out[0], EpochPlan):
+            return out[0]
+        if out:
+            # Said on the training thread: a failure in the background is not silent, even when the
+            # foreground plan (which follows) succeeds; when it fails too, it raises itself.
+            warnings.warn(f"TokenBalancedBatchSampler(plan_ahead=True): planning epoch {key[1]} in the "
+                          f"background failed ({type(out[0]).__name__}: {out[0]}); planning it again here",
+                          RuntimeWarning, stacklevel=3)
+        return None
 
     def __getstate__(self) -> dict[str, Any]:
         # Threads and locks do not pickle (a sampler may be copied, e.g. into a checkpointed loader):

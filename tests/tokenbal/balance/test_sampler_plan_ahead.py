@@ -77,5 +77,18 @@ def test_a_failed_background_plan_is_planned_again_in_the_foreground(monkeypatch
     assert isinstance(out[0], MemoryError)
     monkeypatch.setattr(mod, "plan_epoch", real)
     want = TokenBalancedBatchSampler(lengths, num_replicas=2, rank=0, global_batch_size=8, **costs)
-    assert _epoch(s, 1) == _epoch(want, 1)
+    with pytest.warns(RuntimeWarning, match="planning epoch 1 in the background failed .MemoryError: no."):
+        assert _epoch(s, 1) == _epoch(want, 1)
     assert np.array_equal(s.plan().indices, want.plan().indices)
+
+
+def test_a_plan_that_cannot_be_made_names_its_epoch():
+    # epoch_steps too small for the epoch's plan: pad_steps said "this epoch's plan needs ..." without
+    # saying which, while the loop, a look-ahead or a resume may be at another one.
+    lengths = np.random.default_rng(0).integers(1, 900, 300)
+    kw = {"num_replicas": 2, "rank": 0, "max_tokens_per_rank": 2000, "plan_ahead": True}
+    steps = TokenBalancedBatchSampler(lengths, **kw).natural_steps(3)
+    s = TokenBalancedBatchSampler(lengths, epoch_steps=steps - 1, **kw)
+    s.set_epoch(3)
+    with pytest.raises(ValueError, match=f"epoch 3 .seed 0.: this epoch's plan needs {steps} steps"):
+        len(s)
