@@ -64,7 +64,10 @@ class TokenBalancedMMLoader(DataLoader):
 
     def __iter__(self):
         s = self.sampler_plan
-        if s.cursor >= len(s):
+        # Where the loop is: the batches it received (track), not the sampler's cursor, which a DataLoader
+        # with workers has run to the epoch's end before the loop receives its last batches; a new
+        # iter() after a stop there continues the epoch rather than skipping them.
+        if s.state_dict()["cursor"] >= len(s):
             # the cyclic iterator came back for more: the next epoch (MindSpeed-MM never calls set_epoch)
             s.set_epoch(s.epoch + 1)
         return iter(s.track(_Plain(self)))

@@ -102,3 +102,24 @@ def test_the_index_folder_may_be_a_path(tmp_path):
         loader = build_dataloader(list(range(7)), folder, global_batch_size=4, micro_batch_size=2,
                                   dp_size=2, dp_rank=0, collate_fn=list)
         assert list(loader.sampler_plan.lengths) == list(index.lengths)
+
+
+def test_a_new_iterator_after_a_stop_near_the_end_continues_the_epoch_with_workers():
+    # With DataLoader workers the sampler hands out the epoch's last batches before the loop receives
+    # them: a new iter() after the loop stopped 2 batches short used to start the next epoch, and those
+    # 2 batches were never trained.
+    lengths = np.random.default_rng(0).integers(1, 500, 64)
+    loader = build_dataloader(list(range(64)), lengths, global_batch_size=8, micro_batch_size=4, dp_size=1,
+                              dp_rank=0, collate_fn=list, num_workers=2)
+    sampler = loader.sampler_plan
+    seen = []
+    for n, batch in enumerate(iter(loader)):
+        seen += batch
+        if n + 1 == len(sampler) - 2:
+            break
+    assert sampler.cursor == len(sampler), "the workers had asked for the whole epoch"
+    rest = iter(loader)
+    seen += next(rest) + next(rest)
+    assert sorted(seen) == list(range(64)) and sampler.epoch == 0
+    assert next(rest, None) is None
+    assert next(iter(loader)) and sampler.epoch == 1   # then the cyclic iterator's next epoch
