@@ -51,8 +51,9 @@ _FLOAT_RESOLUTION = 1_000_000   # a float cost array is scaled so its maximum is
 class FlopsModel:
     """Per-sample training FLOPs of a decoder LLM (+ optional ViT), as token-equivalents.
 
-    Per LLM layer and token, forward: ``2·(2·h·(h + kv·d) + 3·h·i)`` for q/o + k/v projections
-    (GQA-aware) and a gated MLP, and ``2·h·s`` for causal attention (QKᵀ and PV, half the square).
+    Per LLM layer and token, forward: ``2·(2·h·(q·d + kv·d) + 3·h·i)`` for q/o + k/v projections
+    (GQA-aware; ``d = head_dim``, ``h / q`` unless the config sets it apart, as Qwen3 and GLM-4.5 do)
+    and a gated MLP, and ``2·q·d·s`` for causal attention (QKᵀ and PV, half the square).
     Backward is twice forward, which cancels in the token-equivalent ratio. The ViT term, when
     ``vision_layers > 0``: patches ``p = vision_tokens · merge²`` cost ``2·(4·hv² + 2·hv·iv)`` each
     per layer plus ``4·hv·p·w`` for (non-causal) attention over a window of ``w`` patches
@@ -70,6 +71,8 @@ class FlopsModel:
     vision_intermediate_size: int = 0
     merge_size: int = 2
     vision_window: int | None = None
+    head_dim: int | None = None   # None: hidden_size // num_heads
+
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
@@ -77,6 +80,16 @@ class FlopsModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"FlopsModel.{name} must be a positive int, got {v!r}")
+        d = self.head_dim
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"FlopsModel.head_dim must be a positive int or None, got {d!r}")
+
+    @property
+    def attention_dim(self) -> int:
+        """Width of the attention heads together (q heads x head_dim): what q / o project to and
+        what attention scores are computed over. Not hidden_size when the config sets head_dim."""
+        d = self.hidden_size // self.num_heads if self.head_dim is None else self.head_dim
+        return self.num_heads * d
 
     @classmethod
     def from_config(cls, config: Any, *, vision: bool = True, vision_window: int | None = None
@@ -89,7 +102,8 @@ class FlopsModel:
         kw: dict[str, Any] = dict(
             hidden_size=h, num_layers=_get(text, "num_hidden_layers"),
             intermediate_size=_get(text, "intermediate_size", default=4 * h), num_heads=heads,
-            num_kv_heads=_get(text, "num_key_value_heads", default=heads), vision_window=vision_window)
+            num_kv_heads=_get(text, "num_key_value_heads", default=heads), vision_window=vision_window,
+            head_dim=_explicit_head_dim(text, h, heads))
         vis = _sub(config, "vision_config") if vision else None
         if vis is not None:
             hv = _get(vis, "hidden_size", "embed_dim")
@@ -109,9 +123,9 @@ class FlopsModel:
 
     def token_flops(self) -> float:
         """Forward FLOPs of one token's linear part (all LLM layers)."""
-        h, i = self.hidden_size, self.intermediate_size
-        kv_dim = self.num_kv_heads * (h // self.num_heads)
-        return 2.0 * (2 * h * (h + kv_dim) + 3 * h * i) * self.num_layers
+        h, i, q_dim = self.hidden_size, self.intermediate_size, self.attention_dim
+        kv_dim = self.num_kv_heads * (q_dim // self.num_heads)
+        return 2.0 * (2 * h * (q_dim + kv_dim) + 3 * h * i) * self.num_layers
 
     def flops(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
               image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -134,7 +148,7 @@ class FlopsModel:
         """
         s = np.asarray(lengths, np.float64)
         out = np.zeros((len(s), 2))
-        out[:, 1] = s * self.token_flops() + 2.0 * self.hidden_size * s * s * self.num_layers
+        out[:, 1] = s * self.token_flops() + 2.0 * self.attention_dim * s * s * self.num_layers
         if self.vision_layers > 0 and image_tokens is not None:
             offsets, tokens = (np.asarray(a) for a in image_tokens)
             per_image = self._vit_flops(tokens.astype(np.float64) * self.merge_size ** 2)
@@ -475,6 +489,16 @@ def _sub(config: Any, *names: str) -> Any:
 
 
 _MISSING = object()
+
+
+def _explicit_head_dim(text: Any, hidden: int, heads: int) -> int | None:
+    # Qwen3 / Qwen3-VL (e.g. 4B: hidden 2560, 32 heads of 128) and GLM-4.5 (hidden 4096, 96 heads
+    # of 128) set head_dim apart from hidden / heads: their q / o projections and attention are
+    # heads x head_dim wide, not hidden. Configs without the field (or with it equal) keep None.
+    d = _sub(text, "head_dim")
+    if d is None or isinstance(d, bool) or not isinstance(d, int) or d * heads == hidden:
+        return None
+    return d
 
 
 def _get(config: Any, *names: str, default: Any = _MISSING) -> Any:

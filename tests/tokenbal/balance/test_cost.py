@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from tokenbal.balance.cost import FlopsModel, resolve_costs, to_int_costs
 from tokenbal.balance.plan import plan_epoch
 from tokenbal.balance.simulate import step_balance
+from tokenbal.hf_compat import rope_config
 
 
 def test_tokens_is_the_default_and_returns_the_lengths():
@@ -131,3 +132,57 @@ def test_index_image_table_uses_the_index_estimator(tmp_path):
     assert tokens.tolist() == [est.image_tokens(w, h) for w, h in [(640, 480), (64, 900), (1920, 1080)]]
     costs = resolve_costs(TokenIndex.open(out.out), FlopsModel.qwen2_vl_7b())
     assert costs.shape == (3,) and costs[2] > costs[0] > costs[1]
+
+
+# -- FlopsModel.from_config against the real model's layers (tiny configs, nothing downloaded) ----
+
+_TINY_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64)
+
+
+def _linear_flops_per_item(layers) -> float:
+    """Forward FLOPs of one token (or patch) through the nn.Linear layers of ``layers``: 2 per
+    weight; fused MoE experts (3-D weights) count for the routed share ``k / E`` of their weights."""
+    import torch
+
+    total = 0.0
+    for layer in layers:
+        total += sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        experts = [p for n, p in layer.named_parameters() if "experts" in n and p.dim() == 3]
+        if experts:
+            moe = layer.mlp
+            k, e = moe.gate.top_k, moe.gate.num_experts   # the router: k of e experts per token
+            total += sum(p.numel() for p in experts) * k / e
+    return 2.0 * total
+
+
+def _real_model_layers(cfg):
+    import torch
+    import transformers
+
+    model = transformers.AutoModel.from_config(cfg)
+    lists = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)}
+    text = next(m for n, m in lists.items() if n in ("layers", "language_model.layers", "text_model.layers"))
+    vision = next((m for n, m in lists.items() if n.startswith(("visual.", "vision_"))), None)
+    return text, vision
+
+
+@pytest.mark.parametrize("build", [
+    lambda T: T.LlamaConfig(**_TINY_TEXT, head_dim=32),
+    lambda T: T.Qwen3VLConfig(text_config=dict(_TINY_TEXT, head_dim=32, **rope_config(
+        T.Qwen3VLConfig, 1e4, mrope_section=[6, 5, 5], mrope_interleaved=True)),
+                              vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                 intermediate_size=48, num_heads=2)),
+], ids=["llama-head_dim", "qwen3-vl-head_dim"])
+def test_from_config_counts_the_heads_width_when_head_dim_is_set_apart(build):
+    import transformers
+
+    cfg = build(transformers)
+    text, _ = _real_model_layers(cfg)
+    m = FlopsModel.from_config(cfg)
+    assert m.token_flops() == pytest.approx(_linear_flops_per_item(text))
+    # causal attention: QKᵀ and PV over the q heads' width (half the square), per layer
+    q_width = text[0].self_attn.q_proj.out_features
+    s = 1000.0
+    lang = m.stage_flops(np.array([s]))[0, 1]
+    assert lang - s * m.token_flops() == pytest.approx(2.0 * q_width * s * s * len(text))
