@@ -57,6 +57,8 @@ SmolVLM video text             5.19-5.24: ``replace_video_token`` writes the fra
                                ``apply_chat_template`` swaps it in for a whole batch), which on 5.19
                                drops string message content: tokenbal renders SmolVLM rows one by
                                one through that method, so its counts follow on every release
+vision sub-config model_type   4.57: the model's own name (``qwen2_5_vl``, ``glm4v``); 5.x:
+                               ``<model>_vision`` (``qwen2_5_vl_vision``) (:func:`vision_model_type`)
 Trainer ``num_items_in_batch``  4.57-5.9 count ``labels != -100`` over the whole label tensor; 5.19+
                                ``labels[..., 1:]`` for a loss that shifts them (a causal LM's), the
                                tokens the loss sums over (:func:`trainer_counts_shifted_labels`)
@@ -360,6 +362,23 @@ def loss_kwargs_reach_loss(model: Any, **loss_kwargs: Any) -> Any:
             model.__dict__.pop("_loss_function", None)
         else:
             model.loss_function = own
+
+
+# -- configs ----------------------------------------------------------------------------------------
+def vision_model_type(config: Any, vision_config: Any) -> str:
+    """The model_type of a multimodal config's vision tower, spelled as its model's
+    (``qwen2_5_vl``, ``glm4v``): the top-level config's when it has one (a config object, or a
+    config.json read as a dict), else the vision sub-config's, which 5.x names
+    ``<model>_vision`` and 4.57 names as the model."""
+    def model_type(c: Any) -> str:
+        v = c.get("model_type") if isinstance(c, dict) else getattr(c, "model_type", None)
+        return v if isinstance(v, str) else ""
+
+    top = model_type(config)
+    if top:
+        return top
+    own = model_type(vision_config)
+    return own[: -len("_vision")] if own.endswith("_vision") else own
 
 
 # -- processors -------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tokenbal._checks import check_lengths
+from tokenbal.hf_compat import vision_model_type
 
 __all__ = ["FlopsModel", "StageCostModel", "stage_features", "resolve", "Resolved", "resolve_costs",
            "resolve_stage_costs", "to_int_costs",
@@ -56,7 +57,8 @@ class FlopsModel:
     and a gated MLP, and ``2·q·d·s`` for causal attention (QKᵀ and PV, half the square).
     Backward is twice forward, which cancels in the token-equivalent ratio. The ViT term, when
     ``vision_layers > 0``: patches ``p = vision_tokens · merge²`` cost ``2·(4·hv² + 2·hv·iv)`` each
-    per layer plus ``4·hv·p·w`` for (non-causal) attention over a window of ``w`` patches
+    per layer (``2·(4·hv² + 3·hv·iv)`` with ``vision_gated_mlp``: Qwen2.5-VL's and GLM-4.1V's
+    gate / up / down MLP) plus ``4·hv·p·w`` for (non-causal) attention over a window of ``w`` patches
     (``w = p`` when ``vision_window`` is None: full attention over the whole sample — an upper
     bound for multi-image samples; Qwen2.5-VL's windowed layers are closer to ``w`` = 64·merge²).
     """
@@ -72,6 +74,7 @@ class FlopsModel:
     merge_size: int = 2
     vision_window: int | None = None
     head_dim: int | None = None   # None: hidden_size // num_heads
+    vision_gated_mlp: bool = False
 
 
     def __post_init__(self) -> None:
@@ -110,9 +113,16 @@ class FlopsModel:
             mlp = _get(vis, "intermediate_size", default=0)
             if not mlp:
                 mlp = int(round(_get(vis, "mlp_ratio", default=4) * _get(vis, "embed_dim", "hidden_size")))
+            kind = vision_model_type(config, vis)
+            if kind in _VISION_MLP_OUT_WIDE:
+                # GLM-4.1V's vision blocks build their MLP out_hidden_size wide
+                # (Glm4VisionMlp: intermediate_size = config.out_hidden_size); the vision config's
+                # intermediate_size is the patch merger's, after the blocks
+                mlp = _get(vis, "out_hidden_size")
             kw.update(vision_hidden_size=_get(vis, "embed_dim", "hidden_size", default=hv),
                       vision_layers=_get(vis, "depth", "num_hidden_layers"), vision_intermediate_size=mlp,
-                      merge_size=_get(vis, "spatial_merge_size", default=2))
+                      merge_size=_get(vis, "spatial_merge_size", default=2),
+                      vision_gated_mlp=kind in _VISION_GATED_MLP)
         return cls(**kw)
 
     @classmethod
@@ -160,8 +170,9 @@ class FlopsModel:
 
     def _vit_flops(self, patches: np.ndarray) -> np.ndarray:
         hv, iv = self.vision_hidden_size, self.vision_intermediate_size
+        mlp = (3 if self.vision_gated_mlp else 2) * hv * iv
         w = patches if self.vision_window is None else np.minimum(patches, self.vision_window)
-        return self.vision_layers * (2.0 * (4 * hv * hv + 2 * hv * iv) * patches + 4.0 * hv * patches * w)
+        return self.vision_layers * (2.0 * (4 * hv * hv + mlp) * patches + 4.0 * hv * patches * w)
 
     def token_equivalents(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
                           image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -489,6 +500,12 @@ def _sub(config: Any, *names: str) -> Any:
 
 
 _MISSING = object()
+
+# vision towers whose blocks' MLP is gated (gate, up and down projections: 3·hv·iv per patch, not
+# the fc1 / fc2 pair's 2·hv·iv of Qwen2-VL's, Qwen3-VL's, CLIP's and SigLIP's)
+_VISION_GATED_MLP = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
+# ... and of those, the ones whose MLP is out_hidden_size wide rather than intermediate_size
+_VISION_MLP_OUT_WIDE = frozenset({"glm4v", "glm4v_moe"})
 
 
 def _explicit_head_dim(text: Any, hidden: int, heads: int) -> int | None:

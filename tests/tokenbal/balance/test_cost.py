@@ -186,3 +186,34 @@ def test_from_config_counts_the_heads_width_when_head_dim_is_set_apart(build):
     s = 1000.0
     lang = m.stage_flops(np.array([s]))[0, 1]
     assert lang - s * m.token_flops() == pytest.approx(2.0 * q_width * s * s * len(text))
+
+
+def _tiny_vlm(name: str):
+    import transformers as T
+
+    cls = {"qwen2-vl": T.Qwen2VLConfig, "qwen2.5-vl": T.Qwen2_5_VLConfig, "qwen3-vl": T.Qwen3VLConfig,
+           "glm-4.1v": T.Glm4vConfig}[name]
+    rope = dict(mrope_section=[2, 3, 3], **({"mrope_interleaved": True} if name == "qwen3-vl" else {}))
+    text = dict(_TINY_TEXT, **rope_config(cls, 1e4, **rope))
+    vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2)
+    if name == "qwen2-vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=3)
+    if name == "qwen2.5-vl":
+        vision["fullatt_block_indexes"] = [1]
+    if name == "qwen3-vl":
+        vision["deepstack_visual_indexes"] = [0]
+    return cls(text_config=text, vision_config=vision)
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "glm-4.1v"])
+def test_from_config_vision_blocks_cost_what_the_real_tower_computes(name):
+    """Per patch, the vision blocks' linear layers (Qwen2.5-VL's and GLM-4.1V's MLPs are gated,
+    GLM's out_hidden_size wide), plus attention over the image's patches."""
+    cfg = _tiny_vlm(name)
+    _, blocks = _real_model_layers(cfg)
+    m = FlopsModel.from_config(cfg, vision_window=None)
+    width = blocks[0].attn.qkv.in_features
+    patches = 40 * m.merge_size ** 2
+    vit = m.stage_flops(np.array([0]), vision_tokens=np.array([40]))[0, 0]
+    expect = _linear_flops_per_item(blocks) * patches + 4.0 * width * patches * patches * len(blocks)
+    assert vit == pytest.approx(expect)
