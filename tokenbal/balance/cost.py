@@ -54,7 +54,8 @@ class FlopsModel:
 
     Per LLM layer and token, forward: ``2·(2·h·(q·d + kv·d) + 3·h·i)`` for q/o + k/v projections
     (GQA-aware; ``d = head_dim``, ``h / q`` unless the config sets it apart, as Qwen3 and GLM-4.5 do)
-    and a gated MLP, and ``2·q·d·s`` for causal attention (QKᵀ and PV, half the square).
+    and a gated MLP ``i`` wide (a mixture of experts: the width a token is routed through, see
+    :meth:`from_config`), and ``2·q·d·s`` for causal attention (QKᵀ and PV, half the square).
     Backward is twice forward, which cancels in the token-equivalent ratio. The ViT term, when
     ``vision_layers > 0``: patches ``p = vision_tokens · merge²`` cost ``2·(4·hv² + 2·hv·iv)`` each
     per layer (``2·(4·hv² + 3·hv·iv)`` with ``vision_gated_mlp``: Qwen2.5-VL's and GLM-4.1V's
@@ -98,13 +99,18 @@ class FlopsModel:
     def from_config(cls, config: Any, *, vision: bool = True, vision_window: int | None = None
                     ) -> FlopsModel:
         """From a transformers config (object or dict); multimodal configs' ``text_config`` /
-        ``vision_config`` are used when present (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL)."""
+        ``vision_config`` are used when present (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL).
+        A mixture-of-experts config's ``intermediate_size`` becomes the active width per token,
+        averaged over the layers (routed experts x their width + shared experts; dense layers
+        their own width)."""
         text = _sub(config, "text_config", "llm_config") or config
         h = _get(text, "hidden_size")
         heads = _get(text, "num_attention_heads")
+        layers = _get(text, "num_hidden_layers")
         kw: dict[str, Any] = dict(
-            hidden_size=h, num_layers=_get(text, "num_hidden_layers"),
-            intermediate_size=_get(text, "intermediate_size", default=4 * h), num_heads=heads,
+            hidden_size=h, num_layers=layers,
+            intermediate_size=_active_mlp_width(text, layers, _get(text, "intermediate_size", default=4 * h)),
+            num_heads=heads,
             num_kv_heads=_get(text, "num_key_value_heads", default=heads), vision_window=vision_window,
             head_dim=_explicit_head_dim(text, h, heads))
         vis = _sub(config, "vision_config") if vision else None
@@ -506,6 +512,28 @@ _MISSING = object()
 _VISION_GATED_MLP = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
 # ... and of those, the ones whose MLP is out_hidden_size wide rather than intermediate_size
 _VISION_MLP_OUT_WIDE = frozenset({"glm4v", "glm4v_moe"})
+
+
+def _active_mlp_width(text: Any, num_layers: int, dense_width: int) -> int:
+    """The gated-MLP width one token goes through, averaged over the layers. Dense models: their
+    intermediate_size. Mixture-of-experts models route a token through num_experts_per_tok experts
+    of moe_intermediate_size (Mixtral: of intermediate_size) plus any shared expert, in the layers
+    that are sparse (Qwen-MoE: every decoder_sparse_step-th layer not in mlp_only_layers;
+    GLM-4.5V / DeepSeek: from first_k_dense_replace on); the other layers are dense. The router
+    (hidden x experts per token) is left out, as the norms are."""
+    k = _sub(text, "num_experts_per_tok")
+    experts = _sub(text, "num_experts", "num_local_experts", "n_routed_experts")
+    if not k or not experts:
+        return dense_width
+    expert = _sub(text, "moe_intermediate_size") or dense_width
+    shared = _sub(text, "shared_expert_intermediate_size") or (_sub(text, "n_shared_experts") or 0) * expert
+    step = _sub(text, "decoder_sparse_step") or 1
+    dense_only = set(_sub(text, "mlp_only_layers") or ())
+    first_sparse = _sub(text, "first_k_dense_replace") or 0
+    sparse = sum(1 for i in range(num_layers)
+                 if i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
+    total = sparse * (k * expert + shared) + (num_layers - sparse) * dense_width
+    return max(1, int(round(total / num_layers)))
 
 
 def _explicit_head_dim(text: Any, hidden: int, heads: int) -> int | None:

@@ -217,3 +217,54 @@ def test_from_config_vision_blocks_cost_what_the_real_tower_computes(name):
     vit = m.stage_flops(np.array([0]), vision_tokens=np.array([40]))[0, 0]
     expect = _linear_flops_per_item(blocks) * patches + 4.0 * width * patches * patches * len(blocks)
     assert vit == pytest.approx(expect)
+
+
+def _moe_config(name: str):
+    import transformers as T
+
+    if name == "mixtral":
+        return T.MixtralConfig(**_TINY_TEXT, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3-vl-moe":
+        cls = T.Qwen3VLMoeConfig
+        text = dict(_TINY_TEXT, num_hidden_layers=3, moe_intermediate_size=24, num_experts=4,
+                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                    **rope_config(cls, 1e4, mrope_section=[2, 3, 3], mrope_interleaved=True))
+        return cls(text_config=text, vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                        intermediate_size=48, num_heads=2))
+    if name == "qwen2-moe":
+        return T.Qwen2MoeConfig(**dict(_TINY_TEXT, num_hidden_layers=4), moe_intermediate_size=24,
+                                shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
+                                decoder_sparse_step=2)
+    if name == "glm-4.5v":
+        cls = T.Glm4vMoeConfig
+        text = dict(_TINY_TEXT, num_hidden_layers=3, head_dim=32, moe_intermediate_size=24,
+                    n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                    n_group=1, topk_group=1,
+                    **rope_config(cls, 1e4, mrope_section=[4, 6, 6], partial_rotary_factor=0.5))
+        return cls(text_config=text, vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                        intermediate_size=48, num_heads=2))
+    raise KeyError(name)
+
+
+def _routed_linear_flops(layers, k: int, e: int) -> float:
+    """2 x the nn.Linear / fused-expert weights one token goes through: the routed experts count
+    k / e of their weights (ModuleList experts on 4.x, 3-D fused weights on 5.x); the router's
+    scores (hidden x experts, and Qwen2-MoE's one-wide shared-expert gate) are left out."""
+    total = 0.0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            if p.dim() < 2 or name.endswith((".gate.weight", "router.weight", "shared_expert_gate.weight")):
+                continue   # norms, biases, routers
+            total += p.numel() * (k / e if ".experts." in name else 1)
+    return 2.0 * total
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-vl-moe", "qwen2-moe", "glm-4.5v"])
+def test_from_config_counts_the_experts_a_token_is_routed_through(name):
+    cfg = _moe_config(name)
+    text_cfg = cfg.get_text_config()
+    text, _ = _real_model_layers(cfg)
+    k = text_cfg.num_experts_per_tok
+    e = getattr(text_cfg, "n_routed_experts", None) or getattr(text_cfg, "num_local_experts", None) \
+        or text_cfg.num_experts
+    assert FlopsModel.from_config(cfg).token_flops() == pytest.approx(_routed_linear_flops(text, k, e))
