@@ -102,7 +102,13 @@ class FlopsModel:
         ``vision_config`` are used when present (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, InternVL).
         A mixture-of-experts config's ``intermediate_size`` becomes the active width per token,
         averaged over the layers (routed experts x their width + shared experts; dense layers
-        their own width)."""
+        their own width).
+
+        Placeholder tokens to patches: ``merge_size`` is Qwen's / GLM's ``spatial_merge_size``,
+        InternVL's ``1 / downsample_ratio``, Idefics3's / SmolVLM's ``scale_factor``, and 1 for
+        LLaVA (one token per patch). Tiling towers (LLaVA, InternVL, Idefics3 / SmolVLM,
+        Phi-4-multimodal) attend within each tile, so their ``vision_window`` is the patches of a
+        tile (``(image_size / patch_size)²``) unless ``vision_window`` is given."""
         text = _sub(config, "text_config", "llm_config") or config
         h = _get(text, "hidden_size")
         heads = _get(text, "num_attention_heads")
@@ -125,9 +131,11 @@ class FlopsModel:
                 # (Glm4VisionMlp: intermediate_size = config.out_hidden_size); the vision config's
                 # intermediate_size is the patch merger's, after the blocks
                 mlp = _get(vis, "out_hidden_size")
+            if kind in _TILED_VISION and vision_window is None:
+                kw["vision_window"] = _tile_patches(vis)
             kw.update(vision_hidden_size=_get(vis, "embed_dim", "hidden_size", default=hv),
                       vision_layers=_get(vis, "depth", "num_hidden_layers"), vision_intermediate_size=mlp,
-                      merge_size=_get(vis, "spatial_merge_size", default=2),
+                      merge_size=_patches_per_token_side(config, vis, kind),
                       vision_gated_mlp=kind in _VISION_GATED_MLP)
         return cls(**kw)
 
@@ -512,6 +520,34 @@ _MISSING = object()
 _VISION_GATED_MLP = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
 # ... and of those, the ones whose MLP is out_hidden_size wide rather than intermediate_size
 _VISION_MLP_OUT_WIDE = frozenset({"glm4v", "glm4v_moe"})
+
+
+# vision towers that encode fixed-size tiles (crops) one by one: attention stays within a tile
+_TILED_VISION = frozenset({"llava", "llava_next", "llava_onevision", "internvl", "internvl_chat", "idefics3",
+                           "smolvlm", "phi4_multimodal"})
+
+
+def _patches_per_token_side(config: Any, vis: Any, kind: str) -> int:
+    """How many patches per side one placeholder token stands for (its square: patches per token)."""
+    if kind in ("llava", "llava_next", "llava_onevision"):
+        return 1   # the projector maps each patch feature to one token (no merging)
+    if kind in ("idefics3", "smolvlm"):
+        return int(_get(config, "scale_factor", default=2))   # pixel shuffle by scale_factor per side
+    if kind in ("internvl", "internvl_chat"):
+        # pixel shuffle: downsample_ratio 0.5 -> 2 x 2 patches per token
+        return max(1, int(round(1 / float(_get(config, "downsample_ratio", default=0.5)))))
+    return int(_get(vis, "spatial_merge_size", default=2))
+
+
+def _tile_patches(vis: Any) -> int | None:
+    """Patches of one tile of a tiling tower (image_size / patch_size per side; InternVL writes
+    both as [height, width] lists), or None when the config does not say."""
+    size, patch = _sub(vis, "image_size"), _sub(vis, "patch_size")
+    if size is None or patch is None:
+        return None
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size, size]
+    patches = list(patch) if isinstance(patch, (list, tuple)) else [patch, patch]
+    return max(1, (int(sizes[0]) // int(patches[0])) * (int(sizes[1]) // int(patches[1])))
 
 
 def _active_mlp_width(text: Any, num_layers: int, dense_width: int) -> int:

@@ -268,3 +268,56 @@ def test_from_config_counts_the_experts_a_token_is_routed_through(name):
     e = getattr(text_cfg, "n_routed_experts", None) or getattr(text_cfg, "num_local_experts", None) \
         or text_cfg.num_experts
     assert FlopsModel.from_config(cfg).token_flops() == pytest.approx(_routed_linear_flops(text, k, e))
+
+
+def _tiled_vlm(name: str, side: int):
+    import transformers as T
+
+    text = dict(_TINY_TEXT, model_type="qwen2" if name == "internvl" else "llama")
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=side, patch_size=14)
+    if name == "llava-next":
+        return T.LlavaNextForConditionalGeneration(T.LlavaNextConfig(
+            text_config=text, vision_config=dict(vision, model_type="clip_vision_model")))
+    if name in ("idefics3", "smolvlm"):
+        cls = T.Idefics3Config if name == "idefics3" else T.SmolVLMConfig
+        return T.AutoModel.from_config(cls(text_config=text, vision_config=vision,
+                                           scale_factor=2 if name == "idefics3" else 4))
+    if name == "internvl":
+        return T.InternVLForConditionalGeneration(T.InternVLConfig(
+            text_config=text, vision_config=dict(vision, image_size=[side, side], patch_size=[14, 14])))
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["llava-next", "idefics3", "smolvlm", "internvl"])
+def test_from_config_vision_cost_of_tiling_towers_follows_the_real_tiles(name):
+    """Tiling towers encode each tile on its own: the placeholder tokens of n tiles stand for n
+    tiles' patches (LLaVA: one token per patch, Idefics3 / SmolVLM: scale_factor² patches, InternVL:
+    1 / downsample_ratio² patches), and attention stays within a tile."""
+    import torch
+
+    from tokenbal.hf_compat import internvl_image_features
+
+    side, tiles = 112, 3
+    model = _tiled_vlm(name, side).eval()
+    px = torch.zeros(tiles, 3, side, side)
+    with torch.no_grad():
+        if name == "llava-next":
+            tower = model.model.vision_tower
+            hidden = tower(px).last_hidden_state
+            per_tile = model.model.multi_modal_projector(hidden[:, 1:]).shape[1]   # "default": CLS dropped
+        elif name == "internvl":
+            tower = model.model.vision_tower
+            hidden = tower(px).last_hidden_state
+            per_tile = internvl_image_features(model, px).shape[1]
+        else:
+            tower = model.vision_model
+            hidden = tower(px).last_hidden_state
+            per_tile = model.connector(hidden).shape[1]
+    patches = hidden.shape[1]   # per tile, as the tower ran (CLIP / InternViT add a CLS token)
+    blocks = next(m for m in tower.modules() if isinstance(m, torch.nn.ModuleList))
+    width = model.config.vision_config.hidden_size
+    real = tiles * (_linear_flops_per_item(blocks) * patches + 4.0 * width * patches * patches * len(blocks))
+    m = FlopsModel.from_config(model.config)
+    ours = m.stage_flops(np.array([0]), vision_tokens=np.array([tiles * per_tile]))[0, 0]
+    assert ours == pytest.approx(real, rel=0.05)   # the CLS token (1 of 65 patches) is not modelled
