@@ -61,7 +61,9 @@ class FlopsModel:
     per layer (``2·(4·hv² + 3·hv·iv)`` with ``vision_gated_mlp``: Qwen2.5-VL's and GLM-4.1V's
     gate / up / down MLP) plus ``4·hv·p·w`` for (non-causal) attention over a window of ``w`` patches
     (``w = p`` when ``vision_window`` is None: full attention over the whole sample — an upper
-    bound for multi-image samples; Qwen2.5-VL's windowed layers are closer to ``w`` = 64·merge²).
+    bound for multi-image samples). ``vision_full_layers`` of the vision layers attend over the
+    whole image even with a window: Qwen2.5-VL's ``fullatt_block_indexes``; its other layers attend
+    within windows of ``(window_size / patch_size)²`` = 64 patches (:meth:`from_config` reads both).
     """
 
     hidden_size: int
@@ -76,6 +78,7 @@ class FlopsModel:
     vision_window: int | None = None
     head_dim: int | None = None   # None: hidden_size // num_heads
     vision_gated_mlp: bool = False
+    vision_full_layers: int = 0
 
 
     def __post_init__(self) -> None:
@@ -84,6 +87,10 @@ class FlopsModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"FlopsModel.{name} must be a positive int, got {v!r}")
+        f = self.vision_full_layers
+        if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f <= max(self.vision_layers, 0):
+            raise ValueError(f"FlopsModel.vision_full_layers must be an int in [0, vision_layers="
+                             f"{self.vision_layers}], got {f!r}")
         d = self.head_dim
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
             raise ValueError(f"FlopsModel.head_dim must be a positive int or None, got {d!r}")
@@ -108,7 +115,8 @@ class FlopsModel:
         InternVL's ``1 / downsample_ratio``, Idefics3's / SmolVLM's ``scale_factor``, and 1 for
         LLaVA (one token per patch). Tiling towers (LLaVA, InternVL, Idefics3 / SmolVLM,
         Phi-4-multimodal) attend within each tile, so their ``vision_window`` is the patches of a
-        tile (``(image_size / patch_size)²``) unless ``vision_window`` is given."""
+        tile (``(image_size / patch_size)²``) unless ``vision_window`` is given; Qwen2.5-VL's is
+        its ``window_size`` in patches, with ``fullatt_block_indexes`` as ``vision_full_layers``."""
         text = _sub(config, "text_config", "llm_config") or config
         h = _get(text, "hidden_size")
         heads = _get(text, "num_attention_heads")
@@ -133,6 +141,13 @@ class FlopsModel:
                 mlp = _get(vis, "out_hidden_size")
             if kind in _TILED_VISION and vision_window is None:
                 kw["vision_window"] = _tile_patches(vis)
+            if kind in _WINDOWED_VISION and _sub(vis, "window_size"):
+                # Qwen2.5-VL: window_size pixels per side, whole merge units of patches
+                # (get_window_index: window_size // spatial_merge_size // patch_size merged tokens)
+                merge, patch = int(_get(vis, "spatial_merge_size", default=2)), int(_get(vis, "patch_size"))
+                if vision_window is None:
+                    kw["vision_window"] = (int(_get(vis, "window_size")) // merge // patch * merge) ** 2
+                kw["vision_full_layers"] = len(_sub(vis, "fullatt_block_indexes") or ())
             kw.update(vision_hidden_size=_get(vis, "embed_dim", "hidden_size", default=hv),
                       vision_layers=_get(vis, "depth", "num_hidden_layers"), vision_intermediate_size=mlp,
                       merge_size=_patches_per_token_side(config, vis, kind),
@@ -185,8 +200,12 @@ class FlopsModel:
     def _vit_flops(self, patches: np.ndarray) -> np.ndarray:
         hv, iv = self.vision_hidden_size, self.vision_intermediate_size
         mlp = (3 if self.vision_gated_mlp else 2) * hv * iv
-        w = patches if self.vision_window is None else np.minimum(patches, self.vision_window)
-        return self.vision_layers * (2.0 * (4 * hv * hv + mlp) * patches + 4.0 * hv * patches * w)
+        linear = self.vision_layers * 2.0 * (4 * hv * hv + mlp) * patches
+        if self.vision_window is None:
+            return linear + self.vision_layers * 4.0 * hv * patches * patches
+        windowed = self.vision_layers - self.vision_full_layers
+        return linear + 4.0 * hv * patches * (self.vision_full_layers * patches
+                                              + windowed * np.minimum(patches, self.vision_window))
 
     def token_equivalents(self, lengths: np.ndarray, vision_tokens: np.ndarray | None = None,
                           image_tokens: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -522,6 +541,8 @@ _VISION_GATED_MLP = frozenset({"qwen2_5_vl", "glm4v", "glm4v_moe"})
 _VISION_MLP_OUT_WIDE = frozenset({"glm4v", "glm4v_moe"})
 
 
+# vision towers whose layers attend within windows, but for the fullatt_block_indexes ones
+_WINDOWED_VISION = frozenset({"qwen2_5_vl"})
 # vision towers that encode fixed-size tiles (crops) one by one: attention stays within a tile
 _TILED_VISION = frozenset({"llava", "llava_next", "llava_onevision", "internvl", "internvl_chat", "idefics3",
                            "smolvlm", "phi4_multimodal"})

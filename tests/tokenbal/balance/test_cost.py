@@ -211,7 +211,7 @@ def test_from_config_vision_blocks_cost_what_the_real_tower_computes(name):
     GLM's out_hidden_size wide), plus attention over the image's patches."""
     cfg = _tiny_vlm(name)
     _, blocks = _real_model_layers(cfg)
-    m = FlopsModel.from_config(cfg, vision_window=None)
+    m = FlopsModel.from_config(cfg, vision_window=10**9)   # every layer over the whole image
     width = blocks[0].attn.qkv.in_features
     patches = 40 * m.merge_size ** 2
     vit = m.stage_flops(np.array([0]), vision_tokens=np.array([40]))[0, 0]
@@ -321,3 +321,46 @@ def test_from_config_vision_cost_of_tiling_towers_follows_the_real_tiles(name):
     m = FlopsModel.from_config(model.config)
     ours = m.stage_flops(np.array([0]), vision_tokens=np.array([tiles * per_tile]))[0, 0]
     assert ours == pytest.approx(real, rel=0.05)   # the CLS token (1 of 65 patches) is not modelled
+
+
+def _qwen2_5_vl_window_lengths(model, grid_thw):
+    """The real tower's attention windows (patches per window) of ``grid_thw``: 5.9+ has
+    ``transformers.vision_utils.get_vision_window_index``, earlier releases the tower's method."""
+    import torch
+
+    visual = model.visual
+    try:
+        from transformers.vision_utils import get_vision_window_index
+    except ImportError:
+        _, cu = visual.get_window_index(grid_thw)
+    else:
+        _, cu = get_vision_window_index(grid_thw, spatial_merge_size=visual.spatial_merge_size,
+                                        window_size=visual.window_size, patch_size=visual.patch_size)
+    cu = torch.unique_consecutive(torch.as_tensor(cu))
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+@pytest.mark.parametrize("grid", [(1, 16, 16), (1, 8, 24), (1, 32, 8)])
+def test_from_config_qwen2_5_vl_vision_attention_is_windowed_but_in_the_full_attention_layers(grid):
+    """Qwen2.5-VL's vision layers attend within 112-px windows (8 x 8 patches), except those in
+    fullatt_block_indexes, which attend over the whole image."""
+    import torch
+    import transformers as T
+
+    cfg = T.Qwen2_5_VLConfig(
+        text_config=dict(_TINY_TEXT, **rope_config(T.Qwen2_5_VLConfig, 1e4, mrope_section=[2, 3, 3])),
+        vision_config=dict(depth=4, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=2,
+                           window_size=112, patch_size=14, fullatt_block_indexes=[1, 3]))
+    model = T.AutoModel.from_config(cfg)
+    blocks = model.visual.blocks
+    windows = _qwen2_5_vl_window_lengths(model, torch.tensor([grid]))
+    patches = grid[0] * grid[1] * grid[2]
+    assert sum(windows) == patches
+    full = set(cfg.vision_config.fullatt_block_indexes)
+    width = cfg.vision_config.hidden_size
+    attention = sum(4.0 * width * (patches**2 if i in full else sum(w * w for w in windows))
+                    for i in range(len(blocks)))
+    real = _linear_flops_per_item(blocks) * patches + attention
+    m = FlopsModel.from_config(cfg)
+    ours = m.stage_flops(np.array([0]), vision_tokens=np.array([patches // m.merge_size**2]))[0, 0]
+    assert ours == pytest.approx(real)
