@@ -57,6 +57,10 @@ SmolVLM video text             5.19-5.24: ``replace_video_token`` writes the fra
                                ``apply_chat_template`` swaps it in for a whole batch), which on 5.19
                                drops string message content: tokenbal renders SmolVLM rows one by
                                one through that method, so its counts follow on every release
+Qwen2-VL live ``min_pixels`` /    4.57 and 5.19+ resize by an image processor's ``min_pixels`` /
+``max_pixels`` attributes        ``max_pixels`` attributes (set after construction) over its
+                               ``size``; 5.6-5.9 resize by ``size`` alone and ignore them
+                               (:func:`qwen2_vl_pixel_attributes_honoured`)
 vision sub-config model_type   4.57: the model's own name (``qwen2_5_vl``, ``glm4v``); 5.x:
                                ``<model>_vision`` (``qwen2_5_vl_vision``) (:func:`vision_model_type`)
 Trainer ``num_items_in_batch``  4.57-5.9 count ``labels != -100`` over the whole label tensor; 5.19+
@@ -416,6 +420,24 @@ def qwen2_vl_loaded_image_size_kept() -> bool:
     size = cls(size=dict(probe)).size
     got = {k: size[k] if isinstance(size, dict) else getattr(size, k, None) for k in probe}
     return got == probe
+
+
+@functools.cache
+def qwen2_vl_pixel_attributes_honoured(image_processor_class: type) -> bool:
+    """Whether a live Qwen2-VL image processor of this (transformers) class resizes by its
+    ``min_pixels`` / ``max_pixels`` attributes when a user sets them after construction
+    (``processor.image_processor.max_pixels = ...``), over its ``size``. 4.57's ``preprocess``
+    reads the attributes and 5.19+ passes them as call kwargs that override ``size``; 5.6-5.9
+    resize by ``size`` alone, so the attributes change nothing there. Asked of the class itself:
+    a 28 x 28 image with ``min_pixels`` raised to 112 x 112 after construction is upscaled to 8 x 8
+    patches where it counts, to the class default's 56 x 56 (4 x 4 patches) where it is ignored."""
+    import numpy as np
+
+    proc = image_processor_class()
+    proc.min_pixels = 112 * 112
+    out = proc(images=[np.zeros((28, 28, 3), np.uint8)], return_tensors="np",
+               input_data_format="channels_last")
+    return int(np.prod(np.asarray(out["image_grid_thw"])[0])) == 64
 
 
 def processor_attributes(processor_or_class: Any) -> list[str]:

@@ -21,7 +21,7 @@ from tokenbal.estimate.llava import LlavaNextEstimator, LlavaOneVisionEstimator
 from tokenbal.estimate.phi4 import make_phi4
 from tokenbal.estimate.qwen import QWEN_FAMILIES, make_qwen
 from tokenbal.estimate.tiles import make_tiles
-from tokenbal.hf_compat import qwen2_vl_loaded_image_size_kept
+from tokenbal.hf_compat import qwen2_vl_loaded_image_size_kept, qwen2_vl_pixel_attributes_honoured
 
 # accepted spellings (the keys, transformers' / the original repos' ``model_type``) -> key; the one
 # table of families and their spellings is tokenbal.estimate.families.
@@ -110,12 +110,15 @@ def _qwen_size(d: dict, class_defaults: dict, legacy_keys: bool, size_kept: bool
     return int(lo), int(hi)
 
 
-def _qwen_settings(family: str, image: dict | None, video: dict | None, image_size_kept: bool = True) -> dict:
+def _qwen_settings(family: str, image: dict | None, video: dict | None, image_size_kept: bool = True,
+                   image_pixel_keys: bool = True) -> dict:
     """``image_size_kept``: False where the image processor these files load drops their ``size``
-    (4.57's slow class, :func:`tokenbal.hf_compat.qwen2_vl_loaded_image_size_kept`)."""
+    (4.57's slow class, :func:`tokenbal.hf_compat.qwen2_vl_loaded_image_size_kept`).
+    ``image_pixel_keys``: False where a live image processor's ``min_pixels`` / ``max_pixels``
+    attributes do not count (5.6-5.9, :func:`tokenbal.hf_compat.qwen2_vl_pixel_attributes_honoured`)."""
     out: dict[str, Any] = {}
     img = image or {}
-    out["min_pixels"], out["max_pixels"] = _qwen_size(img, _QWEN_IMAGE_CLASS, legacy_keys=True,
+    out["min_pixels"], out["max_pixels"] = _qwen_size(img, _QWEN_IMAGE_CLASS, legacy_keys=image_pixel_keys,
                                                       size_kept=image_size_kept)
     for k in ("patch_size", "merge_size", "temporal_patch_size"):
         out[k] = int(img.get(k, _QWEN_IMAGE_CLASS[k]))
@@ -336,7 +339,12 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
         return get_estimator(family, **{**_phi4_settings(image, name), **overrides})
     video_proc = getattr(processor, "video_processor", None)
     video = video_proc.to_dict() if video_proc is not None else None
-    return get_estimator(family, **{**_qwen_settings(family, image, video), **overrides})
+    # a user may have set min_pixels / max_pixels on the live object; whether the processor then
+    # resizes by them depends on the release
+    pixel_keys = image.get("min_pixels") is None and image.get("max_pixels") is None or \
+        qwen2_vl_pixel_attributes_honoured(_transformers_classes(image_proc)[0])
+    return get_estimator(family, **{**_qwen_settings(family, image, video, image_pixel_keys=pixel_keys),
+                                    **overrides})
 
 
 def _refuse_unresized(family: str, image: dict, where: str) -> None:

@@ -622,3 +622,21 @@ def test_image_tokens_checked_isolates_bad_images():
     assert clean.tolist() == [est.image_tokens(640, 480), 144] and none == {}
     with pytest.raises(ValueError, match="differ in length"):
         image_tokens_checked(est, [1, 2], [1])
+
+
+@pytest.mark.parametrize("attribute, value", [("max_pixels", 200_000), ("min_pixels", 400_000)])
+def test_estimator_from_processor_follows_pixel_attributes_set_after_construction(attribute, value):
+    """``processor.image_processor.max_pixels = ...`` on a loaded processor: 4.57 and 5.19+ resize
+    by it, 5.6-5.9 by ``size`` alone. The estimator counts what the installed processor does."""
+    from tests.helpers.family_processors import _build, tokenizer
+    from tokenbal.estimate.vision import estimator_from_processor
+
+    image_proc = Qwen2VLImageProcessorPil()
+    setattr(image_proc, attribute, value)
+    proc = _build(transformers.Qwen2VLProcessor, image_processor=image_proc, tokenizer=tokenizer(),
+                  video_processor=None)
+    est = estimator_from_processor(proc)
+    for w, h in [(1000, 800), (2000, 1500), (50, 40), (300, 300)]:
+        out = image_proc(images=[np.zeros((h, w, 3), np.uint8)], return_tensors="np",
+                         input_data_format="channels_last")
+        assert est.image_tokens(w, h) == int(np.prod(out["image_grid_thw"][0])) // 4, (w, h)
