@@ -208,7 +208,9 @@ def _qwen(est, req: VideoRequest, first: int, last: int, total: int) -> VideoPla
             rel = np.linspace(0, total - 1, n).round().astype(int).tolist()
         else:
             if req.nframes is not None:
-                n = round(req.nframes / k) * k
+                # Qwen2VLVideoProcessor.sample_frames rounds num_frames to its temporal patch
+                tp = e.temporal_patch_size
+                n = round(req.nframes / tp) * tp
                 if not 0 < n <= total:
                     raise ValueError(f"nframes={req.nframes} -> {n}: the clip has {total} frames")
             else:

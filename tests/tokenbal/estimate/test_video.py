@@ -350,3 +350,20 @@ def test_glm4v_settings_the_processor_cannot_run_are_named():
         settings(size={"shortest_edge": 1, "longest_edge": 2}, do_resize=False)
     got = settings(size={"shortest_edge": 10, "longest_edge": 20}, do_sample_frames=False, fps=None)
     assert (got.sample, got.min_pixels, got.max_pixels, got.max_duration) == (False, 10, 20, 300)
+
+
+@pytest.mark.parametrize("temporal_patch_size, nframes", [(3, 7), (3, 5), (1, 7), (4, 10)])
+def test_qwen2_processor_num_frames_round_to_its_temporal_patch(temporal_patch_size, nframes):
+    """``Qwen2VLVideoProcessor.sample_frames`` rounds ``num_frames`` to a multiple of its own
+    ``temporal_patch_size``, not of 2."""
+    mod = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    C = mod.Qwen2VLVideoProcessor
+    est = get_estimator("qwen2-vl", temporal_patch_size=temporal_patch_size)
+    total, fps = 90, 30.0
+    md = types.SimpleNamespace(total_num_frames=total, fps=fps, duration=total / fps)
+    ns = types.SimpleNamespace(num_frames=None, fps=None, temporal_patch_size=temporal_patch_size,
+                               min_frames=4, max_frames=768)
+    want = [int(i) for i in C.sample_frames(ns, md, num_frames=nframes, fps=None)]
+    plan = plan_video(est, VideoRequest(frames=total, fps=fps, width=64, height=48, nframes=nframes))
+    assert list(plan.indices) == want
+    assert plan.grid[0] == -(-len(want) // temporal_patch_size)
