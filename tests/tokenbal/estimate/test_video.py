@@ -367,3 +367,21 @@ def test_qwen2_processor_num_frames_round_to_its_temporal_patch(temporal_patch_s
     plan = plan_video(est, VideoRequest(frames=total, fps=fps, width=64, height=48, nframes=nframes))
     assert list(plan.indices) == want
     assert plan.grid[0] == -(-len(want) // temporal_patch_size)
+
+
+@pytest.mark.parametrize("total, fps, opts",
+                         [(59, 2.0, {}), (17, 1.0, {"nframes": 14}), (61, 30.0, {"nframes": 56})])
+def test_qwen2_processor_sampling_past_the_last_frame_is_an_error(total, fps, opts):
+    """For some clip lengths ``Qwen2VLVideoProcessor.sample_frames``' float ``arange`` takes one step
+    more than the frames it samples and picks the frame after the clip (the processor then raises
+    IndexError indexing the video): the plan refuses the video rather than count frames that are
+    not there."""
+    mod = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    C = mod.Qwen2VLVideoProcessor
+    md = types.SimpleNamespace(total_num_frames=total, fps=fps, duration=total / fps)
+    ns = types.SimpleNamespace(num_frames=None, fps=2.0, temporal_patch_size=2, min_frames=4, max_frames=768)
+    kw = {"num_frames": opts["nframes"], "fps": None} if "nframes" in opts else {}
+    assert int(C.sample_frames(ns, md, **kw)[-1]) == total   # past the last frame, total - 1
+    req = VideoRequest(frames=total, fps=fps, width=64, height=48, nframes=opts.get("nframes"))
+    with pytest.raises(ValueError, match="raises IndexError"):
+        plan_video(get_estimator("qwen2-vl"), req)
