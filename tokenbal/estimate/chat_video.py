@@ -146,6 +146,12 @@ def sample_video(processor: Any, family: str, est: Any, info: Any) -> tuple[list
         if not sample:   # every decoded frame (odd counts: the processor repeats the last one)
             grid = est.video_grid(total, info.width, info.height, None)
             return list(range(total)), tuple(int(x) for x in grid)
+        if nframes is None and fps is None and family == "qwen3-vl":
+            # Qwen3VLVideoProcessor.sample_frames without either: every frame, at least
+            # min_frames (repeated) and at most max_frames
+            lo = s["min_frames"] if s["min_frames"] is not None else est.video_min_frames
+            hi = s["max_frames"] if s["max_frames"] is not None else est.video_max_frames
+            nframes = min(max(total, int(lo)), int(hi))
         if nframes is None and fps is None:
             raise VideoCountError(f"{type(processor).__name__}: do_sample_frames with neither fps nor "
                                   "num_frames: the processor itself cannot sample")

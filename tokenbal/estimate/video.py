@@ -200,9 +200,11 @@ def _qwen(est, req: VideoRequest, first: int, last: int, total: int) -> VideoPla
     else:
         if e.family == "qwen3-vl":
             if req.nframes is not None:
+                # Qwen3VLVideoProcessor.sample_frames takes num_frames as it is, above the clip's
+                # frame count too (linspace repeats frames)
                 n = int(req.nframes)
-                if not 0 < n <= total:
-                    raise ValueError(f"nframes={n}: the clip has {total} frames")
+                if n <= 0:
+                    raise ValueError(f"nframes={n}: no frames to sample")
             else:
                 n = e.sampled_frames(total, req.fps)
             rel = np.linspace(0, total - 1, n).round().astype(int).tolist()

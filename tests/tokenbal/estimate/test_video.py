@@ -385,3 +385,32 @@ def test_qwen2_processor_sampling_past_the_last_frame_is_an_error(total, fps, op
     req = VideoRequest(frames=total, fps=fps, width=64, height=48, nframes=opts.get("nframes"))
     with pytest.raises(ValueError, match="raises IndexError"):
         plan_video(get_estimator("qwen2-vl"), req)
+
+
+@pytest.mark.parametrize("total, settings", [
+    (3, {"num_frames": 7, "fps": None}), (5, {"num_frames": 8, "fps": None}), (2, {"fps": None}),
+    (3, {"fps": None, "min_frames": 6}), (40, {"fps": None, "max_frames": 9})])
+def test_qwen3_processor_samples_with_repeats_where_the_clip_is_short(total, settings):
+    """``Qwen3VLVideoProcessor.sample_frames`` takes ``num_frames`` above the clip's frame count
+    (and, with neither fps nor num_frames, ``min(max(total, min_frames), max_frames)`` frames),
+    repeating frames by ``linspace``: the count follows instead of refusing the video."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from tests.helpers import family_processors as fp
+    from tokenbal.estimate.chat_video import sample_video
+    from tokenbal.estimate.vision import estimator_from_processor
+
+    fps, w, h = 30.0, 64, 48
+    settings = {"do_sample_frames": True, **settings}
+    real = Qwen3VLVideoProcessor(**{**fp._video_size("qwen3-vl"), **settings})
+    md = VideoMetadata(total_num_frames=total, fps=fps, width=w, height=h, duration=total / fps)
+    # the processor hands its own num_frames / fps to sample_frames
+    want = [int(i) for i in real.sample_frames(md, num_frames=real.num_frames, fps=real.fps)]
+    proc = fp.video_family_processor("qwen3-vl", real=False, settings=settings)
+    est = estimator_from_processor(proc)
+    info = types.SimpleNamespace(frames=total, fps=fps, width=w, height=h)
+    idx, grid = sample_video(proc, "qwen3-vl", est, info)
+    assert idx == want
+    require_oracle(real, "get_num_of_video_patches")
+    assert grid[0] * grid[1] * grid[2] == real.get_num_of_video_patches(len(want), h, w)
