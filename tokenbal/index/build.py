@@ -372,18 +372,27 @@ def rules_differences(built: dict, meta: dict) -> list[str]:
     return out
 
 
+def existing_manifest(out: str) -> dict | None:
+    """The manifest of the readable index at ``out``, or None: no index there, or a damaged one or one
+    of another format, which a build (or merge) replaces as it would an empty folder."""
+    if not os.path.isfile(os.path.join(out, MANIFEST)):
+        return None
+    try:
+        built = TokenIndex.open(out)
+        manifest = built.manifest
+        built.release()
+    except (ValueError, KeyError, OSError):
+        return None
+    return manifest
+
+
 def _refuse_other_part(out: str, part: tuple[int, int]) -> None:
     """Raise ``ValueError`` when ``out`` holds a whole index, or another part's index, that this build
     of part ``part`` would replace: the usual cause is an ``--out`` without ``{i}``, which makes every
     part of a split (one Slurm task or rank after another) overwrite the one before, unnoticed until
     the merge misses parts. A re-split (the same part number of another count) replaces its folder."""
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
-        return
-    try:
-        built = TokenIndex.open(out)
-        manifest = built.manifest
-        built.release()
-    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as before
+    manifest = existing_manifest(out)
+    if manifest is None:
         return
     had = manifest.get("part")
     if had is not None and had.get("index") == part[0]:
@@ -401,13 +410,8 @@ def _refuse_other_rules(out: str, meta: dict) -> None:
     """Raise ``OtherRulesError`` when ``out`` holds a readable index whose user-chosen token settings
     differ from ``meta``'s: replacing it would rescan everything and could drop shards (it keeps only
     what this build names), which must not happen by accident."""
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
-        return
-    try:
-        built = TokenIndex.open(out)
-        manifest = built.manifest
-        built.release()
-    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as before
+    manifest = existing_manifest(out)
+    if manifest is None:
         return
     differences = rules_differences(manifest, meta)
     if differences:

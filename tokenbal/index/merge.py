@@ -137,16 +137,10 @@ def refuse_to_replace(out: str, meta: dict, shards: Sequence[str]) -> None:
     estimator options...: every length would change), or shards the parts do not hold (they would be
     dropped). ``tokenbal index build`` refuses the first for the same reason; re-running one merge, or
     merging into one of its own parts, replaces nothing but the same shards and passes."""
-    from tokenbal.index.build import rules_differences
-    from tokenbal.index.store import MANIFEST, TokenIndex
+    from tokenbal.index.build import existing_manifest, rules_differences
 
-    if not os.path.isfile(os.path.join(out, MANIFEST)):
-        return
-    try:
-        old = TokenIndex.open(out)
-        manifest = old.manifest
-        old.release()
-    except (ValueError, KeyError, OSError):   # damaged or another format: replaced, as a build does
+    manifest = existing_manifest(out)
+    if manifest is None:
         return
     lost = []
     differences = rules_differences(manifest, meta)
