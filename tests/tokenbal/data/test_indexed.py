@@ -109,20 +109,29 @@ def test_long_unicode_and_prefix_names(tmp_path):
         assert mine == truth, shard
 
 
-@pytest.mark.skipif(shutil.which("tar") is None or "GNU tar" not in subprocess.run(
+_NEEDS_GNU_TAR = pytest.mark.skipif(shutil.which("tar") is None or "GNU tar" not in subprocess.run(
     ["tar", "--version"], capture_output=True, text=True).stdout, reason="needs GNU tar")
-@pytest.mark.parametrize("fmt", ["oldgnu", "gnu", "posix"])
-def test_long_names_written_by_gnu_tar(tmp_path, fmt):
-    """GNU tar's formats keep a long name in a record and a truncated copy in the ustar field: 100
-    bytes for gnu / posix, 99 (NUL-terminated) for oldgnu; every one reads, none is a "stale index"."""
-    keys = ["d" * 60 + "/" + "k" * 120 + "-a", "\u00fc" * 70 + "-b", "z" * 99 + "-c", "short-d"]
-    src = tmp_path / "src"
+
+
+def _write_members(src, keys: list[str]) -> list[str]:
+    """One small image sample per key as loose files under ``src`` (for GNU tar to pack); their names."""
     names = []
     for j, key in enumerate(keys):
         for ext, data in Sample(key, images=[("png", 20 + j, 10)], caption=f"caption {j}", seed=j).members():
             (src / key).parent.mkdir(parents=True, exist_ok=True)
             (src / f"{key}.{ext}").write_bytes(data)
             names.append(f"{key}.{ext}")
+    return names
+
+
+@_NEEDS_GNU_TAR
+@pytest.mark.parametrize("fmt", ["oldgnu", "gnu", "posix"])
+def test_long_names_written_by_gnu_tar(tmp_path, fmt):
+    """GNU tar's formats keep a long name in a record and a truncated copy in the ustar field: 100
+    bytes for gnu / posix, 99 (NUL-terminated) for oldgnu; every one reads, none is a "stale index"."""
+    keys = ["d" * 60 + "/" + "k" * 120 + "-a", "\u00fc" * 70 + "-b", "z" * 99 + "-c", "short-d"]
+    src = tmp_path / "src"
+    names = _write_members(src, keys)
     shard = str(tmp_path / f"{fmt}.tar")
     subprocess.run(["tar", f"--format={fmt}", "-cf", shard, "-C", str(src), "--no-recursion", *names],
                    check=True, capture_output=True)
@@ -136,19 +145,13 @@ def test_long_names_written_by_gnu_tar(tmp_path, fmt):
     assert got == tar_members([shard])
 
 
-@pytest.mark.skipif(shutil.which("tar") is None or "GNU tar" not in subprocess.run(
-    ["tar", "--version"], capture_output=True, text=True).stdout, reason="needs GNU tar")
+@_NEEDS_GNU_TAR
 def test_gnu_incremental_archive_reads(tmp_path):
     """GNU tar --incremental fills the GNU atime / ctime fields, which tarfile (and so the index) reads
     as a ustar prefix of every name: the reader takes the header by the same rule, not as stale."""
     keys = ["k0", "k1", "d/" + "x" * 120 + "-long"]
     src = tmp_path / "src"
-    names = []
-    for j, key in enumerate(keys):
-        for ext, data in Sample(key, images=[("png", 20 + j, 10)], caption=f"caption {j}", seed=j).members():
-            (src / key).parent.mkdir(parents=True, exist_ok=True)
-            (src / f"{key}.{ext}").write_bytes(data)
-            names.append(f"{key}.{ext}")
+    names = _write_members(src, keys)
     shard = str(tmp_path / "incremental.tar")
     subprocess.run(["tar", "--format=gnu", "--incremental", "-cf", shard, "-C", str(src), "--no-recursion",
                     *names], check=True, capture_output=True)
