@@ -72,13 +72,23 @@ from tokenbal.balance.cost import Resolved, resolve
 from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, pad_steps, plan_epoch
 from tokenbal.balance.settings import PlanSettings, plan_settings
 
-__all__ = ["TokenBalancedBatchSampler"]
+__all__ = ["SetupChangedError", "TokenBalancedBatchSampler"]
 
 _STATE_VERSION = 1
 # Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
 _ADDED_LATER = {"stages": 0, "epoch_steps": None}
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
+
+
+class SetupChangedError(ValueError):
+    """``load_state_dict`` of a checkpoint made with another plan setup. ``problem`` is what differs;
+    the message adds the sampler's own remedy (``elastic=True``), which integrations that do not take
+    that option replace with theirs."""
+
+    def __init__(self, problem: str, hint: str = "") -> None:
+        super().__init__(problem + hint)
+        self.problem = problem
 
 
 class TokenBalancedBatchSampler(Sampler[list[int]]):
@@ -554,8 +564,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             if set(changed) <= set(_ELASTIC_KEYS):
                 hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
                         "re-plans the rest of the epoch for this setup)")
-            raise ValueError("cannot resume: the checkpoint was made with a different plan setup "
-                             "(the remaining steps would not match):\n  " + "\n  ".join(diffs) + hint)
+            raise SetupChangedError("cannot resume: the checkpoint was made with a different plan setup "
+                                    "(the remaining steps would not match):\n  " + "\n  ".join(diffs), hint)
         segments = [{"fingerprint": {**_ADDED_LATER, **seg["fingerprint"]}, "cursor": int(seg["cursor"])}
                     for seg in state.get("segments", [])]
         cursor = int(state["cursor"])

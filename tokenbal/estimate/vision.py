@@ -341,8 +341,8 @@ def estimator_from_processor(processor: Any, **overrides: Any) -> Any:
     video = video_proc.to_dict() if video_proc is not None else None
     # a user may have set min_pixels / max_pixels on the live object; whether the processor then
     # resizes by them depends on the release
-    pixel_keys = image.get("min_pixels") is None and image.get("max_pixels") is None or \
-        qwen2_vl_pixel_attributes_honoured(_transformers_classes(image_proc)[0])
+    pixel_keys = (image.get("min_pixels") is None and image.get("max_pixels") is None) \
+        or qwen2_vl_pixel_attributes_honoured(_transformers_classes(image_proc)[0])
     return get_estimator(family, **{**_qwen_settings(family, image, video, image_pixel_keys=pixel_keys),
                                     **overrides})
 

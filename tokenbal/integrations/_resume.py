@@ -35,7 +35,7 @@ class EpochFollowingSampler(TokenBalancedBatchSampler):
         except ValueError as e:
             # The sampler's hint (elastic=True re-plans for a new world) is no option of these
             # integrations: say what the user of the framework can do instead.
-            text = str(e).split("\n(only the step settings differ")[0]
+            text = getattr(e, "problem", str(e))   # SetupChangedError: without elastic=True's hint
             raise ValueError(f"{text}\n(tokenbal's {self.framework} loader resumes only with the "
                              "checkpoint's data-parallel size, batch size, gradient accumulation and data: "
                              "restart with those, or start a new run)") from None

@@ -351,7 +351,7 @@ class TokenBalancingMixin:
         except ValueError as e:
             # Said in the Trainer's terms: its batch size is per device, and it resumes only on the
             # checkpoint's step settings (its own skip arithmetic assumes them; no elastic resume).
-            text = str(e).split("\n(only the step settings differ")[0]
+            text = getattr(e, "problem", str(e))   # SetupChangedError: without elastic=True's hint
             raise ValueError(f"{path}: {text}\n(global_batch_size = per_device_train_batch_size x "
                              "data-parallel ranks x gradient_accumulation_steps; the Trainer resumes only "
                              "with the checkpoint's batch size, gradient accumulation, world size and token "
