@@ -47,18 +47,22 @@ class GlobalTokenCount:
     world: int
 
     @classmethod
-    def start(cls, num_loss_tokens: int, device: torch.device | str = "cpu",
+    def start(cls, num_loss_tokens: int, device: torch.device | str | None = None,
               group: dist.ProcessGroup | None = None, *, device_mesh: object = None,
               grad_world_size: int | None = None, layout: object = None) -> GlobalTokenCount:
-        tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device)
+        """``device``: where the count lives; by default the group's own device (the CPU for gloo,
+        the current GPU for an NCCL-only group, see :func:`tokenbal.parallel.collective_device`)."""
         if not (dist.is_available() and dist.is_initialized()):
+            tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device or "cpu")
             return cls(tensor, None, 1 if grad_world_size is None else int(grad_world_size))
+        from tokenbal.parallel import collective_device, dp_group_of
+
         if layout is not None:
             group = _layout_group(layout, group, device_mesh)
         if device_mesh is not None:
-            from tokenbal.parallel import dp_group_of
-
             group = dp_group_of(group, device_mesh)
+        device = collective_device(group) if device is None else device
+        tensor = torch.tensor(float(num_loss_tokens), dtype=torch.float32, device=device)
         world = dist.get_world_size(group) if grad_world_size is None else int(grad_world_size)
         return cls(tensor, dist.all_reduce(tensor, group=group, async_op=True), world)
 

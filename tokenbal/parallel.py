@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParallelLayout", "dp_group_of", "resolve_dp"]
+__all__ = ["ParallelLayout", "collective_device", "dp_group_of", "resolve_dp"]
 
 _HSDP_DIMS = ("dp_replicate", "dp_shard")
 # Dimensions whose ranks hold the *same* data (sequence / context / tensor / pipeline parallel
@@ -188,3 +188,28 @@ def dp_group_of(dp_group: Any = None, device_mesh: Any = None) -> Any:
         return device_mesh.get_group("dp")
     raise ValueError(f"device_mesh has dimensions {list(names) or '(unnamed)'}: for a process group, name "
                      "the data-parallel one 'dp' or pass dp_group= (or the DP sub-mesh) directly")
+
+
+def collective_device(group: Any = None) -> Any:
+    """The ``torch.device`` whose tensors ``group``'s collectives take: the CPU where the group has a
+    CPU backend (gloo, MPI, UCC, or a mixed ``"cpu:gloo,cuda:nccl"``), else this process's current
+    accelerator device of the group's kind (NCCL: the current CUDA device; HCCL: the current NPU).
+
+    An NCCL- or HCCL-only group has no CPU backend at all, so a CPU tensor handed to its
+    ``all_reduce`` fails ("No backend type associated with device type cpu"); a small collective on
+    the accelerator is the price of not asking users for a second, gloo group."""
+    import torch
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    if ":" in backend:       # "cpu:gloo,cuda:nccl": a backend per device type
+        kinds = [pair.split(":", 1)[0].strip().lower() for pair in backend.split(",")]
+    else:                    # one backend: the device types it was registered for
+        kinds = list(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
+    if "cpu" in kinds or not kinds:
+        return torch.device("cpu")
+    kind = kinds[0]
+    current = torch.accelerator.current_accelerator()
+    if current is not None and current.type == kind:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)

@@ -197,3 +197,48 @@ def test_a_one_dimension_mesh_of_peers_sharing_a_batch_is_not_taken_as_data_para
         assert "'sp'" in r["errors"][0] and "'tp'" in r["errors"][4]
         assert r["dp_only"] == (2, rank)
     assert res[0]["sp_only"] == res[1]["sp_only"] and res[0]["sp_only"]
+
+
+def _collective_devices(rank: int, world: int) -> dict:
+    from tokenbal.data.stream import agree_steps
+    from tokenbal.parallel import collective_device
+
+    # A gloo backend bound to CUDA alone stands in for NCCL (which has no CPU backend either): the
+    # device is read from the group, never assumed to be the CPU.
+    cuda_only = dist.new_group(list(range(world)), backend="cuda:gloo")
+    mixed = dist.new_group(list(range(world)), backend="cpu:gloo,cuda:gloo")
+    return {"default": collective_device(), "cuda_only": collective_device(cuda_only),
+            "mixed": collective_device(mixed), "steps": agree_steps(10 + rank)}
+
+
+def test_collectives_use_the_device_of_their_group():
+    for r in run_ranks(_collective_devices, 2, timeout=120):
+        assert r["default"] == r["mixed"] == torch.device("cpu")
+        assert r["cuda_only"].type == "cuda"      # a CPU tensor there fails: no CPU backend
+        assert r["steps"] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_only_group_runs_every_collective_tokenbal_issues():
+    """On a real NCCL group (no CPU backend): the streaming stage's step agreement, verl's length
+    gather, the loss's token count and the sampler's plan check all run."""
+    import datetime
+
+    from collate.loss import GlobalTokenCount
+    from tests.helpers.dist_utils import free_port
+    from tokenbal.data.stream import agree_steps
+    from tokenbal.integrations.verl import gather_lengths
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        assert agree_steps(5) == 5
+        assert gather_lengths([3, 4, 9]) == [3, 4, 9]
+        count = GlobalTokenCount.start(7).wait()
+        assert count.device.type == "cuda" and float(count) == 7.0
+        sampler = TokenBalancedBatchSampler(_lengths(), global_batch_size=4, verify=True)
+        assert sorted(i for b in sampler for i in b) == list(range(N))
+    finally:
+        dist.destroy_process_group()

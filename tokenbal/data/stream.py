@@ -42,12 +42,16 @@ __all__ = ["BalancedBatches", "agree_steps", "balanced_batches"]
 
 def agree_steps(local_steps: int, group: Any = None) -> int:
     """The smallest ``local_steps`` over all ranks: one ``all_reduce(MIN)``; call it once per epoch on
-    every rank (it is a collective). Without an initialised process group, ``local_steps``."""
+    every rank (it is a collective). Without an initialised process group, ``local_steps``. The
+    count travels on the group's own device (:func:`tokenbal.parallel.collective_device`), so an
+    NCCL- or HCCL-only group works as a gloo one does."""
     import torch.distributed as dist
+
+    from tokenbal.parallel import collective_device
 
     if not (dist.is_available() and dist.is_initialized()):
         return int(local_steps)
-    t = torch.tensor([int(local_steps)], dtype=torch.int64)
+    t = torch.tensor([int(local_steps)], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 

@@ -111,13 +111,15 @@ def complete_first(batch: list[dict]) -> list[dict]:
 def gather_lengths(lengths: Any, group: Any = None, device: Any = None) -> list[int]:
     """Every rank's per-sample lengths of ``group``, concatenated in rank order, for any number of
     samples per rank (``all_gather_into_tensor`` needs the same count everywhere). Two collectives:
-    the counts, then the lengths padded to the largest count."""
+    the counts, then the lengths padded to the largest count. ``device``: where they travel; by
+    default the group's own device (:func:`tokenbal.parallel.collective_device`)."""
     import torch
     import torch.distributed as dist
 
+    from tokenbal.parallel import collective_device
+
     local = torch.as_tensor(lengths).reshape(-1)
-    if device is not None:
-        local = local.to(device)
+    local = local.to(collective_device(group) if device is None else device)
     size = dist.get_world_size(group)
     count = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
     counts = torch.empty(size, dtype=torch.int64, device=local.device)
