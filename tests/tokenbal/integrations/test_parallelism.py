@@ -4,9 +4,9 @@ transformers ``Trainer`` and ``TokenBalancedTrainer`` whose accelerator holds a 
 flattened ``dp`` as on GPUs), each loader prepared by accelerate's own ``prepare_data_loader``.
 
 accelerate refuses a ``ParallelismConfig`` on a CPU job at ``Accelerator`` init (``MULTI_CPU`` is not a
-"multi device" type, accelerate 1.16 ``parallelism_config.py`` ``_validate_accelerator``), so the
+"multi device" type, accelerate 1.16 ``parallelism_config.py``:351-382 ``_validate_accelerator``), so the
 config and its mesh are put into the accelerator's shared state after init, where
-``Accelerator.__init__`` puts them on GPUs (``accelerator.py``:449-451). Everything downstream — the
+``Accelerator.__init__`` puts them on GPUs (``accelerator.py``:451-453). Everything downstream — the
 Trainer's ``get_tp_size`` / ``get_cp_size``, accelerate's sharding of the Trainer's own loader and the
 neutralised tokenbal loader — is the installed code.
 
