@@ -66,6 +66,17 @@ vision sub-config model_type   4.57: the model's own name (``qwen2_5_vl``, ``glm
 Trainer ``num_items_in_batch``  4.57-5.9 count ``labels != -100`` over the whole label tensor; 5.19+
                                ``labels[..., 1:]`` for a loss that shifts them (a causal LM's), the
                                tokens the loss sums over (:func:`trainer_counts_shifted_labels`)
+Trainer data-parallel split     every release: the train loader is sharded by accelerate's
+                               ``prepare_data_loader`` over the data-parallel ranks of the
+                               accelerator's device mesh (tensor / context parallel peers share a
+                               batch). What builds that mesh differs: 4.57 hands a tensor-parallel
+                               model's ``tp_size`` to accelerate as a ``TorchTensorParallelPlugin``
+                               (a ``ParallelismConfig(tp_size)`` there), 5.6-5.9 as
+                               ``ParallelismConfig(tp_size)``, 5.19+ with the model's
+                               ``dp_shard_size`` too; ``parallelism_config`` is passed through on all.
+                               DeepSpeed AutoTP (``tensor_parallel.autotp_size``) splits by the TP
+                               size alone; ``sp_size`` > 1 (DeepSpeed ALST / Ulysses, 5.6+) wraps
+                               the loader in DeepSpeed's adapter (:func:`trainer_data_parallel`)
 ============================  ======================================================================
 """
 
@@ -84,6 +95,7 @@ __all__ = [
     "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
     "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss", "video_token_inputs",
+    "TrainerDataParallel", "trainer_data_parallel",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -567,3 +579,75 @@ def trainer_shuffles_train_data(args: Any) -> bool:
     ``train_sampling_strategy="sequential"`` trains in dataset order (``SequentialSampler``); 4.57
     has no such option and always shuffles (``group_by_length`` aside)."""
     return getattr(args, "train_sampling_strategy", "random") != "sequential"
+
+
+@dataclass(frozen=True)
+class TrainerDataParallel:
+    """How a ``Trainer``'s train data is split: ``size`` data-parallel ranks, this process being
+    ``rank``; the tensor / context / sequence parallel sizes whose peers share one batch; ``source``
+    names where the split was read (for messages)."""
+
+    size: int
+    rank: int
+    tp_size: int = 1
+    cp_size: int = 1
+    sp_size: int = 1
+    source: str = "the world size"
+
+
+def trainer_data_parallel(trainer: Any) -> TrainerDataParallel:
+    """The data-parallel split of ``trainer``'s train loader as accelerate's ``prepare_data_loader``
+    makes it for the Trainer's own sampler (accelerate 1.11 and 1.16, ``data_loader.py``: 1109-1145
+    and 1117-1153). The mesh it reads is ``Accelerator._prepare_device_mesh()`` (1.16
+    ``accelerator.py``:2584-2592): under DeepSpeed the ``("tp",)`` mesh of size
+    ``tensor_parallel.autotp_size`` (made in ``_prepare_deepspeed``, 2121-2135, when the loader is
+    prepared; read here from the same config), else ``accelerator.torch_device_mesh``, which
+    ``Accelerator.__init__`` builds from the ``ParallelismConfig`` (4.57: also from the
+    ``TorchTensorParallelPlugin`` the Trainer makes for a tensor-parallel model, 4.57
+    ``trainer.py``:5504-5507; 5.6+: the ``ParallelismConfig`` the Trainer makes from ``model.tp_size``,
+    5.24 ``trainer.py``:777-790) in the order ``dp_replicate, dp_shard, cp, sp, tp``:
+
+    - DeepSpeed: ``world // tp`` ranks, rank ``process_index // tp``;
+    - a mesh: ``dp_replicate x dp_shard`` ranks, rank ``process_index // (tp x cp)``;
+    - no mesh: the world, rank ``process_index``.
+
+    ``sp_size`` is the ``ParallelismConfig``'s (DeepSpeed ALST / Ulysses; no mesh is built for it,
+    5.24 ``trainer.py``:1803-1806 wraps the prepared loader in DeepSpeed's
+    ``UlyssesSPDataLoaderAdapter`` instead). Raises ``ValueError`` when the mesh does not split the
+    world into data-parallel x tp x cp ranks, or when the model is tensor-parallel
+    (``Trainer.get_tp_size()``) and accelerate has no mesh to give its TP peers one batch."""
+    args = trainer.args
+    world, rank = max(1, int(args.world_size)), int(args.process_index) if int(args.world_size) > 1 else 0
+    accelerator = trainer.accelerator
+    pc = getattr(accelerator, "parallelism_config", None)        # accelerate >= 1.10
+    sp = int(getattr(pc, "sp_size", 1) or 1) if pc is not None else 1
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+
+    def dim(name: str) -> int:
+        return int(mesh.size(names.index(name))) if name in names else 1
+
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+        tp = int((config.get("tensor_parallel") or {}).get("autotp_size", 0) or 0)
+        tp = tp if tp > 1 else dim("tp")
+        if world % tp:
+            raise ValueError(f"DeepSpeed tensor_parallel.autotp_size={tp} does not divide the world size "
+                             f"{world}")
+        return TrainerDataParallel(world // tp, rank // tp, tp_size=tp, sp_size=sp,
+                                   source=f"DeepSpeed tensor_parallel.autotp_size={tp}")
+    if mesh is None:
+        model_tp = int(trainer.get_tp_size()) if hasattr(trainer, "get_tp_size") else 1
+        if model_tp > 1:
+            raise ValueError(f"the model is tensor-parallel (tp_size={model_tp}) but accelerate has no "
+                             "device mesh to give its TP peers one batch: pass TrainingArguments("
+                             f"parallelism_config=ParallelismConfig(tp_size={model_tp}, ...))")
+        return TrainerDataParallel(world, rank, sp_size=sp)
+    tp, cp = dim("tp"), dim("cp")
+    dp = dim("dp_replicate") * dim("dp_shard")
+    sizes = {n: int(mesh.size(i)) for i, n in enumerate(names)}
+    if dp * tp * cp != world:
+        raise ValueError(f"accelerate's device mesh {sizes} does not split the {world} ranks into "
+                         "data-parallel (dp_replicate x dp_shard) x tp x cp ranks; tokenbal cannot tell "
+                         "which ranks share a batch")
+    return TrainerDataParallel(dp, rank // (tp * cp), tp, cp, sp, source=f"accelerate's device mesh {sizes}")

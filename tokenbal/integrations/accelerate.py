@@ -69,16 +69,43 @@ def neutralise(accelerator: Any, loader: Any) -> Any:
         if even:
             accelerator.even_batches = even
     shard = getattr(prepared, "batch_sampler", None)
+    world = (int(accelerator.num_processes), int(accelerator.process_index))
     if isinstance(shard, BatchSamplerShard):
         if shard.batch_sampler is not sampler:
             raise RuntimeError("accelerate wrapped an unexpected batch sampler; cannot neutralise its "
                                "sharding")
+        _check_data_parallel(sampler, (int(shard.num_processes), int(shard.process_index)), world)
         shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False
         shard.sampler = sampler     # DataLoaderShard.set_epoch forwards through `.sampler`
     elif shard is not sampler:
         raise RuntimeError(f"accelerate replaced the batch sampler with {type(shard).__name__}; tokenbal "
                            "cannot check that it yields this rank's batches")
+    elif world[0] > 1:
+        # Several processes and no shard: accelerate's device mesh left one data-parallel rank
+        # (every process a tensor / context parallel peer of the others), all on the same batches.
+        _check_data_parallel(sampler, (1, 0), world)
     return prepared
+
+
+def _check_data_parallel(sampler: TokenBalancedBatchSampler, split: tuple[int, int],
+                         world: tuple[int, int]) -> None:
+    """Refuse a sampler planned over other ranks than accelerate's device mesh shards data over.
+
+    accelerate's ``prepare_data_loader`` shards by ``(num_processes, process_index)`` of the whole
+    world unless the accelerator has a device mesh with tensor / context parallel dimensions
+    (``ParallelismConfig``, a ``tp_plan`` model, DeepSpeed AutoTP): then over its data-parallel ranks
+    only, the peers of one TP / CP group on the same batches (accelerate 1.16 ``data_loader.py``:
+    1117-1153). Where accelerate's ``split`` differs from the plain ``world`` it knows the layout,
+    and a tokenbal plan over other ranks would hand TP / CP peers different samples. Where it does
+    not, the sampler's own ranks stand (a ``dp_group`` of a layout accelerate is not told about)."""
+    if split == world or split == (sampler.num_replicas, sampler.rank):
+        return
+    raise ValueError(f"accelerate shards this loader over {split[0]} data-parallel rank(s), this process "
+                     f"being data-parallel rank {split[1]} (its device mesh puts tensor / context parallel "
+                     "peers on one batch), but the TokenBalancedBatchSampler was planned for "
+                     f"num_replicas={sampler.num_replicas}, rank={sampler.rank}: peers of one TP / CP group "
+                     "would train on different samples. Build the sampler over the data-parallel ranks: "
+                     f"num_replicas={split[0]}, rank={split[1]}")
 
 
 class TokenBalancedLoader:

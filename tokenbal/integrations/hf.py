@@ -10,7 +10,13 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
 - **Batch size.** ``global_batch_size`` = ``per_device_train_batch_size`` × data-parallel size ×
   ``gradient_accumulation_steps`` samples per optimizer step, split into balanced micro-batches
   (``grad_accum`` = the Trainer's); or a token budget, ``sampler_options={"max_tokens_per_rank": N}``.
-  The DP size is the world size, or that of ``sampler_options["dp_group"]`` / ``["device_mesh"]``.
+  The DP size is that of ``sampler_options["dp_group"]`` / ``["device_mesh"]`` when given, else the
+  data-parallel ranks the Trainer's own loader is sharded over
+  (:func:`tokenbal.hf_compat.trainer_data_parallel`): the world size, or under tensor / context
+  parallelism (``TrainingArguments.parallelism_config``, a ``tp_plan`` model, DeepSpeed AutoTP) the
+  ``dp_replicate x dp_shard`` ranks of accelerate's device mesh, the peers of one TP / CP group
+  getting the same batches. Refused: DeepSpeed ALST / Ulysses ``sp_size`` > 1, and ``packed=True``
+  under TP / CP.
 - **Epochs.** The Trainer's ``set_epoch`` reaches the sampler (also through the
   ``skip_first_batches`` loader of a resumed epoch), so every epoch has its own order.
 - **Resume.** Each checkpoint gets ``tokenbal_sampler.json`` (the sampler state at that step). On
@@ -179,9 +185,12 @@ class TokenBalancingMixin:
         if opts.setdefault("grad_accum", ga) != ga:
             raise ValueError(f"sampler_options grad_accum={opts['grad_accum']} disagrees with the Trainer's "
                              f"gradient_accumulation_steps={ga}")
+        split = self._tokenbal_data_parallel()
         if opts.get("dp_group") is None and opts.get("device_mesh") is None:
-            opts.setdefault("num_replicas", max(1, int(args.world_size)))
-            opts.setdefault("rank", int(args.process_index) if args.world_size > 1 else 0)
+            # The data-parallel ranks the Trainer's own loader is sharded over (accelerate's device
+            # mesh: tensor / context parallel peers share one batch), not the world.
+            opts.setdefault("num_replicas", split.size)
+            opts.setdefault("rank", split.rank)
         dp, _ = resolve_dp(opts.get("num_replicas"), opts.get("rank"), opts.get("dp_group"),
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
@@ -200,6 +209,31 @@ class TokenBalancingMixin:
         fields = {name: opts.pop(name) for name in _SETTINGS_FIELDS if name in opts}
         opts["settings"] = PlanSettings(**{**fields, "num_replicas": dp})
         return opts
+
+    def _tokenbal_data_parallel(self) -> Any:
+        """The Trainer's data-parallel split (:func:`tokenbal.hf_compat.trainer_data_parallel`), with
+        what token-balanced batches cannot follow refused by name."""
+        from tokenbal.hf_compat import trainer_data_parallel
+
+        split = trainer_data_parallel(self)
+        if split.sp_size > 1:
+            # The Trainer wraps the prepared loader in DeepSpeed's UlyssesSPDataLoaderAdapter, which
+            # gathers the SP group's batches and runs them one after another (sp_size micro-steps per
+            # loader batch): the plan's steps, the resume position and the global token mean would
+            # all be off. tokenbal's own SP splits one packed row instead (collate.sp).
+            raise ValueError(f"tokenbal: TrainingArguments.parallelism_config sp_size={split.sp_size} "
+                             "(DeepSpeed ALST / Ulysses sequence parallelism) is not supported with "
+                             "token-balanced batches: the Trainer re-batches each sequence-parallel group's "
+                             "loader through DeepSpeed's UlyssesSPDataLoaderAdapter; set sp_size=1 (or use "
+                             "tokenbal's own sequence parallelism: PackedCollator(sp_size=...) with "
+                             "enable_packed(model, sp_group=...))")
+        if self.tokenbal_packed and split.tp_size * split.cp_size > 1:
+            raise ValueError(f"tokenbal: packed=True is not supported under tensor / context parallelism "
+                             f"(tp_size={split.tp_size}, cp_size={split.cp_size}, from {split.source}): the "
+                             "packed forward (cu_seqlens, per-sample M-RoPE ids) has not been run on "
+                             "tensor-parallel weights, and the Trainer's context parallelism splits the "
+                             "packed row without its cu_seqlens; use padded batches (packed=False) there")
+        return split
 
     def _tokenbal_steps_per_epoch(self) -> int:
         return len(self.tokenbal_sampler) // self.tokenbal_sampler.grad_accum

@@ -36,8 +36,17 @@ already trained as index lists, so no skipped sample is encoded or loaded).
 - **Loss.** ms-swift's own normalisation is kept: ``model_accepts_loss_kwargs`` with
   ``average_tokens_across_devices``, i.e. each micro-batch's loss sum over the step's loss tokens on
   all ranks (the global token mean), packed or padded.
-- **Refused**, with a message: ``--packing``, ``--padding_free`` and ``--sequence_parallel_size`` > 1
-  (rows of their own; use ``packed=True`` with ``max_tokens_per_rank`` instead), streaming datasets,
+- **Sequence parallelism** (``--sequence_parallel_size S``, padded batches): the ``S`` peers of one
+  SP group get the same batches, planned over ms-swift's own data-parallel ranks
+  (:func:`swift_dp_group`, the group its ``SequenceParallelSampler`` shards over), world / ``S`` of
+  them; ms-swift then splits each padded row across the group as it does for its own sampler.
+  ``packed=True`` with ``--sequence_parallel_size`` > 1 is refused.
+- **Tensor parallelism** (DeepSpeed AutoTP, ``tensor_parallel.autotp_size`` in ``--deepspeed``):
+  planned over world / ``autotp_size`` ranks, ``rank // autotp_size``, as ms-swift's own
+  ``BatchSamplerShard`` splits them (``dataloader/shard.py``:19-43), through the Trainer mixin's
+  :func:`tokenbal.hf_compat.trainer_data_parallel` (not run here: AutoTP needs DeepSpeed on GPUs).
+- **Refused**, with a message: ``--packing`` and ``--padding_free`` (rows of their own; use
+  ``packed=True`` with ``max_tokens_per_rank`` instead), streaming datasets,
   and any task but ``causal_lm`` (``--task_type seq_cls`` / ``embedding`` / ..., ``swift rlhf``),
   which would otherwise train on ms-swift's own sampler as if the plugin were not there.
 """
@@ -49,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["plugin_path", "register", "swift_lengths", "trainer_class"]
+__all__ = ["plugin_path", "register", "swift_dp_group", "swift_lengths", "trainer_class"]
 
 logger = logging.getLogger("tokenbal")
 
@@ -114,14 +123,22 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
                 if getattr(train_args, flag, False):
                     raise ValueError(f"tokenbal: --{flag} is not supported with token-balanced batches (use "
                                      "tokenbal's register(packed=True, max_tokens_per_rank=N) instead)")
-            if int(getattr(train_args, "sequence_parallel_size", 1) or 1) > 1:
-                raise ValueError("tokenbal: --sequence_parallel_size > 1 is not supported")
+            sp = int(getattr(kwargs.get("template"), "sequence_parallel_size", None)
+                     or getattr(train_args, "sequence_parallel_size", 1) or 1)
             dataset = kwargs.get("train_dataset")
             if dataset is None or not hasattr(dataset, "__len__"):
                 raise ValueError("tokenbal: ms-swift's train dataset must have a length (no --streaming)")
             _check_placeholder_ids(kwargs.get("template"), kwargs.get("model"))
             lengths = swift_lengths(dataset)
             options = dict(opts)
+            if sp > 1:
+                if packed:
+                    raise ValueError("tokenbal: packed=True with --sequence_parallel_size > 1 is not "
+                                     "supported: ms-swift's sequence parallelism splits padded rows and "
+                                     "patches the attention that the packed model replaces; use padded "
+                                     "batches (the default plugin) with --sequence_parallel_size")
+                # The peers of one SP group share a batch: plan over ms-swift's own data-parallel ranks.
+                options.setdefault("dp_group", swift_dp_group(sp))
             if getattr(train_args, "train_dataloader_shuffle", True) is False:
                 options.setdefault("shuffle", False)   # ms-swift's own loader would not shuffle either
             super().__init__(*args, token_lengths=lengths, sampler_options=options, packed=packed, **kwargs)
@@ -132,6 +149,22 @@ def trainer_class(base: Any, options: dict[str, Any] | None = None) -> Any:
 
     TokenBalancedSwiftTrainer.__qualname__ = f"TokenBalanced{base.__name__}"
     return TokenBalancedSwiftTrainer
+
+
+def swift_dp_group(sequence_parallel_size: int) -> Any:
+    """The process group of ms-swift's data-parallel ranks under ``--sequence_parallel_size`` (its
+    ``SequenceParallel`` mesh ``("data", "sequence")`` or ``("data", "ring", "sequence")``, the SP peers
+    of one ``"data"`` rank consecutive: ms-swift 4.6 ``sequence_parallel/sequence_parallel.py``:648-668),
+    the group its own ``SequenceParallelSampler`` shards over (``sequence_parallel/utils.py``:108-116).
+    ``swift sft`` prepares it before the trainer is built (``pipelines/train/sft.py``:55-57)."""
+    from swift.sequence_parallel import sequence_parallel
+
+    if sequence_parallel.device_mesh is None or sequence_parallel.world_size != sequence_parallel_size:
+        raise RuntimeError(f"tokenbal: ms-swift's sequence parallelism is not prepared for "
+                           f"--sequence_parallel_size {sequence_parallel_size} (its SequenceParallel has "
+                           f"world size {sequence_parallel.world_size}); cannot tell which ranks share a "
+                           "batch")
+    return sequence_parallel.dp_group
 
 
 def _check_placeholder_ids(template: Any, model: Any) -> None:

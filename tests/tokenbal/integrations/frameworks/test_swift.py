@@ -14,7 +14,9 @@ gloo ranks with a tiny random Qwen2-VL and its ``qwen2_vl`` template, with and w
   over ``B``, no padding, the first step's loss equal to ms-swift's global token mean of the samples'
   own unpacked losses;
 - a run killed after a mid-epoch checkpoint, resumed with ``--resume_from_checkpoint``, trains
-  exactly the steps the uninterrupted run trained (padded and packed).
+  exactly the steps the uninterrupted run trained (padded and packed);
+- ``--sequence_parallel_size 2`` on 4 ranks: the two peers of each SP group train the same batches,
+  the two data-parallel ranks disjoint ones covering the epoch; packed rows with it are refused.
 
 `make test-frameworks`."""
 
@@ -50,16 +52,17 @@ def sw(tmp_path_factory):
 
 
 def _run(sw: dict, name: str, *, plugin: Path | None, extra: tuple = (), env: dict | None = None,
-         record_name: str = "record"):
-    """One ``swift sft`` run; returns (completed process, its steps or None, output folder)."""
+         record_name: str = "record", world: int = WORLD):
+    """One ``swift sft`` run on ``world`` ranks; returns (completed process, its steps or None, output
+    folder)."""
     out = sw["root"] / name / "out"
     record = sw["root"] / name / record_name
     plugins = [*([str(plugin)] if plugin else []), str(REPO / "tests" / "helpers" / "swift_record.py")]
     args = fw.swift_args(sw["data"], sw["model"], out, *extra, "--external_plugins", *plugins)
     done = fw.run_cli([str(sw["python"].parent / "swift"), *args], f"{name}/{record_name}",
-                      {"RECORD_DIR": str(record), "NPROC_PER_NODE": str(WORLD),
+                      {"RECORD_DIR": str(record), "NPROC_PER_NODE": str(world),
                        "MASTER_PORT": str(fw.free_port()), **(env or {})})
-    steps = fw.steps(record, WORLD) if (record / "rank0.jsonl").is_file() else None
+    steps = fw.steps(record, world) if (record / "rank0.jsonl").is_file() else None
     return done, steps, out
 
 
@@ -132,6 +135,33 @@ def test_swift_packed_rows_under_a_token_budget(sw):
                                extra=("--save_steps", str(save_at), "--resume_from_checkpoint", str(ckpt)))
     fw.assert_ok(resumed)
     fw.assert_resumed(steps, k_steps, r_steps, save_at, kill_at)
+
+
+def test_swift_sequence_parallel_peers_share_batches(sw):
+    # --sequence_parallel_size 2 on 4 ranks: ms-swift's ("data", "sequence") mesh makes two
+    # data-parallel ranks of two SP peers each (ranks 0-1 and 2-3), and splits each padded row across
+    # the peers. The peers must train the same batches, the data-parallel ranks disjoint ones.
+    world, sp = 4, 2
+    done, steps, _ = _run(sw, "sequence-parallel", plugin=TOKENBAL_PLUGIN, world=world,
+                          extra=("--sequence_parallel_size", str(sp), "--num_train_epochs", "1",
+                                 "--lazy_tokenize", "false"))
+    fw.assert_ok(done)
+    assert sorted(steps) == list(range(1, N // (2 * (world // sp)) + 1))   # 2 rows per DP rank and step
+    seen = []
+    for s in sorted(steps):
+        rows = [r["rows"] for r in steps[s]]
+        assert rows[0] == rows[1] and rows[2] == rows[3], (s, rows)      # SP peers: one batch
+        assert not set(rows[0]) & set(rows[2]), (s, rows)                 # DP ranks: different ones
+        seen += rows[0] + rows[2]
+    assert sorted(seen) == list(range(N))                                 # the epoch, each row once
+
+
+def test_swift_packed_sequence_parallel_is_refused(sw):
+    done, _, _ = _run(sw, "sequence-parallel-packed", plugin=sw["packed_plugin"],
+                      extra=("--sequence_parallel_size", "2", "--num_train_epochs", "1"))
+    assert done.returncode != 0
+    said = "tokenbal: packed=True with --sequence_parallel_size > 1 is not supported"
+    assert said in done.stderr + done.stdout
 
 
 def test_other_tasks_refused_instead_of_silently_unbalanced():
