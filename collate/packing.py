@@ -334,7 +334,11 @@ class PackedCollator:
         # Per sample only gathering and the checks that cost one attribute read; the vision fields
         # are checked for all samples at once below, and all arithmetic runs once on the packed row.
         for i, sample in enumerate(samples):
-            get = sample.get
+            try:
+                get = sample.get
+            except AttributeError:
+                raise TypeError(f"sample {i} is a {type(sample).__name__}, not a mapping of fields "
+                                "(input_ids, labels, ...)") from None
             ids = get("input_ids")
             if type(ids) is not np.ndarray or ids.dtype != np.int64 or ids.ndim != 1:
                 ids = _int_1d(sample, i, "input_ids")
@@ -353,8 +357,13 @@ class PackedCollator:
                         f"input_ids has {length}"
                     )
             mask = get("attention_mask")
-            if mask is not None and not bool((_np(mask) != 0).all()):
-                raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
+            if mask is not None:
+                mask = _np(mask)
+                if mask.size != length:
+                    raise ValueError(f"sample {i}: field 'attention_mask' has {mask.size} entries, "
+                                     f"input_ids has {length}")
+                if not bool((mask != 0).all()):
+                    raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
             ids_list.append(ids)
             labels_list.append(labels)
             seq_lens.append(length)

@@ -472,12 +472,19 @@ def _ok() -> dict:
         ({"pixel_values": np.zeros((8, FEAT), np.float64)}, r"'pixel_values' is torch.float64"),
         ({"attention_mask": [1, 1, 1, 1, 0]}, r"sample 1: field 'attention_mask' has zeros"),
         ({"second_per_grid_ts": [1.0]}, r"sample 1: field 'second_per_grid_ts' has 1 entries for 0 videos"),
+        ({"attention_mask": [1, 1, 1]}, r"sample 1: field 'attention_mask' has 3 entries, input_ids has 5"),
     ],
 )
 def test_errors_name_sample_and_field(change, match):
     bad = {**_ok(), **change}
     with pytest.raises(ValueError, match=match):
         collator()([_ok(), bad])
+
+
+@pytest.mark.parametrize("sample", [[1, 2, 3], np.array([1, 2, 3]), "text"])
+def test_a_sample_that_is_not_a_mapping_is_named(sample):
+    with pytest.raises(TypeError, match=r"sample 1 is a (list|ndarray|str), not a mapping of fields"):
+        collator()([_ok(), sample])
 
 
 def test_constructor_errors():
