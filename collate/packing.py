@@ -255,6 +255,8 @@ class PackedCollator:
             raise ValueError(f"vision_window must be >= 1 merged tokens, got {self.vision_window}")
         if self.sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_pad_token_id < 0:
+            raise ValueError(f"sp_pad_token_id must be a token id >= 0, got {self.sp_pad_token_id}")
         if self.mrope_style not in ("qwen", "glm4v"):
             raise ValueError(f"mrope_style must be 'qwen' or 'glm4v', got {self.mrope_style!r}")
         if self.mrope_style == "glm4v" and (self.rope != "mrope" or self.video_span_token_ids is None):
@@ -410,6 +412,7 @@ class PackedCollator:
         np.concatenate(ids_list, out=rows[0])
         np.concatenate(labels_list, out=rows[1])
         input_ids, labels = rows[0], rows[1]
+        _check_values(input_ids, labels, cu, self.ignore_index)
         # No token may learn to predict the first token of the next sample: HF shifts labels left
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
@@ -512,6 +515,28 @@ class PackedCollator:
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_values(input_ids: np.ndarray, labels: np.ndarray, cu: np.ndarray, ignore_index: int) -> None:
+    """No negative token id, and no negative label but ``ignore_index``: the embedding lookup or the
+    loss would fail on them far from the sample (on an accelerator, as a device-side assert), and
+    a stray negative label would count as a loss token. Checked on the packed row (a few
+    vectorised passes); the first offender is then named by sample and index."""
+    if input_ids.shape[0] and input_ids.min() < 0:
+        _raise_at(np.flatnonzero(input_ids < 0)[0], input_ids, cu, "input_ids", "a token id must be >= 0")
+    if ignore_index < 0:
+        bad = (labels < 0) & (labels != ignore_index)
+    else:  # an unusual but valid choice: then no label may be negative
+        bad = labels < 0
+    if bad.any():
+        _raise_at(np.flatnonzero(bad)[0], labels, cu, "labels",
+                  f"neither a token id nor the collator's ignore_index {ignore_index}")
+
+
+def _raise_at(index: int, row: np.ndarray, cu: np.ndarray, field: str, why: str) -> None:
+    i = int(np.searchsorted(cu, index, side="right")) - 1
+    value, at = int(row[index]), int(index - cu[i])
+    raise ValueError(f"sample {i}: field {field!r} holds {value} at index {at}, {why}")
 
 
 def _opt_int(x: Any) -> int | None:

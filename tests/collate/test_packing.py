@@ -472,6 +472,10 @@ def _ok() -> dict:
         ({"pixel_values": np.zeros((8, FEAT), np.float64)}, r"'pixel_values' is torch.float64"),
         ({"attention_mask": [1, 1, 1, 1, 0]}, r"sample 1: field 'attention_mask' has zeros"),
         ({"second_per_grid_ts": [1.0]}, r"sample 1: field 'second_per_grid_ts' has 1 entries for 0 videos"),
+        # an embedding lookup or the loss would fail on these far from the sample (on an accelerator:
+        # a device-side assert), and a stray negative label would count as a loss token
+        ({"input_ids": [-1, VS, IMG, IMG, VE]}, r"sample 1: field 'input_ids' holds -1 at index 0"),
+        ({"labels": [5, -1, 7, 7, 7]}, r"sample 1: field 'labels' holds -1 at index 1, .*ignore_index -100"),
         ({"attention_mask": [1, 1, 1]}, r"sample 1: field 'attention_mask' has 3 entries, input_ids has 5"),
     ],
 )
@@ -485,6 +489,15 @@ def test_errors_name_sample_and_field(change, match):
 def test_a_sample_that_is_not_a_mapping_is_named(sample):
     with pytest.raises(TypeError, match=r"sample 1 is a (list|ndarray|str), not a mapping of fields"):
         collator()([_ok(), sample])
+
+
+def test_labels_under_another_ignore_index():
+    """The collator's own ignore_index is the one negative label allowed; -100 is then a stray."""
+    coll = PackedCollator(rope="1d", ignore_index=-1)
+    ok = coll([{"input_ids": [1, 2, 3], "labels": [-1, 2, 3]}])
+    assert ok.labels.tolist() == [[-1, 2, 3]] and ok.num_loss_tokens == 2
+    with pytest.raises(ValueError, match=r"sample 0: field 'labels' holds -100 at index 0, .*index -1$"):
+        coll([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}])
 
 
 def test_constructor_errors():
