@@ -357,8 +357,15 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
     max_seqlen = fields["max_seqlen"]
     if isinstance(max_seqlen, torch.Tensor):
         raise ValueError("max_seqlen must be a python int (a tensor would force a host sync in every layer)")
-    if max_seqlen is None and ends is not None:
-        max_seqlen = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    if ends is not None:
+        longest = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif int(max_seqlen) < longest:
+            # flash-attn sizes its grid by max_seqlen: the rows of a longer segment past it would
+            # not be computed, without an error.
+            raise ValueError(f"max_seqlen={max_seqlen} is shorter than the batch's longest segment "
+                             f"({longest} tokens)")
     cu_seqlens = fields["cu_seqlens"]
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int32)
