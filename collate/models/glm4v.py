@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from collate.models import core, grid_vision
+from collate.ops.rope.common import frequency_axes
 
 SUPPORTED_MODEL_TYPES = ("glm4v",)
 
@@ -54,7 +55,9 @@ def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     pos = positions.reshape(positions.shape[0], -1)
     if pos.shape[0] == 1:
         pos = pos.expand(3, -1)
-    axis = torch.tensor([a for a, n in enumerate(mrope_section) for _ in range(int(n))], device=pos.device)
+    # The frequency -> position row map, cached per device: built from a python list in every layer
+    # it was a blocking host-to-device copy each time.
+    axis = frequency_axes(mrope_section, False, pos.device)
     freqs = pos.index_select(0, axis).t().float() * inv_freq.to(device=q.device, dtype=torch.float)
     cos = (freqs.cos() * attention_scaling).to(q.dtype)[:, None, :]  # (T, 1, R/2)
     sin = (freqs.sin() * attention_scaling).to(q.dtype)[:, None, :]

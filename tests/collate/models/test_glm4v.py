@@ -23,7 +23,11 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from collate.positions import glm4v_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
+from tests.helpers.host_reads import (  # noqa: E402
+    host_reads_of_step,
+    host_tensors_of_step,
+    skip_unless_tower_takes,
+)
 from tests.helpers.reference import (  # noqa: E402
     backward_and_compare,
     forward_calls,
@@ -273,6 +277,8 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     batch = collator(reference)(text_only(samples) if mix == "text only" else samples)
     packed(**batch).loss.backward()  # warm-up: the idle image's cached input
     assert host_reads_of_step(packed, batch, monkeypatch) == []
+    # nor a tensor built from host data (glm_rope's section map was, in every layer)
+    assert host_tensors_of_step(packed, batch) == []
 
 
 def test_hand_made_batch_without_collator_fields(reference):
