@@ -272,7 +272,10 @@ class PackedCollator:
         """Build from a transformers config: Qwen2-VL / Qwen2.5-VL / Qwen3-VL -> M-RoPE, else 1-D.
 
         LLaVA / InternVL language models use plain 1-D RoPE, so anything without a Qwen-VL
-        ``model_type`` gets ``rope="1d"``. ``overrides`` replace any field (e.g. ``pin_memory``).
+        ``model_type`` gets ``rope="1d"``, except a multimodal family whose transformers model lays
+        out its own M-RoPE positions (``get_rope_index``: GLM-4.6V, PaddleOCR-VL, the Qwen omni
+        thinkers, ...), which raises ``ValueError`` unless ``rope`` is given explicitly.
+        ``overrides`` replace any field (e.g. ``pin_memory``).
         ``layout`` (a :class:`tokenbal.parallel.ParallelLayout`) sets ``sp_size``.
         """
         if layout is not None:
@@ -317,6 +320,17 @@ class PackedCollator:
 
                 kwargs["whole_video_seconds"] = qwen2_5_vl_whole_seconds()
         else:
+            if "rope" not in overrides:
+                from tokenbal.hf_compat import builds_rope_index
+
+                if builds_rope_index(hf_config):
+                    # Plain per-sample positions would be silently wrong for its vision tokens.
+                    known = sorted(_MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES + _GLM_MODEL_TYPES)
+                    raise ValueError(
+                        f"model_type={model_type!r} lays out multi-row (M-RoPE) positions with its own "
+                        "get_rope_index, which PackedCollator does not reproduce for this family; it "
+                        f"does for {known}. Pass rope=... explicitly only if you know the layout is one "
+                        "of those.")
             kwargs = dict(rope="1d")
         kwargs.update(overrides)
         return cls(**kwargs)

@@ -270,6 +270,30 @@ def test_from_config_qwen25_and_unsupported():
     assert glm.vision_start_token_id == glm_cfg.image_start_token_id
 
 
+@pytest.mark.parametrize("name", ["Glm46VConfig", "PaddleOCRVLConfig", "Qwen2_5OmniThinkerConfig",
+                                  "Qwen2_5OmniConfig", "Ernie4_5_VLMoeConfig"])
+def test_from_config_refuses_an_mrope_family_it_does_not_lay_out(name):
+    """Models whose transformers class builds its own M-RoPE positions (get_rope_index) but whose
+    layout the collator does not know got plain 1-D positions without a word: wrong for every
+    vision token and the text after it."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    cfg = getattr(transformers, name)()
+    with pytest.raises(ValueError, match=rf"model_type='{cfg.model_type}' lays out multi-row .*get_rope_"):
+        PackedCollator.from_config(cfg)
+    assert PackedCollator.from_config(cfg, rope="1d").rope == "1d"  # said explicitly: the caller's call
+
+
+@pytest.mark.parametrize("name", ["LlamaConfig", "Qwen2Config", "LlavaConfig", "InternVLConfig",
+                                  "Qwen3_5TextConfig"])
+def test_from_config_keeps_plain_rope_models_one_dimensional(name):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    assert PackedCollator.from_config(getattr(transformers, name)()).rope == "1d"
+
+
 @pytest.mark.parametrize("name", ["Qwen3VLMoeConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"])
 def test_from_config_qwen3_family(name):
     """Their get_rope_index is Qwen3-VL's code verbatim in transformers 5.24 (checked by diff)."""
