@@ -256,6 +256,17 @@ def test_glm_rope_equals_hf_rotary(dtype):
     assert torch.equal(got_q[..., 16:], q[0].transpose(0, 1)[..., 16:])  # the unrotated half
 
 
+def test_four_row_positions_equal_three_rows(reference):
+    """transformers' GLM-4V takes ``(4, 1, T)`` position ids (row 0: text positions, dropped before
+    the rotary); the packed rotary read rows 0-2 of them, text / T / H, without an error."""
+    packed = enable_packed(copy.deepcopy(reference))
+    batch = collator(reference)(make_samples())
+    with torch.no_grad():
+        three = packed(**batch).loss
+        four = packed(**{**dict(batch.items()), "position_ids": batch.position_ids_4row}).loss
+    torch.testing.assert_close(four, three, rtol=0, atol=0)
+
+
 def test_text_only_batch_runs_the_idle_tower(reference):
     ref = copy.deepcopy(reference)
     packed = enable_packed(copy.deepcopy(reference))
