@@ -45,7 +45,7 @@ from torch import nn
 
 from collate.fields import CONSUMED_BY_WRAPPER, SP_ROUTING, VISION_PLAN
 from collate.ops import apply_mrope, varlen_attention
-from collate.ops.attention import segment_ends
+from collate.ops.attention.segments import check_segment_ends, segment_ends
 from collate.ops.ulysses import all_to_all_rows, ulysses_attention, ulysses_kv_heads
 
 PACKED_KWARG = "tokenbal_packed"
@@ -346,10 +346,12 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         # the loss is 0 with zero gradients for every parameter.
         kwargs.setdefault("num_items_in_batch", 1)
     ends: Sequence[int] | None = fields["cu_seqlens_list"]
+    source = "cu_seqlens_list"
     if ends is None and fields["seq_lens"] is not None:
-        ends = segment_ends(fields["seq_lens"])
+        ends, source = segment_ends(fields["seq_lens"]), "seq_lens"
     if ends is not None:
         ends = [int(e) for e in ends]
+        check_segment_ends(ends, source)
         if not ends or ends[-1] != num_tokens * sp_size:
             covered = ends[-1] if ends else 0
             raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}"

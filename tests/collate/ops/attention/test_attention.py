@@ -91,6 +91,11 @@ def test_bad_inputs_raise(monkeypatch):
         varlen_attention(q, k, v, {"cu_seqlens_list": [0, 3, 8]})
     with pytest.raises(ValueError, match="cu_seqlens_list"):
         varlen_attention(q, k, v, {"max_seqlen": 8})
+    # a negative length (ends going back) re-covered or merged segments without a word: [10, -2]
+    # attended over all 8 tokens as one sample, [5, -2, 5] returned 10 rows for 8 tokens
+    for bad in ({"seq_lens": [5, -2, 5]}, {"cu_seqlens_list": [5, 3, 8]}, {"seq_lens": [10, -2]}):
+        with pytest.raises(ValueError, match=r"segment 1 has length -2"):
+            varlen_attention(q, k, v, bad)
     with pytest.raises(ValueError, match="multiple"):
         varlen_attention(q[:, :3].contiguous(), k, v, _batch([8]))
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "npu")
