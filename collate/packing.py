@@ -698,6 +698,9 @@ def _seconds(items: list[tuple[int, Any]], vid_per: np.ndarray) -> np.ndarray:
                 f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
                 f"{vid_per[i]} videos"
             )
+        if not (np.isfinite(sec_arr).all() and (sec_arr >= 0).all()):
+            raise ValueError(f"sample {i}: field 'second_per_grid_ts' must be finite and >= 0, got "
+                             f"{sec_arr.tolist()}")
         out[ends[i] - vid_per[i] : ends[i]] = sec_arr
     return out
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from collate import PackedBatch, PackedCollator
 from collate.packing import _should_pin
-from collate.positions import mrope_positions
+from collate.positions import mrope_positions, packed_mrope_positions
 from tokenbal.hf_compat import get_rope_index
 
 IMG, VID, VS, VE = 60, 61, 62, 63
@@ -194,6 +194,30 @@ def test_second_per_grid_ts_qwen25():
         tokens_per_second=2,
     )
     np.testing.assert_array_equal(b.position_ids[:, 0, : len(s1["input_ids"])].numpy(), ref)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_second_per_grid_ts_must_be_finite_and_not_negative(bad):
+    """NaN read as "unscaled" (1 step a frame), inf gave positions of -2**63, a negative step ran the
+    frames backwards: all without an error."""
+    rng = np.random.default_rng(5)
+    s1, s2 = make_sample(rng, 0, 1), make_sample(rng, 1, 2, seconds=True)
+    s2["second_per_grid_ts"] = [0.5, bad]
+    with pytest.raises(ValueError, match=r"sample 1: field 'second_per_grid_ts' must be finite and >= 0"):
+        collator(tokens_per_second=2)([s1, s2])
+    # the packed function names the sample too (s1: one video, no image; s2: one image, two videos)
+    ids = np.concatenate([s1["input_ids"], s2["input_ids"]])
+    with pytest.raises(ValueError, match=r"sample 1: second_per_grid_ts must be finite and >= 0"):
+        packed_mrope_positions(
+            ids, np.array([0, len(s1["input_ids"]), len(ids)]), np.asarray(s2["image_grid_thw"]),
+            np.concatenate([s1["video_grid_thw"], s2["video_grid_thw"]]), images_per_sample=np.array([0, 1]),
+            videos_per_sample=np.array([1, 2]), image_token_id=IMG, video_token_id=VID,
+            vision_start_token_id=VS, spatial_merge_size=MERGE, second_per_grid_ts=np.array([1.0, 0.5, bad]),
+            tokens_per_second=2)
+    with pytest.raises(ValueError, match=r"second_per_grid_ts must be finite and >= 0"):
+        mrope_positions(s2["input_ids"], s2["image_grid_thw"], s2["video_grid_thw"], image_token_id=IMG,
+                        video_token_id=VID, vision_start_token_id=VS, spatial_merge_size=MERGE,
+                        second_per_grid_ts=s2["second_per_grid_ts"], tokens_per_second=2)
 
 
 def test_mapping_view(samples):
