@@ -156,6 +156,10 @@ class TileLayout:
 
     def take(self, sample: dict[str, Any], i: int, ids: np.ndarray, image_token_id: int | None,
              video_token_id: int | None) -> AnyresSample:
+        if sample.get("pixel_values_videos") is not None:
+            # the tiles below are all the tower sees: separate frames would be dropped silently
+            raise ValueError(f"sample {i}: field 'pixel_values_videos' given, but {self.family}'s processor "
+                             "hands video frames as tiles in 'pixel_values' (under the image token)")
         pv = sample.get("pixel_values")
         tiles = None
         if pv is not None:

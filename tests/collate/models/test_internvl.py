@@ -101,6 +101,10 @@ def test_collator_and_index_counts(reference, tmp_path):
     bad = dict(samples[1], pixel_values=samples[1]["pixel_values"][:-1])
     with pytest.raises(ValueError, match=r"sample 1: \d+ image placeholder tokens in input_ids but pixel_v"):
         collator(reference)([samples[0], bad])
+    # InternVL's processor hands video frames as tiles in pixel_values; separate frames were dropped
+    stray = dict(samples[1], pixel_values_videos=samples[1]["pixel_values"])
+    with pytest.raises(ValueError, match=r"sample 1: field 'pixel_values_videos'.*tiles in 'pixel_values'"):
+        collator(reference)([samples[0], stray])
     # The estimator tokenbal index build loads from the checkpoint's files counts what the batch holds.
     from tokenbal.estimate.vision import load_estimator
 
