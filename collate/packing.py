@@ -199,8 +199,8 @@ class PackedCollator:
     by :func:`collate.positions.packed_mrope_positions` (needs ``image_token_id``);
     ``tokens_per_second`` is Qwen2.5-VL's video time scale, ``split_video_frames`` Qwen3-VL's
     per-frame video grids. ``rope="1d"``: plain
-    per-sample ``arange``; vision tensors are still concatenated and passed through, and the
-    placeholder count is checked only if ``image_token_id`` is set and a grid is given.
+    per-sample ``arange``; vision tensors are still concatenated and passed through, and with
+    ``image_token_id`` set every sample's placeholder count is checked against its grids (none: 0).
     ``vision_window``: Qwen2.5-VL's attention window side in merged tokens (``window_size //
     (spatial_merge_size * patch_size)``), for the precomputed window layout; None elsewhere.
     ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
@@ -401,9 +401,6 @@ class PackedCollator:
         vid_grids, vid_per, videos = _gather_vision(vid_items, n, "pixel_values_videos", "video_grid_thw")
         any_seconds = bool(sec_items)
         sec_all = _seconds(sec_items, vid_per) if any_seconds else None
-        if self.rope == "1d" and self.image_token_id is not None:
-            for i, _, grid in img_items:
-                self._check_1d_counts(ids_list[i], as_grid(grid), i)
 
         total = sum(seq_lens)
         sp_padding = -total % self.sp_size
@@ -427,6 +424,8 @@ class PackedCollator:
         np.concatenate(labels_list, out=rows[1])
         input_ids, labels = rows[0], rows[1]
         _check_values(input_ids, labels, cu, self.ignore_index)
+        if self.rope == "1d" and self.image_token_id is not None and self.anyres is None:
+            self._check_1d_counts(input_ids, cu, img_grids, img_per)
         # No token may learn to predict the first token of the next sample: HF shifts labels left
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
@@ -515,17 +514,23 @@ class PackedCollator:
         fields["vision_token_index"] = torch.from_numpy(slots)
         return fields
 
-    def _check_1d_counts(self, ids: np.ndarray, grid: np.ndarray | None, i: int) -> None:
-        if self.image_token_id is None or grid is None:
-            return
+    def _check_1d_counts(self, ids: np.ndarray, cu: np.ndarray, grids: np.ndarray | None,
+                         per_sample: np.ndarray) -> None:
+        """Every sample's image placeholders against its grids, a sample without grids included
+        (its placeholders would have no features): the 1-D mode's only vision check."""
         m = self.spatial_merge_size
-        expected = int((grid.prod(axis=1) // (m * m)).sum())
-        found = int((ids == self.image_token_id).sum())
-        if found != expected:
-            raise ValueError(
-                f"sample {i}: {found} image placeholder tokens in input_ids but image_grid_thw "
-                f"{grid.tolist()} needs {expected}"
-            )
+        need = np.zeros(cu.shape[0] - 1, dtype=np.int64)
+        if grids is not None:
+            owner = np.repeat(np.arange(per_sample.shape[0]), per_sample)
+            np.add.at(need, owner, grids.prod(axis=1) // (m * m))
+        found = np.diff(np.searchsorted(np.flatnonzero(ids == self.image_token_id), cu))
+        bad = np.flatnonzero(found != need)
+        if bad.size:
+            i = int(bad[0])
+            first = int(per_sample[:i].sum())
+            grid = [] if grids is None else grids[first:first + int(per_sample[i])].tolist()
+            raise ValueError(f"sample {i}: {int(found[i])} image placeholder tokens in input_ids but "
+                             f"image_grid_thw {grid} needs {int(need[i])}")
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)

@@ -277,6 +277,20 @@ def test_one_d_mode_and_from_config():
     assert b.pixel_values.shape == (4, 3)
 
 
+def test_one_d_mode_checks_placeholders_of_samples_without_grids():
+    """With image_token_id set, a sample's image tokens without grids (their features nowhere) are
+    named like a count that disagrees with its grids; only samples with grids were checked."""
+    coll = PackedCollator(rope="1d", image_token_id=IMG, sp_size=3)
+    with_grid = {"input_ids": [1, IMG, IMG], "pixel_values": np.ones((8, 3), np.float32),
+                 "image_grid_thw": [[1, 2, 4]]}
+    assert coll([with_grid, {"input_ids": [4, 5]}]).seq_lens == [3, 2, 1]
+    with pytest.raises(ValueError, match=r"sample 1: 2 image placeholder tokens in input_ids but "
+                                         r"image_grid_thw \[\] needs 0"):
+        coll([with_grid, {"input_ids": [4, IMG, IMG]}])
+    with pytest.raises(ValueError, match=r"sample 0: 1 image placeholder tokens .* \[\[1, 2, 4\]\] needs 2"):
+        coll([{**with_grid, "input_ids": [1, IMG]}])
+
+
 def test_from_config_qwen25_and_unsupported():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2_5_VLConfig(vision_config=dict(tokens_per_second=4, spatial_merge_size=2))
