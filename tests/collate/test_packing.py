@@ -605,6 +605,27 @@ def test_boundary_invariants(seqs):
         assert (tp[starts] == 0).all() and int(tp.max()) == max(lens) - 1
 
 
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(-3, 9), st.sampled_from([-100, -7, -1, 0, 5])),
+                         min_size=1, max_size=6), min_size=1, max_size=5))
+def test_value_checks_name_the_first_bad_token(rows):
+    """A negative token id, or a negative label other than ignore_index, raises naming the first
+    offending sample, field and index (ids before labels); anything else collates."""
+    samples = [{"input_ids": [t for t, _ in r], "labels": [lab for _, lab in r]} for r in rows]
+    bad_id = next(((i, j, t) for i, r in enumerate(rows) for j, (t, _) in enumerate(r) if t < 0), None)
+    bad_label = next(((i, j, lab) for i, r in enumerate(rows) for j, (_, lab) in enumerate(r)
+                      if lab < 0 and lab != -100), None)
+    first = bad_id or bad_label
+    if first is None:
+        assert PackedCollator(rope="1d")(samples).seq_lens == [len(r) for r in rows]
+        return
+    sample, index, value = first
+    field = "input_ids" if bad_id else "labels"
+    expected = rf"^sample {sample}: field '{field}' holds {value} at index {index},"
+    with pytest.raises(ValueError, match=expected):
+        PackedCollator(rope="1d")(samples)
+
+
 def _ok_fast() -> dict:
     """A valid sample in the types the collator checks batch-wide (numpy ids and grids, torch pixel
     rows); the errors below must be the same ones the per-sample path words."""
