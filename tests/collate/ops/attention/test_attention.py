@@ -7,6 +7,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from collate import varlen_attention
 from collate.ops.attention import segment_ends
@@ -108,6 +110,26 @@ def test_bad_inputs_raise(monkeypatch):
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "flash_attn")
     with pytest.raises(ValueError, match="python int"):
         varlen_attention(q, k, v, {**_batch([8]), "max_seqlen": torch.tensor(8)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 4), min_size=1, max_size=6))
+def test_segment_lengths_must_not_be_negative(seq_lens):
+    """Any negative length raises naming the first such segment (even when the ends still total
+    the token count); non-negative lengths attend segment by segment, empty ones skipped."""
+    total = sum(seq_lens)
+    q, k, v = _qkv(max(total, 1), 2, 1, 8)
+    q, k, v = q[:total], k[:total], v[:total]
+    negative = [i for i, n in enumerate(seq_lens) if n < 0]
+    if total <= 0 or seq_lens[0] == 0:
+        return  # no tokens, or a first end of 0 (refused as cu_seqlens' own leading 0)
+    if negative:
+        with pytest.raises(ValueError, match=rf"segment {negative[0]} has length {seq_lens[negative[0]]}"):
+            varlen_attention(q, k, v, {"seq_lens": seq_lens})
+        return
+    out = varlen_attention(q, k, v, {"seq_lens": seq_lens})
+    want = varlen_attention(q, k, v, {"seq_lens": [n for n in seq_lens if n]})
+    assert torch.equal(out, want)
 
 
 def test_cuda_dispatch_choice_without_a_gpu(monkeypatch):
