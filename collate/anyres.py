@@ -156,6 +156,10 @@ class TileLayout:
 
     def take(self, sample: dict[str, Any], i: int, ids: np.ndarray, image_token_id: int | None,
              video_token_id: int | None) -> AnyresSample:
+        if sample.get("pixel_values_videos") is not None:
+            # the tiles below are all the tower sees: separate frames would be dropped silently
+            raise ValueError(f"sample {i}: field 'pixel_values_videos' given, but {self.family}'s processor "
+                             "hands video frames as tiles in 'pixel_values' (under the image token)")
         pv = sample.get("pixel_values")
         tiles = None
         if pv is not None:
@@ -175,8 +179,8 @@ def _side(x: Any) -> int:
 def collate_anyres(parts: list[AnyresSample], ids: np.ndarray, image_token_id: int | None,
                    video_token_id: int | None) -> dict[str, Any]:
     """The batch fields of the samples' vision inputs (images then videos, in sample order)."""
-    crops = [p.crops for p in parts if p.crops is not None]
-    frames = [p.frames for p in parts if p.frames is not None]
+    crops = [(i, p.crops) for i, p in enumerate(parts) if p.crops is not None]
+    frames = [(i, p.frames) for i, p in enumerate(parts) if p.frames is not None]
     out: dict[str, Any] = {}
     if crops:
         out["pixel_values"] = _cat("pixel_values", crops)
@@ -236,10 +240,11 @@ def _check_count(ids: np.ndarray, token: int | None, expected: int, i: int, kind
                          f"need {expected}")
 
 
-def _cat(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    first = tensors[0]
-    for t in tensors[1:]:
+def _cat(name: str, items: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The samples' tensors ``(sample index, tensor)`` concatenated; a mismatch names both samples."""
+    first_i, first = items[0]
+    for i, t in items[1:]:
         if t.dtype != first.dtype or t.shape[1:] != first.shape[1:]:
-            raise ValueError(f"field {name!r}: samples disagree ({first.dtype} {tuple(first.shape)} vs "
-                             f"{t.dtype} {tuple(t.shape)})")
-    return torch.cat(tensors) if len(tensors) > 1 else first.clone()
+            raise ValueError(f"sample {i}: field {name!r} is {t.dtype} {tuple(t.shape)}, sample {first_i} "
+                             f"has {first.dtype} {tuple(first.shape)}; all samples must agree")
+    return torch.cat([t for _, t in items]) if len(items) > 1 else first.clone()

@@ -199,8 +199,8 @@ class PackedCollator:
     by :func:`collate.positions.packed_mrope_positions` (needs ``image_token_id``);
     ``tokens_per_second`` is Qwen2.5-VL's video time scale, ``split_video_frames`` Qwen3-VL's
     per-frame video grids. ``rope="1d"``: plain
-    per-sample ``arange``; vision tensors are still concatenated and passed through, and the
-    placeholder count is checked only if ``image_token_id`` is set and a grid is given.
+    per-sample ``arange``; vision tensors are still concatenated and passed through, and with
+    ``image_token_id`` set every sample's placeholder count is checked against its grids (none: 0).
     ``vision_window``: Qwen2.5-VL's attention window side in merged tokens (``window_size //
     (spatial_merge_size * patch_size)``), for the precomputed window layout; None elsewhere.
     ``pin_memory=None`` pins when an accelerator is available (never on CPU-only machines, never in a
@@ -255,6 +255,8 @@ class PackedCollator:
             raise ValueError(f"vision_window must be >= 1 merged tokens, got {self.vision_window}")
         if self.sp_size < 1:
             raise ValueError(f"sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_pad_token_id < 0:
+            raise ValueError(f"sp_pad_token_id must be a token id >= 0, got {self.sp_pad_token_id}")
         if self.mrope_style not in ("qwen", "glm4v"):
             raise ValueError(f"mrope_style must be 'qwen' or 'glm4v', got {self.mrope_style!r}")
         if self.mrope_style == "glm4v" and (self.rope != "mrope" or self.video_span_token_ids is None):
@@ -270,7 +272,10 @@ class PackedCollator:
         """Build from a transformers config: Qwen2-VL / Qwen2.5-VL / Qwen3-VL -> M-RoPE, else 1-D.
 
         LLaVA / InternVL language models use plain 1-D RoPE, so anything without a Qwen-VL
-        ``model_type`` gets ``rope="1d"``. ``overrides`` replace any field (e.g. ``pin_memory``).
+        ``model_type`` gets ``rope="1d"``, except a multimodal family whose transformers model lays
+        out its own M-RoPE positions (``get_rope_index``: GLM-4.6V, PaddleOCR-VL, the Qwen omni
+        thinkers, ...), which raises ``ValueError`` unless ``rope`` is given explicitly.
+        ``overrides`` replace any field (e.g. ``pin_memory``).
         ``layout`` (a :class:`tokenbal.parallel.ParallelLayout`) sets ``sp_size``.
         """
         if layout is not None:
@@ -315,6 +320,17 @@ class PackedCollator:
 
                 kwargs["whole_video_seconds"] = qwen2_5_vl_whole_seconds()
         else:
+            if "rope" not in overrides:
+                from tokenbal.hf_compat import builds_rope_index
+
+                if builds_rope_index(hf_config):
+                    # Plain per-sample positions would be silently wrong for its vision tokens.
+                    known = sorted(_MROPE_MODEL_TYPES + _SPLIT_FRAME_MODEL_TYPES + _GLM_MODEL_TYPES)
+                    raise ValueError(
+                        f"model_type={model_type!r} lays out multi-row (M-RoPE) positions with its own "
+                        "get_rope_index, which PackedCollator does not reproduce for this family; it "
+                        f"does for {known}. Pass rope=... explicitly only if you know the layout is one "
+                        "of those.")
             kwargs = dict(rope="1d")
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -334,7 +350,11 @@ class PackedCollator:
         # Per sample only gathering and the checks that cost one attribute read; the vision fields
         # are checked for all samples at once below, and all arithmetic runs once on the packed row.
         for i, sample in enumerate(samples):
-            get = sample.get
+            try:
+                get = sample.get
+            except AttributeError:
+                raise TypeError(f"sample {i} is a {type(sample).__name__}, not a mapping of fields "
+                                "(input_ids, labels, ...)") from None
             ids = get("input_ids")
             if type(ids) is not np.ndarray or ids.dtype != np.int64 or ids.ndim != 1:
                 ids = _int_1d(sample, i, "input_ids")
@@ -353,8 +373,13 @@ class PackedCollator:
                         f"input_ids has {length}"
                     )
             mask = get("attention_mask")
-            if mask is not None and not bool((_np(mask) != 0).all()):
-                raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
+            if mask is not None:
+                mask = _np(mask)
+                if mask.size != length:
+                    raise ValueError(f"sample {i}: field 'attention_mask' has {mask.size} entries, "
+                                     f"input_ids has {length}")
+                if not bool((mask != 0).all()):
+                    raise ValueError(f"sample {i}: field 'attention_mask' has zeros; strip padding first")
             ids_list.append(ids)
             labels_list.append(labels)
             seq_lens.append(length)
@@ -376,9 +401,6 @@ class PackedCollator:
         vid_grids, vid_per, videos = _gather_vision(vid_items, n, "pixel_values_videos", "video_grid_thw")
         any_seconds = bool(sec_items)
         sec_all = _seconds(sec_items, vid_per) if any_seconds else None
-        if self.rope == "1d" and self.image_token_id is not None:
-            for i, _, grid in img_items:
-                self._check_1d_counts(ids_list[i], as_grid(grid), i)
 
         total = sum(seq_lens)
         sp_padding = -total % self.sp_size
@@ -401,6 +423,9 @@ class PackedCollator:
         np.concatenate(ids_list, out=rows[0])
         np.concatenate(labels_list, out=rows[1])
         input_ids, labels = rows[0], rows[1]
+        _check_values(input_ids, labels, cu, self.ignore_index)
+        if self.rope == "1d" and self.image_token_id is not None and self.anyres is None:
+            self._check_1d_counts(input_ids, cu, img_grids, img_per)
         # No token may learn to predict the first token of the next sample: HF shifts labels left
         # by one, so position start-1 is trained on labels[start]; masking it cuts every boundary.
         labels[cu[:-1]] = self.ignore_index
@@ -489,20 +514,48 @@ class PackedCollator:
         fields["vision_token_index"] = torch.from_numpy(slots)
         return fields
 
-    def _check_1d_counts(self, ids: np.ndarray, grid: np.ndarray | None, i: int) -> None:
-        if self.image_token_id is None or grid is None:
-            return
+    def _check_1d_counts(self, ids: np.ndarray, cu: np.ndarray, grids: np.ndarray | None,
+                         per_sample: np.ndarray) -> None:
+        """Every sample's image placeholders against its grids, a sample without grids included
+        (its placeholders would have no features): the 1-D mode's only vision check."""
         m = self.spatial_merge_size
-        expected = int((grid.prod(axis=1) // (m * m)).sum())
-        found = int((ids == self.image_token_id).sum())
-        if found != expected:
-            raise ValueError(
-                f"sample {i}: {found} image placeholder tokens in input_ids but image_grid_thw "
-                f"{grid.tolist()} needs {expected}"
-            )
+        need = np.zeros(cu.shape[0] - 1, dtype=np.int64)
+        if grids is not None:
+            owner = np.repeat(np.arange(per_sample.shape[0]), per_sample)
+            np.add.at(need, owner, grids.prod(axis=1) // (m * m))
+        found = np.diff(np.searchsorted(np.flatnonzero(ids == self.image_token_id), cu))
+        bad = np.flatnonzero(found != need)
+        if bad.size:
+            i = int(bad[0])
+            first = int(per_sample[:i].sum())
+            grid = [] if grids is None else grids[first:first + int(per_sample[i])].tolist()
+            raise ValueError(f"sample {i}: {int(found[i])} image placeholder tokens in input_ids but "
+                             f"image_grid_thw {grid} needs {int(need[i])}")
 
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_values(input_ids: np.ndarray, labels: np.ndarray, cu: np.ndarray, ignore_index: int) -> None:
+    """No negative token id, and no negative label but ``ignore_index``: the embedding lookup or the
+    loss would fail on them far from the sample (on an accelerator, as a device-side assert), and
+    a stray negative label would count as a loss token. Checked on the packed row (a few
+    vectorised passes); the first offender is then named by sample and index."""
+    if input_ids.shape[0] and input_ids.min() < 0:
+        _raise_at(np.flatnonzero(input_ids < 0)[0], input_ids, cu, "input_ids", "a token id must be >= 0")
+    if ignore_index < 0:
+        bad = (labels < 0) & (labels != ignore_index)
+    else:  # an unusual but valid choice: then no label may be negative
+        bad = labels < 0
+    if bad.any():
+        _raise_at(np.flatnonzero(bad)[0], labels, cu, "labels",
+                  f"neither a token id nor the collator's ignore_index {ignore_index}")
+
+
+def _raise_at(index: int, row: np.ndarray, cu: np.ndarray, field: str, why: str) -> None:
+    i = int(np.searchsorted(cu, index, side="right")) - 1
+    value, at = int(row[index]), int(index - cu[i])
+    raise ValueError(f"sample {i}: field {field!r} holds {value} at index {at}, {why}")
 
 
 def _opt_int(x: Any) -> int | None:
@@ -650,6 +703,9 @@ def _seconds(items: list[tuple[int, Any]], vid_per: np.ndarray) -> np.ndarray:
                 f"sample {i}: field 'second_per_grid_ts' has {sec_arr.shape[0]} entries for "
                 f"{vid_per[i]} videos"
             )
+        if not (np.isfinite(sec_arr).all() and (sec_arr >= 0).all()):
+            raise ValueError(f"sample {i}: field 'second_per_grid_ts' must be finite and >= 0, got "
+                             f"{sec_arr.tolist()}")
         out[ends[i] - vid_per[i] : ends[i]] = sec_arr
     return out
 

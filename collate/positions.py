@@ -120,6 +120,9 @@ def _seconds(second_per_grid_ts: Any, n_videos: int) -> np.ndarray:
         raise ValueError(f"second_per_grid_ts must be numeric, got dtype {seconds.dtype}")
     if seconds.shape[0] != n_videos:
         raise ValueError(f"second_per_grid_ts has {seconds.shape[0]} entries for {n_videos} videos")
+    if not (np.isfinite(seconds).all() and (seconds >= 0).all()):
+        # NaN would read as "unscaled", inf and negatives give garbage time positions
+        raise ValueError(f"second_per_grid_ts must be finite and >= 0, got {seconds.tolist()}")
     return seconds.astype(np.float32)
 
 
@@ -345,6 +348,9 @@ def packed_mrope_positions_and_slots(
         raise ValueError(
             f"second_per_grid_ts has {np.shape(second_per_grid_ts)[0]} entries for {vid.shape[0]} videos"
         )
+    if second_per_grid_ts is not None and not (np.isfinite(second_per_grid_ts).all()
+                                               and (np.asarray(second_per_grid_ts) >= 0).all()):
+        fail()  # names the first sample with a NaN, infinite or negative entry
     if (img <= 0).any() or (vid <= 0).any():
         fail()
     intervals = None

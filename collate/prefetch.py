@@ -15,6 +15,7 @@ scheduling on CPU with a recording implementation.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -87,8 +88,9 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to every tensor in dataclasses (e.g. PackedBatch), dicts, lists, tuples and
-    namedtuples; everything else (ints, lists of ints, strings) is returned as the same object."""
+    """Apply ``fn`` to every tensor in dataclasses (e.g. PackedBatch), dicts, ``UserDict``s
+    (transformers' ``BatchEncoding`` / ``BatchFeature``), lists, tuples and namedtuples; everything
+    else (ints, lists of ints, strings) is returned as the same object."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -96,6 +98,12 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return dataclasses.replace(obj, **changes)
     if isinstance(obj, dict):
         return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, collections.UserDict):
+        # A shallow copy keeps the type and its own attributes (BatchEncoding's encodings); only
+        # the mapping is replaced. Its constructor may take other arguments, so it is not called.
+        out = copy.copy(obj)
+        out.data = {k: map_tensors(v, fn) for k, v in obj.data.items()}
+        return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
@@ -110,7 +118,7 @@ def _has_tensor(obj: Any) -> bool:
         return True
     if isinstance(obj, (list, tuple)):
         return any(_has_tensor(v) for v in obj)
-    return isinstance(obj, dict) or dataclasses.is_dataclass(obj)
+    return isinstance(obj, (dict, collections.UserDict)) or dataclasses.is_dataclass(obj)
 
 
 class DevicePrefetcher:
@@ -200,7 +208,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name))
-    elif isinstance(obj, dict):
+    elif isinstance(obj, (dict, collections.UserDict)):
         for v in obj.values():
             yield from iter_tensors(v)
     elif isinstance(obj, (list, tuple)):

@@ -96,6 +96,7 @@ __all__ = [
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
     "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss", "video_token_inputs",
     "TrainerDataParallel", "trainer_data_parallel",
+    "builds_rope_index",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -395,6 +396,31 @@ def vision_model_type(config: Any, vision_config: Any) -> str:
         return top
     own = model_type(vision_config)
     return own[: -len("_vision")] if own.endswith("_vision") else own
+
+
+def builds_rope_index(config: Any) -> bool:
+    """True when ``config`` (or one of its sub-configs: an omni model's thinker) is a multimodal
+    config (it has a ``vision_config``) whose transformers modeling module lays out multi-row
+    position ids with a ``get_rope_index`` (the M-RoPE families). Which families exist, and on
+    which class that method sits, differ between releases (4.57 maps no Qwen2.5-Omni thinker class;
+    5.6 maps PaddleOCR-VL only by a class whose inner model has it), so the installed modeling
+    module is asked rather than a list or the auto mappings."""
+    import importlib
+
+    import transformers
+
+    candidates = [config, *(v for v in vars(config).values() if isinstance(v, transformers.PretrainedConfig))]
+    for cfg in candidates:
+        if getattr(cfg, "vision_config", None) is None:
+            continue  # a text-only config: its positions are 1-D even where the family has M-RoPE
+        name = type(cfg).__module__.replace(".configuration_", ".modeling_")
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # no modeling module beside the config (remote code elsewhere, ...)
+            continue
+        if any(isinstance(v, type) and hasattr(v, "get_rope_index") for v in vars(module).values()):
+            return True
+    return False
 
 
 # -- processors -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from torch import nn
 
 from collate.fields import CONSUMED_BY_WRAPPER, SP_ROUTING, VISION_PLAN
 from collate.ops import apply_mrope, varlen_attention
-from collate.ops.attention import segment_ends
+from collate.ops.attention.segments import check_segment_ends, segment_ends
 from collate.ops.ulysses import all_to_all_rows, ulysses_attention, ulysses_kv_heads
 
 PACKED_KWARG = "tokenbal_packed"
@@ -346,10 +346,12 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         # the loss is 0 with zero gradients for every parameter.
         kwargs.setdefault("num_items_in_batch", 1)
     ends: Sequence[int] | None = fields["cu_seqlens_list"]
+    source = "cu_seqlens_list"
     if ends is None and fields["seq_lens"] is not None:
-        ends = segment_ends(fields["seq_lens"])
+        ends, source = segment_ends(fields["seq_lens"]), "seq_lens"
     if ends is not None:
         ends = [int(e) for e in ends]
+        check_segment_ends(ends, source)
         if not ends or ends[-1] != num_tokens * sp_size:
             covered = ends[-1] if ends else 0
             raise ValueError(f"cu_seqlens_list / seq_lens cover {covered} tokens, batch has {num_tokens}"
@@ -357,8 +359,15 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
     max_seqlen = fields["max_seqlen"]
     if isinstance(max_seqlen, torch.Tensor):
         raise ValueError("max_seqlen must be a python int (a tensor would force a host sync in every layer)")
-    if max_seqlen is None and ends is not None:
-        max_seqlen = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+    if ends is not None:
+        longest = max(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+        if max_seqlen is None:
+            max_seqlen = longest
+        elif int(max_seqlen) < longest:
+            # flash-attn sizes its grid by max_seqlen: the rows of a longer segment past it would
+            # not be computed, without an error.
+            raise ValueError(f"max_seqlen={max_seqlen} is shorter than the batch's longest segment "
+                             f"({longest} tokens)")
     cu_seqlens = fields["cu_seqlens"]
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.int32)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from collate.models import core, grid_vision
+from collate.ops.rope.common import frequency_axes, normalize_positions
 
 SUPPORTED_MODEL_TYPES = ("glm4v",)
 
@@ -42,7 +43,8 @@ def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
     """GLM-4V's rotary on packed ``q`` ``(T, H, D)`` and ``k`` ``(T, Hkv, D)``: equal to transformers'
     ``Glm4vTextRotaryEmbedding`` + ``apply_rotary_pos_emb`` per token.
 
-    ``positions``: ``(3, 1, T)`` / ``(3, T)`` M-RoPE ids or ``(1, T)`` 1-D ids; ``inv_freq``
+    ``positions``: ``(3, 1, T)`` / ``(3, T)`` M-RoPE ids, transformers' ``(4, 1, T)`` (row 0, the
+    text positions, unused) or ``(1, T)`` 1-D ids; ``inv_freq``
     ``(R/2,)``: the rotated width is ``R`` (the first ``R`` channels); frequency ``j`` reads
     position row ``a`` where ``j`` falls in section ``a`` of ``mrope_section`` (chunked);
     ``interleaved`` is accepted for the core's signature and must be False.
@@ -51,10 +53,13 @@ def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq
         raise ValueError("GLM-4V's M-RoPE sections are chunked, not interleaved")
     half = inv_freq.shape[0]
     rotary = 2 * half
-    pos = positions.reshape(positions.shape[0], -1)
+    # (A, T) with A = 1 or 3: also drops row 0 (text positions) of transformers' (4, 1, T) form
+    pos = normalize_positions(positions, q.shape[0])
     if pos.shape[0] == 1:
         pos = pos.expand(3, -1)
-    axis = torch.tensor([a for a, n in enumerate(mrope_section) for _ in range(int(n))], device=pos.device)
+    # The frequency -> position row map, cached per device: built from a python list in every layer
+    # it was a blocking host-to-device copy each time.
+    axis = frequency_axes(mrope_section, False, pos.device)
     freqs = pos.index_select(0, axis).t().float() * inv_freq.to(device=q.device, dtype=torch.float)
     cos = (freqs.cos() * attention_scaling).to(q.dtype)[:, None, :]  # (T, 1, R/2)
     sin = (freqs.sin() * attention_scaling).to(q.dtype)[:, None, :]

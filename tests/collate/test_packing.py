@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from collate import PackedBatch, PackedCollator
 from collate.packing import _should_pin
-from collate.positions import mrope_positions
+from collate.positions import mrope_positions, packed_mrope_positions
 from tokenbal.hf_compat import get_rope_index
 
 IMG, VID, VS, VE = 60, 61, 62, 63
@@ -196,6 +196,30 @@ def test_second_per_grid_ts_qwen25():
     np.testing.assert_array_equal(b.position_ids[:, 0, : len(s1["input_ids"])].numpy(), ref)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5])
+def test_second_per_grid_ts_must_be_finite_and_not_negative(bad):
+    """NaN read as "unscaled" (1 step a frame), inf gave positions of -2**63, a negative step ran the
+    frames backwards: all without an error."""
+    rng = np.random.default_rng(5)
+    s1, s2 = make_sample(rng, 0, 1), make_sample(rng, 1, 2, seconds=True)
+    s2["second_per_grid_ts"] = [0.5, bad]
+    with pytest.raises(ValueError, match=r"sample 1: field 'second_per_grid_ts' must be finite and >= 0"):
+        collator(tokens_per_second=2)([s1, s2])
+    # the packed function names the sample too (s1: one video, no image; s2: one image, two videos)
+    ids = np.concatenate([s1["input_ids"], s2["input_ids"]])
+    with pytest.raises(ValueError, match=r"sample 1: second_per_grid_ts must be finite and >= 0"):
+        packed_mrope_positions(
+            ids, np.array([0, len(s1["input_ids"]), len(ids)]), np.asarray(s2["image_grid_thw"]),
+            np.concatenate([s1["video_grid_thw"], s2["video_grid_thw"]]), images_per_sample=np.array([0, 1]),
+            videos_per_sample=np.array([1, 2]), image_token_id=IMG, video_token_id=VID,
+            vision_start_token_id=VS, spatial_merge_size=MERGE, second_per_grid_ts=np.array([1.0, 0.5, bad]),
+            tokens_per_second=2)
+    with pytest.raises(ValueError, match=r"second_per_grid_ts must be finite and >= 0"):
+        mrope_positions(s2["input_ids"], s2["image_grid_thw"], s2["video_grid_thw"], image_token_id=IMG,
+                        video_token_id=VID, vision_start_token_id=VS, spatial_merge_size=MERGE,
+                        second_per_grid_ts=s2["second_per_grid_ts"], tokens_per_second=2)
+
+
 def test_mapping_view(samples):
     b = collator()(samples)
     assert b["input_ids"] is b.input_ids
@@ -253,6 +277,20 @@ def test_one_d_mode_and_from_config():
     assert b.pixel_values.shape == (4, 3)
 
 
+def test_one_d_mode_checks_placeholders_of_samples_without_grids():
+    """With image_token_id set, a sample's image tokens without grids (their features nowhere) are
+    named like a count that disagrees with its grids; only samples with grids were checked."""
+    coll = PackedCollator(rope="1d", image_token_id=IMG, sp_size=3)
+    with_grid = {"input_ids": [1, IMG, IMG], "pixel_values": np.ones((8, 3), np.float32),
+                 "image_grid_thw": [[1, 2, 4]]}
+    assert coll([with_grid, {"input_ids": [4, 5]}]).seq_lens == [3, 2, 1]
+    with pytest.raises(ValueError, match=r"sample 1: 2 image placeholder tokens in input_ids but "
+                                         r"image_grid_thw \[\] needs 0"):
+        coll([with_grid, {"input_ids": [4, IMG, IMG]}])
+    with pytest.raises(ValueError, match=r"sample 0: 1 image placeholder tokens .* \[\[1, 2, 4\]\] needs 2"):
+        coll([{**with_grid, "input_ids": [1, IMG]}])
+
+
 def test_from_config_qwen25_and_unsupported():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen2_5_VLConfig(vision_config=dict(tokens_per_second=4, spatial_merge_size=2))
@@ -268,6 +306,30 @@ def test_from_config_qwen25_and_unsupported():
     assert glm.rope == "mrope" and glm.mrope_style == "glm4v"
     assert glm.video_span_token_ids == (glm_cfg.video_start_token_id, glm_cfg.video_end_token_id)
     assert glm.vision_start_token_id == glm_cfg.image_start_token_id
+
+
+@pytest.mark.parametrize("name", ["Glm46VConfig", "PaddleOCRVLConfig", "Qwen2_5OmniThinkerConfig",
+                                  "Qwen2_5OmniConfig", "Ernie4_5_VLMoeConfig"])
+def test_from_config_refuses_an_mrope_family_it_does_not_lay_out(name):
+    """Models whose transformers class builds its own M-RoPE positions (get_rope_index) but whose
+    layout the collator does not know got plain 1-D positions without a word: wrong for every
+    vision token and the text after it."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    cfg = getattr(transformers, name)()
+    with pytest.raises(ValueError, match=rf"model_type='{cfg.model_type}' lays out multi-row .*get_rope_"):
+        PackedCollator.from_config(cfg)
+    assert PackedCollator.from_config(cfg, rope="1d").rope == "1d"  # said explicitly: the caller's call
+
+
+@pytest.mark.parametrize("name", ["LlamaConfig", "Qwen2Config", "LlavaConfig", "InternVLConfig",
+                                  "Qwen3_5TextConfig"])
+def test_from_config_keeps_plain_rope_models_one_dimensional(name):
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    assert PackedCollator.from_config(getattr(transformers, name)()).rope == "1d"
 
 
 @pytest.mark.parametrize("name", ["Qwen3VLMoeConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"])
@@ -472,12 +534,32 @@ def _ok() -> dict:
         ({"pixel_values": np.zeros((8, FEAT), np.float64)}, r"'pixel_values' is torch.float64"),
         ({"attention_mask": [1, 1, 1, 1, 0]}, r"sample 1: field 'attention_mask' has zeros"),
         ({"second_per_grid_ts": [1.0]}, r"sample 1: field 'second_per_grid_ts' has 1 entries for 0 videos"),
+        # an embedding lookup or the loss would fail on these far from the sample (on an accelerator:
+        # a device-side assert), and a stray negative label would count as a loss token
+        ({"input_ids": [-1, VS, IMG, IMG, VE]}, r"sample 1: field 'input_ids' holds -1 at index 0"),
+        ({"labels": [5, -1, 7, 7, 7]}, r"sample 1: field 'labels' holds -1 at index 1, .*ignore_index -100"),
+        ({"attention_mask": [1, 1, 1]}, r"sample 1: field 'attention_mask' has 3 entries, input_ids has 5"),
     ],
 )
 def test_errors_name_sample_and_field(change, match):
     bad = {**_ok(), **change}
     with pytest.raises(ValueError, match=match):
         collator()([_ok(), bad])
+
+
+@pytest.mark.parametrize("sample", [[1, 2, 3], np.array([1, 2, 3]), "text"])
+def test_a_sample_that_is_not_a_mapping_is_named(sample):
+    with pytest.raises(TypeError, match=r"sample 1 is a (list|ndarray|str), not a mapping of fields"):
+        collator()([_ok(), sample])
+
+
+def test_labels_under_another_ignore_index():
+    """The collator's own ignore_index is the one negative label allowed; -100 is then a stray."""
+    coll = PackedCollator(rope="1d", ignore_index=-1)
+    ok = coll([{"input_ids": [1, 2, 3], "labels": [-1, 2, 3]}])
+    assert ok.labels.tolist() == [[-1, 2, 3]] and ok.num_loss_tokens == 2
+    with pytest.raises(ValueError, match=r"sample 0: field 'labels' holds -100 at index 0, .*index -1$"):
+        coll([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}])
 
 
 def test_constructor_errors():
@@ -521,6 +603,27 @@ def test_boundary_invariants(seqs):
         )
         tp = b.text_position_ids[0]
         assert (tp[starts] == 0).all() and int(tp.max()) == max(lens) - 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(-3, 9), st.sampled_from([-100, -7, -1, 0, 5])),
+                         min_size=1, max_size=6), min_size=1, max_size=5))
+def test_value_checks_name_the_first_bad_token(rows):
+    """A negative token id, or a negative label other than ignore_index, raises naming the first
+    offending sample, field and index (ids before labels); anything else collates."""
+    samples = [{"input_ids": [t for t, _ in r], "labels": [lab for _, lab in r]} for r in rows]
+    bad_id = next(((i, j, t) for i, r in enumerate(rows) for j, (t, _) in enumerate(r) if t < 0), None)
+    bad_label = next(((i, j, lab) for i, r in enumerate(rows) for j, (_, lab) in enumerate(r)
+                      if lab < 0 and lab != -100), None)
+    first = bad_id or bad_label
+    if first is None:
+        assert PackedCollator(rope="1d")(samples).seq_lens == [len(r) for r in rows]
+        return
+    sample, index, value = first
+    field = "input_ids" if bad_id else "labels"
+    expected = rf"^sample {sample}: field '{field}' holds {value} at index {index},"
+    with pytest.raises(ValueError, match=expected):
+        PackedCollator(rope="1d")(samples)
 
 
 def _ok_fast() -> dict:

@@ -194,6 +194,37 @@ def test_containers():
     assert map_tensors(7, lambda t: t) == 7
 
 
+def test_user_dict_batches_are_copied():
+    """transformers' BatchEncoding / BatchFeature (what its data collators and processors return) are
+    ``UserDict``s, not dicts: their tensors must reach the device too, in a batch of the same type
+    that keeps its other attributes."""
+    from collections import UserDict
+
+    class Encoding(UserDict):  # the shape of transformers.BatchEncoding: data plus own attributes
+        def __init__(self, data=None, encodings=None):
+            super().__init__(data)
+            self.encodings = encodings
+
+    item = Encoding({"input_ids": torch.ones(2, 3), "n": 4}, encodings=["kept"])
+    (out,) = list(DevicePrefetcher([item], ops=RecordingOps()))
+    assert type(out) is Encoding and out.encodings == ["kept"] and out["n"] == 4
+    assert out["input_ids"] is not item["input_ids"] and torch.equal(out["input_ids"], item["input_ids"])
+    assert ("copy", (2, 3)) in LOG and ("record_stream", "main") in LOG
+    assert item["input_ids"] is not out["input_ids"]  # the host batch is left as it was
+    assert len(list(iter_tensors(item))) == 1
+
+
+def test_transformers_batch_feature_is_copied():
+    transformers = pytest.importorskip("transformers")
+    feature = transformers.BatchFeature({"pixel_values": torch.zeros(4, 2),
+                                         "image_grid_thw": torch.ones(1, 3, dtype=torch.long)})
+    encoding = transformers.BatchEncoding({"input_ids": torch.ones(1, 5, dtype=torch.long)})
+    for item in (feature, encoding):
+        (out,) = list(DevicePrefetcher([item], ops=RecordingOps()))
+        assert type(out) is type(item) and out.keys() == item.keys()
+        assert all(out[k] is not item[k] and torch.equal(out[k], item[k]) for k in item)
+
+
 class NoReadback(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()

@@ -68,6 +68,8 @@ def test_sp_collator_errors():
         collator(0)
     with pytest.raises(ValueError, match="sp_pad_token_id=90 is a vision token"):
         PackedCollator(image_token_id=IMG, sp_size=2, sp_pad_token_id=IMG)
+    with pytest.raises(ValueError, match="sp_pad_token_id must be a token id >= 0, got -100"):
+        PackedCollator(rope="1d", sp_size=2, sp_pad_token_id=-100)
 
 
 @pytest.mark.parametrize("sp", [1, 2, 3, 4])

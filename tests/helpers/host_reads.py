@@ -55,6 +55,28 @@ def host_reads_of_step(model, batch, monkeypatch) -> list[str]:
     return reads.seen
 
 
+def host_tensors_of_step(model, batch) -> list[str]:
+    """The tensors one packed forward + backward of ``model`` on ``batch`` builds from python data
+    (``torch.tensor(...)``: ``aten.lift_fresh``), by the function that built them. On an
+    accelerator each is a blocking host-to-device copy, which waits for the stream like a read."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    built: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.lift_fresh.default:
+                outside = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+                built.append(f"{outside[-1].filename}:{outside[-1].name}" if outside else "?")
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        model(**batch).loss.backward()
+    return built
+
+
 def skip_unless_tower_takes(visual, *inputs: str) -> None:
     """Skip a sync-free / batch-segment check where the installed transformers' vision tower cannot
     take the collator's precomputed ``inputs`` (it derives them from ``grid_thw`` on the host: before

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_field", "host_boundaries", "segment_ends"]
+__all__ = ["batch_field", "check_segment_ends", "host_boundaries", "segment_ends"]
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -46,10 +46,23 @@ def host_boundaries(batch: Any, num_tokens: int) -> list[int]:
     ends = [int(e) for e in ends]
     if ends and ends[0] == 0:
         raise ValueError(f"cu_seqlens_list must not start with 0 (ends only), got {ends[:4]}...")
+    check_segment_ends(ends, "cu_seqlens_list / seq_lens")
     if not ends or ends[-1] != num_tokens:
         last = ends[-1] if ends else None
         raise ValueError(f"cu_seqlens_list ends at {last} but q has {num_tokens} tokens")
     return ends
+
+
+def check_segment_ends(ends: Sequence[int], field: str) -> None:
+    """Raise unless the cumulative ``ends`` never go back (every segment length >= 0; an empty
+    segment is allowed and skipped). A negative length would re-cover or merge segments without
+    an error: ``[10, -2]`` over 8 tokens is one 8-token segment."""
+    previous = 0
+    for i, end in enumerate(ends):
+        if end < previous:
+            raise ValueError(f"{field}: segment {i} has length {end - previous} (ends {previous} -> {end}); "
+                             "lengths must be >= 0")
+        previous = end
 
 
 def segment_ends(seq_lens: Sequence[int]) -> list[int]:

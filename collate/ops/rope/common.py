@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["FusedRotation", "check_rope_args", "mrope_angles", "normalize_positions"]
+__all__ = ["FusedRotation", "check_rope_args", "frequency_axes", "mrope_angles", "normalize_positions"]
 
 
 def normalize_positions(position_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -62,6 +62,12 @@ def _axis_map(section: tuple[int, int, int], interleaved: bool, device: torch.de
     else:
         axes = [0] * s_t + [1] * s_h + [2] * s_w
     return torch.tensor(axes, dtype=torch.long, device=device)
+
+
+def frequency_axes(mrope_section: Sequence[int], interleaved: bool, device: torch.device) -> torch.Tensor:
+    """The position row (0 = T, 1 = H, 2 = W) each rotary frequency reads, ``(R/2,)`` int64 on
+    ``device``; cached per device, so a layer's call builds nothing on the host and copies nothing."""
+    return _axis_map(tuple(int(s) for s in mrope_section), bool(interleaved), device)
 
 
 def mrope_angles(

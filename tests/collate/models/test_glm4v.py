@@ -23,7 +23,11 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from collate.positions import glm4v_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
+from tests.helpers.host_reads import (  # noqa: E402
+    host_reads_of_step,
+    host_tensors_of_step,
+    skip_unless_tower_takes,
+)
 from tests.helpers.reference import (  # noqa: E402
     backward_and_compare,
     forward_calls,
@@ -252,6 +256,23 @@ def test_glm_rope_equals_hf_rotary(dtype):
     assert torch.equal(got_q[..., 16:], q[0].transpose(0, 1)[..., 16:])  # the unrotated half
 
 
+def test_four_row_positions_equal_three_rows(reference):
+    """transformers' GLM-4V takes ``(4, 1, T)`` position ids (row 0: text positions, dropped before
+    the rotary); the packed rotary read rows 0-2 of them, text / T / H, without an error."""
+    import inspect
+
+    from transformers.models.glm4v import modeling_glm4v
+
+    if "shape[0] == 4" not in inspect.getsource(modeling_glm4v.Glm4vTextModel.forward):
+        pytest.skip("this transformers' GLM-4V takes (3, 1, T) position ids only (4.57)")
+    packed = enable_packed(copy.deepcopy(reference))
+    batch = collator(reference)(make_samples())
+    with torch.no_grad():
+        three = packed(**batch).loss
+        four = packed(**{**dict(batch.items()), "position_ids": batch.position_ids_4row}).loss
+    torch.testing.assert_close(four, three, rtol=0, atol=0)
+
+
 def test_text_only_batch_runs_the_idle_tower(reference):
     ref = copy.deepcopy(reference)
     packed = enable_packed(copy.deepcopy(reference))
@@ -273,6 +294,8 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     batch = collator(reference)(text_only(samples) if mix == "text only" else samples)
     packed(**batch).loss.backward()  # warm-up: the idle image's cached input
     assert host_reads_of_step(packed, batch, monkeypatch) == []
+    # nor a tensor built from host data (glm_rope's section map was, in every layer)
+    assert host_tensors_of_step(packed, batch) == []
 
 
 def test_hand_made_batch_without_collator_fields(reference):

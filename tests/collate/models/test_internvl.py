@@ -17,7 +17,7 @@ from transformers import InternVLForConditionalGeneration  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step, host_tensors_of_step  # noqa: E402
 from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_internvl import IMG, SIDE, tiny_config  # noqa: E402
@@ -94,6 +94,7 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     batch = collator(reference)(text_only(samples) if mix == "text only" else samples)
     packed(**batch).loss.backward()
     assert host_reads_of_step(packed, batch, monkeypatch) == []
+    assert host_tensors_of_step(packed, batch) == []  # nor a blocking host-to-device copy
 
 
 def test_collator_and_index_counts(reference, tmp_path):
@@ -101,6 +102,10 @@ def test_collator_and_index_counts(reference, tmp_path):
     bad = dict(samples[1], pixel_values=samples[1]["pixel_values"][:-1])
     with pytest.raises(ValueError, match=r"sample 1: \d+ image placeholder tokens in input_ids but pixel_v"):
         collator(reference)([samples[0], bad])
+    # InternVL's processor hands video frames as tiles in pixel_values; separate frames were dropped
+    stray = dict(samples[1], pixel_values_videos=samples[1]["pixel_values"])
+    with pytest.raises(ValueError, match=r"sample 1: field 'pixel_values_videos'.*tiles in 'pixel_values'"):
+        collator(reference)([samples[0], stray])
     # The estimator tokenbal index build loads from the checkpoint's files counts what the batch holds.
     from tokenbal.estimate.vision import load_estimator
 

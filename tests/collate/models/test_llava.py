@@ -214,6 +214,11 @@ def test_collator_checks_placeholders_naming_the_sample(reference):
     few = dict(samples[1], pixel_values=samples[1]["pixel_values"][:, :1])
     with pytest.raises(ValueError, match=r"sample 0: field 'pixel_values' has shape"):
         collator(reference)([few])
+    # samples whose crops cannot be concatenated: both samples named
+    wide = dict(samples[1], pixel_values=samples[1]["pixel_values"].double())
+    with pytest.raises(ValueError, match=r"sample 2: field 'pixel_values' is torch.float64 .*, sample 1 has "
+                                         r"torch.float32"):
+        collator(reference)([samples[0], samples[1], wide])
 
 
 def test_index_counts_equal_collated_placeholders(reference, tmp_path):

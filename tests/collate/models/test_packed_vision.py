@@ -23,7 +23,11 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
 from collate.positions import mrope_positions  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
+from tests.helpers.host_reads import (  # noqa: E402
+    host_reads_of_step,
+    host_tensors_of_step,
+    skip_unless_tower_takes,
+)
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
 from tokenbal.hf_compat import qwen2_5_vl_whole_seconds  # noqa: E402
@@ -138,6 +142,7 @@ def test_packed_forward_and_backward_read_nothing_back(kind, mix, monkeypatch):
     packed(**batch).loss.backward()  # warm-up: lazy initialisation, the idle image's cached inputs
     reads = host_reads_of_step(packed, batch, monkeypatch)
     assert reads == []
+    assert host_tensors_of_step(packed, batch) == []  # nor a blocking host-to-device copy
     if mix == "text only":
         return
     # The spy does see the reads transformers makes when the precomputed fields are missing.

@@ -334,6 +334,12 @@ def test_bad_packed_batches_raise(models):
         packed(**{**batch, "cu_seqlens_list": batch["cu_seqlens_list"][:-1]})
     with pytest.raises(ValueError, match="python int"):
         packed(**{**batch, "max_seqlen": torch.tensor(batch["max_seqlen"])})
+    # flash-attn would leave the longest segment's rows past max_seqlen uncomputed, silently
+    with pytest.raises(ValueError, match=r"max_seqlen=19 is shorter than the batch's longest segment \(20"):
+        packed(**{**batch, "max_seqlen": batch["max_seqlen"] - 1})
+    lens = batch["seq_lens"]
+    with pytest.raises(ValueError, match=r"seq_lens: segment 1 has length -1"):
+        packed(**{**batch, "cu_seqlens_list": None, "seq_lens": [lens[0] + lens[1] + 1, -1, *lens[2:]]})
     with pytest.raises(ValueError, match="position_ids"):
         packed(**{**batch, "position_ids": None})
     with pytest.raises(ValueError, match="attention_mask"):

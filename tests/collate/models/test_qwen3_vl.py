@@ -21,7 +21,11 @@ import collate.models.qwen3_vl as qwen3_vl_patch  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step, skip_unless_tower_takes  # noqa: E402
+from tests.helpers.host_reads import (  # noqa: E402
+    host_reads_of_step,
+    host_tensors_of_step,
+    skip_unless_tower_takes,
+)
 from tests.helpers.reference import backward_and_compare, forward_calls, token_weighted_loss  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_mix import tiny_config as qwen2_config  # noqa: E402
@@ -308,6 +312,7 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     packed(**batch).loss.backward()  # warm-up: lazy initialisation, the idle image's cached inputs
     reads = host_reads_of_step(packed, batch, monkeypatch)
     assert reads == []
+    assert host_tensors_of_step(packed, batch) == []  # nor a blocking host-to-device copy
     if mix == "text only":
         return
     # The spy does see transformers' reads when the precomputed fields are missing.

@@ -7,6 +7,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from collate import varlen_attention
 from collate.ops.attention import segment_ends
@@ -91,6 +93,11 @@ def test_bad_inputs_raise(monkeypatch):
         varlen_attention(q, k, v, {"cu_seqlens_list": [0, 3, 8]})
     with pytest.raises(ValueError, match="cu_seqlens_list"):
         varlen_attention(q, k, v, {"max_seqlen": 8})
+    # a negative length (ends going back) re-covered or merged segments without a word: [10, -2]
+    # attended over all 8 tokens as one sample, [5, -2, 5] returned 10 rows for 8 tokens
+    for bad in ({"seq_lens": [5, -2, 5]}, {"cu_seqlens_list": [5, 3, 8]}, {"seq_lens": [10, -2]}):
+        with pytest.raises(ValueError, match=r"segment 1 has length -2"):
+            varlen_attention(q, k, v, bad)
     with pytest.raises(ValueError, match="multiple"):
         varlen_attention(q[:, :3].contiguous(), k, v, _batch([8]))
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "npu")
@@ -103,6 +110,26 @@ def test_bad_inputs_raise(monkeypatch):
     monkeypatch.setenv("TOKENBAL_ATTN_IMPL", "flash_attn")
     with pytest.raises(ValueError, match="python int"):
         varlen_attention(q, k, v, {**_batch([8]), "max_seqlen": torch.tensor(8)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-3, 4), min_size=1, max_size=6))
+def test_segment_lengths_must_not_be_negative(seq_lens):
+    """Any negative length raises naming the first such segment (even when the ends still total
+    the token count); non-negative lengths attend segment by segment, empty ones skipped."""
+    total = sum(seq_lens)
+    q, k, v = _qkv(max(total, 1), 2, 1, 8)
+    q, k, v = q[:total], k[:total], v[:total]
+    negative = [i for i, n in enumerate(seq_lens) if n < 0]
+    if total <= 0 or seq_lens[0] == 0:
+        return  # no tokens, or a first end of 0 (refused as cu_seqlens' own leading 0)
+    if negative:
+        with pytest.raises(ValueError, match=rf"segment {negative[0]} has length {seq_lens[negative[0]]}"):
+            varlen_attention(q, k, v, {"seq_lens": seq_lens})
+        return
+    out = varlen_attention(q, k, v, {"seq_lens": seq_lens})
+    want = varlen_attention(q, k, v, {"seq_lens": [n for n in seq_lens if n]})
+    assert torch.equal(out, want)
 
 
 def test_cuda_dispatch_choice_without_a_gpu(monkeypatch):

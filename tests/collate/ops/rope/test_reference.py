@@ -224,3 +224,29 @@ def test_bad_inputs_raise():
         apply_mrope(q, k, pos, _inv_freq(32), [4, 6, 6])
     with pytest.raises(ValueError):
         normalize_positions(torch.zeros(2, 5, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_vision_axial_rotation_is_an_mrope_with_no_time_section(impl, monkeypatch):
+    """The Qwen-VL / GLM-4V vision towers' axial rotation (transformers' ``apply_rotary_pos_emb_vision``
+    over ``cat(f * row, f * col)`` twice) is ``apply_mrope`` with positions ``(., row, col)``,
+    ``inv_freq = cat(f, f)`` and ``mrope_section = (0, D/4, D/4)``: the fusion the packed vision
+    attention could use (docs/models.md)."""
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    from collate.vision import vision_rotary_positions
+
+    monkeypatch.setenv("TOKENBAL_ROPE_IMPL", impl)
+    heads, dim = 3, 16
+    pos = torch.from_numpy(vision_rotary_positions([[1, 4, 6], [2, 2, 4]], 2))  # (N, 2) row, column
+    freq = 1.0 / (10000 ** (torch.arange(0, dim // 2, 2, dtype=torch.float) / (dim // 2)))
+    angles = torch.cat((pos[:, :1] * freq, pos[:, 1:] * freq), dim=-1)  # the tower's rotary_pos_emb
+    emb = torch.cat((angles, angles), dim=-1)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(pos.shape[0], heads, dim, generator=g), torch.randn(pos.shape[0], 1, dim, generator=g)
+    want = apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
+    got = apply_mrope(q, k, torch.stack((pos[:, 0], pos[:, 0], pos[:, 1])), torch.cat((freq, freq)),
+                      (0, dim // 4, dim // 4))
+    for g_, w_ in zip(got, want, strict=True):
+        torch.testing.assert_close(g_, w_, rtol=0, atol=2e-6)
