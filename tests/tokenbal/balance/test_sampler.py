@@ -424,3 +424,101 @@ def test_breaks_anywhere_under_track_see_every_sample_once(n, gbs, grad_accum, w
             if done == stop:
                 break
     assert sorted(seen) == list(range(n))
+
+
+def test_a_second_live_iteration_retires_the_first_instead_of_sharing_its_cursor():
+    # One sampler has one cursor. Before, an older iteration advanced after a newer one had started went
+    # on at the newer one's cursor: it skipped the batches the newer one had handed out (or, after
+    # list(s) inside a loop over s, ended the loop's epoch early), without a word.
+    lengths = lengths_for(40)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    it1 = iter(s)
+    assert next(it1) == full[0]
+    it2 = iter(s)
+    assert next(it1) == full[1], "an iteration that has not started yet retires nothing"
+    with pytest.warns(RuntimeWarning, match="continues at batch 2"):
+        assert next(it2) == full[2]
+    with pytest.raises(RuntimeError, match="newer iteration of the same sampler"):
+        next(it1)
+    assert list(it2) == full[3:] and s.state_dict()["cursor"] == len(s)
+    # list(s) inside a loop over s: the loop's next batch is an error, not a silent end of its epoch
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    with pytest.raises(RuntimeError, match="newer iteration"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, _ in enumerate(s):
+            if step == 2:
+                assert list(s) == full[3:]
+    # two DataLoaders over one sampler, iterated together: each would have seen half the epoch
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    a, b = (DataLoader(IndexDataset(40), batch_sampler=s) for _ in range(2))
+    with pytest.raises(RuntimeError, match="newer iteration"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in zip(a, b, strict=True):
+            pass
+
+
+def test_a_dataloader_re_iterated_with_persistent_workers_keeps_one_live_iteration():
+    # DataLoader(persistent_workers=True) replaces its sampler iterator at each iter(), before the old one
+    # is exhausted (a break): the old one is never asked again, so nothing is refused.
+    lengths = lengths_for(60)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(60), batch_sampler=s, num_workers=1, persistent_workers=True)
+    seen = _first_pass(s.track(loader), 5)
+    seen += [i for batch in s.track(loader) for i in batch["idx"].tolist()]
+    assert sorted(seen) == list(range(60))
+    s.set_epoch(1)
+    assert sorted(i for batch in loader for i in batch["idx"].tolist()) == list(range(60))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 60), gbs=st.sampled_from([1, 2, 4]), grad_accum=st.integers(1, 3),
+       first=st.integers(1, 3), ops=st.lists(st.integers(0, 11), min_size=4, max_size=40))
+def test_interleaved_iterations_hand_out_each_batch_once_or_refuse(n, gbs, grad_accum, first, ops):
+    """Any interleaving of iter() / next() on several iterators / len() / state_dict() (``ops``: 0 a new
+    iterator, 1 a state_dict and a resume from it, 2 len(), k > 2 next() on iterator k): the batches
+    handed out are the epoch's plan in order (each sample once per pass), an iteration advanced after a
+    newer one started raises, and a resume from any state_dict() yields exactly the rest."""
+    lengths = lengths_for(n)
+    kw = dict(global_batch_size=gbs * grad_accum, grad_accum=grad_accum, seed=n)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, **kw))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, **kw)
+    its, started, dead = [], [], []   # iterators; which have started; which have ended
+    latest = None                     # the iterator that started last: the only one that may hand out
+    handed = []                       # batches handed out in the current pass
+    finished = False                  # the live iteration saw the end of the epoch (a new one replays)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the re-iteration warning (its own test)
+        for op in [0] * first + ops:
+            if op == 0:
+                its.append(iter(s))
+                started.append(False)
+                dead.append(False)
+            elif op == 2:
+                assert len(s) == len(full)
+            elif op == 1:
+                fresh = TokenBalancedBatchSampler(lengths, 1, 0, **kw)
+                fresh.load_state_dict(json.loads(json.dumps(s.state_dict())))
+                assert handed + list(fresh) == full, "a resume continues exactly where the loop is"
+            else:
+                i = op % len(its)
+                if dead[i]:
+                    assert next(its[i], None) is None
+                    continue
+                if started[i] and i != latest:
+                    with pytest.raises(RuntimeError, match="newer iteration"):
+                        next(its[i])
+                    dead[i] = True
+                    continue
+                if not started[i]:
+                    started[i], latest = True, i
+                    if finished:
+                        handed, finished = [], False   # a finished epoch iterated again is replayed
+                batch = next(its[i], None)
+                if batch is None:
+                    dead[i], finished = True, True
+                    assert len(handed) == len(full)
+                else:
+                    handed.append(batch)
+                    assert handed == full[:len(handed)]
+    assert sorted(i for b in handed for i in b) == sorted(i for b in full[:len(handed)] for i in b)
