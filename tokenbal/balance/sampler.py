@@ -200,6 +200,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # Counts the iterations that have started handing out batches: only the latest may hand out
         # more (they share one cursor); an earlier one still referenced raises instead (see __iter__).
         self._iterations = 0
+        # Counts load_state_dict calls, so that track() sees a load made while its loop runs, and how
+        # many batches handed out before the load the loop had not received yet.
+        self._loads = 0
+        self._in_flight_at_load = 0
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -291,7 +295,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
-        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, **state})
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_loads": 0,
+                              "_in_flight_at_load": 0, **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -480,12 +485,17 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received = 0
+        received, loads = 0, self._loads
         for batch in loader:
             # By now the sampler's iteration has started, so _iter_start is this iteration's.
+            if self._loads != loads:
+                # load_state_dict while the loop ran (a rollback): the live iteration went on from the
+                # loaded batch, which is where _iter_start now is; count the batches received from there,
+                # after the ones handed out before the load that were still on their way (workers).
+                received, loads = -self._in_flight_at_load, self._loads
             received += 1
             epoch, start = self._iter_start
-            self.mark_received(epoch, start + received)
+            self.mark_received(epoch, start + max(received, 0))
             yield batch
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
@@ -614,6 +624,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
             raise
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
+        # A live iteration of the same plan goes on from the loaded batch: a tracked loop counts from
+        # there, once it has received the batches handed out before the load (a DataLoader's workers).
+        self._in_flight_at_load = 0
+        if self._consumed is not None and self._consumed[0] == previous[1]:
+            self._in_flight_at_load = max(self.cursor - self._consumed[1], 0)
+        self._loads += 1
+        self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         self._finished_here = False
         self._consumed = None

@@ -522,3 +522,63 @@ def test_interleaved_iterations_hand_out_each_batch_once_or_refuse(n, gbs, grad_
                     handed.append(batch)
                     assert handed == full[:len(handed)]
     assert sorted(i for b in handed for i in b) == sorted(i for b in full[:len(handed)] for i in b)
+
+
+def test_load_state_dict_inside_a_tracked_loop_counts_from_the_loaded_batch():
+    # The live iteration continues from the loaded batch (above); track() used to go on counting from
+    # the iteration's start, so state_dict() claimed batches the loop never trained after the rollback
+    # (trained 0 1 2 3 4 2, saved cursor 6: a resume skipped batches 3 to 5).
+    lengths = lengths_for(40)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(list(range(40)), batch_sampler=s, collate_fn=list)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(batch)
+        if n == 1:
+            ckpt = s.state_dict()
+        if n == 4:
+            s.load_state_dict(ckpt)          # roll back (a loss spike) and keep looping
+        if n == 6:
+            state = s.state_dict()
+            break
+    assert trained == full[:5] + full[2:4] and state["cursor"] == 4
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[4:]
+    # the same loop, not stopped: after the rollback it runs to the epoch's end, and the next pass of the
+    # loader is the epoch replayed (a finished epoch), not a continuation
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(list(range(40)), batch_sampler=s, collate_fn=list)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(batch)
+        if n == 3:
+            s.load_state_dict(ckpt)
+    assert trained == full[:4] + full[2:] and s.state_dict()["cursor"] == len(s)
+
+
+def test_load_state_dict_inside_a_tracked_loop_with_workers_counts_after_the_batches_in_flight():
+    # 2 workers x prefetch 2: at the load, 4 batches handed out before it are still on their way; the
+    # loop receives them first, then the loaded batches. The saved position counts only the latter.
+    lengths = lengths_for(80)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(sorted(batch["idx"].tolist()))
+        if n == 1:
+            ckpt = s.state_dict()
+        if n == 5:
+            assert s.cursor == 10
+            s.load_state_dict(ckpt)
+        if 6 <= n <= 9:
+            assert s.state_dict()["cursor"] == 2, "the batches in flight are not the loaded ones"
+        if n == 11:
+            state = s.state_dict()
+            break
+    assert trained == [sorted(b) for b in full[:10] + full[2:4]] and state["cursor"] == 4
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[4:]
