@@ -484,3 +484,36 @@ def test_direct_video_tokens_real_processor(env):
     assert [r["family"] for r in results] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
     for r in results:
         assert r["wrong"] is None and r["examples"] == 300 and r["agree"] >= 150, r
+
+
+@pytest.mark.parametrize("family", ["llava-onevision", "internvl"])
+def test_direct_video_tokens_of_a_clip_shorter_than_video_frames_are_refused(family):
+    """``video_frames=N`` (a fixed number of sampled frames) and a video of fewer frames: the processor's
+    sampler (``default_sample_indices_fn`` / ``InternVLVideoProcessor.sample_frames``) raises, and
+    ``video_tokens`` used to count N frames of it anyway (LLaVA-OneVision 1569 tokens, InternVL 2048 for
+    a 3-frame clip). From N frames up the counts are the N sampled frames'."""
+    if family == "internvl":
+        mod = import_without_torchvision("transformers.models.internvl.video_processing_internvl")
+        ns = types.SimpleNamespace(num_frames=None, fps=None, initial_shift=True)
+
+        def sample(md, n):
+            return mod.InternVLVideoProcessor.sample_frames(ns, md, num_frames=n)
+    else:
+        from transformers.video_utils import default_sample_indices_fn
+
+        def sample(md, n):
+            return default_sample_indices_fn(md, num_frames=n)
+    est = get_estimator(family, video_frames=8)
+    for total in (1, 3, 7, 8, 9, 40):
+        md = types.SimpleNamespace(total_num_frames=total, fps=24.0, duration=total / 24)
+        try:
+            picked = len(sample(md, 8))
+        except ValueError:
+            picked = None
+        if picked is None:
+            with pytest.raises(ValueError, match="video_frames=8 frames cannot be sampled"):
+                est.video_tokens(total, 64, 48, 24.0)
+        else:
+            assert picked == 8
+            assert est.video_tokens(total, 64, 48, 24.0) == est.replace(video_frames=None).video_tokens(
+                8, 64, 48, None)
