@@ -582,3 +582,76 @@ def test_load_state_dict_inside_a_tracked_loop_with_workers_counts_after_the_bat
     fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
     fresh.load_state_dict(state)
     assert list(fresh) == full[4:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 50), R=st.integers(1, 3), k=st.integers(1, 3),
+       mode=st.sampled_from(["batch", "tokens"]), drop_last=st.booleans(), ops=st.lists(st.sampled_from(
+           ["next", "next", "next", "next", "break", "set_same", "set_next", "set_back", "state", "load",
+            "load_live", "len"]), max_size=50))
+def test_lifecycles_hand_out_the_plan_in_order_and_resume_exactly(n, R, k, mode, drop_last, ops):
+    """Random lifecycles of R samplers in lockstep (``grad_accum``, ``drop_last``, token budgets): next /
+    break and iterate again / set_epoch (same, next, back) / state_dict / load_state_dict (with the live
+    iteration kept: same epoch goes on from the loaded batch, another epoch ends it) / len. Every batch
+    handed out is the current epoch's plan at the model's position, and a resume from any state_dict
+    yields exactly the rest of the epoch."""
+    lengths = lengths_for(n, n)
+    kw = (dict(global_batch_size=R * k * 2, drop_last=drop_last) if mode == "batch"
+          else dict(max_tokens_per_rank=int(lengths.max(initial=1)) * 2))
+    kw.update(grad_accum=k, seed=n % 3)
+
+    def plan(epoch):
+        out = []
+        for r in range(R):
+            x = TokenBalancedBatchSampler(lengths, R, r, **kw)
+            x.set_epoch(epoch)
+            out.append(list(x))
+        return out
+
+    ss = [TokenBalancedBatchSampler(lengths, R, r, **kw) for r in range(R)]
+    its, epoch, pos, finished, snaps, plans = None, 0, 0, False, [], {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # re-iteration mid-epoch (its own test)
+        for op in ops:
+            full = plans.setdefault(epoch, plan(epoch))
+            if op == "next":
+                if its is None:
+                    its = [iter(s) for s in ss]
+                    if finished:                          # a finished epoch iterated again: replayed
+                        pos, finished = 0, False
+                got = [next(it, None) for it in its]
+                if pos < len(full[0]):
+                    assert got == [full[r][pos] for r in range(R)]
+                    pos += 1
+                else:
+                    assert got == [None] * R
+                    its, finished = None, True
+            elif op == "break":
+                its = None
+            elif op.startswith("set_"):
+                e = {"set_same": epoch, "set_next": epoch + 1, "set_back": max(epoch - 1, 0)}[op]
+                for s in ss:
+                    s.set_epoch(e)
+                if e != epoch:
+                    if its is not None:
+                        assert [next(it, None) for it in its] == [None] * R, "set_epoch ends it"
+                    its, epoch, pos, finished = None, e, 0, False
+            elif op == "state":
+                states = [json.loads(json.dumps(s.state_dict())) for s in ss]
+                fresh = [TokenBalancedBatchSampler(lengths, R, r, **kw) for r in range(R)]
+                for f, state in zip(fresh, states, strict=True):
+                    f.load_state_dict(state)
+                assert [list(f) for f in fresh] == [full[r][pos:] for r in range(R)]
+                snaps.append((states, epoch, pos))
+            elif op.startswith("load") and snaps:
+                states, e, p = snaps[len(ops) % len(snaps)]
+                for s, state in zip(ss, states, strict=True):
+                    s.load_state_dict(state)
+                if op == "load_live" and its is not None and e != epoch:
+                    assert [next(it, None) for it in its] == [None] * R, "a load of another epoch ends it"
+                    its = None
+                elif op == "load":
+                    its = None
+                epoch, pos, finished = e, p, False
+            elif op == "len":
+                assert {len(s) for s in ss} == {len(full[0])}
