@@ -473,15 +473,17 @@ def _video_envs() -> list[str]:
 @pytest.mark.compat
 @pytest.mark.parametrize("env", _video_envs())
 def test_direct_video_tokens_real_processor(env):
-    """``video_tokens(frames, w, h, fps)`` against the real Qwen2-VL / Qwen2.5-VL / Qwen3-VL video
-    processors' ``__call__`` in each ``tf-X.Y-video`` env (torchvision): 300 hypothesis examples per
-    family over frame counts, frame sides, source fps, sampling settings and tiny pixel budgets; the
-    estimator refuses exactly what the processor raises on and agrees on every count
+    """``video_tokens(frames, w, h, fps)`` against the real Qwen2-VL / Qwen2.5-VL / Qwen3-VL,
+    LLaVA-OneVision and InternVL video processors' ``__call__`` in each ``tf-X.Y-video`` env
+    (torchvision): 300 hypothesis examples per family over frame counts, frame sides, source fps,
+    sampling settings (``video_frames``), tiny pixel budgets and the per-frame cap; the estimator
+    refuses exactly what the processor raises on and agrees on every count
     (``tests/helpers/video_tokens_oracle_check.py``)."""
     from tests.helpers.envs import oracle_in_env
 
     results = oracle_in_env(env, "tests.helpers.video_tokens_oracle_check", "300", "0")
-    assert [r["family"] for r in results] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+    assert [r["family"] for r in results] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "llava-onevision",
+                                              "internvl"]
     for r in results:
         assert r["wrong"] is None and r["examples"] == 300 and r["agree"] >= 150, r
 
