@@ -491,7 +491,7 @@ def test_direct_video_tokens_real_processor(env):
 @pytest.mark.parametrize("family", ["llava-onevision", "internvl"])
 def test_direct_video_tokens_of_a_clip_shorter_than_video_frames_are_refused(family):
     """``video_frames=N`` (a fixed number of sampled frames) and a video of fewer frames: the processor's
-    sampler (``default_sample_indices_fn`` / ``InternVLVideoProcessor.sample_frames``) raises, and
+    sampler (``BaseVideoProcessor`` / ``InternVLVideoProcessor.sample_frames``) raises, and
     ``video_tokens`` used to count N frames of it anyway (LLaVA-OneVision 1569 tokens, InternVL 2048 for
     a 3-frame clip). From N frames up the counts are the N sampled frames'."""
     if family == "internvl":
@@ -500,11 +500,12 @@ def test_direct_video_tokens_of_a_clip_shorter_than_video_frames_are_refused(fam
 
         def sample(md, n):
             return mod.InternVLVideoProcessor.sample_frames(ns, md, num_frames=n)
-    else:
-        from transformers.video_utils import default_sample_indices_fn
+    else:   # BaseVideoProcessor.sample_frames (from 5.19 through default_sample_indices_fn)
+        name = "transformers.models.llava_onevision.video_processing_llava_onevision"
+        proc = import_without_torchvision(name).LlavaOnevisionVideoProcessor()
 
         def sample(md, n):
-            return default_sample_indices_fn(md, num_frames=n)
+            return proc.sample_frames(md, num_frames=n)
     est = get_estimator(family, video_frames=8)
     for total in (1, 3, 7, 8, 9, 40):
         md = types.SimpleNamespace(total_num_frames=total, fps=24.0, duration=total / 24)
