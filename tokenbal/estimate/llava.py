@@ -327,7 +327,6 @@ def _frames_used(est, num_frames: int) -> int:
     return n if est.video_frames is None else fixed_frames_of(est.family, est.video_frames, n)
 
 
-
 def _check_common(est) -> None:
     est.check_field_types(allow_zero=True)
     if est.crop_size <= 0 or est.patch_size <= 0:

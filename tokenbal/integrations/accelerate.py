@@ -153,7 +153,7 @@ class TokenBalancedLoader:
         finally:
             self._passing = False
         if self._loaded_in_pass and not self._finished():
-            # a load of another epoch (or an earlier position) ended the pass: the next one continues there
+            # a load of another epoch ended the pass before that epoch's end: the next pass continues it
             return
         # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
         self._epoch += 1
