@@ -44,6 +44,12 @@ iteration continues after the last batch *handed out* and warns (``RuntimeWarnin
 ``num_workers=0`` that is the same batch; with workers, the batches they had prefetched are
 skipped for the rest of the epoch.
 
+One live iteration at a time: one sampler has one cursor, so an iteration becomes the sampler's when
+it hands out its first batch, and an earlier one asked for another batch after that raises
+``RuntimeError`` rather than skip or repeat the newer one's batches (two DataLoaders over one
+sampler: build one sampler each). A DataLoader never does this: at each ``iter()`` (persistent
+workers too) it replaces its sampler iterator and never asks the old one again.
+
 Elastic resume (``elastic=True``): a checkpoint made with another world size (or global batch
 size, token budget, ``grad_accum``, window) resumes mid-epoch too. The samples the checkpointed
 steps consumed are replayed from the old setup's plan, and the rest of the epoch is planned afresh
@@ -191,6 +197,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # An iteration has started handing out this epoch's batches and not reached its end (so a
         # new one after it may follow a DataLoader that read ahead: see __iter__).
         self._handing_out = False
+        # Counts the iterations that have started handing out batches: only the latest may hand out
+        # more (they share one cursor); an earlier one still referenced raises instead (see __iter__).
+        self._iterations = 0
+        # Counts load_state_dict calls, so that track() sees a load made while its loop runs, and how
+        # many batches handed out before the load the loop had not received yet.
+        self._loads = 0
+        self._in_flight_at_load = 0
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -282,7 +295,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
-        self.__dict__.update({"plan_ahead": False, "_ahead": {}, **state})
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_loads": 0,
+                              "_in_flight_at_load": 0, **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -384,6 +398,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
         self._handing_out = True
+        # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
+        self._iterations += 1
+        mine = self._iterations
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -392,6 +409,18 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             yield batch
+            if self._iterations != mine:
+                # A newer iteration of this sampler started while this one was live (two DataLoaders over
+                # one sampler, list(sampler) inside a loop over it, an old iterator kept and advanced
+                # again). They share one cursor, which the newer one has moved: handing out more here
+                # would skip or repeat its batches, and ending here would cut this loop's epoch short.
+                # A DataLoader never does this: it replaces its sampler iterator at each iter().
+                raise RuntimeError(
+                    f"this iteration of TokenBalancedBatchSampler (epoch {self.epoch}) was asked for a batch "
+                    "after a newer iteration of the same sampler had started: one sampler has one cursor, "
+                    "so only its latest iteration may hand out batches (state_dict() and a resume follow "
+                    "that one). Build one sampler per DataLoader, or finish (or abandon) an iteration "
+                    "before starting another")
             if self._plan_key() != planned:
                 # While this iteration was live, set_epoch / load_state_dict moved the sampler to another
                 # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
@@ -456,12 +485,17 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received = 0
+        received, loads = 0, self._loads
         for batch in loader:
             # By now the sampler's iteration has started, so _iter_start is this iteration's.
+            if self._loads != loads:
+                # load_state_dict while the loop ran (a rollback): the live iteration went on from the
+                # loaded batch, which is where _iter_start now is; count the batches received from there,
+                # after the ones handed out before the load that were still on their way (workers).
+                received, loads = -self._in_flight_at_load, self._loads
             received += 1
             epoch, start = self._iter_start
-            self.mark_received(epoch, start + received)
+            self.mark_received(epoch, start + max(received, 0))
             yield batch
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
@@ -590,6 +624,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
             raise
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
+        # A live iteration of the same plan goes on from the loaded batch: a tracked loop counts from
+        # there, once it has received the batches handed out before the load (a DataLoader's workers).
+        self._in_flight_at_load = 0
+        if self._consumed is not None and self._consumed[0] == previous[1]:
+            self._in_flight_at_load = max(self.cursor - self._consumed[1], 0)
+        self._loads += 1
+        self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         self._finished_here = False
         self._consumed = None

@@ -108,3 +108,14 @@ def chunked(fn, w: np.ndarray, h: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
         stop = start + chunk
         out[start:stop] = fn(w[start:stop], h[start:stop], start)
     return out
+
+
+def fixed_frames_of(family: str, video_frames: int, num_frames: int) -> int:
+    """``video_frames`` sampled uniformly from a video of ``num_frames``: a ``ValueError`` when the video
+    is shorter, which the processor's sampler (transformers' ``BaseVideoProcessor.sample_frames``,
+    ``InternVLVideoProcessor.sample_frames``; 4.57 to 5.25) refuses rather than repeat frames."""
+    if video_frames > num_frames:
+        raise ValueError(f"{family}: video_frames={video_frames} frames cannot be sampled from a video of "
+                         f"{num_frames} frame(s): the processor's frame sampler refuses a num_frames above "
+                         "the video's frame count")
+    return video_frames

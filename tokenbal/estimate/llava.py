@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, as_side, chunked, pair_dims
+from tokenbal.estimate._sizes import as_dim, as_side, chunked, fixed_frames_of, pair_dims
 from tokenbal.estimate.base import Estimator
 
 LLAVA_NEXT_PINPOINTS = ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))  # (h, w), v1.6
@@ -324,7 +324,7 @@ def _check_video_frames(est) -> None:
 
 def _frames_used(est, num_frames: int) -> int:
     n = as_dim(num_frames, "num_frames")
-    return n if est.video_frames is None else est.video_frames
+    return n if est.video_frames is None else fixed_frames_of(est.family, est.video_frames, n)
 
 
 def _check_common(est) -> None:

@@ -374,6 +374,7 @@ class QwenVLEstimator(PatchGridEstimator):
                 f"video of {total} frame(s) is too short for the {self.family} frame sampler "
                 f"(needs at least temporal_patch_size={k} frames)"
             )
+        qwen2_frame_indices(total, n, self.family)   # refuses the counts the processor cannot sample
         return n
 
     def _hf_video_size(self, t: int, h: int, w: int) -> tuple[int, int]:
@@ -451,6 +452,23 @@ class QwenVLEstimator(PatchGridEstimator):
 
 
 QWEN_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+
+
+def qwen2_frame_indices(total: int, n: int, family: str = "qwen2-vl") -> list[int]:
+    """The frames ``Qwen2VLVideoProcessor.sample_frames`` picks to sample ``n`` of a ``total``-frame
+    clip: ``torch.arange(0, total, total / n).int()`` (the same code in transformers 4.57 to 5.25),
+    reproduced with torch itself, float32 steps and all. For some (total, n), e.g. 59 frames sampled
+    to 58, the float arange takes one step more and its last index is the frame after the clip, so
+    the processor's ``video[indices]`` raises IndexError: a ``ValueError`` saying so, not a count of
+    frames that are not there."""
+    import torch
+
+    indices = torch.arange(0, total, total / n).int().tolist()
+    if indices[-1] >= total:
+        raise ValueError(f"{family}: Qwen2VLVideoProcessor.sample_frames picks frame {indices[-1]} of a "
+                         f"{total}-frame clip when sampling {n} frames (float arange), and the processor "
+                         "raises IndexError on it")
+    return indices
 
 
 def _as_fps(fps: object) -> float:

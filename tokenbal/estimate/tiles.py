@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from tokenbal.estimate._sizes import as_dim, as_side, pair_dims
+from tokenbal.estimate._sizes import as_dim, as_side, fixed_frames_of, pair_dims
 from tokenbal.estimate.base import Estimator
 
 
@@ -216,7 +216,7 @@ class TilesEstimator(Estimator):
 
     def _frames_used(self, num_frames: int) -> int:
         n = as_dim(num_frames, "num_frames")
-        return n if self.video_frames is None else self.video_frames
+        return n if self.video_frames is None else fixed_frames_of(self.family, self.video_frames, n)
 
 
 def make_tiles(family: str = "tiles", **overrides) -> TilesEstimator:

@@ -177,6 +177,8 @@ def _default_sample(total: int, fps: float, num_frames: int | None, sample_fps: 
 
 
 def _qwen(est, req: VideoRequest, first: int, last: int, total: int) -> VideoPlan:
+    from tokenbal.estimate.qwen import qwen2_frame_indices
+
     over = {}
     if req.sample_fps is not None:
         over["video_fps"] = float(req.sample_fps)
@@ -217,14 +219,8 @@ def _qwen(est, req: VideoRequest, first: int, last: int, total: int) -> VideoPla
                     raise ValueError(f"nframes={req.nframes} -> {n}: the clip has {total} frames")
             else:
                 n = e.sampled_frames(total, req.fps)
-            rel = _torch_arange_int(0, total, total / n)
-            if rel[-1] >= total:
-                # for some (total, n), e.g. 59 frames sampled to 58, the float arange takes one
-                # step more and its last index is the frame after the clip: the processor's
-                # video[indices] raises IndexError on such a video
-                raise ValueError(f"{e.family}: Qwen2VLVideoProcessor.sample_frames picks frame {rel[-1]} "
-                                 f"of a {total}-frame clip when sampling {n} frames (float arange), and "
-                                 "the processor raises IndexError on it")
+            # refused where the processor's float arange picks the frame after the clip (IndexError)
+            rel = qwen2_frame_indices(total, n, e.family)
         idx = tuple(first + i for i in rel)
         grid = e.video_grid(len(idx), req.width, req.height, None)   # pre-sampled frames
     t, gh, gw = grid

@@ -121,6 +121,12 @@ class TokenBalancedLoader:
         self.sampler = sampler
         self._received = 0
         self._epoch = int(getattr(prepared, "iteration", sampler.epoch))
+        # A pass is running; batches it had fetched before a load_state_dict made inside it (accelerate's
+        # look-ahead, the workers' prefetch), still to come and not of the loaded position; whether a load
+        # happened inside the pass (its end is then the epoch's end only if every batch was received).
+        self._passing = False
+        self._in_flight = 0
+        self._loaded_in_pass = False
 
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
@@ -160,10 +166,22 @@ class TokenBalancedLoader:
         # Tell the sampler where the loop is: after an early stop (a break for an eval), it had run
         # ahead by accelerate's look-ahead batch and the workers' prefetch; it continues from here.
         self.sampler.mark_received(self._epoch, self._received)
-        for batch in self.loader:
-            self._received += 1
-            self.sampler.mark_received(self._epoch, self._received)
-            yield batch
+        self._passing, self._in_flight, self._loaded_in_pass = True, 0, False
+        try:
+            for batch in self.loader:
+                if self._in_flight:
+                    # fetched before a load_state_dict inside this pass: the loaded position is not reached
+                    self._in_flight -= 1
+                    yield batch
+                    continue
+                self._received += 1
+                self.sampler.mark_received(self._epoch, self._received)
+                yield batch
+        finally:
+            self._passing = False
+        if self._loaded_in_pass and not self._finished():
+            # a load of another epoch ended the pass before that epoch's end: the next pass continues it
+            return
         # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
         self._epoch += 1
         self._received = 0
@@ -176,8 +194,12 @@ class TokenBalancedLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Inside a pass (a rollback in the loop), the batches handed out but not yet received will still
+        # arrive first: they are not the loaded position's, so they are not counted as its batches.
+        in_flight = max(self.sampler.cursor - self._received, 0) if self._passing else 0
         self.sampler.load_state_dict(state)
         self._epoch, self._received = int(state["epoch"]), int(self.sampler.cursor)
+        self._in_flight, self._loaded_in_pass = in_flight, self._passing
         self.loader.set_epoch(self._epoch)
 
 

@@ -424,3 +424,234 @@ def test_breaks_anywhere_under_track_see_every_sample_once(n, gbs, grad_accum, w
             if done == stop:
                 break
     assert sorted(seen) == list(range(n))
+
+
+def test_a_second_live_iteration_retires_the_first_instead_of_sharing_its_cursor():
+    # One sampler has one cursor. Before, an older iteration advanced after a newer one had started went
+    # on at the newer one's cursor: it skipped the batches the newer one had handed out (or, after
+    # list(s) inside a loop over s, ended the loop's epoch early), without a word.
+    lengths = lengths_for(40)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    it1 = iter(s)
+    assert next(it1) == full[0]
+    it2 = iter(s)
+    assert next(it1) == full[1], "an iteration that has not started yet retires nothing"
+    with pytest.warns(RuntimeWarning, match="continues at batch 2"):
+        assert next(it2) == full[2]
+    with pytest.raises(RuntimeError, match="newer iteration of the same sampler"):
+        next(it1)
+    assert list(it2) == full[3:] and s.state_dict()["cursor"] == len(s)
+    # list(s) inside a loop over s: the loop's next batch is an error, not a silent end of its epoch
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    with pytest.raises(RuntimeError, match="newer iteration"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step, _ in enumerate(s):
+            if step == 2:
+                assert list(s) == full[3:]
+    # two DataLoaders over one sampler, iterated together: each would have seen half the epoch
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    a, b = (DataLoader(IndexDataset(40), batch_sampler=s) for _ in range(2))
+    with pytest.raises(RuntimeError, match="newer iteration"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in zip(a, b, strict=True):
+            pass
+
+
+def test_a_dataloader_re_iterated_with_persistent_workers_keeps_one_live_iteration():
+    # DataLoader(persistent_workers=True) replaces its sampler iterator at each iter(), before the old one
+    # is exhausted (a break): the old one is never asked again, so nothing is refused.
+    lengths = lengths_for(60)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(60), batch_sampler=s, num_workers=1, persistent_workers=True)
+    seen = _first_pass(s.track(loader), 5)
+    seen += [i for batch in s.track(loader) for i in batch["idx"].tolist()]
+    assert sorted(seen) == list(range(60))
+    s.set_epoch(1)
+    assert sorted(i for batch in loader for i in batch["idx"].tolist()) == list(range(60))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 60), gbs=st.sampled_from([1, 2, 4]), grad_accum=st.integers(1, 3),
+       first=st.integers(1, 3), ops=st.lists(st.integers(0, 11), min_size=4, max_size=40))
+def test_interleaved_iterations_hand_out_each_batch_once_or_refuse(n, gbs, grad_accum, first, ops):
+    """Any interleaving of iter() / next() on several iterators / len() / state_dict() (``ops``: 0 a new
+    iterator, 1 a state_dict and a resume from it, 2 len(), k > 2 next() on iterator k): the batches
+    handed out are the epoch's plan in order (each sample once per pass), an iteration advanced after a
+    newer one started raises, and a resume from any state_dict() yields exactly the rest."""
+    lengths = lengths_for(n)
+    kw = dict(global_batch_size=gbs * grad_accum, grad_accum=grad_accum, seed=n)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, **kw))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, **kw)
+    its, started, dead = [], [], []   # iterators; which have started; which have ended
+    latest = None                     # the iterator that started last: the only one that may hand out
+    handed = []                       # batches handed out in the current pass
+    finished = False                  # the live iteration saw the end of the epoch (a new one replays)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the re-iteration warning (its own test)
+        for op in [0] * first + ops:
+            if op == 0:
+                its.append(iter(s))
+                started.append(False)
+                dead.append(False)
+            elif op == 2:
+                assert len(s) == len(full)
+            elif op == 1:
+                fresh = TokenBalancedBatchSampler(lengths, 1, 0, **kw)
+                fresh.load_state_dict(json.loads(json.dumps(s.state_dict())))
+                assert handed + list(fresh) == full, "a resume continues exactly where the loop is"
+            else:
+                i = op % len(its)
+                if dead[i]:
+                    assert next(its[i], None) is None
+                    continue
+                if started[i] and i != latest:
+                    with pytest.raises(RuntimeError, match="newer iteration"):
+                        next(its[i])
+                    dead[i] = True
+                    continue
+                if not started[i]:
+                    started[i], latest = True, i
+                    if finished:
+                        handed, finished = [], False   # a finished epoch iterated again is replayed
+                batch = next(its[i], None)
+                if batch is None:
+                    dead[i], finished = True, True
+                    assert len(handed) == len(full)
+                else:
+                    handed.append(batch)
+                    assert handed == full[:len(handed)]
+    assert sorted(i for b in handed for i in b) == sorted(i for b in full[:len(handed)] for i in b)
+
+
+def test_load_state_dict_inside_a_tracked_loop_counts_from_the_loaded_batch():
+    # The live iteration continues from the loaded batch (above); track() used to go on counting from
+    # the iteration's start, so state_dict() claimed batches the loop never trained after the rollback
+    # (trained 0 1 2 3 4 2, saved cursor 6: a resume skipped batches 3 to 5).
+    lengths = lengths_for(40)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(list(range(40)), batch_sampler=s, collate_fn=list)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(batch)
+        if n == 1:
+            ckpt = s.state_dict()
+        if n == 4:
+            s.load_state_dict(ckpt)          # roll back (a loss spike) and keep looping
+        if n == 6:
+            state = s.state_dict()
+            break
+    assert trained == full[:5] + full[2:4] and state["cursor"] == 4
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[4:]
+    # the same loop, not stopped: after the rollback it runs to the epoch's end, and the next pass of the
+    # loader is the epoch replayed (a finished epoch), not a continuation
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(list(range(40)), batch_sampler=s, collate_fn=list)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(batch)
+        if n == 3:
+            s.load_state_dict(ckpt)
+    assert trained == full[:4] + full[2:] and s.state_dict()["cursor"] == len(s)
+
+
+def test_load_state_dict_inside_a_tracked_loop_with_workers_counts_after_the_batches_in_flight():
+    # 2 workers x prefetch 2: at the load, 4 batches handed out before it are still on their way; the
+    # loop receives them first, then the loaded batches. The saved position counts only the latter.
+    lengths = lengths_for(80)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(sorted(batch["idx"].tolist()))
+        if n == 1:
+            ckpt = s.state_dict()
+        if n == 5:
+            assert s.cursor == 10
+            s.load_state_dict(ckpt)
+        if 6 <= n <= 9:
+            assert s.state_dict()["cursor"] == 2, "the batches in flight are not the loaded ones"
+        if n == 11:
+            state = s.state_dict()
+            break
+    assert trained == [sorted(b) for b in full[:10] + full[2:4]] and state["cursor"] == 4
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert list(fresh) == full[4:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 50), R=st.integers(1, 3), k=st.integers(1, 3),
+       mode=st.sampled_from(["batch", "tokens"]), drop_last=st.booleans(), ops=st.lists(st.sampled_from(
+           ["next", "next", "next", "next", "break", "set_same", "set_next", "set_back", "state", "load",
+            "load_live", "len"]), max_size=50))
+def test_lifecycles_hand_out_the_plan_in_order_and_resume_exactly(n, R, k, mode, drop_last, ops):
+    """Random lifecycles of R samplers in lockstep (``grad_accum``, ``drop_last``, token budgets): next /
+    break and iterate again / set_epoch (same, next, back) / state_dict / load_state_dict (with the live
+    iteration kept: same epoch goes on from the loaded batch, another epoch ends it) / len. Every batch
+    handed out is the current epoch's plan at the model's position, and a resume from any state_dict
+    yields exactly the rest of the epoch."""
+    lengths = lengths_for(n, n)
+    kw = (dict(global_batch_size=R * k * 2, drop_last=drop_last) if mode == "batch"
+          else dict(max_tokens_per_rank=int(lengths.max(initial=1)) * 2))
+    kw.update(grad_accum=k, seed=n % 3)
+
+    def plan(epoch):
+        out = []
+        for r in range(R):
+            x = TokenBalancedBatchSampler(lengths, R, r, **kw)
+            x.set_epoch(epoch)
+            out.append(list(x))
+        return out
+
+    ss = [TokenBalancedBatchSampler(lengths, R, r, **kw) for r in range(R)]
+    its, epoch, pos, finished, snaps, plans = None, 0, 0, False, [], {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # re-iteration mid-epoch (its own test)
+        for op in ops:
+            full = plans.setdefault(epoch, plan(epoch))
+            if op == "next":
+                if its is None:
+                    its = [iter(s) for s in ss]
+                    if finished:                          # a finished epoch iterated again: replayed
+                        pos, finished = 0, False
+                got = [next(it, None) for it in its]
+                if pos < len(full[0]):
+                    assert got == [full[r][pos] for r in range(R)]
+                    pos += 1
+                else:
+                    assert got == [None] * R
+                    its, finished = None, True
+            elif op == "break":
+                its = None
+            elif op.startswith("set_"):
+                e = {"set_same": epoch, "set_next": epoch + 1, "set_back": max(epoch - 1, 0)}[op]
+                for s in ss:
+                    s.set_epoch(e)
+                if e != epoch:
+                    if its is not None:
+                        assert [next(it, None) for it in its] == [None] * R, "set_epoch ends it"
+                    its, epoch, pos, finished = None, e, 0, False
+            elif op == "state":
+                states = [json.loads(json.dumps(s.state_dict())) for s in ss]
+                fresh = [TokenBalancedBatchSampler(lengths, R, r, **kw) for r in range(R)]
+                for f, state in zip(fresh, states, strict=True):
+                    f.load_state_dict(state)
+                assert [list(f) for f in fresh] == [full[r][pos:] for r in range(R)]
+                snaps.append((states, epoch, pos))
+            elif op.startswith("load") and snaps:
+                states, e, p = snaps[len(ops) % len(snaps)]
+                for s, state in zip(ss, states, strict=True):
+                    s.load_state_dict(state)
+                if op == "load_live" and its is not None and e != epoch:
+                    assert [next(it, None) for it in its] == [None] * R, "a load of another epoch ends it"
+                    its = None
+                elif op == "load":
+                    its = None
+                epoch, pos, finished = e, p, False
+            elif op == "len":
+                assert {len(s) for s in ss} == {len(full[0])}

@@ -414,3 +414,109 @@ def test_qwen3_processor_samples_with_repeats_where_the_clip_is_short(total, set
     assert idx == want
     require_oracle(real, "get_num_of_video_patches")
     assert grid[0] * grid[1] * grid[2] == real.get_num_of_video_patches(len(want), h, w)
+
+
+def test_direct_video_tokens_refuse_what_qwen2_sample_frames_cannot_sample():
+    """``est.video_tokens(frames, w, h, fps)`` (the direct API, not ``plan_video``) refuses the clips
+    whose frame sampling ``Qwen2VLVideoProcessor.sample_frames`` takes past the last frame (the processor
+    raises IndexError on them: 59 frames at 2 fps gave 116 tokens), and otherwise counts the frames it
+    samples: hypothesis over clip lengths, frame rates and sampling settings against the real class's
+    ``sample_frames`` (and Qwen3-VL's, which never overshoots)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    qwen2 = import_without_torchvision("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    qwen3 = import_without_torchvision("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    with pytest.raises(ValueError, match="raises IndexError"):
+        get_estimator("qwen2-vl").video_tokens(59, 64, 48, 2.0)
+
+    @settings(max_examples=400, deadline=None)
+    @given(family=st.sampled_from(["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]), total=st.integers(1, 400),
+           fps=st.one_of(st.sampled_from([1.0, 2.0, 24.0, 25.0, 29.97, 30.0, 60.0]),
+                         st.floats(0.05, 120.0, allow_nan=False)),
+           target=st.sampled_from([0.5, 1.0, 2.0, 3.0, 4.0]), min_frames=st.integers(1, 8),
+           max_frames=st.integers(1, 800), temporal=st.integers(1, 4))
+    def check(family, total, fps, target, min_frames, max_frames, temporal):
+        est = get_estimator(family, video_fps=target, video_min_frames=min_frames,
+                            video_max_frames=max_frames,
+                            temporal_patch_size=temporal)
+        md = types.SimpleNamespace(total_num_frames=total, fps=fps, duration=total / fps)
+        ns = types.SimpleNamespace(num_frames=None, fps=target, temporal_patch_size=temporal,
+                                   min_frames=min_frames, max_frames=max_frames)
+        try:
+            if family == "qwen3-vl":
+                picked = [int(i) for i in qwen3.Qwen3VLVideoProcessor.sample_frames(ns, md)]
+            else:
+                picked = [int(i) for i in qwen2.Qwen2VLVideoProcessor.sample_frames(ns, md, fps=target)]
+            refused = picked[-1] >= total   # video[indices]: IndexError
+        except (ZeroDivisionError, ValueError):
+            refused = True
+        if refused:
+            with pytest.raises(ValueError):
+                est.sampled_frames(total, fps)
+            with pytest.raises(ValueError):
+                est.video_tokens(total, 64, 48, fps)
+        else:
+            assert est.sampled_frames(total, fps) == len(picked)
+            if family != "qwen3-vl":   # (Qwen3-VL's resize has its own frame checks, per version)
+                assert est.video_grid(total, 64, 48, fps)[0] == -(-len(picked) // temporal)
+
+    check()
+
+
+def _video_envs() -> list[str]:
+    from tests.helpers.envs import transformers_specs
+
+    return transformers_specs("video")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("env", _video_envs())
+def test_direct_video_tokens_real_processor(env):
+    """``video_tokens(frames, w, h, fps)`` against the real Qwen2-VL / Qwen2.5-VL / Qwen3-VL,
+    LLaVA-OneVision and InternVL video processors' ``__call__`` in each ``tf-X.Y-video`` env
+    (torchvision): 300 hypothesis examples per family over frame counts, frame sides, source fps,
+    sampling settings (``video_frames``), tiny pixel budgets and the per-frame cap; the estimator
+    refuses exactly what the processor raises on and agrees on every count
+    (``tests/helpers/video_tokens_oracle_check.py``)."""
+    from tests.helpers.envs import oracle_in_env
+
+    results = oracle_in_env(env, "tests.helpers.video_tokens_oracle_check", "300", "0")
+    assert [r["family"] for r in results] == ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "llava-onevision",
+                                              "internvl"]
+    for r in results:
+        assert r["wrong"] is None and r["examples"] == 300 and r["agree"] >= 150, r
+
+
+@pytest.mark.parametrize("family", ["llava-onevision", "internvl"])
+def test_direct_video_tokens_of_a_clip_shorter_than_video_frames_are_refused(family):
+    """``video_frames=N`` (a fixed number of sampled frames) and a video of fewer frames: the processor's
+    sampler (``BaseVideoProcessor`` / ``InternVLVideoProcessor.sample_frames``) raises, and
+    ``video_tokens`` used to count N frames of it anyway (LLaVA-OneVision 1569 tokens, InternVL 2048 for
+    a 3-frame clip). From N frames up the counts are the N sampled frames'."""
+    if family == "internvl":
+        mod = import_without_torchvision("transformers.models.internvl.video_processing_internvl")
+        ns = types.SimpleNamespace(num_frames=None, fps=None, initial_shift=True)
+
+        def sample(md, n):
+            return mod.InternVLVideoProcessor.sample_frames(ns, md, num_frames=n)
+    else:   # BaseVideoProcessor.sample_frames (from 5.19 through default_sample_indices_fn)
+        name = "transformers.models.llava_onevision.video_processing_llava_onevision"
+        proc = import_without_torchvision(name).LlavaOnevisionVideoProcessor()
+
+        def sample(md, n):
+            return proc.sample_frames(md, num_frames=n)
+    est = get_estimator(family, video_frames=8)
+    for total in (1, 3, 7, 8, 9, 40):
+        md = types.SimpleNamespace(total_num_frames=total, fps=24.0, duration=total / 24)
+        try:
+            picked = len(sample(md, 8))
+        except ValueError:
+            picked = None
+        if picked is None:
+            with pytest.raises(ValueError, match="video_frames=8 frames cannot be sampled"):
+                est.video_tokens(total, 64, 48, 24.0)
+        else:
+            assert picked == 8
+            assert est.video_tokens(total, 64, 48, 24.0) == est.replace(video_frames=None).video_tokens(
+                8, 64, 48, None)

@@ -179,3 +179,79 @@ def test_a_checkpoint_or_a_break_at_an_epochs_last_batch_moves_on_to_the_next_ep
     assert list(resumed) == epoch1
     resumed.set_epoch(0)                                    # the finished epoch asked for again: replayed
     assert list(resumed) == epoch0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_load_state_inside_the_loop_counts_from_the_loaded_batch_after_those_in_flight(tmp_path, workers):
+    # accelerator.load_state inside the loop (a rollback): the pass goes on from the loaded batch, after
+    # the batches fetched before the load (accelerate's look-ahead batch, the workers' prefetch). Those
+    # were counted as loaded ones: trained 0-5, rolled back to 2, received 5 (in flight), 2 and 3, saved
+    # cursor 5 instead of 4, and a resume never trained batch 4.
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    lengths = np.random.default_rng(1).integers(10, 500, 80)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2))
+    acc = Accelerator(cpu=True)
+    sampler = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+    kw = {"num_workers": workers, "prefetch_factor": 2} if workers else {}
+    loader = prepare_loader(acc, DataLoader(list(range(80)), batch_sampler=sampler, collate_fn=list, **kw))
+    trained, in_flight = [], None
+    for n, batch in enumerate(loader):
+        trained.append(full.index(batch))
+        if n == 1:
+            acc.save_state(str(tmp_path / "ckpt"))
+        if n == 5:
+            in_flight = sampler.cursor - 6
+            acc.load_state(str(tmp_path / "ckpt"))
+        if in_flight is not None and n == 7 + in_flight:
+            state = loader.state_dict()
+            break
+    assert in_flight == (1 if workers == 0 else 1 + 2 * 2)
+    assert trained == list(range(6 + in_flight)) + [2, 3] and state["cursor"] == 4
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+    fresh.load_state_dict(state)
+    assert [full.index(b) for b in fresh] == list(range(4, len(full)))
+    # a new pass after the break continues at the first loaded batch not received
+    assert [full.index(b) for b in loader] == list(range(4, len(full)))
+
+
+def test_load_state_of_another_epoch_inside_the_loop_continues_that_epoch(tmp_path):
+    # The load ends the pass (the sampler's plan changed) after the look-ahead batch; the wrapper took the
+    # pass's end for the end of the loaded epoch: state (1, 0), the next pass epoch 1 again, epoch 0's
+    # rest never trained.
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    lengths = np.random.default_rng(1).integers(10, 500, 40)
+
+    def plan(epoch):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+        s.set_epoch(epoch)
+        return list(s)
+
+    acc = Accelerator(cpu=True)
+    sampler = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+    loader = prepare_loader(acc, DataLoader(list(range(40)), batch_sampler=sampler, collate_fn=list))
+    for n, _ in enumerate(loader):
+        if n == 1:
+            acc.save_state(str(tmp_path / "ckpt"))   # epoch 0 after 2 batches
+            break
+    loader.set_epoch(1)
+    got = []
+    for n, batch in enumerate(loader):
+        got.append(batch)
+        if n == 3:
+            acc.load_state(str(tmp_path / "ckpt"))
+    assert got == plan(1)[:5]                     # 4 + the look-ahead batch fetched before the load
+    assert (loader.epoch, loader.batches_received) == (0, 2)
+    assert list(loader) == plan(0)[2:]
+    assert list(loader) == plan(1)
