@@ -37,14 +37,16 @@ class Trace:
     world_size: int | None = None    # as the trace records it (distributedInfo / profiler_info)
     notes: list[str] = field(default_factory=list)      # what reading it had to work around
     rank_assumed: bool = False       # the trace names no rank: 0, valid only alone in its run (runs.py)
+    process_groups: int | None = None   # how many process groups the run had, where the trace records it
 
 
 _TRACE_PATTERNS = ("*.json", "*.json.gz")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _INFO_RANK = re.compile(r"profiler_info_(\d+)\.json$")
 # The args of a complete event the analysis reads (kernel correlation, collective sizes, operator
-# shapes). Kineto writes many more (ids, strides, concrete inputs): most of a parsed trace's memory.
-_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type")
+# shapes, a collective's process group). Kineto writes many more (ids, strides, concrete inputs):
+# most of a parsed trace's memory.
+_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type", "Process Group Ranks")
 
 
 def _slim_event(obj: dict) -> dict:
@@ -111,10 +113,11 @@ def _whole(value, what: str, path: str, low: int = 0) -> int | None:
     return number
 
 
-def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None]:
-    """(rank, world size) of a torch_npu trace_view.json from its run folder's ``profiler_info*.json``
-    (and ``profiler_metadata.json`` for the world size). A damaged info file does not lose the trace:
-    the rank then comes from the info file's name (``profiler_info_<rank>.json``), with a note."""
+def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None, int | None]:
+    """(rank, world size, number of process groups) of a torch_npu trace_view.json from its run
+    folder's ``profiler_info*.json`` (and ``profiler_metadata.json`` for the world size and groups).
+    A damaged info file does not lose the trace: the rank then comes from the info file's name
+    (``profiler_info_<rank>.json``), with a note."""
     run_dir = os.path.dirname(os.path.dirname(trace_view))      # .../<x>_ascend_pt
     rank = world = None
     for info in sorted(glob.glob(os.path.join(run_dir, "profiler_info*.json"))):
@@ -134,33 +137,35 @@ def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None
         if found is not None and found >= 0 and rank is None:
             rank = found
         world = world or _whole(data.get("world_size", data.get("rank_size")), "world_size", info, low=1)
-    if world is None:
-        world = _npu_world_from_metadata(os.path.join(run_dir, "profiler_metadata.json"), notes)
-    return rank, world
+    meta_world, groups = _npu_metadata(os.path.join(run_dir, "profiler_metadata.json"), notes)
+    return rank, world or meta_world, groups
 
 
-def _npu_world_from_metadata(path: str, notes: list[str]) -> int | None:
-    """The world size torch_npu's ``profiler_metadata.json`` records, where it does: ``distributed_args``
-    ``world_size``, else the size of the ``default_group`` of ``parallel_group_info``."""
+def _npu_metadata(path: str, notes: list[str]) -> tuple[int | None, int | None]:
+    """(world size, number of process groups) as torch_npu's ``profiler_metadata.json`` records them,
+    where it does: ``distributed_args`` ``world_size``, else the size of the ``default_group`` of
+    ``parallel_group_info``; the groups that ``parallel_group_info`` lists."""
     if not os.path.isfile(path):
-        return None
+        return None, None
     try:
         data = _read_json(path)
     except ValueError as e:
-        notes.append(f"{path} is damaged ({e}); the run's world size is not known from it")
-        return None
+        notes.append(f"{path} is damaged ({e}); the run's world size and groups are not known from it")
+        return None, None
     if not isinstance(data, dict):
-        return None
+        return None, None
+    world = None
     args = data.get("distributed_args")
     if isinstance(args, dict) and args.get("world_size") is not None:
-        return _whole(args["world_size"], "distributed_args.world_size", path, low=1)
+        world = _whole(args["world_size"], "distributed_args.world_size", path, low=1)
     groups = data.get("parallel_group_info")
-    if isinstance(groups, dict):
-        for group in groups.values():
-            if isinstance(group, dict) and group.get("group_name") == "default_group" \
-                    and isinstance(group.get("global_ranks"), list):
-                return len(group["global_ranks"])
-    return None
+    if not isinstance(groups, dict):
+        return world, None
+    for group in groups.values():
+        if world is None and isinstance(group, dict) and group.get("group_name") == "default_group" \
+                and isinstance(group.get("global_ranks"), list):
+            world = len(group["global_ranks"])
+    return world, len(groups) or None
 
 
 def _rank_from_name(path: str) -> int | None:
@@ -236,10 +241,10 @@ def _clean_event(e: dict, path: str, i: int) -> dict:
 
 def _to_trace(path: str, data, rank: int | None) -> Trace:
     notes: list[str] = []
-    world = None
+    world = groups = None
     if _events_list(data):              # torch_npu trace_view.json: a bare event list
         raw, meta, layout = data, {}, "npu"
-        found, world = _npu_rank(path, notes)
+        found, world, groups = _npu_rank(path, notes)
     elif isinstance(data, dict) and isinstance(data.get("traceEvents"), list):
         raw, layout = data["traceEvents"], "torch"
         meta = {k: v for k, v in data.items() if k != "traceEvents"}
@@ -248,6 +253,7 @@ def _to_trace(path: str, data, rank: int | None) -> Trace:
             raise ValueError(f"{path}: distributedInfo is {dist!r}, not an object")
         found = _whole(dist.get("rank"), "distributedInfo.rank", path)
         world = _whole(dist.get("world_size"), "distributedInfo.world_size", path, low=1)
+        groups = _kineto_groups(dist)
     else:
         what = "an object without a traceEvents list" if isinstance(data, dict) else type(data).__name__
         raise NotATrace(f"{path}: JSON, but not a profiler trace ({what})")
@@ -272,7 +278,15 @@ def _to_trace(path: str, data, rank: int | None) -> Trace:
         raise ValueError(f"{path}: rank {rank} is outside its recorded world size {world}")
     return Trace(rank=int(rank), path=path, events=events, host=meta.get("host_name"),
                  main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names,
-                 world_size=world, notes=notes, rank_assumed=assumed)
+                 world_size=world, notes=notes, rank_assumed=assumed, process_groups=groups)
+
+
+def _kineto_groups(dist: dict) -> int | None:
+    """How many process groups ``distributedInfo`` lists (``pg_config``, else ``pg_count``)."""
+    config, count = dist.get("pg_config"), dist.get("pg_count")
+    if isinstance(config, list):
+        return len(config) or None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
 
 def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:

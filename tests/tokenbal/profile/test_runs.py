@@ -2,19 +2,21 @@
 grouped by run (recorded world size and backend, overlapping steps in wall time), one run is
 analysed and named, duplicates and missing ranks are named, traces are read one at a time.
 
-The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other."""
+The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other, and two
+taken at the same time."""
 
 import gc
 import gzip
 import json
 import os
 import shutil
+import threading
 import weakref
 
 import pytest
 
 from tests.helpers.dist_utils import run_ranks
-from tests.helpers.stragglers import straggler_rank
+from tests.helpers.stragglers import concurrent_rank, straggler_rank
 from tests.scripts.test_cli_errors import run as run_cli
 from tests.tokenbal.profile.test_profile import _npu_trace
 from tokenbal.profile import DuplicateRankError, SeveralRunsError, format_report, profile_run, traces
@@ -31,6 +33,140 @@ def two_runs(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def concurrent_runs(tmp_path_factory):
+    """Run A (rank 1 sleeps 50 ms before each all_reduce) and run B (no straggler), 2 ranks and 4 steps
+    each, taken at the same time on this host: B starts 0.1 s after A, within A's profiled steps."""
+    root = tmp_path_factory.mktemp("concurrent")
+    os.makedirs(root / "ready")
+    failures = []
+
+    def launch(name, pattern, delay_s):
+        os.makedirs(root / name)
+        try:
+            run_ranks(concurrent_rank, 2, str(root / name), pattern, "sleep", 4, str(root / "ready"), 2,
+                      delay_s, timeout=240, collective_timeout=120)
+        except Exception as e:  # noqa: BLE001 - reported by the fixture below
+            failures.append(e)
+    threads = [threading.Thread(target=launch, args=a) for a in (("A", "constant", 0.0), ("B", "none", 0.1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    return root
+
+
+def _copy(src, dst, host=None):
+    data = json.loads(src.read_text())
+    if host is not None:
+        data["host_name"] = host
+    dst.write_text(json.dumps(data))
+
+
+def test_ranks_of_two_runs_taken_at_the_same_time_are_two_runs_not_one(concurrent_runs, tmp_path, capsys):
+    """Two jobs side by side writing rank{r}.json into one folder leave rank 0 of one and rank 1 of the
+    other: same world size, backend and steps, overlapping in time. They were analysed as one run."""
+    a, b = concurrent_runs / "A", concurrent_runs / "B"
+    for run in (a, b):                 # each run alone is one run: its ranks met in every collective
+        assert profile_run(str(run)).ranks == [0, 1]
+    for first, second in ((a, b), (b, a)):
+        mixed = tmp_path / f"mixed_{first.name}0"
+        mixed.mkdir()
+        shutil.copy(first / "rank0.json", mixed / "rank0.json")
+        shutil.copy(second / "rank1.json", mixed / "rank1.json")
+        with pytest.raises(SeveralRunsError) as e:
+            profile_run(str(mixed))
+        message = str(e.value)
+        assert "holds the traces of 2 runs" in message
+        assert "1 of 2 ranks (rank 1 missing)" in message and "1 of 2 ranks (rank 0 missing)" in message
+        assert "is not the run it overlaps in time: all_reduce #" in message
+        assert str(mixed / "rank0.json") in message and str(mixed / "rank1.json") in message
+        assert "on one host's clock" in message
+        code, out, err = run_cli(["profile", str(mixed)], capsys)
+        assert code == 2 and out == "" and err.startswith("tokenbal profile: error: ")
+        assert err.count("\n") == 1
+        p = profile_run(str(mixed), run=1)
+        assert p.ranks in ([0], [1]) and p.missing_ranks == [1 - p.ranks[0]]
+        assert any(n.startswith("run 2 is not the run it overlaps in time") for n in p.notes)
+
+
+def test_all_ranks_of_two_runs_taken_at_the_same_time_are_two_whole_runs(concurrent_runs, tmp_path):
+    """tensorboard_trace_handler names each file after its host and pid: both runs' ranks land side by
+    side. They used to be one run whose ranks clashed (DuplicateRankError)."""
+    for name in ("A", "B"):
+        for r in (0, 1):
+            shutil.copy(concurrent_runs / name / f"rank{r}.json", tmp_path / f"{name}_w{r}.pt.trace.json")
+    with pytest.raises(SeveralRunsError, match=r"run 1: 2 of 2 ranks, steps 1-4, .*run 2: 2 of 2 ranks, "
+                                               r"steps 1-4"):
+        profile_run(str(tmp_path))
+    a, b = profile_run(str(tmp_path), run=1), profile_run(str(tmp_path), run=2)
+    assert a.files == {r: str(tmp_path / f"A_w{r}.pt.trace.json") for r in (0, 1)}
+    assert b.files == {r: str(tmp_path / f"B_w{r}.pt.trace.json") for r in (0, 1)}
+    assert a.straggler_wait_s() > 0.02 > b.straggler_wait_s()     # A's rank 1 sleeps 50 ms a step
+
+
+def test_runs_on_other_hosts_are_told_apart_under_any_clock_offset(concurrent_runs, tmp_path):
+    """Across hosts the clocks may differ: two ranks are one run when one offset lets every collective
+    meet. A real run whose second host's clock is 3 ms ahead stays one run; the mix does not."""
+    skewed = tmp_path / "skewed"
+    skewed.mkdir()
+    _copy(concurrent_runs / "A" / "rank0.json", skewed / "rank0.json", host="node0")
+    data = json.loads((concurrent_runs / "A" / "rank1.json").read_text())
+    data["host_name"] = "node1"
+    for e in data["traceEvents"]:
+        if "ts" in e:
+            e["ts"] += 3000
+    (skewed / "rank1.json").write_text(json.dumps(data))
+    assert profile_run(str(skewed)).ranks == [0, 1]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    _copy(concurrent_runs / "A" / "rank0.json", mixed / "rank0.json", host="node0")
+    _copy(concurrent_runs / "B" / "rank1.json", mixed / "rank1.json", host="node1")
+    with pytest.raises(SeveralRunsError, match=r"each on its host's clock: for both to have met, rank 1's "
+                                               r"clock would be at least .* ms ahead of rank 0's and at "
+                                               r"least .* ms behind"):
+        profile_run(str(mixed))
+
+
+def _device_rank(path, rank, world, kernels, groups=None, pg_count=1):
+    """A GPU rank's trace: one step, NCCL all_reduce kernels at ``kernels`` [(start, end)] µs, each in
+    the process group ``groups[i]`` where given (Kineto's "Process Group Ranks" arg)."""
+    step = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 1, "tid": 1, "ts": 0,
+            "dur": 10_000}
+    events = [step]
+    for i, (a, b) in enumerate(kernels):
+        args = {"Process Group Ranks": groups[i]} if groups else {}
+        events.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                       "pid": 0, "tid": 7, "ts": a, "dur": b - a, "args": args})
+    info = {"backend": "nccl", "rank": rank, "world_size": world, "pg_count": pg_count}
+    path.write_text(json.dumps(_trace(events, distributedInfo=info, host_name="gpu0",
+                                      baseTimeNanoseconds=1_700_000_000_000_000_000, trace_id=f"t{rank}")))
+
+
+def test_only_collectives_of_a_group_holding_both_ranks_tell_runs_apart(tmp_path):
+    """Kernels of a group both ranks are in must overlap; a trace with several process groups and
+    collectives that name none gives no evidence (an FSDP rank's collectives on its own shard group)."""
+    cases = {  # rank 1's kernels: [(start, end)], the groups of rank 0's / rank 1's kernels, pg_count
+        "met": ([(900, 1500), (3000, 3100)], None, None, 1),
+        "within_clock_tolerance": ([(1600, 1700), (3000, 3100)], None, None, 1),
+        "apart": ([(2600, 2700), (3000, 3100)], None, None, 1),
+        "apart_in_a_named_group": ([(2600, 2700), (3000, 3100)], [[0, 1], [0, 1]], [[0, 1], [0, 1]], 2),
+        "other_groups": ([(2600, 2700), (3000, 3100)], [[0, 2], [0, 1]], [[1, 3], [0, 1]], 3),
+        "groups_unknown": ([(2600, 2700), (3000, 3100)], None, None, 2),
+    }
+    for name, (kernels, groups0, groups1, count) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        _device_rank(folder / "rank0.json", 0, 4, [(1000, 1500), (3000, 3100)], groups0, count)
+        _device_rank(folder / "rank1.json", 1, 4, kernels, groups1, count)
+        if name.startswith("apart"):
+            with pytest.raises(SeveralRunsError, match=r"all_reduce #1 (of group \[0, 1\] )?ended on rank 0 "
+                                                       r".* 1\.1 ms before it began on rank 1 .*, on one "
+                                                       r"host's clock"):
+                profile_run(str(folder))
+        else:
+            assert profile_run(str(folder)).ranks == [0, 1], name
 
 
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
@@ -165,6 +301,23 @@ def test_npu_world_size_from_profiler_metadata_names_a_missing_rank(tmp_path):
                                                   "global_ranks": [0, 1, 2, 3]}}}))
     p = profile_run(str(tmp_path))
     assert p.world_size == 4 and p.missing_ranks == [1, 2, 3]
+
+
+def test_npu_ranks_of_two_runs_at_the_same_time_are_told_apart_where_the_world_is_the_only_group(tmp_path):
+    """torch_npu's export records no host and no group per HCCL operation; where profiler_metadata.json
+    lists the world as the only group, its collectives must meet under one clock offset."""
+    groups = {"group_name_0": {"group_name": "default_group", "group_rank": 0, "global_ranks": [0, 1]}}
+    for name, second in (("one", (5000, 5200)), ("two", (8000, 8100))):
+        _npu_trace(tmp_path / name, 0, compute=[(0, 600)], comm=[(100, 200), (5000, 5100)])
+        _npu_trace(tmp_path / name, 1, compute=[(0, 300)], comm=[(150, 250), second])
+        for r in (0, 1):
+            (tmp_path / name / f"node_{r}_ascend_pt" / "profiler_metadata.json").write_text(
+                json.dumps({"parallel_group_info": groups}))
+    assert profile_run(str(tmp_path / "one")).ranks == [0, 1]
+    with pytest.raises(SeveralRunsError, match=r"run 2 is not the run it overlaps in time: all_reduce #2 "
+                                               r"ended on rank 0 .* 2\.9 ms before it began on rank 1 .* "
+                                               r"each on its host's clock"):
+        profile_run(str(tmp_path / "two"))
 
 
 def _trace(events, **meta):
