@@ -217,3 +217,71 @@ def test_a_part_naming_its_file_twice_is_an_error_naming_both_keys(tmp_path):
     assert "messages[0].content[0] names its image under image and url; a processor takes each as an image" \
         in reasons[1]
     assert "messages[0].content[0] names its video under video and path" in reasons[2]
+
+
+# --- progress within one annotation file ---------------------------------------------------------
+
+def _big_annotations(folder, fmt: str, n: int = 9000):
+    """A text-only annotation file of ~10 MB: ``n`` records of ~1.1 KB."""
+    records = [{"id": f"r{i}", "text": f"caption {i} " + "word " * 220} for i in range(n)]
+    path = folder / f"big.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        path.write_text(json.dumps(records))
+    return str(path), n
+
+
+def test_a_jsonl_file_reports_the_bytes_scanned_as_it_goes(tmp_path):
+    """One multi-GB file showed nothing for minutes: it was read whole, then scanned, in silence."""
+    from tokenbal.index.annotations import PROGRESS_BYTES, scan_annotations
+
+    path, n = _big_annotations(tmp_path, "jsonl")
+    size = os.path.getsize(path)
+    reports = []
+    scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
+    assert len(scan.samples) == n and not scan.errors
+    line = size // n + 1
+    assert {(total, unit) for _, total, unit in reports} == {(size, "B")}
+    done = [d for d, _, _ in reports]
+    # Every PROGRESS_BYTES of lines scanned (a line past each mark), then the end: the count moves
+    # within the file, and never backwards.
+    assert len(done) == size // PROGRESS_BYTES + 1 and done[-1] == size
+    assert all(k * PROGRESS_BYTES <= d < k * PROGRESS_BYTES + line for k, d in enumerate(done[:-1], 1))
+    quiet = scan_annotations(path)
+    assert [s.key for s in quiet.samples] == [s.key for s in scan.samples]
+
+
+def test_a_json_file_reports_the_bytes_read_then_the_records_scanned(tmp_path):
+    from tokenbal.index.annotations import PROGRESS_BYTES, PROGRESS_ROWS, scan_annotations
+
+    path, n = _big_annotations(tmp_path, "json")
+    size = os.path.getsize(path)
+    reports = []
+    scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
+    assert len(scan.samples) == n
+    read = [(min(k * PROGRESS_BYTES, size), size, "B") for k in range(1, -(-size // PROGRESS_BYTES) + 1)]
+    rows = [(k, n, "records") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "records")]
+    assert reports == read + rows
+
+
+def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
+    """`tokenbal index build` shows a bar per annotation file under the shard bar (not with -q); the
+    library takes a callable instead. With --workers the reports come back from the scan processes."""
+    path, _ = _big_annotations(tmp_path, "jsonl")
+    size = os.path.getsize(path)
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "a caption"}) + "\n")
+    for workers, sources in ((1, [path]), (2, [path, str(small)])):
+        reports = []
+        build_index(sources, tmp_path / f"idx{workers}", model="qwen2-vl", workers=workers,
+                    progress=lambda *r, reports=reports: reports.append(r))
+        mine = [(done, total) for p, done, total, unit in reports if p == path and unit == "B"]
+        assert len(mine) >= 3 and mine[-1] == (size, size)
+        assert [d for d, _ in mine] == sorted({d for d, _ in mine})       # advancing within the file
+        assert [r[1:] for r in reports if r[0] == str(small)] == [(22, 22, "B")] * (workers - 1)
+    assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "cli")]) == 0
+    err = capsys.readouterr().err
+    assert "big.jsonl" in err and "indexing" in err
+    assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "q"), "-q"]) == 0
+    assert capsys.readouterr().err == ""
