@@ -46,7 +46,13 @@ _INFO_RANK = re.compile(r"profiler_info_(\d+)\.json$")
 # The args of a complete event the analysis reads (kernel correlation, collective sizes, operator
 # shapes, a collective's process group). Kineto writes many more (ids, strides, concrete inputs):
 # most of a parsed trace's memory.
-_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type", "Process Group Ranks")
+_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type", "Process Group Ranks",
+              "Input dims")
+# The first Kineto releases (torch 1.8 / 1.9, the ChromeTraceLogger of 2021) wrote other categories:
+# every CPU event "Operator" (ProfilerStep#N, gloo:* and user ranges included), "Kernel", "Memcpy",
+# "Memset", "Runtime", and "Input dims". They are read as today's; a CPU event is an operator
+# (cpu_op) when its name is a dispatcher op's ("aten::mm", "c10d::allreduce_"), else a range.
+_LEGACY_CATS = {"Kernel": "kernel", "Memcpy": "gpu_memcpy", "Memset": "gpu_memset", "Runtime": "cuda_runtime"}
 
 
 def _slim_event(obj: dict) -> dict:
@@ -231,11 +237,17 @@ def _clean_event(e: dict, path: str, i: int) -> dict:
                                  "string)")
             e[key] = str(value)        # a number where a name belongs: still a name
     e.setdefault("name", "")
+    if e.get("cat") == "Operator":
+        e["cat"] = "cpu_op" if "::" in e["name"] or e["name"] == "record_param_comms" else "user_annotation"
+    elif e.get("cat") in _LEGACY_CATS:
+        e["cat"] = _LEGACY_CATS[e["cat"]]
     for key in ("pid", "tid"):
         if not isinstance(e.get(key), Hashable):
             e[key] = json.dumps(e[key], sort_keys=True)
     if not isinstance(e.get("args", {}), dict):
         e["args"] = {}
+    elif "Input dims" in e.get("args", {}):
+        e["args"].setdefault("Input Dims", e["args"].pop("Input dims"))
     return e
 
 

@@ -169,6 +169,41 @@ def test_only_collectives_of_a_group_holding_both_ranks_tell_runs_apart(tmp_path
             assert profile_run(str(folder)).ranks == [0, 1], name
 
 
+# What the first Kineto releases (torch 1.8 / 1.9) wrote for today's categories; no baseTimeNanoseconds,
+# no trace_id, "Input dims".
+_LEGACY = {"cpu_op": "Operator", "user_annotation": "Operator", "kernel": "Kernel", "gpu_memcpy": "Memcpy",
+           "gpu_memset": "Memset", "cuda_runtime": "Runtime"}
+
+
+def _as_legacy(src, dst):
+    data = json.loads(src.read_text())
+    data.pop("baseTimeNanoseconds", None)
+    data.pop("trace_id", None)
+    for e in data["traceEvents"]:
+        e["cat"] = _LEGACY.get(e.get("cat"), e.get("cat"))
+        if "Input Dims" in (e.get("args") or {}):
+            e["args"]["Input dims"] = e["args"].pop("Input Dims")
+    dst.write_text(json.dumps(data))
+
+
+def test_traces_in_the_first_kineto_categories_read_as_todays(two_runs, tmp_path):
+    """torch 1.8 / 1.9 traces: every CPU event "Operator", GPU work "Kernel" / "Memcpy" / "Runtime". They
+    were read as a trace with no compute (0.0 ms on every rank, arrivals from the fallback) or, with
+    GPU kernels, as a host-only trace."""
+    for r in (0, 1):
+        _as_legacy(two_runs / "A" / f"rank{r}.json", tmp_path / f"rank{r}.json")
+    old, new = profile_run(str(tmp_path)), profile_run(str(two_runs / "A"))
+    assert old.steps == new.steps and old.collectives == new.collectives
+    assert old.arrival_source == new.arrival_source == "training-thread launches" and old.work_from_shapes
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    for r in (0, 1):
+        _device_rank(tmp_path / f"k{r}.json", r, 2, [(1000, 1500), (3000, 3100)])
+        _as_legacy(tmp_path / f"k{r}.json", gpu / f"rank{r}.json")
+    p = profile_run(str(gpu))
+    assert p.device and p.steps[0].comm_s == pytest.approx(600e-6)
+
+
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
     shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "rank0.json")
     shutil.copy(two_runs / "B" / "rank1.json", tmp_path / "rank1.json")
