@@ -67,9 +67,14 @@ from tokenbal.index.text import (
     chat_messages,
     image_parts,
     join_text,
+    json_error,
     json_text,
+    lone_surrogate,
+    may_hold_surrogates,
+    parse_json,
     part_file_key,
     placeholder_mismatch,
+    surrogate_reason,
     video_slot_mismatch,
 )
 from tokenbal.index.video import VideoError, probe_file
@@ -129,11 +134,14 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
                     data = json.loads(raw)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     return _file_error(scan, "corrupt", f"annotation file {path} is not valid JSON: {e}")
+                except (ValueError, RecursionError) as e:
+                    return _file_error(scan, "corrupt", f"annotation file {path}: {json_error(e)}")
+                surrogates = may_hold_surrogates(raw)
                 del raw
                 if not isinstance(data, list):
                     return _file_error(scan, "corrupt", f"annotation file {path} holds a "
                                                         f"{type(data).__name__}, expected a list of records")
-                records = _reported_records(data, path, base, report)
+                records = _reported_records(data, path, base, scan, report, surrogates)
             ids: dict[str, str | None] = {}   # place key -> the record's own id
             for key, where, rec in records:   # one pass, records not kept
                 scan.n_members += 1
@@ -183,12 +191,21 @@ def _read_reported(f, size: int, report: Progress) -> bytearray:
     return buf
 
 
-def _reported_records(data: list, path: str, base: str, report: Progress):
+def _reported_records(data: list, path: str, base: str, scan: ShardScan, report: Progress,
+                      surrogates: bool):
+    """The records of a JSON list; one with a lone surrogate (looked for where the file spells a
+    surrogate escape at all) is an error, as a JSONL line's would be."""
     n = len(data)
     for i, rec in enumerate(data):
         if i and i % PROGRESS_ROWS == 0:
             report(i, n, "records")
-        yield f"{base}[{i}]", f"{path}[{i}]", rec
+        key, where = f"{base}[{i}]", f"{path}[{i}]"
+        bad = lone_surrogate(rec) if surrogates else None
+        if bad is not None:
+            scan.n_members += 1
+            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
+            continue
+        yield key, where, rec
     report(n, n, "records")
 
 
@@ -259,10 +276,10 @@ def _jsonl_records(lines: Iterable[bytes], path: str, base: str, scan: ShardScan
             continue
         key, where = f"{base}:{lineno}", f"{path}:{lineno}"
         try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            rec = parse_json(line)
+        except SampleTextError as e:
             scan.n_members += 1
-            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: not valid JSON ({e})"})
+            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {e}"})
             continue
         yield key, where, rec
 

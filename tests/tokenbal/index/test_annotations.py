@@ -285,3 +285,64 @@ def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_
     assert "big.jsonl" in err and "indexing" in err
     assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "q"), "-q"]) == 0
     assert capsys.readouterr().err == ""
+
+
+# --- records Python's json reads oddly -----------------------------------------------------------
+
+ODD_RECORDS = {  # a JSONL line -> what the error says of it (the build goes on; the line is named)
+    "[" * 100_000 + "]" * 100_000: "JSON nested deeper than Python's recursion limit",
+    '{"id": ' + "1" * 5000 + ', "text": "x"}': "JSON that Python cannot read (Exceeds the limit",
+    '{"text": "a\\ud800b"}': "field 'text' holds a lone UTF-16 surrogate escape",
+    '{"id": "x\\udc00", "text": "hello"}': "field 'id' holds a lone UTF-16 surrogate escape",
+    '{"image": "a\\uDBFF.jpg", "text": "x"}': "field 'image' holds a lone UTF-16 surrogate escape",
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}':
+        "field 'messages'[0]['content'][0]['text'] holds a lone UTF-16 surrogate escape",
+}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_records_python_cannot_read_are_errors_naming_the_line_not_a_failed_build(tmp_path, capsys, fmt):
+    """A record nested past the recursion limit (RecursionError traceback), an integer of 5000 digits
+    (ValueError), a lone surrogate escape ('utf-8' codec can't encode, no file named): each used to
+    stop the whole build."""
+    good = json.dumps({"id": "ok", "text": "fine \\ud83d\\ude00"}).replace("\\\\", "\\")   # a pair: an emoji
+    # In a JSON list, a record json cannot parse fails the whole file (below), as any syntax error does.
+    whole_file = [line for line, why in ODD_RECORDS.items() if "nested" in why or "cannot read" in why]
+    odd = {line: r for line, r in ODD_RECORDS.items() if fmt == "jsonl" or line not in whole_file}
+    path = tmp_path / f"odd.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("\n".join([good, *odd]) + "\n")
+    else:
+        path.write_text("[" + ",\n".join([good, *odd]) + "]")
+    out = str(tmp_path / "idx")
+    assert main(["index", "build", str(path), "--model", "qwen2-vl", "--out", out, "-q"]) == 0
+    idx = TokenIndex.open(str(tmp_path / "idx"))
+    assert list(idx.keys) == ["ok"] and idx.text_tokens[0] > 0
+    reasons = [e["reason"] for e in idx.errors]
+    assert len(reasons) == len(odd)
+    for i, (reason, wanted) in enumerate(zip(reasons, odd.values(), strict=True), 2):
+        place = f"{path}:{i}" if fmt == "jsonl" else f"{path}[{i - 1}]"
+        assert reason.startswith(f"{place}: ") and wanted in reason, (reason, wanted)
+    for n, line in enumerate(whole_file if fmt == "json" else []):
+        bad = tmp_path / f"bad{n}.json"
+        bad.write_text(f"[{good}, {line}]")
+        (shard,) = build_index([str(bad)], tmp_path / f"bad{n}", progress=False).bad_shards
+        assert shard["status"] == "corrupt"
+        assert shard["reason"].startswith(f"annotation file {bad}: {ODD_RECORDS[line]}")
+    capsys.readouterr()
+
+
+def test_tar_json_members_python_cannot_read_are_sample_errors(tmp_path):
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("a", caption="fine"),
+        Sample("b", raw=[("json", ("[" * 100_000 + "]" * 100_000).encode())]),
+        Sample("c", raw=[("json", b'{"text": "x\\ud800"}')]),
+        Sample("d", raw=[("json", b'{"text": "' + b"1" * 10 + b'", "n": ' + b"9" * 5000 + b"}")]),
+    ])
+    build_index([shard], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(str(tmp_path / "idx"))
+    assert list(idx.keys) == ["a"]
+    reasons = {e["key"]: e["reason"] for e in idx.errors}
+    assert "JSON nested deeper than Python's recursion limit" in reasons["b"]
+    assert "field 'text' holds a lone UTF-16 surrogate escape" in reasons["c"]
+    assert "JSON that Python cannot read" in reasons["d"]
