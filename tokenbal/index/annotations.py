@@ -316,6 +316,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     for j, rel in enumerate(images):
         if _URL.match(rel):
             return fail(_url_reason("image", j, rel))
+        if "\0" in rel:     # os.open raises ValueError, not OSError, on it
+            return fail(f"image {j} {rel!r}: a path with a NUL character names no file")
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
@@ -349,6 +351,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     for j, (rel, params) in enumerate(video_refs):
         if _URL.match(rel):
             return fail(_url_reason("video", j, rel))
+        if "\0" in rel:
+            return fail(f"video {j} {rel!r}: a path with a NUL character names no file")
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # Checked before PyAV opens it: a FIFO would block the build.

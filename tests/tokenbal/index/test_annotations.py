@@ -297,14 +297,16 @@ ODD_RECORDS = {  # a JSONL line -> what the error says of it (the build goes on;
     '{"image": "a\\uDBFF.jpg", "text": "x"}': "field 'image' holds a lone UTF-16 surrogate escape",
     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}':
         "field 'messages'[0]['content'][0]['text'] holds a lone UTF-16 surrogate escape",
+    json.dumps({"image": "a\u0000b.jpg", "text": "x"}): "image 0 'a\\x00b.jpg': a path with a NUL character",
+    json.dumps({"video": "v\u0000.mp4", "text": "x"}): "video 0 'v\\x00.mp4': a path with a NUL character",
 }
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "json"])
 def test_records_python_cannot_read_are_errors_naming_the_line_not_a_failed_build(tmp_path, capsys, fmt):
     """A record nested past the recursion limit (RecursionError traceback), an integer of 5000 digits
-    (ValueError), a lone surrogate escape ('utf-8' codec can't encode, no file named): each used to
-    stop the whole build."""
+    (ValueError), a lone surrogate escape ('utf-8' codec can't encode, no file named), a NUL in a path
+    ('embedded null byte'): each used to stop the whole build."""
     good = json.dumps({"id": "ok", "text": "fine \\ud83d\\ude00"}).replace("\\\\", "\\")   # a pair: an emoji
     # In a JSON list, a record json cannot parse fails the whole file (below), as any syntax error does.
     whole_file = [line for line, why in ODD_RECORDS.items() if "nested" in why or "cannot read" in why]
