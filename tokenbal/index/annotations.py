@@ -126,6 +126,14 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
     try:
         with f:
             if path.lower().endswith(".jsonl"):
+                encoding = _wide_encoding(f)
+                if encoding is not None:
+                    # Split at b"\n", each UTF-16 line would start with the NUL of the line end before
+                    # it: the first record read and every other one "not valid JSON".
+                    wide = encoding.upper()
+                    return _file_error(scan, "corrupt", f"annotation file {path} is {wide} text: JSON Lines "
+                                                        f"files are UTF-8; re-encode it (e.g. iconv -f {wide} "
+                                                        "-t UTF-8)")
                 # Streamed: a multi-GB file is never held whole, and its progress is the bytes consumed.
                 records = _jsonl_records(_reported_lines(f, st.st_size, report), path, base, scan)
             else:
@@ -155,6 +163,17 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
     if scan.n_members == 0:
         _file_error(scan, "empty", f"annotation file {path} holds no records")
     return scan
+
+
+def _wide_encoding(f) -> str | None:
+    """The UTF-16 / UTF-32 encoding the file's first bytes show (a byte-order mark, or NULs around an
+    ASCII character, as ``json.detect_encoding`` reads them), else None."""
+    try:
+        head = f.peek(4)[:4]
+    except OSError as e:
+        raise _ReadError from e
+    found = json.detect_encoding(head) if len(head) >= 2 else "utf-8"
+    return None if found in ("utf-8", "utf-8-sig") else found
 
 
 def _reported_lines(f, size: int, report: Progress) -> Iterator[bytes]:

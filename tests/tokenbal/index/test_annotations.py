@@ -348,3 +348,20 @@ def test_tar_json_members_python_cannot_read_are_sample_errors(tmp_path):
     assert "JSON nested deeper than Python's recursion limit" in reasons["b"]
     assert "field 'text' holds a lone UTF-16 surrogate escape" in reasons["c"]
     assert "JSON that Python cannot read" in reasons["d"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+def test_a_jsonl_file_in_utf16_or_utf32_is_one_named_file_error(tmp_path, encoding):
+    """PowerShell's `>` writes UTF-16: split at b"\\n", its first record was indexed and every other
+    one was 'not valid JSON' (a line starting with the NUL of the line end before it)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)).encode(encoding))
+    report = build_index([str(path)], tmp_path / "idx", progress=False)
+    if encoding == "utf-8-sig":
+        assert report.num_samples == 3 and not report.bad_shards
+        return
+    name = encoding.upper() if encoding != "utf-16-le" else "UTF-16-LE"
+    assert report.num_samples == 0 and report.bad_shards == [{
+        "path": str(path), "status": "corrupt",
+        "reason": f"annotation file {path} is {name} text: JSON Lines files are UTF-8; re-encode it (e.g. "
+                  f"iconv -f {name} -t UTF-8)"}]
