@@ -131,9 +131,9 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
                     # Split at b"\n", each UTF-16 line would start with the NUL of the line end before
                     # it: the first record read and every other one "not valid JSON".
                     wide = encoding.upper()
-                    return _file_error(scan, "corrupt", f"annotation file {path} is {wide} text: JSON Lines "
-                                                        f"files are UTF-8; re-encode it (e.g. iconv -f {wide} "
-                                                        "-t UTF-8)")
+                    reason = (f"annotation file {path} is {wide} text: JSON Lines files are UTF-8; re-encode "
+                              f"it (e.g. iconv -f {wide} -t UTF-8)")
+                    return _file_error(scan, "corrupt", reason)
                 # Streamed: a multi-GB file is never held whole, and its progress is the bytes consumed.
                 records = _jsonl_records(_reported_lines(f, st.st_size, report), path, base, scan)
             else:
