@@ -69,10 +69,23 @@ class NotATrace(ValueError):
     """A file in a trace folder that is not a profiler trace (a config, a metrics file): skipped."""
 
 
+def _encoding(path: str) -> str:
+    """The file's text encoding as ``json.loads`` would detect it from its first bytes: UTF-8 (with
+    or without a byte-order mark: a trace saved by an editor), UTF-16 or UTF-32."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+    except (OSError, EOFError):
+        return "utf-8"                   # the read below reports it
+    return json.detect_encoding(head) if len(head) >= 2 else "utf-8"
+
+
 def _read_json(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        # Decoded as it is read (not read as bytes, then decoded): the parse's peak stays one copy.
+        with opener(path, "rt", encoding=_encoding(path)) as f:
             return json.load(f, object_hook=_slim_event)
     except RecursionError as e:       # json's C scanner recurses per nesting level
         if _looks_like_trace(path):

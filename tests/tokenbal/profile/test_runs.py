@@ -204,6 +204,17 @@ def test_traces_in_the_first_kineto_categories_read_as_todays(two_runs, tmp_path
     assert p.device and p.steps[0].comm_s == pytest.approx(600e-6)
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_a_trace_saved_with_a_byte_order_mark_or_in_utf16_is_read(two_runs, tmp_path, encoding):
+    """A trace saved again by an editor (UTF-8 with a BOM) was "a damaged or truncated profiler trace
+    ... re-export it"; one saved as UTF-16 (PowerShell) was skipped as "not JSON"."""
+    for r in (0, 1):
+        text = (two_runs / "A" / f"rank{r}.json").read_text()
+        (tmp_path / f"rank{r}.json").write_bytes(text.encode(encoding))
+    p, original = profile_run(str(tmp_path)), profile_run(str(two_runs / "A"))
+    assert p.ranks == [0, 1] and p.steps == original.steps and p.collectives == original.collectives
+
+
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
     shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "rank0.json")
     shutil.copy(two_runs / "B" / "rank1.json", tmp_path / "rank1.json")
