@@ -1175,6 +1175,10 @@ class _FileBars:
             if path in self.finished:
                 return                   # a late report of a file whose result is in
             bar = self.bars.get(path)
+            if (bar is None or bar.unit != unit) and done >= total:
+                if bar is not None:
+                    bar.update(bar.total - bar.n)
+                return                   # a phase done in one report (a small file): no bar to flash
             if bar is None or bar.unit != unit:
                 if bar is not None:
                     bar.close()
