@@ -212,7 +212,9 @@ def _trace_files(trace_dir: str) -> list[str]:
 def _main_thread(events: list[dict]) -> object:
     steps: dict[object, int] = {}
     for e in events:
-        if _STEP.match(e.get("name", "")):
+        # Kineto repeats each ProfilerStep#N on every GPU stream that ran its kernels
+        # (gpu_user_annotation, as many per stream as on the CPU): those are not the training thread.
+        if _STEP.match(e.get("name", "")) and e.get("cat") != "gpu_user_annotation":
             steps[e.get("tid")] = steps.get(e.get("tid"), 0) + 1
     if steps:
         return max(steps, key=steps.get)

@@ -215,6 +215,24 @@ def test_a_trace_saved_with_a_byte_order_mark_or_in_utf16_is_read(two_runs, tmp_
     assert p.ranks == [0, 1] and p.steps == original.steps and p.collectives == original.collectives
 
 
+def test_the_gpu_copy_of_a_profiler_step_is_not_the_training_thread(tmp_path):
+    """Kineto repeats ProfilerStep#N on each GPU stream (gpu_user_annotation, spanning the step's kernels):
+    as many there as on the CPU thread, the stream listed first was taken as the training thread and the
+    step timed by its kernels (9 ms of a 10 ms step)."""
+    for r in (0, 1):
+        cpu_step = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 100, "tid": 100,
+                    "ts": 0, "dur": 10_000}
+        gpu_step = dict(cpu_step, cat="gpu_user_annotation", pid=0, tid=7, ts=2000, dur=9000)
+        kernels = [{"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+                   for name, ts, dur in (("gemm", 2000, 3000 + 2000 * r),
+                                         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 7000, 4000))]
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(_trace(
+            [gpu_step, *kernels, cpu_step], distributedInfo={"backend": "nccl", "rank": r, "world_size": 2})))
+    p = profile_run(str(tmp_path))
+    assert [(s.rank, s.step_s) for s in p.steps] == [(0, 0.01), (1, 0.01)]
+    assert [s.idle_s for s in p.steps] == pytest.approx([0.004, 0.002])
+
+
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
     shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "rank0.json")
     shutil.copy(two_runs / "B" / "rank1.json", tmp_path / "rank1.json")
