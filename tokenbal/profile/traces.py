@@ -353,7 +353,7 @@ def step_windows(trace: Trace) -> dict[int, tuple[float, float]]:
     steps = {}
     for e in trace.events:
         m = _STEP.match(e.get("name", ""))
-        if m and e.get("tid") == trace.main_tid:
+        if m and e.get("tid") == trace.main_tid and e.get("cat") != "gpu_user_annotation":
             steps[int(m.group(1))] = (e["ts"], e["ts"] + e["dur"])
     if not steps and trace.events:
         start = min(e["ts"] for e in trace.events)
