@@ -215,19 +215,22 @@ def test_a_trace_saved_with_a_byte_order_mark_or_in_utf16_is_read(two_runs, tmp_
     assert p.ranks == [0, 1] and p.steps == original.steps and p.collectives == original.collectives
 
 
-def test_the_gpu_copy_of_a_profiler_step_is_not_the_training_thread(tmp_path):
+@pytest.mark.parametrize("stream, gpu_first", [(7, True), (100, False)])
+def test_the_gpu_copy_of_a_profiler_step_is_not_the_training_thread(tmp_path, stream, gpu_first):
     """Kineto repeats ProfilerStep#N on each GPU stream (gpu_user_annotation, spanning the step's kernels):
     as many there as on the CPU thread, the stream listed first was taken as the training thread and the
-    step timed by its kernels (9 ms of a 10 ms step)."""
+    step timed by its kernels (9 ms of a 10 ms step); a stream numbered as the training thread's tid
+    gave its step window where listed after it."""
     for r in (0, 1):
         cpu_step = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 100, "tid": 100,
                     "ts": 0, "dur": 10_000}
-        gpu_step = dict(cpu_step, cat="gpu_user_annotation", pid=0, tid=7, ts=2000, dur=9000)
-        kernels = [{"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts, "dur": dur}
+        gpu_step = dict(cpu_step, cat="gpu_user_annotation", pid=0, tid=stream, ts=2000, dur=9000)
+        kernels = [{"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur}
                    for name, ts, dur in (("gemm", 2000, 3000 + 2000 * r),
                                          ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 7000, 4000))]
+        events = [gpu_step, *kernels, cpu_step] if gpu_first else [cpu_step, *kernels, gpu_step]
         (tmp_path / f"rank{r}.json").write_text(json.dumps(_trace(
-            [gpu_step, *kernels, cpu_step], distributedInfo={"backend": "nccl", "rank": r, "world_size": 2})))
+            events, distributedInfo={"backend": "nccl", "rank": r, "world_size": 2})))
     p = profile_run(str(tmp_path))
     assert [(s.rank, s.step_s) for s in p.steps] == [(0, 0.01), (1, 0.01)]
     assert [s.idle_s for s in p.steps] == pytest.approx([0.004, 0.002])
