@@ -179,8 +179,14 @@ def never_met(a: TraceFile, b: TraceFile) -> str | None:
     """Why ``a`` and ``b`` (two ranks, taken at the same time) cannot be of one run: a collective of a
     group holding both that did not overlap on the two (on one host: on the shared clock; across
     hosts: under any one clock offset). ``None`` where they met, or where nothing tells."""
+    return _meeting(a, b)[1]
+
+
+def _meeting(a: TraceFile, b: TraceFile) -> tuple[bool, str | None]:
+    """(whether any collective of ``a`` and ``b`` could be compared, :func:`never_met`'s reason)."""
     if a.rank == b.rank or a.steps != b.steps:
-        return None
+        return False, None
+    compared = False
     same_host = a.host is not None and a.host == b.host
     low = (-float("inf"), "")          # b's clock minus a's must be at least this ...
     high = (float("inf"), "")          # ... and at most this, for every collective to overlap
@@ -195,6 +201,7 @@ def never_met(a: TraceFile, b: TraceFile) -> str | None:
             seen[kind] = n = seen.get(kind, 0) + 1
             if kind not in SYMMETRIC:
                 continue
+            compared = True
             what = f"{kind} #{n}" + ("" if group == WORLD else f" of group {list(group)}")
             if b_start - a_end > low[0]:
                 low = (b_start - a_end, f"{what} ended on rank {a.rank} ({a.path}) {_ms(b_start - a_end)} "
@@ -204,15 +211,15 @@ def never_met(a: TraceFile, b: TraceFile) -> str | None:
                                          f"before it began on rank {a.rank} ({a.path})")
     if same_host:
         if low[0] > CLOCK_TOLERANCE_US:
-            return f"{low[1]}, on one host's clock ({a.host})"
+            return compared, f"{low[1]}, on one host's clock ({a.host})"
         if high[0] < -CLOCK_TOLERANCE_US:
-            return f"{high[1]}, on one host's clock ({a.host})"
-        return None
+            return compared, f"{high[1]}, on one host's clock ({a.host})"
+        return compared, None
     if low[0] > high[0] + CLOCK_TOLERANCE_US:
-        return (f"{low[1]}, and {high[1]}, each on its host's clock: for both to have met, rank {b.rank}'s "
-                f"clock would be at least {_ms(low[0])} ahead of rank {a.rank}'s and at least "
-                f"{_ms(-high[0])} behind it")
-    return None
+        return compared, (f"{low[1]}, and {high[1]}, each on its host's clock: for both to have met, rank "
+                          f"{b.rank}'s clock would be at least {_ms(low[0])} ahead of rank {a.rank}'s and at "
+                          f"least {_ms(-high[0])} behind it")
+    return compared, None
 
 
 def group_runs(files: list[TraceFile], notes: list[str]) -> list[Run]:
@@ -230,33 +237,13 @@ def group_runs(files: list[TraceFile], notes: list[str]) -> list[Run]:
         kept.append(f)
     runs: list[Run] = []
     kinds: dict[tuple, list[Run]] = {}
-    for f in sorted(kept, key=lambda f: (f.start_us is not None, f.start_us or 0.0, f.path)):
-        kind = (f.layout, f.world_size, f.backend)
-        home, apart = None, []
-        for r in kinds.get(kind, []):
-            if not any(_together(f, g) for g in r.files.values()):
-                continue
-            # Ranks of one run all met: a few of its ranks tell as well as all of them (and 512 ranks
-            # of 1,000 collectives each stay seconds, not minutes).
-            why = next((w for g in list(r.files.values())[:MEETINGS_CHECKED] if (w := never_met(g, f))), None)
-            if why is None:
-                home = r
-                break
-            apart.append(why)
-        if home is None:
-            home = Run(files={})
-            kinds.setdefault(kind, []).append(home)
-            runs.append(home)
-        home.apart += apart
-        if f.rank in home.files:
-            other = home.files[f.rank]
-            if f.rank_assumed or other.rank_assumed:
-                unranked = f if f.rank_assumed else other
-                raise ValueError(_no_rank(unranked.path, other if unranked is f else f))
-            raise DuplicateRankError(
-                f"two traces claim rank {f.rank} of one run: {other.path} and {f.path} (same world size, "
-                "overlapping steps); move one of them out of the folder")
-        home.files[f.rank] = f
+    # A trace whose rank a run already has, and that no collective ties to that run's other ranks (it
+    # may be the same rank of a run taken beside it, whose other ranks come later in start order), is
+    # placed after the others: then it meets its own run's ranks, or is a duplicate.
+    order = sorted(kept, key=lambda f: (f.start_us is not None, f.start_us or 0.0, f.path))
+    postponed = [f for f in order if not _place(f, kinds, runs, final=False)]
+    for f in postponed:
+        _place(f, kinds, runs, final=True)
     for r in runs:
         unranked = next((f for f in r.files.values() if f.rank_assumed), None)
         if unranked is not None and len(r.files) > 1:
@@ -268,6 +255,46 @@ def group_runs(files: list[TraceFile], notes: list[str]) -> list[Run]:
         r.number = n
         r.files = dict(sorted(r.files.items()))
     return runs
+
+
+def _place(f: TraceFile, kinds: dict[tuple, list[Run]], runs: list[Run], final: bool) -> bool:
+    """Put ``f`` in the run it was taken with (a new one if none); ``False``: postponed (above)."""
+    kind = (f.layout, f.world_size, f.backend)
+    met, unknown, apart = [], [], []      # runs taken with f: its collectives met theirs / nothing tells
+    for r in kinds.get(kind, []):
+        if not any(_together(f, g) for g in r.files.values()):
+            continue
+        # Ranks of one run all met: a few of its ranks tell as well as all of them (and 512 ranks of
+        # 1,000 collectives each stay seconds, not minutes).
+        compared, why = False, None
+        for g in list(r.files.values())[:MEETINGS_CHECKED]:
+            checked, why = _meeting(g, f)
+            compared = compared or checked
+            if why is not None:
+                break
+        if why is not None:
+            apart.append(why)
+        else:
+            (met if compared else unknown).append(r)
+    free = [r for r in unknown if f.rank not in r.files]
+    if not met and not free and unknown and not final:
+        return False
+    home = (met or free or unknown or [None])[0]
+    if home is None:
+        home = Run(files={})
+        kinds.setdefault(kind, []).append(home)
+        runs.append(home)
+    home.apart += apart
+    if f.rank in home.files:
+        other = home.files[f.rank]
+        if f.rank_assumed or other.rank_assumed:
+            unranked = f if f.rank_assumed else other
+            raise ValueError(_no_rank(unranked.path, other if unranked is f else f))
+        raise DuplicateRankError(
+            f"two traces claim rank {f.rank} of one run: {other.path} and {f.path} (same world size, "
+            "overlapping steps); move one of them out of the folder")
+    home.files[f.rank] = f
+    return True
 
 
 def _no_rank(path: str, beside: TraceFile) -> str:

@@ -5,6 +5,7 @@ analysed and named, duplicates and missing ranks are named, traces are read one 
 The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other, and two
 taken at the same time."""
 
+import dataclasses
 import gc
 import gzip
 import json
@@ -104,6 +105,33 @@ def test_all_ranks_of_two_runs_taken_at_the_same_time_are_two_whole_runs(concurr
     assert a.files == {r: str(tmp_path / f"A_w{r}.pt.trace.json") for r in (0, 1)}
     assert b.files == {r: str(tmp_path / f"B_w{r}.pt.trace.json") for r in (0, 1)}
     assert a.straggler_wait_s() > 0.02 > b.straggler_wait_s()     # A's rank 1 sleeps 50 ms a step
+
+
+def _summary(name, rank, intervals):
+    """What grouping keeps of a trace: rank ``rank`` of a 2-rank NCCL run on one host whose world
+    all-reduces ran at ``intervals`` [(start, end)] µs."""
+    from tokenbal.profile.runs import WORLD, TraceFile
+
+    return TraceFile(path=name, rank=rank, world_size=2, layout="torch", backend="nccl", trace_id=name,
+                     start_us=intervals[0][0] - 100, end_us=intervals[-1][1] + 100, steps=frozenset({1}),
+                     host="h", meetings={WORLD: [("all_reduce", a, b) for a, b in intervals]})
+
+
+def test_the_ranks_of_runs_started_interleaved_find_their_own_run():
+    """Started in the order A0, B0, A1, B1: B0 came when run A held only rank 0 (nothing to compare
+    it with: a rank is never compared with itself) and was a duplicate rank 0 of run A."""
+    from tokenbal.profile.runs import group_runs
+
+    a = [[(10_000 * k + 800 * r, 10_000 * k + 9000) for k in range(3)] for r in (0, 1)]
+    b = [[(7_000 * k + 3000 + 10 + 200 * r, 7_000 * k + 4000) for k in range(3)] for r in (0, 1)]
+    a0, a1, b0, b1 = _summary("A0", 0, a[0]), _summary("A1", 1, a[1]), _summary("B0", 0, b[0]), _summary(
+        "B1", 1, b[1])
+    a1 = dataclasses.replace(a1, start_us=b0.start_us + 1)       # A0, B0, A1, B1 in start order
+    for files in ([a0, b0, a1, b1], [a0, b0, b1]):
+        runs = group_runs(files, [])
+        assert [sorted(f.path for f in r.files.values()) for r in runs] == \
+            [["A0", "A1"] if a1 in files else ["A0"], ["B0", "B1"]]
+        assert runs[-1].apart and "ended on rank" in runs[-1].apart[0]
 
 
 def test_runs_on_other_hosts_are_told_apart_under_any_clock_offset(concurrent_runs, tmp_path):
