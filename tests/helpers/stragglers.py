@@ -39,16 +39,19 @@ def late(pattern: str, rank: int, world_size: int, step: int) -> bool:
 
 
 def straggler_rank(rank: int, world_size: int, out_dir: str, pattern: str, how: str,
-                   steps: int = STEPS) -> dict[tuple[int, int], float]:
+                   steps: int = STEPS, on_warmup=None) -> dict[tuple[int, int], float]:
     """Each step: work, all_reduce, a little work, broadcast. The late rank does EXTRA more matmuls
     (how="work") or sleeps instead (how="sleep": late, with the same work). Returns, per (step,
-    collective), the seconds this rank worked between resuming and the launch: the ground truth."""
+    collective), the seconds this rank worked between resuming and the launch: the ground truth.
+    ``on_warmup()`` is called at the start of the profiler's warm-up step (the profiler is running)."""
     x, y = torch.randn(64, 64), torch.randn(256)
     worked: dict[tuple[int, int], float] = {}
     step_no = [0]
 
     def step():
         s = step_no[0]
+        if s == 0 and on_warmup is not None:
+            on_warmup()
         t0 = time.perf_counter()
         matmuls(BASE, x)
         if late(pattern, rank, world_size, s):
@@ -66,3 +69,20 @@ def straggler_rank(rank: int, world_size: int, out_dir: str, pattern: str, how: 
 
     trace_steps(os.path.join(out_dir, f"rank{rank}.json"), step, steps)
     return worked
+
+
+def concurrent_rank(rank: int, world_size: int, out_dir: str, pattern: str, how: str, steps: int,
+                    ready_dir: str, runs: int, delay_s: float) -> dict[tuple[int, int], float]:
+    """:func:`straggler_rank` for one of ``runs`` runs taken at the same time: in the profiler's
+    warm-up step every rank of every run marks itself ready in ``ready_dir`` and waits for all of
+    them, then this run goes on ``delay_s`` later, so the runs' profiled steps overlap whatever the
+    load on the host (starting a profiler alone can take a second there)."""
+    def wait_for_every_run():
+        open(os.path.join(ready_dir, f"{os.getpid()}.ready"), "w").close()
+        deadline = time.monotonic() + 120
+        while len(os.listdir(ready_dir)) < runs * world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other runs' ranks did not start: {os.listdir(ready_dir)}")
+            time.sleep(0.005)
+        time.sleep(delay_s)
+    return straggler_rank(rank, world_size, out_dir, pattern, how, steps, on_warmup=wait_for_every_run)

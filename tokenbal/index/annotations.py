@@ -43,6 +43,12 @@ A ``.json`` file that is not a list of records, or not JSON at all, is one file-
 (status ``corrupt``), like a damaged shard.
 
 The fingerprint (``verify``) covers the annotation file only, not the image files it names.
+
+Progress within a file (``scan_annotations(progress=...)``; ``tokenbal index build`` shows it as a
+bar under the shard bar): a JSONL file is streamed line by line and reports the bytes consumed; a
+JSON file reports the bytes read, then, once parsed, the records scanned. Reports come every
+``PROGRESS_BYTES`` bytes or ``PROGRESS_ROWS`` records and at the end, so their number does not
+depend on the clock.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable, Iterable, Iterator
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
 from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
@@ -60,15 +67,26 @@ from tokenbal.index.text import (
     chat_messages,
     image_parts,
     join_text,
+    json_error,
     json_text,
+    lone_surrogate,
+    may_hold_surrogates,
+    parse_json,
     part_file_key,
     placeholder_mismatch,
+    surrogate_reason,
     video_slot_mismatch,
 )
 from tokenbal.index.video import VideoError, probe_file
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
+# How often a scan reports its progress within one file: every this many bytes of a JSONL file
+# consumed or of a JSON file read, every this many records of a JSON list scanned.
+PROGRESS_BYTES = 4 << 20
+PROGRESS_ROWS = 2000
+# (done, total, unit): unit "B" (bytes of the file) or "records" (of a JSON list, after its parse)
+Progress = Callable[[int, int, str], None]
 # An image or video named by a URL (http://, s3://, ...) or a data: URI rather than a file path.
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://|data:)")
 
@@ -84,9 +102,14 @@ def is_annotation_file(path: str) -> bool:
     return path.lower().endswith(ANNOTATION_SUFFIXES)
 
 
+class _ReadError(Exception):
+    """Reading the annotation file itself failed (not one of the images it names)."""
+
+
 def scan_annotations(path: str, image_root: str | None = None, prefix: int = PREFIX_BYTES,
-                     exif: str = "ignore") -> ShardScan:
-    """Scan the annotation file at ``path``; never raises for bad data (see the module docstring)."""
+                     exif: str = "ignore", progress: Progress | None = None) -> ShardScan:
+    """Scan the annotation file at ``path``; never raises for bad data (see the module docstring).
+    ``progress(done, total, unit)`` is called as the file is read and scanned (module docstring)."""
     scan = ShardScan(path=path)
     root = os.path.abspath(image_root) if image_root is not None else os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
@@ -94,34 +117,115 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
         st = regular_file_stat(path)
         scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
         scan.fingerprint = shard_fingerprint(path, st.st_size)
-        with open(path, "rb") as f:
-            raw = f.read()
+        f = open(path, "rb")  # noqa: SIM115 - closed below, after the records are streamed from it
     except FileNotFoundError as e:
         return _file_error(scan, "missing", f"annotation file not found: {e}")
     except OSError as e:
         return _file_error(scan, "unreadable", f"cannot read annotation file: {e}")
-    if path.lower().endswith(".jsonl"):
-        records = _jsonl_records(raw, path, base, scan)
-    else:
-        try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return _file_error(scan, "corrupt", f"annotation file {path} is not valid JSON: {e}")
-        if not isinstance(data, list):
-            return _file_error(scan, "corrupt", f"annotation file {path} holds a {type(data).__name__}, "
-                                                "expected a list of records")
-        records = ((f"{base}[{i}]", f"{path}[{i}]", rec) for i, rec in enumerate(data))
-    ids: dict[str, str | None] = {}   # place key -> the record's own id
-    for key, where, rec in records:   # one pass, records not kept: a JSONL file streams
-        scan.n_members += 1
-        ids[key] = _record_id(rec)
-        sample = _record(rec, key, where, root, scan, prefix, exif)
-        if sample is not None:
-            scan.samples.append(sample)
+    report = progress or (lambda done, total, unit: None)
+    try:
+        with f:
+            if path.lower().endswith(".jsonl"):
+                encoding = _wide_encoding(f)
+                if encoding is not None:
+                    # Split at b"\n", each UTF-16 line would start with the NUL of the line end before
+                    # it: the first record read and every other one "not valid JSON".
+                    wide = encoding.upper()
+                    reason = (f"annotation file {path} is {wide} text: JSON Lines files are UTF-8; re-encode "
+                              f"it (e.g. iconv -f {wide} -t UTF-8)")
+                    return _file_error(scan, "corrupt", reason)
+                # Streamed: a multi-GB file is never held whole, and its progress is the bytes consumed.
+                records = _jsonl_records(_reported_lines(f, st.st_size, report), path, base, scan)
+            else:
+                raw = _read_reported(f, st.st_size, report)
+                try:
+                    data = json.loads(raw)
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    return _file_error(scan, "corrupt", f"annotation file {path} is not valid JSON: {e}")
+                except (ValueError, RecursionError) as e:
+                    return _file_error(scan, "corrupt", f"annotation file {path}: {json_error(e)}")
+                surrogates = may_hold_surrogates(raw)
+                del raw
+                if not isinstance(data, list):
+                    return _file_error(scan, "corrupt", f"annotation file {path} holds a "
+                                                        f"{type(data).__name__}, expected a list of records")
+                records = _reported_records(data, path, base, scan, report, surrogates)
+            ids: dict[str, str | None] = {}   # place key -> the record's own id
+            for key, where, rec in records:   # one pass, records not kept
+                scan.n_members += 1
+                ids[key] = _record_id(rec)
+                sample = _record(rec, key, where, root, scan, prefix, exif)
+                if sample is not None:
+                    scan.samples.append(sample)
+    except _ReadError as e:
+        return _file_error(scan, "unreadable", f"cannot read annotation file: {e.__cause__}")
     _key_by_id(scan, ids)
     if scan.n_members == 0:
         _file_error(scan, "empty", f"annotation file {path} holds no records")
     return scan
+
+
+def _wide_encoding(f) -> str | None:
+    """The UTF-16 / UTF-32 encoding the file's first bytes show (a byte-order mark, or NULs around an
+    ASCII character, as ``json.detect_encoding`` reads them), else None."""
+    try:
+        head = f.peek(4)[:4]
+    except OSError as e:
+        raise _ReadError from e
+    found = json.detect_encoding(head) if len(head) >= 2 else "utf-8"
+    return None if found in ("utf-8", "utf-8-sig") else found
+
+
+def _reported_lines(f, size: int, report: Progress) -> Iterator[bytes]:
+    """The file's lines as ``raw.split(b"\\n")`` gives them (no line end), reporting the bytes whose
+    records were scanned every ``PROGRESS_BYTES`` and at the end."""
+    done = reported = 0
+    while True:
+        try:
+            line = f.readline()
+        except OSError as e:
+            raise _ReadError from e
+        if not line:
+            break
+        yield line[:-1] if line.endswith(b"\n") else line
+        done += len(line)
+        if done - reported >= PROGRESS_BYTES:
+            report(done, max(size, done), "B")
+            reported = done
+    if reported != done or not done:
+        report(done, max(size, done), "B")
+
+
+def _read_reported(f, size: int, report: Progress) -> bytearray:
+    """The whole file, read ``PROGRESS_BYTES`` at a time, reporting the bytes read."""
+    buf = bytearray()
+    try:
+        while chunk := f.read(PROGRESS_BYTES):
+            buf += chunk
+            report(len(buf), max(size, len(buf)), "B")
+    except OSError as e:
+        raise _ReadError from e
+    if not buf:
+        report(0, size, "B")
+    return buf
+
+
+def _reported_records(data: list, path: str, base: str, scan: ShardScan, report: Progress,
+                      surrogates: bool):
+    """The records of a JSON list; one with a lone surrogate (looked for where the file spells a
+    surrogate escape at all) is an error, as a JSONL line's would be."""
+    n = len(data)
+    for i, rec in enumerate(data):
+        if i and i % PROGRESS_ROWS == 0:
+            report(i, n, "records")
+        key, where = f"{base}[{i}]", f"{path}[{i}]"
+        bad = lone_surrogate(rec) if surrogates else None
+        if bad is not None:
+            scan.n_members += 1
+            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
+            continue
+        yield key, where, rec
+    report(n, n, "records")
 
 
 def _record_id(rec: object) -> str | None:
@@ -169,7 +273,7 @@ def annotation_records(path: str) -> dict[str, object]:
     base = os.path.basename(path)
     scan = ShardScan(path=path)                      # collects the lines that are not JSON
     if path.lower().endswith(".jsonl"):
-        records = _jsonl_records(raw, path, base, scan)
+        records = _jsonl_records(raw.split(b"\n"), path, base, scan)
     else:
         records = ((f"{base}[{i}]", "", rec) for i, rec in enumerate(json.loads(raw)))
     by_place = {key: rec for key, _, rec in records}
@@ -185,16 +289,16 @@ def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:
     return scan
 
 
-def _jsonl_records(raw: bytes, path: str, base: str, scan: ShardScan):
-    for lineno, line in enumerate(raw.split(b"\n"), 1):
+def _jsonl_records(lines: Iterable[bytes], path: str, base: str, scan: ShardScan):
+    for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         key, where = f"{base}:{lineno}", f"{path}:{lineno}"
         try:
-            rec = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            rec = parse_json(line)
+        except SampleTextError as e:
             scan.n_members += 1
-            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: not valid JSON ({e})"})
+            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {e}"})
             continue
         yield key, where, rec
 
@@ -231,6 +335,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     for j, rel in enumerate(images):
         if _URL.match(rel):
             return fail(_url_reason("image", j, rel))
+        if "\0" in rel:     # os.open raises ValueError, not OSError, on it
+            return fail(f"image {j} {rel!r}: a path with a NUL character names no file")
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; the fstat below rejects it.
@@ -264,6 +370,8 @@ def _record(rec: object, key: str, where: str, root: str, scan: ShardScan,
     for j, (rel, params) in enumerate(video_refs):
         if _URL.match(rel):
             return fail(_url_reason("video", j, rel))
+        if "\0" in rel:
+            return fail(f"video {j} {rel!r}: a path with a NUL character names no file")
         full = os.path.normpath(os.path.join(root, rel))
         try:
             # Checked before PyAV opens it: a FIFO would block the build.

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -173,7 +173,8 @@ class ShardResult:
 
 def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str = "qwen2-vl",
                 workers: int = 1, tokenizer: str | None = None, image_root: str | None = None,
-                estimator_overrides: dict | None = None, progress: bool = True,
+                estimator_overrides: dict | None = None,
+                progress: bool | Callable[[str, int, int, str], None] = True,
                 incremental: bool = True, remote: RemoteOptions | None = None,
                 parquet: ParquetOptions | None = None, part: tuple[int, int] | None = None,
                 exif: str = "transpose", keep_unlisted: bool = True,
@@ -186,9 +187,13 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     relative to ``image_root`` (``tokenbal.index.annotations``). ``model`` / ``estimator_overrides``
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
-    ``workers`` > 1 scans shards in that many processes. ``exif``: ``"transpose"`` (default) counts
-    each image at its size after EXIF orientation, as transformers' ``load_image`` and tokenbal's
-    reader give it; ``"ignore"`` at its stored size. The policy is recorded in the manifest.
+    ``workers`` > 1 scans shards in that many processes. ``progress``: a bar of the shards, and under
+    it one per annotation file being scanned (bytes, then records of a JSON list: a single multi-GB
+    file moves too), on stderr; ``False``: none; a callable: no bars, the annotation files' progress
+    reported to it as ``(path, done, total, unit)``, ``unit`` ``"B"`` or ``"records"``.
+    ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
+    transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
+    policy is recorded in the manifest.
 
     Re-running over an existing index (``incremental=True``): when it was built with the same token
     rules, every shard whose size and fingerprint are unchanged is copied from it without a rescan,
@@ -299,8 +304,11 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         keep_from = current if keep_unlisted and part is None else None
         jobs, kept = _plan_jobs(paths, olds, keep_from, remote)
         scan_paths = [p for p, src in jobs if src is None]
+        show_bars = bool(progress) and not callable(progress)
+        bars = _FileBars() if show_bars else None
+        on_file = bars.update if bars is not None else (progress if callable(progress) else None)
         scanned = _shard_results(scan_paths, workers, est, counter, model, overrides, tokenizer, image_root,
-                                 exif, remote, parquet, processor)
+                                 exif, remote, parquet, processor, on_file)
 
         def results() -> Iterator[ShardResult]:
             for p, src in jobs:
@@ -312,10 +320,12 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
         # scanned.close() on success too (its last shard taken, the pool generator is still suspended
         # until something closes it), so no pool thread outlives the build.
         try:
-            with contextlib.closing(_progress(results(), len(jobs), progress)) as stream:
+            with contextlib.closing(_progress(results(), len(jobs), show_bars, bars)) as stream:
                 totals = _write_index(out, stream, meta, checkpoint_seconds)
         finally:
             scanned.close()
+            if bars is not None:
+                bars.close()
         for folder in leftovers:
             _remove_owned(folder)
     return BuildReport(out=out, num_shards=len(jobs), num_bad_shards=totals.num_bad_shards,
@@ -668,9 +678,11 @@ def make_text_counter(tokenizer: str | None, processor: str | None = None) -> Te
 
 def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
                 image_root: str | None = None, exif: str = "ignore", remote: RemoteOptions | None = None,
-                parquet: ParquetOptions | None = None) -> ShardResult:
+                parquet: ParquetOptions | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> ShardResult:
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
-    ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``)."""
+    ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
+    ``progress(done, total, unit)``: an annotation file's progress (``scan_annotations``)."""
     if is_parquet(path):
         scan = scan_parquet(path, parquet, remote, exif=exif)
     elif is_url(path) and is_annotation_file(path):
@@ -684,7 +696,7 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
     elif is_url(path):
         scan = scan_remote_shard(path, remote, exif=exif)
     else:
-        scan = (scan_annotations(path, image_root, exif=exif) if is_annotation_file(path)
+        scan = (scan_annotations(path, image_root, exif=exif, progress=progress) if is_annotation_file(path)
                 else scan_shard(path, exif=exif))
     return _count_tokens(scan, est, counter)
 
@@ -975,7 +987,7 @@ _WORKER: dict = {}
 def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root: str | None,
                  exif: str = "ignore", remote: RemoteOptions | None = None,
                  parquet: ParquetOptions | None = None, processor: str | None = None,
-                 parent: int | None = None) -> None:
+                 parent: int | None = None, reports=None) -> None:
     if parent is not None:
         die_with_parent(parent)
     # The parent handles Ctrl-C / SIGTERM and stops the pool; a worker must not die on its own first.
@@ -985,6 +997,10 @@ def _init_worker(model: str, overrides: dict, tokenizer: str | None, image_root:
     _WORKER["image_root"] = image_root
     _WORKER["exif"] = exif
     _WORKER["remote"], _WORKER["parquet"] = remote, parquet
+    if reports is not None:
+        # Progress reports are a display: a worker ending with some unread must not wait on them.
+        reports.cancel_join_thread()
+    _WORKER["reports"] = reports
 
 
 _PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
@@ -1020,8 +1036,10 @@ def die_with_parent(parent: int, poll_s: float = 1.0) -> None:
 
 
 def _worker_index_shard(path: str) -> ShardResult:
+    reports = _WORKER.get("reports")
+    progress = None if reports is None else (lambda done, total, unit: reports.put((path, done, total, unit)))
     return index_shard(path, _WORKER["est"], _WORKER["counter"], _WORKER["image_root"], _WORKER["exif"],
-                       _WORKER["remote"], _WORKER["parquet"])
+                       _WORKER["remote"], _WORKER["parquet"], progress)
 
 
 def _worker_index_shards(paths: list[str]) -> list[ShardResult]:
@@ -1033,23 +1051,47 @@ def _worker_index_shards(paths: list[str]) -> list[ShardResult]:
 def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter: TextCounter,
                    model: str, overrides: dict, tokenizer: str | None,
                    image_root: str | None, exif: str = "ignore", remote: RemoteOptions | None = None,
-                   parquet: ParquetOptions | None = None,
-                   processor: str | None = None) -> Iterator[ShardResult]:
+                   parquet: ParquetOptions | None = None, processor: str | None = None,
+                   on_file: Callable[[str, int, int, str], None] | None = None) -> Iterator[ShardResult]:
+    """Each shard's result, in order; ``on_file(path, done, total, unit)`` gets the progress of the
+    annotation files as they are scanned (from the worker processes through a queue)."""
     inflight = (remote or RemoteOptions()).inflight if any(is_url(p) for p in paths) else 1
     if workers == 1 or len(paths) <= 1:
-        yield from threaded_map(lambda p: index_shard(p, est, counter, image_root, exif, remote, parquet),
-                                paths, inflight)
+        def one(p: str) -> ShardResult:
+            report = None if on_file is None else (lambda done, total, unit: on_file(p, done, total, unit))
+            return index_shard(p, est, counter, image_root, exif, remote, parquet, report)
+        yield from threaded_map(one, paths, inflight)
         return
+    import queue
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
     from concurrent.futures.process import BrokenProcessPool
 
     # spawn, not fork: the parent may hold tokenizer / torch threads that a fork would copy mid-state.
     # concurrent.futures, not multiprocessing.Pool: a worker killed by a signal (the OOM killer) breaks
     # the executor and every pending result raises, where Pool waits for that result forever.
     n = min(workers, len(paths))
-    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+    context = multiprocessing.get_context("spawn")
+    reports = context.Queue() if on_file is not None and any(is_annotation_file(p) for p in paths) else None
+
+    def show_reports() -> None:
+        while reports is not None:
+            try:
+                on_file(*reports.get_nowait())
+            except queue.Empty:
+                return
+
+    def result_of(fut):
+        # Without reports, wait; with them, show them while the shard is scanned.
+        while True:
+            try:
+                return fut.result(timeout=None if reports is None else 0.2)
+            except FutureTimeout:
+                show_reports()
+
+    pool = ProcessPoolExecutor(n, mp_context=context, initializer=_init_worker,
                                initargs=(model, overrides, tokenizer, image_root, exif, remote, parquet,
-                                         processor, os.getpid()))
+                                         processor, os.getpid(), reports))
     # One task per shard; remote shards go ``inflight`` to a task, scanned by threads in the worker
     # so that requests stay in flight. Tasks come back in shard order: the index is identical
     # whatever the number of workers.
@@ -1067,7 +1109,8 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
                 nxt += 1
             task, fut = window.pop(0)
             try:
-                result = fut.result()
+                result = result_of(fut)
+                show_reports()
             except BrokenProcessPool:
                 flight = [*task] + [p for t, f in window
                                     if not f.done() or f.exception() is not None for p in t]
@@ -1097,7 +1140,8 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
             manager.join(30)
 
 
-def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iterator[ShardResult]:
+def _progress(results: Iterator[ShardResult], total: int, enabled: bool,
+              files: _FileBars | None = None) -> Iterator[ShardResult]:
     if not enabled:
         yield from results
         return
@@ -1106,11 +1150,56 @@ def _progress(results: Iterator[ShardResult], total: int, enabled: bool) -> Iter
     with tqdm(total=total, unit="shard", desc="indexing") as bar:
         samples = errors = 0
         for r in results:
+            if files is not None:
+                files.finish(r.entry["path"])
             samples += r.entry["n_samples"]
             errors += len(r.errors)
             bar.set_postfix(samples=samples, errors=errors, refresh=False)
             bar.update(1)
             yield r
+
+
+class _FileBars:
+    """A bar under the shard bar for each annotation file being scanned: bytes consumed (a JSONL
+    file, or a JSON file being read), then records scanned (a JSON list once parsed)."""
+
+    def __init__(self) -> None:
+        self.bars: dict = {}
+        self.finished: set[str] = set()
+        self.lock = threading.Lock()     # in-process scans may report from threads
+
+    def update(self, path: str, done: int, total: int, unit: str) -> None:
+        from tqdm import tqdm
+
+        with self.lock:
+            if path in self.finished:
+                return                   # a late report of a file whose result is in
+            bar = self.bars.get(path)
+            if (bar is None or bar.unit != unit) and done >= total:
+                if bar is not None:
+                    bar.update(bar.total - bar.n)
+                return                   # a phase done in one report (a small file): no bar to flash
+            if bar is None or bar.unit != unit:
+                if bar is not None:
+                    bar.close()
+                bar = self.bars[path] = tqdm(total=total, unit=unit, unit_scale=unit == "B", leave=False,
+                                             desc=f"  {os.path.basename(path)}" if unit == "B"
+                                             else f"  {os.path.basename(path)} (parsed)")
+            bar.total = max(total, done)
+            bar.update(done - bar.n)
+
+    def finish(self, path: str) -> None:
+        with self.lock:
+            self.finished.add(path)
+            bar = self.bars.pop(path, None)
+            if bar is not None:
+                bar.close()
+
+    def close(self) -> None:
+        with self.lock:
+            for bar in self.bars.values():
+                bar.close()
+            self.bars.clear()
 
 
 # --- writing ------------------------------------------------------------------------------------

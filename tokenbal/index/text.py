@@ -47,6 +47,69 @@ class SampleTextError(ValueError):
     """A text member cannot be read; the message says why."""
 
 
+# A \uD800-\uDFFF escape: JSON may spell a UTF-16 surrogate alone, which Python parses into a
+# string that no UTF-8 writer (the index, a tokenizer) can encode. Searched for first: a pair, as
+# an emoji escapes, is fine, and most records have neither.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json(data: bytes | str, check_surrogates: bool = True) -> object:
+    """``json.loads(data)``, every way it can fail as ``SampleTextError`` with the reason: not JSON,
+    a number Python will not convert (an integer of more than ``sys.get_int_max_str_digits()``
+    digits), nesting deeper than the recursion limit; and a string holding a lone surrogate
+    (``check_surrogates``), which is not Unicode text."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise SampleTextError(json_error(e)) from None
+    if check_surrogates:
+        escapes = _SURROGATE_ESCAPE_TEXT if isinstance(data, str) else _SURROGATE_ESCAPE
+        if escapes.search(data):
+            where = lone_surrogate(obj)
+            if where is not None:
+                raise SampleTextError(surrogate_reason(where))
+    return obj
+
+
+def json_error(e: ValueError | RecursionError) -> str:
+    """Why ``json.loads`` failed, in words."""
+    if isinstance(e, json.JSONDecodeError | UnicodeDecodeError):
+        return f"not valid JSON ({e})"
+    if isinstance(e, RecursionError):
+        return "JSON nested deeper than Python's recursion limit"
+    return f"JSON that Python cannot read ({e})"
+
+
+def surrogate_reason(where: str) -> str:
+    return (f"{where} holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF without its pair): not "
+            "Unicode text, which no UTF-8 reader or tokenizer takes")
+
+
+def may_hold_surrogates(data: bytes) -> bool:
+    """Whether JSON ``data`` spells a surrogate escape at all (then :func:`lone_surrogate` looks)."""
+    return _SURROGATE_ESCAPE.search(data) is not None
+
+
+def lone_surrogate(obj: object, where: str = "the record") -> str | None:
+    """Where in ``obj`` (a parsed JSON value) a string, or an object key, has a lone surrogate."""
+    stack = [(obj, where)]
+    while stack:
+        value, at = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, f"{at}: a key"))
+                stack.append((v, f"{at}[{k!r}]" if at != "the record" else f"field {k!r}"))
+        elif isinstance(value, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(value))
+    return None
+
+
 def text_pieces(ext: str, data: bytes) -> list[str] | None:
     """Text pieces of one text member (``ext`` lower case). ``None`` for a JSON with no known
     text field; raises ``SampleTextError`` for bytes that are not UTF-8 or not valid JSON."""
@@ -63,10 +126,7 @@ def member_text(ext: str, data: bytes) -> tuple[list[str] | None, list[dict] | N
         raise SampleTextError(f"not valid UTF-8 ({e})") from None
     if ext.rsplit(".", 1)[-1] == "txt":
         return [s], None, 0
-    try:
-        obj = json.loads(s)
-    except json.JSONDecodeError as e:
-        raise SampleTextError(f"not valid JSON ({e})") from None
+    obj = parse_json(s)
     audio = audio_reason(obj)
     if audio:
         raise SampleTextError(audio)

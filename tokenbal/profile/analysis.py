@@ -258,6 +258,14 @@ def _compute_comm(trace: Trace) -> tuple[np.ndarray, np.ndarray, list[dict], boo
     return compute, comm, collectives, False
 
 
+def collective_events(trace: Trace) -> list[dict]:
+    """The collectives' own executions in ``trace``: gloo's ``gloo:*`` events (host-only traces), the
+    collective kernels (device traces), torch_npu's HCCL operations; each ends only once every member
+    of its group has begun it, which is what tells the ranks of one run apart from another's
+    (:mod:`tokenbal.profile.runs`)."""
+    return _compute_comm(trace)[2]
+
+
 def _device_gap(device_busy: np.ndarray, start: float, end: float) -> float:
     """Device idle time from ``start`` until the device is next busy after ``end``."""
     if len(device_busy) == 0:

@@ -37,14 +37,22 @@ class Trace:
     world_size: int | None = None    # as the trace records it (distributedInfo / profiler_info)
     notes: list[str] = field(default_factory=list)      # what reading it had to work around
     rank_assumed: bool = False       # the trace names no rank: 0, valid only alone in its run (runs.py)
+    process_groups: int | None = None   # how many process groups the run had, where the trace records it
 
 
 _TRACE_PATTERNS = ("*.json", "*.json.gz")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _INFO_RANK = re.compile(r"profiler_info_(\d+)\.json$")
 # The args of a complete event the analysis reads (kernel correlation, collective sizes, operator
-# shapes). Kineto writes many more (ids, strides, concrete inputs): most of a parsed trace's memory.
-_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type")
+# shapes, a collective's process group). Kineto writes many more (ids, strides, concrete inputs):
+# most of a parsed trace's memory.
+_ARGS_READ = ("correlation", "In msg nelems", "dtype", "Input Dims", "Input type", "Process Group Ranks",
+              "Input dims")
+# The first Kineto releases (torch 1.8 / 1.9, the ChromeTraceLogger of 2021) wrote other categories:
+# every CPU event "Operator" (ProfilerStep#N, gloo:* and user ranges included), "Kernel", "Memcpy",
+# "Memset", "Runtime", and "Input dims". They are read as today's; a CPU event is an operator
+# (cpu_op) when its name is a dispatcher op's ("aten::mm", "c10d::allreduce_"), else a range.
+_LEGACY_CATS = {"Kernel": "kernel", "Memcpy": "gpu_memcpy", "Memset": "gpu_memset", "Runtime": "cuda_runtime"}
 
 
 def _slim_event(obj: dict) -> dict:
@@ -61,10 +69,23 @@ class NotATrace(ValueError):
     """A file in a trace folder that is not a profiler trace (a config, a metrics file): skipped."""
 
 
+def _encoding(path: str) -> str:
+    """The file's text encoding as ``json.loads`` would detect it from its first bytes: UTF-8 (with
+    or without a byte-order mark: a trace saved by an editor), UTF-16 or UTF-32."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+    except (OSError, EOFError):
+        return "utf-8"                   # the read below reports it
+    return json.detect_encoding(head) if len(head) >= 2 else "utf-8"
+
+
 def _read_json(path: str):
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        # Decoded as it is read (not read as bytes, then decoded): the parse's peak stays one copy.
+        with opener(path, "rt", encoding=_encoding(path)) as f:
             return json.load(f, object_hook=_slim_event)
     except RecursionError as e:       # json's C scanner recurses per nesting level
         if _looks_like_trace(path):
@@ -111,10 +132,11 @@ def _whole(value, what: str, path: str, low: int = 0) -> int | None:
     return number
 
 
-def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None]:
-    """(rank, world size) of a torch_npu trace_view.json from its run folder's ``profiler_info*.json``
-    (and ``profiler_metadata.json`` for the world size). A damaged info file does not lose the trace:
-    the rank then comes from the info file's name (``profiler_info_<rank>.json``), with a note."""
+def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None, int | None]:
+    """(rank, world size, number of process groups) of a torch_npu trace_view.json from its run
+    folder's ``profiler_info*.json`` (and ``profiler_metadata.json`` for the world size and groups).
+    A damaged info file does not lose the trace: the rank then comes from the info file's name
+    (``profiler_info_<rank>.json``), with a note."""
     run_dir = os.path.dirname(os.path.dirname(trace_view))      # .../<x>_ascend_pt
     rank = world = None
     for info in sorted(glob.glob(os.path.join(run_dir, "profiler_info*.json"))):
@@ -134,33 +156,35 @@ def _npu_rank(trace_view: str, notes: list[str]) -> tuple[int | None, int | None
         if found is not None and found >= 0 and rank is None:
             rank = found
         world = world or _whole(data.get("world_size", data.get("rank_size")), "world_size", info, low=1)
-    if world is None:
-        world = _npu_world_from_metadata(os.path.join(run_dir, "profiler_metadata.json"), notes)
-    return rank, world
+    meta_world, groups = _npu_metadata(os.path.join(run_dir, "profiler_metadata.json"), notes)
+    return rank, world or meta_world, groups
 
 
-def _npu_world_from_metadata(path: str, notes: list[str]) -> int | None:
-    """The world size torch_npu's ``profiler_metadata.json`` records, where it does: ``distributed_args``
-    ``world_size``, else the size of the ``default_group`` of ``parallel_group_info``."""
+def _npu_metadata(path: str, notes: list[str]) -> tuple[int | None, int | None]:
+    """(world size, number of process groups) as torch_npu's ``profiler_metadata.json`` records them,
+    where it does: ``distributed_args`` ``world_size``, else the size of the ``default_group`` of
+    ``parallel_group_info``; the groups that ``parallel_group_info`` lists."""
     if not os.path.isfile(path):
-        return None
+        return None, None
     try:
         data = _read_json(path)
     except ValueError as e:
-        notes.append(f"{path} is damaged ({e}); the run's world size is not known from it")
-        return None
+        notes.append(f"{path} is damaged ({e}); the run's world size and groups are not known from it")
+        return None, None
     if not isinstance(data, dict):
-        return None
+        return None, None
+    world = None
     args = data.get("distributed_args")
     if isinstance(args, dict) and args.get("world_size") is not None:
-        return _whole(args["world_size"], "distributed_args.world_size", path, low=1)
+        world = _whole(args["world_size"], "distributed_args.world_size", path, low=1)
     groups = data.get("parallel_group_info")
-    if isinstance(groups, dict):
-        for group in groups.values():
-            if isinstance(group, dict) and group.get("group_name") == "default_group" \
-                    and isinstance(group.get("global_ranks"), list):
-                return len(group["global_ranks"])
-    return None
+    if not isinstance(groups, dict):
+        return world, None
+    for group in groups.values():
+        if world is None and isinstance(group, dict) and group.get("group_name") == "default_group" \
+                and isinstance(group.get("global_ranks"), list):
+            world = len(group["global_ranks"])
+    return world, len(groups) or None
 
 
 def _rank_from_name(path: str) -> int | None:
@@ -188,7 +212,9 @@ def _trace_files(trace_dir: str) -> list[str]:
 def _main_thread(events: list[dict]) -> object:
     steps: dict[object, int] = {}
     for e in events:
-        if _STEP.match(e.get("name", "")):
+        # Kineto repeats each ProfilerStep#N on every GPU stream that ran its kernels
+        # (gpu_user_annotation, as many per stream as on the CPU): those are not the training thread.
+        if _STEP.match(e.get("name", "")) and e.get("cat") != "gpu_user_annotation":
             steps[e.get("tid")] = steps.get(e.get("tid"), 0) + 1
     if steps:
         return max(steps, key=steps.get)
@@ -226,20 +252,26 @@ def _clean_event(e: dict, path: str, i: int) -> dict:
                                  "string)")
             e[key] = str(value)        # a number where a name belongs: still a name
     e.setdefault("name", "")
+    if e.get("cat") == "Operator":
+        e["cat"] = "cpu_op" if "::" in e["name"] or e["name"] == "record_param_comms" else "user_annotation"
+    elif e.get("cat") in _LEGACY_CATS:
+        e["cat"] = _LEGACY_CATS[e["cat"]]
     for key in ("pid", "tid"):
         if not isinstance(e.get(key), Hashable):
             e[key] = json.dumps(e[key], sort_keys=True)
     if not isinstance(e.get("args", {}), dict):
         e["args"] = {}
+    elif "Input dims" in e.get("args", {}):
+        e["args"].setdefault("Input Dims", e["args"].pop("Input dims"))
     return e
 
 
 def _to_trace(path: str, data, rank: int | None) -> Trace:
     notes: list[str] = []
-    world = None
+    world = groups = None
     if _events_list(data):              # torch_npu trace_view.json: a bare event list
         raw, meta, layout = data, {}, "npu"
-        found, world = _npu_rank(path, notes)
+        found, world, groups = _npu_rank(path, notes)
     elif isinstance(data, dict) and isinstance(data.get("traceEvents"), list):
         raw, layout = data["traceEvents"], "torch"
         meta = {k: v for k, v in data.items() if k != "traceEvents"}
@@ -248,6 +280,7 @@ def _to_trace(path: str, data, rank: int | None) -> Trace:
             raise ValueError(f"{path}: distributedInfo is {dist!r}, not an object")
         found = _whole(dist.get("rank"), "distributedInfo.rank", path)
         world = _whole(dist.get("world_size"), "distributedInfo.world_size", path, low=1)
+        groups = _kineto_groups(dist)
     else:
         what = "an object without a traceEvents list" if isinstance(data, dict) else type(data).__name__
         raise NotATrace(f"{path}: JSON, but not a profiler trace ({what})")
@@ -272,7 +305,15 @@ def _to_trace(path: str, data, rank: int | None) -> Trace:
         raise ValueError(f"{path}: rank {rank} is outside its recorded world size {world}")
     return Trace(rank=int(rank), path=path, events=events, host=meta.get("host_name"),
                  main_tid=_main_thread(events), layout=layout, metadata=meta, process_names=process_names,
-                 world_size=world, notes=notes, rank_assumed=assumed)
+                 world_size=world, notes=notes, rank_assumed=assumed, process_groups=groups)
+
+
+def _kineto_groups(dist: dict) -> int | None:
+    """How many process groups ``distributedInfo`` lists (``pg_config``, else ``pg_count``)."""
+    config, count = dist.get("pg_config"), dist.get("pg_count")
+    if isinstance(config, list):
+        return len(config) or None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
 
 def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
@@ -312,7 +353,7 @@ def step_windows(trace: Trace) -> dict[int, tuple[float, float]]:
     steps = {}
     for e in trace.events:
         m = _STEP.match(e.get("name", ""))
-        if m and e.get("tid") == trace.main_tid:
+        if m and e.get("tid") == trace.main_tid and e.get("cat") != "gpu_user_annotation":
             steps[int(m.group(1))] = (e["ts"], e["ts"] + e["dur"])
     if not steps and trace.events:
         start = min(e["ts"] for e in trace.events)

@@ -217,3 +217,151 @@ def test_a_part_naming_its_file_twice_is_an_error_naming_both_keys(tmp_path):
     assert "messages[0].content[0] names its image under image and url; a processor takes each as an image" \
         in reasons[1]
     assert "messages[0].content[0] names its video under video and path" in reasons[2]
+
+
+# --- progress within one annotation file ---------------------------------------------------------
+
+def _big_annotations(folder, fmt: str, n: int = 9000):
+    """A text-only annotation file of ~10 MB: ``n`` records of ~1.1 KB."""
+    records = [{"id": f"r{i}", "text": f"caption {i} " + "word " * 220} for i in range(n)]
+    path = folder / f"big.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        path.write_text(json.dumps(records))
+    return str(path), n
+
+
+def test_a_jsonl_file_reports_the_bytes_scanned_as_it_goes(tmp_path):
+    """One multi-GB file showed nothing for minutes: it was read whole, then scanned, in silence."""
+    from tokenbal.index.annotations import PROGRESS_BYTES, scan_annotations
+
+    path, n = _big_annotations(tmp_path, "jsonl")
+    size = os.path.getsize(path)
+    reports = []
+    scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
+    assert len(scan.samples) == n and not scan.errors
+    line = size // n + 1
+    assert {(total, unit) for _, total, unit in reports} == {(size, "B")}
+    done = [d for d, _, _ in reports]
+    # Every PROGRESS_BYTES of lines scanned (a line past each mark), then the end: the count moves
+    # within the file, and never backwards.
+    assert len(done) == size // PROGRESS_BYTES + 1 and done[-1] == size
+    assert all(k * PROGRESS_BYTES <= d < k * PROGRESS_BYTES + line for k, d in enumerate(done[:-1], 1))
+    quiet = scan_annotations(path)
+    assert [s.key for s in quiet.samples] == [s.key for s in scan.samples]
+
+
+def test_a_json_file_reports_the_bytes_read_then_the_records_scanned(tmp_path):
+    from tokenbal.index.annotations import PROGRESS_BYTES, PROGRESS_ROWS, scan_annotations
+
+    path, n = _big_annotations(tmp_path, "json")
+    size = os.path.getsize(path)
+    reports = []
+    scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
+    assert len(scan.samples) == n
+    read = [(min(k * PROGRESS_BYTES, size), size, "B") for k in range(1, -(-size // PROGRESS_BYTES) + 1)]
+    rows = [(k, n, "records") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "records")]
+    assert reports == read + rows
+
+
+def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
+    """`tokenbal index build` shows a bar per annotation file under the shard bar (not with -q); the
+    library takes a callable instead. With --workers the reports come back from the scan processes."""
+    path, _ = _big_annotations(tmp_path, "jsonl")
+    size = os.path.getsize(path)
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "a caption"}) + "\n")
+    for workers, sources in ((1, [path]), (2, [path, str(small)])):
+        reports = []
+        build_index(sources, tmp_path / f"idx{workers}", model="qwen2-vl", workers=workers,
+                    progress=lambda *r, reports=reports: reports.append(r))
+        mine = [(done, total) for p, done, total, unit in reports if p == path and unit == "B"]
+        assert len(mine) >= 3 and mine[-1] == (size, size)
+        assert [d for d, _ in mine] == sorted({d for d, _ in mine})       # advancing within the file
+        assert [r[1:] for r in reports if r[0] == str(small)] == [(22, 22, "B")] * (workers - 1)
+    assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "cli")]) == 0
+    err = capsys.readouterr().err
+    assert "big.jsonl" in err and "indexing" in err
+    assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "q"), "-q"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+# --- records Python's json reads oddly -----------------------------------------------------------
+
+ODD_RECORDS = {  # a JSONL line -> what the error says of it (the build goes on; the line is named)
+    "[" * 100_000 + "]" * 100_000: "JSON nested deeper than Python's recursion limit",
+    '{"id": ' + "1" * 5000 + ', "text": "x"}': "JSON that Python cannot read (Exceeds the limit",
+    '{"text": "a\\ud800b"}': "field 'text' holds a lone UTF-16 surrogate escape",
+    '{"id": "x\\udc00", "text": "hello"}': "field 'id' holds a lone UTF-16 surrogate escape",
+    '{"image": "a\\uDBFF.jpg", "text": "x"}': "field 'image' holds a lone UTF-16 surrogate escape",
+    '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}':
+        "field 'messages'[0]['content'][0]['text'] holds a lone UTF-16 surrogate escape",
+    json.dumps({"image": "a\u0000b.jpg", "text": "x"}): "image 0 'a\\x00b.jpg': a path with a NUL character",
+    json.dumps({"video": "v\u0000.mp4", "text": "x"}): "video 0 'v\\x00.mp4': a path with a NUL character",
+}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_records_python_cannot_read_are_errors_naming_the_line_not_a_failed_build(tmp_path, capsys, fmt):
+    """A record nested past the recursion limit (RecursionError traceback), an integer of 5000 digits
+    (ValueError), a lone surrogate escape ('utf-8' codec can't encode, no file named), a NUL in a path
+    ('embedded null byte'): each used to stop the whole build."""
+    good = json.dumps({"id": "ok", "text": "fine \\ud83d\\ude00"}).replace("\\\\", "\\")   # a pair: an emoji
+    # In a JSON list, a record json cannot parse fails the whole file (below), as any syntax error does.
+    whole_file = [line for line, why in ODD_RECORDS.items() if "nested" in why or "cannot read" in why]
+    odd = {line: r for line, r in ODD_RECORDS.items() if fmt == "jsonl" or line not in whole_file}
+    path = tmp_path / f"odd.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("\n".join([good, *odd]) + "\n")
+    else:
+        path.write_text("[" + ",\n".join([good, *odd]) + "]")
+    out = str(tmp_path / "idx")
+    assert main(["index", "build", str(path), "--model", "qwen2-vl", "--out", out, "-q"]) == 0
+    idx = TokenIndex.open(str(tmp_path / "idx"))
+    assert list(idx.keys) == ["ok"] and idx.text_tokens[0] > 0
+    reasons = [e["reason"] for e in idx.errors]
+    assert len(reasons) == len(odd)
+    for i, (reason, wanted) in enumerate(zip(reasons, odd.values(), strict=True), 2):
+        place = f"{path}:{i}" if fmt == "jsonl" else f"{path}[{i - 1}]"
+        assert reason.startswith(f"{place}: ") and wanted in reason, (reason, wanted)
+    for n, line in enumerate(whole_file if fmt == "json" else []):
+        bad = tmp_path / f"bad{n}.json"
+        bad.write_text(f"[{good}, {line}]")
+        (shard,) = build_index([str(bad)], tmp_path / f"bad{n}", progress=False).bad_shards
+        assert shard["status"] == "corrupt"
+        assert shard["reason"].startswith(f"annotation file {bad}: {ODD_RECORDS[line]}")
+    capsys.readouterr()
+
+
+def test_tar_json_members_python_cannot_read_are_sample_errors(tmp_path):
+    shard = write_shard(tmp_path / "s.tar", [
+        Sample("a", caption="fine"),
+        Sample("b", raw=[("json", ("[" * 100_000 + "]" * 100_000).encode())]),
+        Sample("c", raw=[("json", b'{"text": "x\\ud800"}')]),
+        Sample("d", raw=[("json", b'{"text": "' + b"1" * 10 + b'", "n": ' + b"9" * 5000 + b"}")]),
+    ])
+    build_index([shard], tmp_path / "idx", progress=False)
+    idx = TokenIndex.open(str(tmp_path / "idx"))
+    assert list(idx.keys) == ["a"]
+    reasons = {e["key"]: e["reason"] for e in idx.errors}
+    assert "JSON nested deeper than Python's recursion limit" in reasons["b"]
+    assert "field 'text' holds a lone UTF-16 surrogate escape" in reasons["c"]
+    assert "JSON that Python cannot read" in reasons["d"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-8-sig"])
+def test_a_jsonl_file_in_utf16_or_utf32_is_one_named_file_error(tmp_path, encoding):
+    """PowerShell's `>` writes UTF-16: split at b"\\n", its first record was indexed and every other
+    one was 'not valid JSON' (a line starting with the NUL of the line end before it)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)).encode(encoding))
+    report = build_index([str(path)], tmp_path / "idx", progress=False)
+    if encoding == "utf-8-sig":
+        assert report.num_samples == 3 and not report.bad_shards
+        return
+    name = encoding.upper() if encoding != "utf-16-le" else "UTF-16-LE"
+    assert report.num_samples == 0 and report.bad_shards == [{
+        "path": str(path), "status": "corrupt",
+        "reason": f"annotation file {path} is {name} text: JSON Lines files are UTF-8; re-encode it (e.g. "
+                  f"iconv -f {name} -t UTF-8)"}]

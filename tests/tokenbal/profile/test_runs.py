@@ -2,19 +2,22 @@
 grouped by run (recorded world size and backend, overlapping steps in wall time), one run is
 analysed and named, duplicates and missing ranks are named, traces are read one at a time.
 
-The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other."""
+The runs are real: two 2-rank gloo runs traced with torch.profiler, one after the other, and two
+taken at the same time."""
 
+import dataclasses
 import gc
 import gzip
 import json
 import os
 import shutil
+import threading
 import weakref
 
 import pytest
 
 from tests.helpers.dist_utils import run_ranks
-from tests.helpers.stragglers import straggler_rank
+from tests.helpers.stragglers import concurrent_rank, straggler_rank
 from tests.scripts.test_cli_errors import run as run_cli
 from tests.tokenbal.profile.test_profile import _npu_trace
 from tokenbal.profile import DuplicateRankError, SeveralRunsError, format_report, profile_run, traces
@@ -31,6 +34,234 @@ def two_runs(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def concurrent_runs(tmp_path_factory):
+    """Run A (rank 1 sleeps 50 ms before each all_reduce) and run B (no straggler), 2 ranks and 4 steps
+    each, taken at the same time on this host: B starts 0.1 s after A, within A's profiled steps."""
+    root = tmp_path_factory.mktemp("concurrent")
+    os.makedirs(root / "ready")
+    failures = []
+
+    def launch(name, pattern, delay_s):
+        os.makedirs(root / name)
+        try:
+            run_ranks(concurrent_rank, 2, str(root / name), pattern, "sleep", 4, str(root / "ready"), 2,
+                      delay_s, timeout=240, collective_timeout=120)
+        except Exception as e:  # noqa: BLE001 - reported by the fixture below
+            failures.append(e)
+    threads = [threading.Thread(target=launch, args=a) for a in (("A", "constant", 0.0), ("B", "none", 0.1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    return root
+
+
+def _copy(src, dst, host=None):
+    data = json.loads(src.read_text())
+    if host is not None:
+        data["host_name"] = host
+    dst.write_text(json.dumps(data))
+
+
+def test_ranks_of_two_runs_taken_at_the_same_time_are_two_runs_not_one(concurrent_runs, tmp_path, capsys):
+    """Two jobs side by side writing rank{r}.json into one folder leave rank 0 of one and rank 1 of the
+    other: same world size, backend and steps, overlapping in time. They were analysed as one run."""
+    a, b = concurrent_runs / "A", concurrent_runs / "B"
+    for run in (a, b):                 # each run alone is one run: its ranks met in every collective
+        assert profile_run(str(run)).ranks == [0, 1]
+    for first, second in ((a, b), (b, a)):
+        mixed = tmp_path / f"mixed_{first.name}0"
+        mixed.mkdir()
+        shutil.copy(first / "rank0.json", mixed / "rank0.json")
+        shutil.copy(second / "rank1.json", mixed / "rank1.json")
+        with pytest.raises(SeveralRunsError) as e:
+            profile_run(str(mixed))
+        message = str(e.value)
+        assert "holds the traces of 2 runs" in message
+        assert "1 of 2 ranks (rank 1 missing)" in message and "1 of 2 ranks (rank 0 missing)" in message
+        assert "is not the run it overlaps in time: all_reduce #" in message
+        assert str(mixed / "rank0.json") in message and str(mixed / "rank1.json") in message
+        assert "on one host's clock" in message
+        code, out, err = run_cli(["profile", str(mixed)], capsys)
+        assert code == 2 and out == "" and err.startswith("tokenbal profile: error: ")
+        assert err.count("\n") == 1
+        p = profile_run(str(mixed), run=1)
+        assert p.ranks in ([0], [1]) and p.missing_ranks == [1 - p.ranks[0]]
+        assert any(n.startswith("run 2 is not the run it overlaps in time") for n in p.notes)
+
+
+def test_all_ranks_of_two_runs_taken_at_the_same_time_are_two_whole_runs(concurrent_runs, tmp_path):
+    """tensorboard_trace_handler names each file after its host and pid: both runs' ranks land side by
+    side. They used to be one run whose ranks clashed (DuplicateRankError)."""
+    for name in ("A", "B"):
+        for r in (0, 1):
+            shutil.copy(concurrent_runs / name / f"rank{r}.json", tmp_path / f"{name}_w{r}.pt.trace.json")
+    with pytest.raises(SeveralRunsError, match=r"run 1: 2 of 2 ranks, steps 1-4, .*run 2: 2 of 2 ranks, "
+                                               r"steps 1-4"):
+        profile_run(str(tmp_path))
+    a, b = profile_run(str(tmp_path), run=1), profile_run(str(tmp_path), run=2)
+    assert a.files == {r: str(tmp_path / f"A_w{r}.pt.trace.json") for r in (0, 1)}
+    assert b.files == {r: str(tmp_path / f"B_w{r}.pt.trace.json") for r in (0, 1)}
+    assert a.straggler_wait_s() > 0.02 > b.straggler_wait_s()     # A's rank 1 sleeps 50 ms a step
+
+
+def _summary(name, rank, intervals):
+    """What grouping keeps of a trace: rank ``rank`` of a 2-rank NCCL run on one host whose world
+    all-reduces ran at ``intervals`` [(start, end)] µs."""
+    from tokenbal.profile.runs import WORLD, TraceFile
+
+    return TraceFile(path=name, rank=rank, world_size=2, layout="torch", backend="nccl", trace_id=name,
+                     start_us=intervals[0][0] - 100, end_us=intervals[-1][1] + 100, steps=frozenset({1}),
+                     host="h", meetings={WORLD: [("all_reduce", a, b) for a, b in intervals]})
+
+
+def test_the_ranks_of_runs_started_interleaved_find_their_own_run():
+    """Started in the order A0, B0, A1, B1: B0 came when run A held only rank 0 (nothing to compare
+    it with: a rank is never compared with itself) and was a duplicate rank 0 of run A."""
+    from tokenbal.profile.runs import group_runs
+
+    a = [[(10_000 * k + 800 * r, 10_000 * k + 9000) for k in range(3)] for r in (0, 1)]
+    b = [[(7_000 * k + 3000 + 10 + 200 * r, 7_000 * k + 4000) for k in range(3)] for r in (0, 1)]
+    a0, a1, b0, b1 = _summary("A0", 0, a[0]), _summary("A1", 1, a[1]), _summary("B0", 0, b[0]), _summary(
+        "B1", 1, b[1])
+    a1 = dataclasses.replace(a1, start_us=b0.start_us + 1)       # A0, B0, A1, B1 in start order
+    for files in ([a0, b0, a1, b1], [a0, b0, b1]):
+        runs = group_runs(files, [])
+        assert [sorted(f.path for f in r.files.values()) for r in runs] == \
+            [["A0", "A1"] if a1 in files else ["A0"], ["B0", "B1"]]
+        assert runs[-1].apart and "ended on rank" in runs[-1].apart[0]
+
+
+def test_runs_on_other_hosts_are_told_apart_under_any_clock_offset(concurrent_runs, tmp_path):
+    """Across hosts the clocks may differ: two ranks are one run when one offset lets every collective
+    meet. A real run whose second host's clock is 3 ms ahead stays one run; the mix does not."""
+    skewed = tmp_path / "skewed"
+    skewed.mkdir()
+    _copy(concurrent_runs / "A" / "rank0.json", skewed / "rank0.json", host="node0")
+    data = json.loads((concurrent_runs / "A" / "rank1.json").read_text())
+    data["host_name"] = "node1"
+    for e in data["traceEvents"]:
+        if "ts" in e:
+            e["ts"] += 3000
+    (skewed / "rank1.json").write_text(json.dumps(data))
+    assert profile_run(str(skewed)).ranks == [0, 1]
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    _copy(concurrent_runs / "A" / "rank0.json", mixed / "rank0.json", host="node0")
+    _copy(concurrent_runs / "B" / "rank1.json", mixed / "rank1.json", host="node1")
+    with pytest.raises(SeveralRunsError, match=r"each on its host's clock: for both to have met, rank 1's "
+                                               r"clock would be at least .* ms ahead of rank 0's and at "
+                                               r"least .* ms behind"):
+        profile_run(str(mixed))
+
+
+def _device_rank(path, rank, world, kernels, groups=None, pg_count=1):
+    """A GPU rank's trace: one step, NCCL all_reduce kernels at ``kernels`` [(start, end)] µs, each in
+    the process group ``groups[i]`` where given (Kineto's "Process Group Ranks" arg)."""
+    step = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 1, "tid": 1, "ts": 0,
+            "dur": 10_000}
+    events = [step]
+    for i, (a, b) in enumerate(kernels):
+        args = {"Process Group Ranks": groups[i]} if groups else {}
+        events.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                       "pid": 0, "tid": 7, "ts": a, "dur": b - a, "args": args})
+    info = {"backend": "nccl", "rank": rank, "world_size": world, "pg_count": pg_count}
+    path.write_text(json.dumps(_trace(events, distributedInfo=info, host_name="gpu0",
+                                      baseTimeNanoseconds=1_700_000_000_000_000_000, trace_id=f"t{rank}")))
+
+
+def test_only_collectives_of_a_group_holding_both_ranks_tell_runs_apart(tmp_path):
+    """Kernels of a group both ranks are in must overlap; a trace with several process groups and
+    collectives that name none gives no evidence (an FSDP rank's collectives on its own shard group)."""
+    cases = {  # rank 1's kernels: [(start, end)], the groups of rank 0's / rank 1's kernels, pg_count
+        "met": ([(900, 1500), (3000, 3100)], None, None, 1),
+        "within_clock_tolerance": ([(1600, 1700), (3000, 3100)], None, None, 1),
+        "apart": ([(2600, 2700), (3000, 3100)], None, None, 1),
+        "apart_in_a_named_group": ([(2600, 2700), (3000, 3100)], [[0, 1], [0, 1]], [[0, 1], [0, 1]], 2),
+        "other_groups": ([(2600, 2700), (3000, 3100)], [[0, 2], [0, 1]], [[1, 3], [0, 1]], 3),
+        "groups_unknown": ([(2600, 2700), (3000, 3100)], None, None, 2),
+    }
+    for name, (kernels, groups0, groups1, count) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        _device_rank(folder / "rank0.json", 0, 4, [(1000, 1500), (3000, 3100)], groups0, count)
+        _device_rank(folder / "rank1.json", 1, 4, kernels, groups1, count)
+        if name.startswith("apart"):
+            with pytest.raises(SeveralRunsError, match=r"all_reduce #1 (of group \[0, 1\] )?ended on rank 0 "
+                                                       r".* 1\.1 ms before it began on rank 1 .*, on one "
+                                                       r"host's clock"):
+                profile_run(str(folder))
+        else:
+            assert profile_run(str(folder)).ranks == [0, 1], name
+
+
+# What the first Kineto releases (torch 1.8 / 1.9) wrote for today's categories; no baseTimeNanoseconds,
+# no trace_id, "Input dims".
+_LEGACY = {"cpu_op": "Operator", "user_annotation": "Operator", "kernel": "Kernel", "gpu_memcpy": "Memcpy",
+           "gpu_memset": "Memset", "cuda_runtime": "Runtime"}
+
+
+def _as_legacy(src, dst):
+    data = json.loads(src.read_text())
+    data.pop("baseTimeNanoseconds", None)
+    data.pop("trace_id", None)
+    for e in data["traceEvents"]:
+        e["cat"] = _LEGACY.get(e.get("cat"), e.get("cat"))
+        if "Input Dims" in (e.get("args") or {}):
+            e["args"]["Input dims"] = e["args"].pop("Input Dims")
+    dst.write_text(json.dumps(data))
+
+
+def test_traces_in_the_first_kineto_categories_read_as_todays(two_runs, tmp_path):
+    """torch 1.8 / 1.9 traces: every CPU event "Operator", GPU work "Kernel" / "Memcpy" / "Runtime". They
+    were read as a trace with no compute (0.0 ms on every rank, arrivals from the fallback) or, with
+    GPU kernels, as a host-only trace."""
+    for r in (0, 1):
+        _as_legacy(two_runs / "A" / f"rank{r}.json", tmp_path / f"rank{r}.json")
+    old, new = profile_run(str(tmp_path)), profile_run(str(two_runs / "A"))
+    assert old.steps == new.steps and old.collectives == new.collectives
+    assert old.arrival_source == new.arrival_source == "training-thread launches" and old.work_from_shapes
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    for r in (0, 1):
+        _device_rank(tmp_path / f"k{r}.json", r, 2, [(1000, 1500), (3000, 3100)])
+        _as_legacy(tmp_path / f"k{r}.json", gpu / f"rank{r}.json")
+    p = profile_run(str(gpu))
+    assert p.device and p.steps[0].comm_s == pytest.approx(600e-6)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_a_trace_saved_with_a_byte_order_mark_or_in_utf16_is_read(two_runs, tmp_path, encoding):
+    """A trace saved again by an editor (UTF-8 with a BOM) was "a damaged or truncated profiler trace
+    ... re-export it"; one saved as UTF-16 (PowerShell) was skipped as "not JSON"."""
+    for r in (0, 1):
+        text = (two_runs / "A" / f"rank{r}.json").read_text()
+        (tmp_path / f"rank{r}.json").write_bytes(text.encode(encoding))
+    p, original = profile_run(str(tmp_path)), profile_run(str(two_runs / "A"))
+    assert p.ranks == [0, 1] and p.steps == original.steps and p.collectives == original.collectives
+
+
+@pytest.mark.parametrize("stream, gpu_first", [(7, True), (100, False)])
+def test_the_gpu_copy_of_a_profiler_step_is_not_the_training_thread(tmp_path, stream, gpu_first):
+    """Kineto repeats ProfilerStep#N on each GPU stream (gpu_user_annotation, spanning the step's kernels):
+    as many there as on the CPU thread, the stream listed first was taken as the training thread and the
+    step timed by its kernels (9 ms of a 10 ms step); a stream numbered as the training thread's tid
+    gave its step window where listed after it."""
+    for r in (0, 1):
+        cpu_step = {"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "pid": 100, "tid": 100,
+                    "ts": 0, "dur": 10_000}
+        gpu_step = dict(cpu_step, cat="gpu_user_annotation", pid=0, tid=stream, ts=2000, dur=9000)
+        kernels = [{"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur}
+                   for name, ts, dur in (("gemm", 2000, 3000 + 2000 * r),
+                                         ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 7000, 4000))]
+        events = [gpu_step, *kernels, cpu_step] if gpu_first else [cpu_step, *kernels, gpu_step]
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(_trace(
+            events, distributedInfo={"backend": "nccl", "rank": r, "world_size": 2})))
+    p = profile_run(str(tmp_path))
+    assert [(s.rank, s.step_s) for s in p.steps] == [(0, 0.01), (1, 0.01)]
+    assert [s.idle_s for s in p.steps] == pytest.approx([0.004, 0.002])
 
 
 def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_runs, tmp_path, capsys):
@@ -165,6 +396,23 @@ def test_npu_world_size_from_profiler_metadata_names_a_missing_rank(tmp_path):
                                                   "global_ranks": [0, 1, 2, 3]}}}))
     p = profile_run(str(tmp_path))
     assert p.world_size == 4 and p.missing_ranks == [1, 2, 3]
+
+
+def test_npu_ranks_of_two_runs_at_the_same_time_are_told_apart_where_the_world_is_the_only_group(tmp_path):
+    """torch_npu's export records no host and no group per HCCL operation; where profiler_metadata.json
+    lists the world as the only group, its collectives must meet under one clock offset."""
+    groups = {"group_name_0": {"group_name": "default_group", "group_rank": 0, "global_ranks": [0, 1]}}
+    for name, second in (("one", (5000, 5200)), ("two", (8000, 8100))):
+        _npu_trace(tmp_path / name, 0, compute=[(0, 600)], comm=[(100, 200), (5000, 5100)])
+        _npu_trace(tmp_path / name, 1, compute=[(0, 300)], comm=[(150, 250), second])
+        for r in (0, 1):
+            (tmp_path / name / f"node_{r}_ascend_pt" / "profiler_metadata.json").write_text(
+                json.dumps({"parallel_group_info": groups}))
+    assert profile_run(str(tmp_path / "one")).ranks == [0, 1]
+    with pytest.raises(SeveralRunsError, match=r"run 2 is not the run it overlaps in time: all_reduce #2 "
+                                               r"ended on rank 0 .* 2\.9 ms before it began on rank 1 .* "
+                                               r"each on its host's clock"):
+        profile_run(str(tmp_path / "two"))
 
 
 def _trace(events, **meta):
