@@ -35,16 +35,23 @@ IGNORE_INDEX = -100
 
 # Model types whose get_rope_index collate.positions reproduces. Qwen2.5-VL adds tokens_per_second;
 # Qwen3-VL (and its MoE / Qwen3.5 siblings, whose get_rope_index is the same code in transformers
-# 5.24) splits every video into per-frame t=1 grids separated by timestamp text.
-_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-_SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# 5.24) splits every video into per-frame t=1 grids separated by timestamp text. PaddleOCR-VL's is
+# Qwen2-VL's code and Cosmos3-Omni's Qwen3-VL's; Cosmos3-Edge's is Qwen2-VL's after splitting every
+# video into frames, i.e. Qwen3-VL's layout (tests/collate/test_positions_families.py checks each
+# against the installed get_rope_index).
+_MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "paddleocr_vl")
+_SPLIT_FRAME_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
+                            "cosmos3_omni", "cosmos3_edge")
+# Families whose model takes no video input (no pixel_values_videos): video grids are refused,
+# since the collator's Qwen2-VL rule after a multi-frame video is not the installed get_rope_index's.
+_IMAGE_ONLY_MODEL_TYPES = ("paddleocr_vl",)
 # 1-D RoPE behind LLaVA "anyres" crops: placeholder counts from image sizes (collate.anyres).
 _ANYRES_MODEL_TYPES = ("llava_next", "llava_onevision")
 # 1-D RoPE behind fixed-size tiles: placeholders = tiles x tokens per tile (collate.anyres).
 _TILE_MODEL_TYPES = ("internvl",)
 # GLM-4.1V / GLM-4.5V: their own M-RoPE layout (collate.positions.glm4v_positions); the two
-# get_rope_index are the same code in transformers 5.24.
-_GLM_MODEL_TYPES = ("glm4v", "glm4v_moe")
+# get_rope_index are the same code in transformers 5.24, and so are GLM-4.6V's and GLM-OCR's.
+_GLM_MODEL_TYPES = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")
 
 
 @dataclasses.dataclass(eq=False)
@@ -273,8 +280,10 @@ class PackedCollator:
 
         LLaVA / InternVL language models use plain 1-D RoPE, so anything without a Qwen-VL
         ``model_type`` gets ``rope="1d"``, except a multimodal family whose transformers model lays
-        out its own M-RoPE positions (``get_rope_index``: GLM-4.6V, PaddleOCR-VL, the Qwen omni
-        thinkers, ...), which raises ``ValueError`` unless ``rope`` is given explicitly.
+        out its own M-RoPE positions (``get_rope_index``) in a layout the collator does not know (the
+        Qwen omni thinkers, ERNIE-4.5-VL, ...), which raises ``ValueError`` unless ``rope`` is given
+        explicitly. GLM-4.6V / GLM-OCR get GLM-4.1V's layout, Cosmos3-Omni / -Edge Qwen3-VL's and
+        PaddleOCR-VL Qwen2-VL's for images (it takes no video: video grids are refused).
         ``overrides`` replace any field (e.g. ``pin_memory``).
         ``layout`` (a :class:`tokenbal.parallel.ParallelLayout`) sets ``sp_size``.
         """
@@ -304,7 +313,8 @@ class PackedCollator:
             kwargs: dict[str, Any] = dict(
                 rope="mrope",
                 image_token_id=int(hf_config.image_token_id),
-                video_token_id=_opt_int(getattr(hf_config, "video_token_id", None)),
+                video_token_id=None if model_type in _IMAGE_ONLY_MODEL_TYPES
+                else _opt_int(getattr(hf_config, "video_token_id", None)),
                 vision_start_token_id=_opt_int(getattr(hf_config, "vision_start_token_id", None)),
                 spatial_merge_size=int(getattr(vision, "spatial_merge_size", 2)),
                 # Only Qwen2.5-VL scales video time; Qwen2-VL's vision config has no such field and
@@ -399,6 +409,12 @@ class PackedCollator:
 
         img_grids, img_per, pixels = _gather_vision(img_items, n, "pixel_values", "image_grid_thw")
         vid_grids, vid_per, videos = _gather_vision(vid_items, n, "pixel_values_videos", "video_grid_thw")
+        if vid_grids is not None and self.video_token_id is None and self.mrope_style == "qwen":
+            # A Qwen-style layout without a video token (an image-only family, e.g. PaddleOCR-VL):
+            # say so rather than "0 video placeholder tokens".
+            first = int(np.flatnonzero(vid_per)[0])
+            raise ValueError(f"sample {first}: field 'video_grid_thw' given, but this collator takes no "
+                             "video (video_token_id=None: the model has no video input)")
         any_seconds = bool(sec_items)
         sec_all = _seconds(sec_items, vid_per) if any_seconds else None
 

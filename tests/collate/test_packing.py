@@ -308,8 +308,8 @@ def test_from_config_qwen25_and_unsupported():
     assert glm.vision_start_token_id == glm_cfg.image_start_token_id
 
 
-@pytest.mark.parametrize("name", ["Glm46VConfig", "PaddleOCRVLConfig", "Qwen2_5OmniThinkerConfig",
-                                  "Qwen2_5OmniConfig", "Ernie4_5_VLMoeConfig"])
+@pytest.mark.parametrize("name", ["Qwen2_5OmniThinkerConfig", "Qwen2_5OmniConfig", "Qwen3OmniMoeConfig",
+                                  "Ernie4_5_VLMoeConfig"])
 def test_from_config_refuses_an_mrope_family_it_does_not_lay_out(name):
     """Models whose transformers class builds its own M-RoPE positions (get_rope_index) but whose
     layout the collator does not know got plain 1-D positions without a word: wrong for every
