@@ -66,7 +66,11 @@ def tiny_model(name: str):
     """The family's base model (the class holding ``get_rope_index``), without weights."""
     if name not in _MODELS:
         with torch.device("meta"):
-            _MODELS[name] = transformers.AutoModel.from_config(tiny_config(name))
+            try:
+                model = transformers.AutoModel.from_config(tiny_config(name))
+            except ValueError:  # 5.6-5.9 map PaddleOCR-VL only by its generation class
+                model = transformers.AutoModelForImageTextToText.from_config(tiny_config(name)).model
+        _MODELS[name] = model
     return _MODELS[name]
 
 
