@@ -179,3 +179,16 @@ def test_image_only_family_refuses_video_grids():
     video = build("qwen2", [("text", 2), ("video", 2, 1, 2), ("text", 2)])
     with pytest.raises(ValueError, match=r"sample 1: field 'video_grid_thw' given, but .* takes no video"):
         coll([ok, video])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_enable_packed_refuses_these_families_by_name(name):
+    """The collator lays them out, but no packed forward patches their model classes yet: a clear
+    TypeError naming the model type, never a forward that silently ignores the packing."""
+    from collate.models import enable_packed
+
+    cfg = tiny_config(name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    with pytest.raises(TypeError, match=rf"no packed patch for model_type='{cfg.model_type}'"):
+        enable_packed(model)
