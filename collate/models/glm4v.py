@@ -34,7 +34,9 @@ from torch import nn
 from collate.models import core, grid_vision
 from collate.ops.rope.common import frequency_axes, normalize_positions
 
-SUPPORTED_MODEL_TYPES = ("glm4v",)
+# GLM-4.6V (glm46v) is GLM-4V's model class subclassed unchanged, its towers built from its
+# sub-configs: patched when the text model is GLM-4V's dense one (checked in _check).
+SUPPORTED_MODEL_TYPES = ("glm4v", "glm46v")
 
 
 def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -100,6 +102,12 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
 
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
+    text_type = getattr(getattr(model.config, "text_config", None), "model_type", "glm4v_text")
+    if text_type != "glm4v_text":
+        # GLM-4.6V's text model is whatever its text_config names (the large one's is MoE):
+        # only GLM-4V's dense text stack is patched and tested.
+        raise TypeError(f"enable_packed: model_type={model.config.model_type!r} with a {text_type!r} "
+                        "text model is not patched (only 'glm4v_text')")
     rope = text_model.rotary_emb
     section = core.check_mrope_section(text_model)
     half = int(rope.inv_freq.numel())

@@ -181,7 +181,7 @@ def test_image_only_family_refuses_video_grids():
         coll([ok, video])
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"Glm46VConfig"}))  # GLM-4.6V: test_glm46v.py
 def test_enable_packed_refuses_these_families_by_name(name):
     """The collator lays them out, but no packed forward patches their model classes yet: a clear
     TypeError naming the model type, never a forward that silently ignores the packing."""

@@ -40,7 +40,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("idefics3", ("idefics3",), (), "idefics"),
     Family("smolvlm", ("smolvlm",), (), "idefics"),
     # glm4v_moe (GLM-4.5V): the same image processor class, so the same counts; not patched.
-    Family("glm-4.1v", ("glm4v",), ("glm4.1v", "glm4v_moe"), "glm4v", "glm4v"),
+    # glm46v (GLM-4.6V): GLM-4V's model and image processor subclassed unchanged; patched when its
+    # text model is GLM-4V's dense one (collate/models/glm4v.py refuses a MoE text model).
+    Family("glm-4.1v", ("glm4v", "glm46v"), ("glm4.1v", "glm4v_moe"), "glm4v", "glm4v"),
     Family("phi-4-multimodal", ("phi4_multimodal",), ("phi4-multimodal",), "phi4"),
 )
 
