@@ -28,6 +28,7 @@ OLDEST = VERSIONS[0]
 # processors, the index with processors, the Trainer / accelerate integrations).
 TRANSFORMERS_FACING = [
     "tests/collate/models", "tests/collate/test_positions.py", "tests/collate/test_positions_props.py",
+    "tests/collate/test_positions_families.py",
     "tests/collate/test_packing.py", "tests/collate/test_vision.py", "tests/collate/test_sp_models.py",
     "tests/collate/train", "tests/tokenbal/estimate", "tests/tokenbal/index", "tests/tokenbal/data",
     "tests/tokenbal/balance", "tests/tokenbal/integrations",
