@@ -296,9 +296,16 @@ GLM_REAL = [(1, 1), (10, 10), (27, 29), (28, 28), (3, 600), (600, 3), (70, 70), 
 GLM_REAL += [(336, 336), (640, 480), (1024, 256), (999, 77), (31, 1000), (2000, 11)]
 
 
-def test_glm_equals_real_processor():
+@pytest.mark.parametrize("processor", ["Glm4vImageProcessorPil", "Glm46VImageProcessorPil"])
+def test_glm_equals_real_processor(processor):
+    """GLM-4.6V (``glm46v``, in the glm-4.1v family) too: its own image processor class."""
+    import transformers
+
+    if processor != "Glm4vImageProcessorPil" and not hasattr(transformers, processor):
+        pytest.skip(f"transformers {transformers.__version__} has no {processor}")
+    cls = image_processor_class(processor)
     for ours, theirs in GLM_CONFIGS.values():
-        est, proc = get_estimator("glm-4.1v", **ours), Glm4vImageProcessorPil(**theirs)
+        est, proc = get_estimator("glm-4.1v", **ours), cls(**theirs)
         for w, h in GLM_REAL:
             try:
                 out = proc(images=img(w, h), input_data_format="channels_last")
