@@ -409,7 +409,8 @@ class PackedCollator:
 
         img_grids, img_per, pixels = _gather_vision(img_items, n, "pixel_values", "image_grid_thw")
         vid_grids, vid_per, videos = _gather_vision(vid_items, n, "pixel_values_videos", "video_grid_thw")
-        if vid_grids is not None and self.video_token_id is None and self.mrope_style == "qwen":
+        if vid_grids is not None and self.video_token_id is None and self.rope == "mrope" \
+                and self.mrope_style == "qwen":
             # A Qwen-style layout without a video token (an image-only family, e.g. PaddleOCR-VL):
             # say so rather than "0 video placeholder tokens".
             first = int(np.flatnonzero(vid_per)[0])
