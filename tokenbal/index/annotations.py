@@ -57,10 +57,18 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
-from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
+from tokenbal.index.scan import (
+    PROGRESS_BYTES,
+    PROGRESS_ROWS,
+    Progress,
+    ScannedSample,
+    ShardScan,
+    regular_file_stat,
+    shard_fingerprint,
+)
 from tokenbal.index.text import (
     SampleTextError,
     audio_reason,
@@ -81,12 +89,6 @@ from tokenbal.index.video import VideoError, probe_file
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
-# How often a scan reports its progress within one file: every this many bytes of a JSONL file
-# consumed or of a JSON file read, every this many records of a JSON list scanned.
-PROGRESS_BYTES = 4 << 20
-PROGRESS_ROWS = 2000
-# (done, total, unit): unit "B" (bytes of the file) or "records" (of a JSON list, after its parse)
-Progress = Callable[[int, int, str], None]
 # An image or video named by a URL (http://, s3://, ...) or a data: URI rather than a file path.
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://|data:)")
 

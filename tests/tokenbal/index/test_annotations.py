@@ -267,8 +267,12 @@ def test_a_json_file_reports_the_bytes_read_then_the_records_scanned(tmp_path):
 
 def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
     """`tokenbal index build` shows a bar per annotation file under the shard bar (not with -q); the
-    library takes a callable instead. With --workers the reports come back from the scan processes."""
-    path, _ = _big_annotations(tmp_path, "jsonl")
+    library takes a callable instead. With --workers the reports come back from the scan processes.
+    After the scan, the samples whose text is counted (a real tokenizer over millions of rows took
+    minutes in silence) every PROGRESS_ROWS."""
+    from tokenbal.index.annotations import PROGRESS_ROWS
+
+    path, n = _big_annotations(tmp_path, "jsonl")
     size = os.path.getsize(path)
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "a caption"}) + "\n")
@@ -279,10 +283,14 @@ def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_
         mine = [(done, total) for p, done, total, unit in reports if p == path and unit == "B"]
         assert len(mine) >= 3 and mine[-1] == (size, size)
         assert [d for d, _ in mine] == sorted({d for d, _ in mine})       # advancing within the file
-        assert [r[1:] for r in reports if r[0] == str(small)] == [(22, 22, "B")] * (workers - 1)
+        counted = [r[1:] for r in reports if r[0] == path and r[3] == "samples"]
+        every = [(k, n, "samples") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)]
+        assert counted == [*every, (n, n, "samples")]
+        small_reports = [r[1:] for r in reports if r[0] == str(small)]
+        assert small_reports == [(22, 22, "B"), (1, 1, "samples")] * (workers - 1)
     assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "cli")]) == 0
     err = capsys.readouterr().err
-    assert "big.jsonl" in err and "indexing" in err
+    assert "big.jsonl" in err and "indexing" in err and "big.jsonl (tokens)" in err
     assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "q"), "-q"]) == 0
     assert capsys.readouterr().err == ""
 
