@@ -373,3 +373,24 @@ def test_a_jsonl_file_in_utf16_or_utf32_is_one_named_file_error(tmp_path, encodi
         "path": str(path), "status": "corrupt",
         "reason": f"annotation file {path} is {name} text: JSON Lines files are UTF-8; re-encode it (e.g. "
                   f"iconv -f {name} -t UTF-8)"}]
+
+
+def test_verify_reports_the_shards_then_the_named_files_it_checks(ann, tmp_path, capsys, monkeypatch):
+    """`tokenbal index verify` over thousands of shards and millions of named images (a read or a stat
+    each) said nothing until its verdict: it reports each shard, then every PROGRESS_ROWS files."""
+    import tokenbal.index.scan as scan_mod
+
+    shard = write_shard(tmp_path / "s.tar", [Sample(key="k", caption="a caption")])
+    out = build_index([ann["jsonl"], ann["json"], shard], tmp_path / "idx", image_root=ann["root"],
+                      progress=False).out
+    monkeypatch.setattr(scan_mod, "PROGRESS_ROWS", 2)
+    reports = []
+    assert verify_index(out, progress=lambda *r: reports.append(r)) == []
+    named = 7     # the image files the good records of both files name, one per image a record holds
+    assert reports == [(1, 3, "shards"), (2, 3, "shards"), (3, 3, "shards"),
+                       (2, named, "files"), (4, named, "files"), (6, named, "files"), (named, named, "files")]
+    assert main(["index", "verify", out]) == 0
+    captured = capsys.readouterr()
+    assert "verifying" in captured.err and "index is up to date" in captured.out
+    assert main(["index", "verify", out, "-q"]) == 0
+    assert capsys.readouterr().err == ""
