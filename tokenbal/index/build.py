@@ -33,11 +33,11 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenbal.index.annotations import PROGRESS_ROWS, is_annotation_file, scan_annotations
+from tokenbal.index.annotations import is_annotation_file, scan_annotations
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.parts import part_meta, select_part
 from tokenbal.index.remote import remote_unchanged, scan_remote_shard
-from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
+from tokenbal.index.scan import PROGRESS_ROWS, ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
     COLUMNS,
@@ -188,10 +188,10 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
     ``workers`` > 1 scans shards in that many processes. ``progress``: a bar of the shards, and under
-    it one per shard being scanned (bytes of a local tar shard or annotation file, then records of a
-    JSON list, then samples whose text is counted: a single multi-GB file moves too), on stderr;
-    ``False``: none; a callable: no bars, each shard's progress reported to it as
-    ``(path, done, total, unit)``, ``unit`` ``"B"``, ``"records"`` or ``"samples"`` (``index_shard``).
+    it one per shard being scanned (bytes of a local tar shard or annotation file, then samples whose
+    text is counted: a single multi-GB file moves too), on stderr; ``False``: none; a callable: no
+    bars, each shard's progress reported to it as ``(path, done, total, unit)``, ``unit`` ``"B"`` or
+    ``"samples"`` (``index_shard``).
     ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
     transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
     policy is recorded in the manifest.
@@ -684,8 +684,8 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
     ``progress(done, total, unit)``: the shard's progress: bytes of the file scanned (unit ``"B"``,
-    a local tar shard or annotation file), records of a JSON list parsed (``"records"``), then the
-    samples whose text tokens are counted (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
+    a local tar shard or annotation file), then the samples whose text tokens are counted
+    (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
     if is_parquet(path):
         scan = scan_parquet(path, parquet, remote, exif=exif)
     elif is_url(path) and is_annotation_file(path):
@@ -1195,9 +1195,8 @@ def _progress(results: Iterator[ShardResult], total: int, enabled: bool,
 
 
 class _FileBars:
-    """A bar under the shard bar for each shard being scanned: bytes consumed (a tar shard, a JSONL
-    file, or a JSON file being read), then records scanned (a JSON list once parsed), then samples
-    whose text tokens are counted."""
+    """A bar under the shard bar for each shard being scanned: bytes consumed (a tar shard, a JSON
+    or JSONL file), then samples whose text tokens are counted."""
 
     def __init__(self) -> None:
         self.bars: dict = {}
@@ -1218,7 +1217,7 @@ class _FileBars:
             if bar is None or bar.unit != unit:
                 if bar is not None:
                     bar.close()
-                phase = {"B": "", "records": " (parsed)"}.get(unit, " (tokens)")
+                phase = " (tokens)" if unit == "samples" else ""
                 bar = self.bars[path] = tqdm(total=total, unit=unit, unit_scale=unit == "B", leave=False,
                                              desc=f"  {os.path.basename(path)}{phase}")
             bar.total = max(total, done)

@@ -58,14 +58,12 @@ from tokenbal.io.tar import TarMember, header_stamp, walk_members
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
 VIDEO_EXTS = frozenset({"mp4", "avi", "mkv", "webm", "mov", "m4v", "flv", "mpeg", "mpg"})
 FINGERPRINT_SPAN = 1 << 20
-# How often a scan reports its progress within one file: every this many bytes of a tar shard or
-# JSONL file scanned or of a JSON file read, every this many records of a JSON list scanned (and
-# samples whose text is counted, ``build.index_shard``). Counts, not the clock: the reports of a
-# file are the same on every run.
+# How often a scan reports its progress within one file: every this many bytes of a tar shard,
+# JSONL or JSON file scanned, every this many samples whose text is counted (``build.index_shard``).
+# Counts, not the clock: the reports of a file are the same on every run.
 PROGRESS_BYTES = 4 << 20
 PROGRESS_ROWS = 2000
-# (done, total, unit): unit "B" (bytes of the file), "records" (of a JSON list, after its parse) or
-# "samples" (whose text tokens are counted)
+# (done, total, unit): unit "B" (bytes of the file) or "samples" (whose text tokens are counted)
 Progress = Callable[[int, int, str], None]
 _EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
 COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.corpus import Sample, image_bytes, write_shard
 from tokenbal.cli import main
@@ -252,17 +255,65 @@ def test_a_jsonl_file_reports_the_bytes_scanned_as_it_goes(tmp_path):
     assert [s.key for s in quiet.samples] == [s.key for s in scan.samples]
 
 
-def test_a_json_file_reports_the_bytes_read_then_the_records_scanned(tmp_path):
-    from tokenbal.index.annotations import PROGRESS_BYTES, PROGRESS_ROWS, scan_annotations
+def test_a_json_list_is_streamed_record_by_record_reporting_the_bytes_read(tmp_path):
+    """A JSON list was read whole, then parsed whole (json.loads) in silence, held in memory twice:
+    its records are now decoded as the file is read, each read reported."""
+    from tokenbal.index.annotations import PROGRESS_BYTES, scan_annotations
 
     path, n = _big_annotations(tmp_path, "json")
     size = os.path.getsize(path)
     reports = []
     scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
-    assert len(scan.samples) == n
-    read = [(min(k * PROGRESS_BYTES, size), size, "B") for k in range(1, -(-size // PROGRESS_BYTES) + 1)]
-    rows = [(k, n, "records") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "records")]
-    assert reports == read + rows
+    assert len(scan.samples) == n and not scan.errors
+    reads = range(1, -(-size // PROGRESS_BYTES) + 1)
+    assert reports == [(min(k * PROGRESS_BYTES, size), size, "B") for k in reads]
+    # the same samples as the same records written as JSON Lines
+    lines = tmp_path / "same.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in json.loads(open(path).read())))
+    again = scan_annotations(str(lines))
+    assert [s.text for s in again.samples] == [s.text for s in scan.samples]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats(allow_nan=False)
+    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(JSON_VALUES, max_size=6), indent=st.sampled_from([None, 0, 2]),
+       encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"]),
+       chunk=st.integers(1, 40), cut=st.integers(0, 400),
+       damage=st.sampled_from(["", ",", "]", "x", "[", " 1"]))
+def test_a_json_list_read_item_by_item_is_what_json_loads_gives(items, indent, encoding, chunk, cut, damage):
+    """Any JSON list, in any encoding json.loads reads, read in chunks of any size (an item, a number,
+    a multi-byte character cut anywhere): the same items, or the same error message, as json.loads of
+    the whole file; a document that is not a list is said to be so."""
+    import io
+
+    from tokenbal.index.text import NotAList, iter_json_list
+
+    doc = json.dumps(items, indent=indent, ensure_ascii=False)
+    if damage:
+        at = cut % (len(doc) + 1)
+        doc = doc[:at] + damage + doc[at:]
+    data = doc.encode(encoding)
+    try:
+        want, want_error = json.loads(data), None
+    except ValueError as e:
+        want, want_error = None, e
+    try:
+        got = [v for v, _ in iter_json_list(io.BytesIO(data).read, chunk)]
+    except NotAList:
+        assert not isinstance(want, list)
+        return
+    except ValueError as e:
+        assert want_error is not None
+        # Python 3.13 words a trailing comma ("[1,]") its own way; the file is an error all the same
+        assert str(e) == str(want_error) or sys.version_info >= (3, 13)
+        return
+    assert want_error is None and got == want
 
 
 def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
@@ -270,7 +321,7 @@ def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_
     library takes a callable instead. With --workers the reports come back from the scan processes.
     After the scan, the samples whose text is counted (a real tokenizer over millions of rows took
     minutes in silence) every PROGRESS_ROWS."""
-    from tokenbal.index.annotations import PROGRESS_ROWS
+    from tokenbal.index.scan import PROGRESS_ROWS
 
     path, n = _big_annotations(tmp_path, "jsonl")
     size = os.path.getsize(path)
