@@ -118,7 +118,9 @@ def _cmd_index_merge(args: argparse.Namespace) -> int:
 def _cmd_index_export(args: argparse.Namespace) -> int:
     from tokenbal.index.export import export_index
 
-    print(f"wrote {export_index(args.index, args.dir, args.format)}")
+    with _progress_bar(not args.quiet, "exporting") as report:
+        path = export_index(args.index, args.dir, args.format, progress=report)
+    print(f"wrote {path}")
     return 0
 
 
@@ -543,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="folder to write lengths.{parquet,jsonl,npy} into")
     export.add_argument("--index", required=True, help="index folder")
     export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet")
+    export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(func=_cmd_index_export, command_parser=export)
 
     stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
