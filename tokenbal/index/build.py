@@ -188,10 +188,10 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
     ``workers`` > 1 scans shards in that many processes. ``progress``: a bar of the shards, and under
-    it one per shard being scanned (bytes of a local tar shard or annotation file, then samples whose
-    text is counted: a single multi-GB file moves too), on stderr; ``False``: none; a callable: no
-    bars, each shard's progress reported to it as ``(path, done, total, unit)``, ``unit`` ``"B"`` or
-    ``"samples"`` (``index_shard``).
+    it one per shard being scanned (bytes of a local tar shard or annotation file, or rows of a Parquet
+    file, then samples whose text is counted: a single multi-GB file moves too), on stderr;
+    ``False``: none; a callable: no bars, each shard's progress reported to it as
+    ``(path, done, total, unit)``, ``unit`` ``"B"``, ``"rows"`` or ``"samples"`` (``index_shard``).
     ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
     transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
     policy is recorded in the manifest.
@@ -684,10 +684,10 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
     ``progress(done, total, unit)``: the shard's progress: bytes of the file scanned (unit ``"B"``,
-    a local tar shard or annotation file), then the samples whose text tokens are counted
-    (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
+    a local tar shard or annotation file) or rows (``"rows"``, a Parquet file, each row group), then
+    the samples whose text tokens are counted (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
     if is_parquet(path):
-        scan = scan_parquet(path, parquet, remote, exif=exif)
+        scan = scan_parquet(path, parquet, remote, exif=exif, progress=progress)
     elif is_url(path) and is_annotation_file(path):
         # Annotation files are read from local disk with their images beside them; a URL of one is
         # not a tar shard to scan by ranges (it was reported as a corrupt tar).

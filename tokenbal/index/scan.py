@@ -63,7 +63,8 @@ FINGERPRINT_SPAN = 1 << 20
 # Counts, not the clock: the reports of a file are the same on every run.
 PROGRESS_BYTES = 4 << 20
 PROGRESS_ROWS = 2000
-# (done, total, unit): unit "B" (bytes of the file) or "samples" (whose text tokens are counted)
+# (done, total, unit): unit "B" (bytes of the file), "rows" (of a Parquet file) or "samples" (whose
+# text tokens are counted)
 Progress = Callable[[int, int, str], None]
 _EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
 COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
