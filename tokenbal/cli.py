@@ -11,11 +11,12 @@ short by its reader (``| head``) ends quietly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -95,7 +96,9 @@ def _cmd_index_verify(args: argparse.Namespace) -> int:
     from tokenbal.index import verify_index
     from tokenbal.index.store import failed_shards, read_manifest
 
-    problems = verify_index(args.dir, remote=_remote_options(args), allow_failed=args.allow_failed)
+    with _progress_bar(not args.quiet, "verifying") as report:
+        problems = verify_index(args.dir, remote=_remote_options(args), allow_failed=args.allow_failed,
+                                progress=report)
     for p in problems:
         print(p)
     if args.allow_failed and not any(p.startswith("index damaged") for p in problems):
@@ -115,7 +118,9 @@ def _cmd_index_merge(args: argparse.Namespace) -> int:
 def _cmd_index_export(args: argparse.Namespace) -> int:
     from tokenbal.index.export import export_index
 
-    print(f"wrote {export_index(args.index, args.dir, args.format)}")
+    with _progress_bar(not args.quiet, "exporting") as report:
+        path = export_index(args.index, args.dir, args.format, progress=report)
+    print(f"wrote {path}")
     return 0
 
 
@@ -274,7 +279,11 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if len(picks) != len(dirs):
         raise UsageError(f"--run takes {'one run number' if len(dirs) == 1 else 'two run numbers (A B)'} "
                          f"here, got {len(picks)}")
-    runs = [profile.profile_run(d, run=n) for d, n in zip(dirs, picks, strict=True)]
+    runs = []
+    for d, n in zip(dirs, picks, strict=True):
+        # On stderr (tqdm's default): a --json document on stdout stays whole.
+        with _progress_bar(not args.quiet, "reading traces" if len(dirs) == 1 else f"reading {d}") as report:
+            runs.append(profile.profile_run(d, run=n, progress=report))
     if args.compare:
         print(json.dumps(profile.compare_as_dict(*runs), indent=1) if args.json
               else profile.format_compare(*runs))
@@ -289,6 +298,35 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         profile.write_timeline(runs, args.timeline)
         print(f"timeline written to {args.timeline}", file=notes)
     return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, desc: str) -> Iterator[Callable[[int, int, str], None] | None]:
+    """A tqdm bar on stderr that a ``progress(done, total, unit)`` callable moves (None under -q); it
+    is drawn from the first report on, with that report's unit, and cleared at the end."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def report(done: int, total: int, unit: str) -> None:
+        bar = bars.get(unit)
+        if bar is None and done >= total:
+            return          # a phase done in one report (one trace file): no bar to flash
+        if bar is None:
+            for old in bars.values():   # the next phase (shards checked, then files): one bar at a time
+                old.close()
+            bar = bars[unit] = tqdm(total=total, unit=unit, desc=desc, leave=False)
+        bar.total = max(total, done)
+        bar.update(done - bar.n)
+
+    try:
+        yield report
+    finally:
+        for bar in bars.values():
+            bar.close()
 
 
 def _hta_summary(dirs: Sequence[str]) -> str:
@@ -507,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir", help="folder to write lengths.{parquet,jsonl,npy} into")
     export.add_argument("--index", required=True, help="index folder")
     export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet")
+    export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(func=_cmd_index_export, command_parser=export)
 
     stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
@@ -517,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)")
     verify.add_argument("dir", help="index folder")
+    verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     verify.add_argument("--allow-failed", action="store_true",
                         help="do not fail on shards the build could not read (missing, unreadable, a remote "
                              "read out of retries); they are still listed")
@@ -576,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--json", action="store_true",
                       help="print every table (per rank and step, collectives, verdict, notes) as JSON "
                            "instead of text, for scripts and CI")
+    prof.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     prof.add_argument("--hta", action="store_true",
                       help="also print Holistic Trace Analysis' temporal breakdown and comm/comp overlap "
                            "(GPU traces only)")

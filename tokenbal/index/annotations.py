@@ -46,9 +46,10 @@ The fingerprint (``verify``) covers the annotation file only, not the image file
 
 Progress within a file (``scan_annotations(progress=...)``; ``tokenbal index build`` shows it as a
 bar under the shard bar): a JSONL file is streamed line by line and reports the bytes consumed; a
-JSON file reports the bytes read, then, once parsed, the records scanned. Reports come every
-``PROGRESS_BYTES`` bytes or ``PROGRESS_ROWS`` records and at the end, so their number does not
-depend on the clock.
+JSON list is streamed too, each record decoded as the file is read (``text.iter_json_list``: the
+records and errors ``json.loads`` of the whole file gives, never the whole file in memory), and
+reports the bytes read. Reports come every ``PROGRESS_BYTES`` bytes and at the end, so their number
+does not depend on the clock.
 """
 
 from __future__ import annotations
@@ -57,20 +58,28 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from tokenbal.index.imagesize import PREFIX_BYTES, ImageSizeError, read_image_size
-from tokenbal.index.scan import ScannedSample, ShardScan, regular_file_stat, shard_fingerprint
+from tokenbal.index.scan import (
+    PROGRESS_BYTES,
+    Progress,
+    ScannedSample,
+    ShardScan,
+    regular_file_stat,
+    shard_fingerprint,
+)
 from tokenbal.index.text import (
+    NotAList,
     SampleTextError,
     audio_reason,
     chat_messages,
     image_parts,
+    iter_json_list,
     join_text,
     json_error,
     json_text,
     lone_surrogate,
-    may_hold_surrogates,
     parse_json,
     part_file_key,
     placeholder_mismatch,
@@ -81,12 +90,6 @@ from tokenbal.index.video import VideoError, probe_file
 from tokenbal.index.videoindex import SampleVideo, video_parts
 
 ANNOTATION_SUFFIXES = (".json", ".jsonl")
-# How often a scan reports its progress within one file: every this many bytes of a JSONL file
-# consumed or of a JSON file read, every this many records of a JSON list scanned.
-PROGRESS_BYTES = 4 << 20
-PROGRESS_ROWS = 2000
-# (done, total, unit): unit "B" (bytes of the file) or "records" (of a JSON list, after its parse)
-Progress = Callable[[int, int, str], None]
 # An image or video named by a URL (http://, s3://, ...) or a data: URI rather than a file path.
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://|data:)")
 
@@ -137,19 +140,9 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
                 # Streamed: a multi-GB file is never held whole, and its progress is the bytes consumed.
                 records = _jsonl_records(_reported_lines(f, st.st_size, report), path, base, scan)
             else:
-                raw = _read_reported(f, st.st_size, report)
-                try:
-                    data = json.loads(raw)
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    return _file_error(scan, "corrupt", f"annotation file {path} is not valid JSON: {e}")
-                except (ValueError, RecursionError) as e:
-                    return _file_error(scan, "corrupt", f"annotation file {path}: {json_error(e)}")
-                surrogates = may_hold_surrogates(raw)
-                del raw
-                if not isinstance(data, list):
-                    return _file_error(scan, "corrupt", f"annotation file {path} holds a "
-                                                        f"{type(data).__name__}, expected a list of records")
-                records = _reported_records(data, path, base, scan, report, surrogates)
+                # Streamed too: each record of the list is decoded as the file is read, and its
+                # progress is the bytes read.
+                records = _json_list_records(f, st.st_size, path, base, scan, report)
             ids: dict[str, str | None] = {}   # place key -> the record's own id
             for key, where, rec in records:   # one pass, records not kept
                 scan.n_members += 1
@@ -159,6 +152,9 @@ def scan_annotations(path: str, image_root: str | None = None, prefix: int = PRE
                     scan.samples.append(sample)
     except _ReadError as e:
         return _file_error(scan, "unreadable", f"cannot read annotation file: {e.__cause__}")
+    except _ParseError as e:
+        scan.n_members = 0             # the file's verdict, as when it was parsed whole before any record
+        return _file_error(scan, "corrupt", str(e))
     _key_by_id(scan, ids)
     if scan.n_members == 0:
         _file_error(scan, "empty", f"annotation file {path} holds no records")
@@ -196,6 +192,58 @@ def _reported_lines(f, size: int, report: Progress) -> Iterator[bytes]:
         report(done, max(size, done), "B")
 
 
+class _ParseError(Exception):
+    """A JSON file is not valid JSON, or not a list: its reason (a file error, as ``json.loads`` of
+    the whole file would have found before any record)."""
+
+
+def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, report: Progress):
+    """The records of a JSON list file, decoded one at a time as it is read (``iter_json_list``),
+    reporting the bytes read every ``PROGRESS_BYTES`` (a read) and at the end; one with a lone
+    surrogate (looked for where its text spells a surrogate escape at all) is an error, as a JSONL
+    line's would be. Raises ``_ParseError`` for a file that is not a valid JSON list."""
+    done = 0
+
+    def read(n: int) -> bytes:
+        try:
+            return f.read(n)
+        except OSError as e:
+            raise _ReadError from e
+
+    def on_read(n: int) -> None:
+        nonlocal done
+        done += n
+        report(done, max(size, done), "B")
+
+    try:
+        for i, (rec, escapes) in enumerate(iter_json_list(read, PROGRESS_BYTES, on_read)):
+            key, where = f"{base}[{i}]", f"{path}[{i}]"
+            bad = lone_surrogate(rec) if escapes else None
+            if bad is not None:
+                scan.n_members += 1
+                scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
+                continue
+            yield key, where, rec
+    except NotAList:
+        # Not a list: parsed whole (what else it is, or where it is not JSON, is its error).
+        f.seek(0)
+        raw = _read_reported(f, size, lambda done, total, unit: None)
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _ParseError(f"annotation file {path} is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise _ParseError(f"annotation file {path}: {json_error(e)}") from None
+        raise _ParseError(f"annotation file {path} holds a {type(data).__name__}, expected a list of "
+                          "records") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _ParseError(f"annotation file {path} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise _ParseError(f"annotation file {path}: {json_error(e)}") from None
+    if not done:
+        report(0, size, "B")
+
+
 def _read_reported(f, size: int, report: Progress) -> bytearray:
     """The whole file, read ``PROGRESS_BYTES`` at a time, reporting the bytes read."""
     buf = bytearray()
@@ -208,24 +256,6 @@ def _read_reported(f, size: int, report: Progress) -> bytearray:
     if not buf:
         report(0, size, "B")
     return buf
-
-
-def _reported_records(data: list, path: str, base: str, scan: ShardScan, report: Progress,
-                      surrogates: bool):
-    """The records of a JSON list; one with a lone surrogate (looked for where the file spells a
-    surrogate escape at all) is an error, as a JSONL line's would be."""
-    n = len(data)
-    for i, rec in enumerate(data):
-        if i and i % PROGRESS_ROWS == 0:
-            report(i, n, "records")
-        key, where = f"{base}[{i}]", f"{path}[{i}]"
-        bad = lone_surrogate(rec) if surrogates else None
-        if bad is not None:
-            scan.n_members += 1
-            scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
-            continue
-        yield key, where, rec
-    report(n, n, "records")
 
 
 def _record_id(rec: object) -> str | None:

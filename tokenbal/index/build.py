@@ -37,7 +37,7 @@ from tokenbal.index.annotations import is_annotation_file, scan_annotations
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.parts import part_meta, select_part
 from tokenbal.index.remote import remote_unchanged, scan_remote_shard
-from tokenbal.index.scan import ShardScan, scan_shard, shard_fingerprint
+from tokenbal.index.scan import PROGRESS_ROWS, ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
     COLUMNS,
@@ -188,9 +188,10 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
     ``workers`` > 1 scans shards in that many processes. ``progress``: a bar of the shards, and under
-    it one per annotation file being scanned (bytes, then records of a JSON list: a single multi-GB
-    file moves too), on stderr; ``False``: none; a callable: no bars, the annotation files' progress
-    reported to it as ``(path, done, total, unit)``, ``unit`` ``"B"`` or ``"records"``.
+    it one per shard being scanned (bytes of a local tar shard or annotation file, or rows of a Parquet
+    file, then samples whose text is counted: a single multi-GB file moves too), on stderr;
+    ``False``: none; a callable: no bars, each shard's progress reported to it as
+    ``(path, done, total, unit)``, ``unit`` ``"B"``, ``"rows"`` or ``"samples"`` (``index_shard``).
     ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
     transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
     policy is recorded in the manifest.
@@ -682,9 +683,11 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
                 progress: Callable[[int, int, str], None] | None = None) -> ShardResult:
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
-    ``progress(done, total, unit)``: an annotation file's progress (``scan_annotations``)."""
+    ``progress(done, total, unit)``: the shard's progress: bytes of the file scanned (unit ``"B"``,
+    a local tar shard or annotation file) or rows (``"rows"``, a Parquet file, each row group), then
+    the samples whose text tokens are counted (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
     if is_parquet(path):
-        scan = scan_parquet(path, parquet, remote, exif=exif)
+        scan = scan_parquet(path, parquet, remote, exif=exif, progress=progress)
     elif is_url(path) and is_annotation_file(path):
         # Annotation files are read from local disk with their images beside them; a URL of one is
         # not a tar shard to scan by ranges (it was reported as a corrupt tar).
@@ -697,8 +700,8 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
         scan = scan_remote_shard(path, remote, exif=exif)
     else:
         scan = (scan_annotations(path, image_root, exif=exif, progress=progress) if is_annotation_file(path)
-                else scan_shard(path, exif=exif))
-    return _count_tokens(scan, est, counter)
+                else scan_shard(path, exif=exif, progress=progress))
+    return _count_tokens(scan, est, counter, progress)
 
 
 # --- incremental builds ---------------------------------------------------------------------------
@@ -845,7 +848,8 @@ def _wrapper_tokens(est: VisionEstimator, wh: np.ndarray) -> np.ndarray | int:
     return int(est.wrapper_tokens)
 
 
-def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -> ShardResult:
+def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter,
+                  progress: Callable[[int, int, str], None] | None = None) -> ShardResult:
     from tokenbal.estimate import image_tokens_checked
     from tokenbal.index.videoindex import plan_sample_videos, video_arrays
 
@@ -853,10 +857,14 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
     by_chat = hasattr(counter, "count_chat_text")
     samples = plan_sample_videos(scan.samples, est, counter, scan.path, errors, by_chat=by_chat)
     chat_text: dict[str, int] = {}
-    if by_chat and any(s.chat is not None for s in samples):
+    # Text is counted in chunks of PROGRESS_ROWS samples, each chunk reported: a real tokenizer or a
+    # processor's chat template over millions of rows takes minutes. Chats first, then plain texts.
+    chats = [s for s in samples if s.chat is not None] if by_chat else []
+    n_plain = sum(1 for s in samples if s.text and (not by_chat or s.chat is None))
+    tally = _TextTally(len(chats) + n_plain, progress)
+    if chats:
         # Through the processor's chat template; a record it would reject is an error, not a wrong count.
-        chats = [s for s in samples if s.chat is not None]
-        counts, bad = _chat_text(counter, chats)
+        counts, bad = _chat_text(counter, chats, tally)
         for k, s in enumerate(chats):
             if k in bad:
                 errors.append({"shard": scan.path, "key": s.key, "reason": f"sample {s.key!r}: {bad[k]}"})
@@ -904,8 +912,11 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         if s.chat is not None and s.key in chat_text:
             text[i] = chat_text[s.key]
     plain = [i for i, s in enumerate(samples) if s.text and s.key not in chat_text]
-    if plain:
-        text[plain] = np.asarray(counter.count_batch([samples[i].text for i in plain]), np.int64)
+    for a in range(0, len(plain), PROGRESS_ROWS):
+        chunk = plain[a:a + PROGRESS_ROWS]
+        text[chunk] = np.asarray(counter.count_batch([samples[i].text for i in chunk]), np.int64)
+        tally.add(len(chunk))
+    tally.end()
     entry = {"path": scan.path, "size": scan.size, "mtime_ns": scan.mtime_ns,
              "fingerprint": scan.fingerprint, "status": scan.status, "reason": scan.reason,
              "n_members": scan.n_members, "n_samples": n, "n_errors": len(errors),
@@ -927,7 +938,24 @@ def _count_tokens(scan: ShardScan, est: VisionEstimator, counter: TextCounter) -
         member_stamps=stamps)
 
 
-def _chat_text(counter, samples: list) -> tuple[np.ndarray, dict[int, str]]:
+class _TextTally:
+    """Reports ``(done, total, "samples")`` as a shard's text is counted: after each chunk, and once at
+    the end with done == total (samples dropped for a bad image are not counted but still done)."""
+
+    def __init__(self, total: int, progress: Callable[[int, int, str], None] | None) -> None:
+        self.total, self.done, self.progress = total, 0, progress
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None and self.done < self.total:
+            self.progress(self.done, self.total, "samples")
+
+    def end(self) -> None:
+        if self.progress is not None and self.total:
+            self.progress(self.total, self.total, "samples")
+
+
+def _chat_text(counter, samples: list, tally: _TextTally | None = None) -> tuple[np.ndarray, dict[int, str]]:
     """Text tokens of samples with chat turns under the processor's template, and the reasons of the
     ones that cannot be counted (by position in ``samples``; their text entry is 0).
 
@@ -948,24 +976,31 @@ def _chat_text(counter, samples: list) -> tuple[np.ndarray, dict[int, str]]:
                 bad[k] = str(e).split(": ", 1)[-1]
                 break
             v.params = {}   # the processor samples by its own settings, not by the part's fields
-    good = [k for k in range(len(samples)) if k not in bad]
     out = np.zeros(len(samples), np.int64)
 
     def videos(ks):
         return [[v.info for v in (samples[k].videos or ())] for k in ks]
 
-    try:
-        out[good] = counter.count_chat_text([samples[k].chat for k in good],
-                                            [samples[k].image_sizes for k in good], videos=videos(good))
-    except Exception:  # noqa: BLE001 - one bad record (or a template error on it): find it, count the rest
-        for k in good:
-            try:
-                out[k] = counter.count_chat_text([samples[k].chat], [samples[k].image_sizes],
-                                                 videos=videos([k]))[0]
-            except ChatCountError as e:
-                bad[k] = str(e).split(": ", 1)[-1]
-            except Exception as e:  # noqa: BLE001 - the template raised on this record
-                bad[k] = f"the chat template cannot render it: {type(e).__name__}: {e}"
+    # In chunks of PROGRESS_ROWS samples (``tally`` reports each): the counts are per conversation,
+    # so they are the same whatever the chunks.
+    for a in range(0, len(samples), PROGRESS_ROWS):
+        chunk = [k for k in range(a, min(a + PROGRESS_ROWS, len(samples))) if k not in bad]
+        try:
+            if chunk:
+                out[chunk] = counter.count_chat_text([samples[k].chat for k in chunk],
+                                                     [samples[k].image_sizes for k in chunk],
+                                                     videos=videos(chunk))
+        except Exception:  # noqa: BLE001 - one bad record (or a template error on it): find it, count the rest
+            for k in chunk:
+                try:
+                    out[k] = counter.count_chat_text([samples[k].chat], [samples[k].image_sizes],
+                                                     videos=videos([k]))[0]
+                except ChatCountError as e:
+                    bad[k] = str(e).split(": ", 1)[-1]
+                except Exception as e:  # noqa: BLE001 - the template raised on this record
+                    bad[k] = f"the chat template cannot render it: {type(e).__name__}: {e}"
+        if tally is not None:
+            tally.add(min(a + PROGRESS_ROWS, len(samples)) - a)
     return out, bad
 
 
@@ -1054,7 +1089,7 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
                    parquet: ParquetOptions | None = None, processor: str | None = None,
                    on_file: Callable[[str, int, int, str], None] | None = None) -> Iterator[ShardResult]:
     """Each shard's result, in order; ``on_file(path, done, total, unit)`` gets the progress of the
-    annotation files as they are scanned (from the worker processes through a queue)."""
+    shards as they are scanned (from the worker processes through a queue)."""
     inflight = (remote or RemoteOptions()).inflight if any(is_url(p) for p in paths) else 1
     if workers == 1 or len(paths) <= 1:
         def one(p: str) -> ShardResult:
@@ -1072,7 +1107,7 @@ def _shard_results(paths: list[str], workers: int, est: VisionEstimator, counter
     # the executor and every pending result raises, where Pool waits for that result forever.
     n = min(workers, len(paths))
     context = multiprocessing.get_context("spawn")
-    reports = context.Queue() if on_file is not None and any(is_annotation_file(p) for p in paths) else None
+    reports = context.Queue() if on_file is not None else None
 
     def show_reports() -> None:
         while reports is not None:
@@ -1160,8 +1195,8 @@ def _progress(results: Iterator[ShardResult], total: int, enabled: bool,
 
 
 class _FileBars:
-    """A bar under the shard bar for each annotation file being scanned: bytes consumed (a JSONL
-    file, or a JSON file being read), then records scanned (a JSON list once parsed)."""
+    """A bar under the shard bar for each shard being scanned: bytes consumed (a tar shard, a JSON
+    or JSONL file), then samples whose text tokens are counted."""
 
     def __init__(self) -> None:
         self.bars: dict = {}
@@ -1182,9 +1217,9 @@ class _FileBars:
             if bar is None or bar.unit != unit:
                 if bar is not None:
                     bar.close()
+                phase = " (tokens)" if unit == "samples" else ""
                 bar = self.bars[path] = tqdm(total=total, unit=unit, unit_scale=unit == "B", leave=False,
-                                             desc=f"  {os.path.basename(path)}" if unit == "B"
-                                             else f"  {os.path.basename(path)} (parsed)")
+                                             desc=f"  {os.path.basename(path)}{phase}")
             bar.total = max(total, done)
             bar.update(done - bar.n)
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tokenbal._extras import MissingExtraError
 from tokenbal.estimate.conversation import content_parts
 from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
-from tokenbal.index.scan import ScannedSample, ShardScan, shard_fingerprint
+from tokenbal.index.scan import Progress, ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import (
     AUDIO_FIELDS,
     SampleTextError,
@@ -141,11 +141,12 @@ def open_parquet(path: str, remote=None):
 
 
 def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
-                 exif: str = "ignore") -> ShardScan:
+                 exif: str = "ignore", progress: Progress | None = None) -> ShardScan:
     """Scan the Parquet file at ``path`` (see the module docstring); never raises for bad data.
     ``exif``: the orientation policy for image sizes, as for tar shards (``imagesize``). A row's
     image has no tar header and sits inside a column page: no member stamps and no end-marker check
-    (a truncated value would have failed Parquet's own page checks)."""
+    (a truncated value would have failed Parquet's own page checks). ``progress(done, total, "rows")``
+    after each row group scanned (a file of millions of rows takes minutes)."""
     opts = opts or ParquetOptions()
     scan = ShardScan(path=path)
     try:
@@ -177,6 +178,8 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
                               videos[row] if videos is not None else None, video_files, video_col)
                 if sample is not None:
                     scan.samples.append(sample)
+            if progress is not None:
+                progress(scan.n_members, max(pf.metadata.num_rows, scan.n_members), "rows")
         if video_files:   # a rebuild rescans the file when a video it names changed (build.py)
             scan.extra["video_files"] = [[p, size, mtime] for p, (size, mtime) in video_files.items()]
         if scan.n_members == 0:

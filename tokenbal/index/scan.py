@@ -58,6 +58,14 @@ from tokenbal.io.tar import TarMember, header_stamp, walk_members
 AnyMember = TarMember | tarfile.TarInfo      # the fast walk's members, or tarfile's
 VIDEO_EXTS = frozenset({"mp4", "avi", "mkv", "webm", "mov", "m4v", "flv", "mpeg", "mpg"})
 FINGERPRINT_SPAN = 1 << 20
+# How often a scan reports its progress within one file: every this many bytes of a tar shard,
+# JSONL or JSON file scanned, every this many samples whose text is counted (``build.index_shard``).
+# Counts, not the clock: the reports of a file are the same on every run.
+PROGRESS_BYTES = 4 << 20
+PROGRESS_ROWS = 2000
+# (done, total, unit): unit "B" (bytes of the file), "rows" (of a Parquet file) or "samples" (whose
+# text tokens are counted)
+Progress = Callable[[int, int, str], None]
 _EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
 COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
@@ -168,10 +176,13 @@ def list_shard_members(path: str) -> tuple[list[AnyMember], ShardScan]:
     return members, scan
 
 
-def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore") -> ShardScan:
+def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore",
+               progress: Progress | None = None) -> ShardScan:
     """Scan the shard at ``path`` (see the module docstring for the rules). Never raises for bad
     data or a missing/unreadable file: those end up in ``.status``/``.reason`` and ``.errors``.
-    ``exif``: the orientation policy for image sizes (``imagesize.read_image_size``)."""
+    ``exif``: the orientation policy for image sizes (``imagesize.read_image_size``).
+    ``progress(done, total, "B")`` is called as the samples are read: ``done`` the end of the last
+    sample read in the shard's bytes, every ``PROGRESS_BYTES`` of them, and (size, size) at the end."""
     scan = ShardScan(path=path)
     try:
         st = regular_file_stat(path)
@@ -182,7 +193,7 @@ def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore") -> S
             _check_tail(path, scan)
         if scan.status == "ok":
             scan.headers_digest = headers_digest(members)
-            _read_samples(path, members, scan, prefix, exif)
+            _read_samples(path, members, scan, prefix, exif, progress)
     except FileNotFoundError as e:
         shard_error(scan, "missing", f"shard not found: {e}")
     except OSError as e:
@@ -282,16 +293,25 @@ def check_tail(pread: Callable[[int, int], bytes], scan: ShardScan) -> None:
                      f"the end-of-archive marker needs {_EOF_BLOCKS} zero bytes")
 
 
-def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: int, exif: str) -> None:
+def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: int, exif: str,
+                  progress: Progress | None = None) -> None:
     runs = group_members(members, scan)
     fd = os.open(path, os.O_RDONLY)
+    reported = 0
     try:
         for key, run in runs:
             sample = read_sample(fd, key, run, scan, prefix, exif)
             if sample is not None:
                 scan.samples.append(sample)
+            if progress is not None:
+                done = run[-1].offset_data + run[-1].size
+                if done - reported >= PROGRESS_BYTES:
+                    progress(done, scan.size, "B")
+                    reported = done
     finally:
         os.close(fd)
+    if progress is not None:
+        progress(scan.size, scan.size, "B")
 
 
 def group_members(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[AnyMember]]]:

@@ -43,7 +43,7 @@ import json
 import operator
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -613,7 +613,8 @@ def index_problems(idx: TokenIndex) -> list[str]:
     return out
 
 
-def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = False) -> list[str]:
+def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = False,
+                 progress: Callable[[int, int, str], None] | None = None) -> list[str]:
     """Problems that make the index at ``path`` stale or unusable, one line each, naming the file;
     [] if none.
 
@@ -633,8 +634,13 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
     The index's own invariants are checked too (``index_problems``: lengths = vision + text, ids in
     range, offsets monotonic), and a shard the build could not read (missing, unreadable, a remote
     read out of retries) is a problem (``failed_shards``) unless ``allow_failed``.
+    ``progress(done, total, unit)`` is called as the checks go (thousands of shards each read or asked
+    of their store, millions of named files each stat'ed: minutes): after each shard (unit
+    ``"shards"``), then every ``PROGRESS_ROWS`` named files and at the end (``"files"``).
     """
     from tokenbal.index.scan import headers_digest, list_shard_members, regular_file_stat
+
+    report = progress or (lambda done, total, unit: None)
 
     path = os.fspath(path)
     try:
@@ -655,7 +661,10 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
             return damage
     if not allow_failed:
         problems.extend(failed_shards(manifest))
+    n_shards = len(manifest["shards"])
     for sid, entry in enumerate(manifest["shards"]):
+        if sid:
+            report(sid, n_shards, "shards")
         shard = entry["path"]
         problems.extend(row_file_problems(entry))
         if "://" in shard and not shard.startswith("file://"):
@@ -705,8 +714,10 @@ def verify_index(path: str | os.PathLike, remote=None, allow_failed: bool = Fals
                             "unchanged, but a payload may have been edited in place: rebuild, or "
                             "`touch -r` it "
                             "back if it is an unchanged copy)")
+    if n_shards:
+        report(n_shards, n_shards, "shards")
     if idx is not None and "member_mtime" in idx._cols:
-        problems.extend(changed_files(idx))
+        problems.extend(changed_files(idx, progress=report))
     problems.extend(processor_problems(manifest))
     return problems
 
@@ -801,14 +812,21 @@ def row_file_problems(entry: dict) -> list[str]:
     return out
 
 
-def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None) -> list[str]:
+def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None,
+                  progress: Callable[[int, int, str], None] | None = None) -> list[str]:
     """Image and video files named by annotation records whose size or mtime changed since the
-    build (``members``: only the member rows ``[a, b)``, e.g. one shard's)."""
+    build (``members``: only the member rows ``[a, b)``, e.g. one shard's). ``progress(done, total,
+    "files")``: every ``PROGRESS_ROWS`` files checked and at the end."""
+    from tokenbal.index.scan import PROGRESS_ROWS
+
     c = idx._cols
     a, b = members if members is not None else (0, len(c["member_path_offsets"]) - 1)
     poff = np.asarray(c["member_path_offsets"][a:b + 1])
     out = []
-    for j in (a + np.flatnonzero(np.diff(poff) > 0)).tolist():
+    named = (a + np.flatnonzero(np.diff(poff) > 0)).tolist()
+    for k, j in enumerate(named):
+        if progress is not None and k and k % PROGRESS_ROWS == 0:
+            progress(k, len(named), "files")
         _, _, file = idx._member_paths[j].partition("\0")
         try:
             st = os.stat(file)
@@ -817,6 +835,8 @@ def changed_files(idx: TokenIndex, members: tuple[int, int] | None = None) -> li
             continue
         if st.st_size != int(c["member_size"][j]) or (int(c["member_mtime"][j]) not in (-1, st.st_mtime_ns)):
             out.append(f"image or video file changed: {file} (size or mtime differs from the build)")
+    if progress is not None and named:
+        progress(len(named), len(named), "files")
     return out
 
 

@@ -35,8 +35,10 @@ fine (the images go first, as most processors do without one).
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
+from collections.abc import Callable, Iterator
 
 TEXT_EXTS = frozenset({"txt", "json"})
 PLACEHOLDERS = ("<image>", "<video>")
@@ -324,3 +326,109 @@ def chat_messages(obj: object) -> list[dict] | None:
                 parts.append({"type": "text", "text": piece})   # verbatim, newlines kept
         out.append({"role": role, "content": parts})
     return out
+
+
+# --- a JSON list, item by item ----------------------------------------------------------------
+
+_JSON_WS = re.compile(r"[ \t\n\r]*")
+_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class NotAList(Exception):
+    """The document does not start with ``[``: the caller parses it whole to say what it is."""
+
+
+def iter_json_list(read: Callable[[int], bytes], chunk: int,
+                   on_read: Callable[[int], None] | None = None) -> Iterator[tuple[object, bool]]:
+    """Each item of the JSON array that ``read(n)`` (bytes) holds, with whether its text spells a
+    surrogate escape, decoded as the file is read ``chunk`` bytes at a time (more while one item
+    is longer), so a multi-GB list is never held whole: the values ``json.loads`` of the whole file
+    gives (its encoding found the same way, ``json.detect_encoding``), and a ``JSONDecodeError``
+    where it raises one, with the same message (line, column and char counted from the file's start).
+    ``on_read(nbytes)`` after each read. ``NotAList`` when the document does not start with ``[``."""
+    scan = json.JSONDecoder().raw_decode
+    head = b""
+    while len(head) < 4:   # json.detect_encoding looks at the first 4 bytes
+        data = read(chunk)
+        if on_read is not None and data:
+            on_read(len(data))
+        if not data:
+            break
+        head += data
+    text = codecs.getincrementaldecoder(json.detect_encoding(head) if head else "utf-8")("strict")
+    buf = text.decode(head, final=not head)
+    pos = 0
+    eof = not head
+    gone_chars = gone_lines = gone_col = 0     # what was dropped from the front of buf
+
+    def more() -> bool:
+        """Drop what is before ``pos``, then read on; False at the end of the file."""
+        nonlocal buf, pos, eof, gone_chars, gone_lines, gone_col
+        if eof:
+            return False
+        part = buf[:pos]
+        nl = part.count("\n")
+        gone_lines += nl
+        gone_col = len(part) - part.rfind("\n") - 1 if nl else gone_col + len(part)
+        gone_chars += pos
+        data = read(max(chunk, len(buf) - pos))   # doubling while one item is longer: linear, not quadratic
+        if on_read is not None and data:
+            on_read(len(data))
+        eof = not data
+        buf = buf[pos:] + text.decode(data, final=eof)
+        pos = 0
+        return True
+
+    def error(msg: str, at: int, lineno: int, colno: int) -> json.JSONDecodeError:
+        e = json.JSONDecodeError(msg, " ", 0)   # the message as json.loads of the whole file words it
+        e.pos, e.lineno = gone_chars + at, gone_lines + lineno
+        e.colno = colno + (gone_col if lineno == 1 else 0)
+        e.args = (f"{msg}: line {e.lineno} column {e.colno} (char {e.pos})",)
+        return e
+
+    def here(msg: str) -> json.JSONDecodeError:
+        lineno = buf.count("\n", 0, pos) + 1
+        return error(msg, pos, lineno, pos - buf.rfind("\n", 0, pos))
+
+    def skip_ws() -> None:
+        nonlocal pos
+        while True:
+            pos = _JSON_WS.match(buf, pos).end()
+            if pos < len(buf) or not more():
+                return
+
+    skip_ws()
+    if pos >= len(buf) or buf[pos] != "[":
+        raise NotAList
+    pos += 1
+    skip_ws()
+    if pos < len(buf) and buf[pos] == "]":
+        pos += 1
+    else:
+        while True:
+            while True:
+                try:
+                    value, end = scan(buf, pos)
+                except json.JSONDecodeError as e:
+                    if more():
+                        continue
+                    raise error(e.msg, e.pos, e.lineno, e.colno) from None
+                # Taken once the delimiter after it is read: a number cut by the end of what was read
+                # ("-2.5" of "-2.5e3") decodes too.
+                after = _JSON_WS.match(buf, end).end()
+                if (after < len(buf) and buf[after] in ",]") or not more():
+                    break
+            yield value, _SURROGATE_ESCAPE_TEXT.search(buf, pos, end) is not None
+            pos = end
+            skip_ws()
+            if pos < len(buf) and buf[pos] == ",":
+                pos += 1
+                skip_ws()
+                continue
+            if pos < len(buf) and buf[pos] == "]":
+                pos += 1
+                break
+            raise here("Expecting ',' delimiter")
+    skip_ws()
+    if pos < len(buf):
+        raise here("Extra data")

@@ -27,10 +27,12 @@ file the rows name, so a changed dataset, processor or file is recounted.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -127,8 +129,12 @@ def _dataset_lengths_hf(ds: Any, counter: ChatTokenCounter, messages: str, image
         # datasets 4+, which np.asarray walks row by row (seconds for 100k rows)
         lengths = out.with_format("arrow")[:].column("tokenbal_length").to_numpy().astype(np.int64)
     else:
-        parts = [_count_table(counter, table_ds[a:a + BATCH_ROWS], messages, image_col, a, video_col)
-                 for a in range(0, len(ds), BATCH_ROWS)]
+        parts = []
+        with _rows_bar(len(ds)) as bar:
+            for a in range(0, len(ds), BATCH_ROWS):
+                table = table_ds[a:a + BATCH_ROWS]
+                parts.append(_count_table(counter, table, messages, image_col, a, video_col))
+                bar(len(parts[-1]))
         lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if path is not None:
         _save(path, lengths)
@@ -308,35 +314,66 @@ def _save(path: str, lengths: np.ndarray) -> None:
 
 def _rows_lengths(rows: Any, counter: ChatTokenCounter, messages: str, images: str | None,
                   videos: str | None = None, audios: str | None = None) -> np.ndarray:
-    from tokenbal.index.text import audio_count
-
     n = len(rows)
     out = []
-    for a in range(0, n, BATCH_ROWS):
-        convs, sizes, column = [], [], []
-        for r in range(a, min(n, a + BATCH_ROWS)):
-            row = rows[r]
-            if not isinstance(row, dict) or messages not in row:
-                raise ValueError(f"row {r}: has no {messages!r} field")
-            conv = _conversation(row[messages], r, messages)
-            if audios is not None and audio_count(row.get(audios)):
-                raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
-            value = row.get(images) if images is not None else None
-            if value is None or (isinstance(value, (list, tuple)) and not value):
-                sizes.append([_image_size(im, r, f"{messages} image part {j}")
-                              for j, im in enumerate(counter.row_images(conv))])
-            else:
-                sizes.append(_row_sizes(value, r, images))
-            convs.append(conv)
-            column.append(row.get(videos) if videos is not None else None)
-        infos = _videos(counter, convs, column, a, messages, videos)
-        try:
-            out.append(counter.count(convs, sizes, a, videos=infos))
-        except ChatCountError:
-            raise
-        except Exception as e:   # the template raising on a row: find the row, name it
-            raise _row_error(counter, convs, sizes, a, e, infos) from e
+    with _rows_bar(n) as bar:
+        for a in range(0, n, BATCH_ROWS):
+            b = min(n, a + BATCH_ROWS)
+            out.append(_rows_batch(rows, a, b, counter, messages, images, videos, audios))
+            bar(len(out[-1]))
     return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+@contextlib.contextmanager
+def _rows_bar(n: int) -> Iterator[Callable[[int], None]]:
+    """A bar of the rows counted (on stderr, what ``Dataset.map`` shows for ``num_proc`` > 1) when the
+    count takes more than one batch: a chat template over a million rows takes minutes. It follows
+    ``datasets``' switch (``datasets.disable_progress_bars()``, ``HF_DATASETS_DISABLE_PROGRESS_BARS``)."""
+    enabled = n > BATCH_ROWS
+    if enabled:
+        try:
+            from datasets.utils.logging import is_progress_bar_enabled
+        except ImportError:
+            pass
+        else:
+            enabled = is_progress_bar_enabled()
+    if not enabled:
+        yield lambda k: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=n, unit="rows", desc="counting tokens", leave=False) as bar:
+        yield bar.update
+
+
+def _rows_batch(rows: Any, a: int, b: int, counter: ChatTokenCounter, messages: str, images: str | None,
+                videos: str | None, audios: str | None) -> np.ndarray:
+    """The counts of rows ``a`` to ``b``."""
+    from tokenbal.index.text import audio_count
+
+    convs, sizes, column = [], [], []
+    for r in range(a, b):
+        row = rows[r]
+        if not isinstance(row, dict) or messages not in row:
+            raise ValueError(f"row {r}: has no {messages!r} field")
+        conv = _conversation(row[messages], r, messages)
+        if audios is not None and audio_count(row.get(audios)):
+            raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
+        value = row.get(images) if images is not None else None
+        if value is None or (isinstance(value, (list, tuple)) and not value):
+            sizes.append([_image_size(im, r, f"{messages} image part {j}")
+                          for j, im in enumerate(counter.row_images(conv))])
+        else:
+            sizes.append(_row_sizes(value, r, images))
+        convs.append(conv)
+        column.append(row.get(videos) if videos is not None else None)
+    infos = _videos(counter, convs, column, a, messages, videos)
+    try:
+        return counter.count(convs, sizes, a, videos=infos)
+    except ChatCountError:
+        raise
+    except Exception as e:   # the template raising on a row: find the row, name it
+        raise _row_error(counter, convs, sizes, a, e, infos) from e
 
 
 # -- audio: refused, naming the row ----------------------------------------------------------------

@@ -8,6 +8,8 @@ Then ``format_report`` / ``verdict`` / ``format_compare`` / ``write_timeline``, 
 profilers write; no torch needed.
 """
 
+from collections.abc import Callable
+
 from tokenbal.profile.analysis import (
     CollectiveStats,
     RankStep,
@@ -30,10 +32,10 @@ from tokenbal.profile.runs import (
 from tokenbal.profile.traces import Trace, load_trace, read_traces, step_windows
 
 
-def _runs(trace_dir: str, skipped: list[str], notes: list[str], keep):
+def _runs(trace_dir: str, skipped: list[str], notes: list[str], keep, progress=None):
     """Read every trace under ``trace_dir`` once: ``keep(trace)`` is what is kept of it; the runs found."""
     kept, files = [], []
-    for trace in read_traces(trace_dir, skipped):
+    for trace in read_traces(trace_dir, skipped, progress):
         notes += trace.notes
         kept.append(keep(trace))
         files.append(describe_file(trace, kept[-1][1]))
@@ -41,24 +43,26 @@ def _runs(trace_dir: str, skipped: list[str], notes: list[str], keep):
     return kept, files, group_runs(files, notes)
 
 
-def _chosen(trace_dir: str, run: int | None, keep):
+def _chosen(trace_dir: str, run: int | None, keep, progress=None):
     skipped: list[str] = []
     notes: list[str] = []
-    kept, files, runs = _runs(trace_dir, skipped, notes, keep)
+    kept, files, runs = _runs(trace_dir, skipped, notes, keep, progress)
     chosen = choose_run(runs, trace_dir, run, notes)
     mine = [k for k, f in zip(kept, files, strict=True) if chosen.files.get(f.rank) is f]
     return mine, chosen, skipped + notes
 
 
-def profile_run(trace_dir: str, run: int | None = None, arrivals: str = "auto") -> RunProfile:
+def profile_run(trace_dir: str, run: int | None = None, arrivals: str = "auto",
+                progress: Callable[[int, int, str], None] | None = None) -> RunProfile:
     """The analysis of the run whose traces are under ``trace_dir`` (searched recursively).
 
     Traces are read one at a time. A folder holding several runs raises ``SeveralRunsError``
     listing them, unless ``run`` (1-based, as listed: oldest first) picks one; the files of the
     others, files that are not traces, and copies read once are named in the notes. A rank the
     run's recorded world size expects but no file holds is in ``missing_ranks`` and a note.
+    ``progress(done, total, "files")`` is called after each JSON file under ``trace_dir`` is read.
     """
-    parts, chosen, notes = _chosen(trace_dir, run, lambda t: (p := rank_part(t), p.windows))
+    parts, chosen, notes = _chosen(trace_dir, run, lambda t: (p := rank_part(t), p.windows), progress)
     p = combine([part for part, _ in parts], source=trace_dir, arrivals=arrivals)
     p.world_size, p.missing_ranks = chosen.world_size, chosen.missing
     p.files = {r: f.path for r, f in chosen.files.items()}

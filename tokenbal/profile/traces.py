@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -316,23 +316,28 @@ def _kineto_groups(dist: dict) -> int | None:
     return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
 
-def read_traces(trace_dir: str, skipped: list[str]) -> Iterator[Trace]:
+def read_traces(trace_dir: str, skipped: list[str],
+                progress: Callable[[int, int, str], None] | None = None) -> Iterator[Trace]:
     """Each trace under ``trace_dir`` in turn (files in name order), read one at a time: the caller
     reduces a trace to what it keeps before asking for the next, so memory holds one trace's events.
     Files that are not traces, and traces with no complete events, are named in ``skipped``; a
     damaged trace raises ``ValueError`` naming it. A trace that names no rank is rank 0 where it is
-    alone in its run (:mod:`tokenbal.profile.runs`)."""
+    alone in its run (:mod:`tokenbal.profile.runs`). ``progress(done, total, "files")`` is called
+    after each JSON file is read (a trace of hundreds of MB takes seconds, a run holds hundreds)."""
     files = _trace_files(trace_dir)
     wanted = "*.json, *.json.gz or ASCEND_PROFILER_OUTPUT/trace_view.json"
     if not files:
         raise FileNotFoundError(f"{trace_dir}: no profiler traces ({wanted}) found")
     found = 0
-    for path in files:
+    for k, path in enumerate(files, 1):
         try:
             trace = _to_trace(path, _read_json(path), None)
         except NotATrace as e:
             skipped.append(f"skipped {e}")
             continue
+        finally:
+            if progress is not None:
+                progress(k, len(files), "files")
         if not trace.events:
             # What a profiler writes when it recorded nothing (never stepped into an active phase,
             # a failed export): no step times it, so it would join any run and leave that run

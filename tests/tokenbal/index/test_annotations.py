@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers.corpus import Sample, image_bytes, write_shard
 from tokenbal.cli import main
@@ -252,23 +255,75 @@ def test_a_jsonl_file_reports_the_bytes_scanned_as_it_goes(tmp_path):
     assert [s.key for s in quiet.samples] == [s.key for s in scan.samples]
 
 
-def test_a_json_file_reports_the_bytes_read_then_the_records_scanned(tmp_path):
-    from tokenbal.index.annotations import PROGRESS_BYTES, PROGRESS_ROWS, scan_annotations
+def test_a_json_list_is_streamed_record_by_record_reporting_the_bytes_read(tmp_path):
+    """A JSON list was read whole, then parsed whole (json.loads) in silence, held in memory twice:
+    its records are now decoded as the file is read, each read reported."""
+    from tokenbal.index.annotations import PROGRESS_BYTES, scan_annotations
 
     path, n = _big_annotations(tmp_path, "json")
     size = os.path.getsize(path)
     reports = []
     scan = scan_annotations(path, progress=lambda done, total, unit: reports.append((done, total, unit)))
-    assert len(scan.samples) == n
-    read = [(min(k * PROGRESS_BYTES, size), size, "B") for k in range(1, -(-size // PROGRESS_BYTES) + 1)]
-    rows = [(k, n, "records") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "records")]
-    assert reports == read + rows
+    assert len(scan.samples) == n and not scan.errors
+    reads = range(1, -(-size // PROGRESS_BYTES) + 1)
+    assert reports == [(min(k * PROGRESS_BYTES, size), size, "B") for k in reads]
+    # the same samples as the same records written as JSON Lines
+    lines = tmp_path / "same.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in json.loads(open(path).read())))
+    again = scan_annotations(str(lines))
+    assert [s.text for s in again.samples] == [s.text for s in scan.samples]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats(allow_nan=False)
+    | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(JSON_VALUES, max_size=6), indent=st.sampled_from([None, 0, 2]),
+       encoding=st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"]),
+       chunk=st.integers(1, 40), cut=st.integers(0, 400),
+       damage=st.sampled_from(["", ",", "]", "x", "[", " 1"]))
+def test_a_json_list_read_item_by_item_is_what_json_loads_gives(items, indent, encoding, chunk, cut, damage):
+    """Any JSON list, in any encoding json.loads reads, read in chunks of any size (an item, a number,
+    a multi-byte character cut anywhere): the same items, or the same error message, as json.loads of
+    the whole file; a document that is not a list is said to be so."""
+    import io
+
+    from tokenbal.index.text import NotAList, iter_json_list
+
+    doc = json.dumps(items, indent=indent, ensure_ascii=False)
+    if damage:
+        at = cut % (len(doc) + 1)
+        doc = doc[:at] + damage + doc[at:]
+    data = doc.encode(encoding)
+    try:
+        want, want_error = json.loads(data), None
+    except ValueError as e:
+        want, want_error = None, e
+    try:
+        got = [v for v, _ in iter_json_list(io.BytesIO(data).read, chunk)]
+    except NotAList:
+        assert not isinstance(want, list)
+        return
+    except ValueError as e:
+        assert want_error is not None
+        # Python 3.13 words a trailing comma ("[1,]") its own way; the file is an error all the same
+        assert str(e) == str(want_error) or sys.version_info >= (3, 13)
+        return
+    assert want_error is None and got == want
 
 
 def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
     """`tokenbal index build` shows a bar per annotation file under the shard bar (not with -q); the
-    library takes a callable instead. With --workers the reports come back from the scan processes."""
-    path, _ = _big_annotations(tmp_path, "jsonl")
+    library takes a callable instead. With --workers the reports come back from the scan processes.
+    After the scan, the samples whose text is counted (a real tokenizer over millions of rows took
+    minutes in silence) every PROGRESS_ROWS."""
+    from tokenbal.index.scan import PROGRESS_ROWS
+
+    path, n = _big_annotations(tmp_path, "jsonl")
     size = os.path.getsize(path)
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": "a caption"}) + "\n")
@@ -279,10 +334,14 @@ def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_
         mine = [(done, total) for p, done, total, unit in reports if p == path and unit == "B"]
         assert len(mine) >= 3 and mine[-1] == (size, size)
         assert [d for d, _ in mine] == sorted({d for d, _ in mine})       # advancing within the file
-        assert [r[1:] for r in reports if r[0] == str(small)] == [(22, 22, "B")] * (workers - 1)
+        counted = [r[1:] for r in reports if r[0] == path and r[3] == "samples"]
+        every = [(k, n, "samples") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)]
+        assert counted == [*every, (n, n, "samples")]
+        small_reports = [r[1:] for r in reports if r[0] == str(small)]
+        assert small_reports == [(22, 22, "B"), (1, 1, "samples")] * (workers - 1)
     assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "cli")]) == 0
     err = capsys.readouterr().err
-    assert "big.jsonl" in err and "indexing" in err
+    assert "big.jsonl" in err and "indexing" in err and "big.jsonl (tokens)" in err
     assert main(["index", "build", path, "--model", "qwen2-vl", "--out", str(tmp_path / "q"), "-q"]) == 0
     assert capsys.readouterr().err == ""
 
@@ -365,3 +424,24 @@ def test_a_jsonl_file_in_utf16_or_utf32_is_one_named_file_error(tmp_path, encodi
         "path": str(path), "status": "corrupt",
         "reason": f"annotation file {path} is {name} text: JSON Lines files are UTF-8; re-encode it (e.g. "
                   f"iconv -f {name} -t UTF-8)"}]
+
+
+def test_verify_reports_the_shards_then_the_named_files_it_checks(ann, tmp_path, capsys, monkeypatch):
+    """`tokenbal index verify` over thousands of shards and millions of named images (a read or a stat
+    each) said nothing until its verdict: it reports each shard, then every PROGRESS_ROWS files."""
+    import tokenbal.index.scan as scan_mod
+
+    shard = write_shard(tmp_path / "s.tar", [Sample(key="k", caption="a caption")])
+    out = build_index([ann["jsonl"], ann["json"], shard], tmp_path / "idx", image_root=ann["root"],
+                      progress=False).out
+    monkeypatch.setattr(scan_mod, "PROGRESS_ROWS", 2)
+    reports = []
+    assert verify_index(out, progress=lambda *r: reports.append(r)) == []
+    named = 7     # the image files the good records of both files name, one per image a record holds
+    assert reports == [(1, 3, "shards"), (2, 3, "shards"), (3, 3, "shards"),
+                       (2, named, "files"), (4, named, "files"), (6, named, "files"), (named, named, "files")]
+    assert main(["index", "verify", out]) == 0
+    captured = capsys.readouterr()
+    assert "verifying" in captured.err and "index is up to date" in captured.out
+    assert main(["index", "verify", out, "-q"]) == 0
+    assert capsys.readouterr().err == ""

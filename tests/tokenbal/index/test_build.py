@@ -470,3 +470,44 @@ def test_a_glob_that_matches_the_out_folder_does_not_take_the_index_as_a_source(
     os.makedirs(os.path.join(corpus.root, "other"))
     with pytest.raises(ValueError, match="other' is a directory"):
         build_index([pattern], out, progress=False)
+
+
+def test_a_large_tar_shard_reports_the_bytes_read_then_the_texts_counted(tmp_path, capsys):
+    """A multi-GB tar shard showed nothing until its whole scan and count were done."""
+    from tests.helpers.corpus import member_offsets
+    from tokenbal.index.scan import PROGRESS_BYTES, PROGRESS_ROWS, scan_shard
+
+    # ~10 MB: 2,500 samples of one image and a ~4 KB caption each.
+    n = 2500
+    samples = [Sample(key=f"{i:05d}", images=[("png", 8 + i % 5, 8)], caption=" ".join(WORDS[:3]) * 280)
+               for i in range(n)]
+    shard = write_shard(tmp_path / "big.tar", samples)
+    size = os.path.getsize(shard)
+    ends = [off + sz for _, _, off, sz in member_offsets(shard)]
+    reports = []
+    scan = scan_shard(shard, progress=lambda *r: reports.append(r))
+    assert len(scan.samples) == n and not scan.errors
+    # Every PROGRESS_BYTES of the shard read (at the end of the sample past each mark), then the end.
+    want, last = [], 0
+    for end in ends[1::2]:     # each sample's last member (image, then caption)
+        if end - last >= PROGRESS_BYTES:
+            want.append((end, size, "B"))
+            last = end
+    assert len(want) == size // PROGRESS_BYTES and reports == [*want, (size, size, "B")]
+    assert [s.key for s in scan_shard(shard).samples] == [s.key for s in scan.samples]
+
+    small = write_shard(tmp_path / "small.tar", [Sample(key="a", caption="one caption")])
+    for workers in (1, 2):      # in process, and from the scan processes through their queue
+        seen = []
+        build_index([shard, small], tmp_path / f"idx{workers}", workers=workers,
+                    progress=lambda *r, seen=seen: seen.append(r))
+        assert [r[1:] for r in seen if r[0] == shard and r[3] == "B"] == reports
+        counted = [(k, n, "samples") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "samples")]
+        assert [r[1:] for r in seen if r[0] == shard and r[3] == "samples"] == counted
+        small_size = os.path.getsize(small)
+        assert [r[1:] for r in seen if r[0] == small] == [(small_size, small_size, "B"), (1, 1, "samples")]
+    assert main(["index", "build", shard, "--out", str(tmp_path / "cli")]) == 0
+    err = capsys.readouterr().err
+    assert "indexing" in err and "big.tar" in err and "big.tar (tokens)" in err
+    assert main(["index", "build", shard, "--out", str(tmp_path / "q"), "-q"]) == 0
+    assert capsys.readouterr().err == ""

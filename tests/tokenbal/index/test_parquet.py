@@ -258,3 +258,16 @@ def test_a_flipped_bit_in_a_text_page_is_an_error_when_the_file_has_page_checksu
         assert "CRC" in err["reason"] or "checksum" in err["reason"].lower()
     else:
         assert report.num_samples == 2 and idx.errors == []
+
+
+def test_a_parquet_file_reports_its_rows_after_each_row_group(tmp_path):
+    """A Parquet file of millions of rows was scanned in silence: each row group scanned is reported,
+    then the samples whose text is counted, as for tar shards and annotation files."""
+    texts = [f"caption {i}" for i in range(10)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=3)
+    path = str(tmp_path / "t.parquet")
+    reports = []
+    build_index([path], tmp_path / "i", progress=lambda *r: reports.append(r))
+    assert [r[1:] for r in reports] == [(3, 10, "rows"), (6, 10, "rows"), (9, 10, "rows"), (10, 10, "rows"),
+                                        (10, 10, "samples")]
+    assert len(TokenIndex.open(tmp_path / "i")) == 10

@@ -305,3 +305,35 @@ def test_llava_1_5_folders_at_the_checkpoint_settings(tmp_path):
 
     est = load_estimator(ckpt)
     assert est.image_tokens(1000, 700) == est.image_tokens(50, 3000) == 576
+
+
+def test_the_chat_template_count_reports_its_samples_in_chunks_with_the_same_counts(setup, tmp_path,
+                                                                                     monkeypatch):
+    """A processor's chat template over millions of rows ran minutes without a sign: the text is now
+    counted PROGRESS_ROWS samples at a time (chats, then plain texts), each chunk reported; the counts
+    and the errors are those of one batch."""
+    import tokenbal.index.build as build_mod
+    from tokenbal.index import build_index
+
+    _, folder = setup
+    img = tmp_path / "a.png"
+    img.write_bytes(cp.image_bytes(300, 200))
+    chats = _jsonl_records(cp.chat_rows(9, seed=13), tmp_path)
+    # rejected by the processor: two image parts, one image
+    chats.insert(4, {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+                                                              {"type": "image"}]}]})
+    plain = [{"text": f"caption number {i}"} for i in range(4)]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in chats + plain))
+    whole = TokenIndex.open(build_index([str(src)], tmp_path / "whole", processor=str(folder),
+                                        progress=False).out)
+    monkeypatch.setattr(build_mod, "PROGRESS_ROWS", 3)
+    reports = []
+    chunked = TokenIndex.open(build_index([str(src)], tmp_path / "chunked", processor=str(folder),
+                                          progress=lambda *r: reports.append(r)).out)
+    np.testing.assert_array_equal(chunked.lengths, whole.lengths)
+    np.testing.assert_array_equal(chunked.text_tokens, whole.text_tokens)
+    assert chunked.errors == whole.errors and len(whole.errors) == 1 and len(whole.lengths) == 13
+    counted = [(done, total) for _, done, total, unit in reports if unit == "samples"]
+    # 9 chats (the rejected record never reaches the count), then 4 plain texts
+    assert counted == [(3, 13), (6, 13), (9, 13), (12, 13), (13, 13)]

@@ -242,3 +242,26 @@ def test_a_tokenizer_counts_text_rows(rows):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="map-style"):
         dataset_lengths(iter(text_rows), tok)
+
+
+def test_a_count_of_several_batches_shows_a_bar_of_its_rows_unless_datasets_bars_are_off(
+        rows, ds, tok, capsys, monkeypatch):
+    """A chat template over a million rows counted for minutes in silence (num_proc > 1 shows
+    Dataset.map's bar): the rows counted are shown on stderr, following datasets' switch."""
+    import tokenbal.integrations.hf_lengths as hl
+
+    proc = cp.processor(tok=tok)
+    want = dataset_lengths(rows, proc, cache=False)
+    capsys.readouterr()
+    monkeypatch.setattr(hl, "BATCH_ROWS", 64)           # 200 rows: four batches
+    for source in (rows, ds):
+        np.testing.assert_array_equal(dataset_lengths(source, proc, cache=False), want)
+        err = capsys.readouterr().err
+        assert "counting tokens" in err and "/200" in err and "rows" in err
+    datasets.disable_progress_bars()
+    try:
+        for source in (rows, ds):
+            np.testing.assert_array_equal(dataset_lengths(source, proc, cache=False), want)
+            assert "counting tokens" not in capsys.readouterr().err
+    finally:
+        datasets.enable_progress_bars()

@@ -297,3 +297,23 @@ def test_union_covers_the_same_time_disjointly(pairs):
         covered[a:b] = True
     assert total(iv) == covered.sum()
     assert np.all(u[1:, 0] > u[:-1, 1])      # disjoint and sorted, touching runs merged
+
+
+def test_reading_many_traces_reports_each_file_and_the_cli_shows_a_bar_on_stderr(tmp_path, capsys):
+    """Hundreds of traces of hundreds of MB were read in silence; now each JSON file read is reported
+    (`tokenbal profile` shows a bar on stderr, none with -q; --json's stdout stays one document)."""
+    os.makedirs(tmp_path / "a")
+    trace_steps(str(tmp_path / "a" / "rank0.json"), _host_read_step(True), steps=2)
+    for name in ("config.json", "notes.json"):     # JSON files that are not traces are read too
+        (tmp_path / "a" / name).write_text(json.dumps({"lr": 0.1}))
+    reports = []
+    p = profile_run(str(tmp_path / "a"), progress=lambda *r: reports.append(r))
+    assert p.ranks == [0] and reports == [(1, 3, "files"), (2, 3, "files"), (3, 3, "files")]
+    assert main(["profile", str(tmp_path / "a"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ranks"] == [0] and "reading traces" in err and "files" in err
+    assert main(["profile", str(tmp_path / "a"), "--json", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ranks"] == [0] and err == ""
+    assert main(["profile", "--compare", str(tmp_path / "a"), str(tmp_path / "a"), "-q"]) == 0
+    assert capsys.readouterr().err == ""

@@ -84,7 +84,7 @@ def test_ranks_of_two_runs_taken_at_the_same_time_are_two_runs_not_one(concurren
         assert "is not the run it overlaps in time: all_reduce #" in message
         assert str(mixed / "rank0.json") in message and str(mixed / "rank1.json") in message
         assert "on one host's clock" in message
-        code, out, err = run_cli(["profile", str(mixed)], capsys)
+        code, out, err = run_cli(["profile", str(mixed), "-q"], capsys)
         assert code == 2 and out == "" and err.startswith("tokenbal profile: error: ")
         assert err.count("\n") == 1
         p = profile_run(str(mixed), run=1)
@@ -272,7 +272,7 @@ def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_ru
     message = str(e.value)
     assert "holds the traces of 2 runs" in message and "--run N" in message
     assert message.count("1 of 2 ranks (rank 1 missing)") == 1 and message.count("(rank 0 missing)") == 1
-    code, out, err = run_cli(["profile", str(tmp_path)], capsys)
+    code, out, err = run_cli(["profile", str(tmp_path), "-q"], capsys)
     assert code == 2 and out == "" and err.startswith("tokenbal profile: error: ") and err.count("\n") == 1
     # --run 1 (run A, the older): analysed as 1 of 2 ranks, rank 1 named missing, B's file named
     p = profile_run(str(tmp_path), run=1)
