@@ -31,6 +31,19 @@ def processor_tokens(proc, frames: int, width: int, height: int, fps: float | No
     return int(out["video_grid_thw"][0].prod()) // (merge * merge)
 
 
+def _count(tally: dict, ours: int | str, theirs: int | str, case: dict) -> None:
+    """One example into ``tally``: both refuse (an error text each), agree, or a disagreement
+    recorded with its case and raised, so hypothesis shrinks it (the last one stays recorded)."""
+    tally["examples"] += 1
+    if isinstance(ours, str) and isinstance(theirs, str):
+        tally["both_refuse"] += 1
+    elif ours == theirs:
+        tally["agree"] += 1
+    else:
+        tally["wrong"] = {**case, "ours": ours, "processor": str(theirs)[:200]}
+        raise AssertionError(tally["wrong"])
+
+
 def check_family(family: str, examples: int, seed: int) -> dict:
     import transformers
     from hypothesis import HealthCheck, given, settings
@@ -73,17 +86,9 @@ def check_family(family: str, examples: int, seed: int) -> dict:
             theirs: int | str = processor_tokens(proc, frames, width, height, fps, est.merge_size)
         except Exception as e:  # noqa: BLE001 - whatever the processor raises is a refusal
             theirs = f"{type(e).__name__}: {e}"
-        tally["examples"] += 1
-        if isinstance(ours, str) and isinstance(theirs, str):
-            tally["both_refuse"] += 1
-        elif ours == theirs:
-            tally["agree"] += 1
-        else:
-            case = dict(frames=frames, width=width, height=height, fps=fps, target=target,
-                        min_frames=min_frames, max_frames=max_frames, pixels=[lo, hi], cap=cap,
-                        max_video_tokens=max_video_tokens)
-            tally["wrong"] = {**case, "ours": ours, "processor": str(theirs)[:200]}
-            raise AssertionError(tally["wrong"])   # hypothesis shrinks it; the last one is printed
+        _count(tally, ours, theirs, dict(frames=frames, width=width, height=height, fps=fps, target=target,
+                                         min_frames=min_frames, max_frames=max_frames, pixels=[lo, hi],
+                                         cap=cap, max_video_tokens=max_video_tokens))
 
     try:
         check()
@@ -135,15 +140,8 @@ def check_fixed_frames(family: str, examples: int, seed: int) -> dict:
             theirs: int | str = est.replace(video_frames=None).video_tokens(n, width, height, None)
         except Exception as e:  # noqa: BLE001 - whatever the processor raises is a refusal
             theirs = f"{type(e).__name__}: {e}"
-        tally["examples"] += 1
-        if isinstance(ours, str) and isinstance(theirs, str):
-            tally["both_refuse"] += 1
-        elif ours == theirs:
-            tally["agree"] += 1
-        else:
-            tally["wrong"] = {"frames": frames, "video_frames": video_frames, "width": width,
-                              "height": height, "ours": ours, "processor": str(theirs)[:200]}
-            raise AssertionError(tally["wrong"])
+        _count(tally, ours, theirs, dict(frames=frames, video_frames=video_frames, width=width,
+                                         height=height))
 
     try:
         check()

@@ -66,27 +66,13 @@ def test_moe_text_model_is_refused_by_name():
         enable_packed(model)
 
 
-def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
-    """Rank 1 gets only text while the vision blocks are FSDP units of their own: the idle image
-    keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
-    from tests.helpers.reference import fully_shard_packed
-    from tests.helpers.samples import text_only
-
-    torch.manual_seed(0)
-    ref = transformers.Glm46VForConditionalGeneration(tiny_config()).float().eval()
-    packed = enable_packed(copy.deepcopy(ref))
-    fully_shard_packed(packed, packed.model.visual.blocks)
-    samples = make_samples()
-    vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
-    shares = [vision, text_only(samples)]  # rank 1: text only
-    packed(**PackedCollator.from_config(ref.config, pin_memory=False)(shares[rank])).loss.backward()
-    want = sum(reference_loss(ref, share) for share in shares) / world_size
-    want.backward()
-    return assert_grads_match(packed, ref)
+def _glm46v_model():
+    return transformers.Glm46VForConditionalGeneration(tiny_config())
 
 
 @pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine
 def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
+    from tests.collate.models.test_glm4v import _fsdp2_text_only_rank
     from tests.helpers.dist_utils import run_ranks
 
-    assert min(run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)) > 30
+    assert min(run_ranks(_fsdp2_text_only_rank, 2, _glm46v_model, timeout=180, collective_timeout=30)) > 30

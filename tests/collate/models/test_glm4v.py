@@ -371,11 +371,16 @@ def test_unpacked_calls_unchanged_and_disable_restores(reference):
         torch.testing.assert_close(packed(**hf_inputs(sample)).logits, want, rtol=0, atol=0)
 
 
-def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
+def _glm4v_model():
+    return Glm4vForConditionalGeneration(tiny_config())
+
+
+def _fsdp2_text_only_rank(rank: int, world_size: int, make_model=_glm4v_model) -> int:
     """Rank 1 gets only text while the vision blocks are FSDP units of their own: the idle image
-    keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
+    keeps the ranks' collectives paired, and the gradients equal the per-sample reference.
+    ``make_model``: a module-level function building the tiny model (GLM-4.6V's test reuses it)."""
     torch.manual_seed(0)
-    ref = Glm4vForConditionalGeneration(tiny_config()).float().eval()
+    ref = make_model().float().eval()
     packed = enable_packed(copy.deepcopy(ref))
     fully_shard_packed(packed, packed.model.visual.blocks)
     samples = make_samples()
