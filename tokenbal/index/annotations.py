@@ -227,35 +227,25 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
     except NotAList:
         # Not a list: parsed whole (what else it is, or where it is not JSON, is its error).
         f.seek(0)
-        raw = _read_reported(f, size, lambda done, total, unit: None)
+        raw = read(-1)
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _ParseError(f"annotation file {path} is not valid JSON: {e}") from None
         except (ValueError, RecursionError) as e:
-            raise _ParseError(f"annotation file {path}: {json_error(e)}") from None
+            raise _not_json(path, e) from None
         raise _ParseError(f"annotation file {path} holds a {type(data).__name__}, expected a list of "
                           "records") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _ParseError(f"annotation file {path} is not valid JSON: {e}") from None
     except (ValueError, RecursionError) as e:
-        raise _ParseError(f"annotation file {path}: {json_error(e)}") from None
+        raise _not_json(path, e) from None
     if not done:
         report(0, size, "B")
 
 
-def _read_reported(f, size: int, report: Progress) -> bytearray:
-    """The whole file, read ``PROGRESS_BYTES`` at a time, reporting the bytes read."""
-    buf = bytearray()
-    try:
-        while chunk := f.read(PROGRESS_BYTES):
-            buf += chunk
-            report(len(buf), max(size, len(buf)), "B")
-    except OSError as e:
-        raise _ReadError from e
-    if not buf:
-        report(0, size, "B")
-    return buf
+def _not_json(path: str, e: Exception) -> _ParseError:
+    """The file error for what decoding a JSON file raised: not JSON (a decode error, with its place),
+    or JSON Python will not hold (too deep, an integer too long: ``json_error``)."""
+    if isinstance(e, (UnicodeDecodeError, json.JSONDecodeError)):
+        return _ParseError(f"annotation file {path} is not valid JSON: {e}")
+    return _ParseError(f"annotation file {path}: {json_error(e)}")
 
 
 def _record_id(rec: object) -> str | None:

@@ -237,7 +237,13 @@ def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col
             sizes[r] = [_image_size(im, first_row + r, f"{messages} image part {j}")
                         for j, im in enumerate(counter.row_images(conv))]
     column = table.column(video_col).to_pylist() if video_col is not None else None
-    infos = _videos(counter, convs, column, first_row, messages, video_col)
+    return _count_rows(counter, convs, sizes, first_row,
+                       _videos(counter, convs, column, first_row, messages, video_col))
+
+
+def _count_rows(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
+                infos: list | None) -> np.ndarray:
+    """``counter.count`` of these rows; where the template raises on one, an error naming it."""
     try:
         return counter.count(convs, sizes, first_row, videos=infos)
     except ChatCountError:
@@ -367,13 +373,7 @@ def _rows_batch(rows: Any, a: int, b: int, counter: ChatTokenCounter, messages: 
             sizes.append(_row_sizes(value, r, images))
         convs.append(conv)
         column.append(row.get(videos) if videos is not None else None)
-    infos = _videos(counter, convs, column, a, messages, videos)
-    try:
-        return counter.count(convs, sizes, a, videos=infos)
-    except ChatCountError:
-        raise
-    except Exception as e:   # the template raising on a row: find the row, name it
-        raise _row_error(counter, convs, sizes, a, e, infos) from e
+    return _count_rows(counter, convs, sizes, a, _videos(counter, convs, column, a, messages, videos))
 
 
 # -- audio: refused, naming the row ----------------------------------------------------------------

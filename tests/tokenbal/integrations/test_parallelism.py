@@ -18,6 +18,8 @@ over the whole world is refused where accelerate's mesh shards over fewer ranks.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -43,6 +45,15 @@ def _split_of(loader, accelerator) -> tuple[int, int]:
     if hasattr(shard, "num_processes"):
         return int(shard.num_processes), int(shard.process_index)
     return (1, 0) if accelerator.num_processes > 1 else (accelerator.num_processes, accelerator.process_index)
+
+
+def _outcome(build, done: str) -> str:
+    """``done`` when ``build()`` returns, else the text of the ``ValueError`` it raised."""
+    try:
+        build()
+    except ValueError as e:
+        return str(e)
+    return done
 
 
 def _on_rank(rank: int, world: int, out_dir: str) -> dict:
@@ -79,19 +90,12 @@ def _on_rank(rank: int, world: int, out_dir: str) -> dict:
                "own": [b["sample_idx"].tolist() for b in own_loader],
                "ours": [b["sample_idx"].tolist() for b in ours_loader]}
         packed._tokenbal_sampler = None
-        try:
-            packed.get_train_dataloader()
-            row["packed"] = "built"
-        except ValueError as e:
-            row["packed"] = str(e)
+        row["packed"] = _outcome(packed.get_train_dataloader, "built")
         # a raw accelerate loop whose sampler was planned over the whole world (its default)
         whole = DataLoader(ds, batch_sampler=TokenBalancedBatchSampler(ds.lengths(), global_batch_size=8),
                            collate_fn=pad_collate)
-        try:
-            prepare_loader(ours.accelerator, whole, register=False)
-            row["whole_world"] = "prepared"
-        except ValueError as e:
-            row["whole_world"] = str(e)
+        row["whole_world"] = _outcome(partial(prepare_loader, ours.accelerator, whole, register=False),
+                                      "prepared")
         dp_size, dp_rank = row["own_split"]
         right = DataLoader(ds, batch_sampler=TokenBalancedBatchSampler(
             ds.lengths(), global_batch_size=8, num_replicas=dp_size, rank=dp_rank), collate_fn=pad_collate)
@@ -105,11 +109,7 @@ def _on_rank(rank: int, world: int, out_dir: str) -> dict:
         config = ParallelismConfig(dp_shard_size=2, sp_size=2)
         state.parallelism_config, state.device_mesh = config, config.build_device_mesh("cpu")
         ours._tokenbal_sampler = None
-        try:
-            ours.get_train_dataloader()
-            out["sp"] = "built"
-        except ValueError as e:
-            out["sp"] = str(e)
+        out["sp"] = _outcome(ours.get_train_dataloader, "built")
     state.parallelism_config, state.device_mesh = None, None
     return out
 
