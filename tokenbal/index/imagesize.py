@@ -29,7 +29,11 @@ fine, but it cannot be decoded. It costs one 32-byte read of the tail. Where the
 marker, a JPEG's or PNG's whole member is read and walked (``_ends_inside``): bytes after a complete
 image (a motion photo's video after the JPEG, padding), which Pillow ignores, are no error. A GIF has
 no length field and its data may end in the trailer byte by chance, so its blocks are walked to the
-trailer (one whole read per GIF).
+trailer (one whole read per GIF). Formats that Pillow opens from a header declaring where the pixel
+data lies are checked against that declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
+top-level boxes must fit in the member (one small read per box), a TIFF's first-page strips or tiles
+(offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height). Other
+formats (PPM, QOI, TGA, a raw JPEG 2000 codestream, an RLE BMP, ...) are not end-checked.
 """
 
 from __future__ import annotations
@@ -187,6 +191,22 @@ def image_size(data: bytes) -> tuple[int, int]:
         # SyntaxError, struct.error, DecompressionBombError, ...): any of them means "no size".
         except UnidentifiedImageError as e:
             name = unopened_format(data)
+            opened = name is not None and _PILLOW_ID.get(name) in Image.OPEN
+            if opened and data[4:8] == b"ftyp":
+                # Pillow's AVIF opener (libavif) refuses a file cut short as not an image at all: the
+                # box sizes say what happened.
+                cut = _boxes_cut(lambda n, at: data[at:at + n], len(data), name)
+                if cut is not None:
+                    raise ImageSizeError(cut) from None
+            if data[:4] in _TIFF_SIGS[:2]:
+                order = "little" if data[:2] == b"II" else "big"
+                ifd = int.from_bytes(data[4:8], order)
+                if ifd + 2 > len(data):   # libtiff writes the IFD after the pixel data
+                    raise ImageSizeError(f"TIFF cut short: its first IFD (the page's tags) at byte {ifd} "
+                                         f"lies past its end (byte {len(data)})") from None
+            if opened:
+                raise ImageSizeError(f"{name} image that the installed Pillow, which opens {name}, cannot "
+                                     f"read: {e}") from None
             if name is not None:
                 why = str(e) if "support not installed" in str(e) else "no opener for it is registered"
                 raise ImageSizeError(f"{name} image, which the installed Pillow cannot open ({why}; "
@@ -201,6 +221,7 @@ def image_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
+_PILLOW_ID = {"AVIF": "AVIF", "HEIC": "HEIF", "HEIF": "HEIF", "JPEG XL": "JXL"}   # Image.OPEN's ids
 _HEVC_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs"})
 _PLUGIN_HINT = {"HEIC": "pillow-heif provides one: pillow_heif.register_heif_opener()",
                 "HEIF": "pillow-heif provides one: pillow_heif.register_heif_opener()",
@@ -270,6 +291,9 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
         # A GIF has no length field and its LZW data can end in 0x3B, so the tail alone cannot
         # tell a trailer from a cut: its block structure is walked (GIFs are rare and small).
         _check_gif_blocks(head if len(head) == size else pread_exact(fd, size, offset))
+    why = _cut_short(fd, offset, size, head)
+    if why is not None:
+        raise ImageSizeError(why)
     (w, h), full = found
     if exif == "transpose" and orientation is None:
         orientation = exif_orientation(fd, offset, size, head)
@@ -299,6 +323,106 @@ def _check_end(head: bytes, tail: bytes, size: int) -> None:
         riff = int.from_bytes(head[4:8], "little") + 8
         if riff > size:
             raise ImageSizeError(f"WebP cut short: its RIFF header says {riff} bytes, the member has {size}")
+
+
+_JP2_SIG = b"\x00\x00\x00\x0cjP  \r\n\x87\n"
+_TIFF_SIGS = (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")
+
+
+def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
+    """Why a BMP, TIFF, AVIF / HEIF or JPEG 2000 member is cut short (``None``: it is not, or it is
+    another format), from the structure its header declares: an ISO-BMFF / JP2 file's top-level box
+    sizes, a TIFF's first-page strips or tiles (offsets + byte counts), an uncompressed BMP's rows.
+    Pillow opens each of them from its header alone and fails only on decoding the missing pixels."""
+    def read(n: int, at: int) -> bytes:
+        return head[at:at + n] if at + n <= len(head) else pread_exact(fd, min(n, size - at), offset + at)
+
+    if head[4:8] == b"ftyp" or head[:12] == _JP2_SIG:
+        return _boxes_cut(read, size, unopened_format(head) or "JPEG 2000")
+    if head[:4] in _TIFF_SIGS:
+        return _tiff_cut(fd, offset, size, head)
+    if head[:2] == b"BM":
+        return _raw_rows_cut(head, size, "BMP")
+    return None
+
+
+def _boxes_cut(read, size: int, name: str) -> str | None:
+    """Why an ISO-BMFF (AVIF, HEIF) or JPEG 2000 file of ``size`` bytes is cut short, from its
+    top-level box sizes (``read(n, at)``: its bytes); ``None`` when they tile it. A box of size 0
+    runs to the end of the file, which then cannot tell."""
+    pos = 0
+    while pos + 8 <= size:
+        box = read(16, pos)
+        length, kind = int.from_bytes(box[:4], "big"), box[4:8].decode("latin-1")
+        if length == 1:
+            if len(box) < 16:
+                return f"{name} cut short: its {kind!r} box header at byte {pos} is incomplete"
+            length = int.from_bytes(box[8:16], "big")
+        elif length == 0:
+            return None
+        if length < 8:
+            return f"{name} damaged: its {kind!r} box at byte {pos} declares {length} bytes"
+        if pos + length > size:
+            return (f"{name} cut short: its {kind!r} box at byte {pos} declares {length} bytes, but the "
+                    f"image ends at byte {size} ({pos + length - size} bytes missing)")
+        pos += length
+    if pos < size and size - pos < 8 and any(read(size - pos, pos)):
+        return f"{name} cut short: {size - pos} bytes at its end are too few for a box header"
+    return None
+
+
+def _tiff_cut(fd, offset: int, size: int, head: bytes) -> str | None:
+    """Why a TIFF is cut short: a strip or tile of its first page (what Pillow decodes) ends past the
+    member. The offsets and byte counts are the IFD's, as Pillow reads them: from ``head`` when they
+    lie there, else from the whole member."""
+    found = _tiff_parts(head)
+    if found is None and len(head) < size:
+        found = _tiff_parts(pread_exact(fd, size, offset))
+    if found is None:
+        return None
+    what, starts, counts = found
+    for k, (start, count) in enumerate(zip(starts, counts, strict=False)):
+        if start + count > size:
+            return (f"TIFF cut short: its {what} {k} runs to byte {start + count}, the image ends at byte "
+                    f"{size} ({start + count - size} bytes missing)")
+    return None
+
+
+def _tiff_parts(data: bytes) -> tuple[str, tuple, tuple] | None:
+    """``("strip" | "tile", offsets, byte counts)`` of the first page of the TIFF ``data`` as Pillow's
+    lazy open reads its tags; ``None`` when they are not in ``data`` (or Pillow fails: it decides later)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # "Truncated File Read": a tag's data past ``data``
+            with Image.open(io.BytesIO(data)) as im:
+                tags = getattr(im, "tag_v2", {})
+                for offsets_tag, counts_tag, what in ((273, 279, "strip"), (324, 325, "tile")):
+                    if offsets_tag in tags and counts_tag in tags:
+                        starts, counts = tags[offsets_tag], tags[counts_tag]
+                        return (what, starts if isinstance(starts, tuple) else (starts,),
+                                counts if isinstance(counts, tuple) else (counts,))
+    except Exception:  # noqa: BLE001 - the size was read from these bytes: Pillow judges the pixels
+        return None
+    return None
+
+
+def _raw_rows_cut(head: bytes, size: int, name: str) -> str | None:
+    """Why an image whose pixels Pillow reads as raw rows of a declared stride (an uncompressed BMP)
+    is cut short: its rows end past the member. Compressed pixel data (a BMP's RLE) is not checked."""
+    try:
+        with Image.open(io.BytesIO(head)) as im:
+            tiles = list(im.tile)
+    except Exception:  # noqa: BLE001 - the size was read from these bytes: Pillow decides later
+        return None
+    for tile in tiles:
+        args = tile.args
+        if tile.codec_name != "raw" or not isinstance(args, tuple) or len(args) < 2 or not args[1] > 0:
+            continue
+        end = tile.offset + args[1] * (tile.extents[3] - tile.extents[1])
+        if end > size:
+            return (f"{name} cut short: its pixel rows run to byte {end}, the image ends at byte {size} "
+                    f"({end - size} bytes missing)")
+    return None
 
 
 def _ends_inside(data: bytes) -> bool:

@@ -1,0 +1,140 @@
+"""An image cut short (a download that stopped, a copy that ran out of disk) has an intact header, so
+its size reads fine, but no loader decodes it: the index must count it as an error, never as a
+sample that fails in training. The oracle is the installed Pillow decoding the bytes
+(``ImageOps.exif_transpose(Image.open(f))`` then ``load``), which is what transformers'
+``load_image`` does."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image, ImageOps
+
+from tests.helpers.corpus import Sample, write_shard
+from tokenbal.index.imagesize import ImageSizeError, read_image_size
+from tokenbal.index.scan import scan_shard
+
+
+def _noise(w: int, h: int, mode: str = "RGB") -> Image.Image:
+    return Image.effect_noise((w, h), 60).convert(mode)
+
+
+def _encode(fmt: str, w: int = 64, h: int = 48, **kw) -> bytes:
+    buf = io.BytesIO()
+    _noise(w, h).save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _decoded_size(data: bytes) -> tuple[int, int] | None:
+    """What load_image gives (None: Pillow fails to decode the bytes)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im = ImageOps.exif_transpose(im)
+            im.load()
+            return im.size
+    except Exception:  # noqa: BLE001 - any decode failure is a failure in training
+        return None
+
+
+def _counted(data: bytes) -> tuple[int, int] | None:
+    """The index's size of ``data`` (None: an ImageSizeError, i.e. the sample is an error)."""
+    class Bytes:   # what read_image_size takes besides a descriptor (a remote shard has pread too)
+        def pread(self, n: int, offset: int) -> bytes:
+            return data[offset:offset + n]
+
+    try:
+        return read_image_size(Bytes(), 0, len(data), exif="transpose")[0]
+    except ImageSizeError:
+        return None
+
+
+# -- tar shards: formats whose end the scan did not check ------------------------------------------
+
+CUT_FORMATS = {
+    "bmp": lambda: _encode("BMP"),
+    "tiff": lambda: _encode("TIFF"),
+    "tiff-lzw": lambda: _encode("TIFF", compression="tiff_lzw"),
+    "tiff-jpeg": lambda: _encode("TIFF", compression="jpeg"),
+    "avif": lambda: _encode("AVIF"),
+    "jp2": lambda: _encode("JPEG2000"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_FORMATS))
+def test_a_bmp_tiff_avif_or_jpeg2000_cut_short_is_an_error_not_a_sample(tmp_path, name):
+    whole = CUT_FORMATS[name]()
+    ext = name.split("-")[0]
+    assert _decoded_size(whole) == (64, 48)
+    cut = whole[:len(whole) - max(8, len(whole) // 5)]
+    assert _decoded_size(cut) is None, "the cut image must fail to decode, or this test tests nothing"
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("whole", caption="ok", raw=[(ext, whole)]),
+        Sample("cut", caption="cut", raw=[(ext, cut)])]))
+    assert [s.key for s in scan.samples] == ["whole"]
+    assert [s.image_sizes for s in scan.samples] == [[(64, 48)]]
+    (err,) = scan.errors
+    assert err["key"] == "cut" and "cut short" in err["reason"], err
+
+
+def test_a_bmp_stored_top_down_or_with_bytes_after_its_pixels_is_no_error(tmp_path):
+    bmp = bytearray(_encode("BMP", 7, 5))
+    bmp[22:26] = (-5).to_bytes(4, "little", signed=True)   # negative height: rows stored top-down
+    for data in (bytes(bmp), bytes(bmp) + b"\0" * 10):
+        assert _decoded_size(data) == (7, 5) == _counted(data)
+
+
+# -- generated images: the counted size is the decoded one, and a cut never passes ----------------
+
+def _exif(orientation: int) -> Image.Exif:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif
+
+
+KINDS = ("jpeg", "jpeg-progressive", "jpeg-cmyk", "png", "png-palette", "png-16", "png-la",
+         "png-animated", "gif", "gif-animated", "webp", "webp-lossless", "webp-animated", "bmp",
+         "tiff", "tiff-lzw", "avif")
+
+
+def _generate(kind: str, w: int, h: int, orientation: int) -> bytes:
+    buf = io.BytesIO()
+    im = _noise(w, h)
+    frames = [_noise(w, h) for _ in range(2)]
+    exif = _exif(orientation)
+    fmt = kind.split("-")[0].upper()
+    if kind == "jpeg-progressive":
+        im.save(buf, "JPEG", progressive=True, exif=exif)
+    elif kind == "jpeg-cmyk":
+        im.convert("CMYK").save(buf, "JPEG", exif=exif)
+    elif kind == "png-palette":
+        im.convert("P").save(buf, "PNG", exif=exif)
+    elif kind == "png-16":
+        im.convert("I;16").save(buf, "PNG", exif=exif)
+    elif kind == "png-la":
+        im.convert("LA").save(buf, "PNG", exif=exif)
+    elif kind == "tiff-lzw":
+        im.save(buf, "TIFF", compression="tiff_lzw", exif=exif)
+    elif kind.endswith("-animated"):
+        im.save(buf, fmt, save_all=True, append_images=frames, **({} if fmt == "GIF" else {"exif": exif}))
+    elif kind == "webp-lossless":
+        im.save(buf, "WEBP", lossless=True, exif=exif)
+    elif fmt in ("GIF", "BMP"):
+        im.save(buf, fmt)
+    else:
+        im.save(buf, fmt, exif=exif)
+    return buf.getvalue()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS), w=st.integers(1, 160), h=st.integers(1, 160),
+       orientation=st.integers(1, 8), cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_generated_images_count_their_decoded_size_and_a_cut_one_never_passes(kind, w, h, orientation, cut):
+    data = _generate(kind, w, h, orientation)
+    assert _counted(data) == _decoded_size(data)
+    short = data[:max(1, int(len(data) * cut))]
+    counted = _counted(short)
+    if counted is not None:   # stricter than Pillow is allowed (a PNG without IEND); laxer is not
+        assert counted == _decoded_size(short), (kind, len(short), len(data))
