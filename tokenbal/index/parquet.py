@@ -18,9 +18,10 @@ Columns (``ParquetOptions``; each default is the first that the file has):
 
 Only those columns are read (Parquet is columnar: the others are never fetched), one row group at a
 time. An image's bytes sit inside a compressed column page, so a page is decompressed whole, but only
-each image's first 4 KiB are copied out of Arrow and parsed (``image_size``); the whole value only
-when its header does not fit there. A remote file (any fsspec URL) is read through fsspec, which
-fetches the footer and the needed column chunks by ranged reads.
+each image's first 4 KiB are copied out of Arrow and parsed (``imagesize.read_image_size``, as for a
+tar member: size, orientation, end check); further ranges (its last bytes, a header past the first
+4 KiB) are copied out of the column's buffer as needed. A remote file (any fsspec URL) is read
+through fsspec, which fetches the footer and the needed column chunks by ranged reads.
 
 Samples: a sample's key is ``<file name>:<row group>:<row in group>`` and its one member is
 ``(ext "row", offset = row group, size = row in group)``, which is how
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from tokenbal._extras import MissingExtraError
 from tokenbal.estimate.conversation import content_parts
-from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, exif_orientation, image_size
+from tokenbal.index.imagesize import FIRST_READ, ImageSizeError, read_image_size
 from tokenbal.index.scan import Progress, ScannedSample, ShardScan, shard_fingerprint
 from tokenbal.index.text import (
     AUDIO_FIELDS,
@@ -144,8 +145,9 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
                  exif: str = "ignore", progress: Progress | None = None) -> ShardScan:
     """Scan the Parquet file at ``path`` (see the module docstring); never raises for bad data.
     ``exif``: the orientation policy for image sizes, as for tar shards (``imagesize``). A row's
-    image has no tar header and sits inside a column page: no member stamps and no end-marker check
-    (a truncated value would have failed Parquet's own page checks). ``progress(done, total, "rows")``
+    image has no tar header and sits inside a column page: no member stamps, but the end check of a
+    tar member's image (a value Parquet stored whole may hold an image cut short before it was
+    written). ``progress(done, total, "rows")``
     after each row group scanned (a file of millions of rows takes minutes)."""
     opts = opts or ParquetOptions()
     scan = ShardScan(path=path)
@@ -244,19 +246,22 @@ def _image_heads(table, column: str | None):
             rows.append([])
             continue
         rows.append([(heads[j], j, paths[j], lengths[j]) for j in range(offsets[r], offsets[r + 1])])
-    return rows, lambda j: data[j].as_py()
+    return rows, lambda j: _Value(data, j, heads[j])
 
 
 class _Value:
-    """One image value of the column, read through ``pread`` (what ``imagesize`` takes)."""
+    """One image value of the column, read through ``pread`` (what ``imagesize`` takes): its first
+    bytes from ``head``, any other range copied out of Arrow's buffer alone (not the whole value)."""
 
-    def __init__(self, full, j: int) -> None:
-        self._full, self._j, self._data = full, j, None
+    def __init__(self, data, j: int, head: bytes) -> None:
+        self._data, self._j, self._head, self._buffer = data, j, head, None
 
     def pread(self, n: int, offset: int) -> bytes:
-        if self._data is None:
-            self._data = self._full(self._j)
-        return self._data[offset:offset + n]
+        if offset + n <= len(self._head):
+            return self._head[offset:offset + n]
+        if self._buffer is None:
+            self._buffer = self._data[self._j].as_buffer()   # zero-copy: a view of the column's data
+        return self._buffer[offset:offset + n].to_pybytes()
 
 
 def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
@@ -275,18 +280,13 @@ def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full,
             return fail(f"{named} has no bytes (only a path); embed the images, e.g. datasets' "
                         "cast_column(..., Image(decode=True)) before to_parquet")
         try:
-            wh = image_size(head)
+            # As a tar member's: the header (read past the first bytes where it lies further, a large
+            # EXIF / ICC block), the orientation, and the end check: the value is whole as Parquet
+            # stored it, but the image in it may be cut short (a download that stopped).
+            wh, full_read = read_image_size(full(j), 0, length, exif=exif)
         except ImageSizeError as e:
-            if len(head) < FIRST_READ:
-                return fail(f"{named} is not a readable image: {e}")
-            try:   # the header lies past the first bytes (a large EXIF / ICC block)
-                head = full(j)
-                wh = image_size(head)
-                scan.n_full_reads += 1
-            except ImageSizeError as e2:
-                return fail(f"{named} is not a readable image: {e2}")
-        if exif == "transpose" and exif_orientation(_Value(full, j), 0, length, head) in (5, 6, 7, 8):
-            wh = (wh[1], wh[0])
+            return fail(f"{named} is not a readable image: {e}")
+        scan.n_full_reads += full_read
         sizes.append(wh)
     pieces: list[str] | None = None
     chat = None

@@ -17,6 +17,9 @@ from tests.helpers.corpus import Sample, write_shard
 from tokenbal.index.imagesize import ImageSizeError, read_image_size
 from tokenbal.index.scan import scan_shard
 
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
 
 def _noise(w: int, h: int, mode: str = "RGB") -> Image.Image:
     return Image.effect_noise((w, h), 60).convert(mode)
@@ -84,6 +87,30 @@ def test_a_bmp_stored_top_down_or_with_bytes_after_its_pixels_is_no_error(tmp_pa
     bmp[22:26] = (-5).to_bytes(4, "little", signed=True)   # negative height: rows stored top-down
     for data in (bytes(bmp), bytes(bmp) + b"\0" * 10):
         assert _decoded_size(data) == (7, 5) == _counted(data)
+
+
+# -- Parquet rows: the image bytes are a whole column value, but the image may still be cut ----------
+
+def test_a_parquet_row_whose_image_is_cut_short_is_an_error_naming_the_row(tmp_path):
+    from tokenbal.index.parquet import scan_parquet
+
+    images = {"jpeg": _encode("JPEG"), "png": _encode("PNG"), "webp": _encode("WEBP", lossless=True)}
+    rows = []
+    for fmt, data in images.items():
+        cut = data[:len(data) // 2]
+        assert _decoded_size(cut) is None
+        rows += [(f"{fmt} whole", data), (f"{fmt} cut", cut), (f"{fmt} padded", data + b"\0" * 40)]
+    file = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"image": pa.array([data for _, data in rows], pa.binary()),
+                             "text": [f"<image>{label}" for label, _ in rows]}), file)
+    scan = scan_parquet(str(file), exif="transpose")
+    kept = {int(s.key.rsplit(":", 1)[1]) for s in scan.samples}
+    assert sorted(rows[r][0] for r in kept) == sorted(label for label, _ in rows if "cut" not in label)
+    assert len(scan.errors) == 3
+    for err, fmt in zip(scan.errors, images, strict=True):
+        row = [label for label, _ in rows].index(f"{fmt} cut")
+        assert f"rows.parquet row group 0 row {row}: image 0 is not a readable image" in err["reason"]
+        assert "cut short" in err["reason"], err
 
 
 # -- generated images: the counted size is the decoded one, and a cut never passes ----------------
