@@ -163,31 +163,12 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
                              "different builds; pass the file to read")
         path = os.path.join(path, found[0])
     if path.endswith(".parquet"):
-        from tokenbal._extras import require
-
-        pa = require("pyarrow", "reading a Parquet export")
-        pq = require("pyarrow.parquet", "reading a Parquet export")
-
-        t = pq.read_table(path, columns=["key", *COLUMNS])
-        for name in ("key", *COLUMNS):
-            col = t.column(name)
-            if name == "key":
-                fits = pa.types.is_string(col.type) or pa.types.is_large_string(col.type)
-            else:
-                fits = pa.types.is_integer(col.type)
-            if not fits:
-                raise ValueError(f"{path}: column {name!r} has type {col.type}, expected "
-                                 f"{'strings' if name == 'key' else 'integers'}")
-            if col.null_count:
-                row = col.to_pylist().index(None)
-                raise ValueError(f"{path}: row {row}: {name} is null")
-        cols = {c: t.column(c).to_numpy().astype(np.int64) for c in COLUMNS}
-        _check_counts(path, cols)
-        return t.column("key").to_pylist(), cols
+        return _read_parquet(path)
     if path.endswith(".jsonl"):
         keys, values = [], []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = _utf8_line(path, lineno, raw)
                 if line.strip():
                     key, counts = _jsonl_row(path, lineno, line)
                     keys.append(key)
@@ -199,15 +180,81 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
         if arr.dtype.kind not in "iu" or arr.ndim != 2 or arr.shape[1] != len(COLUMNS):
             raise ValueError(f"{path}: dtype {arr.dtype} shape {arr.shape}, expected integers of shape "
                              f"(N, {len(COLUMNS)}): {', '.join(COLUMNS)}")
-        # newline="": the keys exactly as written (no \r\n -> \n translation).
-        with open(os.path.join(os.path.dirname(path), "keys.txt"), encoding="utf-8", newline="") as f:
-            keys = f.read().split("\n")[:-1]
+        keys = _read_keys_txt(path)
         if len(keys) != len(arr):
             raise ValueError(f"{path}: {len(arr)} rows but keys.txt has {len(keys)} keys")
-        cols = {c: arr[:, j].astype(np.int64) for j, c in enumerate(COLUMNS)}
+        cols = {c: _int64_counts(path, c, arr[:, j]) for j, c in enumerate(COLUMNS)}
         _check_counts(path, cols)
         return keys, cols
     raise ValueError(f"{path}: not an export (.parquet / .jsonl / .npy) nor an index folder")
+
+
+def _read_parquet(path: str) -> tuple[list[str], dict[str, np.ndarray]]:
+    """A Parquet export's keys and counts, each column checked (see ``read_export``). Keys may be in
+    any Arrow string layout (dictionary-encoded, as polars / pandas write a categorical column;
+    large or view strings): they are cast to plain strings."""
+    from tokenbal._extras import require
+
+    pa = require("pyarrow", "reading a Parquet export")
+    pc = require("pyarrow.compute", "reading a Parquet export")
+    pq = require("pyarrow.parquet", "reading a Parquet export")
+
+    names = pq.read_schema(path).names
+    absent = [c for c in ("key", *COLUMNS) if c not in names]
+    if absent:   # pyarrow's own error lists its internal fields (__fragment_index, ...), not the file's
+        raise ValueError(f"{path}: no column {', '.join(map(repr, absent))} (columns: {', '.join(names)}); "
+                         f"an export has key, {', '.join(COLUMNS)}")
+    t = pq.read_table(path, columns=["key", *COLUMNS])
+    cols = {}
+    for name in ("key", *COLUMNS):
+        col = t.column(name)
+        kind = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+        if name == "key":
+            fits = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+        else:
+            fits = pa.types.is_integer(kind)
+        if not fits:
+            raise ValueError(f"{path}: column {name!r} has type {col.type}, expected "
+                             f"{'strings' if name == 'key' else 'integers'}")
+        if col.null_count:
+            row = col.to_pylist().index(None)
+            raise ValueError(f"{path}: row {row}: {name} is null")
+        if name != "key":
+            cols[name] = _int64_counts(path, name, pc.cast(col, kind).to_numpy())
+    _check_counts(path, cols)
+    return pc.cast(t.column("key"), pa.string()).to_pylist(), cols
+
+
+def _int64_counts(path: str, name: str, values: np.ndarray) -> np.ndarray:
+    """``values`` as int64; an unsigned count past int64's range is named with its value (a plain cast
+    wraps it to a negative number)."""
+    if values.dtype.kind == "u":
+        big = np.flatnonzero(values > np.iinfo(np.int64).max)
+        if len(big):
+            raise ValueError(f"{path}: row {int(big[0])}: {name} is {int(values[big[0]])}, more than int64 "
+                             f"holds ({np.iinfo(np.int64).max}); {len(big)} such row(s)")
+    return values.astype(np.int64)
+
+
+def _utf8_line(path: str, lineno: int, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:   # the codec's own message names neither the file nor the line
+        raise ValueError(f"{path}: line {lineno} is not UTF-8 ({e.reason} at byte {e.start} of the line); "
+                         "exports are written in UTF-8: export it again") from None
+
+
+def _read_keys_txt(npy: str) -> list[str]:
+    """The keys beside an npy export, one per line exactly as written (``\r`` kept: no newline
+    translation); a last key without its line break is kept."""
+    file = os.path.join(os.path.dirname(npy), "keys.txt")
+    try:
+        with open(file, "rb") as f:
+            lines = [_utf8_line(file, n, raw) for n, raw in enumerate(f, 1)]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} not found: an npy export keeps its keys there, beside "
+                                f"{npy}") from None
+    return [line[:-1] if line.endswith("\n") else line for line in lines]
 
 
 def _jsonl_row(path: str, lineno: int, line: str) -> tuple[str, list[int]]:
@@ -227,6 +274,9 @@ def _jsonl_row(path: str, lineno: int, line: str) -> tuple[str, list[int]]:
         value = row.get(c, "<absent>")
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{path}: line {lineno}: {c} is {value!r}, not a count (an integer >= 0)")
+        if value > np.iinfo(np.int64).max:
+            raise ValueError(f"{path}: line {lineno}: {c} is {value}, more than int64 holds "
+                             f"({np.iinfo(np.int64).max})")
         counts.append(value)
     return row["key"], counts
 
