@@ -210,7 +210,8 @@ def _read_parquet(path: str) -> tuple[list[str], dict[str, np.ndarray]]:
         col = t.column(name)
         kind = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
         if name == "key":
-            fits = pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+            is_view = getattr(pa.types, "is_string_view", lambda t: False)   # pyarrow >= 16
+            fits = pa.types.is_string(kind) or pa.types.is_large_string(kind) or is_view(kind)
         else:
             fits = pa.types.is_integer(kind)
         if not fits:

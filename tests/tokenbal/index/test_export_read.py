@@ -29,9 +29,11 @@ def test_a_parquet_export_with_keys_in_another_string_layout_is_read(tmp_path, l
     """polars / pandas write a categorical key column as dictionary-encoded strings, and newer Arrow
     writers large or view strings: the same keys (a dictionary column was refused as 'has type
     dictionary<values=string, ...>, expected strings')."""
-    key = {"dictionary": pa.array(KEYS).dictionary_encode(),
-           "large_string": pa.array(KEYS, pa.large_string()),
-           "string_view": pa.array(KEYS, pa.string_view())}[layout]
+    if layout == "string_view" and not hasattr(pa, "string_view"):
+        pytest.skip("pyarrow < 16 has no string_view")
+    key = {"dictionary": lambda: pa.array(KEYS).dictionary_encode(),
+           "large_string": lambda: pa.array(KEYS, pa.large_string()),
+           "string_view": lambda: pa.array(KEYS, pa.string_view())}[layout]()
     pq.write_table(_table(key), tmp_path / "lengths.parquet")
     keys, cols = read_export(tmp_path / "lengths.parquet")
     assert keys == KEYS
