@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "and text tokens with a tokenizer (or a calibrated heuristic), and write a "
                     "memory-mapped index. Bad samples are listed in the index's errors file.")
     build.add_argument("sources", nargs="+",
-                       help="tar shards: paths, globs or brace patterns (data-{000..099}.tar); "
-                            "or .json/.jsonl annotation files")
+                       help="tar shards (local paths or fsspec URLs), globs or brace patterns "
+                            "(data-{000..099}.tar); .json/.jsonl annotation files; .parquet files")
     build.add_argument("--model", default=None,
                        help="estimator (model family), one of: " + ", ".join(_model_names())
                             + "; or a checkpoint / processor folder (its processor configs); "
@@ -544,17 +544,29 @@ def build_parser() -> argparse.ArgumentParser:
                                          "text_tokens) for other pipelines.")
     export.add_argument("dir", help="folder to write lengths.{parquet,jsonl,npy} into")
     export.add_argument("--index", required=True, help="index folder")
-    export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet")
+    export.add_argument("--format", choices=["parquet", "jsonl", "npy"], default="parquet",
+                        help="lengths.parquet (default parquet), lengths.jsonl (one object per line), or "
+                             "lengths.npy (N x 3 int64: length, vision, text) with keys.txt and shards.txt "
+                             "(keys with a line break are refused)")
     export.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     export.set_defaults(func=_cmd_index_export, command_parser=export)
 
-    stats = isub.add_parser("stats", help="print counts and token percentiles of an index")
+    stats = isub.add_parser("stats", help="print counts and token percentiles of an index",
+                            description="Print an index's counts (samples, shards by status, errors, "
+                                        "images, videos) and the min / p50 / p90 / p99 / max / mean of its "
+                                        "tokens per sample (length, vision, text).")
     stats.add_argument("dir", help="index folder")
     stats.add_argument("--plot", default=None, metavar="PNG",
                        help="also write a histogram of vision / text tokens per sample to this PNG")
     stats.set_defaults(func=_cmd_index_stats, command_parser=stats)
 
-    verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)")
+    verify = isub.add_parser("verify", help="check an index and its shards (exit 1 if damaged or stale)",
+                             description="Check an index's own files and every shard, annotation image and "
+                                         "video file it was built from (size, mtime, member headers, "
+                                         "fingerprint), and its --processor folder; print one line per "
+                                         "problem. Exit 0 when there is none, 1 when the index is damaged "
+                                         "or stale (rebuild it), 2 on a usage error or a folder that is "
+                                         "not an index.")
     verify.add_argument("dir", help="index folder")
     verify.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     verify.add_argument("--allow-failed", action="store_true",
