@@ -249,10 +249,14 @@ class TokenIndex:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        out.append(json.loads(line))
+                        entry = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise IndexDamagedError(f"index file {file} is damaged at line {lineno} ({e}); "
                                                 "rebuild the index") from None
+                    if not isinstance(entry, dict):   # every reader takes its shard / key / reason
+                        raise IndexDamagedError(f"index file {file} is damaged at line {lineno}: it holds a "
+                                                f"{type(entry).__name__}, not an object; rebuild the index")
+                    out.append(entry)
         return out
 
     def _damaged(self, file: str, what: str) -> IndexDamagedError:
@@ -491,7 +495,44 @@ def read_manifest(path: str) -> dict:
     if version != FORMAT_VERSION:
         raise ValueError(f"index {path} has format_version {version!r}; this tokenbal reads "
                          f"{FORMAT_VERSION} (rebuild the index)")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise IndexDamagedError(f"index file {file} is damaged: {problem}; rebuild the index")
     return manifest
+
+
+# The manifest fields every reader indexes into, with their JSON types: a manifest that parses but
+# lacks one (written by another tool, edited by hand) is named here, not a KeyError deep in a reader.
+_MANIFEST_FIELDS = (("num_samples", int, "an integer"), ("num_errors", int, "an integer"),
+                    ("extensions", list, "a list"), ("shards", list, "a list"),
+                    ("estimator", dict, "an object"), ("text_counter", dict, "an object"))
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    def kind(value) -> str:
+        name = type(value).__name__
+        return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+    for name, want, words in _MANIFEST_FIELDS:
+        if name not in manifest:
+            return f"no {name!r} field"
+        value = manifest[name]
+        if not isinstance(value, want) or isinstance(value, bool):
+            return f"{name!r} is {kind(value)}, not {words}"
+    for k, entry in enumerate(manifest["shards"]):
+        if not isinstance(entry, dict):
+            return f"shards[{k}] is {kind(entry)}, not an object"
+        if "path" not in entry:
+            return f"shards[{k}] has no 'path'"
+        if not isinstance(entry["path"], str):
+            return f"shards[{k}].path is {kind(entry['path'])}, not a string"
+    for k, ext in enumerate(manifest["extensions"]):
+        if not isinstance(ext, str):
+            return f"extensions[{k}] is {kind(ext)}, not a string"
+    for name in ("estimator", "text_counter"):
+        if not isinstance(manifest[name].get("name"), str):
+            return f"{name} has no 'name'"
+    return None
 
 
 def failed_shards(manifest: dict) -> list[str]:

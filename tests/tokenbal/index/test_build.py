@@ -437,7 +437,7 @@ def test_writer_rollback_drops_a_half_written_shard(tmp_path, corpus):
     with pytest.raises(ValueError):
         writer.add(second)
     writer.rollback()
-    writer.finish({"estimator": {}, "text_counter": {}})
+    writer.finish({"estimator": {"name": est.name}, "text_counter": {"name": counter.name}})
     idx = TokenIndex(str(tmp_path))
     assert list(idx.keys) == good.keys and idx.shard_paths == [corpus.shards[0]]
     assert [e["shard"] for e in idx.errors] == [corpus.shards[0]] * len(good.errors)
