@@ -706,6 +706,11 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
 
 # --- incremental builds ---------------------------------------------------------------------------
 
+# What each element of ``_rules`` is, in its order (the merge names the ones in which parts differ).
+RULE_NAMES = ("estimator", "estimator config", "wrapper tokens", "text counter", "--image-root",
+              "Parquet columns", "video pipeline", "--exif", "member stamps")
+
+
 def _rules(meta: dict) -> tuple:
     e = meta["estimator"]
     return (e["name"], json.dumps(e["config"], sort_keys=True, default=_jsonable), int(e["wrapper_tokens"]),

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from tokenbal.index.parts import check_part, parse_part, part_meta, select_part
 
 __all__ = ["check_part", "check_split", "merge_indexes", "parse_part", "part_meta", "refuse_to_replace",
-           "select_part"]
+           "rules_named", "select_part"]
 
 
 def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], progress: bool = False,
@@ -78,7 +78,9 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
             raise ValueError(f"merge: {idx.path} was built from other sources ({m.get('sources')}) than "
                              f"{idxs[0].path} ({first.get('sources')})")
         if _rules(m) != _rules(first):
-            raise ValueError(f"merge: {idx.path} was built with other token rules than {idxs[0].path}")
+            raise ValueError(f"merge: {idx.path} was built with other token rules than {idxs[0].path} "
+                             f"({rules_named(first, m, _part_label(first), _part_label(m))}); rebuild the "
+                             "parts with the same model, options, tokenizer / processor and --exif")
         if m.get("tokenbal_version") != first.get("tokenbal_version"):
             # The token rules name the settings, not the counting code: another release may count
             # the same sample differently, and the merged index would mix both counts.
@@ -129,6 +131,31 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
                        # as a one-machine build reports them, so limit_problems names each one
                        bad_shards=[{"path": s["path"], "status": s["status"], "reason": s.get("reason")}
                                    for s in writer.shards if s["status"] != "ok"])
+
+
+def _part_label(manifest: dict) -> str:
+    return f"part {manifest['part']['index']}/{manifest['part']['count']}"
+
+
+def rules_named(a: dict, b: dict, a_label: str, b_label: str) -> str:
+    """The token rules (``build._rules``) in which the manifests ``a`` and ``b`` differ, each as
+    ``"NAME: A in a_label, B in b_label"`` (estimator options one by one)."""
+    from tokenbal.index.build import RULE_NAMES, _rules
+
+    out = []
+    other_estimator = a["estimator"].get("name") != b["estimator"].get("name")
+    for name, x, y in zip(RULE_NAMES, _rules(a), _rules(b), strict=True):
+        if x == y or (other_estimator and name in ("estimator config", "wrapper tokens")):
+            continue   # another estimator's settings all differ: its name says it
+        if name == "estimator config":
+            ca, cb = a["estimator"].get("config", {}), b["estimator"].get("config", {})
+            for k in sorted(set(ca) | set(cb)):
+                va, vb = ca.get(k, "<absent>"), cb.get(k, "<absent>")
+                if va != vb:
+                    out.append(f"{k}: {va!r} in {a_label}, {vb!r} in {b_label}")
+        else:
+            out.append(f"{name}: {x!r} in {a_label}, {y!r} in {b_label}")
+    return "; ".join(out)
 
 
 def refuse_to_replace(out: str, meta: dict, shards: Sequence[str]) -> None:
