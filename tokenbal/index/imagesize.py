@@ -330,10 +330,11 @@ _TIFF_SIGS = (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+")
 
 
 def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
-    """Why a BMP, TIFF, AVIF / HEIF or JPEG 2000 member is cut short (``None``: it is not, or it is
-    another format), from the structure its header declares: an ISO-BMFF / JP2 file's top-level box
-    sizes, a TIFF's first-page strips or tiles (offsets + byte counts), an uncompressed BMP's rows.
-    Pillow opens each of them from its header alone and fails only on decoding the missing pixels."""
+    """Why a BMP, TIFF, AVIF / HEIF or JPEG 2000 member is cut short, or an extended WebP's header
+    disagrees with its image (``None``: neither, or another format), from the structure its header
+    declares: an ISO-BMFF / JP2 file's top-level box sizes, a TIFF's first-page strips or tiles
+    (offsets + byte counts), an uncompressed BMP's rows, a still VP8X WebP's canvas against its
+    image. Pillow opens each of them from its header alone and fails only on decoding the pixels."""
     def read(n: int, at: int) -> bytes:
         return head[at:at + n] if at + n <= len(head) else pread_exact(fd, min(n, size - at), offset + at)
 
@@ -343,6 +344,32 @@ def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
         return _tiff_cut(fd, offset, size, head)
     if head[:2] == b"BM":
         return _raw_rows_cut(head, size, "BMP")
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return _webp_canvas_mismatch(read, size, head)
+    return None
+
+
+def _webp_canvas_mismatch(read, size: int, head: bytes) -> str | None:
+    """Why an extended (VP8X) still WebP cannot be decoded though its header reads: libwebp refuses
+    one whose canvas is not the size of its image (the VP8 / VP8L chunk after ICCP / ALPH / ...).
+    An animation's frames are placed on the canvas and may be smaller: not checked."""
+    if head[12:16] != b"VP8X" or len(head) < 30 or head[20] & 0x02:
+        return None
+    canvas = webp_size(head[:30])
+    pos = 30
+    while pos + 18 <= size:
+        chunk = read(18, pos)          # a chunk header and the first 10 bytes of its payload
+        if chunk[:4] in (b"VP8 ", b"VP8L"):
+            try:
+                image = webp_size(head[:12] + chunk)
+            except ImageSizeError:
+                return None            # a damaged bitstream: Pillow decides
+            if image != canvas:
+                return (f"WebP damaged: its canvas (VP8X) is {canvas[0]}x{canvas[1]} but its image is "
+                        f"{image[0]}x{image[1]}; libwebp refuses to decode it")
+            return None
+        n = int.from_bytes(chunk[4:8], "little")
+        pos += 8 + n + (n & 1)
     return None
 
 

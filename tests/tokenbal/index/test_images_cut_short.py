@@ -165,3 +165,23 @@ def test_generated_images_count_their_decoded_size_and_a_cut_one_never_passes(ki
     counted = _counted(short)
     if counted is not None:   # stricter than Pillow is allowed (a PNG without IEND); laxer is not
         assert counted == _decoded_size(short), (kind, len(short), len(data))
+
+
+# -- headers that disagree with the pixel data they hold ------------------------------------------
+
+def test_a_still_webp_whose_canvas_disagrees_with_its_image_is_an_error(tmp_path):
+    """A VP8X header whose canvas is not the size of the still image inside: the scan counted the
+    canvas (100x40), libwebp refuses to decode it ('could not create decoder object')."""
+    buf = io.BytesIO()
+    _noise(50, 40).save(buf, "WEBP", exif=_exif(1))   # EXIF makes it an extended (VP8X) file
+    good = buf.getvalue()
+    assert good[12:16] == b"VP8X"
+    lying = bytearray(good)
+    lying[24:27] = (99).to_bytes(3, "little")         # canvas width - 1
+    assert _decoded_size(good) == (50, 40) and _decoded_size(bytes(lying)) is None
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("good", caption="ok", raw=[("webp", good)]),
+        Sample("lying", caption="x", raw=[("webp", bytes(lying))])]))
+    assert [(s.key, s.image_sizes) for s in scan.samples] == [("good", [(50, 40)])]
+    (err,) = scan.errors
+    assert err["key"] == "lying" and "canvas (VP8X) is 100x40 but its image is 50x40" in err["reason"], err
