@@ -123,6 +123,21 @@ def member_kind(ext: str) -> str:
     return "other"
 
 
+# Compression suffixes webdataset's decoders strip (``gzfilter`` for .gz) or users add: a member
+# ``k.jpg.gz`` is an image the index cannot read without decompressing it.
+COMPRESSED_SUFFIXES = ("gz", "bz2", "xz", "zst", "lz4")
+
+
+def compressed_kind(ext: str) -> str | None:
+    """The kind (``image`` / ``text`` / ``video``) of a compressed member extension such as
+    ``jpg.gz``; ``None`` for anything else (``npy.gz`` included: not counted either way)."""
+    inner, _, last = ext.lower().rpartition(".")
+    if last not in COMPRESSED_SUFFIXES or not inner:
+        return None
+    kind = member_kind(inner)
+    return kind if kind != "other" else None
+
+
 def shard_fingerprint(path: str, size: int | None = None) -> str:
     """Hash of the file size and its first and last MiB.
 
@@ -378,6 +393,11 @@ def read_sample(fd: int, key: str, run: list[AnyMember], scan: ShardScan,
         seen.add(ext.lower())
         members.append((ext, ti.offset_data, ti.size))
         kind = member_kind(ext)
+        packed = compressed_kind(ext) if kind == "other" else None
+        if packed is not None:
+            codec = ext.rsplit(".", 1)[1]
+            return fail(f"member {ti.name!r} is a compressed {packed} member ({codec}), which the index "
+                        "does not decompress: the sample would be counted without it; store it uncompressed")
         try:
             if kind == "image":
                 wh, full = read_image_size(fd, ti.offset_data, ti.size, prefix, exif)
