@@ -177,7 +177,8 @@ def scan_parquet(path: str, opts: ParquetOptions | None = None, remote=None,
                               msgs[row] if msgs is not None else None,
                               texts[row] if texts is not None else None, exif,
                               audios[row] if audios is not None else None,
-                              videos[row] if videos is not None else None, video_files, video_col)
+                              videos[row] if videos is not None else None, video_files, video_col,
+                              text_col)
                 if sample is not None:
                     scan.samples.append(sample)
             if progress is not None:
@@ -266,9 +267,19 @@ class _Value:
 
 def _row(scan: ShardScan, key: str, where: str, rg: int, row: int, images, full, messages_col,
          messages, text, exif: str = "ignore", audios=None, videos=None,
-         video_files: dict | None = None, video_col: str | None = None) -> ScannedSample | None:
+         video_files: dict | None = None, video_col: str | None = None,
+         text_col: str | None = None) -> ScannedSample | None:
     def fail(reason: str) -> None:
         scan.errors.append({"shard": scan.path, "key": key, "reason": f"{where}: {reason}"})
+
+    # The row's text column holds nothing (a null, or no chat turns): the processor has nothing to
+    # render (dataset_lengths refuses such a row too). An empty string is text: an image-only row.
+    if text is None and messages == [] and messages_col:
+        return fail(f"column {messages_col!r} is an empty list: the row has no chat turns")
+    if text is None and messages is None and (messages_col or text_col):
+        named = " and ".join(repr(c) for c in (messages_col, text_col) if c)
+        return fail(f"column {named} is null: the row has no text (missing data; an empty string would be "
+                    "an image-only row)")
 
     audio = audio_reason({AUDIO_FIELDS[0]: audios, "messages": messages}, holder="column")
     if audio:
