@@ -399,10 +399,11 @@ def _boxes_cut(read, size: int, name: str) -> str | None:
 def _tiff_cut(fd, offset: int, size: int, head: bytes) -> str | None:
     """Why a TIFF is cut short: a strip or tile of its first page (what Pillow decodes) ends past the
     member. The offsets and byte counts are the IFD's, as Pillow reads them: from ``head`` when they
-    lie there, else from the whole member."""
+    lie there, else from the first ``PREFIX_BYTES``, else from the whole member."""
     found = _tiff_parts(head)
-    if found is None and len(head) < size:
-        found = _tiff_parts(pread_exact(fd, size, offset))
+    for n in (PREFIX_BYTES, size):   # many strips: their arrays lie past the first KiBs
+        if found is None and len(head) < n <= size:
+            found = _tiff_parts(pread_exact(fd, n, offset))
     if found is None:
         return None
     what, starts, counts = found
