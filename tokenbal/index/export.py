@@ -192,7 +192,7 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
 def _read_parquet(path: str) -> tuple[list[str], dict[str, np.ndarray]]:
     """A Parquet export's keys and counts, each column checked (see ``read_export``). Keys may be in
     any Arrow string layout (dictionary-encoded, as polars / pandas write a categorical column;
-    large or view strings): they are cast to plain strings."""
+    large or view strings): each read as a Python string."""
     from tokenbal._extras import require
 
     pa = require("pyarrow", "reading a Parquet export")
@@ -223,7 +223,7 @@ def _read_parquet(path: str) -> tuple[list[str], dict[str, np.ndarray]]:
         if name != "key":
             cols[name] = _int64_counts(path, name, pc.cast(col, kind).to_numpy())
     _check_counts(path, cols)
-    return pc.cast(t.column("key"), pa.string()).to_pylist(), cols
+    return t.column("key").to_pylist(), cols   # any string layout: Python strings (no 2 GiB cast)
 
 
 def _int64_counts(path: str, name: str, values: np.ndarray) -> np.ndarray:
