@@ -11,7 +11,7 @@ import io
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, features
 
 from tests.helpers.corpus import Sample, write_shard
 from tokenbal.index.imagesize import ImageSizeError, read_image_size
@@ -56,6 +56,9 @@ def _counted(data: bytes) -> tuple[int, int] | None:
 
 # -- tar shards: formats whose end the scan did not check ------------------------------------------
 
+# Formats only some Pillow builds write (tokenbal needs pillow>=10; AVIF came with 11.3's wheels).
+MISSING = {name for name, feature in (("avif", "avif"), ("jp2", "jpg_2000")) if not features.check(feature)}
+
 CUT_FORMATS = {
     "bmp": lambda: _encode("BMP"),
     "tiff": lambda: _encode("TIFF"),
@@ -66,7 +69,7 @@ CUT_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CUT_FORMATS))
+@pytest.mark.parametrize("name", sorted(n for n in CUT_FORMATS if n.split("-")[0] not in MISSING))
 def test_a_bmp_tiff_avif_or_jpeg2000_cut_short_is_an_error_not_a_sample(tmp_path, name):
     whole = CUT_FORMATS[name]()
     ext = name.split("-")[0]
@@ -123,7 +126,7 @@ def _exif(orientation: int) -> Image.Exif:
 
 KINDS = ("jpeg", "jpeg-progressive", "jpeg-cmyk", "png", "png-palette", "png-16", "png-la",
          "png-animated", "gif", "gif-animated", "webp", "webp-lossless", "webp-animated", "bmp",
-         "tiff", "tiff-lzw", "avif")
+         "tiff", "tiff-lzw", *(() if "avif" in MISSING else ("avif",)))
 
 
 def _generate(kind: str, w: int, h: int, orientation: int) -> bytes:
