@@ -32,7 +32,8 @@ no length field and its data may end in the trailer byte by chance, so its block
 trailer (one whole read per GIF). Formats that Pillow opens from a header declaring where the pixel
 data lies are checked against that declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
 top-level boxes must fit in the member (one small read per box), a TIFF's first-page strips or tiles
-(offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height). Other
+(offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height); and a
+still extended (VP8X) WebP's canvas must be the size of its image, or libwebp refuses it. Other
 formats (PPM, QOI, TGA, a raw JPEG 2000 codestream, an RLE BMP, ...) are not end-checked.
 """
 
