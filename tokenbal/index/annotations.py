@@ -215,8 +215,10 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
         done += n
         report(done, max(size, done), "B")
 
+    decoded = 0      # records decoded so far: the number of the one a decode error is in
     try:
         for i, (rec, escapes) in enumerate(iter_json_list(read, PROGRESS_BYTES, on_read)):
+            decoded = i + 1
             key, where = f"{base}[{i}]", f"{path}[{i}]"
             bad = lone_surrogate(rec) if escapes else None
             if bad is not None:
@@ -235,17 +237,19 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
         raise _ParseError(f"annotation file {path} holds a {type(data).__name__}, expected a list of "
                           "records") from None
     except (ValueError, RecursionError) as e:
-        raise _not_json(path, e) from None
+        raise _not_json(path, e, f"record [{decoded}]") from None
     if not done:
         report(0, size, "B")
 
 
-def _not_json(path: str, e: Exception) -> _ParseError:
+def _not_json(path: str, e: Exception, record: str | None = None) -> _ParseError:
     """The file error for what decoding a JSON file raised: not JSON (a decode error, with its place),
-    or JSON Python will not hold (too deep, an integer too long: ``json_error``)."""
+    or JSON Python will not hold (too deep, an integer too long: ``json_error``); ``record``: the
+    list record being decoded when it failed (``"record [12]"``), if known."""
+    at = f", at {record}" if record is not None else ""
     if isinstance(e, (UnicodeDecodeError, json.JSONDecodeError)):
-        return _ParseError(f"annotation file {path} is not valid JSON: {e}")
-    return _ParseError(f"annotation file {path}: {json_error(e)}")
+        return _ParseError(f"annotation file {path} is not valid JSON: {e}{at}")
+    return _ParseError(f"annotation file {path}: {json_error(e)}{at}")
 
 
 def _record_id(rec: object) -> str | None:
