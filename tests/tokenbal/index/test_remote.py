@@ -399,3 +399,24 @@ def test_a_remote_tar_shard_reports_what_a_local_scan_of_it_reports(tmp_path, mo
         seen = []
         build_index([url], tmp_path / f"idx-{mode}", remote=opts, progress=lambda *r: seen.append(r))
         assert [r[1:] for r in seen if r[3] in (HEADERS, "B")] == local
+
+
+def test_a_remote_sample_pass_reads_from_what_was_prefetched(tmp_path):
+    """The ranges prefetched for the sample pass (coalesced, ``inflight`` at once) were found only by
+    the 8 segments fetched last before a read: a long prefetched segment hid behind the header walk's
+    small ones, so nearly every sample was fetched again, one request at a time (1,000 more sequential
+    requests for 2,500 samples). The sample pass now makes only its stretches' prefetch requests."""
+    from tests.tokenbal.index.test_build import big_tar_shard
+    from tokenbal.index.remote import scan_remote_shard
+    from tokenbal.index.scan import HEADERS, PROGRESS_BYTES
+
+    shard, _, _ = big_tar_shard(tmp_path)
+    size = os.path.getsize(shard)
+    with serve(str(tmp_path)) as (base, httpd):
+        listed = []
+        scan = scan_remote_shard(f"{base}/big.tar", FAST, progress=lambda done, total, unit: listed.append(
+            httpd.n) if (unit, done) == (HEADERS, total) else None)
+        assert len(scan.samples) == 2500 and not scan.errors and len(listed) == 1
+        stretches = size // PROGRESS_BYTES + 1
+        # At most two coalesced requests per stretch (one per prefetch, split where the walk cached).
+        assert httpd.n - listed[0] <= 2 * stretches, (httpd.n - listed[0], scan.extra)
