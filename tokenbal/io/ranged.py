@@ -19,6 +19,12 @@ from tokenbal.io.remote import is_url
 
 __all__ = ["ShardReaders", "is_url"]
 
+# The largest remote read made in one request. A larger one (a video, a big image) is read in pieces
+# of this size, each retried on its own and each within the per-request deadline: one request for a
+# GB-sized member would fail whole on any dropped transfer, restart from its first byte each retry,
+# and need more than the 60 s deadline on a link under ~20 MB/s.
+READ_PIECE = 16 << 20
+
 
 class ShardReaders:
     """Per-process LRU of open shards: local file descriptors, or fsspec filesystems for URLs.
@@ -80,13 +86,21 @@ class ShardReaders:
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
             from tokenbal.io.remote import RemoteOptions, range_not_satisfiable, store_call, with_retries
 
-            try:
-                return with_retries(store_call(h, "cat_file", path, start=offset, end=offset + n), shard,
-                                    f"bytes {offset}..{offset + n}", RemoteOptions())
-            except OSError as e:
-                if range_not_satisfiable(e):
-                    return b""     # as a local pread there: the caller words it (a truncated shard)
-                raise
+            opts, pieces, pos, end = RemoteOptions(), [], offset, offset + n
+            while pos < end:
+                stop = min(end, pos + READ_PIECE)
+                try:
+                    data = with_retries(store_call(h, "cat_file", path, start=pos, end=stop), shard,
+                                        f"bytes {pos}..{stop}", opts)
+                except OSError as e:
+                    if not range_not_satisfiable(e):
+                        raise
+                    data = b""     # as a local pread there: the caller words it (a truncated shard)
+                pieces.append(data)
+                if len(data) != stop - pos:
+                    break          # the object ends here (or the store ignored the range): the caller says
+                pos = stop
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
             more = os.pread(h, n - len(data), offset + len(data))
