@@ -192,6 +192,11 @@ def _reported_lines(f, size: int, report: Progress) -> Iterator[bytes]:
         report(done, max(size, done), "B")
 
 
+# A .json file that is not a list is parsed whole to say what it is (a dict, where it is not JSON)
+# only up to this size; a larger one is named by its first character.
+PARSE_WHOLE_BYTES = 64 << 20
+
+
 class _ParseError(Exception):
     """A JSON file is not valid JSON, or not a list: its reason (a file error, as ``json.loads`` of
     the whole file would have found before any record)."""
@@ -226,7 +231,14 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
                 scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
                 continue
             yield key, where, rec
-    except NotAList:
+    except NotAList as e:
+        if size > PARSE_WHOLE_BYTES:
+            # Not parsed whole to say what it is: a multi-GB object (COCO's {"images": [...], ...}), or
+            # JSON Lines named .json, would be held in memory several times over, for one line.
+            what = "a JSON object ('{')" if e.first == "{" else repr(e.first) if e.first else "nothing"
+            raise _ParseError(f"annotation file {path} starts with {what}, not '[': a .json file must hold "
+                              "a list of records (records one per line are JSON Lines: name the file "
+                              ".jsonl)") from None
         # Not a list: parsed whole (what else it is, or where it is not JSON, is its error).
         f.seek(0)
         raw = read(-1)

@@ -339,7 +339,12 @@ _CUT_REACH = 16
 
 
 class NotAList(Exception):
-    """The document does not start with ``[``: the caller parses it whole to say what it is."""
+    """The document does not start with ``[``; ``first`` is the character it starts with (``""`` for
+    an empty document), so the caller can say what it is without parsing it whole."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__(first)
+        self.first = first
 
 
 def iter_json_list(read: Callable[[int], bytes], chunk: int,
@@ -403,7 +408,7 @@ def iter_json_list(read: Callable[[int], bytes], chunk: int,
 
     skip_ws()
     if pos >= len(buf) or buf[pos] != "[":
-        raise NotAList
+        raise NotAList(buf[pos:pos + 1])
     pos += 1
     skip_ws()
     if pos < len(buf) and buf[pos] == "]":

@@ -357,6 +357,37 @@ def test_a_json_list_stops_at_its_damaged_record_without_reading_the_rest(damage
     assert len(items) in (200, 201) and f.read_bytes <= len(head) + chunk
 
 
+@pytest.mark.parametrize("doc", ["coco", "jsonl"])
+def test_a_large_json_file_that_is_no_list_is_named_without_being_parsed_whole(tmp_path, monkeypatch, doc):
+    """A .json file that is not a list was read and parsed whole to say what it is: a COCO-style
+    {"images": [...]} of 132 MB took 600 MB and 1.9 s for one line of error, a multi-GB one the
+    build's memory; JSON Lines named .json the same. Past PARSE_WHOLE_BYTES it is named by its first
+    character, having read one chunk."""
+    from tokenbal.index import annotations
+    from tokenbal.index.annotations import PROGRESS_BYTES, ShardScan, _json_list_records, _ParseError
+
+    assert annotations.PARSE_WHOLE_BYTES >= 16 << 20
+    records = [{"id": i, "caption": "word " * 40} for i in range(2000)]
+    text = json.dumps({"annotations": records}) if doc == "coco" else \
+        "".join(json.dumps(r) + "\n" for r in records)
+    path = tmp_path / "ann.json"
+    path.write_text(text)
+    small = annotations.scan_annotations(str(path))        # small: parsed whole, as before
+    assert small.status == "corrupt" and ("holds a dict" in small.reason if doc == "coco" else
+                                          "is not valid JSON: Extra data: line 2 column 1" in small.reason)
+    monkeypatch.setattr(annotations, "PARSE_WHOLE_BYTES", 64 << 10)
+    scan = annotations.scan_annotations(str(path))
+    assert scan.status == "corrupt" and scan.reason == (
+        f"annotation file {path} starts with a JSON object ('{{'), not '[': a .json file must hold a list "
+        "of records (records one per line are JSON Lines: name the file .jsonl)")
+    # its first PROGRESS_BYTES (one read), then a GiB that must not be read
+    f = _StopsAt((text.encode() + b" " * PROGRESS_BYTES)[:PROGRESS_BYTES], tail_size=1 << 30)
+    with pytest.raises(_ParseError, match="starts with a JSON object"):
+        list(_json_list_records(f, len(f.head) + (1 << 30), str(path), "ann", ShardScan(path=str(path)),
+                                lambda *r: None))
+    assert f.read_bytes <= PROGRESS_BYTES
+
+
 def test_a_damaged_json_list_record_is_a_file_error_naming_its_place_and_record(tmp_path):
     """The file error of a damaged JSON list names the file, the line and column, and the record."""
     from tokenbal.index.annotations import scan_annotations
