@@ -318,6 +318,27 @@ def annotation_records(path: str) -> dict[str, object]:
     return {rename.get(key, key): rec for key, rec in by_place.items()}
 
 
+def jsonl_record_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Every record of the JSONL file at ``path`` as ``(byte offset, length)`` of its line, by the key
+    :func:`annotation_records` gives it: one streamed pass that keeps no record, so a reader holds a
+    few numbers per record instead of every parsed record, and reads a sample's line when asked."""
+    base = os.path.basename(path)
+    scan = ShardScan(path=path)
+    places: list[tuple[int, int]] = []
+
+    def lines() -> Iterator[bytes]:
+        offset = 0
+        with open(path, "rb") as f:
+            for line in f:                      # split at b"\n", as annotation_records splits
+                places.append((offset, len(line)))
+                offset += len(line)
+                yield line
+
+    ids = {key: _record_id(rec) for key, _, rec in _jsonl_records(lines(), path, base, scan)}
+    rename = _id_keys(ids, {e["key"] for e in scan.errors})
+    return {rename.get(key, key): places[int(key.rsplit(":", 1)[1]) - 1] for key in ids}
+
+
 def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:
     scan.status, scan.reason = status, reason
     scan.samples = []
