@@ -316,6 +316,7 @@ class ProcessorDataset(Dataset):
         if path.lower().endswith(".jsonl"):
             spans = self._spans.get(path)
             if spans is None:
+                self._check_unchanged(path)
                 spans = self._spans[path] = jsonl_record_spans(path)
             if key not in spans:
                 raise ValueError(missing)
@@ -325,7 +326,30 @@ class ProcessorDataset(Dataset):
                 return parse_json(f.read(size))
         records = self._records.get(path)
         if records is None:
+            self._check_unchanged(path)
             records = self._records[path] = annotation_records(path)
         if key not in records:
             raise ValueError(missing)
         return records[key]
+
+    def _check_unchanged(self, path: str) -> None:
+        """``ValueError`` when the annotation file at ``path`` is not the one the index was built from
+        (size, or the fingerprint of its first and last MiB): a line added or removed moves every
+        place key (``<file>:<line>``, ``<file>[<i>]``) onto another record, whose text would be
+        tokenized in place of the one the index counted, with no error (as a tar shard's header
+        check guards against for members)."""
+        from tokenbal.index.scan import shard_fingerprint
+
+        entry = next((e for e in self.index.manifest.get("shards", []) if e.get("path") == path), None)
+        if entry is None or entry.get("fingerprint") is None:
+            return
+        size = os.path.getsize(path)
+        if size != entry.get("size"):
+            change = f"size {entry.get('size')} -> {size} bytes"
+        elif shard_fingerprint(path, size) != entry["fingerprint"]:
+            change = f"same size {size} bytes, other content"
+        else:
+            return
+        raise ValueError(f"stale index: annotation file {path} changed since the index was built ({change}); "
+                         "its records' keys may name other records now: run `tokenbal index verify`, then "
+                         "rebuild the index")
