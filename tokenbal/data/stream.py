@@ -75,8 +75,12 @@ def _describe(sample: Any, arrival: int) -> str:
 def _sample_tokens(sample: Any, arrival: int, length_fn: Callable[[Any], Any], max_tokens: int) -> int:
     """``length_fn(sample)`` as a whole number of tokens within the budget, else ``ValueError`` naming
     the sample: a fraction is not floored (a batch of 10.9-token samples would pass a budget it
-    exceeds), and a value that is no number is not int()'s bare complaint."""
-    value = length_fn(sample)
+    exceeds), and a value that is no number is not int()'s bare complaint; nor is what ``length_fn``
+    raises (a sample missing the field it reads) a bare ``KeyError`` from inside a DataLoader worker."""
+    try:
+        value = length_fn(sample)
+    except Exception as e:
+        raise ValueError(f"{_describe(sample, arrival)}: length_fn raised {type(e).__name__}: {e}") from e
     try:
         n = operator.index(value)
     except TypeError:
