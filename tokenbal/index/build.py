@@ -36,7 +36,7 @@ import numpy as np
 from tokenbal.index.annotations import is_annotation_file, scan_annotations
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.parts import part_meta, select_part
-from tokenbal.index.remote import remote_unchanged, scan_remote_shard
+from tokenbal.index.remote import DOWNLOAD, remote_unchanged, scan_remote_shard
 from tokenbal.index.scan import HEADERS, PROGRESS_ROWS, ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
@@ -191,8 +191,8 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     it one per shard being scanned (a tar shard's header walk, then bytes of a tar shard, local or
     remote, or of an annotation file, or rows of a Parquet file, then samples whose text is counted: a
     single multi-GB file moves too), on stderr; ``False``: none; a callable: no bars, each shard's
-    progress reported to it as ``(path, done, total, unit)``, ``unit`` ``"headers"``, ``"B"``,
-    ``"rows"`` or ``"samples"`` (``index_shard``).
+    progress reported to it as ``(path, done, total, unit)``, ``unit`` ``"download"`` (a remote
+    shard read whole), ``"headers"``, ``"B"``, ``"rows"`` or ``"samples"`` (``index_shard``).
     ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
     transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
     policy is recorded in the manifest.
@@ -684,7 +684,8 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
                 progress: Callable[[int, int, str], None] | None = None) -> ShardResult:
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
-    ``progress(done, total, unit)``: the shard's progress: a tar shard's header walk, local or remote
+    ``progress(done, total, unit)``: the shard's progress: a remote tar shard read whole, its download
+    (unit ``"download"``: bytes written, ``remote.DOWNLOAD``); a tar shard's header walk, local or remote
     (unit ``"headers"``: the offset reached of the shard's bytes, ``scan.HEADERS``), bytes of the file
     scanned (unit ``"B"``, a tar shard, local or remote, or an annotation file) or rows (``"rows"``, a
     Parquet file, each row group), then the samples whose text tokens are counted (``"samples"``, every
@@ -1203,7 +1204,8 @@ class _FileBars:
     are counted."""
 
     # report unit -> (bar unit, what the bar's label adds)
-    PHASES = {HEADERS: ("B", " (headers)"), "samples": ("samples", " (tokens)")}
+    PHASES = {DOWNLOAD: ("B", " (download)"), HEADERS: ("B", " (headers)"),
+              "samples": ("samples", " (tokens)")}
 
     def __init__(self) -> None:
         self.bars: dict = {}             # path -> (report unit, bar)

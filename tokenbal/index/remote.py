@@ -68,6 +68,10 @@ from tokenbal.io.remote import (
 )
 from tokenbal.io.tar import header_stamp, walk_members
 
+# The unit of a whole-object download's progress reports (``--remote-read whole``): bytes of the
+# object written to the temporary file, before the local scan's own reports.
+DOWNLOAD = "download"
+
 __all__ = ["expand_url", "missing_urls", "remote_fingerprint", "remote_problems", "remote_unchanged",
            "scan_remote_shard"]
 
@@ -128,7 +132,10 @@ def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exi
         local = os.path.join(tmp, "shard.tar")
         # One download: no per-request deadline (a large object takes long); the total one holds.
         whole = dataclasses.replace(opts, timeout=None)
-        with_retries(store_call(fs, "get_file", path, local), url, "the whole object", whole)
+        extra = {} if progress is None else {"callback": _download_callback(progress, scan.size)}
+        with_retries(store_call(fs, "get_file", path, local, **extra), url, "the whole object", whole)
+        if progress is not None:
+            progress(scan.size, scan.size, DOWNLOAD)
         got = scan_shard(local, prefix, exif, progress)
     got.path, got.extra, got.mtime_ns = url, scan.extra, 0
     if got.size != scan.size:
@@ -141,6 +148,28 @@ def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exi
     if got.reason:
         got.reason = got.reason.replace(local, url)
     return got
+
+
+def _download_callback(progress: Progress, size: int):
+    """An fsspec callback reporting ``(k * PROGRESS_BYTES, size, DOWNLOAD)`` for each multiple of
+    ``PROGRESS_BYTES`` a ``get_file`` has written past: the same reports whatever sizes the transfer
+    arrives in, and none twice when a retried download starts again from 0. fsspec is imported here,
+    not with this module: it is the remote extra's."""
+    from fsspec.callbacks import Callback
+
+    class Downloaded(Callback):
+        mark = PROGRESS_BYTES
+
+        def set_size(self, n):
+            super().set_size(n)
+            self.value = 0            # a new attempt
+
+        def call(self, hook_name=None, **kwargs):
+            while self.mark <= self.value and self.mark < size:
+                progress(self.mark, size, DOWNLOAD)
+                self.mark += PROGRESS_BYTES
+
+    return Downloaded()
 
 
 def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str,
