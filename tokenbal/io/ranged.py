@@ -20,9 +20,9 @@ from tokenbal.io.remote import is_url
 __all__ = ["ShardReaders", "is_url"]
 
 # The largest remote read made in one request. A larger one (a video, a big image) is read in pieces
-# of this size, each retried on its own and each within the per-request deadline: one request for a
-# GB-sized member would fail whole on any dropped transfer, restart from its first byte each retry,
-# and need more than the 60 s deadline on a link under ~20 MB/s.
+# of this size, ``RemoteOptions.inflight`` at a time, each retried on its own and each within the
+# per-request deadline: one request for a GB-sized member would fail whole on any dropped transfer,
+# restart from its first byte each retry, and need more than the 60 s deadline under ~20 MB/s.
 READ_PIECE = 16 << 20
 
 
@@ -86,21 +86,32 @@ class ShardReaders:
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
             from tokenbal.io.remote import RemoteOptions, range_not_satisfiable, store_call, with_retries
 
-            opts, pieces, pos, end = RemoteOptions(), [], offset, offset + n
-            while pos < end:
-                stop = min(end, pos + READ_PIECE)
+            opts = RemoteOptions()
+            end = offset + n
+            spans = [(pos, min(end, pos + READ_PIECE)) for pos in range(offset, end, READ_PIECE)]
+
+            def piece(span: tuple[int, int]) -> bytes:
+                start, stop = span
                 try:
-                    data = with_retries(store_call(h, "cat_file", path, start=pos, end=stop), shard,
-                                        f"bytes {pos}..{stop}", opts)
+                    return with_retries(store_call(h, "cat_file", path, start=start, end=stop), shard,
+                                        f"bytes {start}..{stop}", opts)
                 except OSError as e:
-                    if not range_not_satisfiable(e):
-                        raise
-                    data = b""     # as a local pread there: the caller words it (a truncated shard)
-                pieces.append(data)
-                if len(data) != stop - pos:
-                    break          # the object ends here (or the store ignored the range): the caller says
-                pos = stop
-            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                    if range_not_satisfiable(e):
+                        return b""     # as a local pread there: the caller words it (a truncated shard)
+                    raise
+
+            if len(spans) <= 1:
+                return piece(spans[0]) if spans else b""
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(opts.inflight, len(spans))) as pool:   # pieces in flight together
+                datas = list(pool.map(piece, spans))
+            out = []
+            for (start, stop), data in zip(spans, datas, strict=True):
+                out.append(data)
+                if len(data) != stop - start:
+                    break      # the object ends here (or the store ignored the range): the caller says
+            return b"".join(out)
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
             more = os.pread(h, n - len(data), offset + len(data))
