@@ -85,7 +85,8 @@ def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int =
     The same checks as a local shard: member stamps (each member's tar header checksum and mtime, so
     the reader catches a member rewritten in place), image end markers, the ``exif`` policy.
     ``progress(done, total, unit)``: the reports ``scan_shard`` makes of the same shard, the same
-    calls (the header walk, unit ``HEADERS``, then the samples read, unit ``"B"``)."""
+    calls (the header walk, unit ``HEADERS``, then the samples read, unit ``"B"``); a shard read
+    whole reports its download first (unit ``DOWNLOAD``, each ``PROGRESS_BYTES`` written)."""
     opts = opts or RemoteOptions()
     scan = ShardScan(path=url)
     try:
