@@ -100,12 +100,17 @@ class ShardReaders:
                         return b""     # as a local pread there: the caller words it (a truncated shard)
                     raise
 
-            if len(spans) <= 1:
-                return piece(spans[0]) if spans else b""
+            if not spans:
+                return b""
+            # The first piece alone: a store that ignores ranges (the whole object back) or an object
+            # cut short is seen once, not by every piece in flight.
+            first = piece(spans[0])
+            if len(spans) == 1 or len(first) != spans[0][1] - spans[0][0]:
+                return first
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(min(opts.inflight, len(spans))) as pool:   # pieces in flight together
-                datas = list(pool.map(piece, spans))
+            with ThreadPoolExecutor(min(opts.inflight, len(spans) - 1)) as pool:   # the rest together
+                datas = [first, *pool.map(piece, spans[1:])]
             out = []
             for (start, stop), data in zip(spans, datas, strict=True):
                 out.append(data)

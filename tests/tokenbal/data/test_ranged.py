@@ -184,3 +184,23 @@ def test_a_large_remote_member_is_read_in_pieces_each_retried_on_its_own(tmp_pat
         # each attempt gets the reader's deadlines; a failed piece is retried, not the member
         httpd.fail_at = {httpd.n + 2}
         assert ds[0]["bin"] == big and httpd.failed == 1
+
+
+def test_a_store_ignoring_ranges_sends_a_large_member_once_not_once_per_piece(tmp_path, monkeypatch):
+    """The pieces of a large member go out together; a store that answers a ranged read with the whole
+    object is seen on the first piece alone, not downloaded whole by every piece in flight."""
+    from tests.helpers.corpus import Sample, write_shard
+    from tokenbal import TokenIndex
+    from tokenbal.index import build_index
+    from tokenbal.io import ranged
+
+    # the large member first, so that it is the first read
+    big = Sample("a", raw=[("bin", bytes(3_000_000)), ("txt", b"small")])
+    shard = write_shard(tmp_path / "big.tar", [big])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", progress=False).out)
+    monkeypatch.setattr(ranged, "READ_PIECE", 1 << 20)
+    with serve(str(tmp_path), honour_range=False) as (base, httpd):
+        ds = IndexedShardDataset(idx, decode=None, shards=[f"{base}/big.tar"])
+        with pytest.raises(SampleReadError, match="the server ignored the byte range"):
+            ds[0]
+        assert len(httpd.requests) == 1, httpd.requests
