@@ -168,7 +168,8 @@ class ProcessorDataset(Dataset):
         # Heuristic text counts (no --tokenizer) are estimates: comparing them would flag every sample.
         self.exact_lengths = counter.get("tokenizer") is not None
         self.length_mismatches = 0
-        self._records: dict[str, Any] = {}
+        self._records: dict[str, Any] = {}      # JSON list file -> its records by key
+        self._spans: dict[str, dict] = {}       # JSONL file -> (byte offset, length) of each record
 
     def __len__(self) -> int:
         return len(self.source)
@@ -303,13 +304,52 @@ class ProcessorDataset(Dataset):
 
     def _record(self, path: str, key: str) -> Any:
         """The JSON(L) annotation record of ``key`` (``<file>:<line>``, ``<file>[<i>]`` or the record's
-        ``id``), found as the index build keyed it (:func:`tokenbal.index.annotations.annotation_records`)."""
-        from tokenbal.index.annotations import annotation_records
+        ``id``), found as the index build keyed it (:func:`tokenbal.index.annotations.annotation_records`).
 
+        Every file read stays known, so samples of several files in one batch (a shuffled sampler's)
+        do not re-read a file at each switch: of a JSONL file, where each record's line lies (a few
+        numbers per record; the line is read when asked); a JSON list file, its parsed records."""
+        from tokenbal.index.annotations import annotation_records, jsonl_record_spans
+        from tokenbal.index.text import parse_json
+
+        missing = f"{path}: no record keyed {key!r} (the file changed since the index was built?)"
+        if path.lower().endswith(".jsonl"):
+            spans = self._spans.get(path)
+            if spans is None:
+                self._check_unchanged(path)
+                spans = self._spans[path] = jsonl_record_spans(path)
+            if key not in spans:
+                raise ValueError(missing)
+            offset, size = spans[key]
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return parse_json(f.read(size))
         records = self._records.get(path)
         if records is None:
-            records = annotation_records(path)
-            self._records = {path: records}   # one file at a time: records stay small per worker
+            self._check_unchanged(path)
+            records = self._records[path] = annotation_records(path)
         if key not in records:
-            raise ValueError(f"{path}: no record keyed {key!r} (the file changed since the index was built?)")
+            raise ValueError(missing)
         return records[key]
+
+    def _check_unchanged(self, path: str) -> None:
+        """``ValueError`` when the annotation file at ``path`` is not the one the index was built from
+        (size, or the fingerprint of its first and last MiB): a line added or removed moves every
+        place key (``<file>:<line>``, ``<file>[<i>]``) onto another record, whose text would be
+        tokenized in place of the one the index counted, with no error (as a tar shard's header
+        check guards against for members)."""
+        from tokenbal.index.scan import shard_fingerprint
+
+        entry = next((e for e in self.index.manifest.get("shards", []) if e.get("path") == path), None)
+        if entry is None or entry.get("fingerprint") is None:
+            return
+        size = os.path.getsize(path)
+        if size != entry.get("size"):
+            change = f"size {entry.get('size')} -> {size} bytes"
+        elif shard_fingerprint(path, size) != entry["fingerprint"]:
+            change = f"same size {size} bytes, other content"
+        else:
+            return
+        raise ValueError(f"stale index: annotation file {path} changed since the index was built ({change}); "
+                         "its records' keys may name other records now: run `tokenbal index verify`, then "
+                         "rebuild the index")

@@ -6,11 +6,12 @@ fill a per-rank token budget (``length_fn(sample)`` gives a sample's tokens), be
 buffer. Equal step counts — the thing plain webdataset gets wrong (ranks with more samples keep going
 while the others wait in a collective forever) — come from a fixed ``steps``: every rank yields
 exactly ``steps`` batches per epoch from a source that does not run dry (a resampled / repeated
-shard stream), and ranks agree on ``steps`` with one ``all_reduce(MIN)`` per epoch
+shard stream), and ranks agree on ``steps`` with one collective per epoch
 (:func:`agree_steps`) or from a number fixed in the config. Each rank's own figure can come from a
 dry pass over its shards (``steps=None`` counts the batches the stage makes) or from its shards'
 sample counts × mean tokens ÷ budget. Every rank therefore runs the same number of training steps
-and so the same number of collectives.
+and so the same number of collectives (a rank with no samples at all is an error, not an epoch of 0
+steps on every rank).
 
 Trade-offs of the streaming path against the indexed one:
 
@@ -41,10 +42,14 @@ __all__ = ["BalancedBatches", "agree_steps", "balanced_batches"]
 
 
 def agree_steps(local_steps: int, group: Any = None) -> int:
-    """The smallest ``local_steps`` over all ranks: one ``all_reduce(MIN)``; call it once per epoch on
-    every rank (it is a collective). Without an initialised process group, ``local_steps``. The
+    """The smallest ``local_steps`` over all ranks: one collective (an ``all_gather`` of the counts);
+    call it once per epoch on every rank. Without an initialised process group, ``local_steps``. The
     count travels on the group's own device (:func:`tokenbal.parallel.collective_device`), so an
-    NCCL- or HCCL-only group works as a gloo one does."""
+    NCCL- or HCCL-only group works as a gloo one does.
+
+    ``ValueError`` on every rank when some rank has 0 steps and another has more: a rank with no
+    samples (fewer shards than ranks, an empty shard list) would make every rank train 0 steps this
+    epoch, the other ranks' data skipped without a word."""
     import torch.distributed as dist
 
     from tokenbal.parallel import collective_device
@@ -52,8 +57,16 @@ def agree_steps(local_steps: int, group: Any = None) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return int(local_steps)
     t = torch.tensor([int(local_steps)], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+    counts = [torch.zeros_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(counts, t, group=group)
+    steps = [int(c.item()) for c in counts]
+    if min(steps) == 0 and max(steps) > 0:
+        empty = [r for r, n in enumerate(steps) if n == 0]
+        raise ValueError(f"agree_steps: rank(s) {empty} of {len(steps)} have 0 steps (no samples: fewer "
+                         f"shards than ranks, or an empty shard list?) while others have up to {max(steps)}; "
+                         "every rank would train 0 steps this epoch. Give every rank shards (resample them: "
+                         "wds.ResampledShards) or a steps count fixed in the config")
+    return min(steps)
 
 
 def _worker_share(steps: int) -> tuple[int, int, int]:
@@ -75,8 +88,12 @@ def _describe(sample: Any, arrival: int) -> str:
 def _sample_tokens(sample: Any, arrival: int, length_fn: Callable[[Any], Any], max_tokens: int) -> int:
     """``length_fn(sample)`` as a whole number of tokens within the budget, else ``ValueError`` naming
     the sample: a fraction is not floored (a batch of 10.9-token samples would pass a budget it
-    exceeds), and a value that is no number is not int()'s bare complaint."""
-    value = length_fn(sample)
+    exceeds), and a value that is no number is not int()'s bare complaint; nor is what ``length_fn``
+    raises (a sample missing the field it reads) a bare ``KeyError`` from inside a DataLoader worker."""
+    try:
+        value = length_fn(sample)
+    except Exception as e:
+        raise ValueError(f"{_describe(sample, arrival)}: length_fn raised {type(e).__name__}: {e}") from e
     try:
         n = operator.index(value)
     except TypeError:
@@ -204,7 +221,7 @@ def balanced_batches(max_tokens: int, length_fn: Callable[[dict], int], steps: i
 
     Recipe (every rank)::
 
-        steps = agree_steps(my_estimate)          # one all_reduce(MIN) per epoch, or a config value
+        steps = agree_steps(my_estimate)          # one collective per epoch, or a config value
         pipe = wds.DataPipeline(wds.ResampledShards(my_shards, seed=rank, deterministic=True),
                                 wds.tarfile_to_samples(), wds.decode("pil"),
                                 balanced_batches(max_tokens, length_fn, steps=steps, epoch=epoch))

@@ -192,6 +192,11 @@ def _reported_lines(f, size: int, report: Progress) -> Iterator[bytes]:
         report(done, max(size, done), "B")
 
 
+# A .json file that is not a list is parsed whole to say what it is (a dict, where it is not JSON)
+# only up to this size; a larger one is named by its first character.
+PARSE_WHOLE_BYTES = 64 << 20
+
+
 class _ParseError(Exception):
     """A JSON file is not valid JSON, or not a list: its reason (a file error, as ``json.loads`` of
     the whole file would have found before any record)."""
@@ -215,8 +220,10 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
         done += n
         report(done, max(size, done), "B")
 
+    decoded = 0      # records decoded so far: the number of the one a decode error is in
     try:
         for i, (rec, escapes) in enumerate(iter_json_list(read, PROGRESS_BYTES, on_read)):
+            decoded = i + 1
             key, where = f"{base}[{i}]", f"{path}[{i}]"
             bad = lone_surrogate(rec) if escapes else None
             if bad is not None:
@@ -224,7 +231,14 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
                 scan.errors.append({"shard": path, "key": key, "reason": f"{where}: {surrogate_reason(bad)}"})
                 continue
             yield key, where, rec
-    except NotAList:
+    except NotAList as e:
+        if size > PARSE_WHOLE_BYTES:
+            # Not parsed whole to say what it is: a multi-GB object (COCO's {"images": [...], ...}), or
+            # JSON Lines named .json, would be held in memory several times over, for one line.
+            what = "a JSON object ('{')" if e.first == "{" else repr(e.first) if e.first else "nothing"
+            raise _ParseError(f"annotation file {path} starts with {what}, not '[': a .json file must hold "
+                              "a list of records (records one per line are JSON Lines: name the file "
+                              ".jsonl)") from None
         # Not a list: parsed whole (what else it is, or where it is not JSON, is its error).
         f.seek(0)
         raw = read(-1)
@@ -235,17 +249,19 @@ def _json_list_records(f, size: int, path: str, base: str, scan: ShardScan, repo
         raise _ParseError(f"annotation file {path} holds a {type(data).__name__}, expected a list of "
                           "records") from None
     except (ValueError, RecursionError) as e:
-        raise _not_json(path, e) from None
+        raise _not_json(path, e, f"record [{decoded}]") from None
     if not done:
         report(0, size, "B")
 
 
-def _not_json(path: str, e: Exception) -> _ParseError:
+def _not_json(path: str, e: Exception, record: str | None = None) -> _ParseError:
     """The file error for what decoding a JSON file raised: not JSON (a decode error, with its place),
-    or JSON Python will not hold (too deep, an integer too long: ``json_error``)."""
+    or JSON Python will not hold (too deep, an integer too long: ``json_error``); ``record``: the
+    list record being decoded when it failed (``"record [12]"``), if known."""
+    at = f", at {record}" if record is not None else ""
     if isinstance(e, (UnicodeDecodeError, json.JSONDecodeError)):
-        return _ParseError(f"annotation file {path} is not valid JSON: {e}")
-    return _ParseError(f"annotation file {path}: {json_error(e)}")
+        return _ParseError(f"annotation file {path} is not valid JSON: {e}{at}")
+    return _ParseError(f"annotation file {path}: {json_error(e)}{at}")
 
 
 def _record_id(rec: object) -> str | None:
@@ -300,6 +316,27 @@ def annotation_records(path: str) -> dict[str, object]:
     unparsed = {e["key"] for e in scan.errors}
     rename = _id_keys({key: _record_id(rec) for key, rec in by_place.items()}, unparsed)
     return {rename.get(key, key): rec for key, rec in by_place.items()}
+
+
+def jsonl_record_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Every record of the JSONL file at ``path`` as ``(byte offset, length)`` of its line, by the key
+    :func:`annotation_records` gives it: one streamed pass that keeps no record, so a reader holds a
+    few numbers per record instead of every parsed record, and reads a sample's line when asked."""
+    base = os.path.basename(path)
+    scan = ShardScan(path=path)
+    places: list[tuple[int, int]] = []
+
+    def lines() -> Iterator[bytes]:
+        offset = 0
+        with open(path, "rb") as f:
+            for line in f:                      # split at b"\n", as annotation_records splits
+                places.append((offset, len(line)))
+                offset += len(line)
+                yield line
+
+    ids = {key: _record_id(rec) for key, _, rec in _jsonl_records(lines(), path, base, scan)}
+    rename = _id_keys(ids, {e["key"] for e in scan.errors})
+    return {rename.get(key, key): places[int(key.rsplit(":", 1)[1]) - 1] for key in ids}
 
 
 def _file_error(scan: ShardScan, status: str, reason: str) -> ShardScan:

@@ -36,8 +36,8 @@ import numpy as np
 from tokenbal.index.annotations import is_annotation_file, scan_annotations
 from tokenbal.index.parquet import ParquetOptions, is_parquet, scan_parquet
 from tokenbal.index.parts import part_meta, select_part
-from tokenbal.index.remote import remote_unchanged, scan_remote_shard
-from tokenbal.index.scan import PROGRESS_ROWS, ShardScan, scan_shard, shard_fingerprint
+from tokenbal.index.remote import DOWNLOAD, remote_unchanged, scan_remote_shard
+from tokenbal.index.scan import HEADERS, PROGRESS_ROWS, ShardScan, scan_shard, shard_fingerprint
 from tokenbal.index.sources import expand_sources
 from tokenbal.index.store import (
     COLUMNS,
@@ -188,10 +188,11 @@ def build_index(sources: Sequence[str] | str, out: str | os.PathLike, model: str
     pick the vision estimator (``tokenbal.estimate.get_estimator``); ``tokenizer`` a
     ``tokenizer.json`` (or its folder) for exact text counts, else the heuristic counter.
     ``workers`` > 1 scans shards in that many processes. ``progress``: a bar of the shards, and under
-    it one per shard being scanned (bytes of a local tar shard or annotation file, or rows of a Parquet
-    file, then samples whose text is counted: a single multi-GB file moves too), on stderr;
-    ``False``: none; a callable: no bars, each shard's progress reported to it as
-    ``(path, done, total, unit)``, ``unit`` ``"B"``, ``"rows"`` or ``"samples"`` (``index_shard``).
+    it one per shard being scanned (a tar shard's header walk, then bytes of a tar shard, local or
+    remote, or of an annotation file, or rows of a Parquet file, then samples whose text is counted: a
+    single multi-GB file moves too), on stderr; ``False``: none; a callable: no bars, each shard's
+    progress reported to it as ``(path, done, total, unit)``, ``unit`` ``"download"`` (a remote
+    shard read whole), ``"headers"``, ``"B"``, ``"rows"`` or ``"samples"`` (``index_shard``).
     ``exif``: ``"transpose"`` (default) counts each image at its size after EXIF orientation, as
     transformers' ``load_image`` and tokenbal's reader give it; ``"ignore"`` at its stored size. The
     policy is recorded in the manifest.
@@ -683,9 +684,12 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
                 progress: Callable[[int, int, str], None] | None = None) -> ShardResult:
     """Scan one shard (or annotation / Parquet file, local or remote) and count its tokens with
     ``est`` and ``counter``; ``exif``: the orientation policy for image sizes (``build_index``);
-    ``progress(done, total, unit)``: the shard's progress: bytes of the file scanned (unit ``"B"``,
-    a local tar shard or annotation file) or rows (``"rows"``, a Parquet file, each row group), then
-    the samples whose text tokens are counted (``"samples"``, every ``PROGRESS_ROWS`` and at the end)."""
+    ``progress(done, total, unit)``: the shard's progress: a remote tar shard read whole, its download
+    (unit ``"download"``: bytes written, ``remote.DOWNLOAD``); a tar shard's header walk, local or remote
+    (unit ``"headers"``: the offset reached of the shard's bytes, ``scan.HEADERS``), bytes of the file
+    scanned (unit ``"B"``, a tar shard, local or remote, or an annotation file) or rows (``"rows"``, a
+    Parquet file, each row group), then the samples whose text tokens are counted (``"samples"``, every
+    ``PROGRESS_ROWS`` and at the end). Reports are counts, never timed: the same on every run."""
     if is_parquet(path):
         scan = scan_parquet(path, parquet, remote, exif=exif, progress=progress)
     elif is_url(path) and is_annotation_file(path):
@@ -697,7 +701,7 @@ def index_shard(path: str, est: VisionEstimator, counter: TextCounter,
         scan = ShardScan(path=path, status="unreadable", reason=reason,
                          errors=[{"shard": path, "key": None, "reason": reason}])
     elif is_url(path):
-        scan = scan_remote_shard(path, remote, exif=exif)
+        scan = scan_remote_shard(path, remote, exif=exif, progress=progress)
     else:
         scan = (scan_annotations(path, image_root, exif=exif, progress=progress) if is_annotation_file(path)
                 else scan_shard(path, exif=exif, progress=progress))
@@ -1200,11 +1204,16 @@ def _progress(results: Iterator[ShardResult], total: int, enabled: bool,
 
 
 class _FileBars:
-    """A bar under the shard bar for each shard being scanned: bytes consumed (a tar shard, a JSON
-    or JSONL file), then samples whose text tokens are counted."""
+    """A bar under the shard bar for each shard being scanned: a tar shard's header walk (bytes of the
+    shard listed), bytes consumed (a tar shard, a JSON or JSONL file), then samples whose text tokens
+    are counted."""
+
+    # report unit -> (bar unit, what the bar's label adds)
+    PHASES = {DOWNLOAD: ("B", " (download)"), HEADERS: ("B", " (headers)"),
+              "samples": ("samples", " (tokens)")}
 
     def __init__(self) -> None:
-        self.bars: dict = {}
+        self.bars: dict = {}             # path -> (report unit, bar)
         self.finished: set[str] = set()
         self.lock = threading.Lock()     # in-process scans may report from threads
 
@@ -1214,30 +1223,31 @@ class _FileBars:
         with self.lock:
             if path in self.finished:
                 return                   # a late report of a file whose result is in
-            bar = self.bars.get(path)
-            if (bar is None or bar.unit != unit) and done >= total:
+            phase, bar = self.bars.get(path, (None, None))
+            if (bar is None or phase != unit) and done >= total:
                 if bar is not None:
                     bar.update(bar.total - bar.n)
                 return                   # a phase done in one report (a small file): no bar to flash
-            if bar is None or bar.unit != unit:
+            if bar is None or phase != unit:
                 if bar is not None:
                     bar.close()
-                phase = " (tokens)" if unit == "samples" else ""
-                bar = self.bars[path] = tqdm(total=total, unit=unit, unit_scale=unit == "B", leave=False,
-                                             desc=f"  {os.path.basename(path)}{phase}")
+                shown, label = self.PHASES.get(unit, (unit, ""))
+                bar = tqdm(total=total, unit=shown, unit_scale=shown == "B", leave=False,
+                           desc=f"  {os.path.basename(path)}{label}")
+                self.bars[path] = (unit, bar)
             bar.total = max(total, done)
             bar.update(done - bar.n)
 
     def finish(self, path: str) -> None:
         with self.lock:
             self.finished.add(path)
-            bar = self.bars.pop(path, None)
+            _, bar = self.bars.pop(path, (None, None))
             if bar is not None:
                 bar.close()
 
     def close(self) -> None:
         with self.lock:
-            for bar in self.bars.values():
+            for _, bar in self.bars.values():
                 bar.close()
             self.bars.clear()
 

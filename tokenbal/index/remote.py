@@ -41,12 +41,17 @@ from tokenbal.index.imagesize import FIRST_READ, PREFIX_BYTES, tail_bytes
 from tokenbal.index.scan import (
     COMPRESSED_MAGIC,
     FINGERPRINT_SPAN,
+    HEADERS,
+    PROGRESS_BYTES,
+    Progress,
+    ProgressMarks,
     ShardScan,
     check_tail,
     group_members,
     headers_digest,
     member_kind,
     read_sample,
+    run_end,
     scan_shard,
     shard_error,
 )
@@ -63,6 +68,10 @@ from tokenbal.io.remote import (
 )
 from tokenbal.io.tar import header_stamp, walk_members
 
+# The unit of a whole-object download's progress reports (``--remote-read whole``): bytes of the
+# object written to the temporary file, before the local scan's own reports.
+DOWNLOAD = "download"
+
 __all__ = ["expand_url", "missing_urls", "remote_fingerprint", "remote_problems", "remote_unchanged",
            "scan_remote_shard"]
 
@@ -70,11 +79,14 @@ __all__ = ["expand_url", "missing_urls", "remote_fingerprint", "remote_problems"
 
 
 def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int = PREFIX_BYTES,
-                      exif: str = "ignore") -> ShardScan:
+                      exif: str = "ignore", progress: Progress | None = None) -> ShardScan:
     """``scan.scan_shard`` for a remote tar shard (see the module docstring); never raises for bad
     data or an unreachable object: those end up in ``.status`` / ``.reason`` and ``.errors``.
     The same checks as a local shard: member stamps (each member's tar header checksum and mtime, so
-    the reader catches a member rewritten in place), image end markers, the ``exif`` policy."""
+    the reader catches a member rewritten in place), image end markers, the ``exif`` policy.
+    ``progress(done, total, unit)``: the reports ``scan_shard`` makes of the same shard, the same
+    calls (the header walk, unit ``HEADERS``, then the samples read, unit ``"B"``); a shard read
+    whole reports its download first (unit ``DOWNLOAD``, each ``PROGRESS_BYTES`` written)."""
     opts = opts or RemoteOptions()
     scan = ShardScan(path=url)
     try:
@@ -83,13 +95,13 @@ def scan_remote_shard(url: str, opts: RemoteOptions | None = None, prefix: int =
         scan.extra = {"etag": info["etag"], "remote_mtime": info["remote_mtime"]}
         if opts.mode != "whole":
             try:
-                return _scan_ranges(url, scan, opts, prefix, exif)
+                return _scan_ranges(url, scan, opts, prefix, exif, progress)
             except RangesIgnored:
                 if opts.mode == "ranges":
                     raise RemoteReadError(f"{url}: the server ignores byte ranges (it sent more bytes than "
                                           "asked); use the 'whole' or 'auto' read mode") from None
                 scan = ShardScan(path=url, size=scan.size, extra=scan.extra)
-        return _scan_whole(url, scan, opts, prefix, exif)
+        return _scan_whole(url, scan, opts, prefix, exif, progress)
     except FileNotFoundError as e:
         shard_error(scan, "missing", f"shard not found: {url}: {e}")
     except PermissionError as e:
@@ -114,14 +126,18 @@ def remote_fingerprint(rf: RemoteFile) -> str:
     return "blake2b:" + h.hexdigest()
 
 
-def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str) -> ShardScan:
+def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str,
+                progress: Progress | None = None) -> ShardScan:
     fs, path = filesystem(url, opts.storage_options)
     with tempfile.TemporaryDirectory(prefix="tokenbal-shard-") as tmp:
         local = os.path.join(tmp, "shard.tar")
         # One download: no per-request deadline (a large object takes long); the total one holds.
         whole = dataclasses.replace(opts, timeout=None)
-        with_retries(store_call(fs, "get_file", path, local), url, "the whole object", whole)
-        got = scan_shard(local, prefix, exif)
+        extra = {} if progress is None else {"callback": _download_callback(progress, scan.size)}
+        with_retries(store_call(fs, "get_file", path, local, **extra), url, "the whole object", whole)
+        if progress is not None:
+            progress(scan.size, scan.size, DOWNLOAD)
+        got = scan_shard(local, prefix, exif, progress)
     got.path, got.extra, got.mtime_ns = url, scan.extra, 0
     if got.size != scan.size:
         raise RemoteReadError(f"{url}: downloaded {got.size} bytes, the store says {scan.size}; "
@@ -135,37 +151,86 @@ def _scan_whole(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exi
     return got
 
 
-def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str) -> ShardScan:
+def _download_callback(progress: Progress, size: int):
+    """An fsspec callback reporting ``(k * PROGRESS_BYTES, size, DOWNLOAD)`` for each multiple of
+    ``PROGRESS_BYTES`` a ``get_file`` has written past: the same reports whatever sizes the transfer
+    arrives in, and none twice when a retried download starts again from 0. fsspec is imported here,
+    not with this module: it is the remote extra's."""
+    from fsspec.callbacks import Callback
+
+    class Downloaded(Callback):
+        mark = PROGRESS_BYTES
+
+        def set_size(self, n):
+            super().set_size(n)
+            self.value = 0            # a new attempt
+
+        def call(self, hook_name=None, **kwargs):
+            while self.mark <= self.value and self.mark < size:
+                progress(self.mark, size, DOWNLOAD)
+                self.mark += PROGRESS_BYTES
+
+    return Downloaded()
+
+
+def _scan_ranges(url: str, scan: ShardScan, opts: RemoteOptions, prefix: int, exif: str,
+                 progress: Progress | None = None) -> ShardScan:
     rf = RemoteFile(url, scan.size, opts)
     if scan.size == 0:
         shard_error(scan, "empty", "shard is an empty (0-byte) file")
         return _finish(scan)
     scan.fingerprint = remote_fingerprint(rf)
-    members = _list_members(rf, scan)
+    listing = ProgressMarks(progress, scan.size, HEADERS)
+    members = _list_members(rf, scan, listing)
     if scan.status == "ok":
         check_tail(rf.pread, scan)
     if scan.status == "ok":
+        listing.end()
         scan.headers_digest = headers_digest(members)
-        runs = group_members(members, scan)
-        # What the sample pass will read, fetched together: image heads and whole text members.
-        want = []
-        for _, run in runs:
-            for ti in run:
-                kind = member_kind(ti.name.rsplit("/", 1)[-1].split(".", 1)[-1]) if ti.isfile() else ""
-                if kind == "image":
-                    want.append((ti.offset_data, ti.offset_data + min(ti.size, FIRST_READ, prefix)))
-                    # the end-marker check reads the last bytes (imagesize.tail_bytes says how many)
-                    tail = min(ti.size, tail_bytes(ti.name))
-                    want.append((ti.offset_data + ti.size - tail, ti.offset_data + ti.size))
-                elif kind == "text":
-                    want.append((ti.offset_data, ti.offset_data + ti.size))
-        rf.prefetch(want)
-        for key, run in runs:
-            sample = read_sample(rf, key, run, scan, prefix, exif)
-            if sample is not None:
-                scan.samples.append(sample)
+        read = ProgressMarks(progress, scan.size, "B")
+        # What the sample pass reads is fetched ahead, a stretch of PROGRESS_BYTES of the shard at a
+        # time (image heads and whole text members, ``inflight`` requests at once), then read from
+        # the cache and reported as a local scan reports it: a multi-GB shard is not silent until
+        # its last range arrives.
+        for stretch in _stretches(group_members(members, scan)):
+            rf.prefetch(_wanted(stretch, prefix))
+            for key, run in stretch:
+                sample = read_sample(rf, key, run, scan, prefix, exif)
+                if sample is not None:
+                    scan.samples.append(sample)
+                read.at(run_end(run))
+        read.end()
     scan.extra = {**scan.extra, "n_requests": rf.requests, "bytes_read": rf.bytes_read}
     return _finish(scan)
+
+
+def _stretches(runs: list) -> list[list]:
+    """The samples cut where ``ProgressMarks`` reports (after the sample whose end is ``PROGRESS_BYTES``
+    or more past the last report), so each stretch is fetched, then read and reported."""
+    out: list[list] = [[]]
+    last = 0
+    for key, run in runs:
+        out[-1].append((key, run))
+        if run_end(run) - last >= PROGRESS_BYTES:
+            last = run_end(run)
+            out.append([])
+    return [s for s in out if s]
+
+
+def _wanted(runs: list, prefix: int) -> list[tuple[int, int]]:
+    """The byte ranges the sample pass reads of these samples: image heads and tails (the end-marker
+    check, ``imagesize.tail_bytes``) and whole text members."""
+    want = []
+    for _, run in runs:
+        for ti in run:
+            kind = member_kind(ti.name.rsplit("/", 1)[-1].split(".", 1)[-1]) if ti.isfile() else ""
+            if kind == "image":
+                want.append((ti.offset_data, ti.offset_data + min(ti.size, FIRST_READ, prefix)))
+                tail = min(ti.size, tail_bytes(ti.name))
+                want.append((ti.offset_data + ti.size - tail, ti.offset_data + ti.size))
+            elif kind == "text":
+                want.append((ti.offset_data, ti.offset_data + ti.size))
+    return want
 
 
 def _finish(scan: ShardScan) -> ShardScan:
@@ -175,14 +240,14 @@ def _finish(scan: ShardScan) -> ShardScan:
     return scan
 
 
-def _list_members(rf: RemoteFile, scan: ShardScan) -> list:
+def _list_members(rf: RemoteFile, scan: ShardScan, listing: ProgressMarks) -> list:
     magic = rf.pread(6, 0)
     for sig, name in COMPRESSED_MAGIC.items():
         if magic.startswith(sig):
             shard_error(scan, "corrupt", f"shard is {name}-compressed; only uncompressed tar shards can be "
                                           "indexed for random access (decompress it first)")
             return []
-    fast = walk_members(rf, scan.size)
+    fast = walk_members(rf, scan.size, listing.at, PROGRESS_BYTES)
     if fast is not None:
         members, scan.end_of_members = fast
     else:
@@ -192,6 +257,7 @@ def _list_members(rf: RemoteFile, scan: ShardScan) -> list:
                 try:
                     for ti in tf:
                         members.append(ti)
+                        listing.at(ti.offset)
                 finally:
                     scan.end_of_members = tf.offset
         except tarfile.TarError as e:

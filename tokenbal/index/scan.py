@@ -63,9 +63,29 @@ FINGERPRINT_SPAN = 1 << 20
 # Counts, not the clock: the reports of a file are the same on every run.
 PROGRESS_BYTES = 4 << 20
 PROGRESS_ROWS = 2000
-# (done, total, unit): unit "B" (bytes of the file), "rows" (of a Parquet file) or "samples" (whose
-# text tokens are counted)
+# (done, total, unit): unit "B" (bytes of the file), "rows" (of a Parquet file), "samples" (whose
+# text tokens are counted) or HEADERS (a tar shard's member listing: done is the offset of the header
+# the walk reached, total the shard's bytes; the listing comes before the shard's "B" reports)
 Progress = Callable[[int, int, str], None]
+HEADERS = "headers"
+
+
+class ProgressMarks:
+    """One phase's reports of one file: ``progress(done, total, unit)`` each time ``done`` passes
+    ``PROGRESS_BYTES`` more (``at``), and ``(total, total, unit)`` at the end (``end``). A count, not a
+    clock; ``done`` never goes back (a listing restarted by ``tarfile`` reports only past the walk)."""
+
+    def __init__(self, progress: Progress | None, total: int, unit: str) -> None:
+        self.progress, self.total, self.unit, self.reported = progress, total, unit, 0
+
+    def at(self, done: int) -> None:
+        if self.progress is not None and done - self.reported >= PROGRESS_BYTES:
+            self.progress(done, self.total, self.unit)
+            self.reported = done
+
+    def end(self) -> None:
+        if self.progress is not None:
+            self.progress(self.total, self.total, self.unit)
 _EOF_BLOCKS = 1024   # a tar ends with two 512-byte zero blocks
 COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
 
@@ -196,17 +216,21 @@ def scan_shard(path: str, prefix: int = PREFIX_BYTES, exif: str = "ignore",
     """Scan the shard at ``path`` (see the module docstring for the rules). Never raises for bad
     data or a missing/unreadable file: those end up in ``.status``/``.reason`` and ``.errors``.
     ``exif``: the orientation policy for image sizes (``imagesize.read_image_size``).
-    ``progress(done, total, "B")`` is called as the samples are read: ``done`` the end of the last
-    sample read in the shard's bytes, every ``PROGRESS_BYTES`` of them, and (size, size) at the end."""
+    ``progress(done, total, unit)`` is called as the members are listed (unit ``HEADERS``: ``done`` the
+    offset of the header reached, every ``PROGRESS_BYTES`` of the shard, and (size, size) once the
+    listing is complete), then as the samples are read (unit ``"B"``: ``done`` the end of the last
+    sample read, every ``PROGRESS_BYTES`` of the shard, and (size, size) at the end)."""
     scan = ShardScan(path=path)
     try:
         st = regular_file_stat(path)
         scan.size, scan.mtime_ns = st.st_size, st.st_mtime_ns
         scan.fingerprint = shard_fingerprint(path, st.st_size)
-        members = _list_members(path, scan)
+        listing = ProgressMarks(progress, scan.size, HEADERS)
+        members = _list_members(path, scan, listing)
         if scan.status == "ok":
             _check_tail(path, scan)
         if scan.status == "ok":
+            listing.end()
             scan.headers_digest = headers_digest(members)
             _read_samples(path, members, scan, prefix, exif, progress)
     except FileNotFoundError as e:
@@ -224,7 +248,8 @@ def shard_error(scan: ShardScan, status: str, reason: str) -> None:
     scan.errors.append({"shard": scan.path, "key": None, "reason": reason})
 
 
-def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
+def _list_members(path: str, scan: ShardScan, listing: ProgressMarks | None = None) -> list[AnyMember]:
+    listing = listing or ProgressMarks(None, scan.size, HEADERS)
     if scan.size == 0:
         shard_error(scan, "empty", "shard is an empty (0-byte) file")
         return []
@@ -237,7 +262,7 @@ def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
             return []
     fd = os.open(path, os.O_RDONLY)
     try:
-        fast = walk_members(fd, scan.size)
+        fast = walk_members(fd, scan.size, listing.at, PROGRESS_BYTES)
     finally:
         os.close(fd)
     if fast is not None:
@@ -246,7 +271,7 @@ def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
         if not members:
             shard_error(scan, "empty", "shard is a valid tar with no members")
         return members
-    members = _list_with_tarfile(path, scan)
+    members = _list_with_tarfile(path, scan, listing)
     if scan.status == "ok":
         # tarfile's TarInfo.mtime may come from a PAX record; the stamp is the ustar header's own.
         fd = os.open(path, os.O_RDONLY)
@@ -258,7 +283,7 @@ def _list_members(path: str, scan: ShardScan) -> list[AnyMember]:
     return members
 
 
-def _list_with_tarfile(path: str, scan: ShardScan) -> list[AnyMember]:
+def _list_with_tarfile(path: str, scan: ShardScan, listing: ProgressMarks) -> list[AnyMember]:
     # Anything unusual (a bad header, a truncation, exotic member types): tarfile judges it.
     members: list[AnyMember] = []
     try:
@@ -266,6 +291,7 @@ def _list_with_tarfile(path: str, scan: ShardScan) -> list[AnyMember]:
             try:
                 for ti in tf:
                     members.append(ti)
+                    listing.at(ti.offset)
             finally:
                 scan.end_of_members = tf.offset
     except tarfile.TarError as e:
@@ -312,21 +338,21 @@ def _read_samples(path: str, members: list[AnyMember], scan: ShardScan, prefix: 
                   progress: Progress | None = None) -> None:
     runs = group_members(members, scan)
     fd = os.open(path, os.O_RDONLY)
-    reported = 0
+    read = ProgressMarks(progress, scan.size, "B")
     try:
         for key, run in runs:
             sample = read_sample(fd, key, run, scan, prefix, exif)
             if sample is not None:
                 scan.samples.append(sample)
-            if progress is not None:
-                done = run[-1].offset_data + run[-1].size
-                if done - reported >= PROGRESS_BYTES:
-                    progress(done, scan.size, "B")
-                    reported = done
+            read.at(run_end(run))
     finally:
         os.close(fd)
-    if progress is not None:
-        progress(scan.size, scan.size, "B")
+    read.end()
+
+
+def run_end(run: list[AnyMember]) -> int:
+    """The shard offset where a sample's members end (its progress mark)."""
+    return run[-1].offset_data + run[-1].size
 
 
 def group_members(members: list[AnyMember], scan: ShardScan) -> list[tuple[str, list[AnyMember]]]:

@@ -331,11 +331,20 @@ def chat_messages(obj: object) -> list[dict] | None:
 # --- a JSON list, item by item ----------------------------------------------------------------
 
 _JSON_WS = re.compile(r"[ \t\n\r]*")
-_SURROGATE_ESCAPE_TEXT = re.compile(r"\\u[dD][89a-fA-F]")
+# How far before the end of what was read a decode error (or the end of a value) may be and still
+# come from the cut rather than the text: the longest token a cut leaves undecidable is 8 characters
+# ("-Infinit", found by decoding every prefix of many documents); an error further back is damage,
+# and more text cannot change it. An unterminated string is the one error reported at its start.
+_CUT_REACH = 16
 
 
 class NotAList(Exception):
-    """The document does not start with ``[``: the caller parses it whole to say what it is."""
+    """The document does not start with ``[``; ``first`` is the character it starts with (``""`` for
+    an empty document), so the caller can say what it is without parsing it whole."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__(first)
+        self.first = first
 
 
 def iter_json_list(read: Callable[[int], bytes], chunk: int,
@@ -399,7 +408,7 @@ def iter_json_list(read: Callable[[int], bytes], chunk: int,
 
     skip_ws()
     if pos >= len(buf) or buf[pos] != "[":
-        raise NotAList
+        raise NotAList(buf[pos:pos + 1])
     pos += 1
     skip_ws()
     if pos < len(buf) and buf[pos] == "]":
@@ -410,13 +419,17 @@ def iter_json_list(read: Callable[[int], bytes], chunk: int,
                 try:
                     value, end = scan(buf, pos)
                 except json.JSONDecodeError as e:
-                    if more():
+                    # Read on only where the cut may be the cause: damage further back raises here,
+                    # at the damaged record, without reading the rest of the file.
+                    cut = e.msg.startswith("Unterminated string") or e.pos >= len(buf) - _CUT_REACH
+                    if cut and more():
                         continue
                     raise error(e.msg, e.pos, e.lineno, e.colno) from None
                 # Taken once the delimiter after it is read: a number cut by the end of what was read
-                # ("-2.5" of "-2.5e3") decodes too.
+                # ("-2.5" of "-2.5e3") decodes too. Something else well before the end is no delimiter
+                # and never becomes one: the "Expecting ',' delimiter" below, without reading on.
                 after = _JSON_WS.match(buf, end).end()
-                if (after < len(buf) and buf[after] in ",]") or not more():
+                if (after < len(buf) and buf[after] in ",]") or after < len(buf) - _CUT_REACH or not more():
                     break
             yield value, _SURROGATE_ESCAPE_TEXT.search(buf, pos, end) is not None
             pos = end

@@ -19,6 +19,12 @@ from tokenbal.io.remote import is_url
 
 __all__ = ["ShardReaders", "is_url"]
 
+# The largest remote read made in one request. A larger one (a video, a big image) is read in pieces
+# of this size, ``RemoteOptions.inflight`` at a time, each retried on its own and each within the
+# per-request deadline: one request for a GB-sized member would fail whole on any dropped transfer,
+# restart from its first byte each retry, and need more than the 60 s deadline under ~20 MB/s.
+READ_PIECE = 16 << 20
+
 
 class ShardReaders:
     """Per-process LRU of open shards: local file descriptors, or fsspec filesystems for URLs.
@@ -80,13 +86,37 @@ class ShardReaders:
             # a store that stops answering ends in an error naming the URL, not a hung DataLoader.
             from tokenbal.io.remote import RemoteOptions, range_not_satisfiable, store_call, with_retries
 
-            try:
-                return with_retries(store_call(h, "cat_file", path, start=offset, end=offset + n), shard,
-                                    f"bytes {offset}..{offset + n}", RemoteOptions())
-            except OSError as e:
-                if range_not_satisfiable(e):
-                    return b""     # as a local pread there: the caller words it (a truncated shard)
-                raise
+            opts = RemoteOptions()
+            end = offset + n
+            spans = [(pos, min(end, pos + READ_PIECE)) for pos in range(offset, end, READ_PIECE)]
+
+            def piece(span: tuple[int, int]) -> bytes:
+                start, stop = span
+                try:
+                    return with_retries(store_call(h, "cat_file", path, start=start, end=stop), shard,
+                                        f"bytes {start}..{stop}", opts)
+                except OSError as e:
+                    if range_not_satisfiable(e):
+                        return b""     # as a local pread there: the caller words it (a truncated shard)
+                    raise
+
+            if not spans:
+                return b""
+            # The first piece alone: a store that ignores ranges (the whole object back) or an object
+            # cut short is seen once, not by every piece in flight.
+            first = piece(spans[0])
+            if len(spans) == 1 or len(first) != spans[0][1] - spans[0][0]:
+                return first
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(opts.inflight, len(spans) - 1)) as pool:   # the rest together
+                datas = [first, *pool.map(piece, spans[1:])]
+            out = []
+            for (start, stop), data in zip(spans, datas, strict=True):
+                out.append(data)
+                if len(data) != stop - start:
+                    break      # the object ends here (or the store ignored the range): the caller says
+            return b"".join(out)
         data = os.pread(h, n, offset)
         while len(data) < n:          # one pread may return less (e.g. > 2 GiB on Linux)
             more = os.pread(h, n - len(data), offset + len(data))

@@ -256,18 +256,43 @@ def object_info(url: str, opts: RemoteOptions) -> dict:
             "remote_mtime": None if mtime is None else str(mtime)}
 
 
+class _Segments:
+    """Fetched byte ranges of one object, sorted by start; ``get`` looks at the 8 starting last at or
+    before the offset (segments of one kind are few there)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.segs: list[bytes] = []
+
+    def add(self, start: int, data: bytes) -> None:
+        j = bisect.bisect_left(self.starts, start)
+        self.starts.insert(j, start)
+        self.segs.insert(j, data)
+
+    def get(self, n: int, offset: int) -> bytes | None:
+        j = bisect.bisect_right(self.starts, offset)
+        for k in range(j - 1, max(-1, j - 9), -1):
+            s, seg = self.starts[k], self.segs[k]
+            if offset + n <= s + len(seg):
+                return seg[offset - s:offset - s + n]
+        return None
+
+
 class RemoteFile:
     """Ranged reads of one object with a cache of the fetched segments (kept for one shard scan).
 
     ``pread(n, offset)`` serves from the cache, else fetches ``[offset, offset + max(n, chunk))``;
     ``prefetch(ranges)`` fetches many ranges at once, coalesced, ``inflight`` requests at a time.
+    The two are cached apart: a coalesced range is long (a stretch of a shard), and among the
+    ``chunk``-sized segments the header walk leaves every few members it would start too far back
+    to be found, so the sample pass would fetch again, one request at a time, what was prefetched.
     """
 
     def __init__(self, url: str, size: int, opts: RemoteOptions) -> None:
         self.url, self.size, self.opts = url, size, opts
         self.fs, self.path = filesystem(url, opts.storage_options)
-        self._starts: list[int] = []
-        self._segs: list[bytes] = []
+        self._read = _Segments()       # pread's misses: chunk-sized
+        self._ahead = _Segments()      # prefetch's coalesced ranges
         self.requests = 0
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -288,20 +313,13 @@ class RemoteFile:
                                   f"and got {len(data)}; the object changed or was cut short during the scan")
         return data
 
-    def _add(self, start: int, data: bytes) -> None:
+    def _add(self, start: int, data: bytes, ahead: bool = False) -> None:
         with self._lock:
-            j = bisect.bisect_left(self._starts, start)
-            self._starts.insert(j, start)
-            self._segs.insert(j, data)
+            (self._ahead if ahead else self._read).add(start, data)
 
     def _cached(self, n: int, offset: int) -> bytes | None:
-        # Segments are few per shard; look at those starting at or before offset, latest first.
-        j = bisect.bisect_right(self._starts, offset)
-        for k in range(j - 1, max(-1, j - 9), -1):
-            s, seg = self._starts[k], self._segs[k]
-            if offset + n <= s + len(seg):
-                return seg[offset - s:offset - s + n]
-        return None
+        got = self._ahead.get(n, offset)
+        return got if got is not None else self._read.get(n, offset)
 
     def pread(self, n: int, offset: int) -> bytes:
         """Up to ``n`` bytes at ``offset`` (fewer only at the end of the object)."""
@@ -330,11 +348,11 @@ class RemoteFile:
             return
         if len(merged) == 1 or self.opts.inflight == 1:
             for s, e in merged:
-                self._add(s, self._fetch(s, e))
+                self._add(s, self._fetch(s, e), ahead=True)
             return
         with ThreadPoolExecutor(min(self.opts.inflight, len(merged))) as pool:
             for (s, _), data in zip(merged, pool.map(lambda r: self._fetch(*r), merged), strict=True):
-                self._add(s, data)
+                self._add(s, data, ahead=True)
 
 
 class _ReadOnlyFile:

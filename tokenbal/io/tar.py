@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BLOCK = 512
@@ -60,24 +61,33 @@ class _Fallback(Exception):
     """Something ``tarfile`` must judge; never leaves this module."""
 
 
-def walk_members(fd, size: int) -> tuple[list[TarMember], int] | None:
+def walk_members(fd, size: int, progress: Callable[[int], None] | None = None,
+                 every: int = 1 << 22) -> tuple[list[TarMember], int] | None:
     """``(members, end_of_members)`` of the uncompressed tar open as ``fd`` (``size`` bytes), or
     ``None`` when the shard needs ``tarfile`` (see the module docstring). ``fd`` is a file
-    descriptor, or an object with ``pread(n, offset)`` (a remote shard: ``tokenbal.index.remote``)."""
+    descriptor, or an object with ``pread(n, offset)`` (a remote shard: ``tokenbal.index.remote``).
+    ``progress(offset)``: the walk reached the header at ``offset``, each time ``every`` more bytes
+    of the shard are behind it (a count, not a clock: the same calls on every run)."""
     pread = fd.pread if hasattr(fd, "pread") else (lambda n, off: os.pread(fd, n, off))
     try:
-        return _walk(pread, size)
+        return _walk(pread, size, progress, every)
     except _Fallback:
         return None
 
 
-def _walk(pread, size: int) -> tuple[list[TarMember], int]:
+def _walk(pread, size: int, progress: Callable[[int], None] | None = None,
+          every: int = 1 << 22) -> tuple[list[TarMember], int]:
     members: list[TarMember] = []
     pos = 0
+    # The next offset to report at: one compare per header, no call unless a mark is passed.
+    mark = every if progress is not None else size + 1
     pax_path: str | None = None
     pax_size: int | None = None
     long_name: str | None = None
     while True:
+        if pos >= mark:
+            progress(pos)
+            mark = pos + every
         if pos + BLOCK > size:
             raise _Fallback   # EOF without end blocks, or a payload past EOF: tarfile's call
         buf = pread(BLOCK, pos)

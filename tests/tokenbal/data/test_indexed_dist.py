@@ -138,3 +138,20 @@ def test_streaming_seed_keeps_the_rank_in_spawned_workers():
     assert len(b0) == len(b1) == 6
     assert b0 != b1
     assert (rank0, rank1) == (0, 1)
+
+
+def _agree_with_an_empty_rank(rank, world):
+    from tokenbal.data.stream import agree_steps
+
+    try:
+        return agree_steps([5, 0, 7][rank])
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_with_no_samples_is_named_not_an_epoch_of_zero_steps_everywhere():
+    """3 shards over 4 ranks, or one rank's shard list empty: its dry pass counts 0 batches, the MIN
+    over ranks was 0, and every rank trained 0 steps this epoch, the others' data skipped silently."""
+    got = run_ranks(_agree_with_an_empty_rank, 3, timeout=120)
+    said = "agree_steps: rank(s) [1] of 3 have 0 steps"
+    assert all(isinstance(g, str) and said in g and "up to 7" in g for g in got), got

@@ -167,6 +167,66 @@ def test_annotation_records_are_found_by_the_key_the_index_gave_them(tmp_path, p
     assert [len(ds[i]["input_ids"]) for i in range(len(ds))] == list(source.index.lengths)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_samples_of_several_annotation_files_read_each_file_once(tmp_path, processor, ckpt, monkeypatch, fmt):
+    """Only the last annotation file read was kept: a batch drawing from two files (as a shuffled
+    sampler's does) read and parsed a whole file again at every switch (two 15 MB JSONL files: 1.2 s
+    per sample). Each file is now read once; of a JSONL file only where each record's line lies is
+    kept, and the line is read when asked."""
+    from tokenbal.index import annotations
+
+    paths = []
+    for f in range(2):
+        recs = [{"id": f"f{f}-{i}", "text": f"file {f} record {i} the cat"} for i in range(4)] + \
+            [{"text": f"file {f} record without an id"}]
+        path = tmp_path / f"ann{f}.{fmt}"
+        path.write_text("\n".join(json.dumps(r) for r in recs) if fmt == "jsonl" else json.dumps(recs))
+        paths.append(str(path))
+    build_index(paths, tmp_path / "idx", model="qwen2-vl", tokenizer=ckpt, progress=False)
+    source = IndexedShardDataset(tmp_path / "idx")
+    scans = []
+    for name in ("annotation_records", "jsonl_record_spans"):
+        real = getattr(annotations, name, None)
+        if real is not None:
+            monkeypatch.setattr(annotations, name, lambda path, real=real: scans.append(path) or real(path))
+    ds = ProcessorDataset(source, processor, strict=True)
+    n = len(ds)
+    order = [i for pair in zip(range(n // 2), range(n // 2, n), strict=True) for i in pair]   # alternating
+    texts = {source.index.keys[i]: processor.tokenizer.decode(ds[i]["input_ids"]) for i in order}
+    assert sorted(scans) == paths
+    assert texts["f1-2"] == "file 1 record 2 the cat" and len(texts) == n == 10
+    want = [f"file {f} record {i} the cat" for f in range(2) for i in range(4)]
+    assert sorted(texts.values()) == sorted(want + [f"file {f} record without an id" for f in range(2)])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json"])
+def test_an_annotation_file_changed_since_the_index_is_a_stale_index_not_other_records(tmp_path, processor,
+                                                                                     fmt):
+    """A record added at the top of an annotation file moved every place key (``ann.jsonl:1``) onto
+    another record: sample 0 was tokenized from the new line, sample 1 from the old first record, and
+    so on, with no error. The file is now checked against the index (size, fingerprint) first."""
+    import os
+    import re
+
+    recs = [{"text": f"record number {i}"} for i in range(4)]
+    path = tmp_path / f"ann.{fmt}"
+    write = (lambda rs: path.write_text("\n".join(json.dumps(r) for r in rs) + "\n")) if fmt == "jsonl" else \
+        (lambda rs: path.write_text(json.dumps(rs)))
+    write(recs)
+    build_index([str(path)], tmp_path / "idx", model="qwen2-vl", progress=False)
+    source = IndexedShardDataset(tmp_path / "idx")
+    os.utime(path, (1, 1))                        # only its mtime changed: still the same records
+    first = ProcessorDataset(source, processor)[0]["input_ids"]
+    assert processor.tokenizer.decode(first) == "record number 0"
+    write([{"text": "a new first one"}] + recs)
+    stale = rf"stale index: annotation file {re.escape(str(path))} changed since the index was built"
+    with pytest.raises(ValueError, match=stale + r" \(size \d+ -> \d+ bytes\)"):
+        ProcessorDataset(source, processor)[0]
+    write([{"text": "record number X"}] + recs[1:])   # the same size, another record
+    with pytest.raises(ValueError, match="same size .* bytes, other content"):
+        ProcessorDataset(source, processor)[1]
+
+
 def test_mismatches_are_named(tmp_path, processor, ckpt, caplog):
     # The index counted images at other processor settings: every image sample disagrees.
     shard = write_shard(tmp_path / "d.tar", samples()[:2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.helpers.servers import serve  # noqa: E402
+from tests.helpers.servers import RangeHandler, serve  # noqa: E402
 from tests.helpers.shards import as_members, build, first_key_batch, tar_members  # noqa: E402
 from tokenbal import TokenBalancedBatchSampler  # noqa: E402
 from tokenbal.data.indexed import IndexedShardDataset, SampleReadError  # noqa: E402
@@ -132,3 +133,74 @@ def test_s3_shard_cut_before_a_member_is_a_truncated_shard(remote, monkeypatch):
                                                   "bytes") as e:
             ds[later]
         assert idx.keys[later] in str(e.value)
+
+
+class _DropsLongTransfers(RangeHandler):
+    """A store (or proxy) that drops any response after ``server.cut_after`` bytes of body: the
+    connection closes mid-transfer, as a long transfer over a flaky link ends."""
+
+    def do_GET(self):
+        m = re.match(r"bytes=(\d+)-(\d+)$", self.headers.get("Range") or "")
+        if m is None or int(m.group(2)) + 1 - int(m.group(1)) <= self.server.cut_after:
+            return super().do_GET()
+        self.server.requests.append((self.path, self.headers.get("Range")))
+        start, end = int(m.group(1)), int(m.group(2)) + 1
+        with open(self.translate_path(self.path), "rb") as f:
+            f.seek(start)
+            body = f.read(end - start)
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{os.path.getsize(f.name)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[:self.server.cut_after])
+        self.close_connection = True
+
+
+def test_a_large_remote_member_is_read_in_pieces_each_retried_on_its_own(tmp_path, monkeypatch):
+    """A member read in one request failed whole when that request did (a dropped transfer, or a member
+    too large to arrive within the per-request deadline), retried from its first byte every time: a
+    link that drops transfers after 1 MiB never delivered a 3 MB member. Reads over ``READ_PIECE``
+    bytes are now ranged requests of that size, each retried on its own."""
+    import random
+
+    from tests.helpers.corpus import Sample, write_shard
+    from tokenbal import TokenIndex
+    from tokenbal.index import build_index
+    from tokenbal.io import ranged
+
+    rng = random.Random(5)
+    big = rng.randbytes(3_000_000)
+    shard = write_shard(tmp_path / "big.tar", [Sample("a", caption="small", raw=[("bin", big)]),
+                                               Sample("b", caption="next")])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", progress=False).out)
+    assert ranged.READ_PIECE >= 8 << 20      # production: pieces of at least 8 MiB
+    monkeypatch.setattr(ranged, "READ_PIECE", 1 << 20)
+    with serve(str(tmp_path), handler=_DropsLongTransfers) as (base, httpd):
+        httpd.cut_after = 1 << 20
+        ds = IndexedShardDataset(idx, decode=None, shards=[f"{base}/big.tar"])
+        assert ds[0]["bin"] == big and ds[1]["txt"] == b"next"
+        pieces = [r for p, r in httpd.requests if r]
+        assert len(pieces) == 3 + 2 and httpd.failed == 0     # 3 pieces of the big member, then 2 small
+        # each attempt gets the reader's deadlines; a failed piece is retried, not the member
+        httpd.fail_at = {httpd.n + 2}
+        assert ds[0]["bin"] == big and httpd.failed == 1
+
+
+def test_a_store_ignoring_ranges_sends_a_large_member_once_not_once_per_piece(tmp_path, monkeypatch):
+    """The pieces of a large member go out together; a store that answers a ranged read with the whole
+    object is seen on the first piece alone, not downloaded whole by every piece in flight."""
+    from tests.helpers.corpus import Sample, write_shard
+    from tokenbal import TokenIndex
+    from tokenbal.index import build_index
+    from tokenbal.io import ranged
+
+    # the large member first, so that it is the first read
+    big = Sample("a", raw=[("bin", bytes(3_000_000)), ("txt", b"small")])
+    shard = write_shard(tmp_path / "big.tar", [big])
+    idx = TokenIndex.open(build_index([shard], tmp_path / "idx", progress=False).out)
+    monkeypatch.setattr(ranged, "READ_PIECE", 1 << 20)
+    with serve(str(tmp_path), honour_range=False) as (base, httpd):
+        ds = IndexedShardDataset(idx, decode=None, shards=[f"{base}/big.tar"])
+        with pytest.raises(SampleReadError, match="the server ignored the byte range"):
+            ds[0]
+        assert len(httpd.requests) == 1, httpd.requests

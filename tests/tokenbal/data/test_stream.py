@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import tarfile
 
@@ -147,3 +148,28 @@ def test_in_a_webdataset_pipeline_over_real_shards(tmp_path):
     assert sorted(s["__key__"] for b in batches for s in b) == sorted(truth)
     assert all(sum(tokens(s) for s in b) <= budget for b in batches)
     assert all(isinstance(s["txt"], bytes) for b in batches for s in b if "txt" in s)
+
+
+def caption_tokens(sample):
+    """Tokens from the sample's caption field (module level: DataLoader workers may pickle it)."""
+    return len(json.loads(sample["json"])["caption"].split())
+
+
+def test_a_sample_missing_the_field_length_fn_reads_is_named(tmp_path):
+    """A sample without the member ``length_fn`` reads (a shard written with one field missing) ended a
+    DataLoader worker with a bare ``KeyError: 'json'``, no sample or shard named."""
+    from tests.helpers.corpus import Sample, write_shard
+
+    samples = [Sample(f"k{i}", caption="alt", raw=[("json", json.dumps({"caption": f"number {i}"}).encode())])
+               for i in range(6)]
+    shard = write_shard(tmp_path / "d.tar", samples)
+    with tarfile.open(shard) as src, tarfile.open(tmp_path / "holed.tar", "w") as dst:
+        for ti in src:           # k3 keeps its .txt and loses its .json
+            if ti.name != "k3.json":
+                dst.addfile(ti, src.extractfile(ti))
+    pipe = wds.DataPipeline(wds.SimpleShardList([str(tmp_path / "holed.tar")]), wds.tarfile_to_samples(),
+                            balanced_batches(100, caption_tokens, bufsize=2, rank=0))
+    loader = torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=1, timeout=60)
+    says = r"sample 'k3' from '.*holed.tar': length_fn raised KeyError: 'json'"
+    with pytest.raises(ValueError, match=says):
+        list(loader)

@@ -316,6 +316,92 @@ def test_a_json_list_read_item_by_item_is_what_json_loads_gives(items, indent, e
     assert want_error is None and got == want
 
 
+class _StopsAt:
+    """A file of ``head`` then ``tail_size`` more bytes; reading into the tail raises (the test's
+    proof that a reader stopped at the damage). ``read_bytes``: how much was handed out."""
+
+    def __init__(self, head: bytes, tail_size: int) -> None:
+        self.head, self.size, self.read_bytes = head, len(head) + tail_size, 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.read_bytes if n is None or n < 0 else n
+        start, end = self.read_bytes, min(self.size, self.read_bytes + n)
+        if end > len(self.head):
+            raise AssertionError(f"read bytes {start}..{end}, past the damage at byte < {len(self.head)}")
+        self.read_bytes = end
+        return self.head[start:end]
+
+
+@pytest.mark.parametrize("damage", ["{\"text\": \"a\" \"b\"}", "{\"text\": tru}", "{\"text\": \"a\u0001\"}",
+                                    "{\"text\": \"a\"} {\"text\": \"b\"}", "{\"text\": \"a\\x\"}"])
+def test_a_json_list_stops_at_its_damaged_record_without_reading_the_rest(damage):
+    """A damaged record in a multi-GB JSON list was found only after the rest of the file was read (a
+    decode error was taken for a record cut by the read, so the reader read on, to the end): it raises
+    at the record, with json.loads' message for it, having read the chunk that holds it and no more."""
+    from tokenbal.index.text import iter_json_list
+
+    good = ",\n".join(json.dumps({"text": f"caption {i} " + "word " * 20}) for i in range(200))
+    head = ("[" + good + ",\n" + damage + ",\n" + good).encode()
+    chunk = 4096
+    f = _StopsAt(head + b" " * chunk, tail_size=1 << 30)     # the rest: a GiB that must not be read
+    items = []
+    with pytest.raises(json.JSONDecodeError) as got:
+        for value, _ in iter_json_list(f.read, chunk):
+            items.append(value)
+    want = None
+    try:
+        json.loads(head + b"]")
+    except json.JSONDecodeError as e:
+        want = e
+    assert want is not None and str(got.value) == str(want)
+    assert len(items) in (200, 201) and f.read_bytes <= len(head) + chunk
+
+
+@pytest.mark.parametrize("doc", ["coco", "jsonl"])
+def test_a_large_json_file_that_is_no_list_is_named_without_being_parsed_whole(tmp_path, monkeypatch, doc):
+    """A .json file that is not a list was read and parsed whole to say what it is: a COCO-style
+    {"images": [...]} of 132 MB took 600 MB and 1.9 s for one line of error, a multi-GB one the
+    build's memory; JSON Lines named .json the same. Past PARSE_WHOLE_BYTES it is named by its first
+    character, having read one chunk."""
+    from tokenbal.index import annotations
+    from tokenbal.index.annotations import PROGRESS_BYTES, ShardScan, _json_list_records, _ParseError
+
+    assert annotations.PARSE_WHOLE_BYTES >= 16 << 20
+    records = [{"id": i, "caption": "word " * 40} for i in range(2000)]
+    text = json.dumps({"annotations": records}) if doc == "coco" else \
+        "".join(json.dumps(r) + "\n" for r in records)
+    path = tmp_path / "ann.json"
+    path.write_text(text)
+    small = annotations.scan_annotations(str(path))        # small: parsed whole, as before
+    assert small.status == "corrupt" and ("holds a dict" in small.reason if doc == "coco" else
+                                          "is not valid JSON: Extra data: line 2 column 1" in small.reason)
+    monkeypatch.setattr(annotations, "PARSE_WHOLE_BYTES", 64 << 10)
+    scan = annotations.scan_annotations(str(path))
+    assert scan.status == "corrupt" and scan.reason == (
+        f"annotation file {path} starts with a JSON object ('{{'), not '[': a .json file must hold a list "
+        "of records (records one per line are JSON Lines: name the file .jsonl)")
+    # its first PROGRESS_BYTES (one read), then a GiB that must not be read
+    f = _StopsAt((text.encode() + b" " * PROGRESS_BYTES)[:PROGRESS_BYTES], tail_size=1 << 30)
+    with pytest.raises(_ParseError, match="starts with a JSON object"):
+        list(_json_list_records(f, len(f.head) + (1 << 30), str(path), "ann", ShardScan(path=str(path)),
+                                lambda *r: None))
+    assert f.read_bytes <= PROGRESS_BYTES
+
+
+def test_a_damaged_json_list_record_is_a_file_error_naming_its_place_and_record(tmp_path):
+    """The file error of a damaged JSON list names the file, the line and column, and the record."""
+    from tokenbal.index.annotations import scan_annotations
+
+    records = [json.dumps({"text": f"caption {i}"}) for i in range(5)]
+    records[3] = '{"text": "caption 3" "oops"}'
+    path = tmp_path / "list.json"
+    path.write_text("[\n" + ",\n".join(records) + "\n]")
+    scan = scan_annotations(str(path))
+    assert scan.status == "corrupt" and not scan.samples
+    assert scan.reason == (f"annotation file {path} is not valid JSON: Expecting ',' delimiter: "
+                           "line 5 column 22 (char 92), at record [3]")
+
+
 def test_the_build_reports_each_annotation_file_in_process_and_from_workers(tmp_path, capsys):
     """`tokenbal index build` shows a bar per annotation file under the shard bar (not with -q); the
     library takes a callable instead. With --workers the reports come back from the scan processes.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 
 import numpy as np
 import pytest
@@ -472,42 +473,80 @@ def test_a_glob_that_matches_the_out_folder_does_not_take_the_index_as_a_source(
         build_index([pattern], out, progress=False)
 
 
-def test_a_large_tar_shard_reports_the_bytes_read_then_the_texts_counted(tmp_path, capsys):
-    """A multi-GB tar shard showed nothing until its whole scan and count were done."""
-    from tests.helpers.corpus import member_offsets
-    from tokenbal.index.scan import PROGRESS_BYTES, PROGRESS_ROWS, scan_shard
+def _marks(offsets, size: int, unit: str) -> list[tuple[int, int, str]]:
+    """The reports ``scan.ProgressMarks`` makes of a phase passing ``offsets``: each one at least
+    PROGRESS_BYTES past the last report, then (size, size) at the end."""
+    from tokenbal.index.scan import PROGRESS_BYTES
 
-    # ~10 MB: 2,500 samples of one image and a ~4 KB caption each.
-    n = 2500
+    want, last = [], 0
+    for done in offsets:
+        if done - last >= PROGRESS_BYTES:
+            want.append((done, size, unit))
+            last = done
+    return [*want, (size, size, unit)]
+
+
+def big_tar_shard(folder, n: int = 2500) -> tuple[str, list, list]:
+    """A ~10 MB shard of ``n`` samples (one image and a ~4 KB caption each); with the offsets its
+    header walk reports at (each header, then the end-of-archive blocks) and its sample pass (each
+    sample's end)."""
+    from tests.helpers.corpus import member_offsets
+
     samples = [Sample(key=f"{i:05d}", images=[("png", 8 + i % 5, 8)], caption=" ".join(WORDS[:3]) * 280)
                for i in range(n)]
-    shard = write_shard(tmp_path / "big.tar", samples)
+    shard = write_shard(folder / "big.tar", samples)
+    members = member_offsets(shard)
+    headers = [hdr for _, hdr, _, _ in members] + [members[-1][2] + -(-members[-1][3] // 512) * 512]
+    ends = [off + sz for _, _, off, sz in members][1::2]     # each sample's last member (image, caption)
+    return shard, headers, ends
+
+
+def test_a_large_tar_shard_reports_its_header_walk_then_bytes_read_then_texts_counted(tmp_path, capsys):
+    """A multi-GB tar shard showed nothing until its whole scan and count were done; and nothing while
+    its member headers were walked (with tarfile's fallback too)."""
+    from tests.helpers.corpus import member_offsets
+    from tokenbal.index.scan import HEADERS, PROGRESS_BYTES, PROGRESS_ROWS, scan_shard
+    from tokenbal.io.tar import walk_members
+
+    n = 2500
+    shard, headers, ends = big_tar_shard(tmp_path, n)
     size = os.path.getsize(shard)
-    ends = [off + sz for _, _, off, sz in member_offsets(shard)]
     reports = []
     scan = scan_shard(shard, progress=lambda *r: reports.append(r))
     assert len(scan.samples) == n and not scan.errors
-    # Every PROGRESS_BYTES of the shard read (at the end of the sample past each mark), then the end.
-    want, last = [], 0
-    for end in ends[1::2]:     # each sample's last member (image, then caption)
-        if end - last >= PROGRESS_BYTES:
-            want.append((end, size, "B"))
-            last = end
-    assert len(want) == size // PROGRESS_BYTES and reports == [*want, (size, size, "B")]
+    # The walk every PROGRESS_BYTES of the shard (at the header past each mark), then the end; then
+    # the samples read, every PROGRESS_BYTES (at the end of the sample past each mark), then the end.
+    walked, read = _marks(headers, size, HEADERS), _marks(ends, size, "B")
+    assert len(walked) == len(read) == size // PROGRESS_BYTES + 1
+    assert reports == walked + read
     assert [s.key for s in scan_shard(shard).samples] == [s.key for s in scan.samples]
+    # A shard the fast walk leaves to tarfile (its last member's mtime in GNU base-256) reports its
+    # listing the same way, once: the walk's reports before it gave up are not repeated.
+    odd = str(tmp_path / "odd.tar")
+    with tarfile.open(shard) as src, tarfile.open(odd, "w", format=tarfile.GNU_FORMAT) as dst:
+        for ti in src:
+            ti.mtime = -1 if ti.name == "02499.txt" else ti.mtime
+            dst.addfile(ti, src.extractfile(ti))
+    with open(odd, "rb") as f:
+        assert walk_members(f.fileno(), os.path.getsize(odd)) is None
+    odd_reports = []
+    assert len(scan_shard(odd, progress=lambda *r: odd_reports.append(r)).samples) == n
+    assert [r for r in odd_reports if r[2] == HEADERS] == \
+        _marks([hdr for _, hdr, _, _ in member_offsets(odd)], os.path.getsize(odd), HEADERS)
 
     small = write_shard(tmp_path / "small.tar", [Sample(key="a", caption="one caption")])
     for workers in (1, 2):      # in process, and from the scan processes through their queue
         seen = []
         build_index([shard, small], tmp_path / f"idx{workers}", workers=workers,
                     progress=lambda *r, seen=seen: seen.append(r))
-        assert [r[1:] for r in seen if r[0] == shard and r[3] == "B"] == reports
+        assert [r[1:] for r in seen if r[0] == shard and r[3] in (HEADERS, "B")] == reports
         counted = [(k, n, "samples") for k in range(PROGRESS_ROWS, n, PROGRESS_ROWS)] + [(n, n, "samples")]
         assert [r[1:] for r in seen if r[0] == shard and r[3] == "samples"] == counted
         small_size = os.path.getsize(small)
-        assert [r[1:] for r in seen if r[0] == small] == [(small_size, small_size, "B"), (1, 1, "samples")]
+        assert [r[1:] for r in seen if r[0] == small] == \
+            [(small_size, small_size, HEADERS), (small_size, small_size, "B"), (1, 1, "samples")]
     assert main(["index", "build", shard, "--out", str(tmp_path / "cli")]) == 0
     err = capsys.readouterr().err
-    assert "indexing" in err and "big.tar" in err and "big.tar (tokens)" in err
+    assert "indexing" in err and "big.tar (headers)" in err and "big.tar (tokens)" in err
     assert main(["index", "build", shard, "--out", str(tmp_path / "q"), "-q"]) == 0
     assert capsys.readouterr().err == ""
