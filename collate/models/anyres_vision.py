@@ -163,5 +163,9 @@ def family(name: str, model_types: tuple[str, ...], encode: core.EncodeFn,
     """The :class:`core.Family` of a plain 1-D RoPE language model behind a crop or tile tower
     (LLaVA-NeXT, LLaVA-OneVision, InternVL): the crop fields of :data:`ANYRES_KEYS` are popped
     with the vision fields."""
-    return core.Family(name=name, model_types=model_types, rope=core.one_d_rope, encode=encode, check=check,
-                       batch_keys=ANYRES_KEYS)
+    def check_both(model: nn.Module, text_model: nn.Module) -> None:
+        core.check_one_d_text_model(model, text_model)
+        check(model, text_model)
+
+    return core.Family(name=name, model_types=model_types, rope=core.one_d_rope, encode=encode,
+                       check=check_both, batch_keys=ANYRES_KEYS)
