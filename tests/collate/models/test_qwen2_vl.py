@@ -161,7 +161,8 @@ def test_packed_loss_and_grads_match_per_sample(models, source):
 ROPE_TYPES = {
     "linear": dict(factor=2.0),
     "yarn": dict(factor=4.0, original_max_position_embeddings=1024),  # attention_scaling 1.14
-    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024),
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=1024),
 }
 
 
