@@ -250,7 +250,6 @@ def check_text_model(model: nn.Module, text_model: nn.Module, family: Family) ->
             raise TypeError(f"{type(rope).__name__} has no {name!r}; transformers version not supported")
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
     needed += ("q_norm", "k_norm") if family.qk_norm else ()
-    head_norms(text_model)  # refuses q / k norms the packed attention would not apply as HF does
     for layer in text_model.layers:
         attn = layer.self_attn
         if getattr(attn, "sliding_window", None) is not None:
@@ -596,6 +595,7 @@ def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Mod
         return model
     text_model = text_model_of(model, family)
     check_text_model(model, text_model, family)
+    norms = head_norms(text_model)  # refuses q / k norms the packed attention would not apply as HF does
     if family.check is not None:
         family.check(model, text_model)
     for layer in text_model.layers:
@@ -604,7 +604,7 @@ def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Mod
         family.install(model)
     install(model, packed_model_forward)
     model.__dict__[FAMILY] = family
-    model.__dict__[HEAD_NORMS] = head_norms(text_model)
+    model.__dict__[HEAD_NORMS] = norms
     setattr(model, ENABLED, True)
     setattr(model, IDLE_VISION, bool(idle_vision and family.encode is not None))
     return model
