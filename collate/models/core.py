@@ -162,13 +162,20 @@ def interleaved_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
 
 def check_mrope_section(text_model: nn.Module) -> tuple[int, ...]:
     """The M-RoPE sections the text model's own forward uses (wherever the installed transformers
-    keeps them: :func:`tokenbal.hf_compat.mrope_section`); ``TypeError`` when it has none."""
+    keeps them: :func:`tokenbal.hf_compat.mrope_section`); ``TypeError`` when it has none,
+    ``ValueError`` when they are not 3 sections covering the rotary's frequencies (transformers'
+    interleaved layout runs such a config, :func:`collate.ops.apply_mrope` refuses it: said here,
+    not at the first packed forward)."""
     from tokenbal import hf_compat
 
     section = hf_compat.mrope_section(text_model)
     if section is None:
         raise TypeError(f"{type(text_model).__name__}: no mrope_section on its rotary module or in "
                         "config.rope_parameters / config.rope_scaling")
+    half = int(text_model.rotary_emb.inv_freq.numel())
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must be 3 sections summing to the {half} rotary "
+                         "frequencies")
     return section
 
 
