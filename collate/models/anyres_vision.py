@@ -7,9 +7,10 @@ transformers runs the tower once for images (``get_image_features``) and once mo
 ``image_sizes`` with ``.tolist()`` on a tensor. Here :func:`encode` concatenates the batch's crops
 and frames (images first, the order of the collator's ``vision_token_index``), runs the tower once
 (or on one zero crop when the batch has no vision: the idle pass), and then hands the outputs to
-transformers' own post-processing methods — the projector, ``pack_image_features`` (unpad, newline,
-OneVision's downsampling) and ``apply_pooling`` — with ``image_sizes`` and the crop / frame counts
-as host lists from the collator, so nothing is read back from the device.
+transformers' own post-processing — the projector and ``apply_pooling`` — and to
+:func:`pack_image_features` (transformers' unpad, newline and OneVision's downsampling, without
+the host-built ``feature_lens`` tensor), with ``image_sizes`` and the crop / frame counts as host
+lists from the collator, so nothing is read back from the device and nothing is copied to it.
 """
 
 from __future__ import annotations
@@ -83,21 +84,54 @@ def idle_crop(model: nn.Module, device: torch.device, height: int, width: int) -
     return cache[device]
 
 
-def _pack_images(model: nn.Module, features: list[torch.Tensor], sizes: list[list[int]],
-                 pack_options: tuple[str, ...]) -> list[torch.Tensor]:
-    # transformers' pack_image_features, with the config fields the family's version takes
-    options = {name: getattr(model.config, name) for name in pack_options}
-    packed, _ = model.model.pack_image_features(features, sizes, image_newline=model.model.image_newline,
-                                                **options)
+def pack_image_features(model: nn.Module, features: list[torch.Tensor],
+                        sizes: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' ``pack_image_features`` of LLaVA-NeXT and LLaVA-OneVision (the same loop in
+    every supported release, 4.57 to 5.x), without the ``feature_lens`` tensor it also builds with
+    ``torch.tensor(..., device=...)``: a blocking host-to-device copy in every packed forward, for
+    a value the packed path never reads. Per image (``features[i]``: ``(crops, tokens, hidden)``,
+    ``sizes[i]`` its host ``[height, width]``): one crop is a base view plus the newline; more are
+    the base view, then the crop grid (transformers' ``get_anyres_image_grid_shape`` and
+    ``unpad_image`` from the model's own modeling module) downsampled above ``anyres_max_N`` views
+    (OneVision's ``vision_aspect_ratio``), with a newline column. Equal to the installed
+    transformers' method value for value (``tests/collate/models/test_llava.py``)."""
+    import math
+    import sys
+
+    config = model.config
+    modeling = sys.modules[type(model.model).__module__]
+    newline = model.model.image_newline
+    side = config.vision_config.image_size
+    height = width = side // config.vision_config.patch_size
+    aspect = getattr(config, "vision_aspect_ratio", None) if config.model_type == "llava_onevision" else None
+    packed = []
+    for feature, size in zip(features, sizes, strict=True):
+        if feature.shape[0] == 1:
+            packed.append(torch.cat((feature[0], newline[None].to(feature[0])), dim=0))
+            continue
+        base, crops = feature[0], feature[1:]
+        if aspect is not None and height * width != base.shape[0]:
+            raise ValueError("The number of patches is not consistent with the image size.")
+        rows, cols = modeling.get_anyres_image_grid_shape(size, config.image_grid_pinpoints, side)
+        grid = crops.view(rows, cols, height, width, -1).permute(4, 0, 2, 1, 3).contiguous()
+        grid = modeling.unpad_image(grid.flatten(1, 2).flatten(2, 3), size)
+        if aspect is not None:
+            max_views = int(aspect.strip("anyres_max_"))  # noqa: B005 - transformers' parse, kept as is
+            _, grid_h, grid_w = grid.shape
+            ratio = math.sqrt(grid_h * grid_w / (max_views * height**2))
+            if ratio > 1.1:
+                grid = nn.functional.interpolate(grid[None], [int(grid_h // ratio), int(grid_w // ratio)],
+                                                 mode="bilinear")[0]
+        column = newline[:, None, None].expand(*grid.shape[:-1], 1).to(grid.device, grid.dtype)
+        grid = torch.cat((grid, column), dim=-1).flatten(1, 2).transpose(0, 1)
+        packed.append(torch.cat((base, grid), dim=0))
     return packed
 
 
 def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idle_vision: bool,
-           pack_options: tuple[str, ...], videos: bool) -> core.Encoded | None:
+           videos: bool) -> core.Encoded | None:
     """One tower call on every crop and frame of the batch (or on the idle crop); pops the pixel
-    fields from ``kwargs``. ``pack_options``: the config fields the family's
-    ``pack_image_features`` takes as keywords; ``videos``: the family has a video path (OneVision's
-    pooling)."""
+    fields from ``kwargs``. ``videos``: the family has a video path (OneVision's pooling)."""
     config = model.config
     pixel_values = kwargs.pop("pixel_values", None)
     pixel_values_videos = kwargs.pop("pixel_values_videos", None)
@@ -112,7 +146,7 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
         side = config.vision_config.image_size
         features = tower_features(model, idle_crop(model, kwargs["inputs_embeds"].device, side, side))
         # One crop takes the base-view branch of pack_image_features: features plus the newline.
-        packed = _pack_images(model, [features], [[side, side]], pack_options)
+        packed = pack_image_features(model, [features], [[side, side]])
         return core.Encoded(None, idle_zero=0.0 * torch.cat(packed).sum())
 
     parts, tokens = [], []
@@ -141,7 +175,7 @@ def encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any], idl
     outputs = []
     if counts:
         per_image = list(torch.split(features[:sum(counts)], counts))
-        outputs += _pack_images(model, per_image, sizes, pack_options)
+        outputs += pack_image_features(model, per_image, sizes)
     if frames:
         pooled = model.model.apply_pooling(features[sum(counts):])
         newline = model.model.image_newline[None].to(pooled.dtype)
@@ -163,5 +197,9 @@ def family(name: str, model_types: tuple[str, ...], encode: core.EncodeFn,
     """The :class:`core.Family` of a plain 1-D RoPE language model behind a crop or tile tower
     (LLaVA-NeXT, LLaVA-OneVision, InternVL): the crop fields of :data:`ANYRES_KEYS` are popped
     with the vision fields."""
-    return core.Family(name=name, model_types=model_types, rope=core.one_d_rope, encode=encode, check=check,
-                       batch_keys=ANYRES_KEYS)
+    def check_both(model: nn.Module, text_model: nn.Module) -> None:
+        core.check_one_d_text_model(model, text_model)
+        check(model, text_model)
+
+    return core.Family(name=name, model_types=model_types, rope=core.one_d_rope, encode=encode,
+                       check=check_both, batch_keys=ANYRES_KEYS)

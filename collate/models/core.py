@@ -61,6 +61,7 @@ IDLE_VISION = "_tokenbal_idle_vision"
 IDLE_INPUTS = "_tokenbal_idle_inputs"
 FAMILY = "_tokenbal_family"
 SP_GROUP = "_tokenbal_sp_group"
+HEAD_NORMS = "_tokenbal_head_norms"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ class PackedAttentionInfo:
     mrope_section: tuple[int, int, int]
     interleaved: bool
     attention_scaling: float
-    qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3)
+    qk_norm: bool = False  # per-head q_norm / k_norm before the rotary (Qwen3, Qwen3-VL)
     sp_group: Any = None  # Ulysses over this process group (cu_seqlens* then cover the whole row)
     apply_rope: Any = None  # the family's own rotary (GLM-4V's partial pair-wise one); None: apply_mrope
 
@@ -114,6 +115,25 @@ class Encoded:
 EncodeFn = Callable[[nn.Module, dict[str, Any], dict[str, Any], bool], "Encoded | None"]
 
 
+# The language models behind the 1-D RoPE families (LLaVA-NeXT, LLaVA-OneVision, InternVL: any
+# transformers causal LM as ``text_config``) whose attention :func:`packed_text_attention`
+# reproduces: q/k/v/o projections, Llama's rotate-half rotary over the rotary width, optional per-head
+# q/k norms (Qwen3). Each is checked against transformers per sample
+# (tests/collate/models/test_internvl.py::test_text_model_types). Others would differ without an
+# error (Cohere's pair-wise rotary, GLM's partial pair-wise one, OLMo's clip_qkv, Gemma-2's logit
+# soft-capping, GPT-OSS's sinks), so :func:`check_one_d_text_model` refuses them.
+ONE_D_TEXT_MODELS = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def check_one_d_text_model(model: nn.Module, text_model: nn.Module) -> None:
+    """``NotImplementedError`` unless the language model is one of :data:`ONE_D_TEXT_MODELS`."""
+    text_type = getattr(getattr(text_model, "config", None), "model_type", None)
+    if text_type not in ONE_D_TEXT_MODELS:
+        raise NotImplementedError(
+            f"{model.config.model_type} with a {text_type!r} language model: its attention is not one the "
+            f"packed path reproduces (checked: {', '.join(ONE_D_TEXT_MODELS)})")
+
+
 def one_d_rope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
     """Plain RoPE language models (Llama, Qwen2, ...): every frequency reads the one position row."""
     rope = text_model.rotary_emb
@@ -142,13 +162,20 @@ def interleaved_mrope(model: nn.Module, text_model: nn.Module) -> RopeLayout:
 
 def check_mrope_section(text_model: nn.Module) -> tuple[int, ...]:
     """The M-RoPE sections the text model's own forward uses (wherever the installed transformers
-    keeps them: :func:`tokenbal.hf_compat.mrope_section`); ``TypeError`` when it has none."""
+    keeps them: :func:`tokenbal.hf_compat.mrope_section`); ``TypeError`` when it has none,
+    ``ValueError`` when they are not 3 sections covering the rotary's frequencies (transformers'
+    interleaved layout runs such a config, :func:`collate.ops.apply_mrope` refuses it: said here,
+    not at the first packed forward)."""
     from tokenbal import hf_compat
 
     section = hf_compat.mrope_section(text_model)
     if section is None:
         raise TypeError(f"{type(text_model).__name__}: no mrope_section on its rotary module or in "
                         "config.rope_parameters / config.rope_scaling")
+    half = int(text_model.rotary_emb.inv_freq.numel())
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope_section {list(section)} must be 3 sections summing to the {half} rotary "
+                         "frequencies")
     return section
 
 
@@ -239,6 +266,32 @@ def check_text_model(model: nn.Module, text_model: nn.Module, family: Family) ->
         for name in needed:
             if not hasattr(attn, name):
                 raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+
+
+def head_norms(text_model: nn.Module) -> bool:
+    """Whether the text attention normalises every q and k head over ``head_dim`` before the rotary
+    (Qwen3 and Qwen3-VL: ``q_norm`` / ``k_norm``), which :func:`packed_text_attention` then does
+    too. A language model is the family's choice of checkpoint (InternVL3 ships Qwen2, InternVL3.5
+    Qwen3), so this is read from the layers, not from the family. Norms of another shape (over the
+    whole projection, e.g. OLMo2's) or on only some layers raise ``NotImplementedError``: skipped,
+    they would give a silently different model."""
+    found = set()
+    for layer in text_model.layers:
+        attn = layer.self_attn
+        norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+        found.add(all(n is not None for n in norms))
+        for name, norm in zip(("q_norm", "k_norm"), norms, strict=True):
+            weight = getattr(norm, "weight", None)
+            if norm is not None and (weight is None or tuple(weight.shape) != (attn.head_dim,)):
+                shape = None if weight is None else tuple(weight.shape)
+                raise NotImplementedError(
+                    f"layer {attn.layer_idx}: {name} ({type(norm).__name__}, weight {shape}) is not a "
+                    f"per-head norm over head_dim={attn.head_dim}; the packed attention cannot apply it")
+        if any(n is not None for n in norms) and not all(n is not None for n in norms):
+            raise NotImplementedError(f"layer {attn.layer_idx} has only one of q_norm / k_norm")
+    if len(found) > 1:
+        raise NotImplementedError("q_norm / k_norm on some text layers only")
+    return found == {True}
 
 
 # -- per-instance installs --------------------------------------------------------------------------
@@ -393,7 +446,7 @@ def take_packed_info(model: nn.Module, kwargs: dict[str, Any], family: Family) -
         mrope_section=layout.mrope_section,
         interleaved=layout.interleaved,
         attention_scaling=layout.attention_scaling,
-        qk_norm=family.qk_norm,
+        qk_norm=family.qk_norm or model.__dict__[HEAD_NORMS],
         sp_group=sp_group,
         apply_rope=family.apply_rope,
     )
@@ -549,6 +602,7 @@ def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Mod
         return model
     text_model = text_model_of(model, family)
     check_text_model(model, text_model, family)
+    norms = head_norms(text_model)  # refuses q / k norms the packed attention would not apply as HF does
     if family.check is not None:
         family.check(model, text_model)
     for layer in text_model.layers:
@@ -557,6 +611,7 @@ def enable(model: nn.Module, family: Family, idle_vision: bool = True) -> nn.Mod
         family.install(model)
     install(model, packed_model_forward)
     model.__dict__[FAMILY] = family
+    model.__dict__[HEAD_NORMS] = norms
     setattr(model, ENABLED, True)
     setattr(model, IDLE_VISION, bool(idle_vision and family.encode is not None))
     return model
@@ -567,6 +622,7 @@ def disable(model: nn.Module) -> nn.Module:
     if not getattr(model, ENABLED, False):
         return model
     family: Family = model.__dict__.pop(FAMILY)
+    model.__dict__.pop(HEAD_NORMS, None)
     for layer in text_model_of(model, family).layers:
         uninstall(layer.self_attn)
     if family.uninstall is not None:

@@ -6,7 +6,7 @@ The shared scheme is :mod:`collate.models.core` with the crop tower of
 - Plain 1-D RoPE language model (Llama, Mistral, Qwen2, ...): the packed ``(1, T)`` positions go
   through the same :func:`collate.ops.apply_mrope` (one position row) and
   :func:`collate.ops.varlen_attention` as the M-RoPE families; no padding, no ``T x T`` mask.
-- Images only: each image's crops go through transformers' own ``pack_image_features`` (unpad,
+- Images only: each image's crops go through transformers' ``pack_image_features`` loop (unpad,
   one ``image_newline`` per feature row, base view first).
 """
 
@@ -23,8 +23,7 @@ SUPPORTED_MODEL_TYPES = ("llava_next",)
 
 def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
             idle_vision: bool) -> core.Encoded | None:
-    return anyres_vision.encode(model, kwargs, vision, idle_vision,
-                                pack_options=("vision_feature_select_strategy",), videos=False)
+    return anyres_vision.encode(model, kwargs, vision, idle_vision, videos=False)
 
 
 FAMILY = anyres_vision.family("llava_next", SUPPORTED_MODEL_TYPES, _encode, anyres_vision.check)

@@ -5,7 +5,8 @@ The shared scheme is :mod:`collate.models.core` with the crop tower of
 
 - Plain 1-D RoPE language model (Qwen2): the packed ``(1, T)`` positions go through
   :func:`collate.ops.apply_mrope` with one position row and :func:`collate.ops.varlen_attention`.
-- Images: transformers' ``pack_image_features`` with ``vision_aspect_ratio`` ("anyres_max_9":
+- Images: transformers' ``pack_image_features`` loop (:func:`anyres_vision.pack_image_features`)
+  with ``vision_aspect_ratio`` ("anyres_max_9":
   the unpadded crop grid is downsampled above 9 base views); an image that shares its sample
   with other images keeps only its base view (``batch_num_images``, per sample).
 - Videos: every frame through the same tower call, then transformers' ``apply_pooling`` (2x2
@@ -25,8 +26,7 @@ SUPPORTED_MODEL_TYPES = ("llava_onevision",)
 
 def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
             idle_vision: bool) -> core.Encoded | None:
-    return anyres_vision.encode(model, kwargs, vision, idle_vision, pack_options=("vision_aspect_ratio",),
-                                videos=True)
+    return anyres_vision.encode(model, kwargs, vision, idle_vision, videos=True)
 
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:

@@ -28,7 +28,7 @@ from collate.ops.rope.common import check_rope_args, mrope_angles, normalize_pos
 MROPE_MAX_POS_ENV = "TOKENBAL_NPU_MROPE_MAX_POS"
 # Sections listed in the npu_mrope docs (op-plugin @517f2e7d); others take the training path.
 _NPU_MROPE_SECTIONS = ((16, 24, 24), (24, 20, 20), (8, 12, 12))
-_cache: dict[tuple, torch.Tensor] = {}
+_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _torch_npu() -> Any:
@@ -74,16 +74,20 @@ def _rotary_mul(npu: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def _mrope_cache(inv_freq: torch.Tensor, max_pos: int, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    key = (inv_freq.data_ptr(), inv_freq._version, inv_freq.device, max_pos, scale, dtype)
-    hit = _cache.get(key)
-    if hit is None:
+    # Keyed by the tensor itself (held by the entry, so its id cannot pass to another tensor while
+    # cached) and its version (an in-place change). An address key was not enough: a freed
+    # inv_freq's block goes to the next tensor of its size, at version 0 too, which then got the
+    # freed one's cos/sin.
+    key = (id(inv_freq), inv_freq._version, inv_freq.device, max_pos, scale, dtype)
+    entry = _cache.get(key)
+    if entry is None or entry[0] is not inv_freq:
         pos = torch.arange(max_pos, device=inv_freq.device, dtype=torch.float32)
         ang = pos[:, None] * inv_freq.to(torch.float32)[None, :]
-        hit = (torch.cat((ang.cos(), ang.sin()), dim=-1) * scale).to(dtype)  # (max_pos, R): cos | sin
+        table = (torch.cat((ang.cos(), ang.sin()), dim=-1) * scale).to(dtype)  # (max_pos, R): cos | sin
         if len(_cache) > 8:
             _cache.clear()
-        _cache[key] = hit
-    return hit
+        entry = _cache[key] = (inv_freq, table)
+    return entry[1]
 
 
 def _npu_mrope_max_pos(

@@ -184,6 +184,12 @@ def _launch(
     rotary = 2 * half
     if num_tokens == 0 or (hq == 0 and hk == 0):
         return
+    if half == 0:
+        # Nothing rotates (a zero-width arange does not compile): every channel passes through.
+        if not (q_out is q and k_out is k):
+            q_out.copy_(q)
+            k_out.copy_(k)
+        return
     sp_a = pos.stride(0) if pos.shape[0] == 3 else 0
     inplace = q_out is q and k_out is k
     block_t = _block_t(half)

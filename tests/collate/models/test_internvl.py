@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import InternVLForConditionalGeneration  # noqa: E402
 
+import collate.models.core as packed_core  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
@@ -85,6 +86,44 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     with forward_calls(packed.model.vision_tower) as towers, torch.no_grad():
         packed(**collator(ref)(text_only(samples)))  # the idle tile
     assert len(towers) == 1
+
+
+def _with_random_norms(model):
+    """Norm weights away from their init of ones, so a norm the packed path skipped would show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("text_model", packed_core.ONE_D_TEXT_MODELS)
+def test_text_model_types(text_model):
+    """Every language model the 1-D families accept trains exactly as transformers per sample;
+    Qwen3 (InternVL3.5) normalises each q / k head before the rotary, which the packed attention
+    once skipped (a silently different loss)."""
+    torch.manual_seed(0)
+    ref = InternVLForConditionalGeneration(tiny_config(text_model=text_model)).float().eval()
+    ref = _with_random_norms(ref)
+    try:
+        packed = enable_packed(copy.deepcopy(ref))
+    except TypeError as exc:  # 4.57's Qwen2-MoE attention is the old per-backend class, refused
+        pytest.skip(str(exc))
+    samples = make_samples()
+    backward_and_compare(packed(**collator(ref)(samples)).loss, reference_loss(ref, samples))
+    assert assert_grads_match(packed, ref) > 20
+
+
+@pytest.mark.parametrize("text_model", ["cohere", "glm", "olmo2"])
+def test_text_models_whose_attention_differs_are_refused(text_model):
+    """Cohere's pair-wise rotary, GLM's partial pair-wise rotary and OLMo2's whole-projection q/k
+    norms: the packed attention would give another loss without an error (measured: Cohere 4.88515
+    against transformers' 4.88564, GLM 4.90744 against 4.90780), so enable_packed refuses them."""
+    torch.manual_seed(0)
+    model = InternVLForConditionalGeneration(tiny_config(text_model=text_model))
+    with pytest.raises(NotImplementedError, match=f"{text_model!r}|q_norm"):
+        enable_packed(model)
+    assert not getattr(model, packed_core.ENABLED, False)
 
 
 @pytest.mark.parametrize("mix", ["vision", "text only"])

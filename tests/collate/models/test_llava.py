@@ -21,7 +21,7 @@ import collate.models.core as packed_core  # noqa: E402
 from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.host_reads import host_reads_of_step  # noqa: E402
+from tests.helpers.host_reads import host_reads_of_step, host_tensors_of_step  # noqa: E402
 from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_llava import IMG, SIDE, VID, hf_kwargs, reference_loss, tiny_config  # noqa: E402
@@ -179,6 +179,39 @@ def test_packed_forward_and_backward_read_nothing_back(reference, mix, monkeypat
     batch = collator(reference)(text_only(samples) if mix == "text only" else samples)
     packed(**batch).loss.backward()  # warm-up: the idle crop's cached input
     assert host_reads_of_step(packed, batch, monkeypatch) == []
+    # nor a blocking host-to-device copy (transformers' pack_image_features builds its feature_lens
+    # with torch.tensor(..., device=...) in every call: the packed path packs without it)
+    assert host_tensors_of_step(packed, batch) == []
+
+
+# (height, width) of images: wide, tall, square, tiny, and (OneVision's 96 x 128 pinpoint) large
+# enough that anyres_max_9 downsamples the unpadded grid.
+PACK_SIZES = [(40, 70), (64, 30), (20, 20), (32, 32), (1, 200), (200, 1), (90, 120), (128, 96), (96, 128),
+              (33, 65)]
+
+
+def test_pack_image_features_equals_transformers(reference):
+    """The packed path's copy of transformers' ``pack_image_features`` (unpad, newline column,
+    OneVision's downsampling, base view first) gives the installed transformers' values exactly,
+    for every crop grid the tiny pinpoints make and for a single base view."""
+    from collate.models.anyres_vision import crop_counts, pack_image_features
+
+    model = reference
+    counts = crop_counts(model, [list(size) for size in PACK_SIZES], None)
+    g = torch.Generator().manual_seed(3)
+    tokens = (SIDE // model.config.vision_config.patch_size) ** 2
+    hidden = model.config.text_config.hidden_size
+    features = [torch.randn(n, tokens, hidden, generator=g) for n in [*counts, 1]]
+    sizes = [list(size) for size in PACK_SIZES] + [[SIDE, SIDE]]
+    options = ({"vision_aspect_ratio": model.config.vision_aspect_ratio}
+               if model.config.model_type == "llava_onevision" else
+               {"vision_feature_select_strategy": model.config.vision_feature_select_strategy})
+    want, _ = model.model.pack_image_features(features, sizes, image_newline=model.model.image_newline,
+                                              **options)
+    got = pack_image_features(model, features, sizes)
+    assert len(got) == len(want) and len(set(counts)) > 1
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_hand_made_batch_without_collator_fields(reference):

@@ -158,6 +158,52 @@ def test_packed_loss_and_grads_match_per_sample(models, source):
     _assert_grads_close(g_got, g_want)
 
 
+ROPE_TYPES = {
+    "linear": dict(factor=2.0),
+    "yarn": dict(factor=4.0, original_max_position_embeddings=1024),  # attention_scaling 1.14
+    "llama3": dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=1024),
+}
+
+
+def _rope_typed_model(rope_type: str, params: dict):
+    from transformers import Qwen2VLConfig
+
+    from tokenbal.hf_compat import rope_config
+
+    config = tiny_config()
+    for key, value in rope_config(Qwen2VLConfig, 10000.0, rope_type=rope_type, mrope_section=[2, 3, 3],
+                                  **params).items():
+        setattr(config.text_config, key, value)
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("rope_type", sorted(ROPE_TYPES))
+def test_scaled_rope_types_match_per_sample(rope_type):
+    """rope_scaling types fixed at init (the rotary module's inv_freq and attention_scaling) train
+    exactly as transformers per sample."""
+    ref = _rope_typed_model(rope_type, ROPE_TYPES[rope_type])
+    assert ref.model.language_model.rotary_emb.rope_type == rope_type
+    packed = enable_packed(copy.deepcopy(ref))
+    samples = make_samples()
+    want = reference_loss(ref, samples)
+    want.backward()
+    got = packed(**collator_batch(ref, samples)).loss
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    _assert_grads_close(_grads(packed), _grads(ref))
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic"])
+def test_sequence_dependent_rope_types_are_refused(rope_type):
+    """dynamic NTK rescales inv_freq inside transformers' rotary forward from the sequence length:
+    refused rather than trained differently."""
+    model = _rope_typed_model(rope_type, dict(factor=2.0))
+    with pytest.raises(NotImplementedError, match=rope_type):
+        enable_packed(model)
+
+
 def test_collator_positions_equal_hf_get_rope_index(models):
     ref, _ = models
     samples = make_samples()

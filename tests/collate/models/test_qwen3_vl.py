@@ -283,6 +283,24 @@ def test_bad_packed_batches_raise(reference):
         qwen3_vl_patch.enable_packed(qwen2)
 
 
+def test_mrope_section_not_covering_the_frequencies_is_refused_at_enable():
+    """Qwen3-VL's default sections (24, 20, 20) on a head_dim-32 text model (16 frequencies):
+    transformers' interleaved layout runs it, the packed rotary cannot. enable_packed says so,
+    rather than the model's first packed forward."""
+    from transformers import Qwen3VLConfig
+
+    from tokenbal.hf_compat import rope_config
+
+    config = tiny_config()
+    for key, value in rope_config(Qwen3VLConfig, 1e4, mrope_section=[24, 20, 20],
+                                  mrope_interleaved=True).items():
+        setattr(config.text_config, key, value)
+    model = Qwen3VLForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="mrope_section"):
+        enable_packed(model)
+    assert not getattr(model, packed_core.ENABLED, False)
+
+
 def test_device_interpolation_equals_transformers(reference):
     """The position-embedding taps the packed path computes from the collator's rotary ids are
     transformers' own, bit for bit (images and multi-frame videos of several shapes)."""

@@ -205,6 +205,29 @@ def test_npu_mrope_inference_path(fake_npu, monkeypatch, d, section, interleaved
     torch.testing.assert_close(qo1, q1r, atol=tol, rtol=0)
 
 
+def test_npu_mrope_cache_follows_a_new_inv_freq_at_a_freed_address(fake_npu, monkeypatch):
+    """The cos/sin cache is keyed by ``inv_freq``'s address and version. A new ``inv_freq`` (another
+    model's rotary, a rebuilt buffer) may be allocated where a freed one was, at version 0 too;
+    it must get its own cos/sin, not the freed tensor's (it once did: a silently wrong rotation)."""
+    monkeypatch.setenv(rope_npu.MROPE_MAX_POS_ENV, "4096")
+    pos = _positions()
+    q, k = _qk(pos.shape[1], 4, 2, 128)
+    # A caching allocator hands a freed block to the next tensor of its size: modelled with one
+    # host buffer that two tensors wrap in turn (the same address, each at version 0).
+    block = _inv_freq(128).numpy()
+    first = torch.from_numpy(block)
+    with torch.no_grad():
+        rope_npu.apply_mrope_npu(q, k, pos, first, [16, 24, 24])
+    del first
+    block[:] = _inv_freq(128, theta=1e6).numpy()
+    second = torch.from_numpy(block)
+    assert second._version == 0
+    with torch.no_grad():
+        got, _ = rope_npu.apply_mrope_npu(q, k, pos, second, [16, 24, 24])
+    want, _ = hf_mrope(q, k, pos, second, [16, 24, 24])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+
+
 def test_npu_mrope_not_used_when_ineligible(fake_npu, monkeypatch):
     monkeypatch.setenv(rope_npu.MROPE_MAX_POS_ENV, "4096")
     pos = _positions()

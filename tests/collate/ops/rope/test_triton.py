@@ -263,6 +263,20 @@ def test_edge_cases_and_errors(tri):
         tri(q, k, pos[:, :4], inv, [2, 3, 3])
 
 
+def test_no_rotary_dims_passes_through(tri):
+    """``inv_freq`` empty (no rotated channel, section (0, 0, 0)): the heads pass through, out of
+    place and in place, as on the PyTorch backend (it once raised the interpreter's
+    ``arange's end argument must be greater than the start argument``)."""
+    q, k = _qk(5, 2, 1, 16)
+    pos = torch.arange(5).expand(3, -1)
+    none = torch.empty(0)
+    qo, ko = tri(q, k, pos, none, [0, 0, 0])
+    assert torch.equal(qo, q) and torch.equal(ko, k) and qo.data_ptr() != q.data_ptr()
+    qc, kc = q.clone(), k.clone()
+    qi, ki = tri(qc, kc, pos, none, [0, 0, 0], inplace=True)
+    assert qi is qc and torch.equal(qi, q) and torch.equal(ki, k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_qwen_sized_block(tri, interleaved):
