@@ -67,8 +67,77 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
                         f"{type(dataset).__name__}; for an IterableDataset, index it offline "
                         "(tokenbal index build --processor DIR)")
     if _is_hf_dataset(dataset):
-        return _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
-    return _rows_lengths(dataset, counter, messages, images, videos, audios)
+        lengths = _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
+    else:
+        lengths = _rows_lengths(dataset, counter, messages, images, videos, audios)
+    _check_overrides(dataset, processor, lengths, messages, images)
+    return lengths
+
+
+# -- a user's processor subclass -------------------------------------------------------------------
+
+# Methods a processor subclass may define that cannot change what its call returns for a row.
+_COUNT_NEUTRAL = frozenset({"__init__", "__repr__", "__str__", "to_dict", "to_json_string", "to_json_file",
+                            "save_pretrained", "from_pretrained", "push_to_hub", "batch_decode", "decode"})
+CHECK_ROWS = 8   # rows run through an overriding processor itself
+
+
+def processor_overrides(processor: Any) -> list[str]:
+    """``Class.method`` for every method that a class outside transformers (a user's subclass, or
+    remote code) defines in front of the transformers class of ``processor``, its image processor
+    or its video processor. tokenbal counts by the rules of that transformers class, so any of these
+    may make the processor emit other counts. Empty for a tokenizer (its own template and
+    tokenization are what the count runs) and for parts that are no transformers class at all."""
+    if getattr(processor, "tokenizer", None) is None:
+        return []
+    found = []
+    for part in (processor, getattr(processor, "image_processor", None),
+                 getattr(processor, "video_processor", None)):
+        mro = type(part).__mro__ if part is not None else ()
+        first = next((i for i, c in enumerate(mro) if c.__module__.split(".")[0] == "transformers"), None)
+        for cls in mro[:first or 0]:
+            for name, value in vars(cls).items():
+                if name in _COUNT_NEUTRAL or name.startswith("post_process") or isinstance(value, type):
+                    continue
+                if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
+                    found.append(f"{cls.__qualname__}.{name}")
+    return found
+
+
+def _check_overrides(dataset: Any, processor: Any, lengths: np.ndarray, messages: str,
+                     images: str | None) -> None:
+    """A processor whose class overrides transformers' methods is not trusted silently: the longest
+    rows (the likeliest to hold images / videos) and the shortest are run through the processor
+    itself (:func:`~tokenbal.integrations.trainer_support.process_row`, what the packed Trainer
+    runs); a different count raises naming the row and the overrides, equal counts are logged as
+    a warning naming them and the rows checked."""
+    overrides = processor_overrides(processor)
+    if not overrides or not len(lengths):
+        return
+    from tokenbal.integrations.trainer_support import process_row
+
+    name = type(processor).__name__
+    base = next(c.__name__ for c in type(processor).__mro__ if c.__module__.split(".")[0] == "transformers")
+    said = f"{name} overrides {', '.join(overrides)} of transformers' {base}"
+    order = np.argsort(-lengths, kind="stable")
+    checked = sorted({int(i) for i in order[:CHECK_ROWS - 1]} | {int(order[-1])})
+    for i in checked:
+        try:
+            got = len(process_row(dataset[i], processor, messages=messages, images=images or "")["input_ids"])
+        except Exception as e:
+            raise ValueError(f"row {i}: {said}, and running it on the row failed ({type(e).__name__}: "
+                             f"{e}), so the counts of its base class's rules cannot be checked; pass "
+                             "token_lengths= counted with the processor itself") from e
+        if got != int(lengths[i]):
+            raise ValueError(f"row {i}: {name} gives {got} tokens, but dataset_lengths counted "
+                             f"{int(lengths[i])} by the rules of transformers' {base}: {name} overrides "
+                             f"{', '.join(overrides)}, which changes the counts. Pass token_lengths= counted "
+                             "with the processor itself (len(processor.apply_chat_template([messages], "
+                             "images=..., tokenize=True, return_dict=True)['input_ids'][0]) per row), or "
+                             "give the dataset a 'length' column")
+    logger.warning("tokenbal: %s; dataset_lengths counts by the base class's rules, checked equal to "
+                   "the processor itself on rows %s; an override that changes the counts of other rows only "
+                   "is not seen (pass token_lengths= counted with the processor to be sure)", said, checked)
 
 
 # -- datasets.Dataset ------------------------------------------------------------------------------
@@ -578,4 +647,4 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
                                whole=True).astype(np.int64)
 
 
-__all__ = ["dataset_lengths", "lengths_column"]
+__all__ = ["dataset_lengths", "lengths_column", "processor_overrides"]
