@@ -627,7 +627,13 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
     number column is taken as is (transformers' ``length`` convention), a list column (``input_ids``)
     gives each list's length. A missing value raises naming the row."""
     names = getattr(dataset, "column_names", None)
-    if not _is_hf_dataset(dataset) or not names or column not in names:
+    if not _is_hf_dataset(dataset):
+        return None
+    if _transform(dataset) is not None:
+        # The Trainer loads the transform's rows, whose column can differ from the stored one (a
+        # truncating transform) or exist only there (a tokenizing one): read it through the transform.
+        return _transformed_column(dataset, column)
+    if not names or column not in names:
         return None
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -645,6 +651,26 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
     # checked on the values as stored (a cast first would turn inf, 1e30 or 2**63 into -2**63)
     return check_sample_values(values.to_numpy(zero_copy_only=False), f"dataset column {column!r}",
                                whole=True).astype(np.int64)
+
+
+def _transformed_column(dataset: Any, column: str) -> np.ndarray | None:
+    """:func:`lengths_column` of the rows a ``set_transform`` / ``with_transform`` dataset returns
+    (every row through its transform once, in batches), or ``None`` when they have no such column."""
+    from tokenbal._checks import check_sample_values
+
+    rows = _TransformedRows(dataset)
+    if not len(rows) or column not in rows[0]:
+        return None
+    logger.info("tokenbal: reading the %r column of %d rows through the dataset's transform", column,
+                len(rows))
+    values = []
+    for i in range(len(rows)):
+        value = rows[i].get(column)
+        if value is None:
+            raise ValueError(f"row {i}: the dataset's transform returns no {column!r} value")
+        values.append(value if np.ndim(value) == 0 else len(value))
+    checked = check_sample_values(np.asarray(values), f"transformed column {column!r}", whole=True)
+    return checked.astype(np.int64)
 
 
 __all__ = ["dataset_lengths", "lengths_column", "processor_overrides"]

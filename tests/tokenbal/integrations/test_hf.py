@@ -255,3 +255,41 @@ def test_mixin_serves_trl_sft_trainer(tmp_path):
     trainer.train()
     assert len(seen) == 4 and sorted(i for b in seen for i in b) == list(range(8))
     assert seen == list(trainer.tokenbal_sampler)   # the steps are the sampler's, in its order
+
+
+def _text_rows(n: int = 8) -> list[dict]:
+    from collate.train.tiny import TinyVLDataset
+
+    items = [it for it in TinyVLDataset(3 * n).items if "pixel_values" not in it][:n]
+    return [{"input_ids": it["input_ids"].tolist(), "labels": it["labels"].tolist(),
+             "sample_idx": it["sample_idx"]} for it in items]
+
+
+def test_lengths_of_a_transformed_dataset_are_those_of_the_rows_the_trainer_loads(tmp_path):
+    """A datasets.Dataset with set_transform: the Trainer loads the transform's rows, so the plan's
+    lengths are theirs, not the stored column's (before: a truncating transform's rows of 5 tokens
+    were planned as the stored 6..39 tokens), and a transform that makes input_ids from another column
+    gives lengths too (before: "needs token lengths")."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from collate.train.tiny import tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    rows = _text_rows()
+    assert len({len(r["input_ids"]) for r in rows}) > 1 and min(len(r["input_ids"]) for r in rows) > 5
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, max_steps=2, save_strategy="no",
+                             disable_tqdm=True)
+    truncated = datasets.Dataset.from_list(rows)
+    truncated.set_transform(lambda b: {"input_ids": [x[:5] for x in b["input_ids"]],
+                                       "labels": [x[:5] for x in b["labels"]]})
+    made = datasets.Dataset.from_list([{"text": " ".join(map(str, r["input_ids"]))} for r in rows])
+    made.set_transform(lambda b: {"input_ids": [[int(t) for t in s.split()] for s in b["text"]],
+                                  "labels": [[int(t) for t in s.split()] for s in b["text"]]})
+    for ds, want in ((truncated, [5] * len(rows)), (made, [len(r["input_ids"]) for r in rows])):
+        t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds,
+                                 data_collator=DataCollatorWithFlattening())
+        loaded = [len(ds[i]["input_ids"]) for i in range(len(ds))]
+        assert t.tokenbal_sampler.lengths.tolist() == want == loaded
+        t.train()
