@@ -49,8 +49,11 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
     class MySFT(TokenBalancingMixin, SFTTrainer): pass
 
 ``token_lengths``: a :class:`~tokenbal.TokenIndex` (its ``.lengths``) or a 1-D array, one entry per
-``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's ``length``
-column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
+``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's
+``length_column_name`` column (``length``), else ``len(input_ids)``, else :func:`dataset_lengths`
+under ``processing_class`` (a ``set_transform`` dataset: those of the transform's rows). The
+Trainer's own length grouping (``group_by_length`` / ``train_sampling_strategy``) is replaced by
+the plan, with a warning.
 ``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
 ``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
 ``data_seed`` or ``seed``), ``shuffle=`` (default off under ``train_sampling_strategy="sequential"``),
@@ -140,7 +143,16 @@ class TokenBalancingMixin:
         super().__init__(*args, **kwargs)
         configure_logging()   # after the Trainer set transformers' verbosity from args.log_level
         self.tokenbal_token_lengths = _lengths_for(self.train_dataset, self.processing_class, token_lengths,
-                                                   type(self).__name__)
+                                                   type(self).__name__, self.args.length_column_name)
+        from tokenbal.hf_compat import trainer_length_grouping
+
+        grouping = trainer_length_grouping(self.args)
+        if grouping is not None and self.train_dataset is not None:
+            # The train loader is tokenbal's: the Trainer's length-grouped sampler is never built.
+            logger.warning("tokenbal: %s is replaced by the token-balanced plan for the train loader "
+                           "(its padded batches are planned for count x longest sample, cost='padded', which "
+                           "groups similar lengths itself); the eval loader keeps the Trainer's sampler",
+                           grouping)
         if not self.args.average_tokens_across_devices:
             logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
                            "hold different numbers of tokens, so each rank's own token mean would weight "
@@ -411,10 +423,12 @@ def _labels_shifted_for_count(batch: Any) -> Any:
     return {**{k: batch[k] for k in batch.keys()}, "labels": labels[..., 1:]}
 
 
-def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str) -> Any:
+def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str,
+                 length_column: str = "length") -> Any:
     """The token lengths the sampler plans with: ``token_lengths`` when given; else the dataset's
-    ``length`` column (transformers' convention); else ``len(input_ids)`` of a tokenized dataset;
-    else :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
+    ``length_column`` (``TrainingArguments.length_column_name``, ``length`` by default: the column
+    the Trainer's length grouping reads); else ``len(input_ids)`` of a tokenized dataset; else
+    :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
     if train_dataset is None:
         return None   # no training; get_train_dataloader raises if it is ever asked for
     if not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
@@ -426,7 +440,7 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
     from tokenbal.integrations.hf_lengths import lengths_column
 
     names = list(getattr(train_dataset, "column_names", None) or [])
-    for column, what in (("length", "the dataset's 'length' column"),
+    for column, what in ((length_column, f"the dataset's {length_column!r} column"),
                          ("input_ids", "len(input_ids) of the tokenized dataset")):
         found = lengths_column(train_dataset, column)
         if found is not None:
@@ -437,7 +451,8 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
                     "the processor)")
         return dataset_lengths(train_dataset, processing_class)
     raise TypeError(f"{who} needs token lengths: pass token_lengths= (a TokenIndex or one count per "
-                    "train_dataset item), give the dataset a 'length' or 'input_ids' column, or pass "
+                    f"train_dataset item), give the dataset a {length_column!r} (length_column_name) or "
+                    "'input_ids' column, or pass "
                     "processing_class=<processor> with a datasets.Dataset of 'messages' (and 'images') rows")
 
 

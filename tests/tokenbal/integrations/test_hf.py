@@ -293,3 +293,38 @@ def test_lengths_of_a_transformed_dataset_are_those_of_the_rows_the_trainer_load
         loaded = [len(ds[i]["input_ids"]) for i in range(len(ds))]
         assert t.tokenbal_sampler.lengths.tolist() == want == loaded
         t.train()
+
+
+def test_length_grouping_is_said_to_be_replaced_and_its_length_column_is_read(tmp_path, caplog):
+    """The Trainer's own length grouping (4.57 group_by_length=True; 5.x train_sampling_strategy=
+    "group_by_length" / "batch_rebalance") cannot run beside the token-balanced loader: a warning says
+    it is replaced (before: silently ignored). The lengths it would read (length_column_name) are the
+    ones planned with (before: that column ignored, len(input_ids) planned instead)."""
+    import logging
+
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from collate.train.tiny import tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    rows = _text_rows()
+    counts = [3 * len(r["input_ids"]) + 7 for r in rows]   # e.g. with the image tokens input_ids lack
+    ds = datasets.Dataset.from_list([{**r, "n_tokens": n} for r, n in zip(rows, counts, strict=True)])
+    fields = TrainingArguments.__dataclass_fields__
+    strategies = [] if "group_by_length" in fields else fields["train_sampling_strategy"].metadata["choices"]
+    groupings = ([{"group_by_length": True}] if "group_by_length" in fields else
+                 [{"train_sampling_strategy": s} for s in strategies if s not in ("random", "sequential")])
+    assert groupings
+    for grouping in groupings:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, remove_unused_columns=False, max_steps=1, save_strategy="no",
+                                 disable_tqdm=True, length_column_name="n_tokens", **grouping)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenbal"):
+            t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds,
+                                     data_collator=DataCollatorWithFlattening())
+        said = f"{next(iter(grouping))}={next(iter(grouping.values()))!r}"
+        assert said in caplog.text and "replaced by the token-balanced plan" in caplog.text
+        assert t.tokenbal_sampler.lengths.tolist() == counts
+        t.train()
