@@ -139,6 +139,7 @@ class TokenBalancingMixin:
             kwargs = _wire_packed(self, bound)
             args = ()
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
+        self._tokenbal_built_batch: int | None = None   # the per-device batch size it was planned for
         self._tokenbal_resume: str | None = None
         super().__init__(*args, **kwargs)
         configure_logging()   # after the Trainer set transformers' verbosity from args.log_level
@@ -172,6 +173,7 @@ class TokenBalancingMixin:
     def tokenbal_sampler(self) -> TokenBalancedBatchSampler:
         """The train batch sampler (built on first use from ``args`` and ``sampler_options``)."""
         if self._tokenbal_sampler is None:
+            self._tokenbal_built_batch = self._tokenbal_per_device_batch()
             sampler = TokenBalancedBatchSampler(self.tokenbal_token_lengths, **self._sampler_kwargs())
             if sampler.settings.max_tokens_per_rank is not None and not sampler.elastic:
                 # The Trainer takes every epoch's steps from the first epoch's length (and so does its
@@ -180,6 +182,31 @@ class TokenBalancingMixin:
                 sampler.fix_epoch_steps(self._tokenbal_epochs(sampler))
             self._tokenbal_sampler = sampler
         return self._tokenbal_sampler
+
+    def _tokenbal_per_device_batch(self) -> int:
+        """The per-device batch size the Trainer runs now: ``per_device_train_batch_size``, or after an
+        out-of-memory step under ``auto_find_batch_size`` the smaller one it retries with (its
+        ``_train_batch_size`` is the per-device size times the GPUs of ``nn.DataParallel``)."""
+        current = getattr(self, "_train_batch_size", None)
+        if current is None:
+            return int(self.args.per_device_train_batch_size)
+        return int(current) // max(1, self.args.n_gpu)
+
+    def _tokenbal_follow_batch_size(self) -> None:
+        """A new plan when the Trainer retries with a smaller batch (``auto_find_batch_size``): the
+        aborted one's sampler ran ahead in its epoch, and its batches are still the ones that ran out
+        of memory. A token budget cannot be halved by the Trainer: that retry raises."""
+        if self._tokenbal_sampler is None or self._tokenbal_built_batch == self._tokenbal_per_device_batch():
+            return
+        batch, budget = self._tokenbal_per_device_batch(), self._tokenbal_sampler.max_tokens_per_rank
+        if budget is not None:
+            raise ValueError(f"tokenbal: auto_find_batch_size retried with per-device batch size {batch} "
+                             "after an out-of-memory step, but the plan's micro-batches are set by "
+                             f"max_tokens_per_rank={budget}, which the Trainer cannot shrink: lower "
+                             "max_tokens_per_rank (and leave auto_find_batch_size off)")
+        logger.warning("tokenbal: the Trainer retries with per-device batch size %d (auto_find_batch_size); "
+                       "the token-balanced plan is rebuilt for it", batch)
+        self._tokenbal_sampler = None
 
     def _tokenbal_epochs(self, sampler: TokenBalancedBatchSampler) -> int:
         """How many epochs ``train`` will start: ``num_train_epochs`` rounded up, or as many as
@@ -206,7 +233,7 @@ class TokenBalancingMixin:
         dp, _ = resolve_dp(opts.get("num_replicas"), opts.get("rank"), opts.get("dp_group"),
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
-            opts.setdefault("global_batch_size", int(args.per_device_train_batch_size) * int(dp) * ga)
+            opts.setdefault("global_batch_size", self._tokenbal_per_device_batch() * int(dp) * ga)
             if not self.tokenbal_packed and opts.get("cost") is None and opts.get("stages") is None:
                 # A padding collator runs every micro-batch at count x longest sample: plan for that.
                 opts["cost"] = "padded"
@@ -275,6 +302,7 @@ class TokenBalancingMixin:
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
+        self._tokenbal_follow_batch_size()
         if len(dataset) != len(self.tokenbal_sampler.lengths):
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")

@@ -328,3 +328,39 @@ def test_length_grouping_is_said_to_be_replaced_and_its_length_column_is_read(tm
         assert said in caplog.text and "replaced by the token-balanced plan" in caplog.text
         assert t.tokenbal_sampler.lengths.tolist() == counts
         t.train()
+
+
+def test_auto_find_batch_size_retries_on_a_plan_of_the_smaller_batch(tmp_path):
+    """auto_find_batch_size: after an out-of-memory step the Trainer retries with half the per-device
+    batch; the plan is rebuilt for it, and the retry trains every sample once (before: the retry
+    reused the aborted epoch's sampler and "trained" zero steps, loss 0, silently). A token budget
+    cannot be halved by the Trainer: its retry raises saying so."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(16)
+    seen: list = []
+
+    class OutOfMemoryAbove2(TokenBalancedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            idx = inputs.pop("sample_idx").tolist()
+            if len(idx) > 2:   # what accelerate's find_executable_batch_size takes for an OOM
+                raise RuntimeError("CUDA out of memory. (simulated)")
+            seen.append(idx)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to=[],
+                             auto_find_batch_size=True, use_cpu=True, remove_unused_columns=False,
+                             disable_tqdm=True, save_strategy="no", num_train_epochs=1)
+    t = OutOfMemoryAbove2(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                          token_lengths=ds.lengths())
+    t.train()
+    assert t.state.global_step == len(seen) == 8 and sorted(i for b in seen for i in b) == list(range(16))
+    assert t.tokenbal_sampler.global_batch_size == 2
+    seen.clear()
+    t = OutOfMemoryAbove2(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                          token_lengths=ds.lengths(), max_tokens_per_rank=200)
+    with pytest.raises(ValueError, match="auto_find_batch_size.*max_tokens_per_rank"):
+        t.train()
