@@ -335,6 +335,11 @@ class TokenBalancingMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self._tokenbal_resume = resume_from_checkpoint or None
+        # A new plan for every train(): a train() stopped mid-epoch (an exception, a KeyboardInterrupt)
+        # left the sampler's cursor there, while the Trainer starts again at step 0 (or at the
+        # checkpoint's step, whose state is loaded onto the new sampler); it also follows arguments
+        # changed in between (num_train_epochs, max_steps: a token budget's epoch steps).
+        self._tokenbal_sampler = None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         destroy_process_group_at_exit()
         return result

@@ -364,3 +364,42 @@ def test_auto_find_batch_size_retries_on_a_plan_of_the_smaller_batch(tmp_path):
                           token_lengths=ds.lengths(), max_tokens_per_rank=200)
     with pytest.raises(ValueError, match="auto_find_batch_size.*max_tokens_per_rank"):
         t.train()
+
+
+def test_train_again_after_an_interrupted_train_starts_a_whole_epoch(tmp_path):
+    """train() without resume_from_checkpoint starts at step 0 of epoch 0; after a train() stopped
+    by an exception mid-epoch (a KeyboardInterrupt in a notebook), the next train() on the same
+    trainer trains the whole epoch again (before: it continued the sampler's cursor, 2 steps of 6,
+    4 of 12 samples trained, the rest never, with only a warning about DataLoader workers)."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(12)
+    seen: list[list[int]] = []
+
+    class Interrupt(Exception):
+        pass
+
+    class StopsOnce(TokenBalancedTrainer):
+        stop_at: int | None = 2
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step == self.stop_at:
+                self.stop_at = None
+                raise Interrupt()
+            seen.append(inputs.pop("sample_idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, disable_tqdm=True, save_strategy="no",
+                             num_train_epochs=1)
+    t = StopsOnce(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                  token_lengths=ds.lengths())
+    with pytest.raises(Interrupt):
+        t.train()
+    assert len(seen) == 2
+    seen.clear()
+    t.train()
+    assert t.state.global_step == len(seen) == 6 and sorted(i for b in seen for i in b) == list(range(12))
