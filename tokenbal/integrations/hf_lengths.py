@@ -492,6 +492,13 @@ def _arrow_sizes(column: Any, first_row: int, field: str) -> list[list[tuple[int
         offsets, valid, flat = arr.offsets.to_pylist(), arr.is_valid().to_pylist(), arr.flatten()
     else:   # one image per row
         offsets, valid, flat = list(range(len(arr) + 1)), arr.is_valid().to_pylist(), arr
+    if pa.types.is_null(flat.type):
+        # No image in any row (datasets types a column of only [] / None values as null): each row's
+        # images are those of its parts; an entry in such a list is a missing image.
+        for r in range(len(offsets) - 1):
+            if flat is not arr and offsets[r + 1] > offsets[r]:
+                raise ValueError(f"row {first_row + r}: image {field}[0] is None (no bytes, no path)")
+        return [[] for _ in range(len(offsets) - 1)]
     if pa.types.is_struct(flat.type):
         names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
         data = pc.struct_field(flat, "bytes") if "bytes" in names else None
