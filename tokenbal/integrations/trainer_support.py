@@ -134,7 +134,11 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
                        "messages=<column>")
     index = row.get(INDEX_KEY, "?")
     conv = _conversation(row[messages], index, messages)
-    values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
+    values = row.get(images)
+    if values is None or (isinstance(values, (list, tuple)) and not values):
+        values = content_images(conv, image_url=_collects_image_url(processor))
+    elif not isinstance(values, (list, tuple)):
+        values = [values]   # one image, not in a list: as dataset_lengths counts it
     imgs = [_as_image(v) for v in values]
     video_kwargs = _row_videos(row, conv, processor, index, messages)
     if video_kwargs and imgs and _VIDEO_ESTIMATOR[id(processor)][1] == "smolvlm":
