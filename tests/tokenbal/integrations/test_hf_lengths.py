@@ -272,6 +272,8 @@ def test_an_images_column_without_any_image_counts_the_rows_parts(rows, tok, tmp
     (``from_list`` of ``[]`` or ``None`` values: a text-only subset): its rows are counted like rows
     without images, the images of their content parts included (before: ValueError "images column
     'images' has Arrow type list<item: null>"). A row with a None entry still raises naming it."""
+    import pyarrow as pa
+
     monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
     # a template that renders a part by its type: datasets gives the text part an "image": None key,
     # which Qwen2-VL's own template (`'image' in content`) renders as a second image
@@ -283,7 +285,8 @@ def test_an_images_column_without_any_image_counts_the_rows_parts(rows, tok, tmp
     for empty in ([], None):
         data = [{"messages": r["messages"], "images": empty} for r in text_only]
         ds = datasets.Dataset.from_list(data)
-        assert str(ds.features["images"]).startswith(("List(Value('null'))", "Value('null')", "Sequence"))
+        kind = ds.data.column("images").type
+        assert pa.types.is_null(kind if empty is None else kind.value_type)
         want = [cp.oracle_length(proc, {**r, "images": []}) for r in text_only]
         np.testing.assert_array_equal(dataset_lengths(ds, proc, cache=False), want)
         parts = datasets.Dataset.from_list([{**with_image_part, "images": empty}])
