@@ -36,7 +36,8 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   (``collate.models.enable_packed``) and the collator is ``PackedCollator.from_config(model.config)``
   behind :class:`~tokenbal.integrations.trainer_support.PackedTrainCollator`, which renders raw chat
   rows with ``processing_class`` and checks every row against the planned lengths. Padded batches
-  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`).
+  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`),
+  padding-free collators (``DataCollatorWithFlattening``, trl's ``padding_free``) by their tokens.
 - **Weights on resume.** Checkpoint names that transformers' own loading would miss
   (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
 - **What the user sees.** Warnings reach stderr
@@ -234,7 +235,8 @@ class TokenBalancingMixin:
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
             opts.setdefault("global_batch_size", self._tokenbal_per_device_batch() * int(dp) * ga)
-            if not self.tokenbal_packed and opts.get("cost") is None and opts.get("stages") is None:
+            if not (self.tokenbal_packed or _padding_free(self.data_collator)) and opts.get("cost") is None \
+                    and opts.get("stages") is None:
                 # A padding collator runs every micro-batch at count x longest sample: plan for that.
                 opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
@@ -442,6 +444,15 @@ class TokenBalancingMixin:
                              f"{expect['cursor']}")
         logger.info("tokenbal: resuming epoch %d at batch %d of %d", saved["epoch"], saved["cursor"],
                     len(sampler))
+
+
+def _padding_free(collator: Any) -> bool:
+    """Whether ``collator`` concatenates a micro-batch into one row without padding (transformers'
+    ``DataCollatorWithFlattening``, trl's ``padding_free`` collator, a ``PackedCollator``): its cost
+    is then the micro-batch's tokens, not count x longest sample."""
+    names = {c.__name__ for c in type(collator).__mro__}
+    return bool(names & {"DataCollatorWithFlattening", "PackedCollator"}) or \
+        getattr(collator, "padding_free", False) is True
 
 
 def _labels_shifted_for_count(batch: Any) -> Any:
