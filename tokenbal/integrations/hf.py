@@ -329,6 +329,20 @@ class TokenBalancingMixin:
             params["in_order"] = args.dataloader_in_order
         return neutralise(self.accelerator, DataLoader(dataset, **params))
 
+    # packed=True: the packed collator renders whole raw rows (messages, images), so the Trainer's
+    # removal of the columns the model's forward does not name would leave it nothing, in the eval
+    # and test loaders too (the train loader keeps its rows through IndexedDataset).
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        if self.tokenbal_packed:
+            return dataset
+        return super()._remove_unused_columns(dataset, description)
+
+    def _get_collator_with_removed_columns(self, data_collator: Any, description: str | None = None) -> Any:
+        if self.tokenbal_packed:
+            return data_collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
