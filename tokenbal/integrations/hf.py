@@ -152,9 +152,8 @@ class TokenBalancingMixin:
         if grouping is not None and self.train_dataset is not None:
             # The train loader is tokenbal's: the Trainer's length-grouped sampler is never built.
             logger.warning("tokenbal: %s is replaced by the token-balanced plan for the train loader "
-                           "(its padded batches are planned for count x longest sample, cost='padded', which "
-                           "groups similar lengths itself); the eval loader keeps the Trainer's sampler",
-                           grouping)
+                           "(padded batches are planned for count x longest sample, which groups similar "
+                           "lengths itself); the eval loader keeps the Trainer's sampler", grouping)
         if not self.args.average_tokens_across_devices:
             logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
                            "hold different numbers of tokens, so each rank's own token mean would weight "
