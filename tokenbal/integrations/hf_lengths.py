@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter
+from tokenbal.estimate.conversation import chat_turns
 
 logger = logging.getLogger("tokenbal")
 
@@ -297,7 +298,7 @@ class _MapCount:
 def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
                  first_row: int, video_col: str | None = None) -> np.ndarray:
     values = table.column(messages).to_pylist()
-    convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(values)]
+    convs = [chat_turns(c, first_row + r, messages) for r, c in enumerate(values)]
     sizes = _arrow_sizes(table.column(image_col), first_row, image_col) if image_col is not None else None
     if sizes is None:
         sizes = [[] for _ in convs]
@@ -335,19 +336,6 @@ def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_r
             items, field = (value if isinstance(value, (list, tuple)) else [value]), str(video_col)
         out.append([probe_row_video(v, first_row + r, f"{field}[{j}]") for j, v in enumerate(items)])
     return out
-
-
-def _conversation(value: Any, row: int, field: str) -> list:
-    """A row's chat turns: a non-empty list of message dicts, else ``ValueError`` naming the row."""
-    if not isinstance(value, (list, tuple)) or not value:
-        what = f"a string ({value[:40]!r})" if isinstance(value, str) else type(value).__name__
-        raise ValueError(f"row {row}: {field!r} is {what}, not a non-empty list of chat turns "
-                         "({'role': ..., 'content': ...} dicts)")
-    for k, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"row {row}: {field}[{k}] is {type(message).__name__} {str(message)[:60]!r}, "
-                             "not a {'role': ..., 'content': ...} dict")
-    return list(value)
 
 
 def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
@@ -431,7 +419,7 @@ def _rows_batch(rows: Any, a: int, b: int, counter: ChatTokenCounter, messages: 
         row = rows[r]
         if not isinstance(row, dict) or messages not in row:
             raise ValueError(f"row {r}: has no {messages!r} field")
-        conv = _conversation(row[messages], r, messages)
+        conv = chat_turns(row[messages], r, messages)
         if audios is not None and audio_count(row.get(audios)):
             raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
         value = row.get(images) if images is not None else None
