@@ -66,6 +66,9 @@ vision sub-config model_type   4.57: the model's own name (``qwen2_5_vl``, ``glm
 Trainer ``num_items_in_batch``  4.57-5.9 count ``labels != -100`` over the whole label tensor; 5.19+
                                ``labels[..., 1:]`` for a loss that shifts them (a causal LM's), the
                                tokens the loss sums over (:func:`trainer_counts_shifted_labels`)
+Trainer length grouping        4.57: ``group_by_length=True``; 5.x: ``train_sampling_strategy=
+                               "group_by_length"``, from 5.25 also ``"batch_rebalance"``
+                               (:func:`trainer_length_grouping`)
 Trainer data-parallel split     every release: the train loader is sharded by accelerate's
                                ``prepare_data_loader`` over the data-parallel ranks of the
                                accelerator's device mesh (tensor / context parallel peers share a
@@ -605,6 +608,17 @@ def trainer_shuffles_train_data(args: Any) -> bool:
     ``train_sampling_strategy="sequential"`` trains in dataset order (``SequentialSampler``); 4.57
     has no such option and always shuffles (``group_by_length`` aside)."""
     return getattr(args, "train_sampling_strategy", "random") != "sequential"
+
+
+def trainer_length_grouping(args: Any) -> str | None:
+    """The ``TrainingArguments`` setting that asks the Trainer to group its train samples by length,
+    as the user wrote it (``"group_by_length=True"`` on 4.57; ``"train_sampling_strategy='...'"``
+    with ``"group_by_length"``, or from 5.25 ``"batch_rebalance"``, on 5.x), or ``None``. Each reads
+    its lengths from the ``length_column_name`` column."""
+    strategy = getattr(args, "train_sampling_strategy", None)
+    if strategy is not None:
+        return None if strategy in ("random", "sequential") else f"train_sampling_strategy={strategy!r}"
+    return "group_by_length=True" if getattr(args, "group_by_length", False) else None
 
 
 @dataclass(frozen=True)

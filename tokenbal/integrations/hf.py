@@ -36,7 +36,8 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   (``collate.models.enable_packed``) and the collator is ``PackedCollator.from_config(model.config)``
   behind :class:`~tokenbal.integrations.trainer_support.PackedTrainCollator`, which renders raw chat
   rows with ``processing_class`` and checks every row against the planned lengths. Padded batches
-  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`).
+  (the default) are planned with ``cost="padded"`` (:mod:`tokenbal.balance.partition.padded`),
+  padding-free collators (``DataCollatorWithFlattening``, trl's ``padding_free``) by their tokens.
 - **Weights on resume.** Checkpoint names that transformers' own loading would miss
   (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
 - **What the user sees.** Warnings reach stderr
@@ -49,8 +50,11 @@ into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainer
     class MySFT(TokenBalancingMixin, SFTTrainer): pass
 
 ``token_lengths``: a :class:`~tokenbal.TokenIndex` (its ``.lengths``) or a 1-D array, one entry per
-``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's ``length``
-column, else ``len(input_ids)``, else :func:`dataset_lengths` under ``processing_class``.
+``train_dataset`` item, in dataset order. Without it (``_lengths_for``): the dataset's
+``length_column_name`` column (``length``), else ``len(input_ids)``, else :func:`dataset_lengths`
+under ``processing_class`` (a ``set_transform`` dataset: those of the transform's rows). The
+Trainer's own length grouping (``group_by_length`` / ``train_sampling_strategy``) is replaced by
+the plan, with a warning.
 ``sampler_options``: any further ``TokenBalancedBatchSampler`` keyword (``cost=``, ``stages=``,
 ``window=``, ``max_tokens_per_rank=``, ``dp_group=``, ``device_mesh=``, ``seed=`` (default
 ``data_seed`` or ``seed``), ``shuffle=`` (default off under ``train_sampling_strategy="sequential"``),
@@ -136,11 +140,20 @@ class TokenBalancingMixin:
             kwargs = _wire_packed(self, bound)
             args = ()
         self._tokenbal_sampler: TokenBalancedBatchSampler | None = None
+        self._tokenbal_built_batch: int | None = None   # the per-device batch size it was planned for
         self._tokenbal_resume: str | None = None
         super().__init__(*args, **kwargs)
         configure_logging()   # after the Trainer set transformers' verbosity from args.log_level
         self.tokenbal_token_lengths = _lengths_for(self.train_dataset, self.processing_class, token_lengths,
-                                                   type(self).__name__)
+                                                   type(self).__name__, self.args.length_column_name)
+        from tokenbal.hf_compat import trainer_length_grouping
+
+        grouping = trainer_length_grouping(self.args)
+        if grouping is not None and self.train_dataset is not None:
+            # The train loader is tokenbal's: the Trainer's length-grouped sampler is never built.
+            logger.warning("tokenbal: %s is replaced by the token-balanced plan for the train loader "
+                           "(padded batches are planned for count x longest sample, which groups similar "
+                           "lengths itself); the eval loader keeps the Trainer's sampler", grouping)
         if not self.args.average_tokens_across_devices:
             logger.warning("tokenbal: setting average_tokens_across_devices=True: token-balanced ranks "
                            "hold different numbers of tokens, so each rank's own token mean would weight "
@@ -160,6 +173,7 @@ class TokenBalancingMixin:
     def tokenbal_sampler(self) -> TokenBalancedBatchSampler:
         """The train batch sampler (built on first use from ``args`` and ``sampler_options``)."""
         if self._tokenbal_sampler is None:
+            self._tokenbal_built_batch = self._tokenbal_per_device_batch()
             sampler = TokenBalancedBatchSampler(self.tokenbal_token_lengths, **self._sampler_kwargs())
             if sampler.settings.max_tokens_per_rank is not None and not sampler.elastic:
                 # The Trainer takes every epoch's steps from the first epoch's length (and so does its
@@ -168,6 +182,31 @@ class TokenBalancingMixin:
                 sampler.fix_epoch_steps(self._tokenbal_epochs(sampler))
             self._tokenbal_sampler = sampler
         return self._tokenbal_sampler
+
+    def _tokenbal_per_device_batch(self) -> int:
+        """The per-device batch size the Trainer runs now: ``per_device_train_batch_size``, or after an
+        out-of-memory step under ``auto_find_batch_size`` the smaller one it retries with (its
+        ``_train_batch_size`` is the per-device size times the GPUs of ``nn.DataParallel``)."""
+        current = getattr(self, "_train_batch_size", None)
+        if current is None:
+            return int(self.args.per_device_train_batch_size)
+        return int(current) // max(1, self.args.n_gpu)
+
+    def _tokenbal_follow_batch_size(self) -> None:
+        """A new plan when the Trainer retries with a smaller batch (``auto_find_batch_size``): the
+        aborted one's sampler ran ahead in its epoch, and its batches are still the ones that ran out
+        of memory. A token budget cannot be halved by the Trainer: that retry raises."""
+        if self._tokenbal_sampler is None or self._tokenbal_built_batch == self._tokenbal_per_device_batch():
+            return
+        batch, budget = self._tokenbal_per_device_batch(), self._tokenbal_sampler.max_tokens_per_rank
+        if budget is not None:
+            raise ValueError(f"tokenbal: auto_find_batch_size retried with per-device batch size {batch} "
+                             "after an out-of-memory step, but the plan's micro-batches are set by "
+                             f"max_tokens_per_rank={budget}, which the Trainer cannot shrink: lower "
+                             "max_tokens_per_rank (and leave auto_find_batch_size off)")
+        logger.warning("tokenbal: the Trainer retries with per-device batch size %d (auto_find_batch_size); "
+                       "the token-balanced plan is rebuilt for it", batch)
+        self._tokenbal_sampler = None
 
     def _tokenbal_epochs(self, sampler: TokenBalancedBatchSampler) -> int:
         """How many epochs ``train`` will start: ``num_train_epochs`` rounded up, or as many as
@@ -194,8 +233,9 @@ class TokenBalancingMixin:
         dp, _ = resolve_dp(opts.get("num_replicas"), opts.get("rank"), opts.get("dp_group"),
                            opts.get("device_mesh"))
         if opts.get("max_tokens_per_rank") is None:
-            opts.setdefault("global_batch_size", int(args.per_device_train_batch_size) * int(dp) * ga)
-            if not self.tokenbal_packed and opts.get("cost") is None and opts.get("stages") is None:
+            opts.setdefault("global_batch_size", self._tokenbal_per_device_batch() * int(dp) * ga)
+            if not (self.tokenbal_packed or _padding_free(self.data_collator)) and opts.get("cost") is None \
+                    and opts.get("stages") is None:
                 # A padding collator runs every micro-batch at count x longest sample: plan for that.
                 opts["cost"] = "padded"
         opts.setdefault("seed", args.data_seed if args.data_seed is not None else args.seed)
@@ -263,6 +303,7 @@ class TokenBalancingMixin:
             dataset = self._remove_unused_columns(dataset, description="Training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="Training")
+        self._tokenbal_follow_batch_size()
         if len(dataset) != len(self.tokenbal_sampler.lengths):
             raise ValueError(f"token_lengths has {len(self.tokenbal_sampler.lengths)} entries but "
                              f"train_dataset has {len(dataset)} items")
@@ -287,6 +328,20 @@ class TokenBalancingMixin:
             params["in_order"] = args.dataloader_in_order
         return neutralise(self.accelerator, DataLoader(dataset, **params))
 
+    # packed=True: the packed collator renders whole raw rows (messages, images), so the Trainer's
+    # removal of the columns the model's forward does not name would leave it nothing, in the eval
+    # and test loaders too (the train loader keeps its rows through IndexedDataset).
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        if self.tokenbal_packed:
+            return dataset
+        return super()._remove_unused_columns(dataset, description)
+
+    def _get_collator_with_removed_columns(self, data_collator: Any, description: str | None = None) -> Any:
+        if self.tokenbal_packed:
+            return data_collator
+        return super()._get_collator_with_removed_columns(data_collator, description)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             from transformers.trainer_utils import get_last_checkpoint
@@ -295,6 +350,11 @@ class TokenBalancingMixin:
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self._tokenbal_resume = resume_from_checkpoint or None
+        # A new plan for every train(): a train() stopped mid-epoch (an exception, a KeyboardInterrupt)
+        # left the sampler's cursor there, while the Trainer starts again at step 0 (or at the
+        # checkpoint's step, whose state is loaded onto the new sampler); it also follows arguments
+        # changed in between (num_train_epochs, max_steps: a token budget's epoch steps).
+        self._tokenbal_sampler = None
         result = super().train(resume_from_checkpoint, *args, **kwargs)
         destroy_process_group_at_exit()
         return result
@@ -399,6 +459,15 @@ class TokenBalancingMixin:
                     len(sampler))
 
 
+def _padding_free(collator: Any) -> bool:
+    """Whether ``collator`` concatenates a micro-batch into one row without padding (transformers'
+    ``DataCollatorWithFlattening``, trl's ``padding_free`` collator, a ``PackedCollator``): its cost
+    is then the micro-batch's tokens, not count x longest sample."""
+    names = {c.__name__ for c in type(collator).__mro__}
+    return bool(names & {"DataCollatorWithFlattening", "PackedCollator"}) or \
+        getattr(collator, "padding_free", False) is True
+
+
 def _labels_shifted_for_count(batch: Any) -> Any:
     """``batch`` with ``labels[..., 1:]`` as its labels, for counting loss tokens (unless it carries
     ``shift_labels``, which a Trainer of any version would count as they are)."""
@@ -411,10 +480,12 @@ def _labels_shifted_for_count(batch: Any) -> Any:
     return {**{k: batch[k] for k in batch.keys()}, "labels": labels[..., 1:]}
 
 
-def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str) -> Any:
+def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, who: str,
+                 length_column: str = "length") -> Any:
     """The token lengths the sampler plans with: ``token_lengths`` when given; else the dataset's
-    ``length`` column (transformers' convention); else ``len(input_ids)`` of a tokenized dataset;
-    else :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
+    ``length_column`` (``TrainingArguments.length_column_name``, ``length`` by default: the column
+    the Trainer's length grouping reads); else ``len(input_ids)`` of a tokenized dataset; else
+    :func:`dataset_lengths` of its ``messages`` / ``images`` rows under ``processing_class``."""
     if train_dataset is None:
         return None   # no training; get_train_dataloader raises if it is ever asked for
     if not hasattr(train_dataset, "__len__") or not hasattr(train_dataset, "__getitem__"):
@@ -426,7 +497,7 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
     from tokenbal.integrations.hf_lengths import lengths_column
 
     names = list(getattr(train_dataset, "column_names", None) or [])
-    for column, what in (("length", "the dataset's 'length' column"),
+    for column, what in ((length_column, f"the dataset's {length_column!r} column"),
                          ("input_ids", "len(input_ids) of the tokenized dataset")):
         found = lengths_column(train_dataset, column)
         if found is not None:
@@ -437,7 +508,8 @@ def _lengths_for(train_dataset: Any, processing_class: Any, token_lengths: Any, 
                     "the processor)")
         return dataset_lengths(train_dataset, processing_class)
     raise TypeError(f"{who} needs token lengths: pass token_lengths= (a TokenIndex or one count per "
-                    "train_dataset item), give the dataset a 'length' or 'input_ids' column, or pass "
+                    f"train_dataset item), give the dataset a {length_column!r} (length_column_name) or "
+                    "'input_ids' column, or pass "
                     "processing_class=<processor> with a datasets.Dataset of 'messages' (and 'images') rows")
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from tokenbal.estimate.chat import ChatCountError, ChatTokenCounter
+from tokenbal.estimate.conversation import chat_turns
 
 logger = logging.getLogger("tokenbal")
 
@@ -67,8 +68,77 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
                         f"{type(dataset).__name__}; for an IterableDataset, index it offline "
                         "(tokenbal index build --processor DIR)")
     if _is_hf_dataset(dataset):
-        return _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
-    return _rows_lengths(dataset, counter, messages, images, videos, audios)
+        lengths = _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
+    else:
+        lengths = _rows_lengths(dataset, counter, messages, images, videos, audios)
+    _check_overrides(dataset, processor, lengths, messages, images)
+    return lengths
+
+
+# -- a user's processor subclass -------------------------------------------------------------------
+
+# Methods a processor subclass may define that cannot change what its call returns for a row.
+_COUNT_NEUTRAL = frozenset({"__init__", "__repr__", "__str__", "to_dict", "to_json_string", "to_json_file",
+                            "save_pretrained", "from_pretrained", "push_to_hub", "batch_decode", "decode"})
+CHECK_ROWS = 8   # rows run through an overriding processor itself
+
+
+def processor_overrides(processor: Any) -> list[str]:
+    """``Class.method`` for every method that a class outside transformers (a user's subclass, or
+    remote code) defines in front of the transformers class of ``processor``, its image processor
+    or its video processor. tokenbal counts by the rules of that transformers class, so any of these
+    may make the processor emit other counts. Empty for a tokenizer (its own template and
+    tokenization are what the count runs) and for parts that are no transformers class at all."""
+    if getattr(processor, "tokenizer", None) is None:
+        return []
+    found = []
+    for part in (processor, getattr(processor, "image_processor", None),
+                 getattr(processor, "video_processor", None)):
+        mro = type(part).__mro__ if part is not None else ()
+        first = next((i for i, c in enumerate(mro) if c.__module__.split(".")[0] == "transformers"), None)
+        for cls in mro[:first or 0]:
+            for name, value in vars(cls).items():
+                if name in _COUNT_NEUTRAL or name.startswith("post_process") or isinstance(value, type):
+                    continue
+                if callable(value) or isinstance(value, (property, classmethod, staticmethod)):
+                    found.append(f"{cls.__qualname__}.{name}")
+    return found
+
+
+def _check_overrides(dataset: Any, processor: Any, lengths: np.ndarray, messages: str,
+                     images: str | None) -> None:
+    """A processor whose class overrides transformers' methods is not trusted silently: the longest
+    rows (the likeliest to hold images / videos) and the shortest are run through the processor
+    itself (:func:`~tokenbal.integrations.trainer_support.process_row`, what the packed Trainer
+    runs); a different count raises naming the row and the overrides, equal counts are logged as
+    a warning naming them and the rows checked."""
+    overrides = processor_overrides(processor)
+    if not overrides or not len(lengths):
+        return
+    from tokenbal.integrations.trainer_support import process_row
+
+    name = type(processor).__name__
+    base = next(c.__name__ for c in type(processor).__mro__ if c.__module__.split(".")[0] == "transformers")
+    said = f"{name} overrides {', '.join(overrides)} of transformers' {base}"
+    order = np.argsort(-lengths, kind="stable")
+    checked = sorted({int(i) for i in order[:CHECK_ROWS - 1]} | {int(order[-1])})
+    for i in checked:
+        try:
+            got = len(process_row(dataset[i], processor, messages=messages, images=images or "")["input_ids"])
+        except Exception as e:
+            raise ValueError(f"row {i}: {said}, and running it on the row failed ({type(e).__name__}: "
+                             f"{e}), so the counts of its base class's rules cannot be checked; pass "
+                             "token_lengths= counted with the processor itself") from e
+        if got != int(lengths[i]):
+            raise ValueError(f"row {i}: {name} gives {got} tokens, but dataset_lengths counted "
+                             f"{int(lengths[i])} by the rules of transformers' {base}: {name} overrides "
+                             f"{', '.join(overrides)}, which changes the counts. Pass token_lengths= counted "
+                             "with the processor itself (len(processor.apply_chat_template([messages], "
+                             "images=..., tokenize=True, return_dict=True)['input_ids'][0]) per row), or "
+                             "give the dataset a 'length' column")
+    logger.warning("tokenbal: %s; dataset_lengths counts by the base class's rules, checked equal to "
+                   "the processor itself on rows %s; an override that changes the counts of other rows only "
+                   "is not seen (pass token_lengths= counted with the processor to be sure)", said, checked)
 
 
 # -- datasets.Dataset ------------------------------------------------------------------------------
@@ -228,7 +298,7 @@ class _MapCount:
 def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col: str | None,
                  first_row: int, video_col: str | None = None) -> np.ndarray:
     values = table.column(messages).to_pylist()
-    convs = [_conversation(c, first_row + r, messages) for r, c in enumerate(values)]
+    convs = [chat_turns(c, first_row + r, messages) for r, c in enumerate(values)]
     sizes = _arrow_sizes(table.column(image_col), first_row, image_col) if image_col is not None else None
     if sizes is None:
         sizes = [[] for _ in convs]
@@ -266,19 +336,6 @@ def _videos(counter: ChatTokenCounter, convs: list, column: list | None, first_r
             items, field = (value if isinstance(value, (list, tuple)) else [value]), str(video_col)
         out.append([probe_row_video(v, first_row + r, f"{field}[{j}]") for j, v in enumerate(items)])
     return out
-
-
-def _conversation(value: Any, row: int, field: str) -> list:
-    """A row's chat turns: a non-empty list of message dicts, else ``ValueError`` naming the row."""
-    if not isinstance(value, (list, tuple)) or not value:
-        what = f"a string ({value[:40]!r})" if isinstance(value, str) else type(value).__name__
-        raise ValueError(f"row {row}: {field!r} is {what}, not a non-empty list of chat turns "
-                         "({'role': ..., 'content': ...} dicts)")
-    for k, message in enumerate(value):
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"row {row}: {field}[{k}] is {type(message).__name__} {str(message)[:60]!r}, "
-                             "not a {'role': ..., 'content': ...} dict")
-    return list(value)
 
 
 def _row_error(counter: ChatTokenCounter, convs: list, sizes: list, first_row: int,
@@ -362,7 +419,7 @@ def _rows_batch(rows: Any, a: int, b: int, counter: ChatTokenCounter, messages: 
         row = rows[r]
         if not isinstance(row, dict) or messages not in row:
             raise ValueError(f"row {r}: has no {messages!r} field")
-        conv = _conversation(row[messages], r, messages)
+        conv = chat_turns(row[messages], r, messages)
         if audios is not None and audio_count(row.get(audios)):
             raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
         value = row.get(images) if images is not None else None
@@ -423,6 +480,13 @@ def _arrow_sizes(column: Any, first_row: int, field: str) -> list[list[tuple[int
         offsets, valid, flat = arr.offsets.to_pylist(), arr.is_valid().to_pylist(), arr.flatten()
     else:   # one image per row
         offsets, valid, flat = list(range(len(arr) + 1)), arr.is_valid().to_pylist(), arr
+    if pa.types.is_null(flat.type):
+        # No image in any row (datasets types a column of only [] / None values as null): each row's
+        # images are those of its parts; an entry in such a list is a missing image.
+        for r in range(len(offsets) - 1):
+            if flat is not arr and offsets[r + 1] > offsets[r]:
+                raise ValueError(f"row {first_row + r}: image {field}[0] is None (no bytes, no path)")
+        return [[] for _ in range(len(offsets) - 1)]
     if pa.types.is_struct(flat.type):
         names = [flat.type.field(i).name for i in range(flat.type.num_fields)]
         data = pc.struct_field(flat, "bytes") if "bytes" in names else None
@@ -558,7 +622,13 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
     number column is taken as is (transformers' ``length`` convention), a list column (``input_ids``)
     gives each list's length. A missing value raises naming the row."""
     names = getattr(dataset, "column_names", None)
-    if not _is_hf_dataset(dataset) or not names or column not in names:
+    if not _is_hf_dataset(dataset):
+        return None
+    if _transform(dataset) is not None:
+        # The Trainer loads the transform's rows, whose column can differ from the stored one (a
+        # truncating transform) or exist only there (a tokenizing one): read it through the transform.
+        return _transformed_column(dataset, column)
+    if not names or column not in names:
         return None
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -578,4 +648,24 @@ def lengths_column(dataset: Any, column: str = "length") -> np.ndarray | None:
                                whole=True).astype(np.int64)
 
 
-__all__ = ["dataset_lengths", "lengths_column"]
+def _transformed_column(dataset: Any, column: str) -> np.ndarray | None:
+    """:func:`lengths_column` of the rows a ``set_transform`` / ``with_transform`` dataset returns
+    (every row through its transform once, in batches), or ``None`` when they have no such column."""
+    from tokenbal._checks import check_sample_values
+
+    rows = _TransformedRows(dataset)
+    if not len(rows) or column not in rows[0]:
+        return None
+    logger.info("tokenbal: reading the %r column of %d rows through the dataset's transform", column,
+                len(rows))
+    values = []
+    for i in range(len(rows)):
+        value = rows[i].get(column)
+        if value is None:
+            raise ValueError(f"row {i}: the dataset's transform returns no {column!r} value")
+        values.append(value if np.ndim(value) == 0 else len(value))
+    checked = check_sample_values(np.asarray(values), f"transformed column {column!r}", whole=True)
+    return checked.astype(np.int64)
+
+
+__all__ = ["dataset_lengths", "lengths_column", "processor_overrides"]

@@ -125,7 +125,7 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     import torch
 
     from tokenbal.estimate.chat import content_images, template_variables
-    from tokenbal.integrations.hf_lengths import _conversation
+    from tokenbal.estimate.conversation import chat_turns
 
     if messages not in row:
         raise KeyError(f"row has no {messages!r} column (columns: {sorted(row)}): the packed Trainer reads "
@@ -133,8 +133,12 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
                        "dataset.rename_column('conversations', 'messages')); process_row takes "
                        "messages=<column>")
     index = row.get(INDEX_KEY, "?")
-    conv = _conversation(row[messages], index, messages)
-    values = row.get(images) or content_images(conv, image_url=_collects_image_url(processor))
+    conv = chat_turns(row[messages], index, messages)
+    values = row.get(images)
+    if values is None or (isinstance(values, (list, tuple)) and not values):
+        values = content_images(conv, image_url=_collects_image_url(processor))
+    elif not isinstance(values, (list, tuple)):
+        values = [values]   # one image, not in a list: as dataset_lengths counts it
     imgs = [_as_image(v) for v in values]
     video_kwargs = _row_videos(row, conv, processor, index, messages)
     if video_kwargs and imgs and _VIDEO_ESTIMATOR[id(processor)][1] == "smolvlm":

@@ -255,3 +255,178 @@ def test_mixin_serves_trl_sft_trainer(tmp_path):
     trainer.train()
     assert len(seen) == 4 and sorted(i for b in seen for i in b) == list(range(8))
     assert seen == list(trainer.tokenbal_sampler)   # the steps are the sampler's, in its order
+
+
+def _text_rows(n: int = 8) -> list[dict]:
+    from collate.train.tiny import TinyVLDataset
+
+    items = [it for it in TinyVLDataset(3 * n).items if "pixel_values" not in it][:n]
+    return [{"input_ids": it["input_ids"].tolist(), "labels": it["labels"].tolist(),
+             "sample_idx": it["sample_idx"]} for it in items]
+
+
+def test_lengths_of_a_transformed_dataset_are_those_of_the_rows_the_trainer_loads(tmp_path):
+    """A datasets.Dataset with set_transform: the Trainer loads the transform's rows, so the plan's
+    lengths are theirs, not the stored column's (before: a truncating transform's rows of 5 tokens
+    were planned as the stored 6..39 tokens), and a transform that makes input_ids from another column
+    gives lengths too (before: "needs token lengths")."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from collate.train.tiny import tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    rows = _text_rows()
+    assert len({len(r["input_ids"]) for r in rows}) > 1 and min(len(r["input_ids"]) for r in rows) > 5
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, max_steps=2, save_strategy="no",
+                             disable_tqdm=True)
+    truncated = datasets.Dataset.from_list(rows)
+    truncated.set_transform(lambda b: {"input_ids": [x[:5] for x in b["input_ids"]],
+                                       "labels": [x[:5] for x in b["labels"]]})
+    made = datasets.Dataset.from_list([{"text": " ".join(map(str, r["input_ids"]))} for r in rows])
+    made.set_transform(lambda b: {"input_ids": [[int(t) for t in s.split()] for s in b["text"]],
+                                  "labels": [[int(t) for t in s.split()] for s in b["text"]]})
+    for ds, want in ((truncated, [5] * len(rows)), (made, [len(r["input_ids"]) for r in rows])):
+        t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds,
+                                 data_collator=DataCollatorWithFlattening())
+        loaded = [len(ds[i]["input_ids"]) for i in range(len(ds))]
+        assert t.tokenbal_sampler.lengths.tolist() == want == loaded
+        t.train()
+
+
+def test_length_grouping_is_said_to_be_replaced_and_its_length_column_is_read(tmp_path, caplog):
+    """The Trainer's own length grouping (4.57 group_by_length=True; 5.x train_sampling_strategy=
+    "group_by_length" / "batch_rebalance") cannot run beside the token-balanced loader: a warning says
+    it is replaced (before: silently ignored). The lengths it would read (length_column_name) are the
+    ones planned with (before: that column ignored, len(input_ids) planned instead)."""
+    import logging
+
+    datasets = pytest.importorskip("datasets")
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from collate.train.tiny import tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    rows = _text_rows()
+    counts = [3 * len(r["input_ids"]) + 7 for r in rows]   # e.g. with the image tokens input_ids lack
+    ds = datasets.Dataset.from_list([{**r, "n_tokens": n} for r, n in zip(rows, counts, strict=True)])
+    fields = TrainingArguments.__dataclass_fields__
+    strategies = [] if "group_by_length" in fields else fields["train_sampling_strategy"].metadata["choices"]
+    groupings = ([{"group_by_length": True}] if "group_by_length" in fields else
+                 [{"train_sampling_strategy": s} for s in strategies if s not in ("random", "sequential")])
+    assert groupings
+    for grouping in groupings:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                                 use_cpu=True, remove_unused_columns=False, max_steps=1, save_strategy="no",
+                                 disable_tqdm=True, length_column_name="n_tokens", **grouping)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenbal"):
+            t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds,
+                                     data_collator=DataCollatorWithFlattening())
+        said = f"{next(iter(grouping))}={next(iter(grouping.values()))!r}"
+        assert said in caplog.text and "replaced by the token-balanced plan" in caplog.text
+        assert t.tokenbal_sampler.lengths.tolist() == counts
+        t.train()
+
+
+def test_auto_find_batch_size_retries_on_a_plan_of_the_smaller_batch(tmp_path):
+    """auto_find_batch_size: after an out-of-memory step the Trainer retries with half the per-device
+    batch; the plan is rebuilt for it, and the retry trains every sample once (before: the retry
+    reused the aborted epoch's sampler and "trained" zero steps, loss 0, silently). A token budget
+    cannot be halved by the Trainer: its retry raises saying so."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(16)
+    seen: list = []
+
+    class OutOfMemoryAbove2(TokenBalancedTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            idx = inputs.pop("sample_idx").tolist()
+            if len(idx) > 2:   # what accelerate's find_executable_batch_size takes for an OOM
+                raise RuntimeError("CUDA out of memory. (simulated)")
+            seen.append(idx)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, report_to=[],
+                             auto_find_batch_size=True, use_cpu=True, remove_unused_columns=False,
+                             disable_tqdm=True, save_strategy="no", num_train_epochs=1)
+    t = OutOfMemoryAbove2(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                          token_lengths=ds.lengths())
+    t.train()
+    assert t.state.global_step == len(seen) == 8 and sorted(i for b in seen for i in b) == list(range(16))
+    assert t.tokenbal_sampler.global_batch_size == 2
+    seen.clear()
+    t = OutOfMemoryAbove2(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                          token_lengths=ds.lengths(), max_tokens_per_rank=200)
+    with pytest.raises(ValueError, match="auto_find_batch_size.*max_tokens_per_rank"):
+        t.train()
+
+
+def test_train_again_after_an_interrupted_train_starts_a_whole_epoch(tmp_path):
+    """train() without resume_from_checkpoint starts at step 0 of epoch 0; after a train() stopped
+    by an exception mid-epoch (a KeyboardInterrupt in a notebook), the next train() on the same
+    trainer trains the whole epoch again (before: it continued the sampler's cursor, 2 steps of 6,
+    4 of 12 samples trained, the rest never, with only a warning about DataLoader workers)."""
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(12)
+    seen: list[list[int]] = []
+
+    class Interrupt(Exception):
+        pass
+
+    class StopsOnce(TokenBalancedTrainer):
+        stop_at: int | None = 2
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step == self.stop_at:
+                self.stop_at = None
+                raise Interrupt()
+            seen.append(inputs.pop("sample_idx").tolist())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False, disable_tqdm=True, save_strategy="no",
+                             num_train_epochs=1)
+    t = StopsOnce(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=pad_collate,
+                  token_lengths=ds.lengths())
+    with pytest.raises(Interrupt):
+        t.train()
+    assert len(seen) == 2
+    seen.clear()
+    t.train()
+    assert t.state.global_step == len(seen) == 6 and sorted(i for b in seen for i in b) == list(range(12))
+
+
+def test_padding_free_collators_are_planned_for_their_tokens_not_a_padded_cost(tmp_path):
+    """A collator that concatenates a micro-batch without padding (transformers'
+    DataCollatorWithFlattening, trl's padding_free collator) runs it at its total tokens: the plan
+    uses the token cost, not count x longest (before: cost='padded' for every collator; on 8 ranks
+    max/mean tokens per step median 1.006, p90 1.021, instead of 1.002 / 1.004:
+    scripts/bench_flattening_cost.py)."""
+    from transformers import DataCollatorWithFlattening, TrainingArguments
+
+    from collate.train.tiny import TinyVLDataset, pad_collate, tiny_qwen2_vl
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    ds = TinyVLDataset(8)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             use_cpu=True, remove_unused_columns=False)
+    collators = {"padded": pad_collate, "flattening": DataCollatorWithFlattening()}
+    try:
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        collators["trl padding_free"] = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    except ImportError:
+        pass
+    for name, collator in collators.items():
+        t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=ds, data_collator=collator,
+                                 token_lengths=ds.lengths())
+        assert t.tokenbal_sampler.cost_name == ("padded" if name == "padded" else "tokens"), name

@@ -265,3 +265,48 @@ def test_a_count_of_several_batches_shows_a_bar_of_its_rows_unless_datasets_bars
             assert "counting tokens" not in capsys.readouterr().err
     finally:
         datasets.enable_progress_bars()
+
+
+def test_an_images_column_without_any_image_counts_the_rows_parts(rows, tok, tmp_path, monkeypatch):
+    """A datasets.Dataset whose images column holds no image in any row has an Arrow null type
+    (``from_list`` of ``[]`` or ``None`` values: a text-only subset): its rows are counted like rows
+    without images, the images of their content parts included (before: ValueError "images column
+    'images' has Arrow type list<item: null>"). A row with a None entry still raises naming it."""
+    import pyarrow as pa
+
+    monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
+    # a template that renders a part by its type: datasets gives the text part an "image": None key,
+    # which Qwen2-VL's own template (`'image' in content`) renders as a second image
+    proc = cp.processor(template=cp.TEMPLATES["llama-style"], tok=tok)
+    text_only = [r for r in rows if not r["images"]][:10]
+    assert len(text_only) == 10
+    with_image_part = {"messages": [{"role": "user", "content": [
+        {"type": "image", "image": cp.image_bytes(90, 200)}, {"type": "text", "text": "what is it"}]}]}
+    for empty in ([], None):
+        data = [{"messages": r["messages"], "images": empty} for r in text_only]
+        ds = datasets.Dataset.from_list(data)
+        kind = ds.data.column("images").type
+        assert pa.types.is_null(kind if empty is None else kind.value_type)
+        want = [cp.oracle_length(proc, {**r, "images": []}) for r in text_only]
+        np.testing.assert_array_equal(dataset_lengths(ds, proc, cache=False), want)
+        parts = datasets.Dataset.from_list([{**with_image_part, "images": empty}])
+        np.testing.assert_array_equal(dataset_lengths(parts, proc, cache=False),
+                                      dataset_lengths([with_image_part], proc, images=None))
+    nones = datasets.Dataset.from_list([{"messages": text_only[0]["messages"], "images": [None]}])
+    with pytest.raises(ValueError, match=r"row 0: image images\[0\]"):
+        dataset_lengths(nones, proc, cache=False)
+
+
+def test_one_image_outside_a_list_is_one_image_for_the_packed_collator_too(tok):
+    """dataset_lengths takes a row's images value as a list or one image; the packed Trainer's
+    process_row renders such a row the same (before: TypeError "only a single or a list of entries
+    is supported but got type=<class 'int'>" from transformers iterating the bytes)."""
+    from tokenbal.integrations.trainer_support import process_row
+
+    proc = cp.processor(tok=tok)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it"}]}]
+    image = cp.image_bytes(90, 200)
+    want = cp.oracle_length(proc, {"messages": messages, "images": [image]})
+    for value in (image, [image]):
+        row = {"messages": messages, "images": value}
+        assert len(process_row(row, proc)["input_ids"]) == dataset_lengths([row], proc)[0] == want

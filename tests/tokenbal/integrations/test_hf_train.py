@@ -371,3 +371,32 @@ def test_padded_steps_divide_by_the_shifted_loss_tokens_on_every_transformers(tm
                   data_collator=pad_collate, token_lengths=ds.lengths())
     t.train()
     assert len(got) == 3 and all(n == shifted for n, shifted in got)
+
+
+def test_packed_trainer_evaluates_raw_chat_rows(tmp_path):
+    """packed=True with an eval_dataset of raw chat rows (a list, and a datasets.Dataset), under the
+    Trainer's default remove_unused_columns=True: the eval loader hands the packed collator whole rows
+    as the train loader does, and evaluation runs during and after training (before: KeyError "row
+    has no 'messages' column (columns: [])": the Trainer had removed every column the model's forward
+    does not name). The eval rows are not checked against the train plan's lengths."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import TrainingArguments
+
+    from collate.train.tiny import tiny_qwen2_vl
+    from tests.helpers.tiny_processor import chat_rows, tiny_qwen2_vl_processor
+    from tokenbal.integrations.hf import TokenBalancedTrainer
+
+    proc = tiny_qwen2_vl_processor()
+    rows, held_out = chat_rows(8, seed=1), chat_rows(5, seed=9)
+    ids, _ = _rendered(rows, proc)
+    for eval_dataset in (held_out, datasets.Dataset.from_list(held_out)):
+        args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=1, report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True, eval_strategy="steps", eval_steps=2,
+                                 per_device_eval_batch_size=2)
+        t = TokenBalancedTrainer(model=tiny_qwen2_vl(), args=args, train_dataset=rows,
+                                 eval_dataset=eval_dataset, processing_class=proc,
+                                 token_lengths=np.array([len(t) for t in ids]), packed=True,
+                                 max_tokens_per_rank=BUDGET)
+        assert math.isfinite(t.evaluate()["eval_loss"])
+        t.train()
+        assert any("eval_loss" in entry for entry in t.state.log_history)

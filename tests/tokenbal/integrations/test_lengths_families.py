@@ -397,3 +397,67 @@ def test_onevision_at_its_checkpoint_settings():
     rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
                  "images": [fp.image_bytes(400, 400, "PNG", 1), fp.image_bytes(100, 60, "PNG", 2)]})
     np.testing.assert_array_equal(dataset_lengths(rows, proc), [fp.oracle(proc, r) for r in rows])
+
+
+# -- a user's subclass that changes what the processor emits ----------------------------------------
+
+
+def _subclassed(family: str, methods: dict, image_methods: dict | None = None):
+    """The family's real processor as an instance of a user's subclass defining ``methods`` (and its
+    image processor one of a subclass defining ``image_methods``)."""
+    proc = fp.processor(family)
+    proc.__class__ = type("MyProcessor", (type(proc),), methods)
+    if image_methods:
+        ip = proc.image_processor
+        ip.__class__ = type("MyImageProcessor", (type(ip),), image_methods)
+    return proc
+
+
+def _call_adding_two_tokens_per_image_row(self, *args, **kwargs):
+    # e.g. a subclass appending an end-of-image marker pair to rows with images
+    out = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    if kwargs.get("images") is not None:
+        out["input_ids"] = [list(ids) + [0, 0] for ids in out["input_ids"]]
+    return out
+
+
+def _call_unchanged(self, *args, **kwargs):   # e.g. a subclass that only logs its calls
+    return type(self).__mro__[1].__call__(self, *args, **kwargs)
+
+
+def _preprocess_half_size(self, images, *args, **kwargs):
+    # e.g. a subclass that downsizes images before the base class's resize
+    def half(image):
+        if isinstance(image, (list, tuple)):
+            return [half(x) for x in image]
+        return image.resize((max(1, image.size[0] // 2), max(1, image.size[1] // 2)))
+
+    return type(self).__mro__[1].preprocess(self, half(images), *args, **kwargs)
+
+
+def test_a_subclass_overriding_what_the_processor_emits_is_not_trusted_silently(rows, tmp_path, monkeypatch,
+                                                                                 caplog):
+    """dataset_lengths counts by the rules of the processor's transformers base class. A user's
+    subclass whose methods change the token counts (its __call__ adds tokens; its image processor
+    resizes first) raises naming the row and the overriding methods (before: 18 of 30 and 11 of 30
+    rows silently wrong); one whose override changes nothing counts as before, with a warning that
+    names the override and the rows checked against the processor itself."""
+    import logging
+
+    monkeypatch.setenv("TOKENBAL_CACHE", str(tmp_path))
+    plain = [r for r in rows if not _has_image_url(r)][:30]
+    as_dataset = datasets.Dataset.from_list([{"messages": r["messages"], "images": r["images"]}
+                                             for r in plain if r["shape"] == "column"])
+    adding = _subclassed("qwen2-vl", {"__call__": _call_adding_two_tokens_per_image_row})
+    for data in (plain, as_dataset):
+        with pytest.raises(ValueError, match=r"row \d+: MyProcessor gives \d+ tokens.*overrides "
+                                             r"MyProcessor.__call__"):
+            dataset_lengths(data, adding, cache=False)
+    halving = _subclassed("qwen2-vl", {}, {"preprocess": _preprocess_half_size})
+    with pytest.raises(ValueError, match=r"overrides MyImageProcessor.preprocess"):
+        dataset_lengths(plain, halving)
+    logging_only = _subclassed("qwen2-vl", {"__call__": _call_unchanged})
+    with caplog.at_level(logging.WARNING, logger="tokenbal"):
+        got = dataset_lengths(plain, logging_only)
+    np.testing.assert_array_equal(got, [fp.oracle(logging_only, r) for r in plain])
+    assert "overrides MyProcessor.__call__" in caplog.text and "checked" in caplog.text
