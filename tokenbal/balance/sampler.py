@@ -36,6 +36,13 @@ ahead of the training loop (``prefetch_factor × num_workers``), so iterate the 
 nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
 does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
 
+``load_state_dict`` inside a running loop (a rollback after a loss spike): the next batch the loop
+receives is the loaded one. With ``num_workers=0`` that holds as is; under ``track`` (or
+``prepare_loader``) the batches fetched before the load that were still on their way are dropped;
+a plain DataLoader that had read ahead (workers) cannot be told to drop them, so the load raises
+``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
+loop, load, iterate the loader again — or use ``track``.
+
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
 ``tokenbal.integrations.accelerate.prepare_loader``) the new iteration continues at the first batch
@@ -65,8 +72,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -200,10 +209,15 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # Counts the iterations that have started handing out batches: only the latest may hand out
         # more (they share one cursor); an earlier one still referenced raises instead (see __iter__).
         self._iterations = 0
-        # Counts load_state_dict calls, so that track() sees a load made while its loop runs, and how
-        # many batches handed out before the load the loop had not received yet.
-        self._loads = 0
-        self._in_flight_at_load = 0
+        # The live iteration: batches it handed out, how many of those were handed out before the latest
+        # load_state_dict made while it ran (still to reach the loop when a DataLoader read ahead: track()
+        # drops them), whether the loop reports what it received (track / mark_received), and the
+        # DataLoader iterator driving it (a weakref; None when not a DataLoader), which knows what the
+        # loop received when nothing else does.
+        self._handed = 0
+        self._handed_at_load = 0
+        self._tracked = False
+        self._driver: Any = None
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -290,13 +304,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # Threads and locks do not pickle (a sampler may be copied, e.g. into a checkpointed loader):
         # the copy plans in the foreground until its next epoch starts.
         state = dict(self.__dict__)
-        state["_ahead"], state["_ahead_lock"] = {}, None
+        state["_ahead"], state["_ahead_lock"], state["_driver"] = {}, None, None   # (a weakref either)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
-        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_loads": 0,
-                              "_in_flight_at_load": 0, **state})
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None, **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -401,6 +415,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
         mine = self._iterations
+        # The first next() runs this body: its caller is the DataLoader iterator asking, if it is one.
+        self._handed, self._handed_at_load, self._tracked = 0, 0, False
+        self._driver = _dataloader_iterator(sys._getframe(1))
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -408,6 +425,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             step, j = divmod(self.cursor, k)
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
+            self._handed += 1
             yield batch
             if self._iterations != mine:
                 # A newer iteration of this sampler started while this one was live (two DataLoaders over
@@ -421,6 +439,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                     "so only its latest iteration may hand out batches (state_dict() and a resume follow "
                     "that one). Build one sampler per DataLoader, or finish (or abandon) an iteration "
                     "before starting another")
+            self._refuse_stale_batches()
             if self._plan_key() != planned:
                 # While this iteration was live, set_epoch / load_state_dict moved the sampler to another
                 # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
@@ -430,6 +449,27 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 return
         self._finished_here = True
         self._handing_out = False
+
+    def _untracked_in_flight(self) -> tuple[int, Any]:
+        """Batches the live iteration handed out that its DataLoader has not yet given the loop, and that
+        DataLoader iterator — (0, None) when the loop reports what it received (track / mark_received,
+        which drop such batches after a load) or the iteration is not driven by a DataLoader."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        if driver is None or getattr(driver, "_sampler_iter", None) is None:
+            return 0, None
+        return max(self._handed - int(getattr(driver, "_num_yielded", self._handed)), 0), driver
+
+    def _refuse_stale_batches(self) -> None:
+        """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
+        after a load inside a loop it cannot be told about (persistent workers, where a live loop and one
+        broken out of look the same at the load), the batch it gives now may be one handed out before the
+        load: raise rather than let the loop train it as the loaded position's."""
+        if not self._handed_at_load or self._tracked or self._driver is None:
+            return
+        driver = self._driver()
+        given = getattr(driver, "_rcvd_idx", None)   # batches of this pass given to the loop, this one too
+        if given is not None and given <= self._handed_at_load:
+            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self.cursor))
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""
@@ -485,17 +525,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received, loads = 0, self._loads
+        received = 0
         for batch in loader:
-            # By now the sampler's iteration has started, so _iter_start is this iteration's.
-            if self._loads != loads:
-                # load_state_dict while the loop ran (a rollback): the live iteration went on from the
-                # loaded batch, which is where _iter_start now is; count the batches received from there,
-                # after the ones handed out before the load that were still on their way (workers).
-                received, loads = -self._in_flight_at_load, self._loads
+            # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
+            # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
+            # batch and the first _handed_at_load batches of the pass were handed out before the load.
             received += 1
+            if received <= self._handed_at_load:
+                # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
+                # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
+                # load is the loaded one).
+                continue
             epoch, start = self._iter_start
-            self.mark_received(epoch, start + max(received, 0))
+            self.mark_received(epoch, start + received - self._handed_at_load)
             yield batch
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
@@ -507,6 +549,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         ``tokenbal.integrations.accelerate.TokenBalancedLoader``). :meth:`state_dict` then saves
         that position, and a new iteration after an early stop continues from it."""
         self._consumed = (_epoch_number(epoch), nonneg_int("batches", batches))
+        self._tracked = True
 
     # -- checkpointing --------------------------------------------------------------------------
 
@@ -588,6 +631,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         plan — except, with ``elastic=True``, the step settings (world size, batch size, token
         budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
         _check_state(state)
+        in_flight, driver = self._untracked_in_flight()
+        if in_flight and not getattr(driver, "_persistent_workers", False):
+            # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
+            # the loop): its next batches were handed out before this load, and nothing can take them back.
+            raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
@@ -624,12 +672,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
             raise
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
-        # A live iteration of the same plan goes on from the loaded batch: a tracked loop counts from
-        # there, once it has received the batches handed out before the load (a DataLoader's workers).
-        self._in_flight_at_load = 0
-        if self._consumed is not None and self._consumed[0] == previous[1]:
-            self._in_flight_at_load = max(self.cursor - self._consumed[1], 0)
-        self._loads += 1
+        # A live iteration of the same plan goes on from the loaded batch; the batches it handed out before
+        # the load and the loop has not received (a DataLoader's workers) are dropped by track().
+        self._handed_at_load = self._handed
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         self._finished_here = False
@@ -666,6 +711,30 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}] is {seg!r}, not "
                              "{'fingerprint': dict, 'cursor': int}")
         integer(f"state['segments'][{n}]['cursor']", seg["cursor"])
+
+
+def _stale_batches_message(in_flight: int, cursor: int) -> str:
+    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read "
+            f"ahead: {in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
+            f"num_workers; the sampler had handed out {cursor}) would reach the loop before the loaded ones, "
+            "and be trained as if they were. Either break out of the loop, load_state_dict, then iterate the "
+            "loader again (the new iteration starts at the loaded batch), or iterate through "
+            "sampler.track(loader), which drops the batches fetched before a load")
+
+
+def _dataloader_iterator(frame: Any) -> Any:
+    """A weakref to the torch DataLoader iterator whose ``_next_index`` asked for a batch from ``frame``
+    (the caller of the sampler's first ``next()``), or None when a DataLoader is not what is asking."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    for _ in range(3):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, _BaseDataLoaderIter):
+            return weakref.ref(caller)
+        frame = frame.f_back
+    return None
 
 
 def _disagreements(views: list[dict[str, Any]]) -> list[str]:
