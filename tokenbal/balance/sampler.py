@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import threading
 import warnings
@@ -92,6 +93,9 @@ __all__ = ["SetupChangedError", "TokenBalancedBatchSampler"]
 _STATE_VERSION = 1
 # Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
 _ADDED_LATER = {"stages": 0, "epoch_steps": None}
+# Fingerprint keys compared only when both the checkpoint and the sampler have them: which samples
+# the rows are (a sampler over a TokenIndex has it; one over a plain lengths array cannot know).
+_WHEN_BOTH_HAVE = ("samples_sha256",)
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
@@ -156,6 +160,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
         self.resolved: Resolved = resolve(lengths_or_index, cost, stages)
+        # Which samples the rows are (an index's keys and shards), digested at the first fingerprint:
+        # lengths alone cannot tell two indexes of equal token counts apart.
+        self._samples_source: Any = lengths_or_index if _has_sample_keys(lengths_or_index) else None
+        self._samples_digest: str | None = None
         if settings is not None and num_replicas is None:
             num_replicas = settings.num_replicas
             if rank is None and dp_group is None and device_mesh is None and layout is None \
@@ -303,6 +311,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __getstate__(self) -> dict[str, Any]:
         # Threads and locks do not pickle (a sampler may be copied, e.g. into a checkpointed loader):
         # the copy plans in the foreground until its next epoch starts.
+        self._samples_sha256()   # the digest travels, not the index it was made from
         state = dict(self.__dict__)
         state["_ahead"], state["_ahead_lock"], state["_driver"] = {}, None, None   # (a weakref either)
         return state
@@ -310,7 +319,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
-                              "_handed_at_load": 0, "_tracked": False, "_driver": None, **state})
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None,
+                              "_samples_source": None, "_samples_digest": None, **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -559,8 +569,18 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # and values checkpoints have stored since before either was an object.
         # epoch_steps only where set: the keys of a checkpoint without it stay what they were.
         fixed = {} if self.epoch_steps is None else {"epoch_steps": self.epoch_steps}
-        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **self.settings.fingerprint(),
-                **fixed}
+        samples = self._samples_sha256()
+        which = {} if samples is None else {"samples_sha256": samples}
+        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **which,
+                **self.settings.fingerprint(), **fixed}
+
+    def _samples_sha256(self) -> str | None:
+        """Digest of the index's sample keys and shard names (not their folders: a moved dataset is the
+        same one), computed once; None for plain lengths."""
+        if self._samples_digest is None and self._samples_source is not None:
+            self._samples_digest = _sample_keys_digest(self._samples_source)
+            self._samples_source = None   # the index's mmaps are not kept (or pickled) for it
+        return self._samples_digest
 
     def natural_steps(self, epoch: int) -> int:
         """Steps epoch ``epoch`` needs, before any ``epoch_steps`` (planned, not cached)."""
@@ -637,11 +657,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             # the loop): its next batches were handed out before this load, and nothing can take them back.
             raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
-        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
+        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]
+                   and (k not in _WHEN_BOTH_HAVE or k in saved)]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:
             diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
-                     for k in changed]
+                     + (" (the index's sample keys: a checkpoint of other samples, e.g. another index)"
+                        if k == "samples_sha256" else "") for k in changed]
             hint = ""
             if set(changed) <= set(_ELASTIC_KEYS):
                 hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
@@ -711,6 +733,28 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}] is {seg!r}, not "
                              "{'fingerprint': dict, 'cursor': int}")
         integer(f"state['segments'][{n}]['cursor']", seg["cursor"])
+
+
+def _has_sample_keys(data: Any) -> bool:
+    """A :class:`tokenbal.TokenIndex` (or alike): per-sample keys and shard ids, and its shard paths."""
+    return all(hasattr(data, a) for a in ("keys", "shard_ids", "shard_paths")) and not isinstance(data, dict)
+
+
+def _sample_keys_digest(index: Any) -> str:
+    """sha256 (16 hex digits) of every sample's key and shard file name, in row order."""
+    h = hashlib.sha256()
+    names = [os.path.basename(str(p)) for p in index.shard_paths]
+    h.update(json.dumps(names).encode())
+    h.update(np.ascontiguousarray(index.shard_ids, "<i8").tobytes())
+    keys = index.keys
+    blob, offsets = getattr(keys, "_blob", None), getattr(keys, "_off", None)
+    if blob is not None and offsets is not None:   # a KeyList: its bytes as stored, in one pass
+        h.update(np.ascontiguousarray(offsets, "<i8").tobytes())
+        h.update(memoryview(np.ascontiguousarray(blob)).cast("B"))
+    else:
+        for key in keys:
+            h.update(str(key).encode() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _stale_batches_message(in_flight: int, cursor: int) -> str:
