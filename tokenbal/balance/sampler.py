@@ -718,6 +718,11 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: {where} is {v!r}, not an integer"
                              + (f" >= {low}" if low is not None else ""))
 
+    version = state.get("version", _STATE_VERSION)   # states from before the field were version 1
+    if isinstance(version, bool) or version != _STATE_VERSION:
+        raise ValueError(f"not a state this tokenbal can read: state['version'] is {version!r}, this "
+                         f"sampler reads version {_STATE_VERSION} (a newer tokenbal's checkpoint, or "
+                         "damaged): resume with the tokenbal that saved it")
     integer("state['seed']", state["seed"], low=None)
     for key in ("epoch", "cursor"):
         integer(f"state[{key!r}]", state[key])
@@ -733,6 +738,11 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}] is {seg!r}, not "
                              "{'fingerprint': dict, 'cursor': int}")
         integer(f"state['segments'][{n}]['cursor']", seg["cursor"])
+        # An earlier setup is re-planned from its step settings (the rest are this sampler's).
+        missing = [k for k in _ELASTIC_KEYS if k not in seg["fingerprint"]]
+        if missing:
+            raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}]['fingerprint'] "
+                             f"has no {', '.join(missing)}")
 
 
 def _has_sample_keys(data: Any) -> bool:

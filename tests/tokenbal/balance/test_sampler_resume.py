@@ -46,3 +46,35 @@ def test_a_state_from_another_index_with_the_same_lengths_is_refused_by_name(twi
     # a checkpoint from before the key existed still loads
     old = {**state, "fingerprint": {k: v for k, v in state["fingerprint"].items() if k != "samples_sha256"}}
     other.load_state_dict(old)
+
+
+def _state_after(batches=1, **kw):
+    s = TokenBalancedBatchSampler(np.arange(1, 101), 2, 0, global_batch_size=8, **kw)
+    it = iter(s)
+    for _ in range(batches):
+        next(it)
+    return s.state_dict()
+
+
+def test_a_state_of_a_newer_format_is_refused_instead_of_read_as_this_one():
+    # version 99 (or "x") loaded as version 1: a newer tokenbal's state, whose fields may mean something
+    # else, resumed silently.
+    state = _state_after()
+    for version in (99, "x", 1.5):
+        fresh = TokenBalancedBatchSampler(np.arange(1, 101), 2, 0, global_batch_size=8)
+        with pytest.raises(ValueError, match=rf"state\['version'\] is {version!r}.*version 1"):
+            fresh.load_state_dict({**state, "version": version})
+        assert fresh.cursor == 0
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "version"})   # before versions: 1
+    assert fresh.cursor == 1
+
+
+def test_a_damaged_elastic_history_names_the_missing_setting_instead_of_a_key_error():
+    # segments[0]['fingerprint'] without num_replicas: a bare KeyError('num_replicas') from the replan.
+    state = _state_after()
+    seg = {"fingerprint": {k: v for k, v in state["fingerprint"].items() if k != "num_replicas"}, "cursor": 0}
+    for elastic in (False, True):
+        fresh = TokenBalancedBatchSampler(np.arange(1, 101), 2, 0, global_batch_size=8, elastic=elastic)
+        with pytest.raises(ValueError, match=r"\['segments'\]\[0\]\['fingerprint'\] has no num_replicas"):
+            fresh.load_state_dict({**state, "segments": [seg]})
+        assert fresh.cursor == 0 and fresh._segments == []
