@@ -427,7 +427,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         mine = self._iterations
         # The first next() runs this body: its caller is the DataLoader iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
-        self._driver = _dataloader_iterator(sys._getframe(1))
+        self._driver = _dataloader_iterator(sys._getframe(1), self)
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -776,17 +776,19 @@ def _stale_batches_message(in_flight: int, cursor: int) -> str:
             "sampler.track(loader), which drops the batches fetched before a load")
 
 
-def _dataloader_iterator(frame: Any) -> Any:
-    """A weakref to the torch DataLoader iterator whose ``_next_index`` asked for a batch from ``frame``
-    (the caller of the sampler's first ``next()``), or None when a DataLoader is not what is asking."""
+def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
+    """A weakref to the torch DataLoader iterator whose ``_next_index`` asked ``sampler`` for a batch from
+    ``frame`` (the caller of the sampler's first ``next()``), or None when that is not a DataLoader
+    iterating ``sampler`` itself: one whose batch sampler wraps it (groups its micro-batches into steps,
+    as the VeOmni integration does) counts other batches than the sampler hands out."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    for _ in range(3):
+    for _ in range(2):   # _next_index, or a subclass's (torchdata's StatefulDataLoader) calling it
         if frame is None:
             break
         caller = frame.f_locals.get("self")
         if isinstance(caller, _BaseDataLoaderIter):
-            return weakref.ref(caller)
+            return weakref.ref(caller) if getattr(caller, "_index_sampler", None) is sampler else None
         frame = frame.f_back
     return None
 

@@ -722,3 +722,35 @@ def test_load_state_dict_inside_a_plain_loop_without_workers_goes_on_from_the_lo
     s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
     loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=0)
     assert _rollback_loop(loader, s, load_at=5, stop_at=9) == full[:6] + full[2:6]
+
+
+def test_a_sampler_wrapped_by_another_batch_sampler_is_not_taken_for_the_dataloaders_own():
+    # The VeOmni integration's batch sampler groups grad_accum micro-batches of the tokenbal sampler into
+    # one step: the DataLoader counts steps, the sampler hands out micro-batches. Taking that DataLoader
+    # for the sampler's own counted 1 micro-batch per step as still in flight and refused a rollback
+    # in the loop that num_workers=0 makes exact.
+    from tokenbal.integrations.veomni import _Steps
+
+    lengths = lengths_for(80)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, grad_accum=2))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, grad_accum=2)
+    micro_batches = _Identity()   # dataset[micro-batch] is the micro-batch's indices
+    loader = DataLoader(micro_batches, batch_sampler=_Steps(s, 2), collate_fn=lambda b: b)
+    trained = []
+    for n, step in enumerate(loader):
+        trained.append(step)
+        if n == 0:
+            ckpt = s.state_dict()
+        if n == 2:
+            s.load_state_dict(ckpt)
+        if n == 4:
+            break
+    assert trained == [full[0:2], full[2:4], full[4:6], full[2:4], full[4:6]]
+
+
+class _Identity(Dataset):
+    def __len__(self):
+        return 80
+
+    def __getitem__(self, i):
+        return i
