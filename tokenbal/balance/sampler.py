@@ -84,7 +84,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbal._checks import nonneg_int, positive_int
-from tokenbal.balance.cost import Resolved, resolve
+from tokenbal.balance.cost import COST_NAMES, Resolved, resolve
 from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, pad_steps, plan_epoch
 from tokenbal.balance.settings import PlanSettings, plan_settings
 
@@ -658,7 +658,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]
-                   and (k not in _WHEN_BOTH_HAVE or k in saved)]
+                   and (k not in _WHEN_BOTH_HAVE or k in saved)
+                   and not (k == "cost" and _user_costs(saved[k]) and _user_costs(mine[k]))]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:
             diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
@@ -743,6 +744,13 @@ def _check_state(state: Any) -> None:
         if missing:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}]['fingerprint'] "
                              f"has no {', '.join(missing)}")
+
+
+def _user_costs(name: Any) -> bool:
+    """A fingerprint's ``cost`` that is the type name of costs the user gave (an ndarray, a Tensor, a
+    list, a function): the type says nothing about the costs, whose digest (``lengths_sha256``) is
+    compared instead. The named costs and the cost models are compared by name."""
+    return isinstance(name, str) and name not in (*COST_NAMES, "FlopsModel", "StageCostModel")
 
 
 def _has_sample_keys(data: Any) -> bool:

@@ -54,8 +54,9 @@ def test_a_state_from_another_index_with_the_same_lengths_is_refused_by_name(twi
     other.load_state_dict(old)
 
 
-def _state_after(batches=1, **kw):
-    s = TokenBalancedBatchSampler(np.arange(1, 101), 2, 0, global_batch_size=8, **kw)
+def _state_after(batches=1, lengths=None, **kw):
+    lengths = np.arange(1, 101) if lengths is None else lengths
+    s = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8, **kw)
     it = iter(s)
     for _ in range(batches):
         next(it)
@@ -195,3 +196,23 @@ def test_any_resume_point_in_a_tracked_loop_gives_the_uninterrupted_runs_batches
 def test_any_resume_point_in_a_tracked_loop_with_workers_gives_the_uninterrupted_runs_batches(
         n, k, workers, seed, ops):
     _training_run(n, 1, k, "batch", False, seed, workers, ops)
+
+
+def test_the_same_user_costs_given_as_another_array_type_resume():
+    # The fingerprint's "cost" is the type name of a user's cost (ndarray, Tensor, list, a function): the
+    # same costs as a torch tensor after a numpy array were refused ("cost: checkpoint has 'ndarray',
+    # this sampler has 'Tensor'"), though the costs' digest is the same. Different values still refuse.
+    lengths = np.arange(1, 61)
+    costs = lengths * 3 + 7
+    state = _state_after(batches=2, lengths=lengths, cost=costs)
+    for same in (torch.tensor(costs), costs.tolist(), lambda x: x * 3 + 7):
+        fresh = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8, cost=same)
+        fresh.load_state_dict(state)
+        assert fresh.cursor == 2
+    other = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8, cost=torch.tensor(costs + 1))
+    with pytest.raises(ValueError, match="lengths_sha256"):
+        other.load_state_dict(state)
+    # a named cost against user costs that happen to equal it is still another setup
+    with pytest.raises(ValueError, match="cost: checkpoint has 'ndarray', this sampler has 'tokens'"):
+        TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8).load_state_dict(
+            _state_after(lengths=lengths, cost=lengths.copy()))
