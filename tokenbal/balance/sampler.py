@@ -29,6 +29,8 @@ the group iterate a sampler: every rank of the group must iterate it, or the col
 
 Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
+``set_epoch`` of the same epoch keeps that position; moving to another epoch before a batch of it was
+handed out drops it, and warns (a loop counting epochs from 0 instead of ``state['epoch']``).
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
@@ -222,6 +224,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # drops them), whether the loop reports what it received (track / mark_received), and the
         # DataLoader iterator driving it (a weakref; None when not a DataLoader), which knows what the
         # loop received when nothing else does.
+        self._loaded_position: str | None = None   # see load_state_dict / set_epoch
         self._handed = 0
         self._handed_at_load = 0
         self._tracked = False
@@ -320,7 +323,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
                               "_handed_at_load": 0, "_tracked": False, "_driver": None,
-                              "_samples_source": None, "_samples_digest": None, **state})
+                              "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
+                              **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -397,6 +401,16 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
         epoch = _epoch_number(epoch)
         if epoch != self.epoch:
+            loaded, self._loaded_position = self._loaded_position, None
+            if loaded is not None:
+                # Nothing handed out since a load that restored the middle of an epoch: leaving that epoch
+                # now throws the resume away (a loop counting its epochs from 0, not the checkpoint's).
+                warnings.warn(
+                    f"TokenBalancedBatchSampler.set_epoch({epoch}) drops the position load_state_dict "
+                    f"restored ({loaded}) before any batch of it was handed "
+                    "out: the rest of that epoch is not trained. If the training loop counts its epochs from "
+                    "0, start it at the checkpoint's: for epoch in range(state['epoch'], num_epochs)",
+                    RuntimeWarning, stacklevel=2)
             self.epoch = epoch
             self.cursor = 0
             self._finished_here = False
@@ -422,6 +436,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
         self._handing_out = True
+        self._loaded_position = None   # the loaded position is being trained from
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
         mine = self._iterations
@@ -700,6 +715,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._handed_at_load = self._handed
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
+        # The middle of an epoch (a plain cursor, or an elastic history), for set_epoch to tell the loop
+        # that moving to another epoch before iterating would drop it.
+        self._loaded_position = None
+        if (cursor > 0 or segments) and cursor < steps:
+            self._loaded_position = (f"epoch {self.epoch}, batch {cursor} of {steps}" + (
+                f", after {len(segments)} earlier setup(s) of the epoch" if segments else ""))
         self._finished_here = False
         self._consumed = None
         self._handing_out = False

@@ -2,6 +2,7 @@
 import dataclasses
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -216,3 +217,43 @@ def test_the_same_user_costs_given_as_another_array_type_resume():
     with pytest.raises(ValueError, match="cost: checkpoint has 'ndarray', this sampler has 'tokens'"):
         TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8).load_state_dict(
             _state_after(lengths=lengths, cost=lengths.copy()))
+
+
+def test_set_epoch_to_another_epoch_right_after_a_mid_epoch_load_warns_that_the_resume_is_dropped():
+    # A loop that restarts its epoch counter at 0 (for epoch in range(num_epochs): set_epoch(epoch))
+    # after load_state_dict of epoch 2, batch 3: set_epoch(0) silently threw the resume away and trained
+    # epochs 0 and 1 again.
+    lengths = np.arange(1, 101)
+    s = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8)
+    s.set_epoch(2)
+    it = iter(s)
+    for _ in range(3):
+        next(it)
+    state = s.state_dict()
+    fresh = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)   # the same epoch keeps the position (and the warning to come)
+    with pytest.warns(RuntimeWarning, match=r"set_epoch\(0\) drops the position load_state_dict restored "
+                                            r"\(epoch 2, batch 3 of 13\).*range\(state\['epoch'\]"):
+        fresh.set_epoch(0)
+    assert (fresh.epoch, fresh.cursor) == (0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the usual loop: from the checkpoint's epoch on
+        fresh.load_state_dict(state)
+        for epoch in range(state["epoch"], 4):
+            fresh.set_epoch(epoch)
+            list(fresh)
+        # a checkpoint at an epoch's end, then the next epoch; a load at cursor 0; a set_epoch after
+        # batches of the loaded epoch were handed out (the loop moved on by itself)
+        for cursor in (13, 0):
+            fresh.load_state_dict({**state, "cursor": cursor})
+            fresh.set_epoch(3)
+        fresh.load_state_dict(state)
+        next(iter(fresh))
+        fresh.set_epoch(3)
+    # an elastic resume (another world size) restores the middle of the epoch as well
+    elastic = TokenBalancedBatchSampler(lengths, 4, 0, global_batch_size=8, elastic=True)
+    elastic.load_state_dict(state)
+    with pytest.warns(RuntimeWarning, match=r"epoch 2, batch 0 of \d+, after 1 earlier setup"):
+        elastic.set_epoch(3)
