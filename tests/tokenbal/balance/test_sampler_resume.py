@@ -257,3 +257,31 @@ def test_set_epoch_to_another_epoch_right_after_a_mid_epoch_load_warns_that_the_
     elastic.load_state_dict(state)
     with pytest.warns(RuntimeWarning, match=r"epoch 2, batch 0 of \d+, after 1 earlier setup"):
         elastic.set_epoch(3)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_stateful_dataloader_with_workers_resumes_in_a_fresh_loader_and_in_the_same_one(persistent):
+    # torchdata's StatefulDataLoader restores the sampler itself (load_state_dict at iter()), with its
+    # workers' prefetch in flight in the same process: none of it may be taken for a load inside a loop.
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = np.random.default_rng(2).integers(1, 3000, 120)
+
+    def loader():
+        s = TokenBalancedBatchSampler(lengths, 2, 1, global_batch_size=8, seed=3)
+        return sdl.StatefulDataLoader(list(range(120)), batch_sampler=s, collate_fn=list, num_workers=2,
+                                      prefetch_factor=2, persistent_workers=persistent)
+
+    full = list(TokenBalancedBatchSampler(lengths, 2, 1, global_batch_size=8, seed=3))
+    dl = loader()
+    got = []
+    for n, batch in enumerate(dl):
+        got.append(batch)
+        if n == 2:
+            state = dl.state_dict()
+        if n == 6:
+            dl.load_state_dict(state)      # a rollback: takes effect at the next iter()
+            break
+    assert got[:3] + list(dl) == full
+    fresh = loader()
+    fresh.load_state_dict(state)
+    assert got[:3] + list(fresh) == full
