@@ -667,7 +667,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
         _check_state(state)
         in_flight, driver = self._untracked_in_flight()
-        if in_flight and not getattr(driver, "_persistent_workers", False):
+        reload = _same_position(state, self)
+        if in_flight and not reload and not getattr(driver, "_persistent_workers", False):
             # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
             # the loop): its next batches were handed out before this load, and nothing can take them back.
             raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
@@ -711,8 +712,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             raise
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         # A live iteration of the same plan goes on from the loaded batch; the batches it handed out before
-        # the load and the loop has not received (a DataLoader's workers) are dropped by track().
-        self._handed_at_load = self._handed
+        # the load and the loop has not received (a DataLoader's workers) are dropped by track(). (A reload
+        # of the position the sampler is at leaves them: they come before it in any run.)
+        if not reload:
+            self._handed_at_load = self._handed
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         # The middle of an epoch (a plain cursor, or an elastic history), for set_epoch to tell the loop
@@ -765,6 +768,13 @@ def _check_state(state: Any) -> None:
         if missing:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}]['fingerprint'] "
                              f"has no {', '.join(missing)}")
+
+
+def _same_position(state: dict[str, Any], sampler: TokenBalancedBatchSampler) -> bool:
+    """``state`` is where ``sampler`` already is (a reload of its own state): the batches in flight are
+    then the ones before that position, and come first in an uninterrupted run too."""
+    return (state["seed"], state["epoch"], state["cursor"]) == (sampler.seed, sampler.epoch, sampler.cursor) \
+        and not state.get("segments") and not sampler._segments
 
 
 def _user_costs(name: Any) -> bool:

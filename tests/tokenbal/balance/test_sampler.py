@@ -703,6 +703,15 @@ def test_load_state_dict_inside_a_plain_loop_with_workers_refuses_instead_of_tra
         _rollback_loop(loader, s, load_at=5, stop_at=11)
     if not persistent:
         assert s.state_dict()["cursor"] == 10, "a refused load changes nothing"
+        # a reload of where the sampler is: the batches in flight come before it in any run
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2)
+        trained = []
+        for n, batch in enumerate(loader):
+            trained.append(sorted(batch["idx"].tolist()))
+            if n == 5:
+                s.load_state_dict(s.state_dict())
+        assert trained == full
     # The remedy: stop the loop, load, iterate the loader again: the loaded batch comes next.
     ckpt = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4).state_dict() | {"cursor": 2}
     s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
