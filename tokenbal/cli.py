@@ -152,8 +152,10 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         # SP peers share one packed row: the plan balances the data-parallel groups, each S devices.
         print(f"sequence parallel size {args.sp_size}: balancing {replicas} data-parallel groups of "
               f"{args.sp_size} ranks")
-    sim = simulate(index, replicas, settings.global_batch_size, grad_accum=settings.grad_accum, cost=cost,
-                   seed=args.seed, baseline_steps=args.baseline_steps, stages=True if args.stages else None)
+    with _progress_bar(not args.quiet, "simulating") as report:
+        sim = simulate(index, replicas, settings.global_batch_size, grad_accum=settings.grad_accum,
+                       cost=cost, seed=args.seed, baseline_steps=args.baseline_steps,
+                       stages=True if args.stages else None, progress=report)
     print(sim.table())
     if args.padded:
         from tokenbal.balance.baselines import padded_comparison
@@ -605,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "tokenbal's cost='padded' plan on Σ per-step max padded tokens, padded/real, "
                           "packed")
     sim.add_argument("--plot", default=None, help="write per-step ratios: a .png chart or a .csv table")
+    sim.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=_cmd_plan_simulate, command_parser=sim)
 
     prof = sub.add_parser(

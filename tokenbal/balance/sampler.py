@@ -29,12 +29,21 @@ the group iterate a sampler: every rank of the group must iterate it, or the col
 
 Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteration continues at
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
+``set_epoch`` of the same epoch keeps that position; moving to another epoch before a batch of it was
+handed out drops it, and warns (a loop counting epochs from 0 instead of ``state['epoch']``).
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
 ``state_dict()`` counts the batches the loop has *received*, and a resume from it neither skips
 nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
 does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
+
+``load_state_dict`` inside a running loop (a rollback after a loss spike): the next batch the loop
+receives is the loaded one. With ``num_workers=0`` that holds as is; under ``track`` (or
+``prepare_loader``) the batches fetched before the load that were still on their way are dropped;
+a plain DataLoader that had read ahead (workers) cannot be told to drop them, so the load raises
+``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
+loop, load, iterate the loader again — or use ``track``.
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
@@ -65,8 +74,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -74,7 +86,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from tokenbal._checks import nonneg_int, positive_int
-from tokenbal.balance.cost import Resolved, resolve
+from tokenbal.balance.cost import COST_NAMES, Resolved, resolve
 from tokenbal.balance.plan import PLAN_VERSION, EpochPlan, pad_steps, plan_epoch
 from tokenbal.balance.settings import PlanSettings, plan_settings
 
@@ -83,6 +95,9 @@ __all__ = ["SetupChangedError", "TokenBalancedBatchSampler"]
 _STATE_VERSION = 1
 # Fingerprint keys newer than some checkpoints, with the value an older sampler implied.
 _ADDED_LATER = {"stages": 0, "epoch_steps": None}
+# Fingerprint keys compared only when both the checkpoint and the sampler have them: which samples
+# the rows are (a sampler over a TokenIndex has it; one over a plain lengths array cannot know).
+_WHEN_BOTH_HAVE = ("samples_sha256",)
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
@@ -147,6 +162,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # stages: balance K synchronised stages (vision tower, language model) on top of the cost.
         # Resolved (and checked) once: every epoch's replan takes these arrays as they are.
         self.resolved: Resolved = resolve(lengths_or_index, cost, stages)
+        # Which samples the rows are (an index's keys and shards), digested at the first fingerprint:
+        # lengths alone cannot tell two indexes of equal token counts apart.
+        self._samples_source: Any = lengths_or_index if _has_sample_keys(lengths_or_index) else None
+        self._samples_digest: str | None = None
         if settings is not None and num_replicas is None:
             num_replicas = settings.num_replicas
             if rank is None and dp_group is None and device_mesh is None and layout is None \
@@ -200,10 +219,16 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # Counts the iterations that have started handing out batches: only the latest may hand out
         # more (they share one cursor); an earlier one still referenced raises instead (see __iter__).
         self._iterations = 0
-        # Counts load_state_dict calls, so that track() sees a load made while its loop runs, and how
-        # many batches handed out before the load the loop had not received yet.
-        self._loads = 0
-        self._in_flight_at_load = 0
+        # The live iteration: batches it handed out, how many of those were handed out before the latest
+        # load_state_dict made while it ran (still to reach the loop when a DataLoader read ahead: track()
+        # drops them), whether the loop reports what it received (track / mark_received), and the
+        # DataLoader iterator driving it (a weakref; None when not a DataLoader), which knows what the
+        # loop received when nothing else does.
+        self._loaded_position: str | None = None   # see load_state_dict / set_epoch
+        self._handed = 0
+        self._handed_at_load = 0
+        self._tracked = False
+        self._driver: Any = None
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -289,14 +314,17 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __getstate__(self) -> dict[str, Any]:
         # Threads and locks do not pickle (a sampler may be copied, e.g. into a checkpointed loader):
         # the copy plans in the foreground until its next epoch starts.
+        self._samples_sha256()   # the digest travels, not the index it was made from
         state = dict(self.__dict__)
-        state["_ahead"], state["_ahead_lock"] = {}, None
+        state["_ahead"], state["_ahead_lock"], state["_driver"] = {}, None, None   # (a weakref either)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
-        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_loads": 0,
-                              "_in_flight_at_load": 0, **state})
+        self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None,
+                              "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
+                              **state})
         self._ahead_lock = threading.Lock()
 
     def _setup_of(self, fingerprint: dict[str, Any]) -> PlanSettings:
@@ -373,6 +401,16 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
         epoch = _epoch_number(epoch)
         if epoch != self.epoch:
+            loaded, self._loaded_position = self._loaded_position, None
+            if loaded is not None:
+                # Nothing handed out since a load that restored the middle of an epoch: leaving that epoch
+                # now throws the resume away (a loop counting its epochs from 0, not the checkpoint's).
+                warnings.warn(
+                    f"TokenBalancedBatchSampler.set_epoch({epoch}) drops the position load_state_dict "
+                    f"restored ({loaded}) before any batch of it was handed "
+                    "out: the rest of that epoch is not trained. If the training loop counts its epochs from "
+                    "0, start it at the checkpoint's: for epoch in range(state['epoch'], num_epochs)",
+                    RuntimeWarning, stacklevel=2)
             self.epoch = epoch
             self.cursor = 0
             self._finished_here = False
@@ -398,9 +436,13 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
         self._handing_out = True
+        self._loaded_position = None   # the loaded position is being trained from
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
         mine = self._iterations
+        # The first next() runs this body: its caller is the DataLoader iterator asking, if it is one.
+        self._handed, self._handed_at_load, self._tracked = 0, 0, False
+        self._driver = _dataloader_iterator(sys._getframe(1), self)
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -408,6 +450,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             step, j = divmod(self.cursor, k)
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
+            self._handed += 1
             yield batch
             if self._iterations != mine:
                 # A newer iteration of this sampler started while this one was live (two DataLoaders over
@@ -421,6 +464,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                     "so only its latest iteration may hand out batches (state_dict() and a resume follow "
                     "that one). Build one sampler per DataLoader, or finish (or abandon) an iteration "
                     "before starting another")
+            self._refuse_stale_batches()
             if self._plan_key() != planned:
                 # While this iteration was live, set_epoch / load_state_dict moved the sampler to another
                 # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
@@ -430,6 +474,27 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 return
         self._finished_here = True
         self._handing_out = False
+
+    def _untracked_in_flight(self) -> tuple[int, Any]:
+        """Batches the live iteration handed out that its DataLoader has not yet given the loop, and that
+        DataLoader iterator — (0, None) when the loop reports what it received (track / mark_received,
+        which drop such batches after a load) or the iteration is not driven by a DataLoader."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        if driver is None or getattr(driver, "_sampler_iter", None) is None:
+            return 0, None
+        return max(self._handed - int(getattr(driver, "_num_yielded", self._handed)), 0), driver
+
+    def _refuse_stale_batches(self) -> None:
+        """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
+        after a load inside a loop it cannot be told about (persistent workers, where a live loop and one
+        broken out of look the same at the load), the batch it gives now may be one handed out before the
+        load: raise rather than let the loop train it as the loaded position's."""
+        if not self._handed_at_load or self._tracked or self._driver is None:
+            return
+        driver = self._driver()
+        given = getattr(driver, "_rcvd_idx", None)   # batches of this pass given to the loop, this one too
+        if given is not None and given <= self._handed_at_load:
+            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self.cursor))
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""
@@ -485,17 +550,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received, loads = 0, self._loads
+        received = 0
         for batch in loader:
-            # By now the sampler's iteration has started, so _iter_start is this iteration's.
-            if self._loads != loads:
-                # load_state_dict while the loop ran (a rollback): the live iteration went on from the
-                # loaded batch, which is where _iter_start now is; count the batches received from there,
-                # after the ones handed out before the load that were still on their way (workers).
-                received, loads = -self._in_flight_at_load, self._loads
+            # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
+            # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
+            # batch and the first _handed_at_load batches of the pass were handed out before the load.
             received += 1
+            if received <= self._handed_at_load:
+                # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
+                # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
+                # load is the loaded one).
+                continue
             epoch, start = self._iter_start
-            self.mark_received(epoch, start + max(received, 0))
+            self.mark_received(epoch, start + received - self._handed_at_load)
             yield batch
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
@@ -507,6 +574,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         ``tokenbal.integrations.accelerate.TokenBalancedLoader``). :meth:`state_dict` then saves
         that position, and a new iteration after an early stop continues from it."""
         self._consumed = (_epoch_number(epoch), nonneg_int("batches", batches))
+        self._tracked = True
 
     # -- checkpointing --------------------------------------------------------------------------
 
@@ -516,8 +584,18 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # and values checkpoints have stored since before either was an object.
         # epoch_steps only where set: the keys of a checkpoint without it stay what they were.
         fixed = {} if self.epoch_steps is None else {"epoch_steps": self.epoch_steps}
-        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **self.settings.fingerprint(),
-                **fixed}
+        samples = self._samples_sha256()
+        which = {} if samples is None else {"samples_sha256": samples}
+        return {"plan_version": PLAN_VERSION, **self.resolved.fingerprint(), **which,
+                **self.settings.fingerprint(), **fixed}
+
+    def _samples_sha256(self) -> str | None:
+        """Digest of the index's sample keys and shard names (not their folders: a moved dataset is the
+        same one), computed once; None for plain lengths."""
+        if self._samples_digest is None and self._samples_source is not None:
+            self._samples_digest = _sample_keys_digest(self._samples_source)
+            self._samples_source = None   # the index's mmaps are not kept (or pickled) for it
+        return self._samples_digest
 
     def natural_steps(self, epoch: int) -> int:
         """Steps epoch ``epoch`` needs, before any ``epoch_steps`` (planned, not cached)."""
@@ -588,12 +666,21 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         plan — except, with ``elastic=True``, the step settings (world size, batch size, token
         budget, grad_accum, window): the rest of the epoch is then re-planned for this setup."""
         _check_state(state)
+        in_flight, driver = self._untracked_in_flight()
+        reload = _same_position(state, self)
+        if in_flight and not reload and not getattr(driver, "_persistent_workers", False):
+            # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
+            # the loop): its next batches were handed out before this load, and nothing can take them back.
+            raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
-        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]]
+        changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]
+                   and (k not in _WHEN_BOTH_HAVE or k in saved)
+                   and not (k == "cost" and _user_costs(saved[k]) and _user_costs(mine[k]))]
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:
             diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
-                     for k in changed]
+                     + (" (the index's sample keys: a checkpoint of other samples, e.g. another index)"
+                        if k == "samples_sha256" else "") for k in changed]
             hint = ""
             if set(changed) <= set(_ELASTIC_KEYS):
                 hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
@@ -624,14 +711,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
             raise
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
-        # A live iteration of the same plan goes on from the loaded batch: a tracked loop counts from
-        # there, once it has received the batches handed out before the load (a DataLoader's workers).
-        self._in_flight_at_load = 0
-        if self._consumed is not None and self._consumed[0] == previous[1]:
-            self._in_flight_at_load = max(self.cursor - self._consumed[1], 0)
-        self._loads += 1
+        # A live iteration of the same plan goes on from the loaded batch; the batches it handed out before
+        # the load and the loop has not received (a DataLoader's workers) are dropped by track(). (A reload
+        # of the position the sampler is at leaves them: they come before it in any run.)
+        if not reload:
+            self._handed_at_load = self._handed
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
+        # The middle of an epoch (a plain cursor, or an elastic history), for set_epoch to tell the loop
+        # that moving to another epoch before iterating would drop it.
+        self._loaded_position = None
+        if (cursor > 0 or segments) and cursor < steps:
+            self._loaded_position = (f"epoch {self.epoch}, batch {cursor} of {steps}" + (
+                f", after {len(segments)} earlier setup(s) of the epoch" if segments else ""))
         self._finished_here = False
         self._consumed = None
         self._handing_out = False
@@ -651,6 +743,11 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: {where} is {v!r}, not an integer"
                              + (f" >= {low}" if low is not None else ""))
 
+    version = state.get("version", _STATE_VERSION)   # states from before the field were version 1
+    if isinstance(version, bool) or version != _STATE_VERSION:
+        raise ValueError(f"not a state this tokenbal can read: state['version'] is {version!r}, this "
+                         f"sampler reads version {_STATE_VERSION} (a newer tokenbal's checkpoint, or "
+                         "damaged): resume with the tokenbal that saved it")
     integer("state['seed']", state["seed"], low=None)
     for key in ("epoch", "cursor"):
         integer(f"state[{key!r}]", state[key])
@@ -666,6 +763,73 @@ def _check_state(state: Any) -> None:
             raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}] is {seg!r}, not "
                              "{'fingerprint': dict, 'cursor': int}")
         integer(f"state['segments'][{n}]['cursor']", seg["cursor"])
+        # An earlier setup is re-planned from its step settings (the rest are this sampler's).
+        missing = [k for k in _ELASTIC_KEYS if k not in seg["fingerprint"]]
+        if missing:
+            raise ValueError(f"not a TokenBalancedBatchSampler state: state['segments'][{n}]['fingerprint'] "
+                             f"has no {', '.join(missing)}")
+
+
+def _same_position(state: dict[str, Any], sampler: TokenBalancedBatchSampler) -> bool:
+    """``state`` is where ``sampler`` already is (a reload of its own state): the batches in flight are
+    then the ones before that position, and come first in an uninterrupted run too."""
+    return (state["seed"], state["epoch"], state["cursor"]) == (sampler.seed, sampler.epoch, sampler.cursor) \
+        and not state.get("segments") and not sampler._segments
+
+
+def _user_costs(name: Any) -> bool:
+    """A fingerprint's ``cost`` that is the type name of costs the user gave (an ndarray, a Tensor, a
+    list, a function): the type says nothing about the costs, whose digest (``lengths_sha256``) is
+    compared instead. The named costs and the cost models are compared by name."""
+    return isinstance(name, str) and name not in (*COST_NAMES, "FlopsModel", "StageCostModel")
+
+
+def _has_sample_keys(data: Any) -> bool:
+    """A :class:`tokenbal.TokenIndex` (or alike): per-sample keys and shard ids, and its shard paths."""
+    return all(hasattr(data, a) for a in ("keys", "shard_ids", "shard_paths")) and not isinstance(data, dict)
+
+
+def _sample_keys_digest(index: Any) -> str:
+    """sha256 (16 hex digits) of every sample's key and shard file name, in row order."""
+    h = hashlib.sha256()
+    names = [os.path.basename(str(p)) for p in index.shard_paths]
+    h.update(json.dumps(names).encode())
+    h.update(np.ascontiguousarray(index.shard_ids, "<i8").tobytes())
+    keys = index.keys
+    blob, offsets = getattr(keys, "_blob", None), getattr(keys, "_off", None)
+    if blob is not None and offsets is not None:   # a KeyList: its bytes as stored, in one pass
+        h.update(np.ascontiguousarray(offsets, "<i8").tobytes())
+        h.update(memoryview(np.ascontiguousarray(blob)).cast("B"))
+    else:
+        for key in keys:
+            h.update(str(key).encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _stale_batches_message(in_flight: int, cursor: int) -> str:
+    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read "
+            f"ahead: {in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
+            f"num_workers; the sampler had handed out {cursor}) would reach the loop before the loaded ones, "
+            "and be trained as if they were. Either break out of the loop, load_state_dict, then iterate the "
+            "loader again (the new iteration starts at the loaded batch), or iterate through "
+            "sampler.track(loader), which drops the batches fetched before a load")
+
+
+def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
+    """A weakref to the torch DataLoader iterator whose ``_next_index`` asked ``sampler`` for a batch from
+    ``frame`` (the caller of the sampler's first ``next()``), or None when that is not a DataLoader
+    iterating ``sampler`` itself: one whose batch sampler wraps it (groups its micro-batches into steps,
+    as the VeOmni integration does) counts other batches than the sampler hands out."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    for _ in range(2):   # _next_index, or a subclass's (torchdata's StatefulDataLoader) calling it
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, _BaseDataLoaderIter):
+            return weakref.ref(caller) if getattr(caller, "_index_sampler", None) is sampler else None
+        frame = frame.f_back
+    return None
 
 
 def _disagreements(views: list[dict[str, Any]]) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,10 @@ __all__ = ["step_balance", "step_stage_balance", "plan_stage_costs", "step_lower
            "count_sharded_step_tokens", "per_step_partition_tokens", "balance_summary", "simulate",
            "Simulation", "epoch_stage_figure", "composition_floor", "equal_count_floor",
            "split_figure", "length_grouped_steps", "best_plan_figure"]
+
+
+# progress(done, total, unit): what the CLI's progress bar takes (counted work, never time).
+Progress = Callable[[int, int, str], None]
 
 
 def step_balance(step_rank_tokens: np.ndarray) -> np.ndarray:
@@ -78,9 +83,11 @@ def count_sharded_step_tokens(lengths: np.ndarray, num_replicas: int, global_bat
 
 def per_step_partition_tokens(lengths: np.ndarray, num_replicas: int, global_batch_size: int,
                               method: str = "kk", seed: int = 0, max_steps: int | None = None,
-                              equal_counts: bool = True) -> tuple[np.ndarray, np.ndarray]:
+                              equal_counts: bool = True, progress: Progress | None = None
+                              ) -> tuple[np.ndarray, np.ndarray]:
     """Per-step rebalancing (what verl does with Karmarkar–Karp each step): a seeded permutation cut
-    into steps of N samples, each step partitioned over the ranks on its own.
+    into steps of N samples, each step partitioned over the ranks on its own. ``progress(done, total,
+    unit)`` is told the steps partitioned (0 first, then after each step; unit ``"<METHOD> steps"``).
 
     Returns ``((steps, ranks) tokens, (steps,) largest sample per step)``."""
     lens = check_lengths(lengths)
@@ -89,11 +96,16 @@ def per_step_partition_tokens(lengths: np.ndarray, num_replicas: int, global_bat
     S = len(perm) // N if max_steps is None else min(len(perm) // N, int(max_steps))
     out = np.zeros((S, R), np.int64)
     big = np.zeros(S, np.int64)
+    unit = f"{method.upper()} steps"
+    if progress is not None:
+        progress(0, S, unit)
     for s in range(S):
         c = lens[perm[s * N:(s + 1) * N]]
         out[s] = np.bincount(partition(c, R, method=method, equal_counts=equal_counts), weights=c,
                              minlength=R).astype(np.int64)
         big[s] = c.max(initial=0)
+        if progress is not None:
+            progress(s + 1, S, unit)
     return out, big
 
 
@@ -193,14 +205,17 @@ def step_count_notes(num_samples: int, world_size: int, global_batch_size: int, 
 
 def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_accum: int = 1,
              cost: object = None, seed: int = 0, baseline_steps: int | None = 500,
-             stages: object = None) -> Simulation:
+             stages: object = None, progress: Progress | None = None) -> Simulation:
     """Compare DistributedSampler-style sharding, per-step LPT and KK (verl) and tokenbal's plan on
     the same samples. Balance is measured on the cost being balanced (tokens by default).
     ``baseline_steps`` caps the per-step partition baselines (pure Python) to keep this quick.
     ``stages`` (as in :func:`plan_epoch`): also report the per-step stage time over its ideal for
     DistributedSampler, tokenbal's plan, and tokenbal's plan made with ``stages``.
     Raises ``ValueError`` when there are fewer samples than ranks (every method would leave ranks
-    idle in every step). ``Simulation.notes`` says why the methods' step counts differ."""
+    idle in every step). ``Simulation.notes`` says why the methods' step counts differ.
+    ``progress(done, total, unit)`` (e.g. the CLI's progress bar) is told the work done, counted: each
+    per-step baseline's steps (``"LPT steps"``, ``"KK steps"``), then tokenbal's plans (``"plans"``: 1,
+    or 2 with ``stages``; reported before and after each, the planner being one call)."""
     resolved = resolve(lengths, cost, stages)
     c = resolved.costs
     # Checked before any baseline runs: the baselines divide by these (0 was a ZeroDivisionError).
@@ -219,11 +234,19 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
     ratios["DistributedSampler"] = step_balance(count_sharded_step_tokens(c, R, N, seed))
     for method, equal in (("lpt", False), ("kk", True)):
         t, _ = per_step_partition_tokens(c, R, N, method=method, seed=seed, max_steps=baseline_steps,
-                                         equal_counts=equal)
+                                         equal_counts=equal, progress=progress)
         ratios[f"per-step {method.upper()}" + (" (equal counts, verl)" if equal else "")] = step_balance(t)
+    plans = 1 if resolved.stages is None else 2
+
+    def planned(done: int) -> None:
+        if progress is not None:
+            progress(done, plans, "plans")
+
+    planned(0)
     t0 = time.perf_counter()
     plan = plan_epoch(dataclasses.replace(resolved, stages=None), settings=settings, seed=seed)
     dt = time.perf_counter() - t0
+    planned(1)
     ratios["tokenbal"] = step_balance(plan.step_rank_tokens(c))
     if k > 1:
         ratios["tokenbal micro-batches"] = step_balance(plan.micro_tokens(c).reshape(plan.num_steps, -1))
@@ -238,6 +261,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
         t0 = time.perf_counter()
         staged = plan_epoch(resolved, settings=settings, seed=seed)
         stage_dt = time.perf_counter() - t0
+        planned(2)
         stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
     notes = step_count_notes(len(c), R, N, plan.counts().sum(1), baseline_steps)
     return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),

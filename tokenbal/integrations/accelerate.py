@@ -170,9 +170,9 @@ class TokenBalancedLoader:
         try:
             for batch in self.loader:
                 if self._in_flight:
-                    # fetched before a load_state_dict inside this pass: the loaded position is not reached
+                    # fetched before a load_state_dict inside this pass: not the loaded position's, so the
+                    # loop never sees it (the next batch after a load is the loaded one, as under track)
                     self._in_flight -= 1
-                    yield batch
                     continue
                 self._received += 1
                 self.sampler.mark_received(self._epoch, self._received)
@@ -195,7 +195,7 @@ class TokenBalancedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Inside a pass (a rollback in the loop), the batches handed out but not yet received will still
-        # arrive first: they are not the loaded position's, so they are not counted as its batches.
+        # arrive first: they are not the loaded position's, so the pass drops them.
         in_flight = max(self.sampler.cursor - self._received, 0) if self._passing else 0
         self.sampler.load_state_dict(state)
         self._epoch, self._received = int(state["epoch"]), int(self.sampler.cursor)

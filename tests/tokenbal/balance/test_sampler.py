@@ -558,9 +558,11 @@ def test_load_state_dict_inside_a_tracked_loop_counts_from_the_loaded_batch():
     assert trained == full[:4] + full[2:] and s.state_dict()["cursor"] == len(s)
 
 
-def test_load_state_dict_inside_a_tracked_loop_with_workers_counts_after_the_batches_in_flight():
-    # 2 workers x prefetch 2: at the load, 4 batches handed out before it are still on their way; the
-    # loop receives them first, then the loaded batches. The saved position counts only the latter.
+def test_load_state_dict_inside_a_tracked_loop_with_workers_drops_the_batches_in_flight():
+    # 2 workers x prefetch 2: at the load, 4 batches handed out before it are still on their way. They
+    # used to reach the loop first (trained 0-5, 6-9, then 2, 3: four batches trained after the rollback
+    # that the run from the checkpoint never trains there); track() drops them, so the next batch after
+    # the load is the loaded one, as with num_workers=0.
     lengths = lengths_for(80)
     full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4))
     s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
@@ -573,15 +575,28 @@ def test_load_state_dict_inside_a_tracked_loop_with_workers_counts_after_the_bat
         if n == 5:
             assert s.cursor == 10
             s.load_state_dict(ckpt)
-        if 6 <= n <= 9:
-            assert s.state_dict()["cursor"] == 2, "the batches in flight are not the loaded ones"
-        if n == 11:
+            assert s.state_dict()["cursor"] == 2
+        if n == 6:
+            assert s.state_dict()["cursor"] == 3
+        if n == 9:
             state = s.state_dict()
             break
-    assert trained == [sorted(b) for b in full[:10] + full[2:4]] and state["cursor"] == 4
+    assert trained == [sorted(b) for b in full[:6] + full[2:6]] and state["cursor"] == 6
     fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
     fresh.load_state_dict(state)
-    assert list(fresh) == full[4:]
+    assert list(fresh) == full[6:]
+    # twice in one loop, the second load before any loaded batch arrived: both loads' stale batches go
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2)
+    trained = []
+    for n, batch in enumerate(s.track(loader)):
+        trained.append(sorted(batch["idx"].tolist()))
+        if n == 5:
+            s.load_state_dict(ckpt | {"cursor": 9})
+            s.load_state_dict(ckpt)
+        if n == 8:
+            break
+    assert trained == [sorted(b) for b in full[:6] + full[2:5]]
 
 
 @settings(max_examples=40, deadline=None)
@@ -655,3 +670,96 @@ def test_lifecycles_hand_out_the_plan_in_order_and_resume_exactly(n, R, k, mode,
                 epoch, pos, finished = e, p, False
             elif op == "len":
                 assert {len(s) for s in ss} == {len(full[0])}
+
+
+def _rollback_loop(loader, s, load_at, stop_at):
+    """Train through ``loader``, save a checkpoint after batch 1, load it back after batch ``load_at``
+    (a rollback inside the loop) and stop after batch ``stop_at``; the sorted indices per batch."""
+    trained = []
+    for n, batch in enumerate(loader):
+        trained.append(sorted(batch["idx"].tolist()))
+        if n == 1:
+            ckpt = s.state_dict()
+        if n == load_at:
+            s.load_state_dict(ckpt)
+        if n == stop_at:
+            break
+    return trained
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_inside_a_plain_loop_with_workers_refuses_instead_of_training_prefetched_batches(
+        persistent):
+    # A plain DataLoader with 2 workers x prefetch 2: at a load after batch 5 the sampler had handed out
+    # 10 batches, and batches 6-9 were already in the workers' queues. The loop used to receive them
+    # first (trained 0-5, 6-9, then 2, 3, ...: the rollback trained four batches it should not have,
+    # silently). The sampler cannot take them back from a plain DataLoader: it refuses, saying how.
+    lengths = lengths_for(80)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=persistent)
+    with pytest.raises(RuntimeError, match=r"4 batches.*(break|track)"):
+        _rollback_loop(loader, s, load_at=5, stop_at=11)
+    if not persistent:
+        assert s.state_dict()["cursor"] == 10, "a refused load changes nothing"
+        # a reload of where the sampler is: the batches in flight come before it in any run
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2)
+        trained = []
+        for n, batch in enumerate(loader):
+            trained.append(sorted(batch["idx"].tolist()))
+            if n == 5:
+                s.load_state_dict(s.state_dict())
+        assert trained == full
+    # The remedy: stop the loop, load, iterate the loader again: the loaded batch comes next.
+    ckpt = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4).state_dict() | {"cursor": 2}
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=persistent)
+    _first_pass(loader, 6)
+    s.load_state_dict(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [sorted(b["idx"].tolist()) for b in loader] == full[2:]
+
+
+def test_load_state_dict_inside_a_plain_loop_without_workers_goes_on_from_the_loaded_batch():
+    # num_workers=0 fetches nothing ahead: the load in the loop is exact, and allowed.
+    lengths = lengths_for(80)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(80), batch_sampler=s, num_workers=0)
+    assert _rollback_loop(loader, s, load_at=5, stop_at=9) == full[:6] + full[2:6]
+
+
+def test_a_sampler_wrapped_by_another_batch_sampler_is_not_taken_for_the_dataloaders_own():
+    # The VeOmni integration's batch sampler groups grad_accum micro-batches of the tokenbal sampler into
+    # one step: the DataLoader counts steps, the sampler hands out micro-batches. Taking that DataLoader
+    # for the sampler's own counted 1 micro-batch per step as still in flight and refused a rollback
+    # in the loop that num_workers=0 makes exact.
+    from tokenbal.integrations.veomni import _Steps
+
+    lengths = lengths_for(80)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, grad_accum=2))
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, grad_accum=2)
+    micro_batches = _Identity()   # dataset[micro-batch] is the micro-batch's indices
+    loader = DataLoader(micro_batches, batch_sampler=_Steps(s, 2), collate_fn=lambda b: b)
+    trained = []
+    for n, step in enumerate(loader):
+        trained.append(step)
+        if n == 0:
+            ckpt = s.state_dict()
+        if n == 2:
+            s.load_state_dict(ckpt)
+        if n == 4:
+            break
+    assert trained == [full[0:2], full[2:4], full[4:6], full[2:4], full[4:6]]
+
+
+class _Identity(Dataset):
+    def __len__(self):
+        return 80
+
+    def __getitem__(self, i):
+        return i

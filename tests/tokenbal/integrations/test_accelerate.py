@@ -182,11 +182,12 @@ def test_a_checkpoint_or_a_break_at_an_epochs_last_batch_moves_on_to_the_next_ep
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_load_state_inside_the_loop_counts_from_the_loaded_batch_after_those_in_flight(tmp_path, workers):
-    # accelerator.load_state inside the loop (a rollback): the pass goes on from the loaded batch, after
-    # the batches fetched before the load (accelerate's look-ahead batch, the workers' prefetch). Those
-    # were counted as loaded ones: trained 0-5, rolled back to 2, received 5 (in flight), 2 and 3, saved
-    # cursor 5 instead of 4, and a resume never trained batch 4.
+def test_load_state_inside_the_loop_goes_on_from_the_loaded_batch_dropping_those_in_flight(tmp_path, workers):
+    # accelerator.load_state inside the loop (a rollback): the pass goes on from the loaded batch. The
+    # batches fetched before the load (accelerate's look-ahead batch, the workers' prefetch) were counted
+    # as loaded ones (trained 0-5, rolled back to 2, received 6 (in flight), 2 and 3, saved cursor 5
+    # instead of 4, and a resume never trained batch 4); then they were trained but not counted; now the
+    # pass drops them: the next batch after the load is the loaded one, as under sampler.track.
     import numpy as np
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
@@ -208,11 +209,11 @@ def test_load_state_inside_the_loop_counts_from_the_loaded_batch_after_those_in_
         if n == 5:
             in_flight = sampler.cursor - 6
             acc.load_state(str(tmp_path / "ckpt"))
-        if in_flight is not None and n == 7 + in_flight:
+        if n == 7:
             state = loader.state_dict()
             break
     assert in_flight == (1 if workers == 0 else 1 + 2 * 2)
-    assert trained == list(range(6 + in_flight)) + [2, 3] and state["cursor"] == 4
+    assert trained == list(range(6)) + [2, 3] and state["cursor"] == 4
     fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
     fresh.load_state_dict(state)
     assert [full.index(b) for b in fresh] == list(range(4, len(full)))
@@ -251,7 +252,7 @@ def test_load_state_of_another_epoch_inside_the_loop_continues_that_epoch(tmp_pa
         got.append(batch)
         if n == 3:
             acc.load_state(str(tmp_path / "ckpt"))
-    assert got == plan(1)[:5]                     # 4 + the look-ahead batch fetched before the load
+    assert got == plan(1)[:4]                     # the look-ahead batch fetched before the load is dropped
     assert (loader.epoch, loader.batches_received) == (0, 2)
     assert list(loader) == plan(0)[2:]
     assert list(loader) == plan(1)
