@@ -48,6 +48,8 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from tokenbal.index.boxes import boxes_fault
+
 # Extensions (last dot-component, lower case) whose members are images: one set for the index scan
 # and the reader. Every format the installed Pillow opens by itself (the test compares it with
 # ``PIL.Image.registered_extensions()``), less the ones it opens only through an outside program or
@@ -375,26 +377,10 @@ def _webp_canvas_mismatch(read, size: int, head: bytes) -> str | None:
 
 
 def _boxes_cut(read, size: int, name: str) -> str | None:
-    """Why an ISO-BMFF (AVIF, HEIF) or JPEG 2000 file of ``size`` bytes is cut short, from its
-    top-level box sizes (``read(n, at)``: its bytes); ``None`` when they tile it. A box of size 0
-    runs to the end of the file, which then cannot tell."""
-    pos = 0
-    while pos + 8 <= size:
-        box = read(16, pos)
-        length, kind = int.from_bytes(box[:4], "big"), box[4:8].decode("latin-1")
-        if length == 1:
-            if len(box) < 16:
-                return f"{name} cut short: its {kind!r} box header at byte {pos} is incomplete"
-            length = int.from_bytes(box[8:16], "big")
-        elif length == 0:
-            return None
-        if length < 8:
-            return f"{name} damaged: its {kind!r} box at byte {pos} declares {length} bytes"
-        if pos + length > size:
-            return (f"{name} cut short: its {kind!r} box at byte {pos} declares {length} bytes, but the "
-                    f"image ends at byte {size} ({pos + length - size} bytes missing)")
-        pos += length
-    return None   # a few bytes after the last box: padding, or a box header cut (then Pillow decides)
+    """Why an ISO-BMFF (AVIF, HEIF) or JPEG 2000 image ``name`` of ``size`` bytes is cut short, from
+    its top-level box sizes (:func:`tokenbal.index.boxes.boxes_fault`)."""
+    fault = boxes_fault(read, size, whole="image")
+    return None if fault is None else f"{name} {fault}"
 
 
 def _tiff_cut(fd, offset: int, size: int, head: bytes) -> str | None:

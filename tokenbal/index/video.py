@@ -48,6 +48,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from tokenbal.index.boxes import boxes_fault
+
 MAX_SIDE = 32768                 # larger frames are refused: no real clip is bigger, and a damaged
 MAX_FRAME_PIXELS = 1 << 28       # header must not make a reader allocate gigabytes per frame
 _MOOV_LIMIT = 64 << 20
@@ -299,25 +301,12 @@ def _mp4_cut(f) -> str | None:
     frame, and fails only when the lost frames are decoded: its ``mdat`` box says how long it was."""
     f.seek(0, 2)
     total = f.tell()
-    pos = 0
-    while pos + 8 <= total:
-        f.seek(pos)
-        head = f.read(16)
-        size, kind = struct.unpack_from(">I4s", head)
-        name = kind.decode("latin-1")
-        if size == 1:
-            if len(head) < 16:
-                return f"cut short: its {name!r} box header at byte {pos} is incomplete"
-            size = struct.unpack_from(">Q", head, 8)[0]
-        elif size == 0:
-            return None                      # the last box, running to the end of the file
-        if size < 8:
-            return f"damaged: its {name!r} box at byte {pos} declares {size} bytes"
-        if pos + size > total:
-            return (f"cut short: its {name!r} box at byte {pos} declares {size} bytes, but the file "
-                    f"ends at byte {total} ({pos + size - total} bytes missing)")
-        pos += size
-    return None
+
+    def read(n: int, at: int) -> bytes:
+        f.seek(at)
+        return f.read(n)
+
+    return boxes_fault(read, total)
 
 
 def _read_moov(f) -> bytes | None:
