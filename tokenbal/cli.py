@@ -160,8 +160,10 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     if args.padded:
         from tokenbal.balance.baselines import padded_comparison
 
-        print(padded_comparison(index, replicas, settings.global_batch_size, settings.grad_accum,
-                                seed=args.seed))
+        with _progress_bar(not args.quiet, "padded baselines") as report:
+            table = padded_comparison(index, replicas, settings.global_batch_size, settings.grad_accum,
+                                      seed=args.seed, progress=report)
+        print(table)
     if args.plot:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")

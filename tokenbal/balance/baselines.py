@@ -10,6 +10,7 @@ simulate --padded``, ``scripts/bench_balance.py --padded``).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -53,10 +54,12 @@ def padded_summary(plan: Any, lengths: np.ndarray) -> dict[str, float]:
 
 
 def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, grad_accum: int = 1, *,
-                      seed: int = 0) -> str:
+                      seed: int = 0, progress: Callable[[int, int, str], None] | None = None) -> str:
     """The table ``tokenbal plan simulate --padded`` prints: padded and packed cost of
     DistributedSampler, transformers' BatchRebalanceSampler (when transformers has it) and tokenbal's
-    plans (token cost, padded cost), on the same lengths."""
+    plans (token cost, padded cost), on the same lengths. ``progress(done, total, unit)``: the
+    DistributedSampler's ranks, then the BatchRebalanceSampler's steps (the long part: its balancing
+    is a Python loop per step)."""
     from tokenbal.balance.plan import plan_epoch
 
     lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
@@ -65,9 +68,10 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
         raise ValueError(f"--padded needs a global batch size divisible by ranks x grad_accum ({R * k}): the "
                          "padded baselines take per-device batches of global / (ranks x grad_accum)")
     b = N // (R * k)
-    plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed)}
+    plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed, progress=progress)}
     try:
-        plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed)
+        plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed,
+                                                                       progress=progress)
     except ImportError:
         pass
     plans["tokenbal (cost tokens)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed)
@@ -100,28 +104,91 @@ def _plan_from_lists(per_rank: list[list[list[int]]], R: int, k: int) -> Any:
 
 
 def batch_rebalance_plan(lengths: np.ndarray, num_replicas: int, per_device_batch: int, grad_accum: int = 1,
-                         *, seed: int = 42, drop_last: bool = False, epoch: int = 0) -> Any:
+                         *, seed: int = 42, drop_last: bool = False, epoch: int = 0,
+                         progress: Callable[[int, int, str], None] | None = None) -> Any:
     """transformers' own ``BatchRebalanceSampler`` (``train_sampling_strategy="batch_rebalance"``) run
     for every rank, as the Trainer builds it (effective batch = per-device × ranks × accumulation),
-    collected into an EpochPlan. Needs transformers >= 5.24."""
+    collected into an EpochPlan. Needs transformers >= 5.24.
+
+    Every rank's sampler computes every rank's micro-batches of a step (``_assign``) and keeps its
+    own, so R samplers would do R times one sampler's work (1M samples on 512 ranks: ~90 s each, hours
+    in all): where the class has that per-step hook, one sampler runs and hands out every rank's
+    part of each step; otherwise each rank's sampler runs. ``progress(done, total, "steps")``."""
     from transformers.trainer_pt_utils import BatchRebalanceSampler
 
     R, k = int(num_replicas), int(grad_accum)
     lens = [int(x) for x in np.asarray(getattr(lengths, "lengths", lengths))]
-    per_rank = []
-    for r in range(R):
-        s = BatchRebalanceSampler(lengths=lens, effective_batch_size=int(per_device_batch) * R * k, dp_size=R,
-                                  grad_accum=k, seed=seed, rank=r, drop_last=drop_last)
+
+    def sampler(cls: type, rank: int) -> Any:
+        s = cls(lengths=lens, effective_batch_size=int(per_device_batch) * R * k, dp_size=R, grad_accum=k,
+                seed=seed, rank=rank, drop_last=drop_last)
         s.set_epoch(epoch)
-        per_rank.append([list(b) for b in s])
+        return s
+
+    one_pass = _hands_out_steps(BatchRebalanceSampler)
+    steps = len(sampler(BatchRebalanceSampler, 0)) // k          # (its len: steps x grad_accum)
+    marks = _StepMarks(progress, steps if one_pass else steps * R)
+    per_rank: list[list[list[int]]] = [[] for _ in range(R)]
+    if one_pass:
+        class EveryRank(BatchRebalanceSampler):
+            # transformers' own epoch order, tail padding and per-step _assign; each step's rank_mbs
+            # (rank -> its grad_accum micro-batches) whole instead of rank `rank`'s part of it.
+            def _yield_global_batch(self, batch_indices: list[int]) -> Iterator[Any]:
+                yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
+
+        for rank_mbs in sampler(EveryRank, 0):
+            for r in range(R):
+                per_rank[r].extend(list(mb) for mb in rank_mbs[r])
+            marks.step()
+    else:
+        for r in range(R):
+            for n, mb in enumerate(sampler(BatchRebalanceSampler, r)):
+                per_rank[r].append(list(mb))
+                if n % k == k - 1:
+                    marks.step()
+    marks.end()
     return _plan_from_lists(per_rank, R, k)
 
 
+def _hands_out_steps(cls: type) -> bool:
+    """Whether transformers' ``BatchRebalanceSampler`` makes every step through
+    ``_yield_global_batch(batch_indices)`` with ``_assign(indices, lengths)`` returning every rank's
+    micro-batches (5.24-5.25's, read there; private, so checked before it is relied on)."""
+    import inspect
+
+    try:
+        hook = inspect.signature(cls._yield_global_batch).parameters
+        assign = inspect.signature(cls._assign).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return list(hook) == ["self", "batch_indices"] and list(assign) == ["self", "indices", "lengths"]
+
+
+class _StepMarks:
+    """``progress(done, total, "steps")`` about every 1 % of ``total`` steps, and once at the end."""
+
+    def __init__(self, progress: Callable[[int, int, str], None] | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, max(int(total), 0), 0
+        self.every = max(1, self.total // 100)
+
+    def step(self) -> None:
+        self.done += 1
+        if self.progress is not None and self.done % self.every == 0 and self.done < self.total:
+            self.progress(self.done, self.total, "steps")
+
+    def end(self) -> None:
+        if self.progress is not None:
+            self.progress(self.total, self.total, "steps")
+
+
 def distributed_sampler_plan(lengths: np.ndarray, num_replicas: int, per_device_batch: int,
-                             grad_accum: int = 1, *, seed: int = 0, epoch: int = 0) -> Any:
+                             grad_accum: int = 1, *, seed: int = 0, epoch: int = 0,
+                             progress: Callable[[int, int, str], None] | None = None) -> Any:
     """``DistributedSampler(shuffle=True, drop_last=False)`` + ``per_device_batch`` batches per rank,
     as the Trainer's default loader does: a seeded permutation padded by repeating its head to a
-    multiple of the ranks, rank r taking every R-th sample; a last short batch is kept."""
+    multiple of the ranks, rank r taking every R-th sample; a last short batch is kept.
+    ``progress(done, total, "ranks")``: each rank's sampler is one permutation of the whole epoch
+    (~40 ms at 1M samples, 20 s for 512 ranks)."""
     from torch.utils.data import BatchSampler, DistributedSampler
 
     R, k, b = int(num_replicas), int(grad_accum), int(per_device_batch)
@@ -131,6 +198,8 @@ def distributed_sampler_plan(lengths: np.ndarray, num_replicas: int, per_device_
         ds = DistributedSampler(range(n), num_replicas=R, rank=r, shuffle=True, seed=seed, drop_last=False)
         ds.set_epoch(epoch)
         per_rank.append([list(x) for x in BatchSampler(ds, b, drop_last=False)])
+        if progress is not None:
+            progress(r + 1, R, "ranks")
     # Whole optimizer steps only (the Trainer also runs a last partial one, with fewer micro-batches).
     m = len(per_rank[0]) - len(per_rank[0]) % k
     return _plan_from_lists([p[:m] for p in per_rank], R, k)

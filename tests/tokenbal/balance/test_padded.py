@@ -120,7 +120,9 @@ def test_padded_cost_in_the_sampler_and_its_errors():
     assert steps[0] == plan.rank_steps(0)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
         plan_epoch(lens, 2, max_tokens_per_rank=10_000, cost="padded")
-    ds = padded_summary(distributed_sampler_plan(lens, 2, 4), lens)
+    reports = []
+    ds = padded_summary(distributed_sampler_plan(lens, 2, 4, progress=lambda *r: reports.append(r)), lens)
+    assert reports == [(1, 2, "ranks"), (2, 2, "ranks")]
     assert padded_summary(plan, lens)["sum_max_padded"] < ds["sum_max_padded"]
 
 
@@ -146,3 +148,30 @@ def test_plan_simulate_padded_shows_batch_rebalance(tmp_path, capsys):
         from tokenbal.balance.baselines import padded_comparison
 
         padded_comparison(np.arange(1, 50), 2, 7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1), st.booleans(),
+       st.integers(0, 2))
+def test_batch_rebalance_plan_is_every_ranks_own_sampler(R, per_device, k, seed, drop_last, epoch):
+    # The baseline runs one BatchRebalanceSampler and hands out every rank's part of each step (R
+    # samplers would each compute every rank's part: hours at 1M samples on 512 ranks); what each rank
+    # gets must be what that rank's own sampler yields, tails (padded or dropped) included.
+    _needs_batch_rebalance()
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    rng = np.random.default_rng(seed)
+    N = R * per_device * k
+    lens = rng.integers(1, 3000, int(rng.integers(N, 6 * N + 3)))
+    reports = []
+    plan = batch_rebalance_plan(lens, R, per_device, k, seed=seed, drop_last=drop_last, epoch=epoch,
+                                progress=lambda done, total, unit: reports.append((done, total, unit)))
+    for r in range(R):
+        own = BatchRebalanceSampler(lengths=lens.tolist(), effective_batch_size=N, dp_size=R, grad_accum=k,
+                                    seed=seed, rank=r, drop_last=drop_last)
+        own.set_epoch(epoch)
+        assert [plan.micro(step, r, j).tolist() for step in range(plan.num_steps) for j in range(k)] \
+            == [list(mb) for mb in own]
+    # counted in steps, ending at the total
+    assert reports[-1] == (plan.num_steps, plan.num_steps, "steps")
+    assert all(done < total for done, total, _ in reports[:-1])
