@@ -57,6 +57,12 @@ from tokenbal.index.videoindex import VIDEO_COLUMNS
 from tokenbal.io.remote import RemoteOptions, is_url, threaded_map
 
 PROGRESS = "progress.json"   # a checkpoint of the shards finished so far, in a folder being written
+# What a shard's scan makes of the same bytes: raised whenever a release scans a shard differently (a
+# new check that makes a counted sample an error, a count corrected), so an incremental build rescans
+# the shards an older release scanned instead of copying their rows (manifest "scan_rules"; indexes
+# from before it have none: 0). 1: cut-short BMP / TIFF / AVIF / JPEG 2000 images and Parquet rows,
+# compressed members, a VP8X WebP canvas that is not its image, Parquet rows without text (session 26).
+SCAN_RULES = 1
 
 
 class IndexBuildError(RuntimeError):
@@ -742,7 +748,8 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
                remote: RemoteOptions | None = None) -> tuple[list[tuple[str, TokenIndex | None]], int]:
     """(path, index to copy it from, or None to scan it) per shard, in index order: the old indexes'
     shards first, in their order, then the new ones in source order; and how many shards of
-    ``keep_from`` (the index at ``out``) were kept although ``paths`` does not name them."""
+    ``keep_from`` (the index at ``out``) were kept although ``paths`` does not name them. A shard is
+    copied only when unchanged and scanned under this release's ``SCAN_RULES``."""
     wanted = set(paths)
     done: set[str] = set()
     jobs: list[tuple[str, TokenIndex | None]] = []
@@ -754,8 +761,8 @@ def _plan_jobs(paths: list[str], olds: list[TokenIndex],
                 continue
             kept += p not in wanted
             done.add(p)
-            same = (_unchanged(entry, remote) and not _named_files_changed(old, p)
-                    and not _row_files_changed(entry))
+            same = (old.manifest.get("scan_rules", 0) == SCAN_RULES and _unchanged(entry, remote)
+                    and not _named_files_changed(old, p) and not _row_files_changed(entry))
             jobs.append((p, old if same else None))
     jobs.extend((p, None) for p in paths if p not in done)
     return jobs, kept
@@ -1449,6 +1456,7 @@ class _IndexWriter:
         manifest = {
             "format_version": FORMAT_VERSION,
             "tokenbal_version": __version__,
+            "scan_rules": SCAN_RULES,
             "build_id": uuid.uuid4().hex,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **meta,

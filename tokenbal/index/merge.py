@@ -113,6 +113,9 @@ def merge_indexes(out: str | os.PathLike, parts: Sequence[str | os.PathLike], pr
     meta = {k: v for k, v in first.items()
             if k in ("estimator", "text_counter", "exif", "image_sizes", "member_stamps", "image_root",
                      "sources", "parquet", "video_pipeline")}
+    # The parts' scan rules (one tokenbal version, checked above), not this release's: a later build
+    # into the merged folder rescans what older rules scanned.
+    meta["scan_rules"] = first.get("scan_rules", 0)
     # Under the build lock, so that no build of ``out`` slips in between the check and the write.
     with _BuildLock(os.path.abspath(os.fspath(out))):
         _check_out(os.path.abspath(os.fspath(out)), label="merge: OUT")   # merge has no --out to name
