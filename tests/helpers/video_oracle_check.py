@@ -78,6 +78,23 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
                     got = dataset_lengths(ds, proc, num_proc=num_proc, cache=False).tolist()
                     if got != expect:
                         wrong.append({"dataset": True, "num_proc": num_proc, "got": got, "want": expect})
+            # a user's subclass overriding the processor (dataset_lengths then runs the longest rows
+            # through it) over a videos column of another name: the check reads that column too
+            renamed_override = 0
+            column_rows = [i for i in accepted if rows[i]["shape"] == "column" and rows[i]["files"]][:6]
+            if k == 0 and column_rows:
+                overriding = _overriding_call(proc)
+                renamed = [{("clips" if key == "videos" else key): v for key, v in rows[i].items()}
+                           for i in column_rows]
+                try:
+                    got = dataset_lengths(renamed, overriding, videos="clips", cache=False).tolist()
+                except ValueError as e:
+                    got = f"raises {e}"[:300]
+                expect = [int(dataset_lengths([rows[i]], proc)[0]) for i in column_rows]
+                if got == expect:
+                    renamed_override = len(column_rows)
+                else:
+                    wrong.append({"renamed_videos_column_override": got, "want": expect})
             parts_equal = 0
             if family in ("internvl", "llava-onevision"):
                 for i in [i for i in accepted if rows[i]["files"]][:12]:
@@ -90,9 +107,23 @@ def main(n_videos: int, n_rows: int, seed: int, families: list[str] | None = Non
             print(json.dumps({"family": family, "settings": settings, "rows": len(rows), "agree": agree,
                               "both_reject": rejected, "process_row": collated,
                               "process_row_refused": refused_by_process_row, "by_parts": by_parts,
-                              "parts_equal_call": parts_equal, "wrong": wrong[:5],
+                              "parts_equal_call": parts_equal, "renamed_override": renamed_override,
+                              "wrong": wrong[:5],
                               "n_wrong": len(wrong), "shapes": shapes, "videos": n_videos}), flush=True)
     return 1 if failed else 0
+
+
+def _overriding_call(proc):
+    """``proc`` as an instance of a user's subclass whose ``__call__`` overrides the processor's
+    without changing what it returns (so dataset_lengths checks its counts against it)."""
+    import copy
+
+    def __call__(self, *args, **kwargs):
+        return super(type(self), self).__call__(*args, **kwargs)
+
+    mine = copy.copy(proc)
+    mine.__class__ = type(f"My{type(proc).__name__}", (type(proc),), {"__call__": __call__})
+    return mine
 
 
 def _prepared(proc, row: dict) -> tuple:

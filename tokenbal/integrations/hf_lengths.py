@@ -71,7 +71,7 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
         lengths = _dataset_lengths_hf(dataset, counter, messages, images, videos, num_proc, cache, audios)
     else:
         lengths = _rows_lengths(dataset, counter, messages, images, videos, audios)
-    _check_overrides(dataset, processor, lengths, messages, images)
+    _check_overrides(dataset, processor, lengths, messages, images, videos)
     return lengths
 
 
@@ -106,7 +106,7 @@ def processor_overrides(processor: Any) -> list[str]:
 
 
 def _check_overrides(dataset: Any, processor: Any, lengths: np.ndarray, messages: str,
-                     images: str | None) -> None:
+                     images: str | None, videos: str | None) -> None:
     """A processor whose class overrides transformers' methods is not trusted silently: the longest
     rows (the likeliest to hold images / videos) and the shortest are run through the processor
     itself (:func:`~tokenbal.integrations.trainer_support.process_row`, what the packed Trainer
@@ -124,7 +124,8 @@ def _check_overrides(dataset: Any, processor: Any, lengths: np.ndarray, messages
     checked = sorted({int(i) for i in order[:CHECK_ROWS - 1]} | {int(order[-1])})
     for i in checked:
         try:
-            got = len(process_row(dataset[i], processor, messages=messages, images=images or "")["input_ids"])
+            got = len(process_row(dataset[i], processor, messages=messages, images=images or "",
+                                  videos=videos or "")["input_ids"])
         except Exception as e:
             raise ValueError(f"row {i}: {said}, and running it on the row failed ({type(e).__name__}: "
                              f"{e}), so the counts of its base class's rules cannot be checked; pass "

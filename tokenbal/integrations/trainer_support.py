@@ -114,12 +114,13 @@ def _collects_image_url(processor: Any) -> bool:
 
 
 def process_row(row: dict[str, Any], processor: Any, *, messages: str = "messages", images: str = "images",
-                ignore_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+                ignore_token_ids: Sequence[int] = (), videos: str = "videos") -> dict[str, Any]:
     """One chat row -> the sample dict :class:`collate.PackedCollator` takes, as the processor renders
     it: what ``processor.apply_chat_template([row[messages]], images=[row[images]] or None,
     tokenize=True, return_dict=True)`` does, through public calls that exist on every transformers
     from 4.57 (the template rendered with ``tokenize=False``, the row's images — its ``images``
-    column, else the images named in its message parts — read as :func:`_as_image` reads them, then
+    column, else the images named in its message parts — read as :func:`_as_image` reads them; its
+    videos likewise from its ``videos`` column or its video parts — then
     the processor called with the same special-token rule), ``labels`` a copy of ``input_ids`` with
     the image / video placeholders (and ``ignore_token_ids``) at -100."""
     import torch
@@ -140,7 +141,7 @@ def process_row(row: dict[str, Any], processor: Any, *, messages: str = "message
     elif not isinstance(values, (list, tuple)):
         values = [values]   # one image, not in a list: as dataset_lengths counts it
     imgs = [_as_image(v) for v in values]
-    video_kwargs = _row_videos(row, conv, processor, index, messages)
+    video_kwargs = _row_videos(row, conv, processor, index, messages, videos)
     if video_kwargs and imgs and _VIDEO_ESTIMATOR[id(processor)][1] == "smolvlm":
         raise ValueError(f"row {index}: has {len(imgs)} image(s) and {len(video_kwargs['videos'][0])} "
                          f"video(s); {type(processor).__name__} returns only the videos' pixel_values for "

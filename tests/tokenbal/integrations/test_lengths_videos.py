@@ -235,6 +235,10 @@ def test_real_video_processors(env):
         assert r["process_row"] >= 10, r   # the packed Trainer's collator step, 1- and 2-video rows
         if r["family"] in ("internvl", "llava-onevision"):   # video by video == the processor's call
             assert r["parts_equal_call"] >= 5, r
+    # a processor subclass over a videos column of another name (dataset_lengths(videos="clips")): its
+    # spot check runs rows through the processor, reading that column (a mismatch is in n_wrong)
+    for family in families:
+        assert any(r["renamed_override"] for r in results if r["family"] == family), family
 
 
 
