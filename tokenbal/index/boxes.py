@@ -30,3 +30,98 @@ def boxes_fault(read: Callable[[int, int], bytes], size: int, whole: str = "file
                     f"ends at byte {size} ({pos + length - size} bytes missing)")
         pos += length
     return None
+
+
+# A meta box larger than this is not read for its item locations (real ones are a few hundred bytes).
+_META_LIMIT = 1 << 20
+
+
+def item_data_fault(read: Callable[[int, int], bytes], size: int, whole: str = "file") -> str | None:
+    """Why an ISO-BMFF image file (AVIF, HEIF) of ``size`` bytes lacks the data of one of its items,
+    from the ``iloc`` box of its top-level ``meta`` (ISO/IEC 14496-12, 8.11.3: each item's extents, as
+    offsets into this file): boxes that tile the file can still end before an item's pixels (a copy cut
+    at a box boundary, or inside the last box's header), which the decoder finds only when it reads
+    them. ``None`` when every extent in this file lies within it, or no ``iloc`` is found."""
+    meta = _top_level_box(read, size, b"meta")
+    if meta is None:
+        return None
+    start, end = meta
+    if end - start > _META_LIMIT:
+        return None
+    body = read(end - start, start)[4:]            # after the FullBox version and flags
+    iloc = _child_box(body, b"iloc")
+    if iloc is None:
+        return None
+    try:
+        for item, last in _iloc_file_extents(iloc):
+            if last > size:
+                return (f"cut short: item {item}'s data runs to byte {last}, but the {whole} ends at byte "
+                        f"{size} ({last - size} bytes missing)")
+    except IndexError:                             # an iloc cut or damaged itself: the decoder decides
+        return None
+    return None
+
+
+def _top_level_box(read: Callable[[int, int], bytes], size: int, kind: bytes) -> tuple[int, int] | None:
+    """(payload start, end) of the first top-level box of ``kind`` lying wholly within the file."""
+    pos = 0
+    while pos + 8 <= size:
+        head = read(16, pos)
+        length, header = int.from_bytes(head[:4], "big"), 8
+        if length == 1 and len(head) >= 16:
+            length, header = int.from_bytes(head[8:16], "big"), 16
+        elif length == 0:
+            length = size - pos
+        if length < header or pos + length > size:
+            return None
+        if head[4:8] == kind:
+            return pos + header, pos + length
+        pos += length
+    return None
+
+
+def _child_box(body: bytes, kind: bytes) -> bytes | None:
+    """The payload of the first box of ``kind`` among the boxes that make up ``body``."""
+    pos = 0
+    while pos + 8 <= len(body):
+        length, header = int.from_bytes(body[pos:pos + 4], "big"), 8
+        if length == 1 and pos + 16 <= len(body):
+            length, header = int.from_bytes(body[pos + 8:pos + 16], "big"), 16
+        elif length == 0:
+            length = len(body) - pos
+        if length < header or pos + length > len(body):
+            return None
+        if body[pos + 4:pos + 8] == kind:
+            return body[pos + header:pos + length]
+        pos += length
+    return None
+
+
+def _iloc_file_extents(iloc: bytes):
+    """(item id, end offset) of every extent an ``iloc`` payload places in this file (construction
+    method 0, data reference 0) with a known length; ``IndexError`` when the payload is cut."""
+    version = iloc[0]
+    pos = 4                                        # version and flags
+    offset_size, length_size = iloc[pos] >> 4, iloc[pos] & 15
+    base_size, index_size = iloc[pos + 1] >> 4, (iloc[pos + 1] & 15) if version in (1, 2) else 0
+    pos += 2
+
+    def number(width: int) -> int:
+        nonlocal pos
+        if pos + width > len(iloc):
+            raise IndexError("iloc cut")
+        value = int.from_bytes(iloc[pos:pos + width], "big")
+        pos += width
+        return value
+
+    count = number(2 if version < 2 else 4)
+    for _ in range(count):
+        item = number(2 if version < 2 else 4)
+        method = number(2) & 15 if version in (1, 2) else 0
+        reference = number(2)
+        base = number(base_size)
+        for _ in range(number(2)):
+            number(index_size)
+            offset, length = number(offset_size), number(length_size)
+            if method == 0 and reference == 0 and length > 0:
+                yield item, base + offset + length

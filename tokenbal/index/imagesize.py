@@ -48,7 +48,7 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
-from tokenbal.index.boxes import boxes_fault
+from tokenbal.index.boxes import boxes_fault, item_data_fault
 
 # Extensions (last dot-component, lower case) whose members are images: one set for the index scan
 # and the reader. Every format the installed Pillow opens by itself (the test compares it with
@@ -378,8 +378,12 @@ def _webp_canvas_mismatch(read, size: int, head: bytes) -> str | None:
 
 def _boxes_cut(read, size: int, name: str) -> str | None:
     """Why an ISO-BMFF (AVIF, HEIF) or JPEG 2000 image ``name`` of ``size`` bytes is cut short, from
-    its top-level box sizes (:func:`tokenbal.index.boxes.boxes_fault`)."""
+    its top-level box sizes (:func:`tokenbal.index.boxes.boxes_fault`) and, for ISO-BMFF, where its
+    items' data lies (:func:`tokenbal.index.boxes.item_data_fault`: boxes can tile a copy cut before
+    the pixels)."""
     fault = boxes_fault(read, size, whole="image")
+    if fault is None and read(8, 0)[4:8] == b"ftyp":
+        fault = item_data_fault(read, size, whole="image")
     return None if fault is None else f"{name} {fault}"
 
 
