@@ -63,7 +63,8 @@ def item_data_fault(read: Callable[[int, int], bytes], size: int, whole: str = "
 
 
 def _top_level_box(read: Callable[[int, int], bytes], size: int, kind: bytes) -> tuple[int, int] | None:
-    """(payload start, end) of the first top-level box of ``kind`` lying wholly within the file."""
+    """(payload start, end) of the first top-level box of ``kind`` lying wholly within the ``size``
+    bytes ``read`` gives (a file, or a box's payload: its child boxes)."""
     pos = 0
     while pos + 8 <= size:
         head = read(16, pos)
@@ -82,19 +83,8 @@ def _top_level_box(read: Callable[[int, int], bytes], size: int, kind: bytes) ->
 
 def _child_box(body: bytes, kind: bytes) -> bytes | None:
     """The payload of the first box of ``kind`` among the boxes that make up ``body``."""
-    pos = 0
-    while pos + 8 <= len(body):
-        length, header = int.from_bytes(body[pos:pos + 4], "big"), 8
-        if length == 1 and pos + 16 <= len(body):
-            length, header = int.from_bytes(body[pos + 8:pos + 16], "big"), 16
-        elif length == 0:
-            length = len(body) - pos
-        if length < header or pos + length > len(body):
-            return None
-        if body[pos + 4:pos + 8] == kind:
-            return body[pos + header:pos + length]
-        pos += length
-    return None
+    found = _top_level_box(lambda n, at: body[at:at + n], len(body), kind)
+    return None if found is None else body[found[0]:found[1]]
 
 
 def _iloc_file_extents(iloc: bytes):
