@@ -6,13 +6,15 @@ same index rows, byte for byte, including the fingerprint. What is read:
 * ``ranges`` (the default when the store honours byte ranges): the tar header walk, the first bytes of
   each image and the text members, by ranged reads. Every read fetches at least ``chunk`` bytes
   (8 KiB by default), so one request holds a member's header, its image's first KiB and, for small
-  members, the next headers too; after the walk the ranges still missing (large text members) are
-  coalesced and fetched ``inflight`` at a time. The walk itself is a chain (each header says where
-  the next one is), so the build runs several shards at once per worker (``inflight`` threads) to
-  keep requests in flight. Plus the first and last MiB for the fingerprint.
+  members, the next headers too; where the headers lie close together (``read_through``, 256 KiB
+  apart on average) the walk reads straight through in windows growing to 4 MiB
+  (``io.remote.HeaderWalkReader``), which the sample pass then reads from. After the walk the ranges
+  still missing (large text members) are coalesced and fetched ``inflight`` at a time. The walk itself
+  is a chain (each header says where the next one is), so the build runs several shards at once per
+  worker (``inflight`` threads) to keep requests in flight. Plus the first and last MiB for the
+  fingerprint.
 * ``whole``: the object is downloaded to a temporary file and scanned locally. Used when the server
-  ignores ``Range`` (it answers a ranged read with more bytes than asked), and on request; better for
-  small members on a high-bandwidth link, where the ranged walk costs one round trip per member.
+  ignores ``Range`` (it answers a ranged read with more bytes than asked), and on request.
 
 Transient errors (timeouts, connection resets, HTTP 408 / 429 / 5xx) are retried with exponential
 backoff (``RETRIES`` times); a permanent one (missing object, access denied, other 4xx) ends the
@@ -56,6 +58,7 @@ from tokenbal.index.scan import (
     shard_error,
 )
 from tokenbal.io.remote import (
+    HeaderWalkReader,
     RangesIgnored,
     RemoteFile,
     RemoteFileObject,
@@ -247,7 +250,7 @@ def _list_members(rf: RemoteFile, scan: ShardScan, listing: ProgressMarks) -> li
             shard_error(scan, "corrupt", f"shard is {name}-compressed; only uncompressed tar shards can be "
                                           "indexed for random access (decompress it first)")
             return []
-    fast = walk_members(rf, scan.size, listing.at, PROGRESS_BYTES)
+    fast = walk_members(HeaderWalkReader(rf), scan.size, listing.at, PROGRESS_BYTES)
     if fast is not None:
         members, scan.end_of_members = fast
     else:

@@ -429,3 +429,75 @@ def test_a_remote_sample_pass_reads_from_what_was_prefetched(tmp_path):
         stretches = size // PROGRESS_BYTES + 1
         # At most two coalesced requests per stretch (one per prefetch, split where the walk cached).
         assert httpd.n - listed[0] <= 2 * stretches, (httpd.n - listed[0], scan.extra)
+
+
+def _local_samples(shard):
+    from tokenbal.index.scan import scan_shard
+
+    return [(s.key, s.members, s.image_sizes, s.text) for s in scan_shard(shard).samples]
+
+
+def test_a_remote_header_walk_reads_small_members_through_in_growing_windows(tmp_path, monkeypatch):
+    """A tar has no table of contents, so the walk was a chain of one 8 KiB read per header or two:
+    1,029 sequential requests (19.9 MB) for an 11.5 MB shard of 2,500 ~4.6 KB samples. Where the
+    headers lie close together the walk now reads straight through in windows that double, and the
+    sample pass finds the captions and image heads in them. Past the walk's keep budget the windows
+    are read and dropped (memory stays bounded), and the sample pass fetches what it needs again."""
+    import tokenbal.io.remote as io_remote
+    from tests.tokenbal.index.test_build import big_tar_shard
+    from tokenbal.index.remote import scan_remote_shard
+
+    shard, _, _ = big_tar_shard(tmp_path)
+    size = os.path.getsize(shard)
+    want = _local_samples(shard)
+    seen = {}
+    per_header = RemoteOptions(backoff_s=0.01, read_through=0)
+    with serve(str(tmp_path)) as (base, httpd):
+        for name, opts, keep in [("through", FAST, io_remote.WALK_KEEP), ("kept 2 MiB", FAST, 2 << 20),
+                                 ("per header", per_header, io_remote.WALK_KEEP)]:
+            monkeypatch.setattr(io_remote, "WALK_KEEP", keep)
+            scan = scan_remote_shard(f"{base}/big.tar", opts)
+            assert not scan.errors
+            assert [(s.key, s.members, s.image_sizes, s.text) for s in scan.samples] == want
+            seen[name] = (scan.extra["n_requests"], scan.extra["bytes_read"])
+    requests, read = seen["through"]
+    # the fingerprint's 2 spans, ~10 doubling windows (8 KiB .. 4 MiB), a few sample-pass pieces
+    assert requests <= 20 and read <= 1.15 * size, seen
+    # a 2 MiB keep budget: the walk the same, the sample pass fetches most of the shard's bytes again
+    assert seen["kept 2 MiB"][0] <= 30 and seen["kept 2 MiB"][1] > 1.5 * size, seen
+    assert seen["per header"][0] > 1000, seen
+
+
+def test_a_remote_header_walk_skips_the_data_of_large_members(tmp_path):
+    """Members far apart (here 600 KB each) keep one ``chunk`` read per header: reading through them
+    would cost the shard's bytes."""
+    from tokenbal.index.remote import scan_remote_shard
+
+    rng = random.Random(0)
+    samples = [Sample(key=f"{i:04d}", caption="a photo of a cat", raw=[("bin", rng.randbytes(600_000))])
+               for i in range(24)]
+    shard = write_shard(tmp_path / "large.tar", samples)
+    size = os.path.getsize(shard)
+    with serve(str(tmp_path)) as (base, httpd):
+        scan = scan_remote_shard(f"{base}/large.tar", FAST)
+    assert not scan.errors and [(s.key, s.members, s.image_sizes, s.text) for s in scan.samples] == \
+        _local_samples(shard)
+    # the fingerprint's first and last MiB, then 8 KiB reads at the headers past them
+    assert scan.extra["bytes_read"] < (2 << 20) + 48 * FAST.chunk < 0.25 * size, scan.extra
+
+
+def test_cli_read_through_sets_how_the_header_walk_reads(tmp_path):
+    """``index build --read-through BYTES`` reaches the walk: 0 keeps one request per header missed."""
+    from tests.tokenbal.index.test_build import big_tar_shard
+
+    big_tar_shard(tmp_path, n=600)
+    counts = {}
+    with serve(str(tmp_path)) as (base, httpd):
+        for value in ("0", "262144"):
+            n0 = httpd.n
+            assert main(["index", "build", f"{base}/big.tar", "--out", str(tmp_path / f"i{value}"), "-q",
+                         "--remote-read", "ranges", "--read-through", value]) == 0
+            counts[value] = httpd.n - n0
+    assert counts["0"] > 5 * counts["262144"], counts
+    a, b = TokenIndex.open(tmp_path / "i0"), TokenIndex.open(tmp_path / "i262144")
+    assert list(a.keys) == list(b.keys) and np.array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
