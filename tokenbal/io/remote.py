@@ -389,9 +389,9 @@ class HeaderWalkReader:
     small (a shard of 2,500 ~4 KB samples: ~1,000 sequential requests). Here the headers' spacing is
     tracked (a moving average of the forward distance between reads); while it stays at most
     ``opts.read_through``, each miss fetches a window twice the last one's, up to ``READ_AHEAD_MAX``,
-    so a stretch of small members costs a request per window (the bytes are the stretch's, which a
-    round trip costs more than on any remote link below ~1 MB per member). Larger members (photos of
-    MBs, videos) keep ``chunk``-sized reads at each header and skip the data between. The windows go
+    so a stretch of small members costs a request per window and its bytes (on a remote link a member
+    under ~1 MB takes less time to transfer than a round trip). Larger members (photos of MBs, videos)
+    keep ``chunk``-sized reads at each header and skip the data between. The windows go
     into the ``RemoteFile``'s cache, up to ``WALK_KEEP`` bytes, so the sample pass finds the image
     heads and captions of those members there instead of fetching them again."""
 
