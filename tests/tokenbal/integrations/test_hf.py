@@ -438,8 +438,8 @@ def test_padding_free_collators_are_planned_for_their_tokens_not_a_padded_cost(t
 # reducer in the trainer's wrapped model does while the trainer lives. A trainer in a reference cycle
 # lives until a cyclic GC pass, often not before interpreter exit: the threads then still ran while
 # Python finalised, the state in which a gloo rank can abort at exit (pytorch#190489). Measured on
-# LLaMA-Factory 0.9.5's CLI, 2 gloo ranks: running at exit on 4 of 4 ranks with tokenbal's trainer
-# before, 0 of 4 after, 0 of 4 with its own trainer (the framework tests assert it,
+# LLaMA-Factory 0.9.5's CLI, 2 gloo ranks: running at exit on 6 of 6 ranks with tokenbal's trainer
+# before, 0 of 8 after, 0 of 4 with its own trainer (the framework tests assert it,
 # tests/helpers/framework_record.py). In one process, no group: the cycle itself.
 
 @pytest.mark.parametrize("packed", [False, True])
