@@ -11,6 +11,7 @@ tokens (the samples run one by one through the model's unpatched transformers fo
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -144,3 +145,31 @@ def kill_callback() -> Any:
 
 def start() -> None:
     os.makedirs(os.environ["RECORD_DIR"], exist_ok=True)
+    # Registered before training, so it runs after every atexit callback registered later (tokenbal's
+    # destroy_process_group_at_exit among them): what is still running as the interpreter finalises.
+    if "RANK" in os.environ:    # a rank, not a launcher
+        atexit.register(_record_exit)
+
+
+def gloo_threads() -> int:
+    """This process's gloo threads (a process group's workers and its TCP loop), by OS thread name."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+
+
+def _record_exit() -> None:
+    """``$RECORD_DIR/exit{r}.json``: whether the default group is still initialised, and the gloo
+    threads still running, at interpreter exit (a gloo rank whose threads run while Python finalises
+    can abort: pytorch#190489)."""
+    import torch.distributed as dist
+
+    record = {"group": dist.is_available() and dist.is_initialized(),
+              "gloo_threads": gloo_threads() if os.path.isdir("/proc/self/task") else None}
+    with open(os.path.join(os.environ["RECORD_DIR"], f"exit{_rank()}.json"), "w") as f:
+        json.dump(record, f)

@@ -216,6 +216,15 @@ def assert_ok(done: subprocess.CompletedProcess) -> None:
 
 # -- what the recording drivers wrote ----------------------------------------------------------------
 
+def assert_exit_clean(record: Path, world: int) -> None:
+    """Every rank of a finished run reached interpreter exit with its process group destroyed and no
+    gloo thread still running (``exit{r}.json`` of tests.helpers.framework_record): a gloo rank whose
+    threads run while Python finalises can abort after a finished training (pytorch#190489), and
+    torchrun then returns 1."""
+    exits = [json.loads((record / f"exit{r}.json").read_text()) for r in range(world)]
+    assert all(not e["group"] and e["gloo_threads"] in (0, None) for e in exits), exits
+
+
 def steps(record: Path, world: int) -> dict[int, list[dict]]:
     """step -> each rank's record of it, in rank order."""
     out: dict[int, list[dict]] = {}

@@ -42,7 +42,9 @@ the Trainer applies to its own ``BatchRebalanceSampler``). What it keeps right:
   (huggingface/transformers#43701) are mapped through its key conversion, or the resume raises.
 - **What the user sees.** Warnings reach stderr
   (:func:`~tokenbal.integrations.trainer_support.configure_logging`), and a finished ``train()``
-  destroys the process group at exit (:func:`destroy_process_group_at_exit`).
+  destroys the process group at exit (:func:`destroy_process_group_at_exit`). The trainer is in no
+  reference cycle of tokenbal's (its callback and collator reach it through a weak reference), so a
+  framework that drops it and destroys the group itself stops the group's gloo threads there.
 
 Use ``TokenBalancedTrainer(model=..., args=..., train_dataset=..., token_lengths=index)``, or mix
 into another ``Trainer`` subclass (trl's ``SFTTrainer``, LLaMA-Factory's trainers)::
@@ -70,6 +72,7 @@ import json
 import logging
 import math
 import os
+import weakref
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -551,15 +554,19 @@ _EXIT_HOOK: list[Any] = []
 def destroy_process_group_at_exit() -> None:
     """Destroy the default process group when the interpreter exits, if it is still there.
 
-    Without ``destroy_process_group`` a gloo rank can abort at exit with ``terminate called without
-    an active exception`` (torchrun then returns 1 after a finished training): the process group's
-    C++ worker threads are still alive while the interpreter is torn down (pytorch/pytorch#190489;
-    the upstream atexit fix, pytorch/pytorch#179291, was abandoned). The Trainer never destroys the
-    group, so a finished ``train()`` registers this once. Registered only after training returned:
-    destroying it while another rank is still inside a collective (after an exception here) can
-    hang (pytorch/torchtitan#1342). Calling ``destroy_process_group()`` yourself is fine too.
+    A gloo rank can abort at exit with ``terminate called without an active exception`` (torchrun
+    then returns 1 after a finished training) when the process group's C++ worker threads are still
+    running while the interpreter is torn down (pytorch/pytorch#190489; the upstream atexit fix,
+    pytorch/pytorch#179291, was abandoned). The threads stop when the group's last holder goes, and
+    DDP's reducer in a wrapped model holds it: so a GC pass first frees a model that only reference
+    cycles still hold (ms-swift 4.6.0's: with a destroy alone the threads ran at exit on every rank),
+    then the group is destroyed. The Trainer never destroys the group, so a finished ``train()``
+    registers this once. Registered only after training returned: destroying it while another rank is
+    still inside a collective (after an exception here) can hang (pytorch/torchtitan#1342). Calling
+    ``destroy_process_group()`` yourself is fine too.
     """
     import atexit
+    import gc
 
     import torch.distributed as dist
 
@@ -568,6 +575,10 @@ def destroy_process_group_at_exit() -> None:
 
     def destroy() -> None:
         if dist.is_initialized():
+            # The group's gloo threads stop when its last holder goes, and DDP's reducer holds it: free
+            # what only the cyclic GC would free (a model in a framework's reference cycles) first, so
+            # that they stop here, not while the interpreter is being torn down.
+            gc.collect()
             dist.destroy_process_group()
 
     atexit.register(destroy)
@@ -616,9 +627,11 @@ def _wire_packed(trainer: Any, bound: dict[str, Any]) -> dict[str, Any]:
     if collator is None:
         collator = PackedCollator.from_config(model.config)
     budget = trainer.tokenbal_sampler_options.get("max_tokens_per_rank")
-    # The lengths are known once the Trainer holds its dataset: read them from the sampler when used.
-    kwargs["data_collator"] = PackedTrainCollator(collator, lambda: trainer.tokenbal_sampler.lengths, budget,
-                                                  kwargs.get("processing_class"))
+    # The lengths are known once the Trainer holds its dataset: read them from the sampler when used
+    # (through a weak reference: the Trainer holds this collator, see _make_callback).
+    trainer_ref = weakref.ref(trainer)
+    kwargs["data_collator"] = PackedTrainCollator(collator, lambda: trainer_ref().tokenbal_sampler.lengths,
+                                                  budget, kwargs.get("processing_class"))
     return kwargs
 
 
@@ -637,11 +650,18 @@ def _log_plan(sampler: TokenBalancedBatchSampler, packed: bool) -> None:
 def _make_callback(trainer: TokenBalancingMixin) -> Any:
     from transformers import TrainerCallback
 
+    # A weak reference: the Trainer holds this callback, and a strong one back would put the Trainer
+    # (its wrapped model, DDP's reducer and the process group the reducer holds) in a reference cycle
+    # that only the cyclic GC frees, often not before interpreter exit: the group's gloo threads then
+    # outlive a framework's own destroy_process_group() into interpreter teardown (pytorch#190489).
+    trainer_ref = weakref.ref(trainer)
+
     class TokenBalancedCallback(TrainerCallback):
         """Writes the sampler state into every checkpoint the Trainer saves."""
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if args.should_save and trainer._tokenbal_sampler is not None:
+            trainer = trainer_ref()
+            if trainer is not None and args.should_save and trainer._tokenbal_sampler is not None:
                 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
                 ckpt = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")

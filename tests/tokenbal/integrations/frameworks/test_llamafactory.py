@@ -73,6 +73,10 @@ def _lengths_equal(folder) -> list[int]:
 def test_llamafactory_cli_token_balanced(lf):
     tb, steps, folder = _run(lf, "tokenbal", tokenbal={})
     fw.assert_ok(tb)
+    # LLaMA-Factory destroys the group once its sft workflow returned; the gloo threads stop only if
+    # nothing holds the trainer then (before: tokenbal's sampler-state callback did, a reference cycle,
+    # and they ran at exit on every rank; with LLaMA-Factory's own trainer they never did)
+    fw.assert_exit_clean(folder / "record", WORLD)
     assert "tokenbal: 24 samples, 6 steps per epoch on 2 ranks" in tb.stderr + tb.stdout
     assert fw.epochs_of(steps, N, EPOCHS, WORLD) == [STEPS] * EPOCHS
     _lengths_equal(folder)
@@ -92,6 +96,7 @@ def test_llamafactory_cli_token_balanced(lf):
     resumed, r_steps, _ = _run(lf, "killed", tokenbal={}, record_name="resumed",
                                extra={"save_steps": SAVE_AT, "resume_from_checkpoint": str(ckpt)})
     fw.assert_ok(resumed)
+    fw.assert_exit_clean(k_folder / "resumed", WORLD)
     fw.assert_resumed(steps, k_steps, r_steps, SAVE_AT, KILL_AT)
 
 
