@@ -112,3 +112,15 @@ def test_packed_vision_attention_applies_the_q_k_norms(reference):
         want = ref_attn(hidden, cu_seqlens=cu, position_embeddings=rotary)
         got = attn(hidden, cu_seqlens=cu, position_embeddings=rotary, **{grid_vision.VISION_KWARG: info})
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _glm_ocr_model():
+    return build()
+
+
+@pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine
+def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
+    from tests.collate.models.test_glm4v import _fsdp2_text_only_rank
+    from tests.helpers.dist_utils import run_ranks
+
+    assert min(run_ranks(_fsdp2_text_only_rank, 2, _glm_ocr_model, timeout=180, collective_timeout=30)) > 30
