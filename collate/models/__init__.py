@@ -27,8 +27,28 @@ _PATCHES: dict[str, Any] = {
 }
 
 
+# Families transformers has that share a collator layout or a text stack with a patched family but
+# are not patched, and why (named in enable_packed's error so nobody forces the nearest patch on).
+REFUSED: dict[str, str] = {
+    "paddleocr_vl": "PaddleOCR-VL's vision tower is a SigLIP encoder with its own projector (one "
+                    "host split per call), not a grid tower the packed path calls",
+    "cosmos3_edge": "Cosmos3-Edge is a Llama text model behind a SigLIP2 tower, not Qwen3-VL's",
+    "cosmos3_omni": "Cosmos3-Omni runs Qwen3-VL's code, but transformers ships no processor for it, so "
+                    "its token counts and collated placeholders cannot be checked",
+    "glm4v_moe": "GLM-4.5V's MoE text stack is not one the packed attention is checked against",
+    **{model_type: f"{name} thinker: its positions also place audio blocks (audio interleaved "
+                   "into video with use_audio_in_video, video time from position_id_per_seconds), "
+                   "a layout the collator does not lay out"
+       for model_type, name in (("qwen2_5_omni", "Qwen2.5-Omni"), ("qwen2_5_omni_thinker", "Qwen2.5-Omni"),
+                                ("qwen3_omni_moe", "Qwen3-Omni"), ("qwen3_omni_moe_thinker", "Qwen3-Omni"))},
+}
+
+
 def _patch_for(model: nn.Module) -> Any:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in REFUSED and model_type not in _PATCHES:
+        raise TypeError(f"enable_packed: model_type={model_type!r} ({type(model).__name__}) is not patched: "
+                        f"{REFUSED[model_type]}")
     if model_type not in _PATCHES:
         raise TypeError(
             f"enable_packed: no packed patch for model_type={model_type!r} ({type(model).__name__}); "

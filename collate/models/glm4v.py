@@ -1,4 +1,5 @@
-"""Packed-batch forward for transformers GLM-4.1V (``Glm4vForConditionalGeneration``).
+"""Packed-batch forward for transformers GLM-4.1V (``Glm4vForConditionalGeneration``), and GLM-4.6V /
+GLM-OCR, which run its code (see ``SUPPORTED_MODEL_TYPES``).
 
 The shared scheme is :mod:`collate.models.core` (wrapper, attention info, packed text attention,
 one tower call, feature scatter) with the ``grid_thw`` tower of :mod:`collate.models.grid_vision`.
@@ -35,8 +36,13 @@ from collate.models import core, grid_vision
 from collate.ops.rope.common import frequency_axes, normalize_positions
 
 # GLM-4.6V (glm46v) is GLM-4V's model class subclassed unchanged, its towers built from its
-# sub-configs: patched when the text model is GLM-4V's dense one (checked in _check).
-SUPPORTED_MODEL_TYPES = ("glm4v", "glm46v")
+# sub-configs: patched when the text model is GLM-4V's dense one (checked in _check). GLM-OCR
+# (glm_ocr) is GLM-4V's generation class with GLM-4V's text stack under its own names
+# (glm_ocr_text: q/k/v without bias, head_dim from the config) and a tower whose attention adds
+# per-head q / k RMS norms before the rotary (grid_vision's packed vision attention applies them).
+SUPPORTED_MODEL_TYPES = ("glm4v", "glm46v", "glm_ocr")
+# The dense text stacks whose attention and rotary are GLM-4V's (what glm_rope and the core reproduce).
+TEXT_MODEL_TYPES = ("glm4v_text", "glm_ocr_text")
 
 
 def glm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -103,11 +109,11 @@ def _encode(model: nn.Module, kwargs: dict[str, Any], vision: dict[str, Any],
 
 def _check(model: nn.Module, text_model: nn.Module) -> None:
     text_type = getattr(getattr(model.config, "text_config", None), "model_type", "glm4v_text")
-    if text_type != "glm4v_text":
+    if text_type not in TEXT_MODEL_TYPES:
         # GLM-4.6V's text model is whatever its text_config names (the large one's is MoE):
         # only GLM-4V's dense text stack is patched and tested.
         raise TypeError(f"enable_packed: model_type={model.config.model_type!r} with a {text_type!r} "
-                        "text model is not patched (only 'glm4v_text')")
+                        f"text model is not patched (only {' / '.join(map(repr, TEXT_MODEL_TYPES))})")
     core.check_mrope_section(text_model)  # 3 sections covering the rotary frequencies
     half = int(text_model.rotary_emb.inv_freq.numel())
     for layer in text_model.layers:

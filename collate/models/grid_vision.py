@@ -4,7 +4,10 @@ same shape): patches of all images and videos in one ``(N, C*T*P*P)`` tensor, on
 1. Each vision block's ``attn.forward`` is replaced: with the opaque ``tokenbal_vision`` kwarg
    (:class:`VisionAttentionInfo`) it runs :func:`collate.ops.varlen_attention` (non-causal) over
    the segments whose device ``cu_seqlens`` it was handed, using their host ends; transformers'
-   own non-flash path splits by ``cu_seqlens.tolist()`` in every block.
+   own non-flash path splits by ``cu_seqlens.tolist()`` in every block. Per-head ``q_norm`` /
+   ``k_norm`` (GLM-OCR) are applied before the rotary, as transformers does. A tower that hands its
+   blocks no kwargs (GLM-OCR, every release that has it) never passes the info on: its blocks run
+   transformers' own attention (exact, one host read per block).
 2. :func:`encode` runs the tower once per packed forward, on all images and videos together (each
    grid entry is attended to on its own, so this is the same math), with the collator's
    precomputed ``vision_*`` fields (:mod:`collate.vision`: rotary ids, frame segments, Qwen2.5-VL's
@@ -61,6 +64,8 @@ def check_vision_attentions(model: nn.Module) -> None:
         for name in ("qkv", "proj", "num_heads", "scaling"):
             if not hasattr(attn, name):
                 raise TypeError(f"{type(attn).__name__} has no {name!r}; transformers version not supported")
+        if (getattr(attn, "q_norm", None) is None) != (getattr(attn, "k_norm", None) is None):
+            raise TypeError(f"{type(attn).__name__} normalises only one of q / k; not supported")
         if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb_vision"):
             raise TypeError(f"{type(attn).__module__} has no apply_rotary_pos_emb_vision; transformers "
                             "version not supported")
@@ -83,6 +88,9 @@ def packed_vision_attention_forward(
     # host ends come with the batch and the backend is varlen_attention's (flash-attn, NPU, SDPA).
     num_tokens = hidden_states.shape[0]
     q, k, v = self.qkv(hidden_states).reshape(num_tokens, 3, self.num_heads, -1).unbind(1)
+    if getattr(self, "q_norm", None) is not None:
+        # GLM-OCR: per-head RMS norms of q and k before the rotary, as its own forward does
+        q, k = self.q_norm(q), self.k_norm(k)
     rotate = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision
     q, k = rotate(q, k, *position_embeddings)
     dropout = getattr(self, "attention_dropout", 0.0) if self.training else 0.0

@@ -42,7 +42,10 @@ FAMILIES: tuple[Family, ...] = (
     # glm4v_moe (GLM-4.5V): the same image processor class, so the same counts; not patched.
     # glm46v (GLM-4.6V): GLM-4V's model and image processor subclassed unchanged; patched when its
     # text model is GLM-4V's dense one (collate/models/glm4v.py refuses a MoE text model).
-    Family("glm-4.1v", ("glm4v", "glm46v"), ("glm4.1v", "glm4v_moe"), "glm4v", "glm4v"),
+    # glm_ocr (GLM-OCR): GLM-4V's generation class, text stack and get_rope_index; its vision
+    # attention adds per-head q / k norms (applied by the packed vision attention). Its counts are
+    # GLM-4.1V's rule; the checkpoint's own pixel bounds come from load_estimator / --processor.
+    Family("glm-4.1v", ("glm4v", "glm46v", "glm_ocr"), ("glm4.1v", "glm4v_moe"), "glm4v", "glm4v"),
     Family("phi-4-multimodal", ("phi4_multimodal",), ("phi4-multimodal",), "phi4"),
 )
 
