@@ -18,6 +18,8 @@ from torch.utils.data import get_worker_info
 
 from collate.anyres import AnyresLayout, TileLayout, collate_anyres
 from collate.positions import (
+    TEMPORAL,
+    VIDEO_TEXT_RESUME,
     _arange,
     as_grid,
     glm4v_token_types,
@@ -237,6 +239,10 @@ class PackedCollator:
     # Qwen2.5-VL: truncate second_per_grid_ts to whole seconds, as transformers 4.57-5.9 do
     # (from_config asks the installed version).
     whole_video_seconds: bool = False
+    # Qwen2-VL / Qwen2.5-VL: where text resumes after a video, "temporal" (transformers 4.x and the
+    # original code) or "spatial" (5.x); see collate.positions.mrope_positions. from_config asks the
+    # installed transformers (hf_compat.qwen2_vl_video_text_resume), so positions equal its get_rope_index.
+    video_text_resume: str = TEMPORAL
     split_video_frames: bool = False
     vision_window: int | None = None
     pin_memory: bool | None = None
@@ -268,6 +274,9 @@ class PackedCollator:
             raise ValueError(f"mrope_style must be 'qwen' or 'glm4v', got {self.mrope_style!r}")
         if self.mrope_style == "glm4v" and (self.rope != "mrope" or self.video_span_token_ids is None):
             raise ValueError("mrope_style='glm4v' needs rope='mrope' and video_span_token_ids")
+        if self.video_text_resume not in VIDEO_TEXT_RESUME:
+            raise ValueError(f"video_text_resume must be one of {VIDEO_TEXT_RESUME}, got "
+                             f"{self.video_text_resume!r}")
         vision_ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id)
         if self.sp_size > 1 and self.sp_pad_token_id in vision_ids:
             raise ValueError(f"sp_pad_token_id={self.sp_pad_token_id} is a vision token id; padding must "
@@ -329,6 +338,10 @@ class PackedCollator:
                 from tokenbal.hf_compat import qwen2_5_vl_whole_seconds
 
                 kwargs["whole_video_seconds"] = qwen2_5_vl_whole_seconds()
+            if model_type in ("qwen2_vl", "qwen2_5_vl") and kwargs["video_token_id"] is not None:
+                from tokenbal.hf_compat import qwen2_vl_video_text_resume
+
+                kwargs["video_text_resume"] = qwen2_vl_video_text_resume(model_type)
         else:
             if "rope" not in overrides:
                 from tokenbal.hf_compat import builds_rope_index
@@ -479,6 +492,7 @@ class PackedCollator:
                 tokens_per_second=self.tokens_per_second,
                 split_video_frames=self.split_video_frames,
                 whole_seconds=self.whole_video_seconds,
+                video_text_resume=self.video_text_resume,
             )
             position_ids = torch.from_numpy(pos[:, None, :])
         else:

@@ -21,11 +21,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["mrope_positions", "packed_mrope_positions", "packed_mrope_positions_and_slots", "text_positions",
-           "as_grid", "split_frames", "block_token_offsets"]
+__all__ = ["SPATIAL", "TEMPORAL", "VIDEO_TEXT_RESUME", "mrope_positions", "packed_mrope_positions",
+           "packed_mrope_positions_and_slots", "text_positions", "as_grid", "split_frames",
+           "block_token_offsets"]
 
 
 _ARANGE = np.arange(0, dtype=np.int64)
+
+# Where text resumes after a Qwen2-VL / Qwen2.5-VL video block (``video_text_resume``, see
+# :func:`mrope_positions`): after the video's temporal extent (the original code, transformers 4.x)
+# or after its spatial one, as after an image (transformers 5.x).
+TEMPORAL, SPATIAL = "temporal", "spatial"
+VIDEO_TEXT_RESUME = (TEMPORAL, SPATIAL)
+
+
+def _spatial_resume(rule: str) -> bool:
+    if rule not in VIDEO_TEXT_RESUME:
+        raise ValueError(f"video_text_resume must be one of {VIDEO_TEXT_RESUME}, got {rule!r}")
+    return rule == SPATIAL
 
 
 def _arange(n: int) -> np.ndarray:
@@ -139,6 +152,7 @@ def mrope_positions(
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
     whole_seconds: bool = False,
+    video_text_resume: str = TEMPORAL,
 ) -> np.ndarray:
     """M-RoPE position ids ``(3, L)`` int64 for ONE unpadded sample (Qwen2-VL / 2.5-VL / 3-VL).
 
@@ -163,13 +177,15 @@ def mrope_positions(
     * after an **image**: ``start + max(h, w) / merge``, exactly transformers 5.24's
       ``get_rope_index``. For the images Qwen processors emit (``t == 1``) this is also "max position
       so far + 1", i.e. the same as transformers 4.x and the original Qwen2-VL code.
-    * after a **video**: ``max position so far + 1`` (the original Qwen2-VL / transformers 4.x rule,
-      which includes the video's temporal extent; transformers 4.57's ``get_rope_index`` does
-      this). transformers 5.x (5.6 to the newest) instead resumes at ``start + max(h, w) / merge``,
-      which makes text after a long video reuse the positions of the video's later frames. We keep
-      the original rule on every version because that is what the released checkpoints were
-      trained with. ``tests/collate/test_positions.py`` pins this with golden values. With
-      ``split_video_frames`` every frame has ``t == 1`` and both rules agree (equal to transformers).
+    * after a **video**, ``video_text_resume`` says which rule. ``"temporal"`` (``TEMPORAL``, the
+      default here): ``max position so far + 1``, the original Qwen2-VL code's rule (transformers
+      4.x, vLLM), which includes the video's temporal extent. ``"spatial"`` (``SPATIAL``):
+      ``start + max(h, w) / merge`` as after an image, transformers 5.x's rule (5.6 to 5.25,
+      measured), which makes text after a long video reuse the positions of its later frames.
+      ``PackedCollator.from_config`` takes the installed transformers' rule
+      (:func:`tokenbal.hf_compat.qwen2_vl_video_text_resume`), so packed positions equal its own
+      ``get_rope_index``; pass ``video_text_resume="temporal"`` there to keep the original rule on
+      5.x. With ``split_video_frames`` every frame has ``t == 1`` and both rules agree.
 
     Vision blocks are found in token order: each maximal run of image (video) tokens is consumed by
     the next image (video) grids in order, so adjacent images without separators are handled.
@@ -178,6 +194,7 @@ def mrope_positions(
 
     Raises ``ValueError`` when the placeholder counts do not match the grids.
     """
+    spatial = _spatial_resume(video_text_resume)
     ids = _to_numpy(input_ids)
     if ids.ndim != 1:
         raise ValueError(f"input_ids must be 1-D, got shape {tuple(ids.shape)}")
@@ -239,10 +256,10 @@ def mrope_positions(
         interval = intervals[gi] if kind == "video" and intervals is not None else None
         block, max_off = _vision_block(grid, merge, start, interval)
         pos[:, begin:end] = block
-        if kind == "image":
-            resume = start + max(int(grid[1]), int(grid[2])) // merge  # transformers 5.24
+        if kind == "image" or spatial:
+            resume = start + max(int(grid[1]), int(grid[2])) // merge  # transformers 5.x
         else:
-            resume = start + max_off + 1  # original Qwen2-VL rule, see docstring
+            resume = start + max_off + 1  # the original Qwen2-VL rule, see the docstring
         new_shift = resume - end
         pos[:, end:] += new_shift - shift  # later tokens already carry the old shift
         shift = new_shift
@@ -266,6 +283,7 @@ def packed_mrope_positions(
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
     whole_seconds: bool = False,
+    video_text_resume: str = TEMPORAL,
 ) -> np.ndarray:
     """Positions ``(3, T)`` of a packed row: equal to :func:`mrope_positions` per sample, concatenated.
 
@@ -297,6 +315,7 @@ def packed_mrope_positions(
         tokens_per_second=tokens_per_second,
         split_video_frames=split_video_frames,
         whole_seconds=whole_seconds,
+        video_text_resume=video_text_resume,
     )[0]
 
 
@@ -316,6 +335,7 @@ def packed_mrope_positions_and_slots(
     tokens_per_second: float | None = None,
     split_video_frames: bool = False,
     whole_seconds: bool = False,
+    video_text_resume: str = TEMPORAL,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`packed_mrope_positions` and the row indices of the vision placeholders (all image
     placeholders, then all video ones, int64): where the vision tower's merged features go, which
@@ -338,7 +358,9 @@ def packed_mrope_positions_and_slots(
         tokens_per_second=tokens_per_second,
         split_video_frames=split_video_frames,
         whole_seconds=whole_seconds,
+        video_text_resume=video_text_resume,
     )
+    spatial = _spatial_resume(video_text_resume)
     vid_in, vid_per_in = vid, vid_per  # as given, for the per-sample error path
 
     def fail() -> None:
@@ -416,9 +438,10 @@ def packed_mrope_positions_and_slots(
     if intervals is not None:
         t_last = t_last.copy()
         t_last[n_images:] = ((gt[n_images:] - 1).astype(np.float32) * intervals).astype(np.int64)
-    # Image: transformers 5.24's start + max(h, w)/merge. Video: original "max so far + 1".
+    # Image (and video under "spatial"): transformers 5.x's start + max(h, w)/merge. Video under
+    # "temporal": the original "max so far + 1".
     hw_max = np.maximum(gh, gw)
-    advance = np.where(is_video, np.maximum(t_last, hw_max - 1) + 1, hw_max)
+    advance = hw_max if spatial else np.where(is_video, np.maximum(t_last, hw_max - 1) + 1, hw_max)
 
     # Text: position = index + offset; the offset changes only at events. Block ends are listed
     # before sample starts so that, where both fall on one index, the stable sort keeps the block

@@ -29,6 +29,8 @@ InternVL image features        4.57: a tensor; 5.x: an output object (:func:`int
 ``get_rope_index``             5.x takes ``mm_token_type_ids`` (:func:`get_rope_index`)
 Qwen2.5-VL video time steps    up to 5.9 ``second_per_grid_ts`` is truncated to whole seconds;
                                later releases keep the fraction (:func:`qwen2_5_vl_whole_seconds`)
+text after a Qwen2(.5)-VL      4.57: max position so far + 1 (past the video's frames); 5.6-5.25: the
+video                          block's start + max(h, w) / merge (:func:`qwen2_vl_video_text_resume`)
 image processor class names    5.x ``XImageProcessorPil`` (PIL backend) is 4.57's ``XImageProcessor``
                                (:func:`image_processor_class`)
 loss kwargs of a forward       4.57-5.9: Qwen3-VL, Qwen3-VL-MoE and GLM-4V's ``forward`` call
@@ -95,7 +97,8 @@ from typing import Any
 __all__ = [
     "MIN_VERSION", "FAMILY_ADDED_IN", "transformers_version", "require_class", "rope_config",
     "mrope_section", "tower_inputs", "tower_output", "TowerOutput", "internvl_image_features",
-    "get_rope_index", "qwen2_5_vl_whole_seconds", "image_processor_class", "accepts_kwarg",
+    "get_rope_index", "qwen2_5_vl_whole_seconds", "qwen2_vl_video_text_resume", "image_processor_class",
+    "accepts_kwarg",
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
     "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss", "video_token_inputs",
     "TrainerDataParallel", "trainer_data_parallel",
@@ -281,25 +284,81 @@ def qwen2_5_vl_whole_seconds() -> bool:
     at 0.5 s per grid, 2 tokens per second. False (the newest rule) without transformers."""
     try:
         import torch
-        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
     except ImportError:
         return False
-    text = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
-
-    text.update(rope_config(Qwen2_5_VLTextConfig, 1e4, mrope_section=[1, 0, 1]))
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(depth=1, hidden_size=8, out_hidden_size=8,
-                                                                   intermediate_size=8, num_heads=1,
-                                                                   tokens_per_second=2),
-                              image_token_id=10, video_token_id=11, vision_start_token_id=12)
-    with torch.device("meta"):
-        model = Qwen2_5_VLModel(config)
+    model = _tiny_qwen_vl("qwen2_5_vl")
+    if model is None:
+        return False
     ids = torch.tensor([[12, 11, 11]])  # <vision_start>, then 2 frames x 1 merged token each
     pos = get_rope_index(model, ids, video_grid_thw=torch.tensor([[2, 2, 2]]),
                          second_per_grid_ts=torch.tensor([0.5]), attention_mask=torch.ones_like(ids))
     temporal = pos[0, 0, 1:].tolist()
     return temporal[1] == temporal[0]
+
+
+@functools.cache
+def qwen2_vl_video_text_resume(model_type: str) -> str:
+    """Where the installed transformers' Qwen2-VL / Qwen2.5-VL ``get_rope_index`` resumes text after
+    a video block: ``"temporal"`` (max position so far + 1, past the video's temporal extent: 4.57
+    and the original Qwen2-VL code) or ``"spatial"`` (the block's start + max(h, w) / merge, as after
+    an image: 5.6 to 5.25, measured). ``collate.positions.mrope_positions`` takes either.
+
+    Asked of the method itself, as :func:`qwen2_5_vl_whole_seconds` is: one video of 3 frames of
+    one merged token each, then a text token. ``"temporal"`` without transformers (the original
+    rule). ``RuntimeError`` when the installed method follows neither rule: packed positions would
+    then differ from the model's own."""
+    try:
+        import torch
+    except ImportError:
+        return "temporal"
+    model = _tiny_qwen_vl(model_type)
+    if model is None:
+        return "temporal"
+    ids = torch.tensor([[12, 11, 11, 11, 5]])  # <vision_start>, 3 frames x 1 merged token, text
+    pos = get_rope_index(model, ids, video_grid_thw=torch.tensor([[3, 2, 2]]),
+                         attention_mask=torch.ones_like(ids))[:, 0]
+    start, text = int(pos[0, 1]), int(pos[0, -1])
+    if text == int(pos[:, 1:4].max()) + 1:
+        return "temporal"
+    if text == start + 1:   # max(h, w) / merge = 1
+        return "spatial"
+    raise RuntimeError(f"transformers {transformers_version()}: {model_type}'s get_rope_index resumes text "
+                       f"after a video at position {text} (video block from {start}, positions "
+                       f"{pos[:, 1:4].tolist()}), neither rule tokenbal knows; packed positions would differ "
+                       "from the model's own")
+
+
+def _tiny_qwen_vl(model_type: str) -> Any:
+    """A Qwen2-VL / Qwen2.5-VL ``...Model`` on the meta device (no weights) for asking its methods a
+    rule: token ids 10 image, 11 video, 12 vision start; Qwen2.5-VL at 2 tokens per second. None when
+    the installed transformers lacks the family."""
+    import torch
+
+    try:
+        if model_type == "qwen2_vl":
+            from transformers import Qwen2VLConfig as Config
+            from transformers import Qwen2VLModel as Model
+            from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig as TextConfig
+            vision = dict(depth=1, embed_dim=8, hidden_size=8, mlp_ratio=1, num_heads=1)
+        elif model_type == "qwen2_5_vl":
+            from transformers import Qwen2_5_VLConfig as Config
+            from transformers import Qwen2_5_VLModel as Model
+            from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
+                Qwen2_5_VLTextConfig as TextConfig,
+            )
+            vision = dict(depth=1, hidden_size=8, out_hidden_size=8, intermediate_size=8, num_heads=1,
+                          tokens_per_second=2)
+        else:
+            raise ValueError(f"not a Qwen2-VL / Qwen2.5-VL model type: {model_type!r}")
+    except ImportError:
+        return None
+    text = dict(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    text.update(rope_config(TextConfig, 1e4, mrope_section=[1, 0, 1]))
+    config = Config(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
+                    vision_start_token_id=12)
+    with torch.device("meta"):
+        return Model(config)
 
 
 @functools.cache

@@ -14,7 +14,12 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel  
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel  # noqa: E402
 
-from tokenbal.hf_compat import get_rope_index, qwen2_5_vl_whole_seconds, rope_config  # noqa: E402
+from tokenbal.hf_compat import (  # noqa: E402
+    get_rope_index,
+    qwen2_5_vl_whole_seconds,
+    qwen2_vl_video_text_resume,
+    rope_config,
+)
 
 IMG, VID, VS, VE = 60, 61, 62, 63
 MERGE = 2
@@ -119,9 +124,13 @@ def hf_positions(model, ids, images, videos, seconds=None) -> np.ndarray:
 # The installed transformers' Qwen2.5-VL rule for fractional seconds (4.57-5.9 truncate them to
 # whole seconds); the collator picks the same (PackedCollator.from_config).
 WHOLE_SECONDS = qwen2_5_vl_whole_seconds()
+# The installed transformers' rule for text after a Qwen2-VL / Qwen2.5-VL video (4.57: past the
+# video's frames; 5.x: past its spatial extent); the collator picks the same (PackedCollator).
+RESUME = {"qwen2vl": qwen2_vl_video_text_resume("qwen2_vl"),
+          "qwen25vl": qwen2_vl_video_text_resume("qwen2_5_vl")}
 
 
-def ours(ids, images, videos, seconds=None, tps=None, whole_seconds=None) -> np.ndarray:
+def ours(ids, images, videos, seconds=None, tps=None, whole_seconds=None, resume=None) -> np.ndarray:
     return mrope_positions(
         ids,
         images,
@@ -133,6 +142,7 @@ def ours(ids, images, videos, seconds=None, tps=None, whole_seconds=None) -> np.
         second_per_grid_ts=seconds,
         tokens_per_second=tps,
         whole_seconds=WHOLE_SECONDS if whole_seconds is None else whole_seconds,
+        video_text_resume=RESUME["qwen25vl" if tps else "qwen2vl"] if resume is None else resume,
     )
 
 
@@ -181,9 +191,30 @@ def _first_video_span(ids):
 
 
 @pytest.mark.parametrize("model_name", ["qwen2vl", "qwen25vl"])
+def test_video_rows_equal_hf_get_rope_index(model_name, request):
+    """With the installed transformers' rule for text after a video (what PackedCollator.from_config
+    picks), rows of images and videos in any order equal its own ``get_rope_index``: on 5.x text
+    resumed after the video's frames before, so every token after a long video differed."""
+    model = request.getfixturevalue(model_name)
+    tps = TPS if model_name == "qwen25vl" else None
+    rng = np.random.default_rng(7)
+    checked = 0
+    for _ in range(60):
+        ids, images, videos = random_sample(rng, max_images=2, max_videos=2)
+        if not len(videos):
+            continue
+        seconds = rng.choice([0.5, 1.0, 1.5, 2.0], size=len(videos)) if tps else None
+        ref = hf_positions(model, ids, images, videos, seconds=seconds)
+        np.testing.assert_array_equal(ours(ids, images, videos, seconds=seconds, tps=tps), ref)
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("model_name", ["qwen2vl", "qwen25vl"])
 def test_video_blocks_match_hf_layout(model_name, request):
-    """Within every video block the T/H/W layout equals transformers; up to the end of the first
-    video everything is identical; after it, text follows the original "max + 1" rule."""
+    """Under the original rule (``video_text_resume="temporal"``) on any version: within every video
+    block the T/H/W layout equals transformers; up to the end of the first video everything is
+    identical; after it, text follows the original "max + 1" rule."""
     model = request.getfixturevalue(model_name)
     tps = TPS if model_name == "qwen25vl" else None
     rng = np.random.default_rng(1)
@@ -193,7 +224,7 @@ def test_video_blocks_match_hf_layout(model_name, request):
         if not len(videos):
             continue
         seconds = rng.choice([0.5, 1.0, 1.5, 2.0], size=len(videos)) if tps else None
-        got = ours(ids, images, videos, seconds=seconds, tps=tps)
+        got = ours(ids, images, videos, seconds=seconds, tps=tps, resume="temporal")
         ref = hf_positions(model, ids, images, videos, seconds=seconds)
         begin, end = _first_video_span(ids)
         np.testing.assert_array_equal(got[:, :end], ref[:, :end])
@@ -212,39 +243,48 @@ def test_video_blocks_match_hf_layout(model_name, request):
     assert checked >= 10
 
 
-def test_video_rule_golden_qwen25(qwen25vl):
-    """Pinned choice: text after a video resumes at max position + 1 (Qwen2-VL / transformers 4.x),
-    not at start + max(h, w)/merge as transformers 5.24 does. 6 temporal grids, 2x2 LLM grid,
-    tokens_per_second=2, 1 s per grid."""
+@pytest.mark.parametrize("resume", ["temporal", "spatial"])
+def test_video_rule_golden_qwen25(qwen25vl, resume):
+    """Both rules, pinned: text after a video resumes at max position + 1 ("temporal": Qwen2-VL's
+    code, transformers 4.x) or at start + max(h, w)/merge ("spatial": transformers 5.x). 6 temporal
+    grids, 2x2 LLM grid, tokens_per_second=2, 1 s per grid. The installed transformers gives one."""
     ids = np.array([7, VS] + [VID] * 24 + [VE, 8, 9], dtype=np.int64)
     videos = np.array([[6, 4, 4]])
-    got = ours(ids, None, videos, seconds=[1.0], tps=TPS)
-    t_row = [0, 1] + [2 + 2 * (i // 4) for i in range(24)] + [13, 14, 15]
-    h_row = [0, 1] + [2 + (i // 2) % 2 for i in range(24)] + [13, 14, 15]
-    w_row = [0, 1] + [2 + i % 2 for i in range(24)] + [13, 14, 15]
+    got = ours(ids, None, videos, seconds=[1.0], tps=TPS, resume=resume)
+    tail = [13, 14, 15] if resume == "temporal" else [4, 5, 6]
+    t_row = [0, 1] + [2 + 2 * (i // 4) for i in range(24)] + tail
+    h_row = [0, 1] + [2 + (i // 2) % 2 for i in range(24)] + tail
+    w_row = [0, 1] + [2 + i % 2 for i in range(24)] + tail
     np.testing.assert_array_equal(got, [t_row, h_row, w_row])
-    # transformers 5.x restarts the trailing text at 2 + max(2, 2) = 4 (documented divergence);
-    # 4.57 resumes at max + 1, as we do.
     ref = hf_positions(qwen25vl, ids, np.zeros((0, 3), np.int64), videos, seconds=[1.0])
-    assert ref[:, -3:].tolist() in ([[4, 5, 6]] * 3, got[:, -3:].tolist())
     np.testing.assert_array_equal(ref[:, :-3], got[:, :-3])
+    assert (ref[:, -3:].tolist() == got[:, -3:].tolist()) == (resume == RESUME["qwen25vl"])
 
 
-def test_video_rule_golden_qwen2():
-    # Qwen2-VL: temporal step 1; t=3 > 2x2 LLM grid, so the temporal extent decides where text resumes.
+@pytest.mark.parametrize("resume", ["temporal", "spatial"])
+def test_video_rule_golden_qwen2(resume):
+    # Qwen2-VL: temporal step 1; t=3 > 2x2 LLM grid, so the rules differ after the video.
     ids = np.array([VS] + [VID] * 12 + [VE], dtype=np.int64)
-    got = ours(ids, None, [[3, 4, 4]])
-    np.testing.assert_array_equal(got[0], [0] + [1] * 4 + [2] * 4 + [3] * 4 + [4])
-    np.testing.assert_array_equal(got[1], [0] + [1, 1, 2, 2] * 3 + [4])
-    np.testing.assert_array_equal(got[2], [0] + [1, 2, 1, 2] * 3 + [4])
+    got = ours(ids, None, [[3, 4, 4]], resume=resume)
+    after = 4 if resume == "temporal" else 3
+    np.testing.assert_array_equal(got[0], [0] + [1] * 4 + [2] * 4 + [3] * 4 + [after])
+    np.testing.assert_array_equal(got[1], [0] + [1, 1, 2, 2] * 3 + [after])
+    np.testing.assert_array_equal(got[2], [0] + [1, 2, 1, 2] * 3 + [after])
+
+
+def test_an_unknown_video_rule_is_refused():
+    with pytest.raises(ValueError, match="video_text_resume must be one of"):
+        ours(np.array([VS, VID, VID, VID, VID], dtype=np.int64), None, [[1, 4, 4]], resume="frames")
 
 
 def test_fractional_seconds_are_not_truncated():
     ids = np.array([VS] + [VID] * 4 + [VE], dtype=np.int64)
-    got = ours(ids, None, [[4, 2, 2]], seconds=[0.75], tps=2, whole_seconds=False)  # interval 1.5
+    got = ours(ids, None, [[4, 2, 2]], seconds=[0.75], tps=2, whole_seconds=False,
+               resume="temporal")  # interval 1.5
     np.testing.assert_array_equal(got[0], [0, 1, 2, 4, 5, 6])  # floor(0, 1.5, 3, 4.5) + 1; then max+1
     # transformers 4.57-5.9: 0.75 s truncates to 0 s, every frame at the block's start
-    got = ours(ids, None, [[4, 2, 2]], seconds=[2.75], tps=2, whole_seconds=True)  # interval 2 * 2
+    got = ours(ids, None, [[4, 2, 2]], seconds=[2.75], tps=2, whole_seconds=True,
+               resume="temporal")  # interval 2 * 2
     np.testing.assert_array_equal(got[0], [0, 1, 5, 9, 13, 14])
 
 

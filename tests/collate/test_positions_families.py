@@ -172,8 +172,8 @@ def test_from_config_picks_the_known_layout(name):
 
 
 def test_image_only_family_refuses_video_grids():
-    """PaddleOCR-VL's model takes no video; its get_rope_index would lay out a multi-frame video
-    by Qwen2-VL's 5.x rule, which the collator's does not follow after the video: refused, by sample."""
+    """PaddleOCR-VL's model takes no video (its get_rope_index would lay out a multi-frame video by
+    Qwen2-VL's 5.x rule, but its forward never encodes one): refused, by sample."""
     coll = PackedCollator.from_config(tiny_config("PaddleOCRVLConfig"), pin_memory=False)
     ok = build("qwen2", [("text", 3), ("image", 1, 2, 2)])
     video = build("qwen2", [("text", 2), ("video", 2, 1, 2), ("text", 2)])
@@ -181,14 +181,15 @@ def test_image_only_family_refuses_video_grids():
         coll([ok, video])
 
 
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"Glm46VConfig"}))  # GLM-4.6V: test_glm46v.py
+# GLM-4.6V: test_glm46v.py; GLM-OCR (GLM-4.1V's patch): models/test_glm_ocr.py
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"Glm46VConfig", "GlmOcrConfig"}))
 def test_enable_packed_refuses_these_families_by_name(name):
-    """The collator lays them out, but no packed forward patches their model classes yet: a clear
-    TypeError naming the model type, never a forward that silently ignores the packing."""
+    """The collator lays them out, but no packed forward patches their model classes: a clear
+    TypeError naming the model type and why, never a forward that silently ignores the packing."""
     from collate.models import enable_packed
 
     cfg = tiny_config(name)
     with torch.device("meta"):
         model = transformers.AutoModelForImageTextToText.from_config(cfg)
-    with pytest.raises(TypeError, match=rf"no packed patch for model_type='{cfg.model_type}'"):
+    with pytest.raises(TypeError, match=rf"model_type='{cfg.model_type}' .* is not patched: "):
         enable_packed(model)

@@ -30,7 +30,7 @@ from tests.helpers.host_reads import (  # noqa: E402
 )
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_mix import IMG, VEND, VID, VSTART, make_samples, tiny_config  # noqa: E402
-from tokenbal.hf_compat import qwen2_5_vl_whole_seconds  # noqa: E402
+from tokenbal.hf_compat import qwen2_5_vl_whole_seconds, qwen2_vl_video_text_resume  # noqa: E402
 
 TOKENS_PER_SECOND = 2
 
@@ -75,9 +75,11 @@ def unpacked_loss_sum(model, sample: dict) -> torch.Tensor:
     timing = {} if seconds is None else dict(second_per_grid_ts=seconds.numpy(),
                                              tokens_per_second=TOKENS_PER_SECOND,
                                              whole_seconds=qwen2_5_vl_whole_seconds())
+    # and its rule for text after a video (4.57: past the frames; 5.x: past the rows)
     pos = mrope_positions(ids.numpy(), sample.get("image_grid_thw"), sample.get("video_grid_thw"),
                           image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
-                          spatial_merge_size=2, **timing)
+                          spatial_merge_size=2,
+                          video_text_resume=qwen2_vl_video_text_resume(model.config.model_type), **timing)
     kwargs = {k: v for k, v in sample.items() if k not in ("input_ids", "labels")}
     out = model(input_ids=ids[None], labels=sample["labels"][None],
                 position_ids=torch.from_numpy(pos)[:, None, :], **kwargs)
@@ -168,3 +170,34 @@ def test_collator_vision_fields_follow_the_tower_order():
     assert sorted(b.vision_window_index.tolist()) == list(range(len(b.vision_window_index)))
     qwen2 = PackedCollator.from_config(tiny_config(), pin_memory=False)(make_samples())
     assert qwen2.vision_window_index is None and qwen2.vision_position_ids is not None
+
+
+def transformers_own_loss_sum(model, sample: dict) -> torch.Tensor:
+    """transformers' forward on one unpadded sample with the positions its own ``get_rope_index``
+    lays out (no ``position_ids`` given), times its loss tokens."""
+    from tokenbal.hf_compat import accepts_kwarg
+
+    ids = sample["input_ids"][None]
+    kwargs = {k: v for k, v in sample.items() if k not in ("input_ids", "labels")}
+    if accepts_kwarg(model.model.forward, "mm_token_type_ids"):   # 5.x lays out positions from these
+        kwargs["mm_token_type_ids"] = (ids == IMG).int() + 2 * (ids == VID).int()
+    out = model(input_ids=ids, labels=sample["labels"][None], **kwargs)
+    return out.loss * int((sample["labels"][1:] != -100).sum())
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_packed_equals_transformers_own_positions_after_a_long_video(kind):
+    """Text after a video whose frames outnumber its merged rows (make_samples' ("video", (3, 4, 4))
+    then text): transformers 5.x resumes that text after the video's spatial extent, 4.57 after its
+    frames. PackedCollator.from_config takes the installed rule, so the packed loss and gradients
+    equal transformers' own forward, positions included (on 5.x the collator kept 4.57's rule: the
+    loss differed by ~1e-3 relative)."""
+    config, reference = build(kind)
+    packed = enable_packed(copy.deepcopy(reference))
+    samples = make_samples()
+    if kind == "qwen2_5_vl":
+        samples = with_video_seconds(samples)
+    batch = PackedCollator.from_config(config, pin_memory=False)(samples)
+    want = sum(transformers_own_loss_sum(reference, s) for s in samples) / batch.num_loss_tokens
+    backward_and_compare(packed(**batch).loss, want)
+    assert assert_grads_match(packed, reference) > 20

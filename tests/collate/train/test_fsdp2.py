@@ -28,6 +28,7 @@ from collate.train import FSDPSettings  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.paths import REPO  # noqa: E402
 from tests.helpers.tiny_mix import IMG, VID, VSTART, make_samples, tiny_config  # noqa: E402
+from tokenbal.hf_compat import qwen2_vl_video_text_resume  # noqa: E402
 
 ROOT = REPO
 
@@ -35,14 +36,16 @@ ROOT = REPO
 def unpacked_loss_sum(model, sample: dict, config) -> torch.Tensor:
     """transformers' own forward on one unpadded sample, times its loss-token count.
 
-    Positions are passed explicitly (the collator's per-sample ids): transformers 5.x places text
-    after a video differently from the original Qwen2-VL rule tokenbal follows, and the model
-    patch is what this test checks, not that choice (tests/collate/test_positions.py pins it).
+    Positions are passed explicitly (the per-sample reference ids, with the installed transformers'
+    rule for text after a video, as ``PackedCollator.from_config`` picks it): the model patch is
+    what this test checks (tests/collate/test_positions.py checks the positions against
+    transformers' own ``get_rope_index``).
     """
     ids = sample["input_ids"]
     pos = mrope_positions(ids.numpy(), sample.get("image_grid_thw"), sample.get("video_grid_thw"),
                           image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
-                          spatial_merge_size=2)
+                          spatial_merge_size=2,
+                          video_text_resume=qwen2_vl_video_text_resume(config.model_type))
     kwargs = {k: v for k, v in sample.items() if k not in ("input_ids", "labels")}
     out = model(input_ids=ids[None], labels=sample["labels"][None],
                 position_ids=torch.from_numpy(pos)[:, None, :], **kwargs)
