@@ -38,7 +38,8 @@ format Pillow opens is checked against the pixel data its lazy open places (``_t
 (offset + stride x rows: binary PPM / PGM / PBM / PFM, uncompressed TGA / SGI / MSP / ...), a PPM's
 scaled samples (maxval not 255 / 65535), a BMP's RLE8 / RLE4 codes counted as Pillow's decoder counts
 them (one pass over the codes: ~25-50 ms for a 640x480 noise image, rare in VLM data). Compressed
-formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cut``), a raw JPEG 2000
+formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cut``; a QOI without it
+at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
 codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``). Still not end-checked:
 RLE TGA, PCX, DDS, XBM, BLP and plain (ASCII) PPM.
 """
@@ -440,13 +441,33 @@ _J2K_SIG = b"\xff\x4f\xff\x51"   # a raw JPEG 2000 codestream: SOC then SIZ
 
 
 def _qoi_cut(read, size: int) -> str | None:
-    """Why a QOI image is cut short: its ops are not followed by the 8-byte end marker (seven 0x00,
-    one 0x01) the specification ends every file with. Walking the ops would cost a pass over the
-    whole member in Python; the marker is one read. (Pillow stops once it has every pixel, so a file
-    cut inside the marker alone decodes there: stricter than Pillow, never laxer.)"""
-    if size < 14 + len(_QOI_END) or read(len(_QOI_END), size - len(_QOI_END)) != _QOI_END:
-        return f"QOI cut short: no end marker (7 x 00, 01) at its end ({size} bytes in all)"
+    """Why a QOI image is cut short. A file that ends in the specification's 8-byte end marker (seven
+    0x00, one 0x01) is whole: one read. Any other (cut, or bytes after the marker) has its ops walked
+    as Pillow's decoder walks them (``_qoi_pixels``): it decodes when they give every pixel before
+    the data ends (a file cut inside the marker alone, or padded, decodes)."""
+    if size >= 14 + len(_QOI_END) and read(len(_QOI_END), size - len(_QOI_END)) == _QOI_END:
+        return None
+    head = read(14, 0)
+    want = int.from_bytes(head[4:8], "big") * int.from_bytes(head[8:12], "big")
+    have, end = _qoi_pixels(read(size - 14, 14) if size > 14 else b"", want)
+    if have < want:
+        return (f"QOI cut short: its ops give {have} of its {want} pixels (they end at byte {14 + end} of "
+                f"{size}; no end marker 7 x 00, 01 at its end)")
     return None
+
+
+def _qoi_pixels(ops: bytes, want: int) -> tuple[int, int]:
+    """(pixels, bytes read) of QOI ``ops`` counted as Pillow's ``QoiDecoder`` counts them, up to
+    ``want`` pixels or the end of the data (an op cut short gives no pixel)."""
+    have, pos, n = 0, 0, len(ops)
+    while have < want and pos < n:
+        op = ops[pos]
+        step = 4 if op == 0xFE else 5 if op == 0xFF else 2 if op >> 6 == 2 else 1
+        if pos + step > n:
+            break
+        pos += step
+        have += (op & 0x3F) + 1 if op >> 6 == 3 and op < 0xFE else 1
+    return have, pos
 
 
 def _j2k_cut(read, size: int) -> str | None:
