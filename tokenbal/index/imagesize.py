@@ -510,7 +510,7 @@ def _row_bits(mode: str, rawmode: str) -> int | None:
     if key not in _ROW_BITS:
         bits = None
         try:
-            for n in range(1, 33):
+            for n in range(1, 129):           # up to 128 bits a pixel (RGBA, 32-bit float samples)
                 decoder = Image._getdecoder(mode, "raw", rawmode, ())
                 decoder.setimage(Image.core.new(mode, (8, 1)), (0, 0, 8, 1))
                 if decoder.decode(b"\0" * n)[0] < 0:

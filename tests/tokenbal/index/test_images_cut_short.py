@@ -153,6 +153,7 @@ EXACT_FORMATS = {
     "pbm": ("pbm", lambda: _encode_mode("PPM", "1")),
     "ppm-maxval-100": ("ppm", lambda: _netpbm(b"P6", 7, 5, 100, 3)),
     "pgm-maxval-1000": ("pgm", lambda: _netpbm(b"P5", 7, 5, 1000, 1)),
+    "ppm-16": ("ppm", lambda: _netpbm(b"P6", 7, 5, 65535, 3)),
     "pfm": ("pfm", lambda: _netpbm(b"Pf", 7, 5, 0, 1)),
     "qoi": ("qoi", lambda: _encode("QOI", 7, 5)),
     "qoi-rgba": ("qoi", lambda: _encode_mode("QOI", "RGBA")),
