@@ -40,8 +40,9 @@ scaled samples (maxval not 255 / 65535), a BMP's RLE8 / RLE4 codes counted as Pi
 them (one pass over the codes: ~25-50 ms for a 640x480 noise image, rare in VLM data). Compressed
 formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cut``; a QOI without it
 at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
-codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``). Still not end-checked:
-RLE TGA, PCX, DDS, XBM, BLP and plain (ASCII) PPM.
+codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
+PGM / PPM must hold as many samples as its header needs. Still not end-checked: RLE TGA, PCX, DDS,
+XBM, BLP.
 """
 
 from __future__ import annotations
@@ -548,6 +549,13 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             end = tile.offset + stride * rows
         elif tile.codec_name == "ppm" and isinstance(args, tuple) and len(args) == 2:
             end = tile.offset + width * rows * Image.getmodebands(mode) * (1 if args[1] < 256 else 2)
+        elif tile.codec_name == "ppm_plain":
+            samples = width * rows * (1 if mode == "1" else Image.getmodebands(mode))
+            maxval = args[-1] if isinstance(args, tuple) and isinstance(args[-1], int) else 255
+            why = _plain_netpbm_short(read, size, tile.offset, samples, mode, maxval)
+            if why is not None:
+                return f"{name} {why}"
+            continue
         elif tile.codec_name == "bmp_rle" and isinstance(args, tuple) and len(args) == 3:
             why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
             if why is not None:
@@ -558,6 +566,35 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
         if end > size:
             return (f"{name} cut short: its pixel rows run to byte {end}, the image ends at byte {size} "
                     f"({end - size} bytes missing)")
+    return None
+
+
+_NETPBM_COMMENT = re.compile(rb"#[^\r\n]*")
+
+
+def _plain_netpbm_short(read, size: int, offset: int, want: int, mode: str, maxval: int) -> str | None:
+    """Why Pillow's plain decoder cannot decode a plain (ASCII: P1 / P2 / P3) PBM / PGM / PPM: its text
+    after the header (``#`` comments dropped, split at whitespace as that decoder splits it) holds
+    fewer samples than its header needs, or one it refuses (a P1 character other than 0 / 1: a P1
+    bitmap's digits need no space between them; a P2 / P3 sample that is no number up to ``maxval``
+    of at most 10 digits, or a last token of more than 10 characters, which it holds back)."""
+    text = _NETPBM_COMMENT.sub(b"", read(size - offset, offset) if offset < size else b"")
+    if mode == "1":
+        bits = b"".join(text.split())
+        other = bits.translate(None, b"01")
+        if other:   # Pillow checks every character of the blocks it reads: 'Invalid token for this mode'
+            return f"damaged: its bitmap holds {len(other)} character(s) not 0 / 1, {other[:1]!r} first"
+        have = len(bits)
+    else:
+        tokens = text.split()
+        if tokens and not text[-1:].isspace() and len(tokens[-1]) > 10:
+            return f"damaged: it ends in a token of {len(tokens[-1])} characters ('Token too long')"
+        bad = next((t for t in tokens[:want] if len(t) > 10 or not t.isdigit() or int(t) > maxval), None)
+        if bad is not None:
+            return f"damaged: a sample {bad[:12]!r} is no number from 0 to its maxval {maxval}"
+        have = len(tokens)
+    if have < want:
+        return f"cut short: its text holds {have} of the {want} samples its header needs"
     return None
 
 
