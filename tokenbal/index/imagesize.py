@@ -41,8 +41,8 @@ them (one pass over the codes: ~25-50 ms for a 640x480 noise image, rare in VLM 
 formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cut``; a QOI without it
 at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
 codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
-PGM / PPM must hold as many samples as its header needs. Still not end-checked: RLE TGA, PCX, DDS,
-XBM, BLP.
+PGM / PPM must hold as many samples as its header needs, a run-length TGA's packets give every pixel
+(``_tga_rle_short``). Still not end-checked: PCX, DDS, XBM, BLP, an RLE SGI.
 """
 
 from __future__ import annotations
@@ -556,6 +556,11 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             if why is not None:
                 return f"{name} {why}"
             continue
+        elif tile.codec_name == "tga_rle" and isinstance(args, tuple) and len(args) == 3:
+            why = _tga_rle_short(read, size, tile.offset, width * rows, (int(args[2]) + 7) // 8)
+            if why is not None:
+                return f"{name} cut short: {why}"
+            continue
         elif tile.codec_name == "bmp_rle" and isinstance(args, tuple) and len(args) == 3:
             why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
             if why is not None:
@@ -595,6 +600,26 @@ def _plain_netpbm_short(read, size: int, offset: int, want: int, mode: str, maxv
         have = len(tokens)
     if have < want:
         return f"cut short: its text holds {have} of the {want} samples its header needs"
+    return None
+
+
+def _tga_rle_short(read, size: int, offset: int, want: int, depth: int) -> str | None:
+    """Why a run-length TGA's packets give fewer pixels than its width x height: each packet a header
+    byte (bit 7: a run of one pixel value, else literal pixels; low 7 bits: count - 1), then one or
+    count pixels of ``depth`` bytes. One pass over the packet headers."""
+    data = read(size - offset, offset) if offset < size else b""
+    have, pos, n = 0, 0, len(data)
+    while have < want and pos < n:
+        head = data[pos]
+        count = (head & 0x7F) + 1
+        step = 1 + (depth if head & 0x80 else count * depth)
+        if pos + step > n:
+            break
+        pos += step
+        have += count
+    if have < want:
+        return (f"its run-length packets give {have} of its {want} pixels (they end at byte "
+                f"{offset + pos} of {size})")
     return None
 
 

@@ -177,9 +177,20 @@ EXACT_FORMATS = {
     "bmp-rle8": ("bmp", lambda: rle_bmp(13, 9, rle4=False, seed=1)),
     "bmp-rle4": ("bmp", lambda: rle_bmp(13, 9, rle4=True, seed=2)),
     "tga": ("tga", lambda: _encode("TGA", 7, 5)),
+    "tga-rle": ("tga", lambda: _encode("TGA", 7, 5, compression="tga_rle")),
+    "tga-rle-runs": ("tga", lambda: _blocks("TGA", 40, 9, compression="tga_rle")),
     "sgi": ("sgi", lambda: _encode("SGI", 7, 5)),
     "msp": ("msp", lambda: _encode_mode("MSP", "1", 16, 8)),
 }
+
+
+def _blocks(fmt: str, w: int, h: int, **kw) -> bytes:
+    """Flat colour with a noisy block: run-length formats write runs and literals both."""
+    im = Image.new("RGB", (w, h), (200, 30, 90))
+    im.paste(_noise(w // 3, h // 2), (w // 3, h // 4))
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
 
 
 def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5) -> bytes:
@@ -190,9 +201,10 @@ def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5) -> bytes:
 
 @pytest.mark.parametrize("name", sorted(n for n in EXACT_FORMATS if n[:3] != "j2k" or "jp2" not in MISSING))
 def test_a_netpbm_qoi_j2k_rle_bmp_or_raw_image_cut_anywhere_is_an_error_or_decodes_to_its_count(name):
-    """Binary and plain PPM / PGM / PBM, PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs (and TGA / SGI / MSP,
-    whose pixels are raw rows) cut at any byte: counted only where Pillow decodes the cut bytes to the
-    counted size. Before, every cut past the header was counted (a 7x5 PPM: 108 of 115 cut points)."""
+    """Binary and plain PPM / PGM / PBM, PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs and TGAs
+    (and TGA / SGI / MSP, whose pixels are raw rows) cut at any byte: counted only where Pillow decodes
+    the cut bytes to the counted size. Before, every cut past the header was counted (a 7x5 PPM: 108
+    of its 115 cut points)."""
     data = EXACT_FORMATS[name][1]()
     assert _decoded_size(data) is not None and _counted(data) == _decoded_size(data)
     lax = [n for n in range(1, len(data)) if _counted(data[:n]) not in (None, _decoded_size(data[:n]))]
@@ -205,7 +217,7 @@ def test_a_netpbm_qoi_j2k_rle_bmp_or_raw_image_cut_anywhere_is_an_error_or_decod
         assert _counted(data[:-3]) == _decoded_size(data[:-3]) == _decoded_size(data)
 
 
-@pytest.mark.parametrize("name", ["ppm", "pgm-16", "qoi", "j2k", "bmp-rle8", "bmp-rle4"])
+@pytest.mark.parametrize("name", ["ppm", "pgm-16", "qoi", "j2k", "bmp-rle8", "bmp-rle4", "tga-rle"])
 def test_a_cut_netpbm_qoi_j2k_or_rle_bmp_in_a_shard_is_an_error_naming_it(tmp_path, name):
     if name == "j2k" and "jp2" in MISSING:
         pytest.skip("this Pillow writes no JPEG 2000")
