@@ -42,7 +42,8 @@ formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cu
 at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
 codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
 PGM / PPM must hold as many samples as its header needs, a run-length TGA's packets give every pixel
-(``_tga_rle_short``). Still not end-checked: PCX, DDS, XBM, BLP, an RLE SGI.
+(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it. Still not
+end-checked: PCX, DDS, XBM, BLP, a 16-bit SGI.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import struct
 import warnings
 import zlib
 from typing import Any
@@ -561,6 +563,15 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             if why is not None:
                 return f"{name} cut short: {why}"
             continue
+        elif tile.codec_name == "sgi_rle":
+            # the row offset and length tables (4-byte, big endian) after the 512-byte header say where
+            # every compressed row of every channel lies
+            n = rows * Image.getmodebands(mode)
+            tables = read(8 * n, tile.offset)
+            if len(tables) < 8 * n:
+                return f"{name} cut short: its row tables run past its end ({size} bytes)"
+            table = struct.unpack(f">{2 * n}I", tables)
+            end = max(map(sum, zip(table[:n], table[n:], strict=True)), default=0)
         elif tile.codec_name == "bmp_rle" and isinstance(args, tuple) and len(args) == 3:
             why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
             if why is not None:

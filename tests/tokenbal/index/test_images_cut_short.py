@@ -130,6 +130,33 @@ def rle_bmp(w: int, h: int, rle4: bool, seed: int = 0, early_end: bool = False) 
     return b"BM" + struct.pack("<IHHI", offset + len(out), 0, 0, offset) + info + palette + bytes(out)
 
 
+def sgi_rle(w: int, h: int, channels: int = 3, seed: int = 0) -> bytes:
+    """An RLE SGI (Pillow writes only uncompressed ones): the 512-byte header, the row offset and
+    length tables, then each channel's rows as runs and literal packets ending in 0."""
+    import random
+    import struct
+
+    rng = random.Random(seed)
+    header = struct.pack(">HBBHHHHII4s80sI", 474, 1, 1, 3, w, h, channels, 0, 255, b"", b"", 0)
+    header = header.ljust(512, b"\0")
+    data, starts, lengths = bytearray(), [], []
+    for _ in range(channels * h):
+        row = bytes(rng.choice((rng.randrange(256), 7)) for _ in range(w))
+        packed, x = bytearray(), 0
+        while x < w:
+            run = 1
+            while x + run < w and row[x + run] == row[x] and run < 127:
+                run += 1
+            n = run if run >= 3 else min(w - x, rng.randint(1, 8))
+            packed += bytes((n, row[x])) if run >= 3 else bytes((0x80 | n,)) + row[x:x + n]
+            x += n
+        packed += b"\0"
+        starts.append(512 + 8 * h * channels + len(data))
+        lengths.append(len(packed))
+        data += packed
+    return header + struct.pack(f">{2 * h * channels}I", *starts, *lengths) + bytes(data)
+
+
 def _netpbm(magic: bytes, w: int, h: int, maxval: int, samples: int) -> bytes:
     """A binary PPM / PGM whose maxval is not 255 or 65535 (Pillow scales those samples: its 'ppm'
     decoder, not the raw one), or a PFM (maxval: the scale, -1.0 little-endian floats)."""
@@ -180,6 +207,7 @@ EXACT_FORMATS = {
     "tga-rle": ("tga", lambda: _encode("TGA", 7, 5, compression="tga_rle")),
     "tga-rle-runs": ("tga", lambda: _blocks("TGA", 40, 9, compression="tga_rle")),
     "sgi": ("sgi", lambda: _encode("SGI", 7, 5)),
+    "sgi-rle": ("sgi", lambda: sgi_rle(13, 6, 3, seed=4)),
     "msp": ("msp", lambda: _encode_mode("MSP", "1", 16, 8)),
 }
 
@@ -201,7 +229,7 @@ def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5) -> bytes:
 
 @pytest.mark.parametrize("name", sorted(n for n in EXACT_FORMATS if n[:3] != "j2k" or "jp2" not in MISSING))
 def test_a_netpbm_qoi_j2k_rle_bmp_or_raw_image_cut_anywhere_is_an_error_or_decodes_to_its_count(name):
-    """Binary and plain PPM / PGM / PBM, PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs and TGAs
+    """Binary and plain PPM / PGM / PBM, PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs, TGAs and SGIs
     (and TGA / SGI / MSP, whose pixels are raw rows) cut at any byte: counted only where Pillow decodes
     the cut bytes to the counted size. Before, every cut past the header was counted (a 7x5 PPM: 108
     of its 115 cut points)."""
@@ -217,7 +245,8 @@ def test_a_netpbm_qoi_j2k_rle_bmp_or_raw_image_cut_anywhere_is_an_error_or_decod
         assert _counted(data[:-3]) == _decoded_size(data[:-3]) == _decoded_size(data)
 
 
-@pytest.mark.parametrize("name", ["ppm", "pgm-16", "qoi", "j2k", "bmp-rle8", "bmp-rle4", "tga-rle"])
+@pytest.mark.parametrize("name", ["ppm", "pgm-16", "qoi", "j2k", "bmp-rle8", "bmp-rle4", "tga-rle",
+                                  "sgi-rle"])
 def test_a_cut_netpbm_qoi_j2k_or_rle_bmp_in_a_shard_is_an_error_naming_it(tmp_path, name):
     if name == "j2k" and "jp2" in MISSING:
         pytest.skip("this Pillow writes no JPEG 2000")
