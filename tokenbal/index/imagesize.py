@@ -484,8 +484,14 @@ def _j2k_cut(read, size: int) -> str | None:
         marker, length = segment[:2], int.from_bytes(segment[2:4], "big")
         if marker == b"\xff\xd9":
             return None
+        if marker[:1] == b"\xff" and 0x30 <= marker[1] <= 0x3F:
+            pos += 2                                # reserved markers without a segment
+            continue
         if marker[:1] != b"\xff" or length < 2:
-            return f"JPEG 2000 codestream damaged: no marker at byte {pos} ({marker.hex()})"
+            # not the layout walked here: the member's last two bytes must then be the EOC
+            return None if read(2, size - 2) == b"\xff\xd9" else (
+                f"JPEG 2000 codestream cut short: no end-of-codestream marker (FF D9) at its end ({size} "
+                "bytes in all)")
         if marker == b"\xff\x90":                  # SOT: Lsot, Isot, Psot, TPsot, TNsot
             if pos + 10 > size:
                 break
