@@ -1,6 +1,6 @@
 """Per-image cost of ``read_image_size`` (the index scan's size + end check) on the formats whose end
-check session 27 added (PPM / PGM, QOI, raw JPEG 2000, RLE BMP, raw TGA / SGI) and on JPEG / PNG as a
-control, from a local file: min of ``--repeat`` x ``--calls`` calls, µs.
+check session 27 added (PPM / PGM, QOI, raw JPEG 2000, RLE BMP / TGA / SGI, raw TGA / SGI, plain PPM)
+and on JPEG / PNG as a control, from a local file: min of ``--repeat`` x ``--calls`` calls, µs.
 
     python scripts/bench_image_end_checks.py                         # this tree's imagesize.py
     python scripts/bench_image_end_checks.py --module OLD/imagesize.py   # another version of it
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _images(w: int, h: int) -> dict[str, bytes]:
-    from tests.tokenbal.index.test_images_cut_short import rle_bmp
+    from tests.tokenbal.index.test_images_cut_short import _plain_netpbm, rle_bmp, sgi_rle
 
     noise = Image.effect_noise((w, h), 60).convert("RGB")
     out = {}
@@ -34,6 +34,11 @@ def _images(w: int, h: int) -> dict[str, bytes]:
         buf = io.BytesIO()
         (noise.convert("L").convert(mode) if mode != "RGB" else noise).save(buf, fmt, **kw)
         out[name] = buf.getvalue()
+    buf = io.BytesIO()
+    noise.save(buf, "TGA", compression="tga_rle")
+    out["TGA RLE"] = buf.getvalue()
+    out["SGI RLE"] = sgi_rle(w, h, 3, seed=1)
+    out["PPM plain (P3)"] = _plain_netpbm(b"P3", w, h, 3)
     out["BMP RLE8"] = rle_bmp(w, h, rle4=False, seed=1)
     return out
 
