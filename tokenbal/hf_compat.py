@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import sys
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ __all__ = [
     "checkpointing_enable", "image_processing_module", "qwen3_vl_video_resize", "glm4v_upscales_small",
     "qwen2_vl_loaded_image_size_kept", "loss_kwargs_reach_loss", "video_token_inputs",
     "TrainerDataParallel", "trainer_data_parallel",
-    "builds_rope_index",
+    "builds_rope_index", "array_image_axes",
 ]
 
 # The oldest transformers tokenbal supports (MindSpeed-MM pins 4.57.0; the first with Qwen3-VL).
@@ -145,6 +146,36 @@ def accepts_kwarg(fn: Any, name: str) -> bool:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+# -- array images ----------------------------------------------------------------------------------
+
+def array_image_axes(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(height axis, width axis)`` of a numpy array / torch tensor image of ``shape`` as the
+    installed transformers' image processor lays it out (its size: ``shape[w], shape[h]``): a 3-D
+    array is channels-first when its first axis is a channel count (also when its last is:
+    transformers warns 'ambiguous' and takes the first), else channels-last when its last is. The
+    channel counts: 1, 3 or 4 in 5.x (``image_processing_backends``, where a 2-D array is one
+    grayscale channel), 1 or 3 in 4.57, else 4 (where a 2-D array is an error). Raises ``ValueError`` with
+    transformers' own words ('Unable to infer channel dimension format', 'Unsupported number of
+    image dimensions') where it does. (4.57's slow CLIP-style processors lay out every image of a
+    call as its first: a row mixing layouts may differ there.)"""
+    from types import SimpleNamespace
+
+    from transformers.image_utils import ChannelDimension, infer_channel_dimension_format
+
+    backends = importlib.util.find_spec("transformers.image_processing_backends") is not None
+    if backends and len(shape) == 2:
+        return 0, 1
+    array = SimpleNamespace(ndim=len(shape), shape=shape)
+    try:
+        fmt = infer_channel_dimension_format(array, num_channels=(1, 3, 4) if backends else (1, 3))
+    except ValueError:
+        if backends or len(shape) != 3:
+            raise
+        # 4.57's Idefics3 / SmolVLM count 4 channels too; where another refuses, its own call says so
+        fmt = infer_channel_dimension_format(array, num_channels=(1, 3, 4))
+    return (1, 2) if fmt == ChannelDimension.FIRST else (0, 1)
 
 
 # -- configs ----------------------------------------------------------------------------------------

@@ -62,7 +62,10 @@ PROGRESS = "progress.json"   # a checkpoint of the shards finished so far, in a 
 # the shards an older release scanned instead of copying their rows (manifest "scan_rules"; indexes
 # from before it have none: 0). 1: cut-short BMP / TIFF / AVIF / JPEG 2000 images and Parquet rows,
 # compressed members, a VP8X WebP canvas that is not its image, Parquet rows without text (session 26).
-SCAN_RULES = 1
+# 2: cut-short PPM / PGM / PBM / PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs, uncompressed TGA / SGI /
+# MSP / ... images, plain (ASCII) PBM / PGM / PPM, run-length TGAs and SGIs, an RLE BMP whose codes end early
+# (session 27).
+SCAN_RULES = 2
 
 
 class IndexBuildError(RuntimeError):

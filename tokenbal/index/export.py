@@ -176,7 +176,14 @@ def read_export(path: str | os.PathLike) -> tuple[list[str], dict[str, np.ndarra
         arr = np.array(values, np.int64).reshape(-1, len(COLUMNS))
         return keys, {c: arr[:, j] for j, c in enumerate(COLUMNS)}
     if path.endswith(".npy"):
-        arr = np.load(path)
+        try:
+            arr = np.load(path)
+        except Exception as e:  # noqa: BLE001 - ValueError, EOFError, OSError, a flipped header's TokenError
+            # numpy's own words ('EOF: reading array header', 'No data left in file', 'Object arrays
+            # cannot be loaded ...') name neither the file nor the export folder it was read from
+            raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): not the N x 3 int64 array an npy "
+                             f"export of {os.path.dirname(os.path.abspath(path))} holds; export the "
+                             "index again") from None
         if arr.dtype.kind not in "iu" or arr.ndim != 2 or arr.shape[1] != len(COLUMNS):
             raise ValueError(f"{path}: dtype {arr.dtype} shape {arr.shape}, expected integers of shape "
                              f"(N, {len(COLUMNS)}): {', '.join(COLUMNS)}")
@@ -199,12 +206,19 @@ def _read_parquet(path: str) -> tuple[list[str], dict[str, np.ndarray]]:
     pc = require("pyarrow.compute", "reading a Parquet export")
     pq = require("pyarrow.parquet", "reading a Parquet export")
 
-    names = pq.read_schema(path).names
+    try:
+        names = pq.read_schema(path).names
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError name no file
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}): not a Parquet export of "
+                         f"{os.path.dirname(os.path.abspath(path))}; export the index again") from None
     absent = [c for c in ("key", *COLUMNS) if c not in names]
     if absent:   # pyarrow's own error lists its internal fields (__fragment_index, ...), not the file's
         raise ValueError(f"{path}: no column {', '.join(map(repr, absent))} (columns: {', '.join(names)}); "
                          f"an export has key, {', '.join(COLUMNS)}")
-    t = pq.read_table(path, columns=["key", *COLUMNS])
+    try:
+        t = pq.read_table(path, columns=["key", *COLUMNS])
+    except Exception as e:  # noqa: BLE001 - a damaged page or footer: pyarrow's words name no file
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {e}); export the index again") from None
     cols = {}
     for name in ("key", *COLUMNS):
         col = t.column(name)

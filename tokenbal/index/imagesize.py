@@ -33,8 +33,17 @@ trailer (one whole read per GIF). Formats that Pillow opens from a header declar
 data lies are checked against that declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
 top-level boxes must fit in the member (one small read per box), a TIFF's first-page strips or tiles
 (offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height); and a
-still extended (VP8X) WebP's canvas must be the size of its image, or libwebp refuses it. Other
-formats (PPM, QOI, TGA, a raw JPEG 2000 codestream, an RLE BMP, ...) are not end-checked.
+still extended (VP8X) WebP's canvas must be the size of its image, or libwebp refuses it. Any other
+format Pillow opens is checked against the pixel data its lazy open places (``_tiles_cut``): raw rows
+(offset + stride x rows: binary PPM / PGM / PBM / PFM, uncompressed TGA / SGI / MSP / ...), a PPM's
+scaled samples (maxval not 255 / 65535), a BMP's RLE8 / RLE4 codes counted as Pillow's decoder counts
+them (one pass over the codes: ~25-50 ms for a 640x480 noise image, rare in VLM data). Compressed
+formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cut``; a QOI without it
+at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
+codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
+PGM / PPM must hold as many samples as its header needs, a run-length TGA's packets give every pixel
+(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it. Still not
+end-checked: PCX, DDS, XBM, BLP, a 16-bit SGI.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import struct
 import warnings
 import zlib
 from typing import Any
@@ -345,11 +355,17 @@ def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
         return _boxes_cut(read, size, unopened_format(head) or "JPEG 2000")
     if head[:4] in _TIFF_SIGS:
         return _tiff_cut(fd, offset, size, head)
-    if head[:2] == b"BM":
-        return _raw_rows_cut(head, size, "BMP")
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _webp_canvas_mismatch(read, size, head)
-    return None
+    if head[:3] == b"\xff\xd8\xff" or head[:8] == _PNG_SIG or head[:4] == b"GIF8":
+        return None                    # end markers: _check_end, _ends_inside, _check_gif_blocks
+    if head[:4] == b"qoif":
+        return _qoi_cut(read, size)
+    if head[:4] == _J2K_SIG:
+        return _j2k_cut(read, size)
+    # Any other format Pillow opens (BMP, PPM / PGM / PBM / PFM, TGA, SGI, IM, MSP, ...): the pixel
+    # data its tiles declare (raw rows of a known stride, a BMP's RLE codes) must fit in the member.
+    return _tiles_cut(read, size, head)
 
 
 def _webp_canvas_mismatch(read, size: int, head: bytes) -> str | None:
@@ -423,22 +439,260 @@ def _tiff_parts(data: bytes) -> tuple[str, tuple, tuple] | None:
     return None
 
 
-def _raw_rows_cut(head: bytes, size: int, name: str) -> str | None:
-    """Why an image whose pixels Pillow reads as raw rows of a declared stride (an uncompressed BMP)
-    is cut short: its rows end past the member. Compressed pixel data (a BMP's RLE) is not checked."""
+_QOI_END = b"\0" * 7 + b"\1"
+_J2K_SIG = b"\xff\x4f\xff\x51"   # a raw JPEG 2000 codestream: SOC then SIZ
+
+
+def _qoi_cut(read, size: int) -> str | None:
+    """Why a QOI image is cut short. A file that ends in the specification's 8-byte end marker (seven
+    0x00, one 0x01) is whole: one read. Any other (cut, or bytes after the marker) has its ops walked
+    as Pillow's decoder walks them (``_qoi_pixels``): it decodes when they give every pixel before
+    the data ends (a file cut inside the marker alone, or padded, decodes)."""
+    if size >= 14 + len(_QOI_END) and read(len(_QOI_END), size - len(_QOI_END)) == _QOI_END:
+        return None
+    head = read(14, 0)
+    want = int.from_bytes(head[4:8], "big") * int.from_bytes(head[8:12], "big")
+    have, end = _qoi_pixels(read(size - 14, 14) if size > 14 else b"", want)
+    if have < want:
+        return (f"QOI cut short: its ops give {have} of its {want} pixels (they end at byte {14 + end} of "
+                f"{size}; no end marker 7 x 00, 01 at its end)")
+    return None
+
+
+def _qoi_pixels(ops: bytes, want: int) -> tuple[int, int]:
+    """(pixels, bytes read) of QOI ``ops`` counted as Pillow's ``QoiDecoder`` counts them, up to
+    ``want`` pixels or the end of the data (an op cut short gives no pixel)."""
+    have, pos, n = 0, 0, len(ops)
+    while have < want and pos < n:
+        op = ops[pos]
+        step = 4 if op == 0xFE else 5 if op == 0xFF else 2 if op >> 6 == 2 else 1
+        if pos + step > n:
+            break
+        pos += step
+        have += (op & 0x3F) + 1 if op >> 6 == 3 and op < 0xFE else 1
+    return have, pos
+
+
+def _j2k_cut(read, size: int) -> str | None:
+    """Why a raw JPEG 2000 codestream (.j2k / .j2c / .jpc) is cut short: its marker segments, then its
+    tile-parts (each SOT's Psot gives the tile-part's length), do not lead to the end-of-codestream
+    marker (EOC, FF D9) inside the member. One small read per marker segment and per tile-part; a
+    last tile-part of unknown length (Psot 0: 'to the EOC') must end the member with EOC."""
+    pos = 2
+    while pos + 4 <= size:
+        segment = read(4, pos)
+        marker, length = segment[:2], int.from_bytes(segment[2:4], "big")
+        if marker == b"\xff\xd9":
+            return None
+        if marker[:1] == b"\xff" and 0x30 <= marker[1] <= 0x3F:
+            pos += 2                                # reserved markers without a segment
+            continue
+        if marker[:1] != b"\xff" or length < 2:
+            # not the layout walked here: the member's last two bytes must then be the EOC
+            return None if read(2, size - 2) == b"\xff\xd9" else (
+                f"JPEG 2000 codestream cut short: no end-of-codestream marker (FF D9) at its end ({size} "
+                "bytes in all)")
+        if marker == b"\xff\x90":                  # SOT: Lsot, Isot, Psot, TPsot, TNsot
+            if pos + 10 > size:
+                break
+            psot = int.from_bytes(read(10, pos)[6:10], "big")
+            if psot == 0:
+                if read(2, size - 2) == b"\xff\xd9":
+                    return None
+                break
+            pos += psot
+        else:
+            pos += 2 + length
+    if pos + 2 <= size and read(2, pos) == b"\xff\xd9":
+        return None
+    return (f"JPEG 2000 codestream cut short: its tile-parts run to byte {pos}, with no end-of-codestream "
+            f"marker (FF D9) inside its {size} bytes")
+
+
+_ROW_BITS: dict[tuple[str, str], int | None] = {}
+
+
+def _row_bits(mode: str, rawmode: str) -> int | None:
+    """Bits per pixel Pillow's raw decoder reads for ``rawmode`` into ``mode`` (None: it has no such
+    unpacker). Read from the decoder itself: on an 8-pixel row it needs exactly that many bytes."""
+    key = (mode, rawmode)
+    if key not in _ROW_BITS:
+        bits = None
+        try:
+            for n in range(1, 129):           # up to 128 bits a pixel (RGBA, 32-bit float samples)
+                decoder = Image._getdecoder(mode, "raw", rawmode, ())
+                decoder.setimage(Image.core.new(mode, (8, 1)), (0, 0, 8, 1))
+                if decoder.decode(b"\0" * n)[0] < 0:
+                    bits = n
+                    break
+        except Exception:  # noqa: BLE001 - an unpacker Pillow lacks: Pillow decides when it loads
+            bits = None
+        _ROW_BITS[key] = bits
+    return _ROW_BITS[key]
+
+
+def _tiles_cut(read, size: int, head: bytes) -> str | None:
+    """Why an image whose pixel data Pillow's lazy open places exactly is cut short: a raw tile's rows
+    (offset + stride x rows; the stride given, or the row's bytes from the decoder's unpacker: PPM /
+    PGM / PBM / PFM, uncompressed BMP / TGA / SGI / IM / MSP, ...), a PPM's scaled samples (maxval
+    other than 255 / 65535: width x height x bands x 1 or 2 bytes) end past the member, or a BMP's
+    RLE codes end before its last pixel (``_bmp_rle_short``). Other codecs are not checked."""
     try:
         with Image.open(io.BytesIO(head)) as im:
-            tiles = list(im.tile)
+            tiles, mode, name = list(im.tile), im.mode, im.format or "image"
     except Exception:  # noqa: BLE001 - the size was read from these bytes: Pillow decides later
         return None
     for tile in tiles:
         args = tile.args
-        if tile.codec_name != "raw" or not isinstance(args, tuple) or len(args) < 2 or not args[1] > 0:
+        width, rows = tile.extents[2] - tile.extents[0], tile.extents[3] - tile.extents[1]
+        if tile.codec_name == "raw":
+            rawmode, stride = (args, 0) if isinstance(args, str) else (*args[:2], 0)[:2]
+            if not isinstance(rawmode, str) or not isinstance(stride, int) or stride < 0:
+                continue
+            if stride == 0:
+                bits = _row_bits(mode, rawmode)
+                if bits is None:
+                    continue
+                stride = (bits * width + 7) // 8
+            end = tile.offset + stride * rows
+        elif tile.codec_name == "ppm" and isinstance(args, tuple) and len(args) == 2:
+            end = tile.offset + width * rows * Image.getmodebands(mode) * (1 if args[1] < 256 else 2)
+        elif tile.codec_name == "ppm_plain":
+            samples = width * rows * (1 if mode == "1" else Image.getmodebands(mode))
+            why = _plain_netpbm_short(read, size, tile.offset, samples, mode)
+            if why is not None:
+                return f"{name} {why}"
             continue
-        end = tile.offset + args[1] * (tile.extents[3] - tile.extents[1])
+        elif tile.codec_name == "tga_rle" and isinstance(args, tuple) and len(args) == 3:
+            why = _tga_rle_short(read, size, tile.offset, width * rows, (int(args[2]) + 7) // 8)
+            if why is not None:
+                return f"{name} cut short: {why}"
+            continue
+        elif tile.codec_name == "sgi_rle":
+            # the row offset and length tables (4-byte, big endian) after the 512-byte header say where
+            # every compressed row of every channel lies
+            n = rows * Image.getmodebands(mode)
+            tables = read(8 * n, tile.offset)
+            if len(tables) < 8 * n:
+                return f"{name} cut short: its row tables run past its end ({size} bytes)"
+            table = struct.unpack(f">{2 * n}I", tables)
+            end = max(map(sum, zip(table[:n], table[n:], strict=True)), default=0)
+        elif tile.codec_name == "bmp_rle" and isinstance(args, tuple) and len(args) == 3:
+            why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
+            if why is not None:
+                return f"{name} cut short: {why}"
+            continue
+        else:
+            continue
         if end > size:
             return (f"{name} cut short: its pixel rows run to byte {end}, the image ends at byte {size} "
                     f"({end - size} bytes missing)")
+    return None
+
+
+_NETPBM_COMMENT = re.compile(rb"#[^\r\n]*")
+_WHITESPACE = b" \t\n\r\x0b\x0c"          # what bytes.split() splits at
+_NETPBM_NOT_DIGITS = re.compile(rb"[^0-9 \t\n\r\x0b\x0c]")
+_TOKEN_MARKS = bytes(32 if chr(i).encode("latin-1") in _WHITESPACE else ord("x") for i in range(256))
+
+
+def _plain_netpbm_short(read, size: int, offset: int, want: int, mode: str) -> str | None:
+    """Why Pillow's plain decoder cannot decode a plain (ASCII: P1 / P2 / P3) PBM / PGM / PPM: its text
+    after the header (``#`` comments dropped, split at whitespace as that decoder splits it) holds
+    fewer samples than its header needs, or one it refuses (a P1 character other than 0 / 1: a P1
+    bitmap's digits need no space between them; a P2 / P3 sample that is no decimal number, or a last
+    token of more than 10 characters, which it holds back; a value above its maxval is not looked
+    for)."""
+    text = _NETPBM_COMMENT.sub(b"", read(size - offset, offset) if offset < size else b"")
+    if mode == "1":
+        bits = text.translate(None, _WHITESPACE)
+        other = bits.translate(None, b"01")
+        if other:   # Pillow checks every character of the blocks it reads: 'Invalid token for this mode'
+            return f"damaged: its bitmap holds {len(other)} character(s) not 0 / 1, {other[:1]!r} first"
+        have = len(bits)
+    else:
+        # tokens counted without making them (a 640 x 480 P3 has 921,600: split + join took ~0.7 s):
+        # every whitespace byte to a space, everything else to "x", then the starts of runs of "x"
+        marks = b" " + text.translate(_TOKEN_MARKS)
+        have = marks.count(b" x")
+        last = text[-64:].split()
+        if last and not text[-1:].isspace() and len(last[-1]) > 10:
+            return f"damaged: it ends in a token of {len(last[-1])} characters ('Token too long')"
+        if have >= want and _NETPBM_NOT_DIGITS.search(text):
+            # Pillow parses the samples it needs: one that is no decimal number fails it (bytes after
+            # the last one it needs are not read: only then are the tokens made)
+            tokens = text.split()[:want]
+            if _NETPBM_NOT_DIGITS.search(b" ".join(tokens)):
+                return "damaged: a sample of its text is no decimal number"
+    if have < want:
+        return f"cut short: its text holds {have} of the {want} samples its header needs"
+    return None
+
+
+def _tga_rle_short(read, size: int, offset: int, want: int, depth: int) -> str | None:
+    """Why a run-length TGA's packets give fewer pixels than its width x height: each packet a header
+    byte (bit 7: a run of one pixel value, else literal pixels; low 7 bits: count - 1), then one or
+    count pixels of ``depth`` bytes. One pass over the packet headers."""
+    data = read(size - offset, offset) if offset < size else b""
+    have, pos, n = 0, 0, len(data)
+    while have < want and pos < n:
+        head = data[pos]
+        count = (head & 0x7F) + 1
+        step = 1 + (depth if head & 0x80 else count * depth)
+        if pos + step > n:
+            break
+        pos += step
+        have += count
+    if have < want:
+        return (f"its run-length packets give {have} of its {want} pixels (they end at byte "
+                f"{offset + pos} of {size})")
+    return None
+
+
+def _bmp_rle_short(read, size: int, offset: int, width: int, rows: int, rle4: bool) -> str | None:
+    """Why a BMP's RLE8 / RLE4 codes give fewer pixels than its width x height, counted as Pillow's
+    ``BmpRleDecoder`` counts them (runs clipped at the row's end, end-of-line padding, deltas,
+    absolute runs padded to 16 bits, the end-of-bitmap code ``00 01`` stopping it): Pillow refuses
+    such an image ('not enough image data'). One pass over the codes, without the pixels."""
+    data = read(size - offset, offset) if offset < size else b""
+    want, have, x, pos, n = width * rows, 0, 0, 0, len(data)
+    while have < want and pos + 2 <= n:
+        count = data[pos]
+        if count:                                   # encoded run (the hot path: kept lean)
+            pos += 2
+            if count > width - x:
+                count = width - x if width > x else 0
+            have += count
+            x += count
+            continue
+        byte = data[pos + 1]
+        pos += 2
+        if byte == 0:                               # end of line
+            if have % width:
+                have += width - have % width
+            x = 0
+        elif byte == 1:                             # end of bitmap
+            break
+        elif byte == 2:                             # delta: right, up
+            if pos + 2 > n:
+                break
+            have += min(want - have, data[pos] + data[pos + 1] * width)
+            pos += 2
+            x = have % width
+        else:                                       # absolute run of ``byte`` pixels
+            take = min(want - have, byte)
+            need = (take + 1) // 2 if rle4 else take
+            got = min(need, n - pos)
+            have += min(take, 2 * got) if rle4 else got
+            pos += got
+            if got < need or have == want:
+                break
+            x += byte
+            if (offset + pos) % 2:
+                pos += 1
+    if have < want:
+        return (f"its RLE{4 if rle4 else 8} codes give {have} of its {want} pixels (the codes end at byte "
+                f"{offset + pos} of {size})")
     return None
 
 

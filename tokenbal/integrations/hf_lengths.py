@@ -15,7 +15,9 @@ Images are never decoded: a ``datasets.Dataset`` is read as Arrow (``with_format
 ``Image()`` column, decoded or ``Image(decode=False)``, gives its stored bytes / path, and only the
 image header is parsed (``tokenbal.index.imagesize``, EXIF orientation applied as ``datasets``'
 decoder applies it). Other sequences of row dicts may hold PIL images (their ``.size``, as the
-processor sees them), ``{"bytes", "path"}`` dicts, paths or bytes.
+processor sees them), numpy arrays / torch tensors (their shape, laid out by the installed
+transformers' channel rule: ``tokenbal.hf_compat.array_image_axes``; a kind of array the image
+processor refuses is refused naming the row), ``{"bytes", "path"}`` dicts, paths or bytes.
 
 Results of a ``datasets.Dataset`` are cached under its cache folder (``<cache dir>/tokenbal-lengths-
 <key>.npy``; in-memory datasets: ``$TOKENBAL_CACHE`` or ``~/.cache/tokenbal/lengths``), keyed by the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -63,6 +66,17 @@ def dataset_lengths(dataset: Any, processor: Any, *, messages: str = "messages",
     row for a row the processor would reject (placeholders and images disagree) or whose image
     or video header cannot be read."""
     counter = ChatTokenCounter.from_processor(processor)
+    arrays = _ARRAYS.set(_ArrayImages(getattr(processor, "image_processor", None)))
+    try:
+        return _dataset_lengths(dataset, processor, counter, messages, images, videos, num_proc, cache,
+                                audios)
+    finally:
+        _ARRAYS.reset(arrays)
+
+
+def _dataset_lengths(dataset: Any, processor: Any, counter: ChatTokenCounter, messages: str,
+                     images: str | None, videos: str | None, num_proc: int | None, cache: bool,
+                     audios: str | None) -> np.ndarray:
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"dataset_lengths needs a map-style dataset (len and indexing), got "
                         f"{type(dataset).__name__}; for an IterableDataset, index it offline "
@@ -305,8 +319,9 @@ def _count_table(counter: ChatTokenCounter, table: Any, messages: str, image_col
         sizes = [[] for _ in convs]
     for r, conv in enumerate(convs):
         if not sizes[r]:   # no images column value: the images named in the parts
-            sizes[r] = [_image_size(im, first_row + r, f"{messages} image part {j}")
-                        for j, im in enumerate(counter.row_images(conv))]
+            parts = counter.row_images(conv)
+            sizes[r] = [_image_size(im, first_row + r, f"{messages} image part {j}", parts[0])
+                        for j, im in enumerate(parts)]
     column = table.column(video_col).to_pylist() if video_col is not None else None
     return _count_rows(counter, convs, sizes, first_row,
                        _videos(counter, convs, column, first_row, messages, video_col))
@@ -425,8 +440,9 @@ def _rows_batch(rows: Any, a: int, b: int, counter: ChatTokenCounter, messages: 
             raise ValueError(_audio_message(r, audio_count(row[audios]), audios, counter))
         value = row.get(images) if images is not None else None
         if value is None or (isinstance(value, (list, tuple)) and not value):
-            sizes.append([_image_size(im, r, f"{messages} image part {j}")
-                          for j, im in enumerate(counter.row_images(conv))])
+            parts = counter.row_images(conv)
+            sizes.append([_image_size(im, r, f"{messages} image part {j}", parts[0])
+                          for j, im in enumerate(parts)])
         else:
             sizes.append(_row_sizes(value, r, images))
         convs.append(conv)
@@ -542,16 +558,21 @@ def _row_sizes(value: Any, row: int, field: str) -> list[tuple[int, int]]:
     if value is None:
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
-    return [_image_size(im, row, f"{field}[{j}]") for j, im in enumerate(items)]
+    return [_image_size(im, row, f"{field}[{j}]", items[0]) for j, im in enumerate(items)]
 
 
-def _image_size(image: Any, row: int, where: str) -> tuple[int, int]:
+def _image_size(image: Any, row: int, where: str, row_first: Any = None) -> tuple[int, int]:
+    """``(width, height)`` of one image value of a row as the processor sees it; ``row_first``: the
+    row's first image (transformers 4.57's slow image processors read every array of a call in the
+    layout of the first)."""
     from tokenbal.index.imagesize import ImageSizeError
 
     try:
         size = getattr(image, "size", None)
         if isinstance(size, tuple) and len(size) == 2 and hasattr(image, "mode"):   # a PIL image
             return int(size[0]), int(size[1])
+        if _is_array(image):
+            return (_ARRAYS.get() or _ArrayImages(None)).size(image, row_first)
         if isinstance(image, dict):
             data, path = image.get("bytes"), image.get("path")
             if data is not None:
@@ -567,9 +588,83 @@ def _image_size(image: Any, row: int, where: str) -> tuple[int, int]:
             return _bytes_size(bytes(image))
         if isinstance(image, (str, os.PathLike)):
             return _path_size(os.fspath(image))
-        raise ValueError(f"is a {type(image).__name__}, not a PIL image, {{bytes, path}} dict, path or bytes")
+        raise ValueError(f"is a {type(image).__name__}, not a PIL image, numpy array / torch tensor, "
+                         "{bytes, path} dict, path or bytes")
     except (ImageSizeError, OSError, ValueError) as e:
         raise ValueError(f"row {row}: image {where}: {e}") from e
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array or a torch tensor (what transformers' image processors take besides PIL images)."""
+    return isinstance(value, np.ndarray) or (type(value).__module__.split(".")[0] == "torch"
+                                             and hasattr(value, "shape") and hasattr(value, "dtype"))
+
+
+class _ArrayImages:
+    """The size a processor reads from an array image: its shape, laid out by the installed
+    transformers' channel rule (:func:`tokenbal.hf_compat.array_image_size`). Whether the processor
+    takes such an array at all (a 2-D grayscale one fails in the PIL backend's RGB conversion, 'the
+    channel dimension' of a 4-channel one under 4.57) is asked of its image processor once per kind
+    of array (dimensions, layout, channels, dtype), on a 64 x 64 stand-in of that kind: the row is
+    refused with the processor's own error instead of counted and then failing in training."""
+
+    def __init__(self, image_processor: Any) -> None:
+        self.image_processor = image_processor
+        self._verdicts: dict[tuple, str | None] = {}
+
+    def size(self, array: Any, row_first: Any) -> tuple[int, int]:
+        from tokenbal.hf_compat import array_image_axes
+
+        shape = tuple(int(n) for n in array.shape)
+        first = tuple(int(n) for n in row_first.shape) if _is_array(row_first) else None
+        h_axis, w_axis = array_image_axes(shape)
+        if self.image_processor is not None:
+            # the stand-in: the array's kind with its height and width axes set to 64, after a stand-in
+            # of the row's first image (4.57's slow processors lay every array out as the first)
+            kind = tuple(-1 if i in (h_axis, w_axis) else n for i, n in enumerate(shape))
+            lead = None if row_first is array else (first or "image")
+            key = (kind, str(array.dtype), type(array).__module__, lead)
+            if key not in self._verdicts:
+                probe = tuple(64 if n < 0 else n for n in kind)
+                self._verdicts[key] = self._ask(array, probe, row_first, lead)
+            if self._verdicts[key] is not None:
+                raise ValueError(f"is a {type(array).__name__} of shape {shape} and dtype {array.dtype}, "
+                                 f"which {type(self.image_processor).__name__} refuses "
+                                 f"({self._verdicts[key]})")
+        return shape[w_axis], shape[h_axis]
+
+    def _ask(self, array: Any, shape: tuple[int, ...], row_first: Any, lead: Any) -> str | None:
+        from PIL import Image
+
+        def zeros(like: Any, of: tuple[int, ...]) -> Any:
+            if isinstance(like, np.ndarray):
+                return np.zeros(of, like.dtype)
+            import torch
+
+            return torch.zeros(of, dtype=like.dtype)
+
+        probes = [zeros(array, shape)]
+        if lead == "image":
+            probes.insert(0, Image.new("RGB", (64, 64)))
+        elif lead is not None:
+            from tokenbal.hf_compat import array_image_axes
+
+            axes = array_image_axes(lead)
+            probes.insert(0, zeros(row_first, tuple(64 if i in axes else n for i, n in enumerate(lead))))
+        try:
+            self.image_processor(images=[probes])   # nested by row, as the processor passes them
+        except Exception as e:  # noqa: BLE001 - the processor's own refusal, named in the row's error
+            try:   # a processor that refuses a plain 64 x 64 RGB image too is not judging the array
+                self.image_processor(images=[[Image.new("RGB", (64, 64))]])
+            except Exception:  # noqa: BLE001
+                return None
+            return f"{type(e).__name__}: {e}"
+        return None
+
+
+# the processor of the running dataset_lengths call (the row readers below are plain functions)
+_ARRAYS: contextvars.ContextVar[_ArrayImages | None] = contextvars.ContextVar("tokenbal_array_images",
+                                                                              default=None)
 
 
 class _Bytes:

@@ -96,3 +96,37 @@ def test_a_keys_txt_without_its_last_line_break_keeps_its_last_key(tmp_path):
     assert read_export(tmp_path / "lengths.npy")[0] == ["a", "b"]
     (tmp_path / "keys.txt").write_text("a\n\n")   # an empty key is a key
     np.testing.assert_array_equal(lengths_for_keys(tmp_path, ["", "a"]), [5, 3])
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty", "text", "object"])
+def test_a_damaged_npy_export_names_its_file_and_folder(tmp_path, damage):
+    """A cut / empty / non-npy / pickled lengths.npy raised numpy's bare words ('EOF: reading array
+    header, expected 118 bytes got 114', 'No data left in file', 'Object arrays cannot be loaded when
+    allow_pickle=False'), naming neither lengths.npy nor the export folder it was read from."""
+    file = tmp_path / "lengths.npy"
+    np.save(file, np.array([[3, 1, 2], [5, 2, 3]], np.int64))
+    (tmp_path / "keys.txt").write_text("a\nb\n")
+    whole = file.read_bytes()
+    if damage == "cut":
+        file.write_bytes(whole[:len(whole) // 2])
+    elif damage == "empty":
+        file.write_bytes(b"")
+    elif damage == "text":
+        file.write_text("length,vision,text\n3,1,2\n")
+    else:
+        np.save(file, np.array([{"length": 3}, None], object), allow_pickle=True)
+    for where in (file, tmp_path):
+        with pytest.raises(ValueError, match=rf"{tmp_path}/lengths\.npy.* is damaged"):
+            read_export(where)
+
+
+@pytest.mark.parametrize("damage", ["cut", "empty"])
+def test_a_damaged_parquet_export_names_its_file(tmp_path, damage):
+    """pyarrow's 'Parquet magic bytes not found in footer' / 'Parquet file size is 0 bytes' named no file."""
+    file = tmp_path / "lengths.parquet"
+    pq.write_table(_table(pa.array(KEYS)), file)
+    whole = file.read_bytes()
+    file.write_bytes(whole[:len(whole) // 2] if damage == "cut" else b"")
+    for where in (file, tmp_path):
+        with pytest.raises(ValueError, match=rf"{tmp_path}/lengths\.parquet is damaged"):
+            read_export(where)

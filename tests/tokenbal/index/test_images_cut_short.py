@@ -92,6 +92,195 @@ def test_a_bmp_stored_top_down_or_with_bytes_after_its_pixels_is_no_error(tmp_pa
         assert _decoded_size(data) == (7, 5) == _counted(data)
 
 
+# -- formats whose pixel data the header places exactly, or whose end marker the spec fixes ------
+
+def rle_bmp(w: int, h: int, rle4: bool, seed: int = 0, early_end: bool = False) -> bytes:
+    """A BMP whose pixels are RLE8 / RLE4 coded as the format describes (Pillow writes none): each row
+    encoded runs and word-aligned absolute runs, an end of line, then the end of bitmap (``00 01``;
+    ``early_end``: one row early, which Pillow refuses: 'not enough image data')."""
+    import random
+    import struct
+
+    rng = random.Random(seed)
+    colors = 16 if rle4 else 256
+    rows = [[rng.choice((rng.randrange(colors), 1)) for _ in range(w)] for _ in range(h)]
+    out = bytearray()
+    for y, row in enumerate(rows[:h - 1] if early_end and h > 1 else rows):
+        x = 0
+        while x < w:
+            run = 1
+            while x + run < w and row[x + run] == row[x] and run < 255:
+                run += 1
+            if run >= 2 or w - x < 3:
+                n = min(run, w - x)
+                out += bytes((n, row[x] << 4 | row[x] if rle4 else row[x]))
+            else:
+                n = min(w - x, rng.randint(3, 12))
+                px = row[x:x + n] + [0] * (n % 2 if rle4 else 0)
+                data = bytes(px[i] << 4 | px[i + 1] for i in range(0, n, 2)) if rle4 else bytes(px)
+                out += bytes((0, n)) + data + b"\0" * (len(data) % 2)
+            x += n
+        if y < h - 1:
+            out += b"\0\0"
+    out += b"\0\1"
+    palette = b"".join(bytes((i * 13 % 256, i * 7 % 256, i * 3 % 256, 0)) for i in range(colors))
+    offset = 14 + 40 + len(palette)
+    info = struct.pack("<IiiHHIIiiII", 40, w, h, 1, 4 if rle4 else 8, 2 if rle4 else 1, len(out), 2835, 2835,
+                       colors, 0)
+    return b"BM" + struct.pack("<IHHI", offset + len(out), 0, 0, offset) + info + palette + bytes(out)
+
+
+def sgi_rle(w: int, h: int, channels: int = 3, seed: int = 0) -> bytes:
+    """An RLE SGI (Pillow writes only uncompressed ones): the 512-byte header, the row offset and
+    length tables, then each channel's rows as runs and literal packets ending in 0."""
+    import random
+    import struct
+
+    rng = random.Random(seed)
+    header = struct.pack(">HBBHHHHII4s80sI", 474, 1, 1, 3, w, h, channels, 0, 255, b"", b"", 0)
+    header = header.ljust(512, b"\0")
+    data, starts, lengths = bytearray(), [], []
+    for _ in range(channels * h):
+        row = bytes(rng.choice((rng.randrange(256), 7)) for _ in range(w))
+        packed, x = bytearray(), 0
+        while x < w:
+            run = 1
+            while x + run < w and row[x + run] == row[x] and run < 127:
+                run += 1
+            n = run if run >= 3 else min(w - x, rng.randint(1, 8))
+            packed += bytes((n, row[x])) if run >= 3 else bytes((0x80 | n,)) + row[x:x + n]
+            x += n
+        packed += b"\0"
+        starts.append(512 + 8 * h * channels + len(data))
+        lengths.append(len(packed))
+        data += packed
+    return header + struct.pack(f">{2 * h * channels}I", *starts, *lengths) + bytes(data)
+
+
+def _netpbm(magic: bytes, w: int, h: int, maxval: int, samples: int) -> bytes:
+    """A binary PPM / PGM whose maxval is not 255 or 65535 (Pillow scales those samples: its 'ppm'
+    decoder, not the raw one), or a PFM (maxval: the scale, -1.0 little-endian floats)."""
+    import random
+
+    rng = random.Random(w * h)
+    if magic == b"Pf":
+        import struct
+
+        floats = struct.pack(f"<{w * h}f", *(rng.random() for _ in range(w * h)))
+        return b"Pf\n%d %d\n-1.0\n" % (w, h) + floats
+    width = 1 if maxval < 256 else 2
+    body = b"".join(rng.randrange(maxval + 1).to_bytes(width, "big") for _ in range(w * h * samples))
+    return magic + b"\n%d %d\n%d\n" % (w, h, maxval) + body
+
+
+def _plain_netpbm(magic: bytes, w: int, h: int, samples: int) -> bytes:
+    """A plain (ASCII) PBM / PGM / PPM with a comment in its header and after its samples (Pillow
+    writes none): a P1 bitmap's digits without spaces, as the format allows."""
+    import random
+
+    rng = random.Random(w + h)
+    if magic == b"P1":
+        return b"P1\n# bitmap\n%d %d\n" % (w, h) + bytes(rng.choice(b"01") for _ in range(w * h)) + b"\n"
+    body = b" ".join(b"%d" % rng.randrange(256) for _ in range(w * h * samples))
+    return magic + b"\n# plain\n%d %d\n255\n" % (w, h) + body + b"\n# the end\n"
+
+
+EXACT_FORMATS = {
+    "ppm-plain": ("ppm", lambda: _plain_netpbm(b"P3", 7, 5, 3)),
+    "pgm-plain": ("pgm", lambda: _plain_netpbm(b"P2", 7, 5, 1)),
+    "pbm-plain": ("pbm", lambda: _plain_netpbm(b"P1", 7, 5, 1)),
+    "ppm": ("ppm", lambda: _encode("PPM", 7, 5)),
+    "pgm": ("pgm", lambda: _encode_mode("PPM", "L")),
+    "pgm-16": ("pgm", lambda: _encode_mode("PPM", "I;16")),
+    "pbm": ("pbm", lambda: _encode_mode("PPM", "1")),
+    "ppm-maxval-100": ("ppm", lambda: _netpbm(b"P6", 7, 5, 100, 3)),
+    "pgm-maxval-1000": ("pgm", lambda: _netpbm(b"P5", 7, 5, 1000, 1)),
+    "ppm-16": ("ppm", lambda: _netpbm(b"P6", 7, 5, 65535, 3)),
+    "pfm": ("pfm", lambda: _netpbm(b"Pf", 7, 5, 0, 1)),
+    "qoi": ("qoi", lambda: _encode("QOI", 7, 5)),
+    "qoi-rgba": ("qoi", lambda: _encode_mode("QOI", "RGBA")),
+    "j2k": ("j2k", lambda: _encode("JPEG2000", 17, 13, no_jp2=True)),
+    "j2k-tiles": ("j2k", lambda: _encode("JPEG2000", 40, 30, no_jp2=True, tile_size=(16, 16))),
+    "bmp-rle8": ("bmp", lambda: rle_bmp(13, 9, rle4=False, seed=1)),
+    "bmp-rle4": ("bmp", lambda: rle_bmp(13, 9, rle4=True, seed=2)),
+    "tga": ("tga", lambda: _encode("TGA", 7, 5)),
+    "tga-rle": ("tga", lambda: _encode("TGA", 7, 5, compression="tga_rle")),
+    "tga-rle-runs": ("tga", lambda: _blocks("TGA", 40, 9, compression="tga_rle")),
+    "sgi": ("sgi", lambda: _encode("SGI", 7, 5)),
+    "sgi-rle": ("sgi", lambda: sgi_rle(13, 6, 3, seed=4)),
+    "msp": ("msp", lambda: _encode_mode("MSP", "1", 16, 8)),
+}
+
+
+def _blocks(fmt: str, w: int, h: int, **kw) -> bytes:
+    """Flat colour with a noisy block: run-length formats write runs and literals both."""
+    im = Image.new("RGB", (w, h), (200, 30, 90))
+    im.paste(_noise(w // 3, h // 2), (w // 3, h // 4))
+    buf = io.BytesIO()
+    im.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5) -> bytes:
+    buf = io.BytesIO()
+    _noise(w, h, "L" if mode.startswith("I") else mode).convert(mode).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in EXACT_FORMATS if n[:3] != "j2k" or "jp2" not in MISSING))
+def test_a_netpbm_qoi_j2k_rle_bmp_or_raw_image_cut_anywhere_is_an_error_or_decodes_to_its_count(name):
+    """Binary and plain PPM / PGM / PBM, PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs, TGAs and SGIs
+    (and TGA / SGI / MSP, whose pixels are raw rows) cut at any byte: counted only where Pillow decodes
+    the cut bytes to the counted size. Before, every cut past the header was counted (a 7x5 PPM: 108
+    of its 115 cut points)."""
+    data = EXACT_FORMATS[name][1]()
+    assert _decoded_size(data) is not None and _counted(data) == _decoded_size(data)
+    lax = [n for n in range(1, len(data)) if _counted(data[:n]) not in (None, _decoded_size(data[:n]))]
+    assert lax == [], f"{len(lax)} of {len(data) - 1} cut points counted though Pillow fails: {lax[:10]}"
+    # bytes after a whole image (padding), which Pillow ignores, are no error: a QOI is then walked
+    # (a plain netpbm's NULs are not: Pillow refuses them as tokens, and so does the scan)
+    padded = data + b"\0" * 40
+    assert _counted(padded) == _decoded_size(padded) == (None if "plain" in name else _decoded_size(data))
+    if name.startswith("qoi"):   # cut inside its end marker only: Pillow has every pixel, so does the walk
+        assert _counted(data[:-3]) == _decoded_size(data[:-3]) == _decoded_size(data)
+
+
+@pytest.mark.parametrize("name", ["ppm", "pgm-16", "qoi", "j2k", "bmp-rle8", "bmp-rle4", "tga-rle",
+                                  "sgi-rle"])
+def test_a_cut_netpbm_qoi_j2k_or_rle_bmp_in_a_shard_is_an_error_naming_it(tmp_path, name):
+    if name == "j2k" and "jp2" in MISSING:
+        pytest.skip("this Pillow writes no JPEG 2000")
+    ext, make = EXACT_FORMATS[name]
+    whole = make()
+    size = _decoded_size(whole)
+    cut = whole[:len(whole) - max(2, len(whole) // 5)]
+    assert _decoded_size(cut) is None, "the cut image must fail to decode, or this test tests nothing"
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("whole", caption="ok", raw=[(ext, whole)]),
+        Sample("cut", caption="cut", raw=[(ext, cut)])]))
+    assert [(s.key, s.image_sizes) for s in scan.samples] == [("whole", [size])]
+    (err,) = scan.errors
+    assert err["key"] == "cut" and "cut short" in err["reason"], err
+
+
+@pytest.mark.parametrize("rle4", [False, True])
+def test_an_rle_bmp_whose_codes_end_before_its_last_row_is_an_error(rle4):
+    """The end-of-bitmap code one row early: Pillow refuses it ('not enough image data'), the scan
+    counted it."""
+    data = rle_bmp(9, 6, rle4=rle4, seed=3, early_end=True)
+    assert _decoded_size(data) is None
+    with pytest.raises(ImageSizeError, match=r"BMP cut short: its RLE[48] codes give 45 of its 54 pixels"):
+        read_image_size(_Bytes(data), 0, len(data))
+
+
+class _Bytes:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return self.data[offset:offset + n]
+
+
 # -- Parquet rows: the image bytes are a whole column value, but the image may still be cut ----------
 
 def test_a_parquet_row_whose_image_is_cut_short_is_an_error_naming_the_row(tmp_path):

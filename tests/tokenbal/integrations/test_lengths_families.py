@@ -461,3 +461,58 @@ def test_a_subclass_overriding_what_the_processor_emits_is_not_trusted_silently(
         got = dataset_lengths(plain, logging_only)
     np.testing.assert_array_equal(got, [fp.oracle(logging_only, r) for r in plain])
     assert "overrides MyProcessor.__call__" in caplog.text and "checked" in caplog.text
+
+
+def _array_rows() -> list[tuple[str, dict]]:
+    """Rows whose images are numpy arrays / torch tensors, as a user's own loader (or a torchvision
+    transform) leaves them: HWC and CHW, uint8 and float, one-channel, channels-first and -last in
+    one row, after a PIL image, and the ambiguous (3, H, 3)."""
+    import torch
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    u8 = lambda *shape: rng.integers(0, 256, shape, dtype=np.uint8)   # noqa: E731
+    kinds = {
+        "HWC uint8": [u8(90, 200, 3)], "CHW uint8": [u8(3, 90, 200)],
+        "HWC float32": [rng.random((90, 200, 3), dtype=np.float32)],
+        "CHW float64": [rng.random((3, 300, 50))],
+        "HW1 uint8": [u8(90, 200, 1)], "1HW uint8": [u8(1, 90, 200)], "HWC RGBA": [u8(120, 40, 4)],
+        "torch CHW float": [torch.rand(3, 90, 200)], "torch HWC uint8": [torch.randint(0, 256, (64, 250, 3),
+                                                                                      dtype=torch.uint8)],
+        "CHW then HWC": [u8(3, 90, 200), u8(300, 50, 3)], "PIL then CHW": [Image.new("RGB", (50, 300)),
+                                                                             u8(3, 90, 200)],
+        "ambiguous 3xHx3": [u8(3, 90, 3)],
+    }
+    return [(name, {"messages": [{"role": "user", "content": [{"type": "image"}] * len(images)
+                                  + [{"type": "text", "text": "what is it"}]},
+                                 {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}],
+                    "images": images}) for name, images in kinds.items()]
+
+
+@pytest.mark.parametrize("family", fp.FAMILIES)
+def test_array_images_count_what_process_row_gives(family):
+    """``process_row`` (the packed Trainer) hands numpy arrays and torch tensors to the processor,
+    which takes them; ``dataset_lengths`` refused every such row ('is a ndarray, not a PIL image,
+    {bytes, path} dict, path or bytes'). Now each counts what the processor gives, the height and
+    width read by the installed transformers' channel rule; a 2-D (grayscale) array, which these
+    processors refuse ('Unsupported number of image dimensions: 2'), is refused by both."""
+    from tokenbal.integrations.trainer_support import process_row
+
+    proc = _processor_or_skip(family, subclass=False)
+    want, taken = {}, []
+    for name, row in _array_rows():
+        try:
+            want[name] = len(process_row(row, proc)["input_ids"])
+            taken.append((name, row))
+        except (ValueError, TypeError):   # 4.57 refuses some (one channel: "mean must have 1 elements")
+            with pytest.raises(ValueError, match=r"row 0: image "):
+                dataset_lengths([row], proc)
+    assert len(taken) >= 6, sorted(want)
+    got = dataset_lengths([row for _, row in taken], proc)
+    assert dict(zip([n for n, _ in taken], got.tolist(), strict=True)) == want
+    flat = {**taken[0][1], "images": [np.zeros((90, 200), np.uint8)]}
+    with pytest.raises(ValueError):   # 5.x: 'Unsupported number of image dimensions: 2'
+        process_row(flat, proc)
+    with pytest.raises(ValueError, match=r"row 1: image images\[0\]: (is a ndarray of shape \(90, 200\) and "
+                                         r"dtype uint8, which \w+ refuses \(ValueError: |Unsupported)"):
+        dataset_lengths([taken[0][1], flat], proc)
