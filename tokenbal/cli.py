@@ -140,6 +140,9 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     settings = PlanSettings.from_layout(_layout(args.world_size, args.sp_size),
                                         global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
     replicas = settings.num_replicas
+    if args.padded and settings.global_batch_size % (replicas * settings.grad_accum):
+        # Refused here: after the index read and the first table it came as an error below a report.
+        raise UsageError(_padded_batch_error(replicas, settings.global_batch_size, settings.grad_accum))
     index = TokenIndex.open(args.index)
     if len(index) == 0:
         # The planner would say "1 ranks but only 0 samples ... simulate at most 0 ranks".
@@ -168,6 +171,12 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _padded_batch_error(replicas: int, global_batch: int, grad_accum: int) -> str:
+    from tokenbal.balance.baselines import padded_batch_error
+
+    return f"--padded: {padded_batch_error(replicas, global_batch, grad_accum)}"
 
 
 def _layout(world_size: int, sp_size: int) -> ParallelLayout:
@@ -217,9 +226,13 @@ def _check_output_file(option: str, path: str | None, suffixes: tuple[str, ...])
     if not path.lower().endswith(suffixes):
         raise UsageError(f"{option} {path}: give a {' or '.join(suffixes)} file name (it writes "
                          f"{'a PNG chart or a CSV table' if len(suffixes) > 1 else 'a PNG chart'})")
+    if os.path.isdir(path):   # else found only when the file is written, after the work
+        raise UsageError(f"{option} {path} is a folder; give a file name in it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{option} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path}: folder {folder} is not writable")
 
 
 def _write_plot(sim, path: str) -> None:

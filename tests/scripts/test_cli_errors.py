@@ -181,6 +181,74 @@ def test_plot_files_of_another_type_or_in_a_missing_folder_are_refused_before_th
     assert code == 2 and "tokenbal profile: error: --timeline " in err and "give a .png file name" in err
 
 
+def test_output_files_that_are_folders_are_refused_before_the_work(clean, tmp_path, capsys):
+    """``--plot x.csv`` / ``--timeline x.png`` naming an existing folder ran the whole simulation (or read
+    every trace), printed its report, then failed with a bare "[Errno 21] Is a directory" (exit 1)."""
+    _, index = clean
+    for name in ("ratios.csv", "ratios.png", "hist.png", "timeline.png"):
+        os.makedirs(tmp_path / name)
+    simulate = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4"]
+    for name in ("ratios.csv", "ratios.png"):
+        code, out, err = run([*simulate, "--plot", str(tmp_path / name)], capsys)
+        assert code == 2 and out == ""
+        assert err.splitlines()[-1] == SIMULATE + f"--plot {tmp_path / name} is a folder; give a file name " \
+                                                  "in it"
+    code, out, err = run(["index", "stats", index, "--plot", str(tmp_path / "hist.png")], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (f"tokenbal index stats: error: --plot {tmp_path / 'hist.png'} is a "
+                                    "folder; give a file name in it")
+    code, out, err = run(["profile", str(tmp_path), "--timeline", str(tmp_path / "timeline.png")], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == f"tokenbal profile: error: --timeline {tmp_path / 'timeline.png'} is a " \
+                                   "folder; give a file name in it"
+
+
+def test_simulate_padded_batch_not_divisible_is_refused_before_the_work(clean, capsys):
+    """``--padded`` with a global batch the ranks x grad_accum do not divide: the first table was
+    printed (exit 2 under a report), the error only after it; now refused first, naming the numbers."""
+    _, index = clean
+    code, out, err = run(["plan", "simulate", "--index", index, "--world-size", "2",
+                          "--global-batch-size", "8", "--grad-accum", "3", "--padded", "-q"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (SIMULATE + "--padded: needs a global batch size divisible by ranks x "
+                                    "grad_accum (2 x 3 = 6), got 8: the padded baselines take per-device "
+                                    "batches of global / (ranks x grad_accum)")
+
+
+def test_simulate_padded_says_n_a_for_a_baseline_without_a_whole_step(clean, capsys):
+    """12 samples on 2 ranks, 4 per device, 3 micro-batches per step: each rank's DistributedSampler has
+    6 samples, 2 batches, no whole optimizer step. Its row read 0 / 0.000 / 0 / 0 (the best figures
+    in the table) for a baseline that ran no step; now n/a with 0 steps, and every row has its steps."""
+    pytest.importorskip("transformers")
+    _, index = clean
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "2",
+                        "--global-batch-size", "24", "--grad-accum", "3", "--padded", "-q"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("method") and "Σ max padded" in line)
+    assert lines[head].split()[-1] == "steps"
+    rows = {line[:34].strip(): line[34:].split() for line in lines[head + 1:]}
+    assert rows["DistributedSampler"] == ["n/a", "n/a", "n/a", "n/a", "0"]
+    assert all(int(row[-1]) >= 1 for name, row in rows.items() if name != "DistributedSampler")
+
+
+def test_an_index_without_its_errors_file_is_named_damaged(clean, tmp_path, capsys):
+    """errors.jsonl removed: stats and export said "[Errno 2] No such file or directory: ..." (verify
+    already said "index file missing")."""
+    import shutil
+
+    _, index = clean
+    copy = tmp_path / "idx"
+    shutil.copytree(index, copy)
+    os.remove(copy / "errors.jsonl")
+    for command in (["index", "stats", str(copy)],
+                    ["index", "export", str(tmp_path / "out"), "--index", str(copy)]):
+        code, out, err = run(command, capsys)
+        assert code == 2 and out == ""
+        assert err.strip() == (f"tokenbal index {command[1]}: error: index file missing: "
+                               f"{copy / 'errors.jsonl'} (rebuild the index)")
+
+
 # --- plan simulate: ranks beyond the samples, step counts explained -------------------------------
 
 def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
@@ -221,6 +289,13 @@ def test_simulate_says_why_step_counts_differ(clean, capsys):
     rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()}
     assert rows["DistributedSampler"] == ["n/a", "n/a", "n/a", "0"] == rows["per-step LPT"]
     assert rows["tokenbal"][-1] == "1" and "note: n/a: 12 samples do not fill one step of 16" in out
+    # With grad_accum the planner merges a last step of fewer samples than ranks x micro-batches: the
+    # note said "a last step of 4 samples, fewer than the 2 ranks" (4 is not fewer than 2).
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size",
+                        "8", "--grad-accum", "3", "-q"], capsys)
+    assert code == 0
+    assert ("tokenbal plans every sample: 1 step(s), the last with 12 samples (a last step of 4 samples, "
+            "fewer than the 2 ranks x 3 micro-batches, is merged into it)") in out
 
 
 # --- index build: exit status, other settings ------------------------------------------------------

@@ -66,8 +66,7 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
     lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
     R, N, k = int(num_replicas), int(global_batch_size), int(grad_accum)
     if N % (R * k):
-        raise ValueError(f"--padded needs a global batch size divisible by ranks x grad_accum ({R * k}): the "
-                         "padded baselines take per-device batches of global / (ranks x grad_accum)")
+        raise ValueError(f"padded_comparison {padded_batch_error(R, N, k)}")
     b = N // (R * k)
     plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed, progress=progress)}
     try:
@@ -80,13 +79,27 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
                                                  cost="padded")
     lines = [f"padded micro-batches of {b} per rank (each padded to its longest sample), {k} per step; "
              "packed = the same batches with no padding",
-             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"]
+             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"
+             f"{'steps':>7}"]
     for name, plan in plans.items():
+        if not plan.num_steps:
+            # No whole step (DistributedSampler keeps whole optimizer steps only): zeros would read as
+            # the best row, n/a as in the first table.
+            lines.append(f"{name:<34}{'n/a':>14}{'n/a':>12}{'n/a':>9}{'n/a':>14}{0:7d}")
+            continue
         r = padded_summary(plan, lens)
         packed = int(plan.micro_tokens(lens).max(1).sum())
         lines.append(f"{name:<34}{r['sum_max_padded']:14d}{r['padded_over_real']:12.3f}{r['peak_padded']:9d}"
-                     f"{packed:14d}")
+                     f"{packed:14d}{plan.num_steps:7d}")
     return "\n".join(lines)
+
+
+def padded_batch_error(num_replicas: int, global_batch_size: int, grad_accum: int) -> str:
+    """Why a global batch the padded baselines cannot split into per-device batches is refused."""
+    R, k = int(num_replicas), int(grad_accum)
+    return (f"needs a global batch size divisible by ranks x grad_accum ({R} x {k} = {R * k}), got "
+            f"{global_batch_size}: the padded baselines take per-device batches of global / (ranks x "
+            "grad_accum)")
 
 
 def _plan_from_lists(per_rank: list[list[list[int]]], R: int, k: int) -> Any:

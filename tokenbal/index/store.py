@@ -245,7 +245,12 @@ class TokenIndex:
     def errors(self) -> list[dict]:
         file = os.path.join(self.path, ERRORS)
         out = []
-        with open(file, encoding="utf-8") as f:
+        try:
+            f = open(file, encoding="utf-8")
+        except FileNotFoundError:
+            # As a missing column reads (a bare "[Errno 2] ..." said nothing of the index).
+            raise IndexDamagedError(f"index file missing: {file} (rebuild the index)") from None
+        with f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
