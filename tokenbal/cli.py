@@ -260,8 +260,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     # Checked here, once: without it each rank's process would fail with its own traceback.
     require("transformers", "tokenbal demo (it trains a tiny model with transformers' classes)")
-    from collate.demo import MODEL_CLASSES, run_demo
+    from collate.demo import DEMO_GLOBAL_BATCH, DEMO_SAMPLES, MODEL_CLASSES, run_demo
 
+    # Checked before minutes of data generation: each rank failed on its own ("batch_size should be a
+    # positive integer value, but got batch_size=0", one traceback per rank), or the epoch was silently
+    # the 256 samples written while the report said --train-samples.
+    if DEMO_GLOBAL_BATCH % args.ranks:
+        raise UsageError(f"--ranks {args.ranks}: the demo trains {DEMO_GLOBAL_BATCH} samples per step, which "
+                         f"the ranks must divide (DistributedSampler takes {DEMO_GLOBAL_BATCH} / ranks per "
+                         "rank); give 1, 2, 4 or 8")
+    if not args.ranks <= args.train_samples <= DEMO_SAMPLES:
+        raise UsageError(f"--train-samples {args.train_samples}: the demo writes {DEMO_SAMPLES} samples and "
+                         f"each of the {args.ranks} ranks needs one; give {args.ranks} to {DEMO_SAMPLES}")
+    if args.workdir is not None and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise UsageError(f"--workdir {args.workdir} is a file; give a folder (created if missing)")
     if args.model_config is not None:
         # Fail before minutes of data generation, not after them.
         import json
@@ -614,7 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cost flops: also report Σ_stage max_rank / ideal per step (FSDP waits for "
                           "the slowest rank in the vision tower and again in the LLM), with and without "
                           "balancing the two stages separately")
-    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0,
+                     help="seed of the epoch's order: tokenbal's plan and every baseline's permutation "
+                          "(default 0)")
     sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
     sim.add_argument("--padded", action="store_true",
@@ -661,16 +675,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
     demo.add_argument("--train-samples", type=_POSITIVE, default=32,
-                      help="samples in the training epoch run with each sampler (default 32)")
+                      help="samples in the training epoch run with each sampler, from --ranks to the 256 "
+                           "written (default 32)")
     demo.add_argument("--repeats", type=_POSITIVE, default=2,
                       help="epochs per sampler, alternating between the two, for the speed-up and its noise "
                            "(default 2)")
-    demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
+    demo.add_argument("--ranks", type=_POSITIVE, default=2,
+                      help="CPU ranks for the FSDP2 part: 1, 2, 4 or 8, dividing its global batch of 8 "
+                           "(default 2)")
     # dest model_config: --model of the other commands is an estimator name, checked as one in main().
     demo.add_argument("--model", dest="model_config", metavar="CONFIG.json", default=None,
                       help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL, GLM-4.1V) "
                            "to train randomly initialised instead of the tiny Qwen2-VL")
-    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0,
+                      help="seed of the synthetic data, the model's random weights and both samplers' "
+                           "orders (default 0)")
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
     # -v after the command too (`tokenbal index verify DIR -v`, where one adds it to a failing command):
     # SUPPRESS keeps a -v given before the command when the sub-command's own is absent.

@@ -497,6 +497,28 @@ def test_demo_without_transformers_is_one_line(tmp_path):
                            "classes) need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
 
 
+@pytest.mark.parametrize("extra, message", [
+    # each of 16 ranks failed on its own after the data was written (batch_size=0, a traceback per rank)
+    (["--ranks", "16"], "--ranks 16: the demo trains 8 samples per step, which the ranks must divide "
+                        "(DistributedSampler takes 8 / ranks per rank); give 1, 2, 4 or 8"),
+    (["--ranks", "3"], "--ranks 3: the demo trains 8 samples per step"),
+    # the epoch was the 256 samples written while the report said 1000
+    (["--train-samples", "1000"], "--train-samples 1000: the demo writes 256 samples and each of the 2 ranks "
+                                  "needs one; give 2 to 256"),
+    (["--ranks", "4", "--train-samples", "2"], "--train-samples 2: the demo writes 256 samples and each of "
+                                               "the 4 ranks needs one; give 4 to 256"),
+    # "[Errno 20] Not a directory: 'FILE/shards'" (exit 1) after the first line of the demo
+    (["--workdir", "FILE"], "--workdir FILE is a file; give a folder (created if missing)"),
+])
+def test_demo_settings_it_cannot_run_are_refused_before_the_work(tmp_path, capsys, extra, message):
+    pytest.importorskip("transformers")
+    (tmp_path / "afile").write_text("")
+    extra = [str(tmp_path / "afile") if a == "FILE" else a for a in extra]
+    code, out, err = run(["demo", *extra], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith(DEMO + message.replace("FILE", str(tmp_path / "afile")))
+
+
 def test_processor_mistakes_are_named(text_rows, tmp_path, capsys):
     out = str(tmp_path / "i")
     missing = str(tmp_path / "none")
