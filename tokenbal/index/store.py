@@ -531,6 +531,12 @@ def _manifest_problem(manifest: dict) -> str | None:
             return f"shards[{k}] has no 'path'"
         if not isinstance(entry["path"], str):
             return f"shards[{k}].path is {kind(entry['path'])}, not a string"
+        # stats counts the statuses (a missing or null one was a KeyError / TypeError traceback there)
+        if not isinstance(entry.get("status"), str):
+            return f"shards[{k}] has no 'status' string"
+        failures = entry.get("n_read_failures")
+        if failures is not None and (not isinstance(failures, int) or isinstance(failures, bool)):
+            return f"shards[{k}].n_read_failures is {kind(failures)}, not an integer"
     for k, ext in enumerate(manifest["extensions"]):
         if not isinstance(ext, str):
             return f"extensions[{k}] is {kind(ext)}, not a string"

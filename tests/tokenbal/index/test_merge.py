@@ -88,7 +88,8 @@ def test_merging_into_one_of_the_parts_is_refused(corpus, tmp_path, capsys):
     assert TokenIndex.open(tmp_path / "part-0").manifest == before
     # the same folder spelled another way is still that part
     with pytest.raises(ValueError, match="is one of the parts"):
-        merge_indexes(str(tmp_path / "part-1") + "/", [tmp_path / "part-0", tmp_path / "part-0" / ".." / "part-1"])
+        merge_indexes(str(tmp_path / "part-1") + "/",
+                      [tmp_path / "part-0", tmp_path / "part-0" / ".." / "part-1"])
 
 
 def test_parts_built_by_different_tokenbal_versions_are_refused(tmp_path):
