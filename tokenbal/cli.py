@@ -140,6 +140,9 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     settings = PlanSettings.from_layout(_layout(args.world_size, args.sp_size),
                                         global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
     replicas = settings.num_replicas
+    if args.padded and args.seed > _TORCH_SEED_MAX:
+        raise UsageError(_torch_seed_error(args.seed, "--padded runs torch's DistributedSampler and "
+                                                      "transformers' BatchRebalanceSampler"))
     if args.padded and settings.global_batch_size % (replicas * settings.grad_accum):
         # Refused here: after the index read and the first table it came as an error below a report.
         raise UsageError(_padded_batch_error(replicas, settings.global_batch_size, settings.grad_accum))
@@ -171,6 +174,14 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+# torch.Generator.manual_seed takes seeds up to 2**64 - 1 ("Overflow when unpacking long long" above).
+_TORCH_SEED_MAX = 2**64 - 1
+
+
+def _torch_seed_error(seed: int, who: str) -> str:
+    return f"--seed {seed}: {who}, whose torch generators take seeds up to 2**64 - 1 ({_TORCH_SEED_MAX})"
 
 
 def _padded_batch_error(replicas: int, global_batch: int, grad_accum: int) -> str:
@@ -272,6 +283,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if not args.ranks <= args.train_samples <= DEMO_SAMPLES:
         raise UsageError(f"--train-samples {args.train_samples}: the demo writes {DEMO_SAMPLES} samples and "
                          f"each of the {args.ranks} ranks needs one; give {args.ranks} to {DEMO_SAMPLES}")
+    if args.seed > _TORCH_SEED_MAX:
+        raise UsageError(_torch_seed_error(args.seed, "the demo seeds torch (the model's weights)"))
     if args.workdir is not None and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         raise UsageError(f"--workdir {args.workdir} is a file; give a folder (created if missing)")
     if args.model_config is not None:

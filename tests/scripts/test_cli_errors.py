@@ -215,6 +215,19 @@ def test_simulate_padded_batch_not_divisible_is_refused_before_the_work(clean, c
                                     "batches of global / (ranks x grad_accum)")
 
 
+def test_simulate_padded_seed_beyond_torch_generators_is_refused_before_the_work(clean, capsys):
+    """``--seed 2**64 --padded``: the first table, then "error: Overflow when unpacking long long" (from
+    torch.Generator.manual_seed); without --padded the seed only feeds numpy and stays accepted."""
+    _, index = clean
+    simulate = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4", "-q"]
+    code, out, err = run([*simulate, "--seed", str(2**64), "--padded"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (SIMULATE + f"--seed {2**64}: --padded runs torch's DistributedSampler "
+                                    "and transformers' BatchRebalanceSampler, whose torch generators take "
+                                    f"seeds up to 2**64 - 1 ({2**64 - 1})")
+    assert run([*simulate, "--seed", str(2**64)], capsys)[0] == 0
+
+
 def test_simulate_padded_says_n_a_for_a_baseline_without_a_whole_step(clean, capsys):
     """12 samples on 2 ranks, 4 per device, 3 micro-batches per step: each rank's DistributedSampler has
     6 samples, 2 batches, no whole optimizer step. Its row read 0 / 0.000 / 0 / 0 (the best figures
@@ -509,6 +522,9 @@ def test_demo_without_transformers_is_one_line(tmp_path):
                                                "the 4 ranks needs one; give 4 to 256"),
     # "[Errno 20] Not a directory: 'FILE/shards'" (exit 1) after the first line of the demo
     (["--workdir", "FILE"], "--workdir FILE is a file; give a folder (created if missing)"),
+    # torch.manual_seed in every rank: "Overflow when unpacking long long"
+    (["--seed", str(2**64)], f"--seed {2**64}: the demo seeds torch (the model's weights), whose torch "
+                             "generators take seeds up to 2**64 - 1"),
 ])
 def test_demo_settings_it_cannot_run_are_refused_before_the_work(tmp_path, capsys, extra, message):
     pytest.importorskip("transformers")
