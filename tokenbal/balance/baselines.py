@@ -59,8 +59,8 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
     """The table ``tokenbal plan simulate --padded`` prints: padded and packed cost of
     DistributedSampler, transformers' BatchRebalanceSampler (when transformers has it) and tokenbal's
     plans (token cost, padded cost), on the same lengths. ``progress(done, total, unit)``: the
-    DistributedSampler's ranks, then the BatchRebalanceSampler's steps (the long part: its balancing
-    is a Python loop per step)."""
+    DistributedSampler's ranks (once, all from one permutation), then the BatchRebalanceSampler's
+    steps (the long part). Each row has its step count; a plan with no whole step reads n/a."""
     from tokenbal.balance.plan import plan_epoch
 
     lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
