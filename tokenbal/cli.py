@@ -237,6 +237,10 @@ def _check_output_file(option: str, path: str | None, suffixes: tuple[str, ...])
     if not path.lower().endswith(suffixes):
         raise UsageError(f"{option} {path}: give a {' or '.join(suffixes)} file name (it writes "
                          f"{'a PNG chart or a CSV table' if len(suffixes) > 1 else 'a PNG chart'})")
+    if path.lower().endswith(".png"):
+        from tokenbal.plot import pyplot
+
+        pyplot()   # before the work: "plots need matplotlib" came after the whole simulation / trace read
     if os.path.isdir(path):   # else found only when the file is written, after the work
         raise UsageError(f"{option} {path} is a folder; give a file name in it")
     folder = os.path.dirname(os.path.abspath(path))
