@@ -507,6 +507,18 @@ def test_png_outputs_without_matplotlib_are_refused_before_the_work(clean, tmp_p
     assert done.stderr == "tokenbal profile: error: plots need matplotlib: pip install 'tokenbal[plot]'\n"
 
 
+def test_simulate_padded_without_transformers_says_which_row_is_missing(clean, tmp_path):
+    """Without transformers the batch_rebalance row was silently absent from the --padded table (its
+    --help names it); now a note under the table says why."""
+    _, index = clean
+    done = run_without(["transformers"], ["plan", "simulate", "--index", index, "--world-size", "2",
+                                          "--global-batch-size", "4", "-q", "--padded"], tmp_path)
+    assert done.returncode == 0 and done.stderr == ""
+    assert "batch_rebalance (transformers)  " not in done.stdout
+    assert done.stdout.splitlines()[-1] == ("note: no batch_rebalance (transformers) row: transformers is "
+                                            "not installed (pip install 'tokenbal[hf]')")
+
+
 def test_processor_and_tokenizer_without_their_packages_name_the_extra(text_rows, tmp_path):
     (tmp_path / "proc").mkdir()
     done = run_without(["transformers"], ["index", "build", text_rows, "--processor", str(tmp_path / "proc"),

@@ -69,11 +69,13 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
         raise ValueError(f"padded_comparison {padded_batch_error(R, N, k)}")
     b = N // (R * k)
     plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed, progress=progress)}
+    left_out = None
     try:
         plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed,
                                                                        progress=progress)
     except ImportError:
-        pass
+        # Said under the table: the row was silently absent (what --help promises was not there).
+        left_out = _batch_rebalance_missing()
     plans["tokenbal (cost tokens)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed)
     plans["tokenbal (cost padded)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed,
                                                  cost="padded")
@@ -91,7 +93,19 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
         packed = int(plan.micro_tokens(lens).max(1).sum())
         lines.append(f"{name:<34}{r['sum_max_padded']:14d}{r['padded_over_real']:12.3f}{r['peak_padded']:9d}"
                      f"{packed:14d}{plan.num_steps:7d}")
+    if left_out:
+        lines.append(f"note: no batch_rebalance (transformers) row: {left_out}")
     return "\n".join(lines)
+
+
+def _batch_rebalance_missing() -> str:
+    """Why transformers' BatchRebalanceSampler cannot run here."""
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed (pip install 'tokenbal[hf]')"
+    return (f"transformers {getattr(transformers, '__version__', '?')} has no "
+            "transformers.trainer_pt_utils.BatchRebalanceSampler (5.19, 5.24 and 5.25 have it)")
 
 
 def padded_batch_error(num_replicas: int, global_batch_size: int, grad_accum: int) -> str:
