@@ -72,26 +72,6 @@ def test_parts_merge_to_the_single_build(corpus, single, tmp_path):
         merge_indexes(tmp_path / "m5", [parts[1], tmp_path / "other", parts[0]])
 
 
-def test_merging_into_one_of_the_parts_is_refused(corpus, tmp_path, capsys):
-    # `tokenbal index merge part-0 part-0 part-1` wrote the merged index over part 0 (exit 0): the part
-    # was gone, and merging the split again said part-0 "is not a part index".
-    src = os.path.join(corpus.root, "data-*.tar")
-    for i in range(2):
-        build_index([src], tmp_path / f"part-{i}", progress=False, part=(i, 2))
-    before = TokenIndex.open(tmp_path / "part-0").manifest
-    part0, part1 = str(tmp_path / "part-0"), str(tmp_path / "part-1")
-    code = main(["index", "merge", part0, part0, part1, "-q"])
-    out, err = capsys.readouterr()
-    assert code == 2 and out == ""
-    assert err == (f"tokenbal index merge: error: merge: the output folder {part0} is one of the parts "
-                   f"({part0}); merging into it would replace that part: give a new folder\n")
-    assert TokenIndex.open(tmp_path / "part-0").manifest == before
-    # the same folder spelled another way is still that part
-    with pytest.raises(ValueError, match="is one of the parts"):
-        merge_indexes(str(tmp_path / "part-1") + "/",
-                      [tmp_path / "part-0", tmp_path / "part-0" / ".." / "part-1"])
-
-
 def test_parts_built_by_different_tokenbal_versions_are_refused(tmp_path):
     corpus = make_corpus(tmp_path / "shards", n_shards=2, samples_per_shard=2, bad=False)
     src = os.path.join(corpus.root, "data-*.tar")
