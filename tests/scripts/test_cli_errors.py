@@ -245,6 +245,24 @@ def test_simulate_padded_says_n_a_for_a_baseline_without_a_whole_step(clean, cap
     assert all(int(row[-1]) >= 1 for name, row in rows.items() if name != "DistributedSampler")
 
 
+def test_a_file_given_for_the_index_folder_is_named_a_file(clean, capsys):
+    """A shard or the manifest given where the index folder goes said "index folder not found: X" of a
+    path that exists."""
+    corpus, index = clean
+    shard = corpus.shards[0]
+    code, out, err = run(["plan", "simulate", "--index", shard, "--world-size", "2",
+                          "--global-batch-size", "4"], capsys)
+    assert code == 2 and out == ""
+    assert err == (SIMULATE + f"{shard} is a file, not an index folder (give the folder `tokenbal index "
+                   "build --out` wrote)\n")
+    manifest = os.path.join(index, "manifest.json")
+    for command in (["index", "stats", manifest], ["index", "verify", manifest, "-q"]):
+        code, out, err = run(command, capsys)
+        assert code == 2 and out == ""
+        assert err == (f"tokenbal index {command[1]}: error: {manifest} is a file, not an index folder; give "
+                       f"its folder {os.path.abspath(index)}\n")
+
+
 def test_an_index_without_its_errors_file_is_named_damaged(clean, tmp_path, capsys):
     """errors.jsonl removed: stats and export said "[Errno 2] No such file or directory: ..." (verify
     already said "index file missing")."""

@@ -484,6 +484,12 @@ def _check_row(i: int, n: int) -> int:
 def read_manifest(path: str) -> dict:
     file = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
+        if os.path.exists(path):
+            # A shard or the manifest itself given for the folder: "not found" sent one looking for it.
+            folder = os.path.dirname(os.path.abspath(path))
+            inside = (f"; give its folder {folder}" if os.path.basename(path) == MANIFEST
+                      else " (give the folder `tokenbal index build --out` wrote)")
+            raise FileNotFoundError(f"{path} is a file, not an index folder{inside}")
         raise FileNotFoundError(f"index folder not found: {path}")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path} is not a tokenbal index (no {MANIFEST})")
