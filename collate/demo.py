@@ -256,8 +256,13 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
+# What the demo writes and trains with (the CLI checks --ranks / --train-samples against them).
+DEMO_SAMPLES = 256
+DEMO_GLOBAL_BATCH = 8
+
+
 def run_demo(workdir: str | None = None, train_samples: int = 32, ranks: int = 2, seed: int = 0,
-             num_samples: int = 256, global_batch_size: int = 8, repeats: int = 2,
+             num_samples: int = DEMO_SAMPLES, global_batch_size: int = DEMO_GLOBAL_BATCH, repeats: int = 2,
              model: str | None = None) -> int:
     """``model``: a config.json of any :data:`MODEL_CLASSES` family, randomly initialised (default: the
     tiny Qwen2-VL); the index is built with that family's token rule. Each sampler trains ``repeats``

@@ -141,6 +141,12 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
     settings = PlanSettings.from_layout(_layout(args.world_size, args.sp_size),
                                         global_batch_size=args.global_batch_size, grad_accum=args.grad_accum)
     replicas = settings.num_replicas
+    if args.padded and args.seed > _TORCH_SEED_MAX:
+        raise UsageError(_torch_seed_error(args.seed, "--padded runs torch's DistributedSampler and "
+                                                      "transformers' BatchRebalanceSampler"))
+    if args.padded and settings.global_batch_size % (replicas * settings.grad_accum):
+        # Refused here: after the index read and the first table it came as an error below a report.
+        raise UsageError(_padded_batch_error(replicas, settings.global_batch_size, settings.grad_accum))
     index = TokenIndex.open(args.index)
     if len(index) == 0:
         # The planner would say "1 ranks but only 0 samples ... simulate at most 0 ranks".
@@ -169,6 +175,20 @@ def _cmd_plan_simulate(args: argparse.Namespace) -> int:
         _write_plot(sim, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+# torch.Generator.manual_seed takes seeds up to 2**64 - 1 ("Overflow when unpacking long long" above).
+_TORCH_SEED_MAX = 2**64 - 1
+
+
+def _torch_seed_error(seed: int, who: str) -> str:
+    return f"--seed {seed}: {who}, whose torch generators take seeds up to 2**64 - 1 ({_TORCH_SEED_MAX})"
+
+
+def _padded_batch_error(replicas: int, global_batch: int, grad_accum: int) -> str:
+    from tokenbal.balance.baselines import padded_batch_error
+
+    return f"--padded: {padded_batch_error(replicas, global_batch, grad_accum)}"
 
 
 def _layout(world_size: int, sp_size: int) -> ParallelLayout:
@@ -218,9 +238,17 @@ def _check_output_file(option: str, path: str | None, suffixes: tuple[str, ...])
     if not path.lower().endswith(suffixes):
         raise UsageError(f"{option} {path}: give a {' or '.join(suffixes)} file name (it writes "
                          f"{'a PNG chart or a CSV table' if len(suffixes) > 1 else 'a PNG chart'})")
+    if path.lower().endswith(".png"):
+        from tokenbal.plot import pyplot
+
+        pyplot()   # before the work: "plots need matplotlib" came after the whole simulation / trace read
+    if os.path.isdir(path):   # else found only when the file is written, after the work
+        raise UsageError(f"{option} {path} is a folder; give a file name in it")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{option} {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {path}: folder {folder} is not writable")
 
 
 def _write_plot(sim, path: str) -> None:
@@ -248,8 +276,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     # Checked here, once: without it each rank's process would fail with its own traceback.
     require("transformers", "tokenbal demo (it trains a tiny model with transformers' classes)")
-    from collate.demo import MODEL_CLASSES, run_demo
+    from collate.demo import DEMO_GLOBAL_BATCH, DEMO_SAMPLES, MODEL_CLASSES, run_demo
 
+    # Checked before minutes of data generation: each rank failed on its own ("batch_size should be a
+    # positive integer value, but got batch_size=0", one traceback per rank), or the epoch was silently
+    # the 256 samples written while the report said --train-samples.
+    if DEMO_GLOBAL_BATCH % args.ranks:
+        raise UsageError(f"--ranks {args.ranks}: the demo trains {DEMO_GLOBAL_BATCH} samples per step, which "
+                         f"the ranks must divide (DistributedSampler takes {DEMO_GLOBAL_BATCH} / ranks per "
+                         "rank); give 1, 2, 4 or 8")
+    if not args.ranks <= args.train_samples <= DEMO_SAMPLES:
+        raise UsageError(f"--train-samples {args.train_samples}: the demo writes {DEMO_SAMPLES} samples and "
+                         f"each of the {args.ranks} ranks needs one; give {args.ranks} to {DEMO_SAMPLES}")
+    if args.seed > _TORCH_SEED_MAX:
+        raise UsageError(_torch_seed_error(args.seed, "the demo seeds torch (the model's weights)"))
+    if args.workdir is not None and os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise UsageError(f"--workdir {args.workdir} is a file; give a folder (created if missing)")
     if args.model_config is not None:
         # Fail before minutes of data generation, not after them.
         import json
@@ -606,7 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --cost flops: also report Σ_stage max_rank / ideal per step (FSDP waits for "
                           "the slowest rank in the vision tower and again in the LLM), with and without "
                           "balancing the two stages separately")
-    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    sim.add_argument("--seed", type=_NON_NEGATIVE, default=0,
+                     help="seed of the epoch's order: tokenbal's plan and every baseline's permutation "
+                          "(default 0)")
     sim.add_argument("--baseline-steps", type=_NON_NEGATIVE, default=500,
                      help="steps simulated for the per-step LPT/KK baselines (default 500)")
     sim.add_argument("--padded", action="store_true",
@@ -653,16 +697,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "against transformers.")
     demo.add_argument("--workdir", default=None, help="keep the generated data here (default: a temp dir)")
     demo.add_argument("--train-samples", type=_POSITIVE, default=32,
-                      help="samples in the training epoch run with each sampler (default 32)")
+                      help="samples in the training epoch run with each sampler, from --ranks to the 256 "
+                           "written (default 32)")
     demo.add_argument("--repeats", type=_POSITIVE, default=2,
                       help="epochs per sampler, alternating between the two, for the speed-up and its noise "
                            "(default 2)")
-    demo.add_argument("--ranks", type=_POSITIVE, default=2, help="CPU ranks for the FSDP2 part")
+    demo.add_argument("--ranks", type=_POSITIVE, default=2,
+                      help="CPU ranks for the FSDP2 part: 1, 2, 4 or 8, dividing its global batch of 8 "
+                           "(default 2)")
     # dest model_config: --model of the other commands is an estimator name, checked as one in main().
     demo.add_argument("--model", dest="model_config", metavar="CONFIG.json", default=None,
                       help="a config.json (Qwen2/2.5/3-VL, LLaVA-NeXT, LLaVA-OneVision, InternVL, GLM-4.1V) "
                            "to train randomly initialised instead of the tiny Qwen2-VL")
-    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0)
+    demo.add_argument("--seed", type=_NON_NEGATIVE, default=0,
+                      help="seed of the synthetic data, the model's random weights and both samplers' "
+                           "orders (default 0)")
     demo.set_defaults(func=_cmd_demo, command_parser=demo)
     # -v after the command too (`tokenbal index verify DIR -v`, where one adds it to a failing command):
     # SUPPRESS keeps a -v given before the command when the sub-command's own is absent.

@@ -181,6 +181,105 @@ def test_plot_files_of_another_type_or_in_a_missing_folder_are_refused_before_th
     assert code == 2 and "tokenbal profile: error: --timeline " in err and "give a .png file name" in err
 
 
+def test_output_files_that_are_folders_are_refused_before_the_work(clean, tmp_path, capsys):
+    """``--plot x.csv`` / ``--timeline x.png`` naming an existing folder ran the whole simulation (or read
+    every trace), printed its report, then failed with a bare "[Errno 21] Is a directory" (exit 1)."""
+    _, index = clean
+    for name in ("ratios.csv", "ratios.png", "hist.png", "timeline.png"):
+        os.makedirs(tmp_path / name)
+    simulate = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4"]
+    for name in ("ratios.csv", "ratios.png"):
+        code, out, err = run([*simulate, "--plot", str(tmp_path / name)], capsys)
+        assert code == 2 and out == ""
+        assert err.splitlines()[-1] == SIMULATE + f"--plot {tmp_path / name} is a folder; give a file name " \
+                                                  "in it"
+    code, out, err = run(["index", "stats", index, "--plot", str(tmp_path / "hist.png")], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (f"tokenbal index stats: error: --plot {tmp_path / 'hist.png'} is a "
+                                    "folder; give a file name in it")
+    code, out, err = run(["profile", str(tmp_path), "--timeline", str(tmp_path / "timeline.png")], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == f"tokenbal profile: error: --timeline {tmp_path / 'timeline.png'} is a " \
+                                   "folder; give a file name in it"
+
+
+def test_simulate_padded_batch_not_divisible_is_refused_before_the_work(clean, capsys):
+    """``--padded`` with a global batch the ranks x grad_accum do not divide: the first table was
+    printed (exit 2 under a report), the error only after it; now refused first, naming the numbers."""
+    _, index = clean
+    code, out, err = run(["plan", "simulate", "--index", index, "--world-size", "2",
+                          "--global-batch-size", "8", "--grad-accum", "3", "--padded", "-q"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (SIMULATE + "--padded: needs a global batch size divisible by ranks x "
+                                    "grad_accum (2 x 3 = 6), got 8: the padded baselines take per-device "
+                                    "batches of global / (ranks x grad_accum)")
+
+
+def test_simulate_padded_seed_beyond_torch_generators_is_refused_before_the_work(clean, capsys):
+    """``--seed 2**64 --padded``: the first table, then "error: Overflow when unpacking long long" (from
+    torch.Generator.manual_seed); without --padded the seed only feeds numpy and stays accepted."""
+    _, index = clean
+    simulate = ["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size", "4", "-q"]
+    code, out, err = run([*simulate, "--seed", str(2**64), "--padded"], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1] == (SIMULATE + f"--seed {2**64}: --padded runs torch's DistributedSampler "
+                                    "and transformers' BatchRebalanceSampler, whose torch generators take "
+                                    f"seeds up to 2**64 - 1 ({2**64 - 1})")
+    assert run([*simulate, "--seed", str(2**64)], capsys)[0] == 0
+
+
+def test_simulate_padded_says_n_a_for_a_baseline_without_a_whole_step(clean, capsys):
+    """12 samples on 2 ranks, 4 per device, 3 micro-batches per step: each rank's DistributedSampler has
+    6 samples, 2 batches, no whole optimizer step. Its row read 0 / 0.000 / 0 / 0 (the best figures
+    in the table) for a baseline that ran no step; now n/a with 0 steps, and every row has its steps."""
+    pytest.importorskip("transformers")
+    _, index = clean
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "2",
+                        "--global-batch-size", "24", "--grad-accum", "3", "--padded", "-q"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("method") and "Σ max padded" in line)
+    assert lines[head].split()[-1] == "steps"
+    rows = {line[:34].strip(): line[34:].split() for line in lines[head + 1:]}
+    assert rows["DistributedSampler"] == ["n/a", "n/a", "n/a", "n/a", "0"]
+    assert all(int(row[-1]) >= 1 for name, row in rows.items() if name != "DistributedSampler")
+
+
+def test_a_file_given_for_the_index_folder_is_named_a_file(clean, capsys):
+    """A shard or the manifest given where the index folder goes said "index folder not found: X" of a
+    path that exists."""
+    corpus, index = clean
+    shard = corpus.shards[0]
+    code, out, err = run(["plan", "simulate", "--index", shard, "--world-size", "2",
+                          "--global-batch-size", "4"], capsys)
+    assert code == 2 and out == ""
+    assert err == (SIMULATE + f"{shard} is a file, not an index folder (give the folder `tokenbal index "
+                   "build --out` wrote)\n")
+    manifest = os.path.join(index, "manifest.json")
+    for command in (["index", "stats", manifest], ["index", "verify", manifest, "-q"]):
+        code, out, err = run(command, capsys)
+        assert code == 2 and out == ""
+        assert err == (f"tokenbal index {command[1]}: error: {manifest} is a file, not an index folder; give "
+                       f"its folder {os.path.abspath(index)}\n")
+
+
+def test_an_index_without_its_errors_file_is_named_damaged(clean, tmp_path, capsys):
+    """errors.jsonl removed: stats and export said "[Errno 2] No such file or directory: ..." (verify
+    already said "index file missing")."""
+    import shutil
+
+    _, index = clean
+    copy = tmp_path / "idx"
+    shutil.copytree(index, copy)
+    os.remove(copy / "errors.jsonl")
+    for command in (["index", "stats", str(copy)],
+                    ["index", "export", str(tmp_path / "out"), "--index", str(copy)]):
+        code, out, err = run(command, capsys)
+        assert code == 2 and out == ""
+        assert err.strip() == (f"tokenbal index {command[1]}: error: index file missing: "
+                               f"{copy / 'errors.jsonl'} (rebuild the index)")
+
+
 # --- plan simulate: ranks beyond the samples, step counts explained -------------------------------
 
 def test_simulate_refuses_more_ranks_than_samples(clean, capsys):
@@ -221,6 +320,13 @@ def test_simulate_says_why_step_counts_differ(clean, capsys):
     rows = {line[:34].strip(): line[34:].split() for line in out.splitlines()}
     assert rows["DistributedSampler"] == ["n/a", "n/a", "n/a", "0"] == rows["per-step LPT"]
     assert rows["tokenbal"][-1] == "1" and "note: n/a: 12 samples do not fill one step of 16" in out
+    # With grad_accum the planner merges a last step of fewer samples than ranks x micro-batches: the
+    # note said "a last step of 4 samples, fewer than the 2 ranks" (4 is not fewer than 2).
+    code, out, _ = run(["plan", "simulate", "--index", index, "--world-size", "2", "--global-batch-size",
+                        "8", "--grad-accum", "3", "-q"], capsys)
+    assert code == 0
+    assert ("tokenbal plans every sample: 1 step(s), the last with 12 samples (a last step of 4 samples, "
+            "fewer than the 2 ranks x 3 micro-batches, is merged into it)") in out
 
 
 # --- index build: exit status, other settings ------------------------------------------------------
@@ -401,6 +507,36 @@ def text_rows(tmp_path):
     return str(rows)
 
 
+def test_png_outputs_without_matplotlib_are_refused_before_the_work(clean, tmp_path):
+    """``plan simulate --plot r.png`` / ``profile --timeline t.png`` without matplotlib ran the whole
+    simulation (minutes with --padded at scale) or read every trace, printed the report, then said
+    "plots need matplotlib" (exit 1); now said first, nothing printed."""
+    _, index = clean
+    done = run_without(["matplotlib"], ["plan", "simulate", "--index", index, "--world-size", "2",
+                                        "--global-batch-size", "4", "-q", "--plot", str(tmp_path / "r.png")],
+                       tmp_path)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == SIMULATE + "plots need matplotlib: pip install 'tokenbal[plot]'\n"
+    (tmp_path / "traces").mkdir()
+    done = run_without(["matplotlib"], ["profile", str(tmp_path / "traces"), "-q", "--timeline",
+                                        str(tmp_path / "t.png")], tmp_path)
+    # (an empty folder: the trace read would have been the error; the missing extra comes first now)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == "tokenbal profile: error: plots need matplotlib: pip install 'tokenbal[plot]'\n"
+
+
+def test_simulate_padded_without_transformers_says_which_row_is_missing(clean, tmp_path):
+    """Without transformers the batch_rebalance row was silently absent from the --padded table (its
+    --help names it); now a note under the table says why."""
+    _, index = clean
+    done = run_without(["transformers"], ["plan", "simulate", "--index", index, "--world-size", "2",
+                                          "--global-batch-size", "4", "-q", "--padded"], tmp_path)
+    assert done.returncode == 0 and done.stderr == ""
+    assert "batch_rebalance (transformers)  " not in done.stdout
+    assert done.stdout.splitlines()[-1] == ("note: no batch_rebalance (transformers) row: transformers is "
+                                            "not installed (pip install 'tokenbal[hf]')")
+
+
 def test_processor_and_tokenizer_without_their_packages_name_the_extra(text_rows, tmp_path):
     (tmp_path / "proc").mkdir()
     done = run_without(["transformers"], ["index", "build", text_rows, "--processor", str(tmp_path / "proc"),
@@ -420,6 +556,31 @@ def test_demo_without_transformers_is_one_line(tmp_path):
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr == (DEMO + "tokenbal demo (it trains a tiny model with transformers' "
                            "classes) need transformers, which is not installed: pip install 'tokenbal[hf]'\n")
+
+
+@pytest.mark.parametrize("extra, message", [
+    # each of 16 ranks failed on its own after the data was written (batch_size=0, a traceback per rank)
+    (["--ranks", "16"], "--ranks 16: the demo trains 8 samples per step, which the ranks must divide "
+                        "(DistributedSampler takes 8 / ranks per rank); give 1, 2, 4 or 8"),
+    (["--ranks", "3"], "--ranks 3: the demo trains 8 samples per step"),
+    # the epoch was the 256 samples written while the report said 1000
+    (["--train-samples", "1000"], "--train-samples 1000: the demo writes 256 samples and each of the 2 ranks "
+                                  "needs one; give 2 to 256"),
+    (["--ranks", "4", "--train-samples", "2"], "--train-samples 2: the demo writes 256 samples and each of "
+                                               "the 4 ranks needs one; give 4 to 256"),
+    # "[Errno 20] Not a directory: 'FILE/shards'" (exit 1) after the first line of the demo
+    (["--workdir", "FILE"], "--workdir FILE is a file; give a folder (created if missing)"),
+    # torch.manual_seed in every rank: "Overflow when unpacking long long"
+    (["--seed", str(2**64)], f"--seed {2**64}: the demo seeds torch (the model's weights), whose torch "
+                             "generators take seeds up to 2**64 - 1"),
+])
+def test_demo_settings_it_cannot_run_are_refused_before_the_work(tmp_path, capsys, extra, message):
+    pytest.importorskip("transformers")
+    (tmp_path / "afile").write_text("")
+    extra = [str(tmp_path / "afile") if a == "FILE" else a for a in extra]
+    code, out, err = run(["demo", *extra], capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines()[-1].startswith(DEMO + message.replace("FILE", str(tmp_path / "afile")))
 
 
 def test_processor_mistakes_are_named(text_rows, tmp_path, capsys):

@@ -10,13 +10,14 @@ simulate --padded``, ``scripts/bench_balance.py --padded``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 __all__ = ["padded_micro_tokens", "padded_summary", "padded_comparison", "batch_rebalance_plan",
-           "distributed_sampler_plan"]
+           "distributed_sampler_plan", "distributed_sampler_indices"]
 
 
 def padded_micro_tokens(plan: Any, lengths: np.ndarray) -> np.ndarray:
@@ -58,34 +59,61 @@ def padded_comparison(lengths: Any, num_replicas: int, global_batch_size: int, g
     """The table ``tokenbal plan simulate --padded`` prints: padded and packed cost of
     DistributedSampler, transformers' BatchRebalanceSampler (when transformers has it) and tokenbal's
     plans (token cost, padded cost), on the same lengths. ``progress(done, total, unit)``: the
-    DistributedSampler's ranks, then the BatchRebalanceSampler's steps (the long part: its balancing
-    is a Python loop per step)."""
+    DistributedSampler's ranks (once, all from one permutation), then the BatchRebalanceSampler's
+    steps (the long part). Each row has its step count; a plan with no whole step reads n/a."""
     from tokenbal.balance.plan import plan_epoch
 
     lens = np.asarray(getattr(lengths, "lengths", lengths), np.int64)
     R, N, k = int(num_replicas), int(global_batch_size), int(grad_accum)
     if N % (R * k):
-        raise ValueError(f"--padded needs a global batch size divisible by ranks x grad_accum ({R * k}): the "
-                         "padded baselines take per-device batches of global / (ranks x grad_accum)")
+        raise ValueError(f"padded_comparison {padded_batch_error(R, N, k)}")
     b = N // (R * k)
     plans = {"DistributedSampler": distributed_sampler_plan(lens, R, b, k, seed=seed, progress=progress)}
+    left_out = None
     try:
         plans["batch_rebalance (transformers)"] = batch_rebalance_plan(lens, R, b, k, seed=seed,
                                                                        progress=progress)
     except ImportError:
-        pass
+        # Said under the table: the row was silently absent (what --help promises was not there).
+        left_out = _batch_rebalance_missing()
     plans["tokenbal (cost tokens)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed)
     plans["tokenbal (cost padded)"] = plan_epoch(lens, R, global_batch_size=N, grad_accum=k, seed=seed,
                                                  cost="padded")
     lines = [f"padded micro-batches of {b} per rank (each padded to its longest sample), {k} per step; "
              "packed = the same batches with no padding",
-             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"]
+             f"{'method':<34}{'Σ max padded':>14}{'padded/real':>12}{'peak':>9}{'Σ max packed':>14}"
+             f"{'steps':>7}"]
     for name, plan in plans.items():
+        if not plan.num_steps:
+            # No whole step (DistributedSampler keeps whole optimizer steps only): zeros would read as
+            # the best row, n/a as in the first table.
+            lines.append(f"{name:<34}{'n/a':>14}{'n/a':>12}{'n/a':>9}{'n/a':>14}{0:7d}")
+            continue
         r = padded_summary(plan, lens)
         packed = int(plan.micro_tokens(lens).max(1).sum())
         lines.append(f"{name:<34}{r['sum_max_padded']:14d}{r['padded_over_real']:12.3f}{r['peak_padded']:9d}"
-                     f"{packed:14d}")
+                     f"{packed:14d}{plan.num_steps:7d}")
+    if left_out:
+        lines.append(f"note: no batch_rebalance (transformers) row: {left_out}")
     return "\n".join(lines)
+
+
+def _batch_rebalance_missing() -> str:
+    """Why transformers' BatchRebalanceSampler cannot run here."""
+    try:
+        import transformers
+    except ImportError:
+        return "transformers is not installed (pip install 'tokenbal[hf]')"
+    return (f"transformers {getattr(transformers, '__version__', '?')} has no "
+            "transformers.trainer_pt_utils.BatchRebalanceSampler (5.19, 5.24 and 5.25 have it)")
+
+
+def padded_batch_error(num_replicas: int, global_batch_size: int, grad_accum: int) -> str:
+    """Why a global batch the padded baselines cannot split into per-device batches is refused."""
+    R, k = int(num_replicas), int(grad_accum)
+    return (f"needs a global batch size divisible by ranks x grad_accum ({R} x {k} = {R * k}), got "
+            f"{global_batch_size}: the padded baselines take per-device batches of global / (ranks x "
+            "grad_accum)")
 
 
 def _plan_from_lists(per_rank: list[list[list[int]]], R: int, k: int) -> Any:
@@ -136,6 +164,11 @@ def batch_rebalance_plan(lengths: np.ndarray, num_replicas: int, per_device_batc
             def _yield_global_batch(self, batch_indices: list[int]) -> Iterator[Any]:
                 yield self._assign(batch_indices, [self.lengths[i] for i in batch_indices])
 
+        if _balance_is_ported(BatchRebalanceSampler):
+            # The same balancing, on arrays (the class's own recomputes every group's cost in Python
+            # at each one-sample move: ~85 % of this baseline at 1M samples on 512 ranks).
+            EveryRank._balance_groups = _balance_groups_on_arrays
+
         for rank_mbs in sampler(EveryRank, 0):
             for r in range(R):
                 per_rank[r].extend(list(mb) for mb in rank_mbs[r])
@@ -164,6 +197,101 @@ def _hands_out_steps(cls: type) -> bool:
     return list(hook) == ["self", "batch_indices"] and list(assign) == ["self", "indices", "lengths"]
 
 
+# transformers' BatchRebalanceSampler balancing (5.19-5.25, the same source in each, read there):
+# sha256 of the source of these methods, which _balance_groups_on_arrays ports. A class whose source
+# differs runs its own (slow, but its own result).
+_BALANCE_METHODS = ("_cost", "_group_cost", "_groups_costs_from", "_slot_groups", "_relieve_and_freeze",
+                    "_balance_groups")
+_BALANCE_SOURCE_SHA256 = "b110b9b6aa63d6fcfe9ad5c3677c6a0175fae449e84e2f7495948c992e1c863d"
+
+
+def _balance_is_ported(cls: type) -> bool:
+    """Whether ``cls``'s balancing is the source :func:`_balance_groups_on_arrays` ports."""
+    import hashlib
+    import inspect
+
+    try:
+        source = "".join(inspect.getsource(getattr(cls, name)) for name in _BALANCE_METHODS)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return (hashlib.sha256(source.encode()).hexdigest() == _BALANCE_SOURCE_SHA256
+            and getattr(cls, "QUADRATIC_COST_COEF", None) == 0.001)
+
+
+def _balance_groups_on_arrays(sampler: Any, sorted_pairs: list[tuple[int, int]]
+                              ) -> list[list[tuple[int, int]]]:
+    """``BatchRebalanceSampler._balance_groups(sorted_pairs)`` step for step, its group counts and
+    costs held in arrays: the same moves, ties broken the same way (first index of a max / min, a
+    stable sort for the cost ranking, the slot's groups visited in the order of the same Python
+    set), the same float costs (``bs * L + coef * bs * L * L``, evaluated in that order), so the same
+    groups (``test_padded.py::test_balance_groups_on_arrays_is_the_class_own``)."""
+    n = len(sorted_pairs)
+    K = sampler.dp_size * sampler.grad_accum
+    if n < K:
+        raise ValueError(f"Not enough samples ({n}) to fill {K} groups with at least 1 sample(s) each. "
+                         "Reduce effective_batch_size or increase the dataset size.")
+    coef = sampler.QUADRATIC_COST_COEF
+    longest = np.zeros(n + 1, np.int64)         # a group's first (longest) sample; 0 past the end
+    longest[:n] = [length for _, length in sorted_pairs]
+    counts = np.full(K, n // K, np.int64)
+    counts[:n % K] += 1
+    starts = np.zeros(K, np.int64)
+
+    def group_costs(c: np.ndarray) -> np.ndarray:
+        np.cumsum(c[:-1], out=starts[1:])
+        top = longest[starts]
+        return c * top + coef * c * top * top      # 0.0 for an empty group, as _group_cost
+
+    frozen = np.zeros(K, bool)
+    seen: set[bytes] = set()
+    best_spread, best_counts = float("inf"), counts.copy()
+    for _ in range(max(K * 30, sampler.effective_batch_size)):
+        key = counts.tobytes()
+        if key in seen:
+            break
+        seen.add(key)
+        costs = group_costs(counts)
+        active = np.flatnonzero(~frozen)
+        if len(active) <= 1:
+            break
+        active_costs = costs[active]
+        hi, lo = active[int(np.argmax(active_costs))], active[int(np.argmin(active_costs))]
+        spread = costs[hi] - costs[lo]
+        if spread < best_spread:
+            best_spread, best_counts = spread, counts.copy()
+        if costs[hi] == costs[lo]:
+            break
+        if counts[hi] > 1:
+            # The cheapest active group (first of a stable ascending sort) takes one sample.
+            counts[hi] -= 1
+            counts[lo] += 1
+            continue
+        # _slot_groups: hi's slot in the descending cost ranking, as the same set.
+        ranking = np.argsort(-costs, kind="stable").tolist()
+        slot = ranking.index(int(hi)) // sampler.dp_size * sampler.dp_size
+        members = set(ranking[slot:slot + sampler.dp_size])
+        cap = costs[hi]
+        outside = np.ones(K, bool)
+        outside[list(members)] = False
+        for gi in members:   # _relieve_and_freeze
+            if frozen[gi] or gi == hi:
+                continue
+            while True:
+                costs_now = group_costs(counts)
+                top = int(longest[counts[:gi].sum()]) if counts[gi] > 0 else 0
+                if sampler._cost(int(counts[gi]) + 1, top) > cap:
+                    break
+                donors = np.flatnonzero(~frozen & outside & (counts > 1))
+                if not len(donors):
+                    break
+                donor = donors[int(np.argmin(costs_now[donors]))]
+                counts[gi] += 1
+                counts[donor] -= 1
+        frozen[list(members)] = True
+    bounds = np.concatenate([[0], np.cumsum(best_counts)]).tolist()
+    return [sorted_pairs[bounds[i]:bounds[i + 1]] for i in range(K)]
+
+
 class _StepMarks:
     """``progress(done, total, "steps")`` about every 1 % of ``total`` steps, and once at the end."""
 
@@ -181,25 +309,66 @@ class _StepMarks:
             self.progress(self.total, self.total, "steps")
 
 
+def distributed_sampler_indices(num_samples: int, num_replicas: int, *, shuffle: bool = True, seed: int = 0,
+                                epoch: int = 0, drop_last: bool = False) -> np.ndarray:
+    """(num_replicas, per-rank count) int64: row r is what torch's ``DistributedSampler(range(num_samples),
+    num_replicas, rank=r, shuffle, seed, drop_last)`` yields after ``set_epoch(epoch)``, every rank from
+    one permutation (a real sampler per rank draws the same permutation R times: 20 s at 1M samples on
+    512 ranks). Its steps, read in torch 2.13's ``DistributedSampler.__iter__``: ``randperm(n)`` from a
+    generator seeded ``seed + epoch`` (``arange`` without shuffle); without drop_last, padded to a
+    multiple of the ranks by repeating the order from its head (cyclically, when it is shorter than
+    the padding); with drop_last, cut to that multiple; then rank r takes ``[r::R]``."""
+    import torch
+
+    n, R = int(num_samples), int(num_replicas)
+    if R < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if n < 0:
+        raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+    if drop_last and n % R:
+        per_rank = math.ceil((n - R) / R)          # torch's expression (0 when n < R)
+    else:
+        per_rank = math.ceil(n / R)
+    total = per_rank * R
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(n, generator=g).numpy().astype(np.int64, copy=False)
+    else:
+        order = np.arange(n, dtype=np.int64)
+    # np.resize repeats the order cyclically to `total` (the padding) or cuts it (drop_last).
+    order = np.resize(order, total) if total else np.zeros(0, np.int64)
+    return order.reshape(per_rank, R).T
+
+
 def distributed_sampler_plan(lengths: np.ndarray, num_replicas: int, per_device_batch: int,
                              grad_accum: int = 1, *, seed: int = 0, epoch: int = 0,
                              progress: Callable[[int, int, str], None] | None = None) -> Any:
     """``DistributedSampler(shuffle=True, drop_last=False)`` + ``per_device_batch`` batches per rank,
     as the Trainer's default loader does: a seeded permutation padded by repeating its head to a
-    multiple of the ranks, rank r taking every R-th sample; a last short batch is kept.
-    ``progress(done, total, "ranks")``: each rank's sampler is one permutation of the whole epoch
-    (~40 ms at 1M samples, 20 s for 512 ranks)."""
-    from torch.utils.data import BatchSampler, DistributedSampler
-
+    multiple of the ranks, rank r taking every R-th sample; a last short batch is kept. Every rank's
+    part comes from one permutation (:func:`distributed_sampler_indices`);
+    ``progress(R, R, "ranks")`` once, when all ranks are done."""
     R, k, b = int(num_replicas), int(grad_accum), int(per_device_batch)
+    if b < 1 or k < 1:
+        raise ValueError(f"per_device_batch and grad_accum must be >= 1, got {b} and {k}")
     n = len(np.asarray(getattr(lengths, "lengths", lengths)))
-    per_rank = []
-    for r in range(R):
-        ds = DistributedSampler(range(n), num_replicas=R, rank=r, shuffle=True, seed=seed, drop_last=False)
-        ds.set_epoch(epoch)
-        per_rank.append([list(x) for x in BatchSampler(ds, b, drop_last=False)])
-        if progress is not None:
-            progress(r + 1, R, "ranks")
+    rows = distributed_sampler_indices(n, R, seed=seed, epoch=epoch)
+    per_rank = rows.shape[1]
+    batches = -(-per_rank // b)                         # BatchSampler(drop_last=False): a short last one
     # Whole optimizer steps only (the Trainer also runs a last partial one, with fewer micro-batches).
-    m = len(per_rank[0]) - len(per_rank[0]) % k
-    return _plan_from_lists([p[:m] for p in per_rank], R, k)
+    kept = batches - batches % k
+    steps = kept // k
+    # Every rank's batches as (R, kept, b), the short last one padded with -1 and the holes dropped.
+    padded = np.full((R, batches * b), -1, np.int64)
+    padded[:, :per_rank] = rows
+    grid = padded.reshape(R, batches, b)[:, :kept].reshape(R, steps, k, b).transpose(1, 0, 2, 3)
+    sizes = (grid >= 0).sum(3).ravel()
+    flat = grid.ravel()
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if progress is not None:
+        progress(R, R, "ranks")
+    from tokenbal.balance.plan import EpochPlan
+
+    return EpochPlan(R, flat[flat >= 0], offsets, grad_accum=k)

@@ -162,7 +162,7 @@ def _row(name: str, r: np.ndarray) -> str:
 
 
 def step_count_notes(num_samples: int, world_size: int, global_batch_size: int, plan_step_sizes: np.ndarray,
-                     baseline_steps: int | None) -> tuple[str, ...]:
+                     baseline_steps: int | None, grad_accum: int = 1) -> tuple[str, ...]:
     """Why the simulated methods have different step counts, worded for ``Simulation.table``.
 
     DistributedSampler-style sharding gives each rank ``n // R`` samples and ``N // R`` of them per
@@ -195,7 +195,9 @@ def step_count_notes(num_samples: int, world_size: int, global_batch_size: int, 
         plan = (f"tokenbal plans every sample: {len(sizes)} step(s)"
                 + (f", the last with {sizes[-1]} samples" if sizes and sizes[-1] != N else ""))
         if sizes and len(sizes) < -(-n // N):
-            plan += f" (a last step of {n % N} samples, fewer than the {R} ranks, is merged into it)"
+            # The planner merges a last step with fewer samples than micro-batches (ranks x grad_accum).
+            slots = f"the {R} ranks" if grad_accum == 1 else f"the {R} ranks x {grad_accum} micro-batches"
+            plan += f" (a last step of {n % N} samples, fewer than {slots}, is merged into it)"
         notes.append(f"step counts differ: {'; '.join(why + [plan])}")
     if baseline_steps is not None and kk_steps > baseline_steps:
         notes.append(f"per-step LPT/KK: only the first {baseline_steps} of their {kk_steps} steps are "
@@ -263,7 +265,7 @@ def simulate(lengths: object, world_size: int, global_batch_size: int, *, grad_a
         stage_dt = time.perf_counter() - t0
         planned(2)
         stage_ratios["tokenbal + stages"] = step_stage_balance(plan_stage_costs(staged, sc))
-    notes = step_count_notes(len(c), R, N, plan.counts().sum(1), baseline_steps)
+    notes = step_count_notes(len(c), R, N, plan.counts().sum(1), baseline_steps, grad_accum=k)
     return Simulation(num_samples=len(c), world_size=R, global_batch_size=N, grad_accum=k, cost=str(name),
                       plan_seconds=dt, ratios=ratios, stage_ratios=stage_ratios, stage_plan_seconds=stage_dt,
                       notes=notes)

@@ -245,7 +245,12 @@ class TokenIndex:
     def errors(self) -> list[dict]:
         file = os.path.join(self.path, ERRORS)
         out = []
-        with open(file, encoding="utf-8") as f:
+        try:
+            f = open(file, encoding="utf-8")
+        except FileNotFoundError:
+            # As a missing column reads (a bare "[Errno 2] ..." said nothing of the index).
+            raise IndexDamagedError(f"index file missing: {file} (rebuild the index)") from None
+        with f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -479,6 +484,12 @@ def _check_row(i: int, n: int) -> int:
 def read_manifest(path: str) -> dict:
     file = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
+        if os.path.exists(path):
+            # A shard or the manifest itself given for the folder: "not found" sent one looking for it.
+            folder = os.path.dirname(os.path.abspath(path))
+            inside = (f"; give its folder {folder}" if os.path.basename(path) == MANIFEST
+                      else " (give the folder `tokenbal index build --out` wrote)")
+            raise FileNotFoundError(f"{path} is a file, not an index folder{inside}")
         raise FileNotFoundError(f"index folder not found: {path}")
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path} is not a tokenbal index (no {MANIFEST})")
@@ -526,6 +537,12 @@ def _manifest_problem(manifest: dict) -> str | None:
             return f"shards[{k}] has no 'path'"
         if not isinstance(entry["path"], str):
             return f"shards[{k}].path is {kind(entry['path'])}, not a string"
+        # stats counts the statuses (a missing or null one was a KeyError / TypeError traceback there)
+        if not isinstance(entry.get("status"), str):
+            return f"shards[{k}] has no 'status' string"
+        failures = entry.get("n_read_failures")
+        if failures is not None and (not isinstance(failures, int) or isinstance(failures, bool)):
+            return f"shards[{k}].n_read_failures is {kind(failures)}, not an integer"
     for k, ext in enumerate(manifest["extensions"]):
         if not isinstance(ext, str):
             return f"extensions[{k}] is {kind(ext)}, not a string"

@@ -131,15 +131,28 @@ class Run:
         starts = [f.start_us for f in self.files.values() if f.start_us is not None]
         return min(starts) if starts else None
 
-    def describe(self, root: str) -> str:
+    def folders(self, root: str) -> set[str]:
+        """The folders (relative to ``root``) holding this run's traces."""
+        return {os.path.dirname(self._relative(f.path, root)) or "." for f in self.files.values()}
+
+    @staticmethod
+    def _relative(path: str, root: str) -> str:
+        return os.path.relpath(path, root) if os.path.isdir(root) else path
+
+    def describe(self, root: str, name_files: bool = False) -> str:
+        """One line: ranks (missing ones named), steps, start, and where its traces are: the folders,
+        or with ``name_files`` the files (where runs share a folder, its name tells nothing apart)."""
         size = self.world_size
         present = f"{len(self.files)} of {size} ranks" if size else f"{len(self.files)} rank(s)"
         if self.missing:
             present += f" (rank {ranks_text(self.missing)} missing)"
         steps = sorted(set().union(*(f.steps for f in self.files.values())))
-        folders = sorted({os.path.relpath(os.path.dirname(f.path), root) if os.path.isdir(root)
-                          else os.path.dirname(f.path) for f in self.files.values()})
-        where = ", ".join(folders[:3]) + (f" +{len(folders) - 3} more folders" if len(folders) > 3 else "")
+        if name_files:
+            places = [self._relative(self.files[r].path, root) for r in sorted(self.files)]
+            more = "files"
+        else:
+            places, more = sorted(self.folders(root)), "folders"
+        where = ", ".join(places[:3]) + (f" +{len(places) - 3} more {more}" if len(places) > 3 else "")
         started = _utc(self.start_us)
         return (f"run {self.number}: {present}, steps {ranks_text(steps) if steps else '-'}"
                 + (f", started {started}" if started else "") + f", in {where}")
@@ -305,7 +318,14 @@ def _no_rank(path: str, beside: TraceFile) -> str:
 
 def choose_run(runs: list[Run], root: str, run: int | None, notes: list[str]) -> Run:
     """The run to analyse: the only one, or number ``run``; the files of the others are named in ``notes``."""
-    listing = "; ".join(r.describe(root) for r in runs)
+    # Runs whose traces share a folder are told apart by their files' names ("in ." says nothing).
+    seen: set[str] = set()
+    shared = False
+    for r in runs:
+        folders = r.folders(root)
+        shared = shared or bool(folders & seen)
+        seen |= folders
+    listing = "; ".join(r.describe(root, name_files=shared) for r in runs)
     apart = [f"run {r.number} is not the run it overlaps in time: {why}" for r in runs for why in r.apart[:1]]
     if run is None:
         if len(runs) == 1:

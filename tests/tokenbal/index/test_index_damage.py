@@ -46,10 +46,15 @@ CASES = [("shards", _DROP, "no 'shards' field"),
          ("shards.0", "a.tar", "shards[0] is a str, not an object"),
          ("extensions", ["jpg", 3], "extensions[1] is an int, not a string"),
          ("estimator.name", _DROP, "estimator has no 'name'"),
-         ("num_samples", "4", "'num_samples' is a str, not an integer")]
+         ("num_samples", "4", "'num_samples' is a str, not an integer"),
+         # stats: KeyError: 'status' / TypeError ('<' between str and None), tracebacks, exit 1
+         ("shards.0.status", _DROP, "shards[0] has no 'status' string"),
+         ("shards.0.status", None, "shards[0] has no 'status' string"),
+         ("shards.0.n_read_failures", "x", "shards[0].n_read_failures is a str, not an integer")]
 
 
-@pytest.mark.parametrize("field,value,words", CASES, ids=[c[0] + ("-drop" if c[1] is _DROP else "")
+@pytest.mark.parametrize("field,value,words", CASES, ids=[c[0] + ("-drop" if c[1] is _DROP else
+                                                                   "-null" if c[1] is None else "")
                                                             for c in CASES])
 def test_a_manifest_without_what_readers_use_is_named_by_every_command(built, tmp_path, capsys, field, value,
                                                                         words):

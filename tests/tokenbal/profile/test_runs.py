@@ -286,6 +286,20 @@ def test_ranks_of_two_runs_in_one_folder_are_two_runs_each_missing_a_rank(two_ru
     assert code == 2 and "--run 3:" in err and "holds 2 run(s)" in err
 
 
+def test_runs_mixed_in_one_folder_are_listed_with_their_files(two_runs, tmp_path, capsys):
+    # Both runs "in ." told the reader nothing: the listing names each run's files when runs share a
+    # folder (and stays by folder where each run has its own, as test_runs_in_subfolders_... checks).
+    shutil.copy(two_runs / "A" / "rank0.json", tmp_path / "a_rank0.json")
+    shutil.copy(two_runs / "B" / "rank1.json", tmp_path / "b_rank1.json")
+    os.makedirs(tmp_path / "sub")
+    shutil.copy(two_runs / "B" / "rank0.json", tmp_path / "sub" / "rank0.json")
+    code, out, err = run_cli(["profile", str(tmp_path), "-q"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "run 1: 1 of 2 ranks (rank 1 missing), steps 1-2, started " in err
+    assert "UTC, in a_rank0.json; run 2: 2 of 2 ranks, steps 1-2, started " in err
+    assert f"UTC, in {os.path.join('sub', 'rank0.json')}, b_rank1.json. Analyse one" in err
+
+
 def test_a_missing_rank_is_named_from_the_recorded_world_size(two_runs, tmp_path, capsys):
     shutil.copy(two_runs / "A" / "rank1.json", tmp_path / "rank1.json")
     p = profile_run(str(tmp_path))
