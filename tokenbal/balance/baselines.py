@@ -228,8 +228,9 @@ def _balance_groups_on_arrays(sampler: Any, sorted_pairs: list[tuple[int, int]]
     n = len(sorted_pairs)
     K = sampler.dp_size * sampler.grad_accum
     if n < K:
-        raise ValueError(f"Not enough samples ({n}) to fill {K} groups with at least 1 sample(s) each. "
-                         "Reduce effective_batch_size or increase the dataset size.")
+        # the class refuses this too (a ValueError): every group needs a sample
+        raise ValueError(f"BatchRebalanceSampler baseline: {n} samples cannot fill {K} groups "
+                         f"({sampler.dp_size} ranks x {sampler.grad_accum} micro-batches) with one each")
     coef = sampler.QUADRATIC_COST_COEF
     longest = np.zeros(n + 1, np.int64)         # a group's first (longest) sample; 0 past the end
     longest[:n] = [length for _, length in sorted_pairs]
