@@ -718,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     for command in (build, merge, export, stats, verify, sim, prof, demo):
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                              help="log progress details (INFO) and print a traceback with an error")
+    # A missing (sub-)command is named by its choices, not by the internal dest ("index_command").
+    for group in (sub, isub, psub):
+        group.metavar = "{" + ",".join(group.choices) + "}"
     return parser
 
 

@@ -642,3 +642,12 @@ def test_a_full_disk_names_the_file(clean, tmp_path, capsys, monkeypatch):
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(BUILD + "[Errno 28] No space left on device: '") and ".npy'" in err
     assert f".{os.path.basename(tmp_path / 'i')}." in err       # the build's folder beside --out
+
+
+@pytest.mark.parametrize("args,choices", [([], "{index,plan,profile,demo}"),
+                                          (["index"], "{build,merge,export,stats,verify}"),
+                                          (["plan"], "{simulate}")])
+def test_a_missing_command_is_named_by_its_choices(args, choices, capsys):
+    """``tokenbal index`` alone said "required: index_command", argparse's internal name."""
+    code, _, err = run(args, capsys)
+    assert code == 2 and err.strip().endswith(f"error: the following arguments are required: {choices}")
