@@ -43,7 +43,10 @@ receives is the loaded one. With ``num_workers=0`` that holds as is; under ``tra
 ``prepare_loader``) the batches fetched before the load that were still on their way are dropped;
 a plain DataLoader that had read ahead (workers) cannot be told to drop them, so the load raises
 ``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
-loop, load, iterate the loader again — or use ``track``.
+loop, load, iterate the loader again — or use ``track``. (Persistent workers are caught also after the
+sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
+end, which the DataLoader still calls as it gives the loop each batch. A load at the loop's last batch of a
+pass, with nothing left in flight, ends the pass; the next pass starts at the loaded batch.)
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
@@ -423,6 +426,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         return self.plan().num_steps * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
+        return _Iteration(self)
+
+    def _hand_out(self, iteration: _Iteration) -> Iterator[list[int]]:
+        """The batches of one iteration (the body of :meth:`__iter__`, run from its first ``next()``)."""
         plan = self.plan()
         self._verify_plan()
         if self.plan_ahead:
@@ -439,10 +446,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._loaded_position = None   # the loaded position is being trained from
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
-        mine = self._iterations
-        # The first next() runs this body: its caller is the DataLoader iterator asking, if it is one.
+        mine = iteration.number = self._iterations
+        # The first next() runs this body (through _Iteration.__next__): its caller is the DataLoader
+        # iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
-        self._driver = _dataloader_iterator(sys._getframe(1), self)
+        self._driver = _dataloader_iterator(sys._getframe(2), self)
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -494,7 +502,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         driver = self._driver()
         given = getattr(driver, "_rcvd_idx", None)   # batches of this pass given to the loop, this one too
         if given is not None and given <= self._handed_at_load:
-            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self.cursor))
+            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self._handed_at_load,
+                                                      loaded=True))
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""
@@ -671,7 +680,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if in_flight and not reload and not getattr(driver, "_persistent_workers", False):
             # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
             # the loop): its next batches were handed out before this load, and nothing can take them back.
-            raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
+            raise RuntimeError(_stale_batches_message(in_flight, self._handed, loaded=False))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]
                    and (k not in _WHEN_BOTH_HAVE or k in saved)
@@ -727,6 +736,37 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._consumed = None
         self._handing_out = False
+
+
+class _Iteration:
+    """One iteration of a sampler (what ``iter(sampler)`` returns): the plan's batches, handed out by
+    :meth:`TokenBalancedBatchSampler._hand_out`, and, once they are all out, the stale-batch check at
+    every further ``next()``. A DataLoader with workers asks its sampler iterator for one more batch as
+    it gives the loop each batch, also after the iterator's end; with persistent workers a load made in
+    the loop after the last batch was handed out is caught only there (a generator, once finished, runs
+    no code again), before a batch fetched ahead of the load reaches the loop."""
+
+    __slots__ = ("_batches", "_ended", "_sampler", "number")
+
+    def __init__(self, sampler: TokenBalancedBatchSampler) -> None:
+        self._sampler = sampler
+        self._batches = sampler._hand_out(self)
+        self._ended = False
+        self.number = 0   # the sampler's count of iterations when this one started handing out (0: not yet)
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> list[int]:
+        if not self._ended:
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._ended = True
+                raise
+        if self.number and self._sampler._iterations == self.number:
+            self._sampler._refuse_stale_batches()   # still the sampler's live iteration
+        raise StopIteration
 
 
 def _check_state(state: Any) -> None:
@@ -806,13 +846,22 @@ def _sample_keys_digest(index: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _stale_batches_message(in_flight: int, cursor: int) -> str:
-    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read "
-            f"ahead: {in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
-            f"num_workers; the sampler had handed out {cursor}) would reach the loop before the loaded ones, "
-            "and be trained as if they were. Either break out of the loop, load_state_dict, then iterate the "
-            "loader again (the new iteration starts at the loaded batch), or iterate through "
-            "sampler.track(loader), which drops the batches fetched before a load")
+def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:
+    """Why a load inside a loop over a DataLoader that read ahead is refused, and what to do; ``loaded``:
+    said at the next batch after a load that took effect (persistent workers), not at the load itself."""
+    if loaded:
+        after = ("With persistent_workers=True this is caught only at the next batch, and the load has "
+                 "taken effect: iterating the loader again starts at the loaded batch. To roll back inside "
+                 "the loop, iterate through sampler.track(loader), which drops the batches fetched "
+                 "before a load")
+    else:
+        after = ("Either break out of the loop, load_state_dict, then iterate the loader again (the new "
+                 "iteration starts at the loaded batch), or iterate through sampler.track(loader), which "
+                 "drops the batches fetched before a load")
+    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read ahead: "
+            f"{in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
+            f"num_workers; the sampler had handed out {handed} batches of this pass) would reach the loop "
+            "before the loaded ones, and be trained as if they were. " + after)
 
 
 def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:

@@ -1,0 +1,66 @@
+"""The sampler seen from the loader side: real DataLoaders with worker processes (persistent or not),
+``DevicePrefetcher`` read-ahead, and loads made inside a running loop. The rule everywhere: after a
+``load_state_dict`` the next batch the loop receives is the loaded one, or the loop gets a clear error —
+never a batch fetched before the load trained as if it were the loaded position's."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tests.helpers.lengths import lengths_for
+from tokenbal import TokenBalancedBatchSampler
+
+
+class IndexDataset(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"idx": i, "x": torch.full((2,), float(i))}
+
+
+def _ids(batch):
+    return sorted(batch["idx"].tolist())
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_load_in_the_loop_after_the_epochs_last_batch_was_handed_out_never_trains_a_stale_batch(persistent):
+    # 10 batches, 2 workers x prefetch 2: from the loop's 6th batch on the sampler has handed out the
+    # epoch's last one and its iteration is over. With persistent workers a load there was not caught: the
+    # deferred check ran only when the sampler's generator was asked for a batch, and a finished generator
+    # runs no code, so the batches fetched before the load reached the loop (load at 7: trained 0-9, the
+    # rollback's batches 8 and 9 stale). Every load position: the loop receives exactly what it would with
+    # num_workers=0 (the loaded batch next, here or at the next pass), or an error before any stale batch.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    assert len(full) == 10
+    for load_at in range(3, 10):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        ckpt = s.state_dict() | {"cursor": 2}
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                            persistent_workers=persistent)
+        trained, error = [], None
+        try:
+            for n, batch in enumerate(loader):
+                trained.append(_ids(batch))
+                if n == load_at:
+                    s.load_state_dict(ckpt)
+        except RuntimeError as e:
+            error = str(e)
+        expected = full[:load_at + 1] + full[2:]
+        assert trained == expected[:len(trained)], f"load at {load_at}: a stale batch reached the loop"
+        if error is not None:
+            assert len(trained) == load_at + 1 and "track" in error
+            if not persistent:
+                continue   # refused at the load itself, which changed nothing (its own test)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trained += [_ids(b) for b in loader]   # the next pass: the rest of the loaded position
+        assert trained == expected, f"load at {load_at}"
