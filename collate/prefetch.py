@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -129,6 +130,10 @@ class DevicePrefetcher:
     buffering; ``depth=1`` still copies on the side stream but does not overlap). On CPU (or
     ``device="cpu"``) this is a plain passthrough. Re-iterable when ``iterable`` is (e.g. a
     DataLoader, once per epoch). ``ops`` replaces the device backend (tests pass a recording one).
+
+    Over a DataLoader whose ``batch_sampler`` is a ``TokenBalancedBatchSampler``, a ``load_state_dict``
+    inside the loop (a rollback) drops the batches the prefetcher holds that were fetched before the load,
+    so the loop's next batch is the loaded one; under ``sampler.track(prefetcher)`` track does that.
     """
 
     def __init__(
@@ -163,7 +168,7 @@ class DevicePrefetcher:
 
     def __iter__(self) -> Iterator[Any]:
         if self.ops is not None:
-            yield from self._prefetch(iter(self.iterable), self.ops)
+            yield from self._prefetch(iter(self.iterable), self.ops, _tokenbal_sampler(self.iterable))
         elif self.device.type == "cpu":
             yield from self.iterable
         else:
@@ -171,11 +176,11 @@ class DevicePrefetcher:
             for batch in self.iterable:
                 yield map_tensors(batch, lambda t: t.to(self.device))
 
-    def _prefetch(self, source: Iterator[Any], ops: StreamOps) -> Iterator[Any]:
+    def _prefetch(self, source: Iterator[Any], ops: StreamOps, sampler: Any = None) -> Iterator[Any]:
         # Copies allocate on the side stream; record_stream (below) keeps the caching allocator from
         # handing those blocks back to the side stream before the consumer's work on them is done.
         side = ops.new_stream()
-        in_flight: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        in_flight: collections.deque[tuple[Any, Any, Any, int]] = collections.deque()
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < self.depth:
@@ -189,16 +194,32 @@ class DevicePrefetcher:
                     event = ops.record_event(side)
                 # Holding the host batch until hand-over keeps its pinned buffers alive for the copy
                 # even with allocators that do not track host-side stream use.
-                in_flight.append((host, moved, event))
+                in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads()))
             if not in_flight:
                 return
-            host, moved, event = in_flight.popleft()
+            host, moved, event, loads = in_flight.popleft()
+            if sampler is not None and sampler.fetched_before_load(loads):
+                # The tokenbal sampler was loaded (a rollback inside the loop) after this batch was fetched:
+                # it is not the loaded position's, and the loop's next batch must be the loaded one (as
+                # with no read-ahead at all).
+                continue
             consumer = ops.consumer_stream()
             ops.wait_event(consumer, event)
             for tensor in iter_tensors(moved):
                 ops.record_stream(tensor, consumer)
             del host
             yield moved
+
+
+def _tokenbal_sampler(iterable: Any) -> Any:
+    """The ``TokenBalancedBatchSampler`` a DataLoader draws its batches from (its ``batch_sampler``), or
+    None: the prefetcher then drops the batches it holds that were fetched before a ``load_state_dict``."""
+    sampler = getattr(iterable, "batch_sampler", None)
+    if sampler is None or "tokenbal" not in sys.modules:
+        return None   # no tokenbal sampler can exist without tokenbal imported
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+    return sampler if isinstance(sampler, TokenBalancedBatchSampler) else None
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -232,6 +232,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._handed_at_load = 0
         self._tracked = False
         self._driver: Any = None
+        # Loads that moved the sampler (not a reload of where it is): a reader holding batches it fetched
+        # (DevicePrefetcher) notes this per batch, to drop those fetched before a later load.
+        self._loads = 0
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -325,7 +328,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
-                              "_handed_at_load": 0, "_tracked": False, "_driver": None,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_loads": 0,
                               "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
                               **state})
         self._ahead_lock = threading.Lock()
@@ -504,6 +507,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if given is not None and given <= self._handed_at_load:
             raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self._handed_at_load,
                                                       loaded=True))
+
+    def loads(self) -> int:
+        """How many ``load_state_dict`` calls have moved this sampler (a reload of the position it is at
+        does not count). A reader that holds batches it fetched from a DataLoader over this sampler
+        (``collate.DevicePrefetcher``) notes it per batch and asks :meth:`fetched_before_load`."""
+        return self._loads
+
+    def fetched_before_load(self, loads: int) -> bool:
+        """A batch fetched when :meth:`loads` was ``loads`` was handed out before a later load, so it is
+        not the loaded position's: the reader holding it drops it, and the next batch the loop receives is
+        the loaded one. False under :meth:`track` / :meth:`mark_received`, which count what the loop
+        receives and drop such batches themselves (so a reader inside ``track`` must pass them on)."""
+        return loads != self._loads and not self._tracked
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""
@@ -725,6 +741,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # of the position the sampler is at leaves them: they come before it in any run.)
         if not reload:
             self._handed_at_load = self._handed
+            self._loads += 1
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         # The middle of an epoch (a plain cursor, or an elastic history), for set_epoch to tell the loop
