@@ -146,6 +146,7 @@ class DevicePrefetcher:
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        _refuse_counted_iterable(iterable)
         self.iterable = iterable
         self.depth = depth
         self.ops: StreamOps | None = ops
@@ -209,6 +210,28 @@ class DevicePrefetcher:
                 ops.record_stream(tensor, consumer)
             del host
             yield moved
+
+
+def _refuse_counted_iterable(iterable: Any) -> None:
+    """``DevicePrefetcher(sampler.track(loader))`` (or around ``prepare_loader``'s loader): track would
+    count the batches the prefetcher fetched (up to ``depth`` ahead of the loop) as received, so
+    ``state_dict()`` would save a step the loop has not reached and a resume would skip those batches. On
+    CPU (a passthrough) nothing is ahead, but the same code on a device would skip: refused everywhere,
+    naming the order that works."""
+    if "tokenbal" not in sys.modules:
+        return
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+    if getattr(iterable, "gi_code", None) is TokenBalancedBatchSampler.track.__code__:
+        raise ValueError("DevicePrefetcher(sampler.track(loader)): track must be outermost, "
+                         "sampler.track(DevicePrefetcher(loader)), so that it counts the batches the loop "
+                         "receives, not the ones the prefetcher fetched ahead (a resume would skip them)")
+    if getattr(type(iterable), "counts_received_batches", False) is True:
+        # tokenbal.integrations.accelerate.TokenBalancedLoader: the same count, one level up.
+        raise ValueError(f"DevicePrefetcher({type(iterable).__name__}): that loader counts the batches it "
+                         "yields as received by the training loop, and the prefetcher fetches them ahead of "
+                         "the loop (a resume would skip them). accelerate already places its batches on the "
+                         "device: iterate the prepared loader directly")
 
 
 def _tokenbal_sampler(iterable: Any) -> Any:

@@ -116,6 +116,10 @@ class TokenBalancedLoader:
     registered with ``register_for_checkpointing``). Everything else is delegated to the wrapped
     ``DataLoaderShard``."""
 
+    # Its count is what the loop received only when the loop iterates it directly: collate.DevicePrefetcher
+    # refuses to read ahead of it.
+    counts_received_batches = True
+
     def __init__(self, prepared: Any, sampler: TokenBalancedBatchSampler) -> None:
         self.loader = prepared
         self.sampler = sampler

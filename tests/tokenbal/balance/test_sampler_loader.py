@@ -135,3 +135,35 @@ def test_a_load_in_a_loop_over_a_device_prefetcher_delivers_the_loaded_batch_nex
                 warnings.simplefilter("error")
                 trained += [_ids(b) for b in batches()]
         assert trained == expected, f"load at {load_at}"
+
+
+def test_a_prefetcher_outside_what_counts_the_received_batches_is_refused_naming_the_order():
+    # DevicePrefetcher(sampler.track(loader)) (track inside, the order the README warns against): track
+    # counted the batches the prefetcher fetched, depth - 1 ahead of the loop. Depth 2, 4 batches trained:
+    # state_dict() said cursor 5, and a resume started at batch 5 (batch 4 never trained). The same around
+    # prepare_loader's loader, which counts what it yields. Refused, naming the order that works.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s)
+    with pytest.raises(ValueError, match=r"track must be outermost, sampler\.track\(DevicePrefetcher"):
+        DevicePrefetcher(s.track(loader), depth=2, ops=_CpuSideStream())
+    # the order that works: track outermost counts what the loop received, whatever the prefetcher holds
+    for n, _ in enumerate(s.track(DevicePrefetcher(loader, depth=3, ops=_CpuSideStream()))):
+        if n == 3:
+            state = s.state_dict()
+            break
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert state["cursor"] == 4 and [sorted(b) for b in fresh] == full[4:]
+
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    prepared = prepare_loader(Accelerator(cpu=True), DataLoader(IndexDataset(40), batch_sampler=s),
+                              register=False)
+    with pytest.raises(ValueError, match=r"DevicePrefetcher\(TokenBalancedLoader\).*iterate the prepared"):
+        DevicePrefetcher(prepared, depth=2, ops=_CpuSideStream())
