@@ -31,6 +31,9 @@ Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteratio
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
 ``set_epoch`` of the same epoch keeps that position; moving to another epoch before a batch of it was
 handed out drops it, and warns (a loop counting epochs from 0 instead of ``state['epoch']``).
+``set_epoch`` belongs before the loader is iterated: a DataLoader with workers asks for its first batches
+when its iterator is made, so ``set_epoch`` to another epoch after ``iter(loader)`` (before the loop got a
+batch) raises ``RuntimeError`` instead of letting those batches of the old epoch end the pass.
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
@@ -407,6 +410,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
         epoch = _epoch_number(epoch)
         if epoch != self.epoch:
+            self._refuse_set_epoch_after_iter(epoch)
             loaded, self._loaded_position = self._loaded_position, None
             if loaded is not None:
                 # Nothing handed out since a load that restored the middle of an epoch: leaving that epoch
@@ -423,6 +427,24 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self._segments = []
             self._consumed = None
             self._handing_out = False
+
+    def _refuse_set_epoch_after_iter(self, epoch: int) -> None:
+        """``it = iter(loader); sampler.set_epoch(e)``: a DataLoader with workers asks its sampler for
+        ``prefetch_factor x num_workers`` batches as soon as its iterator is made, so they are of the epoch
+        before (a replay of a finished one). The move to another plan then ends the iteration after them:
+        the pass would train those few batches of the old epoch and stop (4 of 10 batches per pass), where
+        ``num_workers=0`` (which asks nothing before the first ``next``) trains the new epoch. Refused while
+        that DataLoader iterator has given the loop nothing yet."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        if driver is None or getattr(driver, "_sampler_iter", None) is None or not self._handed \
+                or getattr(driver, "_num_yielded", None) != 0:
+            return
+        raise RuntimeError(
+            f"TokenBalancedBatchSampler.set_epoch({epoch}) after the DataLoader's iterator was made: its "
+            f"workers have already fetched {self._handed} batches of epoch {self.epoch} (prefetch_factor x "
+            "num_workers), which would reach the loop, and then the pass would end without the new epoch's "
+            "batches. Call set_epoch before iterating the loader (before iter(loader) or the for loop), as "
+            "torch's DistributedSampler requires too")
 
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
@@ -551,8 +573,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 f"{self.cursor} of {total}, after the last batch the previous iteration handed out "
                 "before it stopped early. If that was a DataLoader with workers, the batches they had "
                 "prefetched but the loop never received (up to prefetch_factor x num_workers) are "
-                "skipped this epoch; iterate through sampler.track(loader) to continue at the first "
-                "batch not received (with num_workers=0 nothing is skipped)",
+                "skipped this epoch, and so are those a DevicePrefetcher held (depth - 1); iterate through "
+                "sampler.track(loader) (outermost: sampler.track(DevicePrefetcher(loader))) to continue at "
+                "the first batch not received (with num_workers=0 and nothing reading ahead of the loop, "
+                "nothing is skipped)",
                 RuntimeWarning, stacklevel=3)
         self._handing_out = False
 

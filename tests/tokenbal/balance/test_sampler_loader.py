@@ -167,3 +167,34 @@ def test_a_prefetcher_outside_what_counts_the_received_batches_is_refused_naming
                               register=False)
     with pytest.raises(ValueError, match=r"DevicePrefetcher\(TokenBalancedLoader\).*iterate the prepared"):
         DevicePrefetcher(prepared, depth=2, ops=_CpuSideStream())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_set_epoch_after_the_dataloader_iterator_was_made_is_refused_instead_of_cutting_the_pass(persistent):
+    # it = iter(loader); sampler.set_epoch(e): with workers, iter() already asked the sampler for
+    # prefetch_factor x num_workers batches of the epoch before (a replay of the finished one), and the move
+    # to epoch e ended the iteration after them: every pass after the first had 4 of its 10 batches, all of
+    # the old epoch, silently (num_workers=0 asks nothing before the first next(), and trained every epoch).
+    lengths = lengths_for(40)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    s.set_epoch(0)                        # the same epoch: nothing fetched is of another one
+    assert sum(1 for _ in it) == 10
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match=r"set_epoch\(1\) after the DataLoader's iterator was made.*4 "
+                                           r"batches of epoch 0.*before iterating the loader"):
+        s.set_epoch(1)
+    assert s.epoch == 0 and sum(1 for _ in it) == 10, "a refused set_epoch changes nothing"
+    # the order that works: set_epoch, then iterate
+    for epoch in (1, 2):
+        s.set_epoch(epoch)
+        expected = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        expected.set_epoch(epoch)
+        assert [_ids(b) for b in loader] == [sorted(b) for b in expected]
+    # inside a running loop (set_epoch at the epoch's last step, a documented pattern) it is allowed
+    for n, _ in enumerate(loader):
+        if n == len(s) - 1:
+            s.set_epoch(3)
+    assert s.epoch == 3 and len([_ids(b) for b in loader]) == len(s)
