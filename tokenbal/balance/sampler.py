@@ -48,8 +48,11 @@ a plain DataLoader that had read ahead (workers) cannot be told to drop them, so
 ``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
 loop, load, iterate the loader again — or use ``track``. (Persistent workers are caught also after the
 sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
-end, which the DataLoader still calls as it gives the loop each batch. A load at the loop's last batch of a
-pass, with nothing left in flight, ends the pass; the next pass starts at the loaded batch.)
+end, which the DataLoader still calls as it gives the loop each batch.) A load made after the sampler
+handed out the epoch's last batch (workers ask for them all before the loop receives the last ones)
+leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` the loop's pass goes on
+at the loaded batch (a new pass of the loader, as with ``num_workers=0``), a plain DataLoader's next pass
+starts there.
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
@@ -484,6 +487,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             self._handed += 1
+            self._loaded_position = None   # a load inside the live iteration: its position is being trained
             yield batch
             if self._iterations != mine:
                 # A newer iteration of this sampler started while this one was live (two DataLoaders over
@@ -599,20 +603,30 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received = 0
-        for batch in loader:
-            # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
-            # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
-            # batch and the first _handed_at_load batches of the pass were handed out before the load.
-            received += 1
-            if received <= self._handed_at_load:
-                # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
-                # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
-                # load is the loaded one).
+        while True:
+            received, planned, loads = 0, None, self._loads
+            for batch in loader:
+                # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
+                # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
+                # batch and the first _handed_at_load batches of the pass were handed out before the load.
+                received += 1
+                if planned is None:
+                    planned = self._plan_key()   # the plan this pass hands out (a load may move it later)
+                if received <= self._handed_at_load:
+                    # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
+                    # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
+                    # load is the loaded one).
+                    continue
+                epoch, start = self._iter_start
+                self.mark_received(epoch, start + received - self._handed_at_load)
+                yield batch
+            if self._loads != loads and self._plan_key() == planned and self.cursor < len(self):
+                # A load of this pass's plan after the sampler had handed out its last batch (a DataLoader
+                # with workers asks for them all before the loop receives the last ones): the DataLoader
+                # has nothing more to ask for and ended the pass, where with num_workers=0 the loop goes on
+                # at the loaded batch. Go on the same way: a new pass of the loader starts there.
                 continue
-            epoch, start = self._iter_start
-            self.mark_received(epoch, start + received - self._handed_at_load)
-            yield batch
+            break
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
         self._consumed = None

@@ -198,3 +198,114 @@ def test_set_epoch_after_the_dataloader_iterator_was_made_is_refused_instead_of_
         if n == len(s) - 1:
             s.set_epoch(3)
     assert s.epoch == 3 and len([_ids(b) for b in loader]) == len(s)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("prefetcher", [False, True])
+def test_a_load_in_a_tracked_loop_after_the_last_batch_was_handed_out_goes_on_in_the_same_pass(persistent,
+                                                                                              prefetcher):
+    # With workers the sampler hands out an epoch's last batch before the loop receives the last few. A
+    # rollback there (load of batch 2 after the loop received batch 9, the epoch's last) ended the pass:
+    # the DataLoader had nothing more to ask for, the loop took it for the epoch's end, and its
+    # set_epoch(e + 1) dropped the rollback (with num_workers=0 the same pass goes on at batch 2). track
+    # now starts a new pass of the loader at the loaded batch, so the loop sees what num_workers=0 gives.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    for load_at in (6, 9):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        ckpt = s.state_dict() | {"cursor": 2}
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                            persistent_workers=persistent)
+        source = DevicePrefetcher(loader, depth=2, ops=_CpuSideStream()) if prefetcher else loader
+        trained = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n, batch in enumerate(s.track(source)):
+                trained.append(_ids(batch))
+                if n == load_at:
+                    s.load_state_dict(ckpt)
+            assert trained == full[:load_at + 1] + full[2:], f"load at {load_at}"
+            assert s.state_dict()["cursor"] == len(s)
+            s.set_epoch(1)   # the epoch is done: no rollback is dropped (that warned)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_a_rollback_trained_to_the_epochs_end_does_not_warn_that_set_epoch_drops_it(tracked):
+    # num_workers=0, load of batch 2 after batch 5 inside the loop, the loop trains 2-9, then
+    # set_epoch(1): it warned "set_epoch(1) drops the position load_state_dict restored (epoch 0, batch 2
+    # of 10) before any batch of it was handed out", though all of it had been (the warning is for a loop
+    # that leaves a restored position untrained). The live iteration handing out a batch now clears it.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s)
+    ckpt = s.state_dict() | {"cursor": 2}
+    trained = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n, batch in enumerate(s.track(loader) if tracked else loader):
+            trained.append(_ids(batch))
+            if n == 5:
+                s.load_state_dict(ckpt)
+        s.set_epoch(1)
+    assert trained == full[:6] + full[2:]
+    # still said where it is true: a mid-epoch load, and set_epoch to another epoch before any of it
+    s.load_state_dict(ckpt)
+    with pytest.warns(RuntimeWarning, match=r"set_epoch\(2\) drops the position"):
+        s.set_epoch(2)
+
+
+def _gloo_rank_loop(rank, world_size, n, resume_state):
+    """On a gloo rank: a sampler over the process group (cross-rank verify on), a DataLoader with persistent
+    workers read through a DevicePrefetcher under track. Epoch 0 rolls back after its last batch was handed
+    out; epoch 1 stops after 3 batches with a checkpoint. Or, with ``resume_state``, a fresh process that
+    resumes from it and trains the rest of that epoch."""
+    s = TokenBalancedBatchSampler(lengths_for(n, 7), global_batch_size=4 * world_size, seed=3)
+    loader = DataLoader(IndexDataset(n), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=True)
+
+    def batches():
+        return s.track(DevicePrefetcher(loader, depth=2, ops=_CpuSideStream()))
+
+    if resume_state is not None:
+        s.load_state_dict(resume_state)
+        s.set_epoch(resume_state["epoch"])
+        return {"rest": [_ids(b) for b in batches()]}
+    out = {"epoch0": [], "epoch1": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n_, batch in enumerate(batches()):
+            out["epoch0"].append(_ids(batch))
+            if n_ == 1:
+                ckpt = s.state_dict()
+            if n_ == len(s) - 1:
+                s.load_state_dict(ckpt)       # every batch of the epoch was handed out long ago
+        s.set_epoch(1)
+        for n_, batch in enumerate(batches()):
+            out["epoch1"].append(_ids(batch))
+            if n_ == 2:
+                out["state"] = s.state_dict()
+                break
+    return out
+
+
+def test_gloo_ranks_roll_back_and_resume_through_workers_prefetcher_and_track():
+    from tokenbal.launch import run_ranks
+
+    n, world = 64, 2
+    results = run_ranks(_gloo_rank_loop, world, n, None, timeout=180)
+    plans = {}
+    for epoch in (0, 1):
+        ranks = [TokenBalancedBatchSampler(lengths_for(n, 7), world, r, global_batch_size=4 * world, seed=3)
+                 for r in range(world)]
+        for r in ranks:
+            r.set_epoch(epoch)
+        plans[epoch] = [[sorted(b) for b in r] for r in ranks]
+    for rank, res in enumerate(results):
+        full = plans[0][rank]
+        assert res["epoch0"] == full + full[2:], f"rank {rank}: the rollback goes on in the same pass"
+        assert res["epoch1"] == plans[1][rank][:3] and res["state"]["cursor"] == 3
+    assert results[0]["state"] == results[1]["state"]
+    resumed = run_ranks(_gloo_rank_loop, world, n, results[0]["state"], timeout=180)
+    epoch1 = [i for rank in range(world) for b in results[rank]["epoch1"] + resumed[rank]["rest"] for i in b]
+    assert sorted(epoch1) == list(range(n)), "every sample of epoch 1 once across the resume, on all ranks"
