@@ -107,6 +107,12 @@ _ADDED_LATER = {"stages": 0, "epoch_steps": None}
 # Fingerprint keys compared only when both the checkpoint and the sampler have them: which samples
 # the rows are (a sampler over a TokenIndex has it; one over a plain lengths array cannot know).
 _WHEN_BOTH_HAVE = ("samples_sha256",)
+# What a digest in a refused resume's message stands for (the others are settings, named as given).
+_CHANGED_HINTS = {
+    "samples_sha256": " (the index's sample keys: a checkpoint of other samples, e.g. another index)",
+    "lengths_sha256": " (the samples' token counts or costs: e.g. an index rebuilt with another processor, "
+                      "tokenizer or max_pixels, or lengths computed otherwise)",
+}
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
@@ -742,8 +748,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:
             diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
-                     + (" (the index's sample keys: a checkpoint of other samples, e.g. another index)"
-                        if k == "samples_sha256" else "") for k in changed]
+                     + _CHANGED_HINTS.get(k, "") for k in changed]
             hint = ""
             if set(changed) <= set(_ELASTIC_KEYS):
                 hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
