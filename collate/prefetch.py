@@ -134,6 +134,8 @@ class DevicePrefetcher:
     Over a DataLoader whose ``batch_sampler`` is a ``TokenBalancedBatchSampler``, a ``load_state_dict``
     inside the loop (a rollback) drops the batches the prefetcher holds that were fetched before the load,
     so the loop's next batch is the loaded one; under ``sampler.track(prefetcher)`` track does that.
+    Around a torchdata ``StatefulDataLoader``, checkpoint :meth:`state_dict` (the loader's state as of the
+    batch the loop last received), not the loader's own, which counts the batches held here.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class DevicePrefetcher:
         _refuse_counted_iterable(iterable)
         self.iterable = iterable
         self.depth = depth
+        self._delivered_state: dict[str, Any] | None = None
         self.ops: StreamOps | None = ops
         if ops is not None:
             self.device = ops.device
@@ -167,7 +170,25 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's ``state_dict()`` (torchdata's ``StatefulDataLoader``) as of the last batch
+        this prefetcher handed to the loop. The loader's own counts the batches it gave the prefetcher,
+        up to ``depth - 1`` more than the loop has received: a resume from it would skip those. Checkpoint
+        this one, and restore with :meth:`load_state_dict` (or the loader's own)."""
+        if not callable(getattr(self.iterable, "state_dict", None)):
+            raise TypeError(f"DevicePrefetcher.state_dict: the wrapped {type(self.iterable).__name__} has no "
+                            "state_dict() (a torchdata StatefulDataLoader has)")
+        if self._delivered_state is not None:
+            return self._delivered_state
+        return self.iterable.state_dict()   # nothing read ahead (no pass running, or a passthrough)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped loader's state (what :meth:`state_dict` returned); the next pass resumes."""
+        self._delivered_state = None
+        self.iterable.load_state_dict(state)  # type: ignore[attr-defined]
+
     def __iter__(self) -> Iterator[Any]:
+        self._delivered_state = None
         if self.ops is not None:
             yield from self._prefetch(iter(self.iterable), self.ops, _tokenbal_sampler(self.iterable))
         elif self.device.type == "cpu":
@@ -181,7 +202,10 @@ class DevicePrefetcher:
         # Copies allocate on the side stream; record_stream (below) keeps the caching allocator from
         # handing those blocks back to the side stream before the consumer's work on them is done.
         side = ops.new_stream()
-        in_flight: collections.deque[tuple[Any, Any, Any, int]] = collections.deque()
+        in_flight: collections.deque[tuple[Any, Any, Any, int, Any]] = collections.deque()
+        # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
+        snapshot = getattr(self.iterable, "state_dict", None) if callable(
+            getattr(self.iterable, "load_state_dict", None)) else None
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < self.depth:
@@ -195,10 +219,12 @@ class DevicePrefetcher:
                     event = ops.record_event(side)
                 # Holding the host batch until hand-over keeps its pinned buffers alive for the copy
                 # even with allocators that do not track host-side stream use.
-                in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads()))
+                in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads(),
+                                  None if snapshot is None else snapshot()))
             if not in_flight:
+                self._delivered_state = None   # the pass is over: the loader's own state is the loop's
                 return
-            host, moved, event, loads = in_flight.popleft()
+            host, moved, event, loads, state = in_flight.popleft()
             if sampler is not None and sampler.fetched_before_load(loads):
                 # The tokenbal sampler was loaded (a rollback inside the loop) after this batch was fetched:
                 # it is not the loaded position's, and the loop's next batch must be the loaded one (as
@@ -209,6 +235,8 @@ class DevicePrefetcher:
             for tensor in iter_tensors(moved):
                 ops.record_stream(tensor, consumer)
             del host
+            if state is not None:
+                self._delivered_state = state
             yield moved
 
 

@@ -39,7 +39,9 @@ ahead of the training loop (``prefetch_factor × num_workers``), so iterate the 
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
 ``state_dict()`` counts the batches the loop has *received*, and a resume from it neither skips
 nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
-does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
+does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead — or, with a
+``collate.DevicePrefetcher`` around it, the prefetcher's ``state_dict()``, since the loader's counts the
+batches the prefetcher holds.)
 
 ``load_state_dict`` inside a running loop (a rollback after a loss spike): the next batch the loop
 receives is the loaded one. With ``num_workers=0`` that holds as is; under ``track`` (or

@@ -309,3 +309,32 @@ def test_gloo_ranks_roll_back_and_resume_through_workers_prefetcher_and_track():
     resumed = run_ranks(_gloo_rank_loop, world, n, results[0]["state"], timeout=180)
     epoch1 = [i for rank in range(world) for b in results[rank]["epoch1"] + resumed[rank]["rest"] for i in b]
     assert sorted(epoch1) == list(range(n)), "every sample of epoch 1 once across the resume, on all ranks"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_behind_a_prefetcher_resumes_from_the_prefetchers_state(workers):
+    # DevicePrefetcher(StatefulDataLoader(...)), checkpointed with loader.state_dict() after 4 trained
+    # batches (depth 2): the loader counted 5, the one the prefetcher held, and the resume started at batch
+    # 5 (batch 4 never trained). prefetcher.state_dict() is the loader's state as of the batch the loop
+    # last received: every stop position resumes exactly.
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+
+    def prefetcher():
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = stateful.StatefulDataLoader(IndexDataset(40), batch_sampler=s, num_workers=workers)
+        return DevicePrefetcher(loader, depth=3, ops=_CpuSideStream())
+
+    for stop in (0, 3, 8, 9):
+        first, trained = prefetcher(), []
+        for n, batch in enumerate(first):
+            trained.append(_ids(batch))
+            if n == stop:
+                state = first.state_dict()
+                break
+        resumed = prefetcher()
+        resumed.load_state_dict(state)
+        assert trained + [_ids(b) for b in resumed] == full, f"stop after batch {stop}"
+    with pytest.raises(TypeError, match="has no state_dict"):
+        DevicePrefetcher([1, 2], depth=2, ops=_CpuSideStream()).state_dict()
