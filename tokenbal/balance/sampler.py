@@ -47,7 +47,8 @@ batches the prefetcher holds.)
 receives is the loaded one. With ``num_workers=0`` that holds as is; under ``track`` (or
 ``prepare_loader``) the batches fetched before the load that were still on their way are dropped;
 a plain DataLoader that had read ahead (workers) cannot be told to drop them, so the load raises
-``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
+``RuntimeError`` (with persistent workers or a torchdata ``StatefulDataLoader``, whose
+iterators outlive the loop, at the next batch) and says what to do: break out of the
 loop, load, iterate the loader again — or use ``track``. (Persistent workers are caught also after the
 sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
 end, which the DataLoader still calls as it gives the loop each batch.) A load made after the sampler
@@ -739,7 +740,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         _check_state(state)
         in_flight, driver = self._untracked_in_flight()
         reload = _same_position(state, self)
-        if in_flight and not reload and not getattr(driver, "_persistent_workers", False):
+        if in_flight and not reload and not _outlives_its_loop(driver):
             # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
             # the loop): its next batches were handed out before this load, and nothing can take them back.
             raise RuntimeError(_stale_batches_message(in_flight, self._handed, loaded=False))
@@ -906,6 +907,15 @@ def _sample_keys_digest(index: Any) -> str:
         for key in keys:
             h.update(str(key).encode() + b"\0")
     return h.hexdigest()[:16]
+
+
+def _outlives_its_loop(driver: Any) -> bool:
+    """A DataLoader iterator its DataLoader keeps after a loop over it has ended: torch's with persistent
+    workers, and every torchdata ``StatefulDataLoader``'s (kept for its ``state_dict``). At a load, a live
+    loop and one broken out of look the same, so the stale-batch check waits for the next batch (see
+    ``_refuse_stale_batches``) instead of refusing a load made after a ``break``."""
+    kept_for_state = callable(getattr(driver, "state_dict", None))
+    return bool(getattr(driver, "_persistent_workers", False)) or kept_for_state
 
 
 def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:

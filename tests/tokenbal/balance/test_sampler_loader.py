@@ -338,3 +338,30 @@ def test_a_stateful_dataloader_behind_a_prefetcher_resumes_from_the_prefetchers_
         assert trained + [_ids(b) for b in resumed] == full, f"stop after batch {stop}"
     with pytest.raises(TypeError, match="has no state_dict"):
         DevicePrefetcher([1, 2], depth=2, ops=_CpuSideStream()).state_dict()
+
+
+def test_a_load_after_a_break_from_a_stateful_dataloader_with_workers_is_not_taken_for_one_inside_the_loop():
+    # torchdata's StatefulDataLoader keeps its iterator after a loop over it ends (for its state_dict),
+    # also without persistent workers. sampler.load_state_dict after a break was refused as "inside a loop
+    # over a DataLoader that has read ahead: 4 batches ...", though the loop was over and the next pass
+    # starts at the loaded batch. It is now checked as for persistent workers: at the next batch, and only
+    # a live loop gets the error (before any batch fetched before the load reaches it).
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = stateful.StatefulDataLoader(IndexDataset(40), batch_sampler=s, num_workers=2)
+    ckpt = s.state_dict() | {"cursor": 2}
+    for n, _ in enumerate(loader):
+        if n == 3:
+            break
+    s.load_state_dict(ckpt)
+    assert [_ids(b) for b in loader] == full[2:]
+    s.set_epoch(0)   # the finished epoch, replayed
+    trained = []
+    with pytest.raises(RuntimeError, match=r"batches it fetched before the load.*track"):
+        for n, batch in enumerate(loader):
+            trained.append(_ids(batch))
+            if n == 3:
+                s.load_state_dict(ckpt)
+    assert trained == full[:4]
