@@ -487,7 +487,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # The first next() runs this body (through _Iteration.__next__): its caller is the DataLoader
         # iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
-        self._driver = _dataloader_iterator(sys._getframe(2), self)
+        self._driver = _dataloader_iterator(_caller_frame(2), self)
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -934,6 +934,14 @@ def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:
             f"{in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
             f"num_workers; the sampler had handed out {handed} batches of this pass) would reach the loop "
             "before the loaded ones, and be trained as if they were. " + after)
+
+
+def _caller_frame(depth: int) -> Any:
+    """The frame ``depth`` levels above the caller, or None when the stack is not that deep."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:
+        return None
 
 
 def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
