@@ -206,6 +206,18 @@ class DevicePrefetcher:
         # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
         snapshot = getattr(self.iterable, "state_dict", None) if callable(
             getattr(self.iterable, "load_state_dict", None)) else None
+        loads_at_start = 0 if sampler is None else sampler.loads()
+        try:
+            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot)
+        except GeneratorExit:
+            # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
+            # sampler what the loop received, so a new pass continues there rather than after them.
+            if sampler is not None:
+                sampler.reader_stopped(source, len(in_flight), loads_at_start)
+            raise
+
+    def _hand_over(self, source: Iterator[Any], ops: StreamOps, sampler: Any, side: Any,
+                   in_flight: collections.deque, snapshot: Any) -> Iterator[Any]:
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < self.depth:

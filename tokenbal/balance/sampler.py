@@ -63,7 +63,9 @@ no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
 the loop did not receive. A plain DataLoader cannot say what the loop received, so the new
 iteration continues after the last batch *handed out* and warns (``RuntimeWarning``): with
 ``num_workers=0`` that is the same batch; with workers, the batches they had prefetched are
-skipped for the rest of the epoch.
+skipped for the rest of the epoch. A ``collate.DevicePrefetcher`` iterated directly over the DataLoader says
+it when the loop abandons it (:meth:`TokenBalancedBatchSampler.reader_stopped`): the batches the
+DataLoader gave it, less those it held, so the new iteration continues at the first batch not received.
 
 One live iteration at a time: one sampler has one cursor, so an iteration becomes the sampler's when
 it hands out its first batch, and an earlier one asked for another batch after that raises
@@ -555,6 +557,23 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         the loaded one. False under :meth:`track` / :meth:`mark_received`, which count what the loop
         receives and drop such batches themselves (so a reader inside ``track`` must pass them on)."""
         return loads != self._loads and not self._tracked
+
+    def reader_stopped(self, driver: Any, held: int, loads: int) -> None:
+        """A reader between a DataLoader over this sampler and the loop (``collate.DevicePrefetcher``) was
+        abandoned (a ``break``) holding ``held`` batches the loop never received; ``driver`` is the DataLoader
+        iterator it read, ``loads`` :meth:`loads` when its pass began. Records what the loop received (what
+        the DataLoader gave the reader, less those held), so that a new iteration continues at the first
+        batch the loop did not receive instead of skipping the held ones and the workers' prefetch. Nothing
+        when that is not known exactly: under :meth:`track` (which counts itself), after a load in the pass,
+        another DataLoader, or torchdata's ``StatefulDataLoader`` (its own bookkeeping)."""
+        live = None if self._driver is None else self._driver()
+        yielded = getattr(driver, "_num_yielded", None)
+        if self._tracked or loads != self._loads or live is None or live is not driver or yielded is None \
+                or callable(getattr(driver, "state_dict", None)) or self._iter_start[0] != self.epoch:
+            return
+        received = self._iter_start[1] + int(yielded) - int(held)
+        if self._iter_start[1] <= received < self.cursor:
+            self.mark_received(self.epoch, received)
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""

@@ -365,3 +365,30 @@ def test_a_load_after_a_break_from_a_stateful_dataloader_with_workers_is_not_tak
             if n == 3:
                 s.load_state_dict(ckpt)
     assert trained == full[:4]
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_break_out_of_a_prefetcher_loop_continues_at_the_first_batch_not_received(workers, persistent):
+    # for batch in DevicePrefetcher(loader): ... break (an eval), then iterate again, no track: the batch the
+    # prefetcher held (depth 2) and the workers' prefetch were skipped for the rest of the epoch, with a
+    # warning that said "with num_workers=0 nothing is skipped" (num_workers=0, break after batch 2: trained
+    # 0, 1, 2, 4, ..., 9). The abandoned prefetcher tells the sampler what the loop received (what the
+    # DataLoader gave it, less what it held): the new pass continues there, and state_dict() after the
+    # break is that position.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    for stop in (0, 2, 8):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=workers,
+                            persistent_workers=persistent)
+        prefetcher = DevicePrefetcher(loader, depth=2, ops=_CpuSideStream())
+        trained = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n, batch in enumerate(prefetcher):
+                trained.append(_ids(batch))
+                if n == stop:
+                    break
+            assert s.state_dict()["cursor"] == stop + 1
+            trained += [_ids(b) for b in prefetcher]
+        assert trained == full, f"break after batch {stop}"
