@@ -206,18 +206,18 @@ class DevicePrefetcher:
         # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
         snapshot = getattr(self.iterable, "state_dict", None) if callable(
             getattr(self.iterable, "load_state_dict", None)) else None
-        loads_at_start = 0 if sampler is None else sampler.loads()
+        token: list = []   # the sampler's pass_token() once this pass's first batch is fetched
         try:
-            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot)
+            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
         except GeneratorExit:
             # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
             # sampler what the loop received, so a new pass continues there rather than after them.
-            if sampler is not None:
-                sampler.reader_stopped(source, len(in_flight), loads_at_start)
+            if sampler is not None and token:
+                sampler.reader_stopped(source, len(in_flight), token[0])
             raise
 
     def _hand_over(self, source: Iterator[Any], ops: StreamOps, sampler: Any, side: Any,
-                   in_flight: collections.deque, snapshot: Any) -> Iterator[Any]:
+                   in_flight: collections.deque, snapshot: Any, token: list) -> Iterator[Any]:
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < self.depth:
@@ -233,6 +233,8 @@ class DevicePrefetcher:
                 # even with allocators that do not track host-side stream use.
                 in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads(),
                                   None if snapshot is None else snapshot()))
+                if sampler is not None and not token:
+                    token.append(sampler.pass_token())
             if not in_flight:
                 self._delivered_state = None   # the pass is over: the loader's own state is the loop's
                 return

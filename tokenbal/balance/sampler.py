@@ -558,17 +558,25 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         receives and drop such batches themselves (so a reader inside ``track`` must pass them on)."""
         return loads != self._loads and not self._tracked
 
-    def reader_stopped(self, driver: Any, held: int, loads: int) -> None:
+    def pass_token(self) -> tuple[int, int]:
+        """Which iteration is live and how many loads have moved the sampler: a reader notes it once its
+        first batch is fetched and passes it to :meth:`reader_stopped`, which ignores a report about
+        another iteration (a reader closed late, by the garbage collector, while a newer pass runs)."""
+        return self._iterations, self._loads
+
+    def reader_stopped(self, driver: Any, held: int, token: tuple[int, int]) -> None:
         """A reader between a DataLoader over this sampler and the loop (``collate.DevicePrefetcher``) was
-        abandoned (a ``break``) holding ``held`` batches the loop never received; ``driver`` is the DataLoader
-        iterator it read, ``loads`` :meth:`loads` when its pass began. Records what the loop received (what
-        the DataLoader gave the reader, less those held), so that a new iteration continues at the first
-        batch the loop did not receive instead of skipping the held ones and the workers' prefetch. Nothing
-        when that is not known exactly: under :meth:`track` (which counts itself), after a load in the pass,
-        another DataLoader, or torchdata's ``StatefulDataLoader`` (its own bookkeeping)."""
+        abandoned (a ``break``) holding ``held`` batches the loop never received; ``driver`` is the
+        DataLoader iterator it read, ``token`` :meth:`pass_token` after its first batch. Records what the
+        loop received (what the DataLoader gave the reader, less those held), so that a new iteration
+        continues at the first batch the loop did not receive instead of skipping the held ones and the
+        workers' prefetch. Nothing when that is not known exactly (or the report is about another
+        iteration): under :meth:`track` (which counts itself), after a load in the pass, another DataLoader,
+        or torchdata's ``StatefulDataLoader`` (its own bookkeeping)."""
         live = None if self._driver is None else self._driver()
         yielded = getattr(driver, "_num_yielded", None)
-        if self._tracked or loads != self._loads or live is None or live is not driver or yielded is None \
+        if self._tracked or tuple(token) != self.pass_token() or live is None or live is not driver \
+                or yielded is None \
                 or callable(getattr(driver, "state_dict", None)) or self._iter_start[0] != self.epoch:
             return
         received = self._iter_start[1] + int(yielded) - int(held)
