@@ -564,6 +564,7 @@ class PackedCollator:
                              f"image_grid_thw {grid} needs {int(need[i])}")
 
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -619,6 +620,11 @@ def _int_1d(sample: dict[str, Any], i: int, field: str) -> np.ndarray:
         arr = arr[0]
     if arr.ndim != 1:
         raise ValueError(f"sample {i}: field {field!r} must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > _INT64_MAX:
+        # The cast below would wrap it to a negative id, and the error would name a value not in the sample.
+        at = int(np.flatnonzero(arr > _INT64_MAX)[0])
+        raise ValueError(f"sample {i}: field {field!r} holds {int(arr[at])} at index {at}, above int64 "
+                         f"({_INT64_MAX}): not a token id")
     return arr.astype(np.int64, copy=False)
 
 

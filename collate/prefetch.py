@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -129,6 +130,12 @@ class DevicePrefetcher:
     buffering; ``depth=1`` still copies on the side stream but does not overlap). On CPU (or
     ``device="cpu"``) this is a plain passthrough. Re-iterable when ``iterable`` is (e.g. a
     DataLoader, once per epoch). ``ops`` replaces the device backend (tests pass a recording one).
+
+    Over a DataLoader whose ``batch_sampler`` is a ``TokenBalancedBatchSampler``, a ``load_state_dict``
+    inside the loop (a rollback) drops the batches the prefetcher holds that were fetched before the load,
+    so the loop's next batch is the loaded one; under ``sampler.track(prefetcher)`` track does that.
+    Around a torchdata ``StatefulDataLoader``, checkpoint :meth:`state_dict` (the loader's state as of the
+    batch the loop last received), not the loader's own, which counts the batches held here.
     """
 
     def __init__(
@@ -141,8 +148,10 @@ class DevicePrefetcher:
     ) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
+        _refuse_counted_iterable(iterable)
         self.iterable = iterable
         self.depth = depth
+        self._delivered_state: dict[str, Any] | None = None
         self.ops: StreamOps | None = ops
         if ops is not None:
             self.device = ops.device
@@ -161,9 +170,27 @@ class DevicePrefetcher:
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's ``state_dict()`` (torchdata's ``StatefulDataLoader``) as of the last batch
+        this prefetcher handed to the loop. The loader's own counts the batches it gave the prefetcher,
+        up to ``depth - 1`` more than the loop has received: a resume from it would skip those. Checkpoint
+        this one, and restore with :meth:`load_state_dict` (or the loader's own)."""
+        if not callable(getattr(self.iterable, "state_dict", None)):
+            raise TypeError(f"DevicePrefetcher.state_dict: the wrapped {type(self.iterable).__name__} has no "
+                            "state_dict() (a torchdata StatefulDataLoader has)")
+        if self._delivered_state is not None:
+            return self._delivered_state
+        return self.iterable.state_dict()   # nothing read ahead (no pass running, or a passthrough)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped loader's state (what :meth:`state_dict` returned); the next pass resumes."""
+        self._delivered_state = None
+        self.iterable.load_state_dict(state)  # type: ignore[attr-defined]
+
     def __iter__(self) -> Iterator[Any]:
+        self._delivered_state = None
         if self.ops is not None:
-            yield from self._prefetch(iter(self.iterable), self.ops)
+            yield from self._prefetch(iter(self.iterable), self.ops, _tokenbal_sampler(self.iterable))
         elif self.device.type == "cpu":
             yield from self.iterable
         else:
@@ -171,11 +198,26 @@ class DevicePrefetcher:
             for batch in self.iterable:
                 yield map_tensors(batch, lambda t: t.to(self.device))
 
-    def _prefetch(self, source: Iterator[Any], ops: StreamOps) -> Iterator[Any]:
+    def _prefetch(self, source: Iterator[Any], ops: StreamOps, sampler: Any = None) -> Iterator[Any]:
         # Copies allocate on the side stream; record_stream (below) keeps the caching allocator from
         # handing those blocks back to the side stream before the consumer's work on them is done.
         side = ops.new_stream()
-        in_flight: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        in_flight: collections.deque[tuple[Any, Any, Any, int, Any]] = collections.deque()
+        # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
+        snapshot = getattr(self.iterable, "state_dict", None) if callable(
+            getattr(self.iterable, "load_state_dict", None)) else None
+        token: list = []   # the sampler's pass_token() once this pass's first batch is fetched
+        try:
+            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
+        except GeneratorExit:
+            # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
+            # sampler what the loop received, so a new pass continues there rather than after them.
+            if sampler is not None and token:
+                sampler.reader_stopped(source, len(in_flight), token[0])
+            raise
+
+    def _hand_over(self, source: Iterator[Any], ops: StreamOps, sampler: Any, side: Any,
+                   in_flight: collections.deque, snapshot: Any, token: list) -> Iterator[Any]:
         exhausted = False
         while True:
             while not exhausted and len(in_flight) < self.depth:
@@ -189,16 +231,60 @@ class DevicePrefetcher:
                     event = ops.record_event(side)
                 # Holding the host batch until hand-over keeps its pinned buffers alive for the copy
                 # even with allocators that do not track host-side stream use.
-                in_flight.append((host, moved, event))
+                in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads(),
+                                  None if snapshot is None else snapshot()))
+                if sampler is not None and not token:
+                    token.append(sampler.pass_token())
             if not in_flight:
+                self._delivered_state = None   # the pass is over: the loader's own state is the loop's
                 return
-            host, moved, event = in_flight.popleft()
+            host, moved, event, loads, state = in_flight.popleft()
+            if sampler is not None and sampler.fetched_before_load(loads):
+                # The tokenbal sampler was loaded (a rollback inside the loop) after this batch was fetched:
+                # it is not the loaded position's, and the loop's next batch must be the loaded one (as
+                # with no read-ahead at all).
+                continue
             consumer = ops.consumer_stream()
             ops.wait_event(consumer, event)
             for tensor in iter_tensors(moved):
                 ops.record_stream(tensor, consumer)
             del host
+            if state is not None:
+                self._delivered_state = state
             yield moved
+
+
+def _refuse_counted_iterable(iterable: Any) -> None:
+    """``DevicePrefetcher(sampler.track(loader))`` (or around ``prepare_loader``'s loader): track would
+    count the batches the prefetcher fetched (up to ``depth`` ahead of the loop) as received, so
+    ``state_dict()`` would save a step the loop has not reached and a resume would skip those batches. On
+    CPU (a passthrough) nothing is ahead, but the same code on a device would skip: refused everywhere,
+    naming the order that works."""
+    if "tokenbal" not in sys.modules:
+        return
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+    if getattr(iterable, "gi_code", None) is TokenBalancedBatchSampler.track.__code__:
+        raise ValueError("DevicePrefetcher(sampler.track(loader)): track must be outermost, "
+                         "sampler.track(DevicePrefetcher(loader)), so that it counts the batches the loop "
+                         "receives, not the ones the prefetcher fetched ahead (a resume would skip them)")
+    if getattr(type(iterable), "counts_received_batches", False) is True:
+        # tokenbal.integrations.accelerate.TokenBalancedLoader: the same count, one level up.
+        raise ValueError(f"DevicePrefetcher({type(iterable).__name__}): that loader counts the batches it "
+                         "yields as received by the training loop, and the prefetcher fetches them ahead of "
+                         "the loop (a resume would skip them). accelerate already places its batches on the "
+                         "device: iterate the prepared loader directly")
+
+
+def _tokenbal_sampler(iterable: Any) -> Any:
+    """The ``TokenBalancedBatchSampler`` a DataLoader draws its batches from (its ``batch_sampler``), or
+    None: the prefetcher then drops the batches it holds that were fetched before a ``load_state_dict``."""
+    sampler = getattr(iterable, "batch_sampler", None)
+    if sampler is None or "tokenbal" not in sys.modules:
+        return None   # no tokenbal sampler can exist without tokenbal imported
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+    return sampler if isinstance(sampler, TokenBalancedBatchSampler) else None
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -539,6 +539,12 @@ def _ok() -> dict:
         ({"input_ids": [-1, VS, IMG, IMG, VE]}, r"sample 1: field 'input_ids' holds -1 at index 0"),
         ({"labels": [5, -1, 7, 7, 7]}, r"sample 1: field 'labels' holds -1 at index 1, .*ignore_index -100"),
         ({"attention_mask": [1, 1, 1]}, r"sample 1: field 'attention_mask' has 3 entries, input_ids has 5"),
+        # uint64 above int64: the cast to int64 wrapped it, and the error named a value the sample does not
+        # hold ("holds -9223372036854775803 at index 4")
+        ({"input_ids": np.array([1, VS, IMG, IMG, 2**63 + 5], np.uint64)},
+         r"sample 1: field 'input_ids' holds 9223372036854775813 at index 4, above int64"),
+        ({"labels": torch.from_numpy(np.array([[2**63 + 5, 6, 7, 7, 7]], np.uint64))},
+         r"sample 1: field 'labels' holds 9223372036854775813 at index 0, above int64"),
     ],
 )
 def test_errors_name_sample_and_field(change, match):

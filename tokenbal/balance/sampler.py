@@ -31,19 +31,31 @@ Resume: ``load_state_dict`` restores (seed, epoch, cursor) and the next iteratio
 step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run would have yielded.
 ``set_epoch`` of the same epoch keeps that position; moving to another epoch before a batch of it was
 handed out drops it, and warns (a loop counting epochs from 0 instead of ``state['epoch']``).
+``set_epoch`` belongs before the loader is iterated: a DataLoader with workers asks for its first batches
+when its iterator is made, so ``set_epoch`` to another epoch after ``iter(loader)`` (before the loop got a
+batch) raises ``RuntimeError`` instead of letting those batches of the old epoch end the pass.
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
 ``state_dict()`` counts the batches the loop has *received*, and a resume from it neither skips
 nor repeats a sample, whatever the DataLoader prefetched. (torchdata's ``StatefulDataLoader``
-does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead.)
+does this bookkeeping itself: checkpoint ``loader.state_dict()`` instead — or, with a
+``collate.DevicePrefetcher`` around it, the prefetcher's ``state_dict()``, since the loader's counts the
+batches the prefetcher holds.)
 
 ``load_state_dict`` inside a running loop (a rollback after a loss spike): the next batch the loop
 receives is the loaded one. With ``num_workers=0`` that holds as is; under ``track`` (or
 ``prepare_loader``) the batches fetched before the load that were still on their way are dropped;
 a plain DataLoader that had read ahead (workers) cannot be told to drop them, so the load raises
-``RuntimeError`` (with persistent workers, at the next batch) and says what to do: break out of the
-loop, load, iterate the loader again — or use ``track``.
+``RuntimeError`` (with persistent workers or a torchdata ``StatefulDataLoader``, whose
+iterators outlive the loop, at the next batch) and says what to do: break out of the
+loop, load, iterate the loader again — or use ``track``. (Persistent workers are caught also after the
+sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
+end, which the DataLoader still calls as it gives the loop each batch.) A load made after the sampler
+handed out the epoch's last batch (workers ask for them all before the loop receives the last ones)
+leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` the loop's pass goes on
+at the loaded batch (a new pass of the loader, as with ``num_workers=0``), a plain DataLoader's next pass
+starts there.
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
@@ -51,7 +63,9 @@ no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
 the loop did not receive. A plain DataLoader cannot say what the loop received, so the new
 iteration continues after the last batch *handed out* and warns (``RuntimeWarning``): with
 ``num_workers=0`` that is the same batch; with workers, the batches they had prefetched are
-skipped for the rest of the epoch.
+skipped for the rest of the epoch. A ``collate.DevicePrefetcher`` iterated directly over the DataLoader says
+it when the loop abandons it (:meth:`TokenBalancedBatchSampler.reader_stopped`): the batches the
+DataLoader gave it, less those it held, so the new iteration continues at the first batch not received.
 
 One live iteration at a time: one sampler has one cursor, so an iteration becomes the sampler's when
 it hands out its first batch, and an earlier one asked for another batch after that raises
@@ -98,6 +112,12 @@ _ADDED_LATER = {"stages": 0, "epoch_steps": None}
 # Fingerprint keys compared only when both the checkpoint and the sampler have them: which samples
 # the rows are (a sampler over a TokenIndex has it; one over a plain lengths array cannot know).
 _WHEN_BOTH_HAVE = ("samples_sha256",)
+# What a digest in a refused resume's message stands for (the others are settings, named as given).
+_CHANGED_HINTS = {
+    "samples_sha256": " (the index's sample keys: a checkpoint of other samples, e.g. another index)",
+    "lengths_sha256": " (the samples' token counts or costs: e.g. an index rebuilt with another processor, "
+                      "tokenizer or max_pixels, or lengths computed otherwise)",
+}
 # What an elastic resume may change: how the remaining samples are cut into steps, not which ones.
 _ELASTIC_KEYS = ("num_replicas", "global_batch_size", "max_tokens_per_rank", "grad_accum", "window")
 
@@ -229,6 +249,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._handed_at_load = 0
         self._tracked = False
         self._driver: Any = None
+        # Loads that moved the sampler (not a reload of where it is): a reader holding batches it fetched
+        # (DevicePrefetcher) notes this per batch, to drop those fetched before a later load.
+        self._loads = 0
         # epoch_steps: every epoch planned into exactly this many steps (pad_steps), for loops that fix
         # an epoch's length from the first (the HF Trainer); set by fix_epoch_steps.
         self.epoch_steps: int | None = None
@@ -322,7 +345,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
-                              "_handed_at_load": 0, "_tracked": False, "_driver": None,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_loads": 0,
                               "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
                               **state})
         self._ahead_lock = threading.Lock()
@@ -401,6 +424,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
         epoch = _epoch_number(epoch)
         if epoch != self.epoch:
+            self._refuse_set_epoch_after_iter(epoch)
             loaded, self._loaded_position = self._loaded_position, None
             if loaded is not None:
                 # Nothing handed out since a load that restored the middle of an epoch: leaving that epoch
@@ -418,11 +442,33 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self._consumed = None
             self._handing_out = False
 
+    def _refuse_set_epoch_after_iter(self, epoch: int) -> None:
+        """``it = iter(loader); sampler.set_epoch(e)``: a DataLoader with workers asks its sampler for
+        ``prefetch_factor x num_workers`` batches as soon as its iterator is made, so they are of the epoch
+        before (a replay of a finished one). The move to another plan then ends the iteration after them:
+        the pass would train those few batches of the old epoch and stop (4 of 10 batches per pass), where
+        ``num_workers=0`` (which asks nothing before the first ``next``) trains the new epoch. Refused while
+        that DataLoader iterator has given the loop nothing yet."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        if driver is None or getattr(driver, "_sampler_iter", None) is None or not self._handed \
+                or getattr(driver, "_num_yielded", None) != 0:
+            return
+        raise RuntimeError(
+            f"TokenBalancedBatchSampler.set_epoch({epoch}) after the DataLoader's iterator was made: its "
+            f"workers have already fetched {self._handed} batches of epoch {self.epoch} (prefetch_factor x "
+            "num_workers), which would reach the loop, and then the pass would end without the new epoch's "
+            "batches. Call set_epoch before iterating the loader (before iter(loader) or the for loop), as "
+            "torch's DistributedSampler requires too")
+
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
         return self.plan().num_steps * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
+        return _Iteration(self)
+
+    def _hand_out(self, iteration: _Iteration) -> Iterator[list[int]]:
+        """The batches of one iteration (the body of :meth:`__iter__`, run from its first ``next()``)."""
         plan = self.plan()
         self._verify_plan()
         if self.plan_ahead:
@@ -439,10 +485,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._loaded_position = None   # the loaded position is being trained from
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
-        mine = self._iterations
-        # The first next() runs this body: its caller is the DataLoader iterator asking, if it is one.
+        mine = iteration.number = self._iterations
+        # The first next() runs this body (through _Iteration.__next__): its caller is the DataLoader
+        # iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
-        self._driver = _dataloader_iterator(sys._getframe(1), self)
+        self._driver = _dataloader_iterator(_caller_frame(2), self)
         planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -451,6 +498,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             self._handed += 1
+            self._loaded_position = None   # a load inside the live iteration: its position is being trained
             yield batch
             if self._iterations != mine:
                 # A newer iteration of this sampler started while this one was live (two DataLoaders over
@@ -494,7 +542,46 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         driver = self._driver()
         given = getattr(driver, "_rcvd_idx", None)   # batches of this pass given to the loop, this one too
         if given is not None and given <= self._handed_at_load:
-            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self.cursor))
+            raise RuntimeError(_stale_batches_message(self._handed_at_load - given + 1, self._handed_at_load,
+                                                      loaded=True))
+
+    def loads(self) -> int:
+        """How many ``load_state_dict`` calls have moved this sampler (a reload of the position it is at
+        does not count). A reader that holds batches it fetched from a DataLoader over this sampler
+        (``collate.DevicePrefetcher``) notes it per batch and asks :meth:`fetched_before_load`."""
+        return self._loads
+
+    def fetched_before_load(self, loads: int) -> bool:
+        """A batch fetched when :meth:`loads` was ``loads`` was handed out before a later load, so it is
+        not the loaded position's: the reader holding it drops it, and the next batch the loop receives is
+        the loaded one. False under :meth:`track` / :meth:`mark_received`, which count what the loop
+        receives and drop such batches themselves (so a reader inside ``track`` must pass them on)."""
+        return loads != self._loads and not self._tracked
+
+    def pass_token(self) -> tuple[int, int]:
+        """Which iteration is live and how many loads have moved the sampler: a reader notes it once its
+        first batch is fetched and passes it to :meth:`reader_stopped`, which ignores a report about
+        another iteration (a reader closed late, by the garbage collector, while a newer pass runs)."""
+        return self._iterations, self._loads
+
+    def reader_stopped(self, driver: Any, held: int, token: tuple[int, int]) -> None:
+        """A reader between a DataLoader over this sampler and the loop (``collate.DevicePrefetcher``) was
+        abandoned (a ``break``) holding ``held`` batches the loop never received; ``driver`` is the
+        DataLoader iterator it read, ``token`` :meth:`pass_token` after its first batch. Records what the
+        loop received (what the DataLoader gave the reader, less those held), so that a new iteration
+        continues at the first batch the loop did not receive instead of skipping the held ones and the
+        workers' prefetch. Nothing when that is not known exactly (or the report is about another
+        iteration): under :meth:`track` (which counts itself), after a load in the pass, another DataLoader,
+        or torchdata's ``StatefulDataLoader`` (its own bookkeeping)."""
+        live = None if self._driver is None else self._driver()
+        yielded = getattr(driver, "_num_yielded", None)
+        if self._tracked or tuple(token) != self.pass_token() or live is None or live is not driver \
+                or yielded is None \
+                or callable(getattr(driver, "state_dict", None)) or self._iter_start[0] != self.epoch:
+            return
+        received = self._iter_start[1] + int(yielded) - int(held)
+        if self._iter_start[1] <= received < self.cursor:
+            self.mark_received(self.epoch, received)
 
     def _plan_key(self) -> tuple:
         """What selects the current plan: an iteration hands out batches only while it is unchanged."""
@@ -526,8 +613,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 f"{self.cursor} of {total}, after the last batch the previous iteration handed out "
                 "before it stopped early. If that was a DataLoader with workers, the batches they had "
                 "prefetched but the loop never received (up to prefetch_factor x num_workers) are "
-                "skipped this epoch; iterate through sampler.track(loader) to continue at the first "
-                "batch not received (with num_workers=0 nothing is skipped)",
+                "skipped this epoch, and so are those a DevicePrefetcher held (depth - 1); iterate through "
+                "sampler.track(loader) (outermost: sampler.track(DevicePrefetcher(loader))) to continue at "
+                "the first batch not received (with num_workers=0 and nothing reading ahead of the loop, "
+                "nothing is skipped)",
                 RuntimeWarning, stacklevel=3)
         self._handing_out = False
 
@@ -550,20 +639,30 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0) > 0:
             raise ValueError("track() needs DataLoader(in_order=True): with in_order=False the batches "
                              "arrive in any order, so a count cannot say which ones were trained")
-        received = 0
-        for batch in loader:
-            # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
-            # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
-            # batch and the first _handed_at_load batches of the pass were handed out before the load.
-            received += 1
-            if received <= self._handed_at_load:
-                # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
-                # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
-                # load is the loaded one).
+        while True:
+            received, planned, loads = 0, None, self._loads
+            for batch in loader:
+                # By now the sampler's iteration has started, so _iter_start and _handed_at_load are this
+                # iteration's: after a load_state_dict inside the loop (a rollback), _iter_start is the loaded
+                # batch and the first _handed_at_load batches of the pass were handed out before the load.
+                received += 1
+                if planned is None:
+                    planned = self._plan_key()   # the plan this pass hands out (a load may move it later)
+                if received <= self._handed_at_load:
+                    # Still on its way at the load (a DataLoader's workers, a prefetcher): not the loaded
+                    # position's, so the loop never sees it, as with num_workers=0 (the next batch after the
+                    # load is the loaded one).
+                    continue
+                epoch, start = self._iter_start
+                self.mark_received(epoch, start + received - self._handed_at_load)
+                yield batch
+            if self._loads != loads and self._plan_key() == planned and self.cursor < len(self):
+                # A load of this pass's plan after the sampler had handed out its last batch (a DataLoader
+                # with workers asks for them all before the loop receives the last ones): the DataLoader
+                # has nothing more to ask for and ended the pass, where with num_workers=0 the loop goes on
+                # at the loaded batch. Go on the same way: a new pass of the loader starts there.
                 continue
-            epoch, start = self._iter_start
-            self.mark_received(epoch, start + received - self._handed_at_load)
-            yield batch
+            break
         # The loop saw the end of the pass: it received every batch handed out, so nothing is pending,
         # and an iteration after it replays a finished epoch (like DistributedSampler), as without track.
         self._consumed = None
@@ -668,10 +767,10 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         _check_state(state)
         in_flight, driver = self._untracked_in_flight()
         reload = _same_position(state, self)
-        if in_flight and not reload and not getattr(driver, "_persistent_workers", False):
+        if in_flight and not reload and not _outlives_its_loop(driver):
             # A loop over a plain DataLoader that read ahead is running (its iterator lives only as long as
             # the loop): its next batches were handed out before this load, and nothing can take them back.
-            raise RuntimeError(_stale_batches_message(in_flight, self.cursor))
+            raise RuntimeError(_stale_batches_message(in_flight, self._handed, loaded=False))
         saved, mine = {**_ADDED_LATER, **state["fingerprint"]}, {**_ADDED_LATER, **self.fingerprint()}
         changed = [k for k in mine if saved.get(k, "<missing>") != mine[k]
                    and (k not in _WHEN_BOTH_HAVE or k in saved)
@@ -679,8 +778,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         elastic = bool(changed) and self.elastic and set(changed) <= set(_ELASTIC_KEYS)
         if changed and not elastic:
             diffs = [f"{k}: checkpoint has {saved.get(k, '<missing>')!r}, this sampler has {mine[k]!r}"
-                     + (" (the index's sample keys: a checkpoint of other samples, e.g. another index)"
-                        if k == "samples_sha256" else "") for k in changed]
+                     + _CHANGED_HINTS.get(k, "") for k in changed]
             hint = ""
             if set(changed) <= set(_ELASTIC_KEYS):
                 hint = ("\n(only the step settings differ: TokenBalancedBatchSampler(..., elastic=True) "
@@ -716,6 +814,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # of the position the sampler is at leaves them: they come before it in any run.)
         if not reload:
             self._handed_at_load = self._handed
+            self._loads += 1
         self._iter_start = (self.epoch, cursor)
         self.cursor = cursor
         # The middle of an epoch (a plain cursor, or an elastic history), for set_epoch to tell the loop
@@ -727,6 +826,37 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._consumed = None
         self._handing_out = False
+
+
+class _Iteration:
+    """One iteration of a sampler (what ``iter(sampler)`` returns): the plan's batches, handed out by
+    :meth:`TokenBalancedBatchSampler._hand_out`, and, once they are all out, the stale-batch check at
+    every further ``next()``. A DataLoader with workers asks its sampler iterator for one more batch as
+    it gives the loop each batch, also after the iterator's end; with persistent workers a load made in
+    the loop after the last batch was handed out is caught only there (a generator, once finished, runs
+    no code again), before a batch fetched ahead of the load reaches the loop."""
+
+    __slots__ = ("_batches", "_ended", "_sampler", "number")
+
+    def __init__(self, sampler: TokenBalancedBatchSampler) -> None:
+        self._sampler = sampler
+        self._batches = sampler._hand_out(self)
+        self._ended = False
+        self.number = 0   # the sampler's count of iterations when this one started handing out (0: not yet)
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> list[int]:
+        if not self._ended:
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._ended = True
+                raise
+        if self.number and self._sampler._iterations == self.number:
+            self._sampler._refuse_stale_batches()   # still the sampler's live iteration
+        raise StopIteration
 
 
 def _check_state(state: Any) -> None:
@@ -806,13 +936,39 @@ def _sample_keys_digest(index: Any) -> str:
     return h.hexdigest()[:16]
 
 
-def _stale_batches_message(in_flight: int, cursor: int) -> str:
-    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read "
-            f"ahead: {in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
-            f"num_workers; the sampler had handed out {cursor}) would reach the loop before the loaded ones, "
-            "and be trained as if they were. Either break out of the loop, load_state_dict, then iterate the "
-            "loader again (the new iteration starts at the loaded batch), or iterate through "
-            "sampler.track(loader), which drops the batches fetched before a load")
+def _outlives_its_loop(driver: Any) -> bool:
+    """A DataLoader iterator its DataLoader keeps after a loop over it has ended: torch's with persistent
+    workers, and every torchdata ``StatefulDataLoader``'s (kept for its ``state_dict``). At a load, a live
+    loop and one broken out of look the same, so the stale-batch check waits for the next batch (see
+    ``_refuse_stale_batches``) instead of refusing a load made after a ``break``."""
+    kept_for_state = callable(getattr(driver, "state_dict", None))
+    return bool(getattr(driver, "_persistent_workers", False)) or kept_for_state
+
+
+def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:
+    """Why a load inside a loop over a DataLoader that read ahead is refused, and what to do; ``loaded``:
+    said at the next batch after a load that took effect (persistent workers), not at the load itself."""
+    if loaded:
+        after = ("With persistent_workers=True this is caught only at the next batch, and the load has "
+                 "taken effect: iterating the loader again starts at the loaded batch. To roll back inside "
+                 "the loop, iterate through sampler.track(loader), which drops the batches fetched "
+                 "before a load")
+    else:
+        after = ("Either break out of the loop, load_state_dict, then iterate the loader again (the new "
+                 "iteration starts at the loaded batch), or iterate through sampler.track(loader), which "
+                 "drops the batches fetched before a load")
+    return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read ahead: "
+            f"{in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
+            f"num_workers; the sampler had handed out {handed} batches of this pass) would reach the loop "
+            "before the loaded ones, and be trained as if they were. " + after)
+
+
+def _caller_frame(depth: int) -> Any:
+    """The frame ``depth`` levels above the caller, or None when the stack is not that deep."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:
+        return None
 
 
 def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:

@@ -116,6 +116,10 @@ class TokenBalancedLoader:
     registered with ``register_for_checkpointing``). Everything else is delegated to the wrapped
     ``DataLoaderShard``."""
 
+    # Its count is what the loop received only when the loop iterates it directly: collate.DevicePrefetcher
+    # refuses to read ahead of it.
+    counts_received_batches = True
+
     def __init__(self, prepared: Any, sampler: TokenBalancedBatchSampler) -> None:
         self.loader = prepared
         self.sampler = sampler
@@ -159,32 +163,40 @@ class TokenBalancedLoader:
         self.loader.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        # DataLoaderShard.__iter__ re-applies set_epoch(its iteration): keep it on our epoch.
-        if self._finished():
-            self._epoch, self._received = self._epoch + 1, 0
-        self.loader.set_epoch(self._epoch)
-        # Tell the sampler where the loop is: after an early stop (a break for an eval), it had run
-        # ahead by accelerate's look-ahead batch and the workers' prefetch; it continues from here.
-        self.sampler.mark_received(self._epoch, self._received)
-        self._passing, self._in_flight, self._loaded_in_pass = True, 0, False
-        try:
-            for batch in self.loader:
-                if self._in_flight:
-                    # fetched before a load_state_dict inside this pass: not the loaded position's, so the
-                    # loop never sees it (the next batch after a load is the loaded one, as under track)
-                    self._in_flight -= 1
+        while True:
+            # DataLoaderShard.__iter__ re-applies set_epoch(its iteration): keep it on our epoch.
+            if self._finished():
+                self._epoch, self._received = self._epoch + 1, 0
+            self.loader.set_epoch(self._epoch)
+            pass_epoch = self._epoch
+            # Tell the sampler where the loop is: after an early stop (a break for an eval), it had run
+            # ahead by accelerate's look-ahead batch and the workers' prefetch; it continues from here.
+            self.sampler.mark_received(self._epoch, self._received)
+            self._passing, self._in_flight, self._loaded_in_pass = True, 0, False
+            try:
+                for batch in self.loader:
+                    if self._in_flight:
+                        # fetched before a load_state_dict inside this pass: not the loaded position's, so the
+                        # loop never sees it (the next batch after a load is the loaded one, as under track)
+                        self._in_flight -= 1
+                        continue
+                    self._received += 1
+                    self.sampler.mark_received(self._epoch, self._received)
+                    yield batch
+            finally:
+                self._passing = False
+            if self._loaded_in_pass and not self._finished():
+                if self._epoch == pass_epoch:
+                    # A rollback within this epoch after the sampler had handed out its last batch (workers
+                    # fetch ahead): the DataLoader had nothing more to ask for and ended its pass, where with
+                    # num_workers=0 the loop goes on at the loaded batch. Go on the same way, in this pass.
                     continue
-                self._received += 1
-                self.sampler.mark_received(self._epoch, self._received)
-                yield batch
-        finally:
-            self._passing = False
-        if self._loaded_in_pass and not self._finished():
-            # a load of another epoch ended the pass before that epoch's end: the next pass continues it
+                # a load of another epoch ended the pass before that epoch's end: the next pass continues it
+                return
+            # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
+            self._epoch += 1
+            self._received = 0
             return
-        # A complete pass: the next one is the next epoch, as accelerate's own iteration counter has it.
-        self._epoch += 1
-        self._received = 0
 
     def state_dict(self) -> dict[str, Any]:
         state = self.sampler.state_dict()

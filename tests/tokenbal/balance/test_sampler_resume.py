@@ -285,3 +285,15 @@ def test_stateful_dataloader_with_workers_resumes_in_a_fresh_loader_and_in_the_s
     fresh = loader()
     fresh.load_state_dict(state)
     assert got[:3] + list(fresh) == full
+
+
+def test_a_state_of_other_token_counts_says_what_the_digest_stands_for():
+    # lengths that changed between save and load (an index rebuilt with another max_pixels): the message
+    # named only "lengths_sha256: checkpoint has '32d5...', this sampler has '27e6...'"
+    lengths = np.arange(1, 51, dtype=np.int64) * 10
+    state = TokenBalancedBatchSampler(lengths, 2, 0, global_batch_size=8).state_dict() | {"cursor": 2}
+    rebuilt = lengths.copy()
+    rebuilt[3] += 1
+    with pytest.raises(ValueError, match=r"lengths_sha256: checkpoint has '[0-9a-f]+', this sampler has "
+                                         r"'[0-9a-f]+' \(the samples' token counts or costs"):
+        TokenBalancedBatchSampler(rebuilt, 2, 0, global_batch_size=8).load_state_dict(state)

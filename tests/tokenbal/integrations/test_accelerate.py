@@ -256,3 +256,42 @@ def test_load_state_of_another_epoch_inside_the_loop_continues_that_epoch(tmp_pa
     assert (loader.epoch, loader.batches_received) == (0, 2)
     assert list(loader) == plan(0)[2:]
     assert list(loader) == plan(1)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_load_state_inside_the_loop_after_the_last_batch_was_fetched_goes_on_in_the_same_pass(workers):
+    # A rollback late in the epoch, after the sampler had handed out its last batch (accelerate's
+    # look-ahead, the workers' prefetch): the DataLoader had nothing more to ask for, the pass ended, and
+    # the loop's set_epoch(1) dropped the rollback with a warning (workers=2, load of batch 2 after batch
+    # 6: trained 0-6, then epoch 1; with num_workers=0 at batch 9 the same). The wrapper now goes on at the
+    # loaded batch in the same pass, as num_workers=0 does in the middle of an epoch.
+    import warnings
+
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from tokenbal import TokenBalancedBatchSampler
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    lengths = np.random.default_rng(1).integers(10, 500, 40)
+    full = list(TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2))
+    acc = Accelerator(cpu=True)
+    kw = {"num_workers": workers, "prefetch_factor": 2} if workers else {}
+    for load_at in (6, 9):
+        sampler = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4, seed=2)
+        plain = DataLoader(list(range(40)), batch_sampler=sampler, collate_fn=list, **kw)
+        loader = prepare_loader(acc, plain, register=False)
+        ckpt = loader.state_dict() | {"cursor": 2}
+        trained = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                for n, batch in enumerate(loader):
+                    trained.append((epoch, full.index(batch) if epoch == 0 else None))
+                    if epoch == 0 and n == load_at:
+                        loader.load_state_dict(ckpt)
+        first = [i for e, i in trained if e == 0]
+        assert first == list(range(load_at + 1)) + list(range(2, len(full))), f"load at {load_at}"
+        assert len(trained) - len(first) == len(full)

@@ -1,0 +1,394 @@
+"""The sampler seen from the loader side: real DataLoaders with worker processes (persistent or not),
+``DevicePrefetcher`` read-ahead, and loads made inside a running loop. The rule everywhere: after a
+``load_state_dict`` the next batch the loop receives is the loaded one, or the loop gets a clear error —
+never a batch fetched before the load trained as if it were the loaded position's."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from collate import DevicePrefetcher
+from collate.prefetch import StreamOps
+from tests.helpers.lengths import lengths_for
+from tokenbal import TokenBalancedBatchSampler
+
+
+class IndexDataset(Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"idx": i, "x": torch.full((2,), float(i))}
+
+
+def _ids(batch):
+    return sorted(batch["idx"].tolist())
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_load_in_the_loop_after_the_epochs_last_batch_was_handed_out_never_trains_a_stale_batch(persistent):
+    # 10 batches, 2 workers x prefetch 2: from the loop's 6th batch on the sampler has handed out the
+    # epoch's last one and its iteration is over. With persistent workers a load there was not caught: the
+    # deferred check ran only when the sampler's generator was asked for a batch, and a finished generator
+    # runs no code, so the batches fetched before the load reached the loop (load at 7: trained 0-9, the
+    # rollback's batches 8 and 9 stale). Every load position: the loop receives exactly what it would with
+    # num_workers=0 (the loaded batch next, here or at the next pass), or an error before any stale batch.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    assert len(full) == 10
+    for load_at in range(3, 10):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        ckpt = s.state_dict() | {"cursor": 2}
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                            persistent_workers=persistent)
+        trained, error = [], None
+        try:
+            for n, batch in enumerate(loader):
+                trained.append(_ids(batch))
+                if n == load_at:
+                    s.load_state_dict(ckpt)
+        except RuntimeError as e:
+            error = str(e)
+        expected = full[:load_at + 1] + full[2:]
+        assert trained == expected[:len(trained)], f"load at {load_at}: a stale batch reached the loop"
+        if error is not None:
+            assert len(trained) == load_at + 1 and "track" in error
+            if not persistent:
+                continue   # refused at the load itself, which changed nothing (its own test)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trained += [_ids(b) for b in loader]   # the next pass: the rest of the loaded position
+        assert trained == expected, f"load at {load_at}"
+
+
+class _CpuSideStream(StreamOps):
+    """``DevicePrefetcher``'s real read-ahead on CPU: ``depth`` batches copied (cloned) ahead of the loop,
+    through the same code path as a CUDA / NPU side stream (a CPU device is otherwise a passthrough)."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+
+    def new_stream(self):
+        return None
+
+    def use_stream(self, stream):
+        return contextlib.nullcontext()
+
+    def copy(self, tensor):
+        return tensor.clone()
+
+    def record_event(self, stream):
+        return None
+
+    def consumer_stream(self):
+        return None
+
+    def wait_event(self, stream, event):
+        pass
+
+    def record_stream(self, tensor, stream):
+        pass
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("tracked", [False, True])
+def test_a_load_in_a_loop_over_a_device_prefetcher_delivers_the_loaded_batch_next(depth, workers, tracked):
+    # DevicePrefetcher holds depth - 1 batches beyond the one the loop has; without track, after a load
+    # inside the loop they reached it before the loaded ones (depth 2, num_workers=0, load after batch 4:
+    # trained 0-4, 5, then 2-9: batch 5 stale). The prefetcher now drops the batches it fetched before
+    # the load; with workers the DataLoader's own read-ahead is refused as without a prefetcher (here
+    # persistent workers: an error at the next batch), under track nothing changes.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    for load_at in range(2, 10):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        ckpt = s.state_dict() | {"cursor": 2}
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=workers,
+                            persistent_workers=workers > 0)
+
+        def batches(s=s, loader=loader):
+            prefetcher = DevicePrefetcher(loader, depth=depth, ops=_CpuSideStream())
+            return s.track(prefetcher) if tracked else prefetcher
+
+        trained, error = [], None
+        try:
+            for n, batch in enumerate(batches()):
+                trained.append(_ids(batch))
+                if n == load_at:
+                    s.load_state_dict(ckpt)
+        except RuntimeError as e:
+            error = str(e)
+        expected = full[:load_at + 1] + full[2:]
+        assert trained == expected[:len(trained)], f"load at {load_at}: a stale batch reached the loop"
+        assert error is None or (workers and not tracked and len(trained) == load_at + 1), error
+        if len(trained) < len(expected):   # the pass ended early (or raised): the next one goes on
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                trained += [_ids(b) for b in batches()]
+        assert trained == expected, f"load at {load_at}"
+
+
+def test_a_prefetcher_outside_what_counts_the_received_batches_is_refused_naming_the_order():
+    # DevicePrefetcher(sampler.track(loader)) (track inside, the order the README warns against): track
+    # counted the batches the prefetcher fetched, depth - 1 ahead of the loop. Depth 2, 4 batches trained:
+    # state_dict() said cursor 5, and a resume started at batch 5 (batch 4 never trained). The same around
+    # prepare_loader's loader, which counts what it yields. Refused, naming the order that works.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s)
+    with pytest.raises(ValueError, match=r"track must be outermost, sampler\.track\(DevicePrefetcher"):
+        DevicePrefetcher(s.track(loader), depth=2, ops=_CpuSideStream())
+    # the order that works: track outermost counts what the loop received, whatever the prefetcher holds
+    for n, _ in enumerate(s.track(DevicePrefetcher(loader, depth=3, ops=_CpuSideStream()))):
+        if n == 3:
+            state = s.state_dict()
+            break
+    fresh = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    fresh.load_state_dict(state)
+    assert state["cursor"] == 4 and [sorted(b) for b in fresh] == full[4:]
+
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from tokenbal.integrations.accelerate import prepare_loader
+
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    prepared = prepare_loader(Accelerator(cpu=True), DataLoader(IndexDataset(40), batch_sampler=s),
+                              register=False)
+    with pytest.raises(ValueError, match=r"DevicePrefetcher\(TokenBalancedLoader\).*iterate the prepared"):
+        DevicePrefetcher(prepared, depth=2, ops=_CpuSideStream())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_set_epoch_after_the_dataloader_iterator_was_made_is_refused_instead_of_cutting_the_pass(persistent):
+    # it = iter(loader); sampler.set_epoch(e): with workers, iter() already asked the sampler for
+    # prefetch_factor x num_workers batches of the epoch before (a replay of the finished one), and the move
+    # to epoch e ended the iteration after them: every pass after the first had 4 of its 10 batches, all of
+    # the old epoch, silently (num_workers=0 asks nothing before the first next(), and trained every epoch).
+    lengths = lengths_for(40)
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=persistent)
+    it = iter(loader)
+    s.set_epoch(0)                        # the same epoch: nothing fetched is of another one
+    assert sum(1 for _ in it) == 10
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match=r"set_epoch\(1\) after the DataLoader's iterator was made.*4 "
+                                           r"batches of epoch 0.*before iterating the loader"):
+        s.set_epoch(1)
+    assert s.epoch == 0 and sum(1 for _ in it) == 10, "a refused set_epoch changes nothing"
+    # the order that works: set_epoch, then iterate
+    for epoch in (1, 2):
+        s.set_epoch(epoch)
+        expected = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        expected.set_epoch(epoch)
+        assert [_ids(b) for b in loader] == [sorted(b) for b in expected]
+    # inside a running loop (set_epoch at the epoch's last step, a documented pattern) it is allowed
+    for n, _ in enumerate(loader):
+        if n == len(s) - 1:
+            s.set_epoch(3)
+    assert s.epoch == 3 and len([_ids(b) for b in loader]) == len(s)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("prefetcher", [False, True])
+def test_a_load_in_a_tracked_loop_after_the_last_batch_was_handed_out_goes_on_in_the_same_pass(persistent,
+                                                                                              prefetcher):
+    # With workers the sampler hands out an epoch's last batch before the loop receives the last few. A
+    # rollback there (load of batch 2 after the loop received batch 9, the epoch's last) ended the pass:
+    # the DataLoader had nothing more to ask for, the loop took it for the epoch's end, and its
+    # set_epoch(e + 1) dropped the rollback (with num_workers=0 the same pass goes on at batch 2). track
+    # now starts a new pass of the loader at the loaded batch, so the loop sees what num_workers=0 gives.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    for load_at in (6, 9):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        ckpt = s.state_dict() | {"cursor": 2}
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                            persistent_workers=persistent)
+        source = DevicePrefetcher(loader, depth=2, ops=_CpuSideStream()) if prefetcher else loader
+        trained = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n, batch in enumerate(s.track(source)):
+                trained.append(_ids(batch))
+                if n == load_at:
+                    s.load_state_dict(ckpt)
+            assert trained == full[:load_at + 1] + full[2:], f"load at {load_at}"
+            assert s.state_dict()["cursor"] == len(s)
+            s.set_epoch(1)   # the epoch is done: no rollback is dropped (that warned)
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_a_rollback_trained_to_the_epochs_end_does_not_warn_that_set_epoch_drops_it(tracked):
+    # num_workers=0, load of batch 2 after batch 5 inside the loop, the loop trains 2-9, then
+    # set_epoch(1): it warned "set_epoch(1) drops the position load_state_dict restored (epoch 0, batch 2
+    # of 10) before any batch of it was handed out", though all of it had been (the warning is for a loop
+    # that leaves a restored position untrained). The live iteration handing out a batch now clears it.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = DataLoader(IndexDataset(40), batch_sampler=s)
+    ckpt = s.state_dict() | {"cursor": 2}
+    trained = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n, batch in enumerate(s.track(loader) if tracked else loader):
+            trained.append(_ids(batch))
+            if n == 5:
+                s.load_state_dict(ckpt)
+        s.set_epoch(1)
+    assert trained == full[:6] + full[2:]
+    # still said where it is true: a mid-epoch load, and set_epoch to another epoch before any of it
+    s.load_state_dict(ckpt)
+    with pytest.warns(RuntimeWarning, match=r"set_epoch\(2\) drops the position"):
+        s.set_epoch(2)
+
+
+def _gloo_rank_loop(rank, world_size, n, resume_state):
+    """On a gloo rank: a sampler over the process group (cross-rank verify on), a DataLoader with persistent
+    workers read through a DevicePrefetcher under track. Epoch 0 rolls back after its last batch was handed
+    out; epoch 1 stops after 3 batches with a checkpoint. Or, with ``resume_state``, a fresh process that
+    resumes from it and trains the rest of that epoch."""
+    s = TokenBalancedBatchSampler(lengths_for(n, 7), global_batch_size=4 * world_size, seed=3)
+    loader = DataLoader(IndexDataset(n), batch_sampler=s, num_workers=2, prefetch_factor=2,
+                        persistent_workers=True)
+
+    def batches():
+        return s.track(DevicePrefetcher(loader, depth=2, ops=_CpuSideStream()))
+
+    if resume_state is not None:
+        s.load_state_dict(resume_state)
+        s.set_epoch(resume_state["epoch"])
+        return {"rest": [_ids(b) for b in batches()]}
+    out = {"epoch0": [], "epoch1": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n_, batch in enumerate(batches()):
+            out["epoch0"].append(_ids(batch))
+            if n_ == 1:
+                ckpt = s.state_dict()
+            if n_ == len(s) - 1:
+                s.load_state_dict(ckpt)       # every batch of the epoch was handed out long ago
+        s.set_epoch(1)
+        for n_, batch in enumerate(batches()):
+            out["epoch1"].append(_ids(batch))
+            if n_ == 2:
+                out["state"] = s.state_dict()
+                break
+    return out
+
+
+def test_gloo_ranks_roll_back_and_resume_through_workers_prefetcher_and_track():
+    from tokenbal.launch import run_ranks
+
+    n, world = 64, 2
+    results = run_ranks(_gloo_rank_loop, world, n, None, timeout=180)
+    plans = {}
+    for epoch in (0, 1):
+        ranks = [TokenBalancedBatchSampler(lengths_for(n, 7), world, r, global_batch_size=4 * world, seed=3)
+                 for r in range(world)]
+        for r in ranks:
+            r.set_epoch(epoch)
+        plans[epoch] = [[sorted(b) for b in r] for r in ranks]
+    for rank, res in enumerate(results):
+        full = plans[0][rank]
+        assert res["epoch0"] == full + full[2:], f"rank {rank}: the rollback goes on in the same pass"
+        assert res["epoch1"] == plans[1][rank][:3] and res["state"]["cursor"] == 3
+    assert results[0]["state"] == results[1]["state"]
+    resumed = run_ranks(_gloo_rank_loop, world, n, results[0]["state"], timeout=180)
+    epoch1 = [i for rank in range(world) for b in results[rank]["epoch1"] + resumed[rank]["rest"] for i in b]
+    assert sorted(epoch1) == list(range(n)), "every sample of epoch 1 once across the resume, on all ranks"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataloader_behind_a_prefetcher_resumes_from_the_prefetchers_state(workers):
+    # DevicePrefetcher(StatefulDataLoader(...)), checkpointed with loader.state_dict() after 4 trained
+    # batches (depth 2): the loader counted 5, the one the prefetcher held, and the resume started at batch
+    # 5 (batch 4 never trained). prefetcher.state_dict() is the loader's state as of the batch the loop
+    # last received: every stop position resumes exactly.
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+
+    def prefetcher():
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = stateful.StatefulDataLoader(IndexDataset(40), batch_sampler=s, num_workers=workers)
+        return DevicePrefetcher(loader, depth=3, ops=_CpuSideStream())
+
+    for stop in (0, 3, 8, 9):
+        first, trained = prefetcher(), []
+        for n, batch in enumerate(first):
+            trained.append(_ids(batch))
+            if n == stop:
+                state = first.state_dict()
+                break
+        resumed = prefetcher()
+        resumed.load_state_dict(state)
+        assert trained + [_ids(b) for b in resumed] == full, f"stop after batch {stop}"
+    with pytest.raises(TypeError, match="has no state_dict"):
+        DevicePrefetcher([1, 2], depth=2, ops=_CpuSideStream()).state_dict()
+
+
+def test_a_load_after_a_break_from_a_stateful_dataloader_with_workers_is_not_taken_for_one_inside_the_loop():
+    # torchdata's StatefulDataLoader keeps its iterator after a loop over it ends (for its state_dict),
+    # also without persistent workers. sampler.load_state_dict after a break was refused as "inside a loop
+    # over a DataLoader that has read ahead: 4 batches ...", though the loop was over and the next pass
+    # starts at the loaded batch. It is now checked as for persistent workers: at the next batch, and only
+    # a live loop gets the error (before any batch fetched before the load reaches it).
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+    loader = stateful.StatefulDataLoader(IndexDataset(40), batch_sampler=s, num_workers=2)
+    ckpt = s.state_dict() | {"cursor": 2}
+    for n, _ in enumerate(loader):
+        if n == 3:
+            break
+    s.load_state_dict(ckpt)
+    assert [_ids(b) for b in loader] == full[2:]
+    s.set_epoch(0)   # the finished epoch, replayed
+    trained = []
+    with pytest.raises(RuntimeError, match=r"batches it fetched before the load.*track"):
+        for n, batch in enumerate(loader):
+            trained.append(_ids(batch))
+            if n == 3:
+                s.load_state_dict(ckpt)
+    assert trained == full[:4]
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_break_out_of_a_prefetcher_loop_continues_at_the_first_batch_not_received(workers, persistent):
+    # for batch in DevicePrefetcher(loader): ... break (an eval), then iterate again, no track: the batch the
+    # prefetcher held (depth 2) and the workers' prefetch were skipped for the rest of the epoch, with a
+    # warning that said "with num_workers=0 nothing is skipped" (num_workers=0, break after batch 2: trained
+    # 0, 1, 2, 4, ..., 9). The abandoned prefetcher tells the sampler what the loop received (what the
+    # DataLoader gave it, less what it held): the new pass continues there, and state_dict() after the
+    # break is that position.
+    lengths = lengths_for(40)
+    full = [sorted(b) for b in TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)]
+    for stop in (0, 2, 8):
+        s = TokenBalancedBatchSampler(lengths, 1, 0, global_batch_size=4)
+        loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=workers,
+                            persistent_workers=persistent)
+        prefetcher = DevicePrefetcher(loader, depth=2, ops=_CpuSideStream())
+        trained = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n, batch in enumerate(prefetcher):
+                trained.append(_ids(batch))
+                if n == stop:
+                    break
+            assert s.state_dict()["cursor"] == stop + 1
+            trained += [_ids(b) for b in prefetcher]
+        assert trained == full, f"break after batch {stop}"
