@@ -197,17 +197,20 @@ def test_video_rows_equal_hf_get_rope_index(model_name, request):
     resumed after the video's frames before, so every token after a long video differed."""
     model = request.getfixturevalue(model_name)
     tps = TPS if model_name == "qwen25vl" else None
-    rng = np.random.default_rng(7)
-    checked = 0
-    for _ in range(60):
-        ids, images, videos = random_sample(rng, max_images=2, max_videos=2)
-        if not len(videos):
-            continue
-        seconds = rng.choice([0.5, 1.0, 1.5, 2.0], size=len(videos)) if tps else None
+    rows = list(_video_rows(np.random.default_rng(7), 60, tps))
+    for ids, images, videos, seconds in rows:
         ref = hf_positions(model, ids, images, videos, seconds=seconds)
         np.testing.assert_array_equal(ours(ids, images, videos, seconds=seconds, tps=tps), ref)
-        checked += 1
-    assert checked >= 10
+    assert len(rows) >= 10
+
+
+def _video_rows(rng, draws: int, tps):
+    """Of ``draws`` random rows (text, up to 2 images, up to 2 videos), those with a video:
+    (ids, images, videos, seconds per grid, or None without ``tps``)."""
+    for _ in range(draws):
+        ids, images, videos = random_sample(rng, max_images=2, max_videos=2)
+        if len(videos):
+            yield ids, images, videos, rng.choice([0.5, 1.0, 1.5, 2.0], size=len(videos)) if tps else None
 
 
 @pytest.mark.parametrize("model_name", ["qwen2vl", "qwen25vl"])
@@ -217,13 +220,8 @@ def test_video_blocks_match_hf_layout(model_name, request):
     identical; after it, text follows the original "max + 1" rule."""
     model = request.getfixturevalue(model_name)
     tps = TPS if model_name == "qwen25vl" else None
-    rng = np.random.default_rng(1)
     checked = 0
-    for _ in range(40):
-        ids, images, videos = random_sample(rng, max_images=2, max_videos=2)
-        if not len(videos):
-            continue
-        seconds = rng.choice([0.5, 1.0, 1.5, 2.0], size=len(videos)) if tps else None
+    for ids, images, videos, seconds in _video_rows(np.random.default_rng(1), 40, tps):
         got = ours(ids, images, videos, seconds=seconds, tps=tps, resume="temporal")
         ref = hf_positions(model, ids, images, videos, seconds=seconds)
         begin, end = _first_video_span(ids)

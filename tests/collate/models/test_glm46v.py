@@ -17,7 +17,7 @@ if not hasattr(transformers, "Glm46VConfig"):
 
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
-from tests.collate.models.test_glm4v import hf_positions, make_samples, reference_loss  # noqa: E402
+from tests.collate.models.test_glm4v import assert_positions_equal_hf, make_samples, reference_loss  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_glm4v import tiny_config as tiny_glm4v_config  # noqa: E402
@@ -50,9 +50,7 @@ def test_packed_loss_and_grads_match_per_sample(reference):
     samples = make_samples()
     batch = PackedCollator.from_config(ref.config, pin_memory=False)(samples)
     assert batch.pixel_values is not None and batch.pixel_values_videos is not None
-    starts = [0, *batch.cu_seqlens_list[:-1]]
-    for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-        assert torch.equal(batch.position_ids[:, :, start:end], hf_positions(ref, s)), f"sample {i}"
+    assert_positions_equal_hf(batch, samples, ref)
     backward_and_compare(packed(**batch).loss, reference_loss(ref, samples))
     assert assert_grads_match(packed, ref) > 30
 

@@ -109,6 +109,13 @@ def hf_positions(model, sample: dict) -> torch.Tensor:
     return torch.arange(x.shape[1]).view(1, 1, -1).expand(3, 1, -1)
 
 
+def assert_positions_equal_hf(batch, samples: list[dict], model) -> None:
+    """Each sample's slice of the packed ``position_ids`` equals HF's ``get_rope_index`` of it."""
+    starts = [0, *batch.cu_seqlens_list[:-1]]
+    for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
+        assert torch.equal(batch.position_ids[:, :, start:end], hf_positions(model, s)), f"sample {i}"
+
+
 def test_collator_positions_equal_hf_get_rope_index(reference):
     samples = make_samples() + make_samples(2, [MIXED])
     batch = collator(reference)(samples)
@@ -160,10 +167,7 @@ def test_random_rows_positions_equal_hf_get_rope_index(reference):
                 sample[f"{key}_grid_thw"] = torch.tensor(grids)
                 sample["pixel_values" if key == "image" else "pixel_values_videos"] = torch.zeros(patches, 4)
         samples.append(sample)
-    batch = collator(reference)(samples)
-    starts = [0, *batch.cu_seqlens_list[:-1]]
-    for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-        assert torch.equal(batch.position_ids[:, :, start:end], hf_positions(reference, s)), f"sample {i}"
+    assert_positions_equal_hf(collator(reference)(samples), samples, reference)
 
 
 def test_packed_loss_and_grads_match_per_sample(reference):

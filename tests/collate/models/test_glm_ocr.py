@@ -17,7 +17,12 @@ if not hasattr(transformers, "GlmOcrConfig"):
 
 from collate import PackedCollator  # noqa: E402
 from collate.models import enable_packed  # noqa: E402
-from tests.collate.models.test_glm4v import hf_inputs, hf_positions, make_samples, reference_loss  # noqa: E402
+from tests.collate.models.test_glm4v import (  # noqa: E402
+    assert_positions_equal_hf,
+    hf_inputs,
+    make_samples,
+    reference_loss,
+)
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.reference import backward_and_compare  # noqa: E402
 from tests.helpers.tiny_glm4v import tiny_config as tiny_glm4v_config  # noqa: E402
@@ -63,9 +68,8 @@ def test_packed_loss_logits_and_grads_match_per_sample(reference):
     samples = make_samples()
     batch = PackedCollator.from_config(ref.config, pin_memory=False)(samples)
     assert batch.pixel_values is not None and batch.pixel_values_videos is not None
+    assert_positions_equal_hf(batch, samples, ref)
     starts = [0, *batch.cu_seqlens_list[:-1]]
-    for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-        assert torch.equal(batch.position_ids[:, :, start:end], hf_positions(ref, s)), f"sample {i}"
     out = packed(**batch)
     with torch.no_grad():
         for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):

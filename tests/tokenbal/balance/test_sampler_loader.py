@@ -10,27 +10,31 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from collate import DevicePrefetcher
 from collate.prefetch import StreamOps
 from tests.helpers.lengths import lengths_for
+from tests.tokenbal.balance.test_sampler import IndexDataset
 from tokenbal import TokenBalancedBatchSampler
-
-
-class IndexDataset(Dataset):
-    def __init__(self, n):
-        self.n = n
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        return {"idx": i, "x": torch.full((2,), float(i))}
 
 
 def _ids(batch):
     return sorted(batch["idx"].tolist())
+
+
+def _train_loading_at(batches, sampler, load_at: int, ckpt: dict) -> tuple[list, str | None]:
+    """The batches a loop over ``batches`` receives (as sorted sample ids) when it loads ``ckpt`` into
+    ``sampler`` after its batch ``load_at``, and the RuntimeError that ended it, if one did."""
+    trained: list = []
+    try:
+        for n, batch in enumerate(batches):
+            trained.append(_ids(batch))
+            if n == load_at:
+                sampler.load_state_dict(ckpt)
+    except RuntimeError as e:
+        return trained, str(e)
+    return trained, None
 
 
 @pytest.mark.parametrize("persistent", [True, False])
@@ -49,14 +53,7 @@ def test_a_load_in_the_loop_after_the_epochs_last_batch_was_handed_out_never_tra
         ckpt = s.state_dict() | {"cursor": 2}
         loader = DataLoader(IndexDataset(40), batch_sampler=s, num_workers=2, prefetch_factor=2,
                             persistent_workers=persistent)
-        trained, error = [], None
-        try:
-            for n, batch in enumerate(loader):
-                trained.append(_ids(batch))
-                if n == load_at:
-                    s.load_state_dict(ckpt)
-        except RuntimeError as e:
-            error = str(e)
+        trained, error = _train_loading_at(loader, s, load_at, ckpt)
         expected = full[:load_at + 1] + full[2:]
         assert trained == expected[:len(trained)], f"load at {load_at}: a stale batch reached the loop"
         if error is not None:
@@ -119,14 +116,7 @@ def test_a_load_in_a_loop_over_a_device_prefetcher_delivers_the_loaded_batch_nex
             prefetcher = DevicePrefetcher(loader, depth=depth, ops=_CpuSideStream())
             return s.track(prefetcher) if tracked else prefetcher
 
-        trained, error = [], None
-        try:
-            for n, batch in enumerate(batches()):
-                trained.append(_ids(batch))
-                if n == load_at:
-                    s.load_state_dict(ckpt)
-        except RuntimeError as e:
-            error = str(e)
+        trained, error = _train_loading_at(batches(), s, load_at, ckpt)
         expected = full[:load_at + 1] + full[2:]
         assert trained == expected[:len(trained)], f"load at {load_at}: a stale batch reached the loop"
         assert error is None or (workers and not tracked and len(trained) == load_at + 1), error
