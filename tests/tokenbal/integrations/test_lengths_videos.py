@@ -33,7 +33,11 @@ N_ROWS = 40
 
 
 def _has_replace_video_token(family: str) -> bool:
-    return callable(getattr(fp.processor_class(family), "replace_video_token", None))
+    try:
+        cls = fp.processor_class(family)
+    except (ImportError, ModuleNotFoundError) as e:   # 4.57's SmolVLMProcessor needs torchvision
+        pytest.skip(f"{family}'s processor class cannot be imported here: {e}")
+    return callable(getattr(cls, "replace_video_token", None))
 
 
 def _processor(family: str, settings: dict | None = None, subclass: bool = True):
