@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -69,13 +70,14 @@ def _cmd_index_build(args: argparse.Namespace) -> int:
                          "add --part, or name the folder")
     parquet = ParquetOptions(image_column=args.image_column, text_column=args.text_column,
                              messages_column=args.messages_column, video_column=args.video_column)
-    report = build_index(args.sources, out, model=model, workers=args.workers,
-                         tokenizer=args.tokenizer, image_root=args.image_root,
-                         estimator_overrides=overrides, progress=not args.quiet,
-                         incremental=not args.rebuild, remote=_remote_options(args),
-                         parquet=parquet, part=part, exif=args.exif,
-                         keep_unlisted=not args.drop_unlisted, processor=args.processor,
-                         on_other_rules="rescan" if args.rebuild else "error")
+    with _naming_output_folder("--out", out):
+        report = build_index(args.sources, out, model=model, workers=args.workers,
+                             tokenizer=args.tokenizer, image_root=args.image_root,
+                             estimator_overrides=overrides, progress=not args.quiet,
+                             incremental=not args.rebuild, remote=_remote_options(args),
+                             parquet=parquet, part=part, exif=args.exif,
+                             keep_unlisted=not args.drop_unlisted, processor=args.processor,
+                             on_other_rules="rescan" if args.rebuild else "error")
     print(report.summary())
     problems = report.limit_problems(args.max_bad_shards, args.max_bad_samples)
     for line in problems:
@@ -112,14 +114,17 @@ def _cmd_index_verify(args: argparse.Namespace) -> int:
 def _cmd_index_merge(args: argparse.Namespace) -> int:
     from tokenbal.index.merge import merge_indexes
 
-    print(merge_indexes(args.out, args.parts, progress=not args.quiet, replace=args.replace).summary())
+    with _naming_output_folder("merge output", args.out):
+        report = merge_indexes(args.out, args.parts, progress=not args.quiet, replace=args.replace)
+    print(report.summary())
     return 0
 
 
 def _cmd_index_export(args: argparse.Namespace) -> int:
     from tokenbal.index.export import export_index
 
-    with _progress_bar(not args.quiet, "exporting") as report:
+    with (_progress_bar(not args.quiet, "exporting") as report,
+          _naming_output_folder("export folder", args.dir)):
         path = export_index(args.index, args.dir, args.format, progress=report)
     print(f"wrote {path}")
     return 0
@@ -249,6 +254,40 @@ def _check_output_file(option: str, path: str | None, suffixes: tuple[str, ...])
         raise UsageError(f"{option} {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{option} {path}: folder {folder} is not writable")
+
+
+@contextlib.contextmanager
+def _naming_output_folder(option: str, path: str) -> Iterator[None]:
+    """Name the option where its output folder cannot be made or written: the OS error names a path
+    only, and for a build the lock file beside the folder (``No such file or directory:
+    '/proc/.x.lock'``). Only errors on the folder, inside it, beside it under its name (the lock, the
+    temporary folders) or on a folder above it are renamed; a source's error stays the source's."""
+    try:
+        yield
+    except OSError as e:
+        failed = os.fspath(e.filename) if e.filename else None
+        if e.errno not in _FOLDER_ERRNOS or failed is None or not _is_output_path(path, failed):
+            raise
+        if isinstance(e, (FileExistsError, NotADirectoryError)):
+            reason = "a file of that name (or of a folder above it) is in the way"
+        else:
+            reason = f"cannot be made there ({e.strerror or e}: {failed})"
+        raise ValueError(f"{option} {path}: {reason}; give a folder that can be created") from None
+
+
+# The errors that say the output folder itself cannot be made there (not a full disk or a network failure).
+_FOLDER_ERRNOS = {errno.ENOENT, errno.EEXIST, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.EROFS,
+                  errno.EISDIR}
+
+
+def _is_output_path(out: str, failed: str) -> bool:
+    """Whether ``failed`` is the output folder ``out``, inside it, a folder above it, or beside it under
+    its name (``.out.lock``, ``.out.tmp-…``)."""
+    out, failed = os.path.abspath(out), os.path.abspath(failed)
+    if failed == out or failed.startswith(out + os.sep) or out.startswith(failed.rstrip(os.sep) + os.sep):
+        return True
+    return (os.path.dirname(failed) == os.path.dirname(out)
+            and os.path.basename(failed).startswith(f".{os.path.basename(out)}"))
 
 
 def _write_plot(sim, path: str) -> None:

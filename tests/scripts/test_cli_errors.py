@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -651,3 +652,44 @@ def test_a_missing_command_is_named_by_its_choices(args, choices, capsys):
     """``tokenbal index`` alone said "required: index_command", argparse's internal name."""
     code, _, err = run(args, capsys)
     assert code == 2 and err.strip().endswith(f"error: the following arguments are required: {choices}")
+
+
+def test_output_folders_that_cannot_be_made_name_their_option(clean, tmp_path, capsys):
+    """A build into ``/proc/x`` said ``[Errno 2] No such file or directory: '/proc/.x.lock'`` (the lock
+    file, not the option), and into ``afile/sub`` ``[Errno 17] File exists: 'afile'`` with exit 1, as if
+    the environment had failed; a merge or an export named the path alone."""
+    corpus, index = clean
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    parts = [str(tmp_path / f"p{i}") for i in range(2)]
+    for i, part in enumerate(parts):
+        build_index(corpus.shards, part, progress=False, part=(i, 2))
+    commands = {"--out": ["index", "build", *corpus.shards, "-q", "--out"],
+                "merge output": ["index", "merge", "-q"],
+                "export folder": ["index", "export", "-q", "--index", str(index)]}
+    for option, command in commands.items():
+        for out in [afile / "sub"] + ([Path("/proc/tokenbal-x")] if Path("/proc/self").exists() else []):
+            args = command + [str(out)] + (parts if option == "merge output" else [])
+            code, _, err = run(args, capsys)
+            assert code == 2, (option, out, err)
+            said = err.removeprefix(f"tokenbal index {command[1]}: error: {option} {out}: ")
+            assert said != err, err
+            if out.parent == afile:
+                assert said.startswith("a file of that name (or of a folder above it) is in the way; give a "
+                                       "folder")
+            else:
+                assert said.startswith("cannot be made there (No such file or directory: /proc/"), said
+    assert afile.read_text() == "mine\n"
+
+
+def test_only_errors_on_the_output_folder_are_renamed(tmp_path):
+    """The rename must not blame ``--out`` for a source's error: a shard beside the output folder, or a
+    folder whose name merely starts like it, stays the source's."""
+    from tokenbal.cli import _is_output_path
+
+    out = tmp_path / "idx"
+    for path in (out, out / "lengths.npy", tmp_path, tmp_path.parent, tmp_path / ".idx.lock",
+                 tmp_path / ".idx.tmp-123"):
+        assert _is_output_path(str(out), str(path)), path
+    for path in (tmp_path / "data.tar", tmp_path / "idx2", tmp_path / "idx2" / "a", tmp_path / ".other.lock"):
+        assert not _is_output_path(str(out), str(path)), path
