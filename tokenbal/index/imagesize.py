@@ -29,8 +29,10 @@ fine, but it cannot be decoded. It costs one 32-byte read of the tail. Where the
 marker, a JPEG's or PNG's whole member is read and walked (``_ends_inside``): bytes after a complete
 image (a motion photo's video after the JPEG, padding), which Pillow ignores, are no error. A GIF has
 no length field and its data may end in the trailer byte by chance, so its blocks are walked to the
-trailer (one whole read per GIF). Formats that Pillow opens from a header declaring where the pixel
-data lies are checked against that declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
+trailer (one whole read per GIF).
+
+Formats that Pillow opens from a header declaring where the pixel data lies are checked against that
+declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
 top-level boxes must fit in the member (one small read per box), a TIFF's first-page strips or tiles
 (offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height); and a
 still extended (VP8X) WebP's canvas must be the size of its image, or libwebp refuses it. Any other
@@ -42,8 +44,12 @@ formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cu
 at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
 codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
 PGM / PPM must hold as many samples as its header needs, a run-length TGA's packets give every pixel
-(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it. Still not
-end-checked: PCX, DDS, XBM, BLP, a 16-bit SGI.
+(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it, a PCX's
+run-length lines are all there (walked by Pillow's own decoder into a one-pixel-wide image:
+``_pcx_short``), a DDS's blocks or pixels follow its header, an XBM holds a ``0x..`` byte for every 8
+pixels of each row (``_xbm_short``), a BLP's mipmap table, palette and first mipmap lie inside it
+(``_blp_short``). Still not end-checked: a 16-bit SGI, and the formats whose pixel data Pillow's
+open does not place (PSD, ICNS, FLI, ...).
 """
 
 from __future__ import annotations
@@ -536,15 +542,22 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
     (offset + stride x rows; the stride given, or the row's bytes from the decoder's unpacker: PPM /
     PGM / PBM / PFM, uncompressed BMP / TGA / SGI / IM / MSP, ...), a PPM's scaled samples (maxval
     other than 255 / 65535: width x height x bands x 1 or 2 bytes) end past the member, or a BMP's
-    RLE codes end before its last pixel (``_bmp_rle_short``). Other codecs are not checked."""
+    RLE codes end before its last pixel (``_bmp_rle_short``); a DDS's BCn blocks (8 or 16 bytes per
+    4x4) or masked pixels after its header, a PCX's / XBM's / BLP's data as their decoders read it
+    (``_pcx_short``, ``_xbm_short``, ``_blp_short``). Other codecs are not checked."""
     try:
         with Image.open(io.BytesIO(head)) as im:
             tiles, mode, name = list(im.tile), im.mode, im.format or "image"
+            # A DDS's tiles say offset 0 (its load_seek ignores them): its pixels follow the header
+            # where the open stopped reading (128 bytes, 148 with a DX10 header, + 1024 of palette).
+            start = im.fp.tell() if name == "DDS" else None
     except Exception:  # noqa: BLE001 - the size was read from these bytes: Pillow decides later
         return None
     for tile in tiles:
         args = tile.args
         width, rows = tile.extents[2] - tile.extents[0], tile.extents[3] - tile.extents[1]
+        if start is not None:
+            tile = tile._replace(offset=start)
         if tile.codec_name == "raw":
             rawmode, stride = (args, 0) if isinstance(args, str) else (*args[:2], 0)[:2]
             if not isinstance(rawmode, str) or not isinstance(stride, int) or stride < 0:
@@ -581,6 +594,26 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
             if why is not None:
                 return f"{name} cut short: {why}"
+            continue
+        elif tile.codec_name == "bcn" and isinstance(args, tuple) and args and isinstance(args[0], int):
+            # DDS block compression: 4x4 blocks of 8 bytes (BC1 / BC4) or 16 (BC2 / 3 / 5 / 6 / 7)
+            end = tile.offset + (width + 3) // 4 * ((rows + 3) // 4) * (8 if args[0] in (1, 4) else 16)
+        elif tile.codec_name == "dds_rgb" and isinstance(args, tuple) and len(args) == 2:
+            end = tile.offset + width * rows * (int(args[0]) // 8)   # whole bytes a pixel, masked
+        elif tile.codec_name == "pcx" and isinstance(args, tuple) and len(args) == 2:
+            why = _pcx_short(read, size, tile.offset, rows, int(args[1]))
+            if why is not None:
+                return f"{name} {why}"
+            continue
+        elif tile.codec_name == "xbm":
+            why = _xbm_short(read, size, tile.offset, rows * ((width + 7) // 8))
+            if why is not None:
+                return f"{name} cut short: {why}"
+            continue
+        elif tile.codec_name in ("BLP1", "BLP2") and isinstance(args, tuple) and len(args) >= 3:
+            why = _blp_short(read, size, tile.offset, tile.codec_name, args, width, rows)
+            if why is not None:
+                return f"{name} {why}"
             continue
         else:
             continue
@@ -626,6 +659,82 @@ def _plain_netpbm_short(read, size: int, offset: int, want: int, mode: str) -> s
                 return "damaged: a sample of its text is no decimal number"
     if have < want:
         return f"cut short: its text holds {have} of the {want} samples its header needs"
+    return None
+
+
+def _pcx_short(read, size: int, offset: int, rows: int, stride: int) -> str | None:
+    """Why Pillow's PCX decoder cannot decode a PCX's run-length data: its packets (a byte below 0xC0
+    one byte of a line, else a run of ``byte & 0x3F`` copies of the next byte) give fewer than
+    ``rows`` lines of ``stride`` bytes before the data ends, or a run crosses the end of a line
+    ('buffer overrun'). Walked by Pillow's own decoder into a one-pixel-wide image: its walk depends
+    on the line's bytes (``stride``) alone, so it judges exactly, in C, without the image's pixels
+    (a Python walk of a 640 x 480 noise PCX's ~1M packets took ~25 ms; this ~1 ms)."""
+    data = read(size - offset, offset) if offset < size else b""
+    try:
+        decoder = Image._getdecoder("L", "pcx", ("L", stride))
+        decoder.setimage(Image.core.new("L", (1, rows)), (0, 0, 1, rows))
+        used, error = decoder.decode(data)
+        decoder.cleanup()
+    except Exception:  # noqa: BLE001 - a Pillow without this decoder: Pillow decides when it loads
+        return None
+    if used >= 0:
+        return f"cut short: its run-length data ends (byte {size}) before its {rows} lines of {stride} bytes"
+    if error < 0:
+        return "damaged: a run of its run-length data crosses the end of a line (Pillow: 'buffer overrun')"
+    return None
+
+
+_XBM_BYTE = re.compile(rb"x[\s\S]{2}")   # Pillow's XBM decoder: each 'x' and the two bytes after it
+_XBM_NEAR = re.compile(rb"x[\s\S]?x")    # an 'x' that the decoder takes as a hex digit of the one before
+
+
+def _xbm_short(read, size: int, offset: int, want: int) -> str | None:
+    """Why Pillow's XBM decoder cannot decode an XBM: its text after the ``_bits[] = {`` line holds
+    fewer than ``want`` bytes, each an ``x`` (the one of ``0x``) and the two characters after it,
+    the decoder's reading of them (it skips anything to the next ``x``)."""
+    text = read(size - offset, offset) if offset < size else b""
+    if _XBM_NEAR.search(text) is None:
+        # every 'x' starts a byte (the usual text): counted without making them (findall took ~6 ms
+        # for a 640 x 480 XBM, this ~1 ms); the last one needs its two characters
+        have = text.count(b"x") - (text.rfind(b"x") > len(text) - 3)
+    else:
+        have = len(_XBM_BYTE.findall(text))
+    if have < want:
+        return f"its bitmap holds {have} of its {want} bytes (0x..) before its end (byte {size})"
+    return None
+
+
+def _blp_short(read, size: int, offset: int, codec: str, args: tuple, width: int, rows: int) -> str | None:
+    """Why Pillow's BLP decoders cannot decode a BLP: the mipmap table after the header (16 offsets
+    and 16 lengths) and what the decoder reads after it (a 1024-byte palette, then the first mipmap:
+    palette indices, DXT blocks or a JPEG stream) run past the member, or hold fewer palette indices
+    than pixels ('not enough image data'). Other compressions: Pillow refuses them itself."""
+    table = read(128, offset)
+    if len(table) < 128:
+        return f"cut short: its mipmap table (bytes {offset}-{offset + 128}) runs past its end ({size} bytes)"
+    offsets, lengths = struct.unpack("<16I", table[:64]), struct.unpack("<16I", table[64:])
+    compression, encoding = args[0], args[1]
+    palette_end = offset + 128 + 1024
+    if codec == "BLP1" and compression == 0:               # JPEG: a shared header, then the mipmap
+        head = read(4, offset + 128)
+        if len(head) < 4:
+            return f"cut short: its JPEG header length (byte {offset + 128}) lies past its end ({size} bytes)"
+        start, length = max(offsets[0], offset + 132 + int.from_bytes(head, "little")), lengths[0]
+    elif codec == "BLP1" and compression == 1 and encoding in (4, 5):
+        start, length = palette_end, lengths[0]           # BLP1 reads its indices right after the palette
+    elif codec == "BLP2" and compression == 1 and encoding == 1:
+        start, length = offsets[0], lengths[0]
+    elif codec == "BLP2" and compression == 1 and encoding == 2 and len(args) >= 4 and args[3] in (0, 1, 7):
+        start, length = offsets[0], (rows + 3) // 4 * ((width + 3) // 4) * (8 if args[3] == 0 else 16)
+    else:
+        return None
+    if (codec == "BLP2" or compression == 1) and palette_end > size:
+        return f"cut short: its palette runs to byte {palette_end}, the image ends at byte {size}"
+    if start + length > size:
+        return (f"cut short: its first mipmap runs to byte {start + length}, the image ends at byte {size} "
+                f"({start + length - size} bytes missing)")
+    if compression == 1 and encoding != 2 and length < width * rows:
+        return f"damaged: its first mipmap holds {length} palette indices for its {width * rows} pixels"
     return None
 
 
