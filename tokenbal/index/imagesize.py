@@ -28,8 +28,12 @@ shorter than its RIFF header says) is an ``ImageSizeError``: its header is intac
 fine, but it cannot be decoded. It costs one 32-byte read of the tail. Where the tail holds no end
 marker, a JPEG's or PNG's whole member is read and walked (``_ends_inside``): bytes after a complete
 image (a motion photo's video after the JPEG, padding), which Pillow ignores, are no error. A GIF has
-no length field and its data may end in the trailer byte by chance, so its blocks are walked to the
-trailer (one whole read per GIF).
+no length field and its data may end in the trailer byte by chance, so its blocks are walked to the end
+of its first frame (read from its start as far as that). Animations: Pillow's ``load`` /
+``convert("RGB")`` decode the first frame only, and that frame is all that transformers' ``load_image``,
+the image processors given a PIL image (Qwen2-VL, LLaVA-NeXT: measured on transformers 4.57, 5.24,
+5.25) and tokenbal's readers see; so an animated PNG or GIF cut after its first frame is counted, with
+the first frame's size (``_apng_first_frame_whole``, ``_check_gif_first_frame``).
 
 Formats that Pillow opens from a header declaring where the pixel data lies are checked against that
 declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
@@ -308,8 +312,10 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
             raise
     if head[:4] == b"GIF8":
         # A GIF has no length field and its LZW data can end in 0x3B, so the tail alone cannot
-        # tell a trailer from a cut: its block structure is walked (GIFs are rare and small).
-        _check_gif_blocks(head if len(head) == size else pread_exact(fd, size, offset))
+        # tell a trailer from a cut: its block structure is walked, up to the end of its first
+        # frame (all that Pillow decodes, so all that transformers' load_image and tokenbal's
+        # readers see: a later frame cut short is no error).
+        _check_gif_first_frame(fd, offset, size, head)
     why = _cut_short(fd, offset, size, head)
     if why is not None:
         raise ImageSizeError(why)
@@ -364,7 +370,7 @@ def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _webp_canvas_mismatch(read, size, head)
     if head[:3] == b"\xff\xd8\xff" or head[:8] == _PNG_SIG or head[:4] == b"GIF8":
-        return None                    # end markers: _check_end, _ends_inside, _check_gif_blocks
+        return None                    # end markers: _check_end, _ends_inside, _check_gif_first_frame
     if head[:4] == b"qoif":
         return _qoi_cut(read, size)
     if head[:4] == _J2K_SIG:
@@ -808,12 +814,43 @@ def _bmp_rle_short(read, size: int, offset: int, width: int, rows: int, rle4: bo
 def _ends_inside(data: bytes) -> bool:
     """Whether the JPEG or PNG ``data`` holds its end marker before its last bytes (other formats:
     False): its segments or chunks are walked from the start, so an end marker followed by other
-    bytes counts and a member cut before its end marker does not."""
+    bytes counts and a member cut before its end marker does not. An animated PNG cut after its
+    first frame counts too (``_apng_first_frame_whole``)."""
     if data[:3] == b"\xff\xd8\xff":
         return _jpeg_end(data) is not None
     if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return _png_end(data) is not None
+        return _png_end(data) is not None or _apng_first_frame_whole(data)
     return False
+
+
+def _apng_first_frame_whole(data: bytes) -> bool:
+    """Whether the animated PNG ``data``, cut short (or damaged) after its first frame, still holds
+    all that Pillow reads to decode that frame, the only one ``convert("RGB")`` / ``load`` (so
+    transformers' ``load_image``, the Qwen2-VL / LLaVA-NeXT image processors and tokenbal's readers)
+    decode: its IDAT chunks whole, the end of their run confirmed by the next chunk's header, then
+    whole chunks up to the next frame's fcTL (Pillow's load stops there), an IEND, or a cut inside a
+    CRC or a chunk header (Pillow stops reading there too). A chunk after the pixel data cut inside
+    its data makes Pillow fail; so does one missing IDAT chunk, which a cut at a chunk boundary
+    cannot tell apart from the end of the run: such cuts stay errors."""
+    i, n, last, pixels_done = 8, len(data), b"", False
+    while i + 8 <= n:
+        length, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
+        if last == b"IDAT" and kind != b"IDAT":
+            pixels_done = True                   # the run of IDAT chunks ended: the first frame's data
+        if pixels_done and kind == b"IDAT":
+            return False                         # IDAT chunks apart: not a layout Pillow reads whole
+        if pixels_done and kind in (b"fcTL", b"IEND"):
+            break
+        if i + 8 + length > n:
+            return False                         # a chunk cut inside its data
+        last, i = kind, i + 12 + length
+    if not pixels_done:
+        return False
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # Pillow's own reading of acTL: frames after the first
+            return bool(getattr(im, "is_animated", False))
+    except Exception:  # noqa: BLE001 - Pillow cannot open it: the size read failed before this
+        return False
 
 
 # A JPEG marker: FF then a byte that is not a stuffed zero, a restart marker (RST0-7: data) or a fill FF.
@@ -863,34 +900,49 @@ def _png_end(data: bytes) -> int | None:
     return None
 
 
-def _check_gif_blocks(data: bytes) -> None:
+def _check_gif_first_frame(fd, offset: int, size: int, head: bytes) -> None:
     """Raise ``ImageSizeError`` unless the GIF's blocks (extensions and images, each a run of
-    length-prefixed sub-blocks) reach its trailer byte. Stray bytes between blocks are skipped as
-    Pillow's reader skips them."""
+    length-prefixed sub-blocks) reach the end of its first image (its block terminator) or its
+    trailer byte. Pillow decodes the first frame alone (``load``, ``convert("RGB")``: transformers'
+    ``load_image``, the Qwen2-VL / LLaVA-NeXT image processors given a PIL image, tokenbal's readers),
+    so a later frame cut short is no error. Stray bytes between blocks are skipped as Pillow's reader
+    skips them. Reads the member from its start up to the end of that frame (doubling the read),
+    not the frames after it."""
+    data = head
+
+    def holds(k: int) -> bool:       # whether ``data`` holds byte k - 1, reading further if need be
+        nonlocal data
+        if k > len(data) and len(data) < size:
+            data = pread_exact(fd, min(size, max(k, 2 * len(data))), offset)
+        return k <= len(data)
+
     pos = 13
-    if len(data) >= 13 and data[10] & 0x80:
+    if holds(13) and data[10] & 0x80:
         pos += 3 * (2 << (data[10] & 7))           # global colour table
-    while pos < len(data):
-        byte = data[pos]
+    while holds(pos + 1):
+        byte, image = data[pos], False
         if byte == 0x3B:
             return
         if byte == 0x21:                           # extension: introducer, label, sub-blocks
             pos += 2
         elif byte == 0x2C:                         # image: descriptor, local table, LZW code size
-            if pos + 10 > len(data):
+            if not holds(pos + 10):
                 break
             flags = data[pos + 9]
             pos += 10 + (3 * (2 << (flags & 7)) if flags & 0x80 else 0) + 1
+            image = True
         else:
             pos += 1
             continue
-        while pos < len(data) and data[pos]:
+        while holds(pos + 1) and data[pos]:
             pos += 1 + data[pos]
-        if pos >= len(data):
+        if not holds(pos + 1):
             break
+        if image:
+            return                                 # the first frame is whole
         pos += 1                                   # the block terminator
-    raise ImageSizeError(f"GIF cut short: its blocks end at byte {min(pos, len(data))} of {len(data)} "
-                         "without the trailer (0x3B)")
+    raise ImageSizeError(f"GIF cut short: its first frame's blocks end at byte {min(pos, size)} of {size} "
+                         "without their terminator")
 
 
 # -- orientation: the value PIL.ImageOps.exif_transpose acts on ------------------------------------

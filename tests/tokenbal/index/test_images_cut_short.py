@@ -349,6 +349,87 @@ def test_a_pcx_run_across_a_line_end_or_a_blp_short_of_pixels_is_an_error():
             read_image_size(_Bytes(data), 0, len(data))
 
 
+# -- animations: Pillow, and so every loader of a PIL image, decodes the first frame only ----------
+
+def _animation(fmt: str, w: int = 64, h: int = 48, frames: int = 3) -> bytes:
+    buf = io.BytesIO()
+    images = [_noise(w, h) for _ in range(frames)]
+    images[0].save(buf, fmt, save_all=True, append_images=images[1:])
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF"])
+def test_an_animated_png_or_gif_cut_in_a_later_frame_counts_its_first_frame(tmp_path, fmt):
+    """An APNG or GIF cut inside a later frame: Pillow's load / convert("RGB") (transformers'
+    load_image, tokenbal's readers) decodes its first frame, the only one the image processors get;
+    it was an error ('PNG cut short: no IEND chunk', 'GIF cut short'). Now counted with its size; a
+    cut inside the first frame stays an error, and no cut point is counted that Pillow cannot decode
+    (a few just after the first frame's pixel data are still refused: its run of chunks / sub-blocks
+    cannot be told ended there)."""
+    data = _animation(fmt, 7, 5)
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.n_frames == 3
+    verdicts = [(_counted(data[:n]), _decoded_size(data[:n])) for n in range(1, len(data))]
+    assert [n for n, (c, d) in enumerate(verdicts, 1) if c is not None and c != d] == []
+    refused = [n for n, (c, d) in enumerate(verdicts, 1) if c is None and d is not None]
+    first_counted = next(n for n, (c, _) in enumerate(verdicts, 1) if c is not None)
+    assert len(refused) <= 16 and all(n < first_counted for n in refused), refused   # only at the frame's end
+    assert all(c == (7, 5) for c, _ in verdicts[first_counted - 1:])                 # every later cut counted
+
+    whole = _animation(fmt)
+    second, first = whole[:len(whole) // 2], whole[:len(whole) // 6]
+    assert _decoded_size(second) == (64, 48) and _decoded_size(first) is None
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("whole", caption="ok", raw=[(fmt.lower(), whole)]),
+        Sample("later", caption="cut in a later frame", raw=[(fmt.lower(), second)]),
+        Sample("first", caption="cut in the first frame", raw=[(fmt.lower(), first)])]))
+    assert [(s.key, s.image_sizes) for s in scan.samples] == [("whole", [(64, 48)]), ("later", [(64, 48)])]
+    (err,) = scan.errors
+    assert err["key"] == "first" and f"{fmt} cut short" in err["reason"], err
+
+
+def test_what_the_processors_get_from_an_animation_cut_in_a_later_frame_is_its_first_frame(
+        tmp_path, qwen2_vl_ckpt):
+    """The real path: the index over a shard holding an APNG and a GIF cut in their last frame, the
+    shard read back by IndexedShardDataset(decode="pil") and tokenized by the checkpoint's Qwen2-VL
+    processor (strict: the index's lengths must be what it gives), and LLaVA-NeXT's processor: both get
+    exactly the pixels of the whole file's first frame, at the size the index counted."""
+    import numpy as np
+
+    pytest.importorskip("transformers")
+    from transformers.image_utils import load_image
+
+    from tests.helpers.processors import llava_next_processor, word_tokenizer
+    from tokenbal.data import IndexedShardDataset, ProcessorDataset, load_processor
+    from tokenbal.index import TokenIndex, build_index
+
+    files = {fmt: _animation(fmt) for fmt in ("png", "gif")}
+    cuts = {fmt: data[:len(data) * 5 // 6] for fmt, data in files.items()}
+    shard = write_shard(tmp_path / "s.tar", [Sample(fmt, caption="a frame", raw=[(fmt, cut)])
+                                             for fmt, cut in cuts.items()])
+    build_index([shard], tmp_path / "idx", model="qwen2-vl", tokenizer=qwen2_vl_ckpt, progress=False)
+    index = TokenIndex.open(tmp_path / "idx")
+    assert list(index.keys) == ["png", "gif"] and not index.errors
+    qwen = load_processor(qwen2_vl_ckpt)
+    ds = ProcessorDataset(IndexedShardDataset(index, decode="pil"), qwen, strict=True)
+    llava = llava_next_processor(word_tokenizer())
+    for i, fmt in enumerate(index.keys):
+        with Image.open(io.BytesIO(files[fmt])) as im:
+            first = im.convert("RGB")                # the whole file's first frame
+        item = ds[i]                                 # strict: raises unless the index's length is exact
+        assert len(item["input_ids"]) == index.lengths[i]
+        want = qwen.image_processor(images=first, return_tensors="np")
+        assert np.array_equal(item["pixel_values"], want["pixel_values"])
+        assert item["image_grid_thw"].tolist() == want["image_grid_thw"].tolist()
+        path = tmp_path / f"cut.{fmt}"
+        path.write_bytes(cuts[fmt])
+        for image in (load_image(str(path)), IndexedShardDataset(index, decode="pil")[i][fmt]):
+            got = llava.image_processor(images=image, return_tensors="np")
+            ref = llava.image_processor(images=first, return_tensors="np")
+            assert np.array_equal(got["pixel_values"], ref["pixel_values"])
+            assert got["image_sizes"].tolist() == [[48, 64]]
+
+
 class _Bytes:
     def __init__(self, data: bytes) -> None:
         self.data = data
