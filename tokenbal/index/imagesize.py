@@ -58,6 +58,7 @@ open does not place (PSD, ICNS, FLI, ...).
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -543,6 +544,27 @@ def _row_bits(mode: str, rawmode: str) -> int | None:
     return _ROW_BITS[key]
 
 
+@functools.cache
+def _dds_rgb_refuses_short() -> bool:
+    """Whether the installed Pillow refuses an uncompressed (masked RGB) DDS cut short. Pillow 13's
+    ``DdsRgbDecoder`` stops at the end of the data ('not enough image data'); 11.3's reads the
+    missing pixels as 0 and decodes the image, black where it was cut: that one must be counted.
+    Asked of Pillow once, on a 2x1 DDS it writes, one pixel short."""
+    buf = io.BytesIO()
+    try:
+        Image.new("RGB", (2, 1)).save(buf, "DDS")
+    except Exception:  # noqa: BLE001 - a Pillow that writes no DDS: not checked
+        return False
+    try:
+        with Image.open(io.BytesIO(buf.getvalue()[:-3])) as im:
+            if im.tile[0].codec_name != "dds_rgb":
+                return False
+            im.load()
+    except Exception:  # noqa: BLE001 - any failure is Pillow refusing the cut image
+        return True
+    return False
+
+
 def _tiles_cut(read, size: int, head: bytes) -> str | None:
     """Why an image whose pixel data Pillow's lazy open places exactly is cut short: a raw tile's rows
     (offset + stride x rows; the stride given, or the row's bytes from the decoder's unpacker: PPM /
@@ -605,6 +627,8 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             # DDS block compression: 4x4 blocks of 8 bytes (BC1 / BC4) or 16 (BC2 / 3 / 5 / 6 / 7)
             end = tile.offset + (width + 3) // 4 * ((rows + 3) // 4) * (8 if args[0] in (1, 4) else 16)
         elif tile.codec_name == "dds_rgb" and isinstance(args, tuple) and len(args) == 2:
+            if not _dds_rgb_refuses_short():
+                continue                  # this Pillow decodes the missing pixels as black
             end = tile.offset + width * rows * (int(args[0]) // 8)   # whole bytes a pixel, masked
         elif tile.codec_name == "pcx" and isinstance(args, tuple) and len(args) == 2:
             why = _pcx_short(read, size, tile.offset, rows, int(args[1]))
