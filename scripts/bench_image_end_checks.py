@@ -1,5 +1,6 @@
 """Per-image cost of ``read_image_size`` (the index scan's size + end check) on the formats whose end
 check session 27 added (PPM / PGM, QOI, raw JPEG 2000, RLE BMP / TGA / SGI, raw TGA / SGI, plain PPM)
+and session 28 (PCX, DDS, XBM, BLP; a 10-frame GIF / APNG, whose first frame alone is now walked),
 and on JPEG / PNG as a control, from a local file: min of ``--repeat`` x ``--calls`` calls, µs.
 
     python scripts/bench_image_end_checks.py                         # this tree's imagesize.py
@@ -40,6 +41,18 @@ def _images(w: int, h: int) -> dict[str, bytes]:
     out["SGI RLE"] = sgi_rle(w, h, 3, seed=1)
     out["PPM plain (P3)"] = _plain_netpbm(b"P3", w, h, 3)
     out["BMP RLE8"] = rle_bmp(w, h, rle4=False, seed=1)
+    for name, fmt, image, kw in (("PCX", "PCX", noise, {}), ("DDS", "DDS", noise, {}),
+                                 ("DDS DXT1", "DDS", noise.convert("RGBA"), {"pixel_format": "DXT1"}),
+                                 ("XBM", "XBM", noise.convert("1"), {}),
+                                 ("BLP", "BLP", noise.convert("P"), {})):
+        buf = io.BytesIO()
+        image.save(buf, fmt, **kw)
+        out[name] = buf.getvalue()
+    frames = [Image.effect_noise((w, h), 60 + k).convert("RGB") for k in range(10)]
+    for name, fmt in (("GIF 10 frames", "GIF"), ("APNG 10 frames", "PNG")):
+        buf = io.BytesIO()
+        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:])
+        out[name] = buf.getvalue()
     return out
 
 

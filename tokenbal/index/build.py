@@ -64,8 +64,9 @@ PROGRESS = "progress.json"   # a checkpoint of the shards finished so far, in a 
 # compressed members, a VP8X WebP canvas that is not its image, Parquet rows without text (session 26).
 # 2: cut-short PPM / PGM / PBM / PFM, QOI, raw JPEG 2000 codestreams, RLE BMPs, uncompressed TGA / SGI /
 # MSP / ... images, plain (ASCII) PBM / PGM / PPM, run-length TGAs and SGIs, an RLE BMP whose codes end early
-# (session 27).
-SCAN_RULES = 2
+# (session 27). 3: cut-short PCX / DDS / XBM / BLP images, a PCX run across a line end, a BLP short of
+# pixels; an animated PNG / GIF cut after its first frame counted, not an error (session 28).
+SCAN_RULES = 3
 
 
 class IndexBuildError(RuntimeError):

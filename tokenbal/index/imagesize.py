@@ -28,9 +28,15 @@ shorter than its RIFF header says) is an ``ImageSizeError``: its header is intac
 fine, but it cannot be decoded. It costs one 32-byte read of the tail. Where the tail holds no end
 marker, a JPEG's or PNG's whole member is read and walked (``_ends_inside``): bytes after a complete
 image (a motion photo's video after the JPEG, padding), which Pillow ignores, are no error. A GIF has
-no length field and its data may end in the trailer byte by chance, so its blocks are walked to the
-trailer (one whole read per GIF). Formats that Pillow opens from a header declaring where the pixel
-data lies are checked against that declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
+no length field and its data may end in the trailer byte by chance, so its blocks are walked to the end
+of its first frame (read from its start as far as that). Animations: Pillow's ``load`` /
+``convert("RGB")`` decode the first frame only, and that frame is all that transformers' ``load_image``,
+the image processors given a PIL image (Qwen2-VL, LLaVA-NeXT: measured on transformers 4.57, 5.24,
+5.25) and tokenbal's readers see; so an animated PNG or GIF cut after its first frame is counted, with
+the first frame's size (``_apng_first_frame_whole``, ``_check_gif_first_frame``).
+
+Formats that Pillow opens from a header declaring where the pixel data lies are checked against that
+declaration (``_cut_short``): an AVIF / HEIF / JPEG 2000 file's
 top-level boxes must fit in the member (one small read per box), a TIFF's first-page strips or tiles
 (offsets + byte counts from its IFD), an uncompressed BMP's rows (offset + stride x height); and a
 still extended (VP8X) WebP's canvas must be the size of its image, or libwebp refuses it. Any other
@@ -42,12 +48,17 @@ formats end in their documented end marker: a QOI's 8-byte end marker (``_qoi_cu
 at its very end, cut or padded, has its ops walked as Pillow's decoder counts them), a raw JPEG 2000
 codestream's tile-parts (SOT lengths) leading to its EOC marker (``_j2k_cut``); a plain (ASCII) PBM /
 PGM / PPM must hold as many samples as its header needs, a run-length TGA's packets give every pixel
-(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it. Still not
-end-checked: PCX, DDS, XBM, BLP, a 16-bit SGI.
+(``_tga_rle_short``), an RLE SGI's rows (its offset and length tables) lie inside it, a PCX's
+run-length lines are all there (walked by Pillow's own decoder into a one-pixel-wide image:
+``_pcx_short``), a DDS's blocks or pixels follow its header, an XBM holds a ``0x..`` byte for every 8
+pixels of each row (``_xbm_short``), a BLP's mipmap table, palette and first mipmap lie inside it
+(``_blp_short``). Still not end-checked: a 16-bit SGI, and the formats whose pixel data Pillow's
+open does not place (PSD, ICNS, FLI, ...).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -302,8 +313,10 @@ def read_image_size(fd, offset: int, size: int, prefix: int = PREFIX_BYTES,
             raise
     if head[:4] == b"GIF8":
         # A GIF has no length field and its LZW data can end in 0x3B, so the tail alone cannot
-        # tell a trailer from a cut: its block structure is walked (GIFs are rare and small).
-        _check_gif_blocks(head if len(head) == size else pread_exact(fd, size, offset))
+        # tell a trailer from a cut: its block structure is walked, up to the end of its first
+        # frame (all that Pillow decodes, so all that transformers' load_image and tokenbal's
+        # readers see: a later frame cut short is no error).
+        _check_gif_first_frame(fd, offset, size, head)
     why = _cut_short(fd, offset, size, head)
     if why is not None:
         raise ImageSizeError(why)
@@ -358,7 +371,7 @@ def _cut_short(fd, offset: int, size: int, head: bytes) -> str | None:
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return _webp_canvas_mismatch(read, size, head)
     if head[:3] == b"\xff\xd8\xff" or head[:8] == _PNG_SIG or head[:4] == b"GIF8":
-        return None                    # end markers: _check_end, _ends_inside, _check_gif_blocks
+        return None                    # end markers: _check_end, _ends_inside, _check_gif_first_frame
     if head[:4] == b"qoif":
         return _qoi_cut(read, size)
     if head[:4] == _J2K_SIG:
@@ -531,20 +544,48 @@ def _row_bits(mode: str, rawmode: str) -> int | None:
     return _ROW_BITS[key]
 
 
+@functools.cache
+def _dds_rgb_refuses_short() -> bool:
+    """Whether the installed Pillow refuses an uncompressed (masked RGB) DDS cut short. Pillow 13's
+    ``DdsRgbDecoder`` stops at the end of the data ('not enough image data'); 11.3's reads the
+    missing pixels as 0 and decodes the image, black where it was cut: that one must be counted.
+    Asked of Pillow once, on a 2x1 DDS it writes, one pixel short."""
+    buf = io.BytesIO()
+    try:
+        Image.new("RGB", (2, 1)).save(buf, "DDS")
+    except Exception:  # noqa: BLE001 - a Pillow that writes no DDS: not checked
+        return False
+    try:
+        with Image.open(io.BytesIO(buf.getvalue()[:-3])) as im:
+            if im.tile[0].codec_name != "dds_rgb":
+                return False
+            im.load()
+    except Exception:  # noqa: BLE001 - any failure is Pillow refusing the cut image
+        return True
+    return False
+
+
 def _tiles_cut(read, size: int, head: bytes) -> str | None:
     """Why an image whose pixel data Pillow's lazy open places exactly is cut short: a raw tile's rows
     (offset + stride x rows; the stride given, or the row's bytes from the decoder's unpacker: PPM /
     PGM / PBM / PFM, uncompressed BMP / TGA / SGI / IM / MSP, ...), a PPM's scaled samples (maxval
     other than 255 / 65535: width x height x bands x 1 or 2 bytes) end past the member, or a BMP's
-    RLE codes end before its last pixel (``_bmp_rle_short``). Other codecs are not checked."""
+    RLE codes end before its last pixel (``_bmp_rle_short``); a DDS's BCn blocks (8 or 16 bytes per
+    4x4) or masked pixels after its header, a PCX's / XBM's / BLP's data as their decoders read it
+    (``_pcx_short``, ``_xbm_short``, ``_blp_short``). Other codecs are not checked."""
     try:
         with Image.open(io.BytesIO(head)) as im:
             tiles, mode, name = list(im.tile), im.mode, im.format or "image"
+            # A DDS's tiles say offset 0 (its load_seek ignores them): its pixels follow the header
+            # where the open stopped reading (128 bytes, 148 with a DX10 header, + 1024 of palette).
+            start = im.fp.tell() if name == "DDS" else None
     except Exception:  # noqa: BLE001 - the size was read from these bytes: Pillow decides later
         return None
     for tile in tiles:
         args = tile.args
         width, rows = tile.extents[2] - tile.extents[0], tile.extents[3] - tile.extents[1]
+        if start is not None:
+            tile = tile._replace(offset=start)
         if tile.codec_name == "raw":
             rawmode, stride = (args, 0) if isinstance(args, str) else (*args[:2], 0)[:2]
             if not isinstance(rawmode, str) or not isinstance(stride, int) or stride < 0:
@@ -581,6 +622,28 @@ def _tiles_cut(read, size: int, head: bytes) -> str | None:
             why = _bmp_rle_short(read, size, tile.offset, width, rows, bool(args[1]))
             if why is not None:
                 return f"{name} cut short: {why}"
+            continue
+        elif tile.codec_name == "bcn" and isinstance(args, tuple) and args and isinstance(args[0], int):
+            # DDS block compression: 4x4 blocks of 8 bytes (BC1 / BC4) or 16 (BC2 / 3 / 5 / 6 / 7)
+            end = tile.offset + (width + 3) // 4 * ((rows + 3) // 4) * (8 if args[0] in (1, 4) else 16)
+        elif tile.codec_name == "dds_rgb" and isinstance(args, tuple) and len(args) == 2:
+            if not _dds_rgb_refuses_short():
+                continue                  # this Pillow decodes the missing pixels as black
+            end = tile.offset + width * rows * (int(args[0]) // 8)   # whole bytes a pixel, masked
+        elif tile.codec_name == "pcx" and isinstance(args, tuple) and len(args) == 2:
+            why = _pcx_short(read, size, tile.offset, rows, int(args[1]))
+            if why is not None:
+                return f"{name} {why}"
+            continue
+        elif tile.codec_name == "xbm":
+            why = _xbm_short(read, size, tile.offset, rows * ((width + 7) // 8))
+            if why is not None:
+                return f"{name} cut short: {why}"
+            continue
+        elif tile.codec_name in ("BLP1", "BLP2") and isinstance(args, tuple) and len(args) >= 3:
+            why = _blp_short(read, size, tile.offset, tile.codec_name, args, width, rows)
+            if why is not None:
+                return f"{name} {why}"
             continue
         else:
             continue
@@ -626,6 +689,82 @@ def _plain_netpbm_short(read, size: int, offset: int, want: int, mode: str) -> s
                 return "damaged: a sample of its text is no decimal number"
     if have < want:
         return f"cut short: its text holds {have} of the {want} samples its header needs"
+    return None
+
+
+def _pcx_short(read, size: int, offset: int, rows: int, stride: int) -> str | None:
+    """Why Pillow's PCX decoder cannot decode a PCX's run-length data: its packets (a byte below 0xC0
+    one byte of a line, else a run of ``byte & 0x3F`` copies of the next byte) give fewer than
+    ``rows`` lines of ``stride`` bytes before the data ends, or a run crosses the end of a line
+    ('buffer overrun'). Walked by Pillow's own decoder into a one-pixel-wide image: its walk depends
+    on the line's bytes (``stride``) alone, so it judges exactly, in C, without the image's pixels
+    (a Python walk of a 640 x 480 noise PCX's ~1M packets took ~25 ms; this ~1 ms)."""
+    data = read(size - offset, offset) if offset < size else b""
+    try:
+        decoder = Image._getdecoder("L", "pcx", ("L", stride))
+        decoder.setimage(Image.core.new("L", (1, rows)), (0, 0, 1, rows))
+        used, error = decoder.decode(data)
+        decoder.cleanup()
+    except Exception:  # noqa: BLE001 - a Pillow without this decoder: Pillow decides when it loads
+        return None
+    if used >= 0:
+        return f"cut short: its run-length data ends (byte {size}) before its {rows} lines of {stride} bytes"
+    if error < 0:
+        return "damaged: a run of its run-length data crosses the end of a line (Pillow: 'buffer overrun')"
+    return None
+
+
+_XBM_BYTE = re.compile(rb"x[\s\S]{2}")   # Pillow's XBM decoder: each 'x' and the two bytes after it
+_XBM_NEAR = re.compile(rb"x[\s\S]?x")    # an 'x' that the decoder takes as a hex digit of the one before
+
+
+def _xbm_short(read, size: int, offset: int, want: int) -> str | None:
+    """Why Pillow's XBM decoder cannot decode an XBM: its text after the ``_bits[] = {`` line holds
+    fewer than ``want`` bytes, each an ``x`` (the one of ``0x``) and the two characters after it,
+    the decoder's reading of them (it skips anything to the next ``x``)."""
+    text = read(size - offset, offset) if offset < size else b""
+    if _XBM_NEAR.search(text) is None:
+        # every 'x' starts a byte (the usual text): counted without making them (findall took ~6 ms
+        # for a 640 x 480 XBM, this ~1 ms); the last one needs its two characters
+        have = text.count(b"x") - (text.rfind(b"x") > len(text) - 3)
+    else:
+        have = len(_XBM_BYTE.findall(text))
+    if have < want:
+        return f"its bitmap holds {have} of its {want} bytes (0x..) before its end (byte {size})"
+    return None
+
+
+def _blp_short(read, size: int, offset: int, codec: str, args: tuple, width: int, rows: int) -> str | None:
+    """Why Pillow's BLP decoders cannot decode a BLP: the mipmap table after the header (16 offsets
+    and 16 lengths) and what the decoder reads after it (a 1024-byte palette, then the first mipmap:
+    palette indices, DXT blocks or a JPEG stream) run past the member, or hold fewer palette indices
+    than pixels ('not enough image data'). Other compressions: Pillow refuses them itself."""
+    table = read(128, offset)
+    if len(table) < 128:
+        return f"cut short: its mipmap table (bytes {offset}-{offset + 128}) runs past its end ({size} bytes)"
+    offsets, lengths = struct.unpack("<16I", table[:64]), struct.unpack("<16I", table[64:])
+    compression, encoding = args[0], args[1]
+    palette_end = offset + 128 + 1024
+    if codec == "BLP1" and compression == 0:               # JPEG: a shared header, then the mipmap
+        head = read(4, offset + 128)
+        if len(head) < 4:
+            return f"cut short: its JPEG header length (byte {offset + 128}) lies past its end ({size} bytes)"
+        start, length = max(offsets[0], offset + 132 + int.from_bytes(head, "little")), lengths[0]
+    elif codec == "BLP1" and compression == 1 and encoding in (4, 5):
+        start, length = palette_end, lengths[0]           # BLP1 reads its indices right after the palette
+    elif codec == "BLP2" and compression == 1 and encoding == 1:
+        start, length = offsets[0], lengths[0]
+    elif codec == "BLP2" and compression == 1 and encoding == 2 and len(args) >= 4 and args[3] in (0, 1, 7):
+        start, length = offsets[0], (rows + 3) // 4 * ((width + 3) // 4) * (8 if args[3] == 0 else 16)
+    else:
+        return None
+    if (codec == "BLP2" or compression == 1) and palette_end > size:
+        return f"cut short: its palette runs to byte {palette_end}, the image ends at byte {size}"
+    if start + length > size:
+        return (f"cut short: its first mipmap runs to byte {start + length}, the image ends at byte {size} "
+                f"({start + length - size} bytes missing)")
+    if compression == 1 and encoding != 2 and length < width * rows:
+        return f"damaged: its first mipmap holds {length} palette indices for its {width * rows} pixels"
     return None
 
 
@@ -699,12 +838,43 @@ def _bmp_rle_short(read, size: int, offset: int, width: int, rows: int, rle4: bo
 def _ends_inside(data: bytes) -> bool:
     """Whether the JPEG or PNG ``data`` holds its end marker before its last bytes (other formats:
     False): its segments or chunks are walked from the start, so an end marker followed by other
-    bytes counts and a member cut before its end marker does not."""
+    bytes counts and a member cut before its end marker does not. An animated PNG cut after its
+    first frame counts too (``_apng_first_frame_whole``)."""
     if data[:3] == b"\xff\xd8\xff":
         return _jpeg_end(data) is not None
     if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return _png_end(data) is not None
+        return _png_end(data) is not None or _apng_first_frame_whole(data)
     return False
+
+
+def _apng_first_frame_whole(data: bytes) -> bool:
+    """Whether the animated PNG ``data``, cut short (or damaged) after its first frame, still holds
+    all that Pillow reads to decode that frame, the only one ``convert("RGB")`` / ``load`` (so
+    transformers' ``load_image``, the Qwen2-VL / LLaVA-NeXT image processors and tokenbal's readers)
+    decode: its IDAT chunks whole, the end of their run confirmed by the next chunk's header, then
+    whole chunks up to the next frame's fcTL (Pillow's load stops there), an IEND, or a cut inside a
+    CRC or a chunk header (Pillow stops reading there too). A chunk after the pixel data cut inside
+    its data makes Pillow fail; so does one missing IDAT chunk, which a cut at a chunk boundary
+    cannot tell apart from the end of the run: such cuts stay errors."""
+    i, n, last, pixels_done = 8, len(data), b"", False
+    while i + 8 <= n:
+        length, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
+        if last == b"IDAT" and kind != b"IDAT":
+            pixels_done = True                   # the run of IDAT chunks ended: the first frame's data
+        if pixels_done and kind == b"IDAT":
+            return False                         # IDAT chunks apart: not a layout Pillow reads whole
+        if pixels_done and kind in (b"fcTL", b"IEND"):
+            break
+        if i + 8 + length > n:
+            return False                         # a chunk cut inside its data
+        last, i = kind, i + 12 + length
+    if not pixels_done:
+        return False
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # Pillow's own reading of acTL: frames after the first
+            return bool(getattr(im, "is_animated", False))
+    except Exception:  # noqa: BLE001 - Pillow cannot open it: the size read failed before this
+        return False
 
 
 # A JPEG marker: FF then a byte that is not a stuffed zero, a restart marker (RST0-7: data) or a fill FF.
@@ -754,34 +924,49 @@ def _png_end(data: bytes) -> int | None:
     return None
 
 
-def _check_gif_blocks(data: bytes) -> None:
+def _check_gif_first_frame(fd, offset: int, size: int, head: bytes) -> None:
     """Raise ``ImageSizeError`` unless the GIF's blocks (extensions and images, each a run of
-    length-prefixed sub-blocks) reach its trailer byte. Stray bytes between blocks are skipped as
-    Pillow's reader skips them."""
+    length-prefixed sub-blocks) reach the end of its first image (its block terminator) or its
+    trailer byte. Pillow decodes the first frame alone (``load``, ``convert("RGB")``: transformers'
+    ``load_image``, the Qwen2-VL / LLaVA-NeXT image processors given a PIL image, tokenbal's readers),
+    so a later frame cut short is no error. Stray bytes between blocks are skipped as Pillow's reader
+    skips them. Reads the member from its start up to the end of that frame (doubling the read),
+    not the frames after it."""
+    data = head
+
+    def holds(k: int) -> bool:       # whether ``data`` holds byte k - 1, reading further if need be
+        nonlocal data
+        if k > len(data) and len(data) < size:
+            data = pread_exact(fd, min(size, max(k, 2 * len(data))), offset)
+        return k <= len(data)
+
     pos = 13
-    if len(data) >= 13 and data[10] & 0x80:
+    if holds(13) and data[10] & 0x80:
         pos += 3 * (2 << (data[10] & 7))           # global colour table
-    while pos < len(data):
-        byte = data[pos]
+    while holds(pos + 1):
+        byte, image = data[pos], False
         if byte == 0x3B:
             return
         if byte == 0x21:                           # extension: introducer, label, sub-blocks
             pos += 2
         elif byte == 0x2C:                         # image: descriptor, local table, LZW code size
-            if pos + 10 > len(data):
+            if not holds(pos + 10):
                 break
             flags = data[pos + 9]
             pos += 10 + (3 * (2 << (flags & 7)) if flags & 0x80 else 0) + 1
+            image = True
         else:
             pos += 1
             continue
-        while pos < len(data) and data[pos]:
+        while holds(pos + 1) and data[pos]:
             pos += 1 + data[pos]
-        if pos >= len(data):
+        if not holds(pos + 1):
             break
+        if image:
+            return                                 # the first frame is whole
         pos += 1                                   # the block terminator
-    raise ImageSizeError(f"GIF cut short: its blocks end at byte {min(pos, len(data))} of {len(data)} "
-                         "without the trailer (0x3B)")
+    raise ImageSizeError(f"GIF cut short: its first frame's blocks end at byte {min(pos, size)} of {size} "
+                         "without their terminator")
 
 
 # -- orientation: the value PIL.ImageOps.exif_transpose acts on ------------------------------------

@@ -221,9 +221,9 @@ def _blocks(fmt: str, w: int, h: int, **kw) -> bytes:
     return buf.getvalue()
 
 
-def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5) -> bytes:
+def _encode_mode(fmt: str, mode: str, w: int = 7, h: int = 5, **kw) -> bytes:
     buf = io.BytesIO()
-    _noise(w, h, "L" if mode.startswith("I") else mode).convert(mode).save(buf, fmt)
+    _noise(w, h, "L" if mode.startswith("I") else mode).convert(mode).save(buf, fmt, **kw)
     return buf.getvalue()
 
 
@@ -271,6 +271,163 @@ def test_an_rle_bmp_whose_codes_end_before_its_last_row_is_an_error(rle4):
     assert _decoded_size(data) is None
     with pytest.raises(ImageSizeError, match=r"BMP cut short: its RLE[48] codes give 45 of its 54 pixels"):
         read_image_size(_Bytes(data), 0, len(data))
+
+
+def blp2_dxt(w: int, h: int, pixel_format: str) -> bytes:
+    """A BLP2 whose first mipmap is DXT1 / DXT3 / DXT5 blocks (Pillow writes palette BLPs only): the
+    blocks of a DDS Pillow wrote, behind a BLP2 header, mipmap table and (unused) palette."""
+    import struct
+
+    blocks = _encode_mode("DDS", "RGBA", w, h, pixel_format=pixel_format)[128:]
+    alpha_encoding = {"DXT1": 0, "DXT3": 1, "DXT5": 7}[pixel_format]
+    start = 20 + 128 + 1024
+    return (b"BLP2" + struct.pack("<ibbbbII", 1, 2, 8, alpha_encoding, 0, w, h)
+            + struct.pack("<16I16I", start, *[0] * 15, len(blocks), *[0] * 15) + bytes(1024) + blocks)
+
+
+PAINT_FORMATS = {
+    "pcx": ("pcx", lambda: _encode("PCX", 7, 5)),
+    "pcx-runs": ("pcx", lambda: _blocks("PCX", 40, 9)),
+    "pcx-palette": ("pcx", lambda: _encode_mode("PCX", "P")),          # its palette after the pixels
+    "pcx-1": ("pcx", lambda: _encode_mode("PCX", "1", 13, 5)),
+    "dds": ("dds", lambda: _encode("DDS", 7, 5)),                      # Pillow's dds_rgb decoder
+    "dds-l": ("dds", lambda: _encode_mode("DDS", "L")),                # raw rows after the header
+    "dds-dxt1": ("dds", lambda: _encode_mode("DDS", "RGBA", 9, 6, pixel_format="DXT1")),
+    "dds-dxt5": ("dds", lambda: _encode_mode("DDS", "RGBA", 9, 6, pixel_format="DXT5")),
+    "dds-bc5": ("dds", lambda: _encode("DDS", 9, 6, pixel_format="BC5")),   # a DX10 header
+    "xbm": ("xbm", lambda: _encode_mode("XBM", "1", 13, 5)),
+    # an 'x' Pillow's decoder reads as a digit of the byte before it ('0xx5'), a stray one (',x0x12')
+    "xbm-stray-x": ("xbm", lambda: _encode_mode("XBM", "1", 13, 5).replace(b",0x", b",0xx", 1)
+                    .replace(b",0x", b",x0x", 1)),
+    "blp": ("blp", lambda: _encode_mode("BLP", "P", 8, 8)),
+    "blp1": ("blp", lambda: _encode_mode("BLP", "P", 7, 5, blp_version="BLP1")),
+    "blp-dxt1": ("blp", lambda: blp2_dxt(9, 6, "DXT1")),
+    "blp-dxt5": ("blp", lambda: blp2_dxt(9, 6, "DXT5")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAINT_FORMATS))
+def test_a_pcx_dds_xbm_or_blp_cut_anywhere_is_an_error_or_decodes_to_its_count(name):
+    """Cut at any byte: counted exactly where Pillow decodes the cut bytes (both ways). Before, every
+    cut past the header was counted (a 7x5 PCX: 189 of its 256 cut points; an 8x8 BLP: 1,216 of
+    1,235), as Pillow fails on them all ('image file is truncated', 'Truncated File Read')."""
+    data = PAINT_FORMATS[name][1]()
+    assert _decoded_size(data) is not None and _counted(data) == _decoded_size(data)
+    wrong = [n for n in range(1, len(data)) if _counted(data[:n]) != _decoded_size(data[:n])]
+    assert wrong == [], f"{len(wrong)} of {len(data) - 1} cut points judged unlike Pillow: {wrong[:10]}"
+    padded = data + b"\0" * 40      # bytes after the image, which Pillow ignores, are no error
+    assert _counted(padded) == _decoded_size(padded) == _decoded_size(data)
+
+
+@pytest.mark.parametrize("name", ["pcx", "dds", "dds-dxt1", "xbm", "blp", "blp-dxt1"])
+def test_a_cut_pcx_dds_xbm_or_blp_in_a_shard_is_an_error_naming_it(tmp_path, name):
+    ext, make = PAINT_FORMATS[name]
+    whole = make()
+    cut = whole[:len(whole) - max(2, len(whole) // 20)]
+    assert _decoded_size(cut) is None, "the cut image must fail to decode, or this test tests nothing"
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("whole", caption="ok", raw=[(ext, whole)]),
+        Sample("cut", caption="cut", raw=[(ext, cut)])]))
+    assert [(s.key, s.image_sizes) for s in scan.samples] == [("whole", [_decoded_size(whole)])]
+    (err,) = scan.errors
+    assert err["key"] == "cut" and "cut short" in err["reason"] and ext.upper() in err["reason"], err
+
+
+def test_a_pcx_run_across_a_line_end_or_a_blp_short_of_pixels_is_an_error():
+    """Damage rather than a cut: a PCX run longer than its line left (Pillow: 'buffer overrun'), a
+    BLP whose first mipmap holds fewer palette indices than pixels ('not enough image data')."""
+    import struct
+
+    pcx = _encode_mode("PCX", "L", 4, 2)
+    runs = pcx[:128] + bytes((0xC6, 7, 0xC2, 7)) + pcx[132:]     # 6 + 2 bytes for two lines of 4
+    blp = bytearray(_encode_mode("BLP", "P", 8, 8))
+    struct.pack_into("<I", blp, 20 + 64, 60)                     # the first mipmap's length: 60 of 64
+    for data, why in ((runs, "PCX damaged: a run of its run-length data crosses the end of a line"),
+                      (bytes(blp), "BLP damaged: its first mipmap holds 60 palette indices for its 64")):
+        assert _decoded_size(data) is None
+        with pytest.raises(ImageSizeError, match=why):
+            read_image_size(_Bytes(data), 0, len(data))
+
+
+# -- animations: Pillow, and so every loader of a PIL image, decodes the first frame only ----------
+
+def _animation(fmt: str, w: int = 64, h: int = 48, frames: int = 3) -> bytes:
+    buf = io.BytesIO()
+    images = [_noise(w, h) for _ in range(frames)]
+    images[0].save(buf, fmt, save_all=True, append_images=images[1:])
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF"])
+def test_an_animated_png_or_gif_cut_in_a_later_frame_counts_its_first_frame(tmp_path, fmt):
+    """An APNG or GIF cut inside a later frame: Pillow's load / convert("RGB") (transformers'
+    load_image, tokenbal's readers) decodes its first frame, the only one the image processors get;
+    it was an error ('PNG cut short: no IEND chunk', 'GIF cut short'). Now counted with its size; a
+    cut inside the first frame stays an error, and no cut point is counted that Pillow cannot decode
+    (a few just after the first frame's pixel data are still refused: its run of chunks / sub-blocks
+    cannot be told ended there)."""
+    data = _animation(fmt, 7, 5)
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.n_frames == 3
+    verdicts = [(_counted(data[:n]), _decoded_size(data[:n])) for n in range(1, len(data))]
+    assert [n for n, (c, d) in enumerate(verdicts, 1) if c is not None and c != d] == []
+    refused = [n for n, (c, d) in enumerate(verdicts, 1) if c is None and d is not None]
+    first_counted = next(n for n, (c, _) in enumerate(verdicts, 1) if c is not None)
+    assert len(refused) <= 16 and all(n < first_counted for n in refused), refused   # only at the frame's end
+    assert all(c == (7, 5) for c, _ in verdicts[first_counted - 1:])                 # every later cut counted
+
+    whole = _animation(fmt)
+    second, first = whole[:len(whole) // 2], whole[:len(whole) // 6]
+    assert _decoded_size(second) == (64, 48) and _decoded_size(first) is None
+    scan = scan_shard(write_shard(tmp_path / "s.tar", [
+        Sample("whole", caption="ok", raw=[(fmt.lower(), whole)]),
+        Sample("later", caption="cut in a later frame", raw=[(fmt.lower(), second)]),
+        Sample("first", caption="cut in the first frame", raw=[(fmt.lower(), first)])]))
+    assert [(s.key, s.image_sizes) for s in scan.samples] == [("whole", [(64, 48)]), ("later", [(64, 48)])]
+    (err,) = scan.errors
+    assert err["key"] == "first" and f"{fmt} cut short" in err["reason"], err
+
+
+def test_what_the_processors_get_from_an_animation_cut_in_a_later_frame_is_its_first_frame(
+        tmp_path, qwen2_vl_ckpt):
+    """The real path: the index over a shard holding an APNG and a GIF cut in their last frame, the
+    shard read back by IndexedShardDataset(decode="pil") and tokenized by the checkpoint's Qwen2-VL
+    processor (strict: the index's lengths must be what it gives), and LLaVA-NeXT's processor: both get
+    exactly the pixels of the whole file's first frame, at the size the index counted."""
+    import numpy as np
+
+    pytest.importorskip("transformers")
+    from transformers.image_utils import load_image
+
+    from tests.helpers.processors import llava_next_processor, word_tokenizer
+    from tokenbal.data import IndexedShardDataset, ProcessorDataset, load_processor
+    from tokenbal.index import TokenIndex, build_index
+
+    files = {fmt: _animation(fmt) for fmt in ("png", "gif")}
+    cuts = {fmt: data[:len(data) * 5 // 6] for fmt, data in files.items()}
+    shard = write_shard(tmp_path / "s.tar", [Sample(fmt, caption="a frame", raw=[(fmt, cut)])
+                                             for fmt, cut in cuts.items()])
+    build_index([shard], tmp_path / "idx", model="qwen2-vl", tokenizer=qwen2_vl_ckpt, progress=False)
+    index = TokenIndex.open(tmp_path / "idx")
+    assert list(index.keys) == ["png", "gif"] and not index.errors
+    qwen = load_processor(qwen2_vl_ckpt)
+    ds = ProcessorDataset(IndexedShardDataset(index, decode="pil"), qwen, strict=True)
+    llava = llava_next_processor(word_tokenizer())
+    for i, fmt in enumerate(index.keys):
+        with Image.open(io.BytesIO(files[fmt])) as im:
+            first = im.convert("RGB")                # the whole file's first frame
+        item = ds[i]                                 # strict: raises unless the index's length is exact
+        assert len(item["input_ids"]) == index.lengths[i]
+        want = qwen.image_processor(images=first, return_tensors="np")
+        assert np.array_equal(item["pixel_values"], want["pixel_values"])
+        assert item["image_grid_thw"].tolist() == want["image_grid_thw"].tolist()
+        path = tmp_path / f"cut.{fmt}"
+        path.write_bytes(cuts[fmt])
+        for image in (load_image(str(path)), IndexedShardDataset(index, decode="pil")[i][fmt]):
+            got = llava.image_processor(images=image, return_tensors="np")
+            ref = llava.image_processor(images=first, return_tensors="np")
+            assert np.array_equal(got["pixel_values"], ref["pixel_values"])
+            assert got["image_sizes"].tolist() == [[48, 64]]
 
 
 class _Bytes:
