@@ -382,3 +382,27 @@ def test_a_break_out_of_a_prefetcher_loop_continues_at_the_first_batch_not_recei
             assert s.state_dict()["cursor"] == stop + 1
             trained += [_ids(b) for b in prefetcher]
         assert trained == full, f"break after batch {stop}"
+
+
+@pytest.mark.parametrize("skip", [0, 3])
+def test_a_prefetcher_around_accelerates_own_prepared_loader_of_the_sampler_is_refused(skip):
+    # DevicePrefetcher(neutralise(accelerator, loader)) (accelerate's DataLoaderShard over the sampler, the
+    # loader the HF Trainer integration builds; or accelerate's skip_first_batches of it, a resumed epoch's):
+    # on a device it crashed at the first batch (AttributeError: 'DataLoader' object has no attribute
+    # 'dl_state_dict'), and with that fixed, the shard fetches each batch one step before it yields it: a
+    # load of batch 2 after batch 3 trained batch 5 (fetched before the load) first, a break after batch 2
+    # skipped batches 3 and 4 — neither detected, where prepare_loader's loader and track are refused with
+    # the order that works. Refused too, naming prepare_loader.
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.data_loader import skip_first_batches
+
+    from tokenbal.integrations.accelerate import neutralise
+
+    s = TokenBalancedBatchSampler(lengths_for(40), 1, 0, global_batch_size=4)
+    prepared = neutralise(Accelerator(cpu=True), DataLoader(IndexDataset(40), batch_sampler=s))
+    if skip:
+        prepared = skip_first_batches(prepared, skip)
+    with pytest.raises(ValueError, match=r"DevicePrefetcher\(DataLoaderShard\) over a TokenBalancedBatch"
+                                         r"Sampler:.*one step before it yields it.*prepare_loader"):
+        DevicePrefetcher(prepared, depth=2, ops=_CpuSideStream())
