@@ -205,15 +205,25 @@ class DevicePrefetcher:
         in_flight: collections.deque[tuple[Any, Any, Any, int, Any]] = collections.deque()
         # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
         snapshot = self.iterable.state_dict if _stateful(self.iterable) else None
-        token: list = []   # the sampler's pass_token() once this pass's first batch is fetched
-        try:
-            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
-        except GeneratorExit:
-            # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
-            # sampler what the loop received, so a new pass continues there rather than after them.
-            if sampler is not None and token:
-                sampler.reader_stopped(source, len(in_flight), token[0])
-            raise
+        while True:
+            # the sampler's pass_token() and rollback_mark() once this pass's first batch is fetched
+            token: list = []
+            try:
+                yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
+            except GeneratorExit:
+                # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
+                # sampler what the loop received, so a new pass continues there rather than after them.
+                if sampler is not None and token:
+                    sampler.reader_stopped(source, len(in_flight), token[0])
+                raise
+            if sampler is None or not token or not sampler.fetched_before_load(token[1][0]) \
+                    or not sampler.rolled_back_since(token[1]):
+                return
+            # A rollback in the loop (a load of this pass's plan) after the DataLoader had handed over its
+            # last batch: it ended its pass without the loaded batches, where with nothing reading ahead the
+            # loop goes on at the loaded batch. Go on the same way: a new pass of the loader starts there.
+            # (Under track, which counts the passes itself, track does this.)
+            source = iter(self.iterable)
 
     def _hand_over(self, source: Iterator[Any], ops: StreamOps, sampler: Any, side: Any,
                    in_flight: collections.deque, snapshot: Any, token: list) -> Iterator[Any]:
@@ -233,7 +243,7 @@ class DevicePrefetcher:
                 in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads(),
                                   None if snapshot is None else snapshot()))
                 if sampler is not None and not token:
-                    token.append(sampler.pass_token())
+                    token += [sampler.pass_token(), sampler.rollback_mark()]
             if not in_flight:
                 self._delivered_state = None   # the pass is over: the loader's own state is the loop's
                 return
