@@ -54,9 +54,12 @@ loop, load, iterate the loader again — or use ``track``. (Persistent workers a
 sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
 end, which the DataLoader still calls as it gives the loop each batch.) A load made after the sampler
 handed out the epoch's last batch (workers ask for them all before the loop receives the last ones)
-leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` the loop's pass goes on
-at the loaded batch (a new pass of the loader, as with ``num_workers=0``), a plain DataLoader's next pass
-starts there.
+leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` (or ``prepare_loader``),
+and through a ``collate.DevicePrefetcher``, the loop's pass goes on at the loaded batch (a new pass of
+the loader, as with ``num_workers=0``). A plain DataLoader with workers cannot go on: the load raises
+``RuntimeError`` there too (with persistent workers, whose iterator outlives the loop, the load stands
+and ``set_epoch`` to another epoch raises until the loader was iterated again: the next pass starts at
+the loaded batch), rather than end the loop's epoch without the loaded batches.
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
