@@ -124,13 +124,13 @@ def test_every_sample_once_per_epoch_across_a_resume_at_any_batch(path, stop_epo
             run.set_epoch(epoch)
             seen[epoch] += [i for batch in run.batches() for i in _ids(batch)]
     for epoch in range(EPOCHS):
-        assert sorted(seen[epoch]) == list(range(N)), f"{path}: epoch {epoch}, resumed after batch {stop} of " \
-                                                      f"epoch {stop_epoch} (fresh={fresh})"
+        where = f"{path}: epoch {epoch}, resumed after batch {stop} of epoch {stop_epoch} (fresh={fresh})"
+        assert sorted(seen[epoch]) == list(range(N)), where
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(ALL), load_at=st.integers(0, 9), data=st.data())
-def test_a_rollback_at_any_batch_trains_what_a_single_process_loader_trains_or_raises_first(path, load_at, data):
+def test_a_rollback_at_any_batch_trains_what_one_process_loading_trains_or_raises_first(path, load_at, data):
     cursor = data.draw(st.integers(0, load_at), label="cursor")
     full = _plan(0)
     run = Run(path)
