@@ -257,6 +257,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._handed_at_load = 0
         self._tracked = False
         self._driver: Any = None
+        # accelerate's DataLoaderShard reading that DataLoader iterator (a weakref; None when there is none):
+        # it fetches each batch one step before it yields it, so the loop is a batch further behind.
+        self._reader: Any = None
         # Loads that moved the sampler (not a reload of where it is): a reader holding batches it fetched
         # (DevicePrefetcher) notes this per batch, to drop those fetched before a later load.
         self._loads = 0
@@ -348,12 +351,14 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._samples_sha256()   # the digest travels, not the index it was made from
         state = dict(self.__dict__)
         state["_ahead"], state["_ahead_lock"], state["_driver"] = {}, None, None   # (a weakref either)
+        state["_reader"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
-                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_loads": 0,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_reader": None,
+                              "_loads": 0,
                               "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
                               "_loaded_past_pass_end": None,
                               **state})
@@ -505,6 +510,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
         self._driver = _dataloader_iterator(_caller_frame(2), self)
+        self._reader = None if self._driver is None else _look_ahead_reader(_caller_frame(2), self)
         planned = iteration.planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
@@ -547,16 +553,24 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         driver = None if self._tracked or self._driver is None else self._driver()
         if driver is None or getattr(driver, "_sampler_iter", None) is None:
             return 0, None
-        return max(self._handed - int(getattr(driver, "_num_yielded", self._handed)), 0), driver
+        yielded = int(getattr(driver, "_num_yielded", self._handed))
+        return max(self._handed - yielded + self._look_ahead_held(), 0), driver
+
+    def _look_ahead_held(self) -> int:
+        """1 while accelerate's ``DataLoaderShard`` reading the live iteration's DataLoader holds the batch it
+        fetched one step before yielding it (not once it has met the DataLoader's end), else 0."""
+        reader = None if self._reader is None else self._reader()
+        return 0 if reader is None or getattr(reader, "end_of_dataloader", True) else 1
 
     def _reading_workers(self) -> Any:
-        """The DataLoader iterator with workers driving the live iteration, when the loop does not report what
-        it received (track / mark_received), else None."""
+        """The DataLoader iterator driving the live iteration when something reads ahead of the loop (workers,
+        or accelerate's prepared loader around it) and the loop does not report what it received (track /
+        mark_received), else None."""
         driver = None if self._tracked or self._driver is None else self._driver()
-        if driver is None or getattr(driver, "_sampler_iter", None) is None \
-                or not getattr(driver, "_num_workers", 0):
+        if driver is None or getattr(driver, "_sampler_iter", None) is None:
             return None
-        return driver
+        reader = None if self._reader is None else self._reader()
+        return driver if getattr(driver, "_num_workers", 0) or reader is not None else None
 
     def _refuse_stale_batches(self) -> None:
         """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
@@ -858,10 +872,11 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         past_end = None
         if not reload and workers is not None and ended_plan == self._plan_key() and cursor < steps:
             past_end = f"epoch {self.epoch}, batch {cursor} of {steps}"
-            if not _outlives_its_loop(workers) and not getattr(workers, "_shutdown", False):
-                # Its iterator lives only as long as the loop, which is running: refused, as a load there
-                # before the sampler's end is (the batches its workers fetched ahead would reach the loop
-                # first).
+            running = self._reader is not None or not getattr(workers, "_shutdown", False)
+            if not _outlives_its_loop(workers) and running:
+                # Its iterator lives only as long as the loop, which is running (accelerate's prepared loader
+                # holds it until its pass ends; else it is not shut down yet): refused, as a load there before
+                # the sampler's end is (the batches its workers fetched ahead would reach the loop first).
                 self.seed, self.epoch, self._segments = previous
                 raise RuntimeError(_pass_ended_message(past_end, None))
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
@@ -1012,40 +1027,45 @@ def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:
     if loaded:
         after = ("With persistent_workers=True this is caught only at the next batch, and the load has "
                  "taken effect: iterating the loader again starts at the loaded batch. To roll back inside "
-                 "the loop, iterate through sampler.track(loader), which drops the batches fetched "
+                 "the loop, iterate through sampler.track(loader) (with accelerate: "
+                 "tokenbal.integrations.accelerate.prepare_loader), which drops the batches fetched "
                  "before a load")
     else:
         after = ("Either break out of the loop, load_state_dict, then iterate the loader again (the new "
-                 "iteration starts at the loaded batch), or iterate through sampler.track(loader), which "
-                 "drops the batches fetched before a load")
+                 "iteration starts at the loaded batch), or iterate through sampler.track(loader) (with "
+                 "accelerate: tokenbal.integrations.accelerate.prepare_loader), which drops the batches "
+                 "fetched before a load")
     return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read ahead: "
             f"{in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
-            f"num_workers; the sampler had handed out {handed} batches of this pass) would reach the loop "
+            f"num_workers, accelerate's prepared loader one more; the sampler had handed out {handed} "
+            "batches of this pass) would reach the loop "
             "before the loaded ones, and be trained as if they were. " + after)
 
 
 def _pass_ended_message(position: str, epoch: int | None) -> str:
-    """Why a load after the sampler handed out its pass's last batch to a DataLoader with workers is refused
-    (``epoch`` None: at the load, inside the loop) or, with persistent workers, the ``set_epoch(epoch)`` after
-    it; and what to do."""
-    what = (f"TokenBalancedBatchSampler.set_epoch({epoch}) after a load_state_dict of {position} made once "
-            if epoch is not None else
-            f"TokenBalancedBatchSampler.load_state_dict of {position} inside a loop over a DataLoader with "
-            "workers, after ")
+    """Why a load after the sampler handed out its pass's last batch to a DataLoader that reads ahead of the
+    loop is refused (``epoch`` None: at the load, inside the loop) or, with persistent workers, the
+    ``set_epoch(epoch)`` after it; and what to do."""
+    reader = "a DataLoader that reads ahead of the loop (workers, or accelerate's prepared loader around it)"
     if epoch is not None:
-        what += "the sampler had handed out every batch of its pass to a DataLoader with workers"
+        what = (f"TokenBalancedBatchSampler.set_epoch({epoch}) after a load_state_dict of {position} made "
+                f"once the sampler had handed out every batch of its pass to {reader}")
     else:
-        what += "the sampler handed out the last batch of this pass"
-    return (what + " (workers fetch ahead of the loop): that DataLoader has nothing more to ask the sampler "
-            "for, so its pass ends without the loaded batches" + (
-                ", and moving to another epoch now would never train them" if epoch is not None else "")
-            + " (with num_workers=0, or under sampler.track(loader), the loop goes on at the loaded batch in "
-            "the same pass). " + (
-                "Iterate the loader again first (it starts at the loaded batch), or iterate through "
-                "sampler.track(loader); to leave that position, load a state of the epoch you want"
+        what = (f"TokenBalancedBatchSampler.load_state_dict of {position} inside a loop over {reader}, after "
+                "the sampler handed out the last batch of this pass")
+    never = ", and moving to another epoch now would never train them" if epoch is not None else ""
+    return (what + ": that DataLoader has nothing more to ask the sampler for, so its pass ends without the "
+            "loaded batches" + never
+            + " (with num_workers=0, or under sampler.track(loader) or prepare_loader, the loop goes on at "
+            "the loaded batch in the same pass). " + (
+                "Iterate the loader again first (it starts at the loaded batch; accelerate's prepared loader "
+                "counts its passes as epochs: its set_epoch of the loaded epoch first), or iterate through "
+                "sampler.track(loader) (with accelerate: prepare_loader); to leave that position, load a "
+                "state of the epoch you want"
                 if epoch is not None else
                 "Either break out of the loop, load_state_dict, then iterate the loader again (the new "
-                "iteration starts at the loaded batch), or iterate through sampler.track(loader)"))
+                "iteration starts at the loaded batch), or iterate through sampler.track(loader) (with "
+                "accelerate: tokenbal.integrations.accelerate.prepare_loader)"))
 
 
 def _caller_frame(depth: int) -> Any:
@@ -1068,7 +1088,31 @@ def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
             break
         caller = frame.f_locals.get("self")
         if isinstance(caller, _BaseDataLoaderIter):
-            return weakref.ref(caller) if getattr(caller, "_index_sampler", None) is sampler else None
+            mine = _hands_on(getattr(caller, "_index_sampler", None), sampler)
+            return weakref.ref(caller) if mine else None
+        frame = frame.f_back
+    return None
+
+
+def _hands_on(batch_sampler: Any, sampler: TokenBalancedBatchSampler) -> bool:
+    """``batch_sampler`` yields exactly ``sampler``'s batches: it is the sampler, or accelerate's
+    ``BatchSamplerShard`` made a pass-through around it (``tokenbal.integrations.accelerate.neutralise``: one
+    process, so every batch), which a DataLoader of a multi-process accelerate job iterates."""
+    return batch_sampler is sampler or (getattr(batch_sampler, "batch_sampler", None) is sampler
+                                        and getattr(batch_sampler, "num_processes", None) == 1)
+
+
+def _look_ahead_reader(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
+    """A weakref to accelerate's ``DataLoaderShard`` whose pass, on the stack above ``frame``, made the
+    DataLoader iterator ask ``sampler`` for its first batch (its ``__iter__`` fetches each batch one step
+    before it yields it, to mark the last one), or None."""
+    for _ in range(16):   # the DataLoader iterator's own frames, then (workers) its construction
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        base = getattr(owner, "base_dataloader", None) if type(owner).__name__ == "DataLoaderShard" else None
+        if base is not None:
+            return weakref.ref(owner) if _hands_on(getattr(base, "batch_sampler", None), sampler) else None
         frame = frame.f_back
     return None
 

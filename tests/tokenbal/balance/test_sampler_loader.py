@@ -505,3 +505,76 @@ def test_a_rollback_after_the_epochs_last_batch_was_handed_out_is_trained_or_ref
         # workers is
         assert len(errors) == (workers > 0 and (not prefetcher or (not persistent and load_at == 8))), errors
         assert all("track" in e and "batch 2 of 10" in e for e in errors)
+
+
+def _neutralised_rollback(workers: int, persistent: bool, load_at: int, rank: int = 0,
+                          world: int = 1) -> dict:
+    """A loop over ``neutralise(accelerator, loader)`` iterated directly (no prepare_loader), loading batch
+    2 after batch ``load_at`` of epoch 0; on a refusal, what it says: out of the loop, load, iterate again."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    from tokenbal.integrations.accelerate import neutralise
+
+    n = 40 * world
+    s = TokenBalancedBatchSampler(lengths_for(n), global_batch_size=4 * world)
+    loader = DataLoader(IndexDataset(n), batch_sampler=s, num_workers=workers, persistent_workers=persistent)
+    prepared = neutralise(Accelerator(cpu=True), loader)
+    ranks_plan = TokenBalancedBatchSampler(lengths_for(n), world, rank, global_batch_size=4 * world)
+    plan = [sorted(b) for b in ranks_plan]
+    ckpt = s.state_dict() | {"cursor": 2}
+    trained, errors = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            for k, batch in enumerate(prepared):
+                trained.append(plan.index(_ids(batch)))
+                if k == load_at:
+                    s.load_state_dict(ckpt)
+        except RuntimeError as e:
+            errors.append(str(e))
+        if errors:   # out of the loop (its iterators are gone with the error): load, iterate again
+            s.load_state_dict(ckpt)
+            trained += [plan.index(_ids(b)) for b in prepared]
+        else:
+            # persistent workers, load at the last batch: the load stands, and accelerate's next pass (which
+            # it counts as epoch 1) refuses to leave the loaded position; its set_epoch(0), then iterate
+            try:
+                trained += [plan.index(_ids(b)) for b in prepared]
+            except RuntimeError as e:
+                errors.append(str(e))
+            prepared.set_epoch(0)
+            trained += [plan.index(_ids(b)) for b in prepared]
+    return {"trained": trained, "errors": errors, "shard": type(prepared.batch_sampler).__name__}
+
+
+def _neutralised_rollback_rank(rank: int, world: int, workers: int, load_at: int) -> dict:
+    return _neutralised_rollback(workers, False, load_at, rank, world)
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_a_rollback_in_a_loop_over_neutralises_loader_never_trains_a_stale_batch(workers, persistent):
+    # neutralise(accelerator, loader) iterated directly (the loader the HF Trainer integration builds; the
+    # lower-level path under prepare_loader): accelerate's DataLoaderShard fetches each batch one step before
+    # it yields it. A load of batch 2 after batch 3 trained batch 4 (fetched before the load) first, silently,
+    # with num_workers=0; on 2 gloo ranks, where accelerate wraps the sampler in its BatchSamplerShard, the
+    # sampler did not see the DataLoader at all, and with 2 workers batches 4-8 were trained before the
+    # loaded ones, silently. Now refused as for a plain DataLoader that read ahead (no stale batch reaches the
+    # loop), naming prepare_loader; doing what it says trains the loaded position.
+    pytest.importorskip("accelerate")
+    for load_at in (3, 9):
+        out = _neutralised_rollback(workers, persistent, load_at)
+        assert out["trained"] == list(range(load_at + 1)) + list(range(2, 10)), (load_at, out["errors"])
+        assert len(out["errors"]) == 1 and "prepare_loader" in out["errors"][0], out["errors"]
+
+
+def test_a_rollback_over_neutralises_loader_on_gloo_ranks_is_refused_before_a_stale_batch():
+    pytest.importorskip("accelerate")
+    from tokenbal.launch import run_ranks
+
+    for workers in (0, 2):
+        for rank, out in enumerate(run_ranks(_neutralised_rollback_rank, 2, workers, 3, timeout=180)):
+            assert out["shard"] == "BatchSamplerShard"
+            assert out["trained"] == [0, 1, 2, 3] + list(range(2, 10)), (workers, rank, out["errors"])
+            assert len(out["errors"]) == 1 and "prepare_loader" in out["errors"][0], out["errors"]
