@@ -559,8 +559,12 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     def _look_ahead_held(self) -> int:
         """1 while accelerate's ``DataLoaderShard`` reading the live iteration's DataLoader holds the batch it
         fetched one step before yielding it (not once it has met the DataLoader's end), else 0."""
-        reader = None if self._reader is None else self._reader()
+        reader = self._look_ahead_reader()
         return 0 if reader is None or getattr(reader, "end_of_dataloader", True) else 1
+
+    def _look_ahead_reader(self) -> Any:
+        """accelerate's ``DataLoaderShard`` reading the live iteration's DataLoader, while it exists."""
+        return None if self._reader is None else self._reader()
 
     def _reading_workers(self) -> Any:
         """The DataLoader iterator driving the live iteration when something reads ahead of the loop (workers,
@@ -569,8 +573,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         driver = None if self._tracked or self._driver is None else self._driver()
         if driver is None or getattr(driver, "_sampler_iter", None) is None:
             return None
-        reader = None if self._reader is None else self._reader()
-        return driver if getattr(driver, "_num_workers", 0) or reader is not None else None
+        return driver if getattr(driver, "_num_workers", 0) or self._look_ahead_reader() is not None else None
 
     def _refuse_stale_batches(self) -> None:
         """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
@@ -872,7 +875,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         past_end = None
         if not reload and workers is not None and ended_plan == self._plan_key() and cursor < steps:
             past_end = f"epoch {self.epoch}, batch {cursor} of {steps}"
-            running = self._reader is not None or not getattr(workers, "_shutdown", False)
+            running = self._look_ahead_reader() is not None or not getattr(workers, "_shutdown", False)
             if not _outlives_its_loop(workers) and running:
                 # Its iterator lives only as long as the loop, which is running (accelerate's prepared loader
                 # holds it until its pass ends; else it is not shut down yet): refused, as a load there before
