@@ -175,7 +175,7 @@ class DevicePrefetcher:
         this prefetcher handed to the loop. The loader's own counts the batches it gave the prefetcher,
         up to ``depth - 1`` more than the loop has received: a resume from it would skip those. Checkpoint
         this one, and restore with :meth:`load_state_dict` (or the loader's own)."""
-        if not callable(getattr(self.iterable, "state_dict", None)):
+        if not _stateful(self.iterable):
             raise TypeError(f"DevicePrefetcher.state_dict: the wrapped {type(self.iterable).__name__} has no "
                             "state_dict() (a torchdata StatefulDataLoader has)")
         if self._delivered_state is not None:
@@ -204,17 +204,26 @@ class DevicePrefetcher:
         side = ops.new_stream()
         in_flight: collections.deque[tuple[Any, Any, Any, int, Any]] = collections.deque()
         # A stateful loader's state as of each batch it gives here, handed over with the batch (state_dict).
-        snapshot = getattr(self.iterable, "state_dict", None) if callable(
-            getattr(self.iterable, "load_state_dict", None)) else None
-        token: list = []   # the sampler's pass_token() once this pass's first batch is fetched
-        try:
-            yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
-        except GeneratorExit:
-            # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
-            # sampler what the loop received, so a new pass continues there rather than after them.
-            if sampler is not None and token:
-                sampler.reader_stopped(source, len(in_flight), token[0])
-            raise
+        snapshot = self.iterable.state_dict if _stateful(self.iterable) else None
+        while True:
+            # the sampler's pass_token() and rollback_mark() once this pass's first batch is fetched
+            token: list = []
+            try:
+                yield from self._hand_over(source, ops, sampler, side, in_flight, snapshot, token)
+            except GeneratorExit:
+                # The loop stopped early (a break for an eval): the batches held here never reach it. Tell the
+                # sampler what the loop received, so a new pass continues there rather than after them.
+                if sampler is not None and token:
+                    sampler.reader_stopped(source, len(in_flight), token[0])
+                raise
+            if sampler is None or not token or not sampler.fetched_before_load(token[1][0]) \
+                    or not sampler.rolled_back_since(token[1]):
+                return
+            # A rollback in the loop (a load of this pass's plan) after the DataLoader had handed over its
+            # last batch: it ended its pass without the loaded batches, where with nothing reading ahead the
+            # loop goes on at the loaded batch. Go on the same way: a new pass of the loader starts there.
+            # (Under track, which counts the passes itself, track does this.)
+            source = iter(self.iterable)
 
     def _hand_over(self, source: Iterator[Any], ops: StreamOps, sampler: Any, side: Any,
                    in_flight: collections.deque, snapshot: Any, token: list) -> Iterator[Any]:
@@ -234,7 +243,7 @@ class DevicePrefetcher:
                 in_flight.append((host, moved, event, 0 if sampler is None else sampler.loads(),
                                   None if snapshot is None else snapshot()))
                 if sampler is not None and not token:
-                    token.append(sampler.pass_token())
+                    token += [sampler.pass_token(), sampler.rollback_mark()]
             if not in_flight:
                 self._delivered_state = None   # the pass is over: the loader's own state is the loop's
                 return
@@ -252,6 +261,17 @@ class DevicePrefetcher:
             if state is not None:
                 self._delivered_state = state
             yield moved
+
+
+def _stateful(iterable: Any) -> bool:
+    """``iterable`` saves and restores its position (torchdata's ``StatefulDataLoader``). An adapter around
+    another loader (accelerate's ``DataLoaderShard``, whose ``base_dataloader`` it is) has ``state_dict`` /
+    ``load_state_dict`` whatever it wraps, and they work only when that loader is stateful (its
+    ``state_dict`` raises ``AttributeError: ... 'dl_state_dict'`` around a plain DataLoader)."""
+    base = getattr(iterable, "base_dataloader", None)
+    if base is not None:
+        return _stateful(base)
+    return all(callable(getattr(iterable, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
 def _refuse_counted_iterable(iterable: Any) -> None:
@@ -274,6 +294,33 @@ def _refuse_counted_iterable(iterable: Any) -> None:
                          "yields as received by the training loop, and the prefetcher fetches them ahead of "
                          "the loop (a resume would skip them). accelerate already places its batches on the "
                          "device: iterate the prepared loader directly")
+    if getattr(iterable, "base_dataloader", None) is not None and _draws_from_tokenbal(iterable):
+        # accelerate's DataLoaderShard (tokenbal.integrations.accelerate.neutralise, a skip_first_batches
+        # loader of it): it fetches each batch one step before it yields it, to mark the last one. A batch it
+        # gives here after a load_state_dict in the loop may have been fetched before the load, which the
+        # prefetcher cannot tell (measured: a stale batch trained after the load, two skipped after a break).
+        raise ValueError(f"DevicePrefetcher({type(iterable).__name__}) over a TokenBalancedBatchSampler: "
+                         "accelerate's prepared loader fetches each batch one step before it yields it, so a "
+                         "load_state_dict inside the loop would train a batch fetched before the load and a "
+                         "break would skip batches. accelerate already places its batches on the device: "
+                         "iterate the prepared loader directly, through "
+                         "tokenbal.integrations.accelerate.prepare_loader (which counts the batches the loop "
+                         "receives)")
+
+
+def _draws_from_tokenbal(loader: Any) -> bool:
+    """``loader``'s batch sampler is a ``TokenBalancedBatchSampler`` or wraps one (accelerate's
+    ``BatchSamplerShard`` / ``SkipBatchSampler`` keep it as their ``batch_sampler``)."""
+    from tokenbal.balance.sampler import TokenBalancedBatchSampler
+
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for _ in range(8):   # a chain of wrappers, never a cycle's worth
+        if batch_sampler is None:
+            return False
+        if isinstance(batch_sampler, TokenBalancedBatchSampler):
+            return True
+        batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+    return False
 
 
 def _tokenbal_sampler(iterable: Any) -> Any:

@@ -349,3 +349,20 @@ def test_check_gpu_sync_attribution():
     table, ours = mod.summarise([collate_ev, *rec.events])
     assert ours == 1 and table.splitlines()[0].strip().startswith("1x [collate]")
     assert mod.summarise([]) == ("    no synchronising call recorded", 0)
+
+
+def test_an_accelerate_prepared_loader_is_prefetched_stateless_unless_it_wraps_a_stateful_one():
+    # accelerate's DataLoaderShard (what accelerator.prepare returns) has state_dict and load_state_dict
+    # whatever it wraps, and its state_dict raises AttributeError ('DataLoader' object has no attribute
+    # 'dl_state_dict') around a plain DataLoader. The prefetcher took the methods for a stateful loader's and
+    # snapshotted the state per batch: DevicePrefetcher(accelerator.prepare(loader)) crashed at its first
+    # batch on every accelerator (the side-stream path; CPU is a passthrough).
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    prepared = Accelerator(cpu=True).prepare(DataLoader(list(range(10)), batch_size=3))
+    pf = DevicePrefetcher(prepared, depth=2, ops=RecordingOps())
+    assert [b.tolist() for b in pf] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    with pytest.raises(TypeError, match="wrapped DataLoaderShard has no state_dict"):
+        pf.state_dict()

@@ -32,8 +32,9 @@ step ``cursor`` of that epoch's plan — exactly the steps an uninterrupted run 
 ``set_epoch`` of the same epoch keeps that position; moving to another epoch before a batch of it was
 handed out drops it, and warns (a loop counting epochs from 0 instead of ``state['epoch']``).
 ``set_epoch`` belongs before the loader is iterated: a DataLoader with workers asks for its first batches
-when its iterator is made, so ``set_epoch`` to another epoch after ``iter(loader)`` (before the loop got a
-batch) raises ``RuntimeError`` instead of letting those batches of the old epoch end the pass.
+when its iterator is made, so after ``it = iter(loader); sampler.set_epoch(e)`` (another epoch) reading ``it``
+raises ``RuntimeError`` before its first batch instead of letting those batches of the old epoch end the pass.
+(An iterator made and never read trains nothing: a new iteration of the loader starts epoch ``e``.)
 ``cursor`` counts steps this sampler has *handed out*. A DataLoader with workers asks for batches
 ahead of the training loop (``prefetch_factor × num_workers``), so iterate the loader through
 :meth:`TokenBalancedBatchSampler.track`: ``for batch in sampler.track(loader): ...`` — then
@@ -53,9 +54,12 @@ loop, load, iterate the loader again — or use ``track``. (Persistent workers a
 sampler handed out the epoch's last batch: ``iter(sampler)`` keeps checking at every ``next()`` after its
 end, which the DataLoader still calls as it gives the loop each batch.) A load made after the sampler
 handed out the epoch's last batch (workers ask for them all before the loop receives the last ones)
-leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` the loop's pass goes on
-at the loaded batch (a new pass of the loader, as with ``num_workers=0``), a plain DataLoader's next pass
-starts there.
+leaves the DataLoader nothing more to ask for, so its pass ends; under ``track`` (or ``prepare_loader``),
+and through a ``collate.DevicePrefetcher``, the loop's pass goes on at the loaded batch (a new pass of
+the loader, as with ``num_workers=0``). A plain DataLoader with workers cannot go on: the load raises
+``RuntimeError`` there too (with persistent workers, whose iterator outlives the loop, the load stands
+and ``set_epoch`` to another epoch raises until the loader was iterated again: the next pass starts at
+the loaded batch), rather than end the loop's epoch without the loaded batches.
 
 Re-iterating mid-epoch (a ``break`` for an eval or an OOM retry, then ``for batch in loader`` again,
 no ``set_epoch`` / ``load_state_dict`` in between): under ``track`` (or
@@ -245,10 +249,17 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # DataLoader iterator driving it (a weakref; None when not a DataLoader), which knows what the
         # loop received when nothing else does.
         self._loaded_position: str | None = None   # see load_state_dict / set_epoch
+        # A load into the plan of an iteration that had handed out its last batch to a DataLoader with workers
+        # whose iterator outlives the loop (persistent workers): that DataLoader ended its pass without the
+        # loaded batches; set_epoch to another epoch before they are handed out raises (see load_state_dict).
+        self._loaded_past_pass_end: str | None = None
         self._handed = 0
         self._handed_at_load = 0
         self._tracked = False
         self._driver: Any = None
+        # accelerate's DataLoaderShard reading that DataLoader iterator (a weakref; None when there is none):
+        # it fetches each batch one step before it yields it, so the loop is a batch further behind.
+        self._reader: Any = None
         # Loads that moved the sampler (not a reload of where it is): a reader holding batches it fetched
         # (DevicePrefetcher) notes this per batch, to drop those fetched before a later load.
         self._loads = 0
@@ -340,13 +351,16 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._samples_sha256()   # the digest travels, not the index it was made from
         state = dict(self.__dict__)
         state["_ahead"], state["_ahead_lock"], state["_driver"] = {}, None, None   # (a weakref either)
+        state["_reader"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (A sampler pickled before plan_ahead existed has neither attribute: it plans in the foreground.)
         self.__dict__.update({"plan_ahead": False, "_ahead": {}, "_iterations": 0, "_handed": 0,
-                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_loads": 0,
+                              "_handed_at_load": 0, "_tracked": False, "_driver": None, "_reader": None,
+                              "_loads": 0,
                               "_samples_source": None, "_samples_digest": None, "_loaded_position": None,
+                              "_loaded_past_pass_end": None,
                               **state})
         self._ahead_lock = threading.Lock()
 
@@ -424,7 +438,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         keeps the cursor, so ``load_state_dict`` followed by ``set_epoch(same)`` still resumes."""
         epoch = _epoch_number(epoch)
         if epoch != self.epoch:
-            self._refuse_set_epoch_after_iter(epoch)
+            if self._loaded_past_pass_end is not None:
+                raise RuntimeError(_pass_ended_message(self._loaded_past_pass_end, epoch))
             loaded, self._loaded_position = self._loaded_position, None
             if loaded is not None:
                 # Nothing handed out since a load that restored the middle of an epoch: leaving that epoch
@@ -442,23 +457,28 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             self._consumed = None
             self._handing_out = False
 
-    def _refuse_set_epoch_after_iter(self, epoch: int) -> None:
-        """``it = iter(loader); sampler.set_epoch(e)``: a DataLoader with workers asks its sampler for
-        ``prefetch_factor x num_workers`` batches as soon as its iterator is made, so they are of the epoch
-        before (a replay of a finished one). The move to another plan then ends the iteration after them:
-        the pass would train those few batches of the old epoch and stop (4 of 10 batches per pass), where
-        ``num_workers=0`` (which asks nothing before the first ``next``) trains the new epoch. Refused while
-        that DataLoader iterator has given the loop nothing yet."""
-        driver = None if self._tracked or self._driver is None else self._driver()
-        if driver is None or getattr(driver, "_sampler_iter", None) is None or not self._handed \
-                or getattr(driver, "_num_yielded", None) != 0:
+    def _refuse_moved_before_received(self, planned: tuple) -> None:
+        """``it = iter(loader); sampler.set_epoch(e); next(it)``: a DataLoader with workers asks its sampler
+        for ``prefetch_factor x num_workers`` batches as soon as its iterator is made, so they are of the
+        epoch before (a replay of a finished one). The move to another plan then ends the iteration after
+        them: the pass would train those few batches of the old epoch and stop (4 of 10 batches per pass),
+        where ``num_workers=0`` (which asks nothing before the first ``next``) trains the new epoch. Raised
+        when that iterator, which has given the loop nothing yet, is about to give it the first of them (the
+        DataLoader asks its sampler iterator for the next batch as it gives one); not at ``set_epoch``, since
+        an iterator made and never read (or the one persistent workers keep, which the next
+        ``iter(loader)`` resets, dropping what it had fetched) trains nothing of the old epoch."""
+        if self._plan_key() == planned or self._tracked or self._driver is None or not self._handed:
+            return
+        driver = self._driver()
+        if driver is None or getattr(driver, "_num_yielded", None) != 0:
             return
         raise RuntimeError(
-            f"TokenBalancedBatchSampler.set_epoch({epoch}) after the DataLoader's iterator was made: its "
-            f"workers have already fetched {self._handed} batches of epoch {self.epoch} (prefetch_factor x "
-            "num_workers), which would reach the loop, and then the pass would end without the new epoch's "
-            "batches. Call set_epoch before iterating the loader (before iter(loader) or the for loop), as "
-            "torch's DistributedSampler requires too")
+            f"TokenBalancedBatchSampler.set_epoch({self.epoch}) was called after the DataLoader's iterator "
+            f"was made, and that iterator is being read: its workers had already fetched {self._handed} "
+            f"batches of epoch {planned[1]} (prefetch_factor x num_workers), which would reach the loop, and "
+            "then the pass would end without the new epoch's batches. Call set_epoch before iterating the "
+            "loader (before iter(loader) or the for loop), as torch's DistributedSampler requires too; a new "
+            "iteration of the loader (for batch in loader) starts the new epoch")
 
     def __len__(self) -> int:
         """Batches in the current epoch: steps × grad_accum (all of them, also after a resume)."""
@@ -482,7 +502,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._iter_start, self._consumed = (self.epoch, self.cursor), None
         self._handing_out = True
-        self._loaded_position = None   # the loaded position is being trained from
+        self._loaded_position = self._loaded_past_pass_end = None   # the loaded position is being trained
         # This iteration is now the sampler's: any earlier one is retired (the cursor is this one's).
         self._iterations += 1
         mine = iteration.number = self._iterations
@@ -490,7 +510,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         # iterator asking, if it is one.
         self._handed, self._handed_at_load, self._tracked = 0, 0, False
         self._driver = _dataloader_iterator(_caller_frame(2), self)
-        planned = self._plan_key()
+        self._reader = None if self._driver is None else _look_ahead_reader(_caller_frame(2), self)
+        planned = iteration.planned = self._plan_key()
         k = self.grad_accum
         while self.cursor < total:
             # With grad_accum=k each batch is one micro-batch: k consecutive batches make a step.
@@ -498,7 +519,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             batch = (plan.slot(step, self.rank) if k == 1 else plan.micro(step, self.rank, j)).tolist()
             self.cursor += 1   # before yielding: state_dict() taken after this batch counts it
             self._handed += 1
-            self._loaded_position = None   # a load inside the live iteration: its position is being trained
+            # a load inside the live iteration: its position is being trained
+            self._loaded_position = self._loaded_past_pass_end = None
             yield batch
             if self._iterations != mine:
                 # A newer iteration of this sampler started while this one was live (two DataLoaders over
@@ -514,6 +536,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                     "before starting another")
             self._refuse_stale_batches()
             if self._plan_key() != planned:
+                self._refuse_moved_before_received(planned)
                 # While this iteration was live, set_epoch / load_state_dict moved the sampler to another
                 # plan (e.g. set_epoch(e + 1) inside epoch e's last step, before a DataLoader asks for
                 # the batch after it): `plan` is no longer the sampler's and the cursor belongs to the
@@ -530,7 +553,27 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         driver = None if self._tracked or self._driver is None else self._driver()
         if driver is None or getattr(driver, "_sampler_iter", None) is None:
             return 0, None
-        return max(self._handed - int(getattr(driver, "_num_yielded", self._handed)), 0), driver
+        yielded = int(getattr(driver, "_num_yielded", self._handed))
+        return max(self._handed - yielded + self._look_ahead_held(), 0), driver
+
+    def _look_ahead_held(self) -> int:
+        """1 while accelerate's ``DataLoaderShard`` reading the live iteration's DataLoader holds the batch it
+        fetched one step before yielding it (not once it has met the DataLoader's end), else 0."""
+        reader = self._look_ahead_reader()
+        return 0 if reader is None or getattr(reader, "end_of_dataloader", True) else 1
+
+    def _look_ahead_reader(self) -> Any:
+        """accelerate's ``DataLoaderShard`` reading the live iteration's DataLoader, while it exists."""
+        return None if self._reader is None else self._reader()
+
+    def _reading_workers(self) -> Any:
+        """The DataLoader iterator driving the live iteration when something reads ahead of the loop (workers,
+        or accelerate's prepared loader around it) and the loop does not report what it received (track /
+        mark_received), else None."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        if driver is None or getattr(driver, "_sampler_iter", None) is None:
+            return None
+        return driver if getattr(driver, "_num_workers", 0) or self._look_ahead_reader() is not None else None
 
     def _refuse_stale_batches(self) -> None:
         """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
@@ -563,6 +606,19 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         first batch is fetched and passes it to :meth:`reader_stopped`, which ignores a report about
         another iteration (a reader closed late, by the garbage collector, while a newer pass runs)."""
         return self._iterations, self._loads
+
+    def rollback_mark(self) -> tuple[int, tuple]:
+        """Where a pass stands, for :meth:`rolled_back_since`: the loads so far and the plan handed out."""
+        return self._loads, self._plan_key()
+
+    def rolled_back_since(self, mark: tuple[int, tuple]) -> bool:
+        """A load made since ``mark`` (:meth:`rollback_mark` at a pass's first batch) moved this sampler to a
+        batch before the end of the same plan (a rollback): the loop's pass goes on there, as with
+        ``num_workers=0``. A DataLoader with workers (or a reader holding batches) has then often ended its
+        pass already, having asked for every batch before the loop received the last ones: :meth:`track` and
+        ``collate.DevicePrefetcher`` start a new pass of it, which begins at the loaded batch."""
+        loads, planned = mark
+        return self._loads != loads and self._plan_key() == planned and self.cursor < len(self)
 
     def reader_stopped(self, driver: Any, held: int, token: tuple[int, int]) -> None:
         """A reader between a DataLoader over this sampler and the loop (``collate.DevicePrefetcher``) was
@@ -656,7 +712,7 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
                 epoch, start = self._iter_start
                 self.mark_received(epoch, start + received - self._handed_at_load)
                 yield batch
-            if self._loads != loads and self._plan_key() == planned and self.cursor < len(self):
+            if planned is not None and self.rolled_back_since((loads, planned)):
                 # A load of this pass's plan after the sampler had handed out its last batch (a DataLoader
                 # with workers asks for them all before the loop receives the last ones): the DataLoader
                 # has nothing more to ask for and ended the pass, where with num_workers=0 the loop goes on
@@ -792,6 +848,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
             segments.append({"fingerprint": saved, "cursor": cursor})
         if elastic:
             cursor = 0
+        # The plan of a live iteration that has handed out its last batch (see the end of this method).
+        ended_plan = self._plan_key() if self._finished_here else None
         previous = (self.seed, self.epoch, self._segments)
         self.seed, self.epoch, self._segments = int(state["seed"]), int(state["epoch"]), segments
         try:
@@ -808,6 +866,22 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         except ValueError:
             self.seed, self.epoch, self._segments = previous   # a failed load changes nothing
             raise
+        # A load into the plan the live iteration handed out to its end, at a batch before that end: with
+        # num_workers=0 (and under track / prepare_loader) the loop's pass goes on at the loaded batch. A
+        # DataLoader with workers asked for every batch before the loop received the last ones, has nothing
+        # more to ask for, and ends its pass after them: the loaded batches would come only in a next pass,
+        # which a loop takes for the next epoch (its set_epoch(e + 1) dropped them, with a warning).
+        workers = self._reading_workers()
+        past_end = None
+        if not reload and workers is not None and ended_plan == self._plan_key() and cursor < steps:
+            past_end = f"epoch {self.epoch}, batch {cursor} of {steps}"
+            running = self._look_ahead_reader() is not None or not getattr(workers, "_shutdown", False)
+            if not _outlives_its_loop(workers) and running:
+                # Its iterator lives only as long as the loop, which is running (accelerate's prepared loader
+                # holds it until its pass ends; else it is not shut down yet): refused, as a load there before
+                # the sampler's end is (the batches its workers fetched ahead would reach the loop first).
+                self.seed, self.epoch, self._segments = previous
+                raise RuntimeError(_pass_ended_message(past_end, None))
         self._verified.clear()   # the loaded plan is checked again, even for an epoch seen before
         # A live iteration of the same plan goes on from the loaded batch; the batches it handed out before
         # the load and the loop has not received (a DataLoader's workers) are dropped by track(). (A reload
@@ -826,6 +900,9 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         self._finished_here = False
         self._consumed = None
         self._handing_out = False
+        # Persistent workers: a live loop and one that has ended look the same here, so the load stands, and
+        # set_epoch to another epoch before the loaded batches are handed out raises instead of dropping them.
+        self._loaded_past_pass_end = past_end
 
 
 class _Iteration:
@@ -836,13 +913,14 @@ class _Iteration:
     the loop after the last batch was handed out is caught only there (a generator, once finished, runs
     no code again), before a batch fetched ahead of the load reaches the loop."""
 
-    __slots__ = ("_batches", "_ended", "_sampler", "number")
+    __slots__ = ("_batches", "_ended", "_sampler", "number", "planned")
 
     def __init__(self, sampler: TokenBalancedBatchSampler) -> None:
         self._sampler = sampler
         self._batches = sampler._hand_out(self)
         self._ended = False
         self.number = 0   # the sampler's count of iterations when this one started handing out (0: not yet)
+        self.planned: tuple = ()   # the plan (seed, epoch, segments) it hands out, once it has started
 
     def __iter__(self) -> _Iteration:
         return self
@@ -856,6 +934,7 @@ class _Iteration:
                 raise
         if self.number and self._sampler._iterations == self.number:
             self._sampler._refuse_stale_batches()   # still the sampler's live iteration
+            self._sampler._refuse_moved_before_received(self.planned)
         raise StopIteration
 
 
@@ -951,16 +1030,45 @@ def _stale_batches_message(in_flight: int, handed: int, loaded: bool) -> str:
     if loaded:
         after = ("With persistent_workers=True this is caught only at the next batch, and the load has "
                  "taken effect: iterating the loader again starts at the loaded batch. To roll back inside "
-                 "the loop, iterate through sampler.track(loader), which drops the batches fetched "
+                 "the loop, iterate through sampler.track(loader) (with accelerate: "
+                 "tokenbal.integrations.accelerate.prepare_loader), which drops the batches fetched "
                  "before a load")
     else:
         after = ("Either break out of the loop, load_state_dict, then iterate the loader again (the new "
-                 "iteration starts at the loaded batch), or iterate through sampler.track(loader), which "
-                 "drops the batches fetched before a load")
+                 "iteration starts at the loaded batch), or iterate through sampler.track(loader) (with "
+                 "accelerate: tokenbal.integrations.accelerate.prepare_loader), which drops the batches "
+                 "fetched before a load")
     return ("TokenBalancedBatchSampler.load_state_dict inside a loop over a DataLoader that has read ahead: "
             f"{in_flight} batches it fetched before the load (workers prefetch prefetch_factor x "
-            f"num_workers; the sampler had handed out {handed} batches of this pass) would reach the loop "
+            f"num_workers, accelerate's prepared loader one more; the sampler had handed out {handed} "
+            "batches of this pass) would reach the loop "
             "before the loaded ones, and be trained as if they were. " + after)
+
+
+def _pass_ended_message(position: str, epoch: int | None) -> str:
+    """Why a load after the sampler handed out its pass's last batch to a DataLoader that reads ahead of the
+    loop is refused (``epoch`` None: at the load, inside the loop) or, with persistent workers, the
+    ``set_epoch(epoch)`` after it; and what to do."""
+    reader = "a DataLoader that reads ahead of the loop (workers, or accelerate's prepared loader around it)"
+    if epoch is not None:
+        what = (f"TokenBalancedBatchSampler.set_epoch({epoch}) after a load_state_dict of {position} made "
+                f"once the sampler had handed out every batch of its pass to {reader}")
+    else:
+        what = (f"TokenBalancedBatchSampler.load_state_dict of {position} inside a loop over {reader}, after "
+                "the sampler handed out the last batch of this pass")
+    never = ", and moving to another epoch now would never train them" if epoch is not None else ""
+    return (what + ": that DataLoader has nothing more to ask the sampler for, so its pass ends without the "
+            "loaded batches" + never
+            + " (with num_workers=0, or under sampler.track(loader) or prepare_loader, the loop goes on at "
+            "the loaded batch in the same pass). " + (
+                "Iterate the loader again first (it starts at the loaded batch; accelerate's prepared loader "
+                "counts its passes as epochs: its set_epoch of the loaded epoch first), or iterate through "
+                "sampler.track(loader) (with accelerate: prepare_loader); to leave that position, load a "
+                "state of the epoch you want"
+                if epoch is not None else
+                "Either break out of the loop, load_state_dict, then iterate the loader again (the new "
+                "iteration starts at the loaded batch), or iterate through sampler.track(loader) (with "
+                "accelerate: tokenbal.integrations.accelerate.prepare_loader)"))
 
 
 def _caller_frame(depth: int) -> Any:
@@ -983,7 +1091,31 @@ def _dataloader_iterator(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
             break
         caller = frame.f_locals.get("self")
         if isinstance(caller, _BaseDataLoaderIter):
-            return weakref.ref(caller) if getattr(caller, "_index_sampler", None) is sampler else None
+            mine = _hands_on(getattr(caller, "_index_sampler", None), sampler)
+            return weakref.ref(caller) if mine else None
+        frame = frame.f_back
+    return None
+
+
+def _hands_on(batch_sampler: Any, sampler: TokenBalancedBatchSampler) -> bool:
+    """``batch_sampler`` yields exactly ``sampler``'s batches: it is the sampler, or accelerate's
+    ``BatchSamplerShard`` made a pass-through around it (``tokenbal.integrations.accelerate.neutralise``: one
+    process, so every batch), which a DataLoader of a multi-process accelerate job iterates."""
+    return batch_sampler is sampler or (getattr(batch_sampler, "batch_sampler", None) is sampler
+                                        and getattr(batch_sampler, "num_processes", None) == 1)
+
+
+def _look_ahead_reader(frame: Any, sampler: TokenBalancedBatchSampler) -> Any:
+    """A weakref to accelerate's ``DataLoaderShard`` whose pass, on the stack above ``frame``, made the
+    DataLoader iterator ask ``sampler`` for its first batch (its ``__iter__`` fetches each batch one step
+    before it yields it, to mark the last one), or None."""
+    for _ in range(16):   # the DataLoader iterator's own frames, then (workers) its construction
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        base = getattr(owner, "base_dataloader", None) if type(owner).__name__ == "DataLoaderShard" else None
+        if base is not None:
+            return weakref.ref(owner) if _hands_on(getattr(base, "batch_sampler", None), sampler) else None
         frame = frame.f_back
     return None
 

@@ -40,7 +40,13 @@ def _tokenbal_sampler(loader: Any) -> TokenBalancedBatchSampler:
 
 def neutralise(accelerator: Any, loader: Any) -> Any:
     """``accelerator.prepare(loader)`` with accelerate's re-sharding turned off; returns accelerate's
-    own ``DataLoaderShard`` (device placement, gradient-accumulation end-of-loader tracking kept)."""
+    own ``DataLoaderShard`` (device placement, gradient-accumulation end-of-loader tracking kept).
+
+    It fetches each batch one step before it yields it, so iterated directly the loop is a batch behind
+    the DataLoader: a ``load_state_dict`` inside the loop is refused as for a DataLoader that read ahead
+    (the sampler sees the held batch), a ``break`` then a new pass skips it (with the sampler's warning), and
+    a ``collate.DevicePrefetcher`` around it is refused. :func:`prepare_loader` counts what the loop
+    received and does all three exactly."""
     sampler = _tokenbal_sampler(loader)
     config = getattr(accelerator, "dataloader_config", None)
     if getattr(config, "dispatch_batches", None):
