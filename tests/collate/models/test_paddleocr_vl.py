@@ -188,3 +188,37 @@ def test_video_fields_are_refused(reference):
     batch["video_grid_thw"] = batch["image_grid_thw"]
     with pytest.raises(ValueError, match="PaddleOCR-VL takes no video"):
         packed(**batch)
+
+
+def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
+    """Rank 1 gets only text while the tower's encoder layers are FSDP units of their own: the idle
+    image keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
+    from tests.helpers.reference import fully_shard_packed
+
+    ref = build()
+    packed = enable_packed(copy.deepcopy(ref))
+    fully_shard_packed(packed, packed.model.visual.vision_model.encoder.layers)
+    samples = make_samples()
+    shares = [[s for s in samples if "pixel_values" in s], text_only(samples)]  # rank 1: text only
+    packed(**collator(ref)(shares[rank])).loss.backward()
+    want = sum(reference_loss(ref, share) for share in shares) / world_size
+    want.backward()
+    return assert_grads_match(packed, ref)
+
+
+@pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine
+def test_fsdp2_rank_without_images_still_runs_the_sharded_tower():
+    from tests.helpers.dist_utils import run_ranks
+
+    assert min(run_ranks(_fsdp2_text_only_rank, 2, timeout=180, collective_timeout=30)) > 40
+
+
+def test_collator_takes_the_processors_patch_pixels_and_names_a_bad_sample(reference):
+    """PaddleOCR-VL's processor gives ``(patches, C, P, P)``: the batch carries them as rows of
+    ``C*P*P`` values; a patch count that does not match the grid names the sample."""
+    samples = make_samples()[:2]
+    batch = collator(reference)(samples)
+    assert torch.equal(batch.pixel_values, samples[1]["pixel_values"].reshape(24, -1))
+    bad = {**samples[1], "pixel_values": samples[1]["pixel_values"][:-1]}
+    with pytest.raises(ValueError, match=r"sample 1: field 'pixel_values' has shape \(23, 3, 4, 4\)"):
+        collator(reference)([samples[0], bad])
