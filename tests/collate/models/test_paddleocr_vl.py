@@ -52,6 +52,9 @@ def build(attn: str = "sdpa"):
         for name, p in model.named_parameters():
             if name.endswith((".bias", "norm.weight")):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                # attention far from uniform (as at random init), so that a wrong rotary shows
+                p.mul_(8.0)
     return model
 
 
