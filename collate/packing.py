@@ -657,6 +657,11 @@ def _vision_pair(
     if not pv_t.is_floating_point():
         raise ValueError(f"sample {i}: field {pv_key!r} must be floating point, got {pv_t.dtype}")
     shape = pv_t.shape
+    if len(shape) == 4 and shape[0] == patches:
+        # One (C, P, P) image patch per row (PaddleOCR-VL's processor): the batch carries rows of
+        # C*P*P values, the family's patch reshapes them for its tower. Other shapes stay errors.
+        pv_t = pv_t.reshape(patches, -1)
+        shape = pv_t.shape
     if len(shape) != 2 or shape[0] != patches:
         raise ValueError(
             f"sample {i}: field {pv_key!r} has shape {tuple(shape)} but {grid_key} "

@@ -280,6 +280,17 @@ def internvl_image_features(model: Any, pixels: Any) -> Any:
     return out.pooler_output if hasattr(out, "pooler_output") else out
 
 
+def paddleocr_vl_image_features(model: Any, pixels: Any, grids: Any) -> Any:
+    """PaddleOCR-VL's projected features of all images, ``(merged tokens, hidden)`` in image order,
+    from ``model.model.get_image_features``: 5.6-5.9 return them as one tensor in
+    ``pooler_output``, 5.19+ as one tensor per image."""
+    import torch
+
+    out = model.model.get_image_features(pixels, grids, return_dict=True)
+    features = out.pooler_output if hasattr(out, "pooler_output") else out
+    return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
 # -- positions --------------------------------------------------------------------------------------
 def get_rope_index(model: Any, input_ids: Any, *, image_grid_thw: Any = None, video_grid_thw: Any = None,
                    attention_mask: Any = None, mm_token_type_ids: Any = None, **extra: Any) -> Any:

@@ -13,7 +13,15 @@ from typing import Any
 
 from torch import nn
 
-from collate.models import glm4v, internvl, llava_next, llava_onevision, qwen2_vl, qwen3_vl  # noqa: F401 - see _PATCHES
+from collate.models import (  # noqa: F401 - see _PATCHES
+    glm4v,
+    internvl,
+    llava_next,
+    llava_onevision,
+    paddleocr_vl,
+    qwen2_vl,
+    qwen3_vl,
+)
 from tokenbal.estimate.families import FAMILIES
 
 # model_type -> (enable, disable), from the family table: a family's packed file (``Family.packed``,
@@ -21,17 +29,21 @@ from tokenbal.estimate.families import FAMILIES
 # attention / rotary code); Qwen3-VL adds q/k head norms, interleaved M-RoPE and DeepStack features;
 # LLaVA-NeXT / OneVision and InternVL are 1-D RoPE language models behind crop towers; GLM-4.1V has
 # a partial pair-wise M-RoPE and one tower grid row per video frame.
+# PACKED_ONLY: model types patched here whose family has no token estimator in the table (so no
+# row there: every row has one). PaddleOCR-VL's image processor resizes small images its own way
+# (not Qwen2-VL's rule), a rule tokenbal does not count yet; packed training takes its lengths from
+# the processor (tokenbal.integrations.hf.dataset_lengths) or any other source.
+PACKED_ONLY: dict[str, str] = {"paddleocr_vl": "paddleocr_vl"}
 _PATCHES: dict[str, Any] = {
-    model_type: (globals()[f.packed].enable_packed, globals()[f.packed].disable_packed)
-    for f in FAMILIES if f.packed is not None for model_type in f.model_types
+    model_type: (globals()[module].enable_packed, globals()[module].disable_packed)
+    for model_type, module in [*((mt, f.packed) for f in FAMILIES if f.packed is not None
+                                 for mt in f.model_types), *PACKED_ONLY.items()]
 }
 
 
 # Families transformers has that share a collator layout or a text stack with a patched family but
 # are not patched, and why (named in enable_packed's error so nobody forces the nearest patch on).
 REFUSED: dict[str, str] = {
-    "paddleocr_vl": "PaddleOCR-VL's vision tower is a SigLIP encoder with its own projector (one "
-                    "host split per call), not a grid tower the packed path calls",
     "cosmos3_edge": "Cosmos3-Edge is a Llama text model behind a SigLIP2 tower, not Qwen3-VL's",
     "cosmos3_omni": "Cosmos3-Omni runs Qwen3-VL's code, but transformers ships no processor for it, so "
                     "its token counts and collated placeholders cannot be checked",

@@ -181,8 +181,12 @@ def test_image_only_family_refuses_video_grids():
         coll([ok, video])
 
 
-# GLM-4.6V: test_glm46v.py; GLM-OCR (GLM-4.1V's patch): models/test_glm_ocr.py
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - {"Glm46VConfig", "GlmOcrConfig"}))
+# GLM-4.6V: test_glm46v.py; GLM-OCR (GLM-4.1V's patch): models/test_glm_ocr.py; PaddleOCR-VL:
+# models/test_paddleocr_vl.py
+_PATCHED = {"Glm46VConfig", "GlmOcrConfig", "PaddleOCRVLConfig"}
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - _PATCHED))
 def test_enable_packed_refuses_these_families_by_name(name):
     """The collator lays them out, but no packed forward patches their model classes: a clear
     TypeError naming the model type and why, never a forward that silently ignores the packing."""

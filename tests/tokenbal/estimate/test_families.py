@@ -53,6 +53,8 @@ def test_packed_patches_come_from_the_table():
     import collate.models as models
 
     expected = {mt: f.packed for f in FAMILIES if f.packed for mt in f.model_types}
+    assert set(models.PACKED_ONLY).isdisjoint(expected)  # a family with a row is patched through it
+    expected.update(models.PACKED_ONLY)
     assert sorted(models._PATCHES) == sorted(expected)
     for model_type, (enable, disable) in models._PATCHES.items():
         assert enable.__module__ == disable.__module__ == f"collate.models.{expected[model_type]}"
