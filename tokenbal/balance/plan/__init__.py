@@ -100,7 +100,9 @@ __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
 # 17: with grad_accum > 1, the one step of an epoch of fewer than R·k samples deals its micro-batches to the
 # ranks in turn (_serve_every_rank); every other plan is the same as version 16's.
-PLAN_VERSION = 17
+# 18: a stage epoch of more than 2^18 samples levels its steps furthest above their ideal, within a budget
+# that falls as 1 / n (plan.stages._level_worst_steps; issue 49 part 10); shorter epochs: version 17's plans.
+PLAN_VERSION = 18
 
 
 def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,

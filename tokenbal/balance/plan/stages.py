@@ -147,6 +147,20 @@ _STAGE_POOL_SHIFT = 2
 # (target 1.1496), worst over target 2.75 % -> 1.20 %, for ~3 s more CPU per plan. See
 # docs/bench/balance.md, "PLAN_VERSION 11".
 _STAGE_POOL = 1
+# Long stage epochs (more than _STAGE_WHOLE_ITEMS samples; PLAN_VERSION 18, issue 49 part 10): the steps
+# furthest above their ideal, up to _LONG_LEVEL_ITEMS samples, leveled among themselves (_level_worst_steps)
+# within max(_STAGE_LEVEL_FLOOR, min(_LONG_LEVEL_WORK, ranks · _LONG_LEVEL_PER_RANK)) · _STAGE_WHOLE_ITEMS / n
+# samples × rounds (at least _STAGE_LEVEL_MIN rounds, at most _STAGE_LEVEL_ROUNDS): at the line an eighth of
+# what the short path's final leveling may spend on 512 ranks and more (2^22 of 2^25), as much on 8-64 ranks
+# (2^20), and falling as 1 / n, since the rest of the plan grows with n and the tokens plan the issue's
+# target is measured against takes only 0.10 s at 1M samples on 512 ranks (the stage plan 0.8 s before it).
+# Versions 9-17 stopped at the grouped plan: 263,168 samples on 512 ranks took 0.36 s against 3.17 s one
+# step before (2^18, the short path), and 2.5 % more stage time per draw. The gain is in the worst steps:
+# 263,168 / 512 ranks, draw 0, 128 rounds over the 32 worst of 257 steps -1.4 % of stage time in 0.2 s, over
+# all 257 -1.8 % in 2.3 s; the 32 heaviest (not the furthest above ideal) -1.2 %. 0 items: off.
+_LONG_LEVEL_ITEMS = 1 << 15
+_LONG_LEVEL_WORK = 1 << 22
+_LONG_LEVEL_PER_RANK = 1 << 13
 
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
@@ -290,9 +304,10 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     grouped = (np.concatenate([p for p, _, _ in parts]), win, steps_in_win,
                np.concatenate([st for _, st, _ in parts]), np.concatenate([rk for _, _, rk in parts]))
     if not short:
-        # No leveling or pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling alone
-        # (1.0370 -> 1.0252 on draw 0, nothing on draw 1), against the 5 s the whole plan may take.
-        return grouped
+        # No leveling of every step and no pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling
+        # alone (1.0370 -> 1.0252 on draw 0, nothing on draw 1). Only the steps furthest above their ideal
+        # are leveled, within a budget (PLAN_VERSION 18).
+        return _level_worst_steps(stages, *grouped, R)
     chosen = grouped
     if S <= _STAGE_WHOLE_STEPS or N > _STAGE_WHOLE_PER_RANK * R:
         # A short epoch is also planned whole by version 7's composition (with its tail step, which
@@ -335,6 +350,45 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
         g, rank = pool_heaviest_steps(c, g, rank, R, work=pool_work, stall=_STAGE_LEVEL_STALL)
     win = np.searchsorted(first, g, side="right") - 1
     return perm, win, steps_in_win, g - first[win], rank
+
+
+def _level_worst_steps(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
+                       step_w: np.ndarray, rank: np.ndarray, R: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A long stage epoch's plan (perm, window, steps per window, step, rank) after leveling swaps among its
+    steps furthest above their ideal (``Σ_stage max_rank - Σ_stage ⌈sum / R⌉``), up to ``_LONG_LEVEL_ITEMS``
+    samples of them, for ``_LONG_LEVEL_WORK · _STAGE_WHOLE_ITEMS / n`` samples × rounds
+    (:func:`tokenbal.balance.partition.level_stage_bins`, as :func:`_level_stage_plan` levels every step of a
+    short epoch). No step gets slower and every step keeps its sample count; samples may change windows."""
+    from tokenbal.balance.partition import level_stage_bins
+
+    n = len(perm)
+    first = np.concatenate([[0], np.cumsum(steps_in_win)])
+    S = int(first[-1])
+    if n < 2 or S < 2 or R < 2 or _LONG_LEVEL_ITEMS <= 0:
+        return perm, win, steps_in_win, step_w, rank
+    g = first[win] + step_w
+    c = stages.take(perm, axis=0)           # (the same rows as stages[perm], several times faster)
+    K = c.shape[1]
+    # Integer loads per (stage, step, rank): float64 sums of int64 costs, exact as in _plan_time.
+    slot = g * R + rank
+    loads = np.stack([np.bincount(slot, weights=c[:, k], minlength=S * R) for k in range(K)]
+                     ).astype(np.int64).reshape(K, S, R)
+    excess = loads.max(2).sum(0) - (-(-loads.sum(2) // R)).sum(0)
+    worst = np.argsort(-excess, kind="stable")
+    held = np.cumsum(np.bincount(g, minlength=S)[worst])
+    h = max(2, int((held <= _LONG_LEVEL_ITEMS).sum()))
+    chosen = np.zeros(S, bool)
+    chosen[worst[:h]] = True
+    sel = np.flatnonzero(chosen[g])
+    work = max(_STAGE_LEVEL_FLOOR, min(_LONG_LEVEL_WORK, R * _LONG_LEVEL_PER_RANK)) * _STAGE_WHOLE_ITEMS // n
+    rounds = min(_STAGE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(sel), 1)))
+    new_g, new_rank = level_stage_bins(c[sel], g[sel], rank[sel], R, rounds=rounds,
+                                       patience=_STAGE_LEVEL_PATIENCE, stall=_STAGE_LEVEL_STALL)
+    new_win = np.searchsorted(first, new_g, side="right") - 1
+    win, step_w, rank = win.copy(), step_w.copy(), rank.copy()
+    win[sel], step_w[sel], rank[sel] = new_win, new_g - first[new_win], new_rank
+    return perm, win, steps_in_win, step_w, rank
 
 
 def _plan_time(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
