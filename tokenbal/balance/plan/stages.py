@@ -357,7 +357,7 @@ def _level_worst_steps(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, st
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A long stage epoch's plan (perm, window, steps per window, step, rank) after leveling swaps among its
     steps furthest above their ideal (``Σ_stage max_rank - Σ_stage ⌈sum / R⌉``), up to ``_LONG_LEVEL_ITEMS``
-    samples of them, for ``_LONG_LEVEL_WORK · _STAGE_WHOLE_ITEMS / n`` samples × rounds
+    samples of them, within a budget of samples × rounds that falls as 1 / n (see ``_LONG_LEVEL_ITEMS``)
     (:func:`tokenbal.balance.partition.level_stage_bins`, as :func:`_level_stage_plan` levels every step of a
     short epoch). No step gets slower and every step keeps its sample count; samples may change windows."""
     from tokenbal.balance.partition import level_stage_bins
