@@ -9,7 +9,8 @@ same for the refinement after a plain fill (``grad_accum > 1``, a token budget),
 that holds hundreds of samples per rank made a round quadratic in the step (20k samples on 8 ranks:
 ~800M item visits, 36 s). Version 14 stops composing a short epoch of more than 4,096 steps (2 per rank)
 a second time as a whole (40k -> 160k samples on 8 ranks crosses that line). Version 15 levels every pool
-of the heaviest steps for a few rounds and only the one ahead for the rest (counted below).
+of the heaviest steps for a few rounds and only the one ahead for the rest (counted below). Version 18 levels
+a long epoch's (more than 2^18 samples) steps furthest above their ideal within a budget that falls as 1 / n.
 """
 
 import numpy as np
@@ -102,3 +103,60 @@ def test_pools_level_one_pool_past_the_race():
         return int(loads.max(1).sum())
     assert total(g, b) <= total(group, bins)
     assert np.array_equal(np.bincount(g, minlength=steps), np.bincount(group, minlength=steps))
+
+
+def _long_level_work(n: int, R: int, draw: int, monkeypatch, whole_items: int | None = None,
+                     items: int | None = None) -> tuple[int, float]:
+    """Item visits of a long stage epoch's leveling of its worst steps (plan.stages._level_worst_steps),
+    and the plan's stage figure. ``whole_items``: the short / long line, lowered so small epochs are long."""
+    from tokenbal.balance.plan import stages as stage_mode
+    from tokenbal.balance.simulate import epoch_stage_figure
+
+    if whole_items is not None:
+        monkeypatch.setattr(stage_mode, "_STAGE_WHOLE_ITEMS", whole_items)
+    if items is not None:
+        monkeypatch.setattr(stage_mode, "_LONG_LEVEL_ITEMS", items)
+    spent = []
+    inner = stage_mode._level_worst_steps
+
+    def counted(*args):
+        before = stage_ops.work_done["level"]
+        out = inner(*args)
+        spent.append(stage_ops.work_done["level"] - before)
+        return out
+
+    monkeypatch.setattr(stage_mode, "_level_worst_steps", counted)
+    s = draw_samples(random_mixture(draw), n, draw)
+    c = stage_costs(s)
+    plan = plan_epoch(s.lengths, R, global_batch_size=2 * R, seed=draw, cost=c.sum(1), stages=c)
+    monkeypatch.undo()
+    assert len(spent) == 1                                      # a long epoch: leveled once
+    return spent[0], epoch_stage_figure(plan, c)
+
+
+@pytest.mark.parametrize("R, n", [(8, 6000), (64, 8192), (512, 20480)])
+def test_long_stage_epoch_leveling_work_is_linear_in_the_epoch(R, n, monkeypatch):
+    # PLAN_VERSION 18: a stage epoch of more than _STAGE_WHOLE_ITEMS samples levels its worst steps within
+    # a budget that falls as 1 / n (so its work is bounded by a constant, at most linear in n). The line is
+    # lowered to 4,096 samples so that small epochs take the long path.
+    small, _ = _long_level_work(n, R, 1, monkeypatch, whole_items=4096, items=2048)
+    large, _ = _long_level_work(4 * n, R, 1, monkeypatch, whole_items=4096, items=2048)
+    assert 0 < small and 0 < large
+    assert large <= 4 * small, (small, large)
+    assert large <= FLOOR + PER_SAMPLE * 4 * n, large
+
+
+def test_long_stage_epoch_leveling_at_scale_is_bounded_and_never_slower(monkeypatch):
+    # The real line (2^18 samples): 64 ranks, 2 per rank. Its work is at most its budget (rounds x the worst
+    # steps' samples, at least _STAGE_LEVEL_MIN rounds), and the epoch is no slower than without it.
+    from tokenbal.balance.plan import stages as stage_mode
+
+    n, R = (1 << 18) + 2 * 64 * 5, 64
+    work, figure = _long_level_work(n, R, 0, monkeypatch)
+    _, without = _long_level_work(n, R, 0, monkeypatch, items=0)
+    budget = max(stage_mode._STAGE_LEVEL_FLOOR,
+                 min(stage_mode._LONG_LEVEL_WORK, R * stage_mode._LONG_LEVEL_PER_RANK))
+    assert 0 < work <= max(budget * stage_mode._STAGE_WHOLE_ITEMS // n,
+                           stage_mode._STAGE_LEVEL_MIN * stage_mode._LONG_LEVEL_ITEMS), work
+    assert work <= PER_SAMPLE * n
+    assert figure <= without, (figure, without)

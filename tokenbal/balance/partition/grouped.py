@@ -108,7 +108,7 @@ def grouped_stage_fill(stage_costs: np.ndarray, steps: int, num_ranks: int
     combined = None
     seg_cost = np.full(nseg, np.inf)
     best_global, global_cost = None, np.inf
-    candidates = [_stage_orders(loads[members], width, seg) for members, width, _ in groups]
+    candidates = [_stage_orders(loads.take(members, axis=0), width, seg) for members, width, _ in groups]
     for tagged in zip(*candidates, strict=True):
         step_of_bin = np.empty(nb, np.int64)
         rank_of_bin = np.empty(nb, np.int64)

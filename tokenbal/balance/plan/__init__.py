@@ -33,7 +33,9 @@ How a plan is made
    (up to 1,536 steps, or with more than 2 samples per rank: PLAN_VERSIONs 14, 16) is also planned whole by
    version 7 and the faster plan kept, then leveled by swaps among all its
    steps (PLAN_VERSION 10), and its heaviest steps composed again from their pooled samples where
-   that is faster (PLAN_VERSION 11, ``_level_stage_plan``). *With a token budget*:
+   that is faster (PLAN_VERSION 11, ``_level_stage_plan``); a long epoch (more than 2^18 samples) levels
+   only its steps furthest above their ideal, within a budget that falls as 1 / n (PLAN_VERSION 18,
+   ``_level_worst_steps``). *With a token budget*:
    :func:`tokenbal.balance.partition.fill_windows` (largest first; fill the gaps of steps that
    hold a big sample with the next big ones, otherwise least-loaded rank) over windows of
    :func:`default_window` steps. Balancing a whole window is what makes heavy-tailed data
@@ -100,7 +102,9 @@ __all__ = ["EpochPlan", "plan_epoch", "default_window", "check_lengths", "check_
 # Bump when the same inputs would give a different plan (the sampler's resume fingerprint uses it).
 # 17: with grad_accum > 1, the one step of an epoch of fewer than R·k samples deals its micro-batches to the
 # ranks in turn (_serve_every_rank); every other plan is the same as version 16's.
-PLAN_VERSION = 17
+# 18: a stage epoch of more than 2^18 samples levels its steps furthest above their ideal, within a budget
+# that falls as 1 / n (plan.stages._level_worst_steps; issue 49 part 10); shorter epochs: version 17's plans.
+PLAN_VERSION = 18
 
 
 def plan_epoch(lengths: object, num_replicas: int | None = None, *, global_batch_size: int | None = None,

@@ -147,6 +147,20 @@ _STAGE_POOL_SHIFT = 2
 # (target 1.1496), worst over target 2.75 % -> 1.20 %, for ~3 s more CPU per plan. See
 # docs/bench/balance.md, "PLAN_VERSION 11".
 _STAGE_POOL = 1
+# Long stage epochs (more than _STAGE_WHOLE_ITEMS samples; PLAN_VERSION 18, issue 49 part 10): the steps
+# furthest above their ideal, up to _LONG_LEVEL_ITEMS samples, leveled among themselves (_level_worst_steps)
+# within max(_STAGE_LEVEL_FLOOR, min(_LONG_LEVEL_WORK, ranks · _LONG_LEVEL_PER_RANK)) · _STAGE_WHOLE_ITEMS / n
+# samples × rounds (at least _STAGE_LEVEL_MIN rounds, at most _STAGE_LEVEL_ROUNDS): at the line an eighth of
+# what the short path's final leveling may spend on 512 ranks and more (2^22 of 2^25), as much on 8-64 ranks
+# (2^20), and falling as 1 / n, since the rest of the plan grows with n and the tokens plan the issue's
+# target is measured against takes only 0.10 s at 1M samples on 512 ranks (the stage plan 0.8 s before it).
+# Versions 9-17 stopped at the grouped plan: 263,168 samples on 512 ranks took 0.36 s against 3.17 s one
+# step before (2^18, the short path), and 2.5 % more stage time per draw. The gain is in the worst steps:
+# 263,168 / 512 ranks, draw 0, 128 rounds over the 32 worst of 257 steps -1.4 % of stage time in 0.2 s, over
+# all 257 -1.8 % in 2.3 s; the 32 heaviest (not the furthest above ideal) -1.2 %. 0 items: off.
+_LONG_LEVEL_ITEMS = 1 << 15
+_LONG_LEVEL_WORK = 1 << 22
+_LONG_LEVEL_PER_RANK = 1 << 13
 
 
 def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, step: np.ndarray,
@@ -161,7 +175,7 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
 
     if not len(perm):
         return step, vrank
-    c = stages[perm]
+    c = stages.take(perm, axis=0)
     cap_costs = None if lens is None else lens[perm]
     group, bins = step * k + vrank % k, vrank // k
     if cross:
@@ -187,7 +201,7 @@ def _refine_stages(stages: np.ndarray, perm: np.ndarray, window: np.ndarray, ste
     bins = np.full((S * k, M), -1, np.int64)
     bins[group[order], col] = vrank[order] // k
     costs = np.zeros((S * k, M, stages.shape[1]), np.int64)
-    costs[group[order], col] = stages[perm[order]]
+    costs[group[order], col] = stages.take(perm[order], axis=0)
     cap_costs = None
     if lens is not None:
         cap_costs = np.zeros((S * k, M), np.int64)
@@ -219,7 +233,7 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     from tokenbal.balance.partition.compose import compose_steps
 
     G, W = cap2d.shape
-    order, step_a, _ = compose_steps(stages[perm], win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
+    order, step_a, _ = compose_steps(stages.take(perm, axis=0), win_of_item, cap2d, R, rng, _COMPOSE_JITTER)
     perm_a = perm[order]
     one = win_of_item * W + step_a                      # every step its own window of one step
     _, _, rank_a, _ = _fill(lens, perm_a, one, cap2d.reshape(-1, 1), R, None, False, rng is not None,
@@ -241,7 +255,7 @@ def _compose_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
                                 cross=True, rounds=refine_rounds or _REFINE_ROUNDS,
                                 level_rounds=level_rounds, max_swaps=_COMPOSE_SWAPS)
         st = st - base
-        t = _split_time(stages[p], win_of_item, st, rk, G, W, R)
+        t = _split_time(stages.take(p, axis=0), win_of_item, st, rk, G, W, R)
         if best is None:
             best = [p, st, rk, t]
             continue
@@ -277,7 +291,7 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
             both = perm[s0 * N:]
             small = np.zeros(len(both), bool)
             # (the first len(rest) of the stable order by size, found by a partition: the same set)
-            small[_ranked(_row_sums(stages[both]), 0, len(rest))] = True
+            small[_ranked(_row_sums(stages.take(both, axis=0)), 0, len(rest))] = True
             items, rest = both[~small], both[small]
         parts.append(_plan_stage_window(lens, stages, items, s1 - s0, R, rng, short))
     if tail or not full:
@@ -290,9 +304,10 @@ def _plan_stage_windows(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, 
     grouped = (np.concatenate([p for p, _, _ in parts]), win, steps_in_win,
                np.concatenate([st for _, st, _ in parts]), np.concatenate([rk for _, _, rk in parts]))
     if not short:
-        # No leveling or pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling alone
-        # (1.0370 -> 1.0252 on draw 0, nothing on draw 1), against the 5 s the whole plan may take.
-        return grouped
+        # No leveling of every step and no pooling: 1M samples on 512 ranks would pay ~3.5 s for the pooling
+        # alone (1.0370 -> 1.0252 on draw 0, nothing on draw 1). Only the steps furthest above their ideal
+        # are leveled, within a budget (PLAN_VERSION 18).
+        return _level_worst_steps(stages, *grouped, R)
     chosen = grouped
     if S <= _STAGE_WHOLE_STEPS or N > _STAGE_WHOLE_PER_RANK * R:
         # A short epoch is also planned whole by version 7's composition (with its tail step, which
@@ -328,7 +343,7 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
     from tokenbal.balance.partition import level_stage_bins, pool_heaviest_steps
 
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
-    c = stages[perm]
+    c = stages.take(perm, axis=0)
     g, rank = level_stage_bins(c, first[win] + step_w, rank, R, rounds=rounds, patience=_STAGE_LEVEL_PATIENCE,
                                stall=_STAGE_LEVEL_STALL)
     if _STAGE_POOL:
@@ -337,12 +352,51 @@ def _level_stage_plan(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, ste
     return perm, win, steps_in_win, g - first[win], rank
 
 
+def _level_worst_steps(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
+                       step_w: np.ndarray, rank: np.ndarray, R: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A long stage epoch's plan (perm, window, steps per window, step, rank) after leveling swaps among its
+    steps furthest above their ideal (``Σ_stage max_rank - Σ_stage ⌈sum / R⌉``), up to ``_LONG_LEVEL_ITEMS``
+    samples of them, within a budget of samples × rounds that falls as 1 / n (see ``_LONG_LEVEL_ITEMS``)
+    (:func:`tokenbal.balance.partition.level_stage_bins`, as :func:`_level_stage_plan` levels every step of a
+    short epoch). No step gets slower and every step keeps its sample count; samples may change windows."""
+    from tokenbal.balance.partition import level_stage_bins
+
+    n = len(perm)
+    first = np.concatenate([[0], np.cumsum(steps_in_win)])
+    S = int(first[-1])
+    if n < 2 or S < 2 or R < 2 or _LONG_LEVEL_ITEMS <= 0:
+        return perm, win, steps_in_win, step_w, rank
+    g = first[win] + step_w
+    c = stages.take(perm, axis=0)
+    K = c.shape[1]
+    # Integer loads per (stage, step, rank): float64 sums of int64 costs, exact as in _plan_time.
+    slot = g * R + rank
+    loads = np.stack([np.bincount(slot, weights=c[:, k], minlength=S * R) for k in range(K)]
+                     ).astype(np.int64).reshape(K, S, R)
+    excess = loads.max(2).sum(0) - (-(-loads.sum(2) // R)).sum(0)
+    worst = np.argsort(-excess, kind="stable")
+    held = np.cumsum(np.bincount(g, minlength=S)[worst])
+    h = max(2, int((held <= _LONG_LEVEL_ITEMS).sum()))
+    chosen = np.zeros(S, bool)
+    chosen[worst[:h]] = True
+    sel = np.flatnonzero(chosen[g])
+    work = max(_STAGE_LEVEL_FLOOR, min(_LONG_LEVEL_WORK, R * _LONG_LEVEL_PER_RANK)) * _STAGE_WHOLE_ITEMS // n
+    rounds = min(_STAGE_LEVEL_ROUNDS, max(_STAGE_LEVEL_MIN, work // max(len(sel), 1)))
+    new_g, new_rank = level_stage_bins(c[sel], g[sel], rank[sel], R, rounds=rounds,
+                                       patience=_STAGE_LEVEL_PATIENCE, stall=_STAGE_LEVEL_STALL)
+    new_win = np.searchsorted(first, new_g, side="right") - 1
+    win, step_w, rank = win.copy(), step_w.copy(), rank.copy()
+    win[sel], step_w[sel], rank[sel] = new_win, new_g - first[new_win], new_rank
+    return perm, win, steps_in_win, step_w, rank
+
+
 def _plan_time(stages: np.ndarray, perm: np.ndarray, win: np.ndarray, steps_in_win: np.ndarray,
                step_w: np.ndarray, rank: np.ndarray, R: int) -> float:
     """``Σ_steps Σ_stages max_rank`` of a fill's (perm, window, steps per window, step, rank)."""
     first = np.concatenate([[0], np.cumsum(steps_in_win)])
     S = int(first[-1])
-    return float(_step_times(stages[perm], (first[win] + step_w) * R + rank, S, R).sum())
+    return float(_step_times(stages.take(perm, axis=0), (first[win] + step_w) * R + rank, S, R).sum())
 
 
 def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, W: int, R: int,
@@ -362,7 +416,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
     swaps between and inside the steps), which is kept where it is faster."""
     from tokenbal.balance.partition.grouped import descending_order, grouped_stage_fill
 
-    c = stages[items]
+    c = stages.take(items, axis=0)         # (.take: the rows of stages[items], ~10x faster on 1M rows)
     N = len(items) // W
     tot = _row_sums(c)
     # Jittered as in tokens mode (_GROUPED_JITTER): the window is the same samples every epoch, and
@@ -382,7 +436,7 @@ def _plan_stage_window(lens: np.ndarray, stages: np.ndarray, items: np.ndarray, 
             steps = W // G + (g < W % G)
             idx = by_share[first * N:(first + steps) * N]
             idx = idx[descending_order(key[idx])]
-            step[idx], rank[idx], _ = grouped_stage_fill(c[idx], steps, R)
+            step[idx], rank[idx], _ = grouped_stage_fill(c.take(idx, axis=0), steps, R)
             step[idx] += first
             first += steps
         t = _step_times(c, step * R + rank, W, R).sum()
@@ -409,7 +463,7 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
     """The ``h`` heaviest of a window's ``W`` steps (by ``Σ_stage max_rank``) planned again by
     :func:`_compose_fill`; returns ``(items, step, rank, time saved)``, unchanged where that is not faster."""
     N = len(items) // W
-    loads = _step_times(stages[items], step * R + rank, W, R)
+    loads = _step_times(stages.take(items, axis=0), step * R + rank, W, R)
     top = np.argsort(-loads, kind="stable")[:h]
     chosen = np.zeros(W, bool)
     chosen[top] = True
@@ -418,7 +472,7 @@ def _refill_stage_steps(lens: np.ndarray, stages: np.ndarray, items: np.ndarray,
                                  np.full((1, h), N, np.int64), R, rng,
                                  with_fill=short and R >= _SHORT_FILL_RANKS,
                                  refine_rounds=None if short else _STAGE_REFILL_ROUNDS)
-    redone = _step_times(stages[p], st * R + rk, h, R).sum()
+    redone = _step_times(stages.take(p, axis=0), st * R + rk, h, R).sum()
     gain = float(loads[top].sum() - redone)
     if gain <= 0:
         return items, step, rank, 0.0
@@ -459,7 +513,7 @@ def _profile_fill(lens: np.ndarray, stages: np.ndarray, perm: np.ndarray, win_of
     window, rank) aligned with the returned perm.
     """
     G, W = cap2d.shape
-    sp = stages[perm]
+    sp = stages.take(perm, axis=0)
     tot = np.maximum(_row_sums(sp), 1)
     shares = [(sp[:, j] << 20) // tot for j in range(sp.shape[1] - 1)]
     if rng is not None and _STAGE_JITTER > 0:
