@@ -54,3 +54,33 @@ def fully_shard_packed(packed: nn.Module, vision_blocks: Iterable[nn.Module] = (
     for layer in packed.model.language_model.layers:
         fully_shard(layer)
     fully_shard(packed)
+
+
+def assert_logits_match_per_sample(logits: torch.Tensor, batch, samples: list[dict], model: nn.Module,
+                                   inputs: Callable[[dict], dict]) -> None:
+    """Each sample's slice of the packed ``logits`` (1, T, vocab) equals ``model``'s unpacked logits of
+    that sample alone (``inputs(sample)``: its keyword arguments), relative 1e-4."""
+    starts = [0, *batch.cu_seqlens_list[:-1]]
+    with torch.no_grad():
+        for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
+            want = model(**inputs(s)).logits[0]
+            torch.testing.assert_close(logits[0, start:end], want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, i=i: f"sample {i}: {m}")
+
+
+def text_only_rank_grads(rank: int, world_size: int, reference: nn.Module, packed: nn.Module,
+                         samples: list[dict], collate: Callable[[list[dict]], dict],
+                         reference_loss: Callable[[nn.Module, list[dict]], torch.Tensor]) -> int:
+    """One step of an FSDP2-sharded ``packed`` model where rank 0 gets the samples with images or
+    videos and rank 1 only the text of all of them (its idle vision pass keeps the ranks' collectives
+    paired); returns how many gradients equal the unsharded per-sample ``reference``'s (FSDP2
+    averages the ranks' gradients)."""
+    from tests.helpers.grads import assert_grads_match
+    from tests.helpers.samples import text_only
+
+    vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
+    shares = [vision, text_only(samples)]
+    packed(**collate(shares[rank])).loss.backward()
+    want = sum(reference_loss(reference, share) for share in shares) / world_size
+    want.backward()
+    return assert_grads_match(packed, reference)

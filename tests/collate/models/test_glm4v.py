@@ -32,6 +32,7 @@ from tests.helpers.reference import (  # noqa: E402
     backward_and_compare,
     forward_calls,
     fully_shard_packed,
+    text_only_rank_grads,
     token_weighted_loss,
 )
 from tests.helpers.samples import text_only  # noqa: E402
@@ -387,13 +388,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int, make_model=_glm4v_model) -
     ref = make_model().float().eval()
     packed = enable_packed(copy.deepcopy(ref))
     fully_shard_packed(packed, packed.model.visual.blocks)
-    samples = make_samples()
-    vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
-    shares = [vision, text_only(samples)]  # rank 1: text only
-    packed(**collator(ref)(shares[rank])).loss.backward()
-    want = sum(reference_loss(ref, share) for share in shares) / world_size
-    want.backward()
-    return assert_grads_match(packed, ref)
+    return text_only_rank_grads(rank, world_size, ref, packed, make_samples(), collator(ref), reference_loss)
 
 
 @pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine

@@ -24,7 +24,7 @@ from tests.collate.models.test_glm4v import (  # noqa: E402
     reference_loss,
 )
 from tests.helpers.grads import assert_grads_match  # noqa: E402
-from tests.helpers.reference import backward_and_compare  # noqa: E402
+from tests.helpers.reference import assert_logits_match_per_sample, backward_and_compare  # noqa: E402
 from tests.helpers.tiny_glm4v import tiny_config as tiny_glm4v_config  # noqa: E402
 from tokenbal.hf_compat import checkpointing_enable  # noqa: E402
 
@@ -69,13 +69,8 @@ def test_packed_loss_logits_and_grads_match_per_sample(reference):
     batch = PackedCollator.from_config(ref.config, pin_memory=False)(samples)
     assert batch.pixel_values is not None and batch.pixel_values_videos is not None
     assert_positions_equal_hf(batch, samples, ref)
-    starts = [0, *batch.cu_seqlens_list[:-1]]
     out = packed(**batch)
-    with torch.no_grad():
-        for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-            want = ref(**hf_inputs(s)).logits[0]
-            torch.testing.assert_close(out.logits[0, start:end], want, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, i=i: f"sample {i}: {m}")
+    assert_logits_match_per_sample(out.logits, batch, samples, ref, hf_inputs)
     backward_and_compare(out.loss, reference_loss(ref, samples))
     assert assert_grads_match(packed, ref) > 30
     grads = {n: p.grad for n, p in packed.named_parameters()}

@@ -19,7 +19,12 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step, host_tensors_of_step  # noqa: E402
-from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
+from tests.helpers.reference import (  # noqa: E402
+    backward_and_compare,
+    forward_calls,
+    fully_shard_packed,
+    text_only_rank_grads,
+)
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_internvl import IMG, SIDE, tiny_config  # noqa: E402
 from tests.helpers.tiny_llava import reference_loss  # noqa: E402
@@ -179,12 +184,7 @@ def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
     ref = InternVLForConditionalGeneration(tiny_config()).float().eval()
     packed = enable_packed(copy.deepcopy(ref))
     fully_shard_packed(packed, packed.model.vision_tower.encoder.layer)
-    samples = make_samples()
-    shares = [[s for s in samples if "pixel_values" in s], text_only(samples)]  # rank 1: text only
-    packed(**collator(ref)(shares[rank])).loss.backward()
-    want = sum(reference_loss(ref, share) for share in shares) / world_size
-    want.backward()
-    return assert_grads_match(packed, ref)
+    return text_only_rank_grads(rank, world_size, ref, packed, make_samples(), collator(ref), reference_loss)
 
 
 @pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine

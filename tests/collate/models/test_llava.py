@@ -22,7 +22,12 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.host_reads import host_reads_of_step, host_tensors_of_step  # noqa: E402
-from tests.helpers.reference import backward_and_compare, forward_calls, fully_shard_packed  # noqa: E402
+from tests.helpers.reference import (  # noqa: E402
+    backward_and_compare,
+    forward_calls,
+    fully_shard_packed,
+    text_only_rank_grads,
+)
 from tests.helpers.samples import text_only  # noqa: E402
 from tests.helpers.tiny_llava import IMG, SIDE, VID, hf_kwargs, reference_loss, tiny_config  # noqa: E402
 
@@ -312,13 +317,8 @@ def _fsdp2_text_only_rank(rank: int, world_size: int, family: str) -> int:
     packed = enable_packed(copy.deepcopy(ref))
     tower = packed.model.vision_tower
     fully_shard_packed(packed, getattr(tower, "vision_model", tower).encoder.layers)
-    samples = make_samples(ref)
-    vision = [s for s in samples if "pixel_values" in s or "pixel_values_videos" in s]
-    shares = [vision, text_only(samples)]  # rank 1: text only
-    packed(**collator(ref)(shares[rank])).loss.backward()
-    want = sum(reference_loss(ref, share) for share in shares) / world_size
-    want.backward()
-    return assert_grads_match(packed, ref)
+    return text_only_rank_grads(rank, world_size, ref, packed, make_samples(ref), collator(ref),
+                                reference_loss)
 
 
 @pytest.mark.slow  # two processes, ~1.5 min on a loaded 2-core machine

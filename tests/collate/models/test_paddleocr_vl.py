@@ -19,8 +19,11 @@ from collate import PackedCollator  # noqa: E402
 from collate.models import disable_packed, enable_packed  # noqa: E402
 from tests.helpers.grads import assert_grads_match  # noqa: E402
 from tests.helpers.reference import (  # noqa: E402
+    assert_logits_match_per_sample,
     backward_and_compare,
     forward_calls,
+    fully_shard_packed,
+    text_only_rank_grads,
     token_weighted_loss,
 )
 from tests.helpers.samples import text_only  # noqa: E402
@@ -137,12 +140,7 @@ def test_packed_loss_logits_and_grads_match_per_sample(reference):
     with forward_calls(packed.model.visual) as towers:
         out = packed(**batch)
     assert len(towers) == 1  # one tower call on all images of the row
-    starts = [0, *batch.cu_seqlens_list[:-1]]
-    with torch.no_grad():
-        for i, (s, start, end) in enumerate(zip(samples, starts, batch.cu_seqlens_list, strict=True)):
-            want = ref(**hf_inputs(s)).logits[0]
-            torch.testing.assert_close(out.logits[0, start:end], want, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, i=i: f"sample {i}: {m}")
+    assert_logits_match_per_sample(out.logits, batch, samples, ref, hf_inputs)
     backward_and_compare(out.loss, reference_loss(ref, samples))
     assert assert_grads_match(packed, ref) > 40
     grads = {n: p.grad for n, p in packed.named_parameters()}
@@ -196,17 +194,10 @@ def test_video_fields_are_refused(reference):
 def _fsdp2_text_only_rank(rank: int, world_size: int) -> int:
     """Rank 1 gets only text while the tower's encoder layers are FSDP units of their own: the idle
     image keeps the ranks' collectives paired, and the gradients equal the per-sample reference."""
-    from tests.helpers.reference import fully_shard_packed
-
     ref = build()
     packed = enable_packed(copy.deepcopy(ref))
     fully_shard_packed(packed, packed.model.visual.vision_model.encoder.layers)
-    samples = make_samples()
-    shares = [[s for s in samples if "pixel_values" in s], text_only(samples)]  # rank 1: text only
-    packed(**collator(ref)(shares[rank])).loss.backward()
-    want = sum(reference_loss(ref, share) for share in shares) / world_size
-    want.backward()
-    return assert_grads_match(packed, ref)
+    return text_only_rank_grads(rank, world_size, ref, packed, make_samples(), collator(ref), reference_loss)
 
 
 @pytest.mark.slow  # two processes, ~1 min on a loaded 2-core machine
