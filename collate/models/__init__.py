@@ -31,8 +31,8 @@ from tokenbal.estimate.families import FAMILIES
 # a partial pair-wise M-RoPE and one tower grid row per video frame.
 # PACKED_ONLY: model types patched here whose family has no token estimator in the table (so no
 # row there: every row has one). PaddleOCR-VL's image processor resizes small images its own way
-# (not Qwen2-VL's rule), a rule tokenbal does not count yet; packed training takes its lengths from
-# the processor (tokenbal.integrations.hf.dataset_lengths) or any other source.
+# (not Qwen2-VL's rule), a rule tokenbal does not count yet (nor does dataset_lengths, which refuses
+# its processor); packed training takes its lengths from the processor itself or any other source.
 PACKED_ONLY: dict[str, str] = {"paddleocr_vl": "paddleocr_vl"}
 _PATCHES: dict[str, Any] = {
     model_type: (globals()[module].enable_packed, globals()[module].disable_packed)
