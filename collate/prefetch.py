@@ -294,7 +294,8 @@ def _refuse_counted_iterable(iterable: Any) -> None:
                          "yields as received by the training loop, and the prefetcher fetches them ahead of "
                          "the loop (a resume would skip them). accelerate already places its batches on the "
                          "device: iterate the prepared loader directly")
-    if getattr(iterable, "base_dataloader", None) is not None and _draws_from_tokenbal(iterable):
+    accelerate_loader = getattr(iterable, "base_dataloader", None) is not None
+    if accelerate_loader and _tokenbal_sampler(iterable, through_wrappers=True) is not None:
         # accelerate's DataLoaderShard (tokenbal.integrations.accelerate.neutralise, a skip_first_batches
         # loader of it): it fetches each batch one step before it yields it, to mark the last one. A batch it
         # gives here after a load_state_dict in the loop may have been fetched before the load, which the
@@ -308,29 +309,20 @@ def _refuse_counted_iterable(iterable: Any) -> None:
                          "receives)")
 
 
-def _draws_from_tokenbal(loader: Any) -> bool:
-    """``loader``'s batch sampler is a ``TokenBalancedBatchSampler`` or wraps one (accelerate's
-    ``BatchSamplerShard`` / ``SkipBatchSampler`` keep it as their ``batch_sampler``)."""
-    from tokenbal.balance.sampler import TokenBalancedBatchSampler
-
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for _ in range(8):   # a chain of wrappers, never a cycle's worth
-        if batch_sampler is None:
-            return False
-        if isinstance(batch_sampler, TokenBalancedBatchSampler):
-            return True
-        batch_sampler = getattr(batch_sampler, "batch_sampler", None)
-    return False
-
-
-def _tokenbal_sampler(iterable: Any) -> Any:
-    """The ``TokenBalancedBatchSampler`` a DataLoader draws its batches from (its ``batch_sampler``), or
-    None: the prefetcher then drops the batches it holds that were fetched before a ``load_state_dict``."""
+def _tokenbal_sampler(iterable: Any, through_wrappers: bool = False) -> Any:
+    """The ``TokenBalancedBatchSampler`` a DataLoader draws its batches from (its ``batch_sampler``; with
+    ``through_wrappers`` also one that accelerate's ``BatchSamplerShard`` / ``SkipBatchSampler`` keep as their
+    ``batch_sampler``), or None: the prefetcher then drops the batches it holds that were fetched before a
+    ``load_state_dict``."""
     sampler = getattr(iterable, "batch_sampler", None)
     if sampler is None or "tokenbal" not in sys.modules:
         return None   # no tokenbal sampler can exist without tokenbal imported
     from tokenbal.balance.sampler import TokenBalancedBatchSampler
 
+    for _ in range(8 if through_wrappers else 1):   # a chain of wrappers, never a cycle's worth
+        if sampler is None or isinstance(sampler, TokenBalancedBatchSampler):
+            break
+        sampler = getattr(sampler, "batch_sampler", None)
     return sampler if isinstance(sampler, TokenBalancedBatchSampler) else None
 
 

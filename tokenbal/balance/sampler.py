@@ -550,8 +550,8 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         """Batches the live iteration handed out that its DataLoader has not yet given the loop, and that
         DataLoader iterator — (0, None) when the loop reports what it received (track / mark_received,
         which drop such batches after a load) or the iteration is not driven by a DataLoader."""
-        driver = None if self._tracked or self._driver is None else self._driver()
-        if driver is None or getattr(driver, "_sampler_iter", None) is None:
+        driver = self._untracked_driver()
+        if driver is None:
             return 0, None
         yielded = int(getattr(driver, "_num_yielded", self._handed))
         return max(self._handed - yielded + self._look_ahead_held(), 0), driver
@@ -570,10 +570,16 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
         """The DataLoader iterator driving the live iteration when something reads ahead of the loop (workers,
         or accelerate's prepared loader around it) and the loop does not report what it received (track /
         mark_received), else None."""
-        driver = None if self._tracked or self._driver is None else self._driver()
-        if driver is None or getattr(driver, "_sampler_iter", None) is None:
+        driver = self._untracked_driver()
+        if driver is None:
             return None
         return driver if getattr(driver, "_num_workers", 0) or self._look_ahead_reader() is not None else None
+
+    def _untracked_driver(self) -> Any:
+        """The DataLoader iterator driving the live iteration while it is still reading this sampler, unless
+        the loop reports what it received (track / mark_received); else None."""
+        driver = None if self._tracked or self._driver is None else self._driver()
+        return None if driver is None or getattr(driver, "_sampler_iter", None) is None else driver
 
     def _refuse_stale_batches(self) -> None:
         """A DataLoader asks for the next batch as it gives the loop one (workers: ``_try_put_index``);
